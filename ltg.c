@@ -1,0 +1,2867 @@
+/* ltg.c -- an LLM token gateway in one file.
+ *
+ * Applications call models through ltg. It sits between them and the model
+ * providers and owns what an application should not: which models a
+ * credential may use, how a failed call is retried, and the record of what
+ * happened. The inference listener speaks the OpenAI API; the admin listener
+ * serves health checks (and, as it grows, the control plane of API.md).
+ *
+ * One process, one thread, one poll() loop. Every socket is non-blocking;
+ * every wait (a timeout, a DNS answer, a slow client) is a timer or a poll
+ * interest, never a sleep. Memory has an owner you can name: a client
+ * connection owns its buffers and its current exchange; an exchange owns the
+ * upstream connection it borrowed from its provider's pool.
+ *
+ * The life of one chat request:
+ *   1. conn_read() gathers bytes; http_head_end()/http_parse_request() find
+ *      and parse the head, the body arrives (Content-Length or chunked).
+ *   2. route() sends it to inference_chat(), which checks the key, parses the
+ *      JSON body, looks up the model alias and rewrites "model".
+ *   3. exchange_start() borrows a pooled upstream connection or opens one
+ *      (resolving the host without blocking) and writes the request.
+ *   4. up_read() parses the provider's answer; a stream is relayed to the
+ *      client event by event, any other answer is relayed whole.
+ *   5. The upstream connection returns to the pool; the client connection
+ *      waits for its next request (keep-alive) or is closed.
+ *
+ * Sections (banners below carry the same names):
+ *   1. Limits and global state
+ *   2. Utilities: logging, time, random, byte buffers
+ *   3. JSON reader and writer
+ *   4. HTTP/1.1 messages: heads, chunked coding, SSE
+ *   5. The event loop: fds, timers, deferred close
+ *   6. Name resolution: /etc/hosts and a DNS stub resolver
+ *   7. Catalog config
+ *   8. Upstream connections and the pool
+ *   9. Client connections: the HTTP/1.1 server
+ *  10. Inference: the proxy path
+ *  11. Routing and the admin listener
+ *  12. main
+ *
+ * Read ltg.h first: it holds the contracts of the parsers and buffers.
+ */
+#define _GNU_SOURCE
+#include "ltg.h"
+
+#include <arpa/inet.h>
+#include <ctype.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <math.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <bearssl.h>
+
+/* ===== 1. Limits and global state =====
+ *
+ * IMPLEMENTATION NOTES
+ * The limits of API.md section 5 live here as defaults; the command line
+ * may change the operator-facing ones. Everything the process owns hangs off
+ * one global struct, `S`, so a reader can see the whole state in one place.
+ */
+#define MAX_HEAD_BYTES (16 * 1024)       /* request head; 431 beyond */
+#define UP_MAX_HEAD_BYTES (64 * 1024)    /* provider response head */
+#define UP_MAX_BODY_BYTES (64 * 1024 * 1024) /* non-streaming provider answer */
+#define MAX_BODY_FIELDS 512              /* top-level JSON tokens of a request body */
+#define READ_CHUNK 16384
+#define OUT_HIGH_WATER (256 * 1024)      /* stop reading upstream above this */
+#define POOL_IDLE_MS 30000               /* idle pooled upstream connection lifetime */
+#define POOL_MAX_IDLE 64                 /* idle connections kept per provider */
+#define CONNECT_TIMEOUT_MS 10000
+#define DEFAULT_DEADLINE_MS 30000        /* x-ltg-deadline default (API.md 4.2) */
+#define STREAM_IDLE_MS 120000            /* a started stream may go quiet this long */
+#define DNS_TIMEOUT_MS 2000
+#define DNS_TRIES 3
+#define DNS_NEGATIVE_TTL_S 5
+#define DNS_MAX_TTL_S 3600
+
+typedef struct timer timer;
+typedef struct conn conn;
+typedef struct upstream upstream;
+typedef struct exchange exchange;
+typedef struct provider provider;
+typedef struct model model;
+typedef struct catalog catalog;
+typedef struct dns_entry dns_entry;
+
+/* A deadline that wakes the loop. Embedded in its owner; `slot` is its index
+ * in the timer heap, -1 when not armed. */
+struct timer {
+    int64_t when;
+    int slot;
+    void (*fire)(void *ctx);
+    void *ctx;
+};
+
+typedef void fd_handler(void *ctx, int revents);
+
+typedef struct {
+    fd_handler *handler; /* NULL: nobody watches this fd */
+    void *ctx;
+    short events;
+} fd_watch;
+
+static struct {
+    /* options */
+    const char *config_path, *data_dir;
+    char listen_addr[64], admin_addr[64];
+    int max_conns, drain_seconds;
+    long long max_body;
+    int head_timeout_ms, idle_timeout_ms;
+
+    /* the loop */
+    int64_t now;              /* monotonic ms, cached once per loop turn */
+    fd_watch *fds;            /* indexed by fd */
+    int nfds_cap, fd_high;    /* table size; highest watched fd + 1 */
+    struct pollfd *pfds;
+    timer **heap;             /* min-heap of armed timers */
+    int nheap, heap_cap;
+    conn *pending_writes;     /* connections with output to flush this turn */
+    conn *closing;            /* connections to free at the end of this turn */
+    int sig_pipe[2];          /* self-pipe: signal handlers write here */
+    volatile sig_atomic_t got_term, got_hup;
+
+    /* listeners and clients */
+    int listen_fd, admin_fd;
+    int nconns;
+    int draining;
+    int64_t drain_until;
+
+    /* state */
+    catalog *cat;
+    uint64_t rng[4];
+    uint64_t request_seq;
+
+    /* name resolution */
+    int dns_fd;
+    struct sockaddr_storage dns_servers[3];
+    int ndns_servers;
+    dns_entry *dns_cache;
+} S;
+
+/* ===== 2. Utilities: logging, time, random, byte buffers =====
+ *
+ * IMPLEMENTATION NOTES
+ * Log lines go to stderr with a UTC timestamp; ltg never logs a secret.
+ * `S.now` is read once per loop turn (libuv does the same): every timer set
+ * during one turn agrees on what "now" is. Random numbers for ids and jitter
+ * come from xoshiro256**, seeded from the kernel; secrets (when the control
+ * plane issues keys) come from getrandom() directly.
+ */
+static void ltg_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void ltg_log(const char *fmt, ...) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    struct tm tm;
+    gmtime_r(&ts.tv_sec, &tm);
+    char line[1024];
+    int n = snprintf(line, sizeof line, "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ ltg: ", tm.tm_year + 1900,
+                     tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line + n, sizeof line - n - 1, fmt, ap);
+    va_end(ap);
+    size_t len = strlen(line);
+    line[len++] = '\n';
+    if (write(2, line, len) < 0) { /* nowhere left to report it */ }
+}
+
+static int64_t clock_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+static uint64_t rng_next(void) {
+    uint64_t *s = S.rng, result = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    s[2] ^= s[0], s[3] ^= s[1], s[1] ^= s[2], s[0] ^= s[3], s[2] ^= t, s[3] = rotl(s[3], 45);
+    return result;
+}
+
+static void rng_seed(void) {
+    if (getrandom(S.rng, sizeof S.rng, 0) != sizeof S.rng) {
+        S.rng[0] = (uint64_t)clock_ms() ^ (uint64_t)getpid() << 32; /* kernel without getrandom: weak but usable for ids */
+        S.rng[1] = 0x9e3779b97f4a7c15ULL, S.rng[2] = 0xbf58476d1ce4e5b9ULL, S.rng[3] = 0x94d049bb133111ebULL;
+    }
+}
+
+static void *xmalloc(size_t n) {
+    void *p = malloc(n ? n : 1);
+    if (!p) { ltg_log("out of memory (%zu bytes)", n); abort(); }
+    return p;
+}
+static void *xcalloc(size_t n, size_t size) {
+    void *p = calloc(n ? n : 1, size ? size : 1);
+    if (!p) { ltg_log("out of memory"); abort(); }
+    return p;
+}
+static void *xrealloc(void *p, size_t n) {
+    p = realloc(p, n ? n : 1);
+    if (!p) { ltg_log("out of memory (%zu bytes)", n); abort(); }
+    return p;
+}
+static char *xstrndup(const char *s, size_t n) {
+    char *p = xmalloc(n + 1);
+    memcpy(p, s, n);
+    p[n] = 0;
+    return p;
+}
+
+/* see ltg.h */
+void buf_reserve(buf *b, size_t extra) {
+    if (b->len + extra + 1 <= b->cap) return;
+    size_t cap = b->cap ? b->cap : 256;
+    while (cap < b->len + extra + 1) cap *= 2;
+    b->p = xrealloc(b->p, cap);
+    b->cap = cap;
+}
+void buf_append(buf *b, const void *data, size_t n) {
+    buf_reserve(b, n);
+    if (n) memcpy(b->p + b->len, data, n);
+    b->len += n;
+    b->p[b->len] = 0;
+}
+void buf_puts(buf *b, const char *s) { buf_append(b, s, strlen(s)); }
+void buf_printf(buf *b, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    buf_reserve(b, (size_t)n);
+    va_start(ap, fmt);
+    vsnprintf(b->p + b->len, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    b->len += (size_t)n;
+}
+void buf_consume(buf *b, size_t n) {
+    if (n >= b->len) { b->len = 0; if (b->p) b->p[0] = 0; return; }
+    memmove(b->p, b->p + n, b->len - n);
+    b->len -= n;
+    b->p[b->len] = 0;
+}
+void buf_free(buf *b) {
+    free(b->p);
+    b->p = NULL, b->len = b->cap = 0;
+}
+
+static int ascii_casecmp_n(const char *a, size_t an, const char *b) {
+    size_t bn = strlen(b);
+    if (an != bn) return 1;
+    for (size_t i = 0; i < an; i++)
+        if (tolower((unsigned char)a[i]) != tolower((unsigned char)b[i])) return 1;
+    return 0;
+}
+
+/* Parse a decimal integer that fills all of s[0..n); LTG_ERR otherwise. */
+static int parse_ll(const char *s, size_t n, long long max, long long *out) {
+    long long v = 0;
+    if (n == 0 || n > 18) return LTG_ERR;
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] < '0' || s[i] > '9') return LTG_ERR;
+        v = v * 10 + (s[i] - '0');
+    }
+    if (v > max) return LTG_ERR;
+    *out = v;
+    return 0;
+}
+
+/* ===== 3. JSON reader and writer =====
+ *
+ * IMPLEMENTATION NOTES
+ * The reader is recursive descent over RFC 8259, bounded by JSON_MAX_DEPTH,
+ * and it is strict: no trailing commas, no comments, no leading zeros, no
+ * raw control characters in strings, UTF-8 checked byte by byte (overlong
+ * forms, surrogates and code points past U+10FFFF are refused). Errors name
+ * the byte offset, which reaches the client in the 400 message. Tokens are
+ * jsmn-style (see ltg.h); strings stay escaped in the input until a caller
+ * asks for json_unescape(), because most strings are never looked at.
+ *
+ * The writer tracks, per nesting level, whether a comma is due, so callers
+ * write members in order and never think about separators.
+ */
+typedef struct {
+    const char *s;
+    size_t len, i;
+    json_tok *t;
+    int max, n, store_depth;
+    json_result *res;
+} jparser;
+
+static int jp_fail(jparser *p, const char *why) {
+    p->res->err = why;
+    p->res->err_offset = p->i;
+    return LTG_ERR;
+}
+
+static void jp_ws(jparser *p) {
+    while (p->i < p->len && (p->s[p->i] == ' ' || p->s[p->i] == '\t' || p->s[p->i] == '\n' || p->s[p->i] == '\r')) p->i++;
+}
+
+/* Store a token if this depth is stored; returns its index, -1 when not
+ * stored, or LTG_ERR (-1 is never both: see the callers). */
+static int jp_token(jparser *p, json_type type, int depth, int *idx) {
+    *idx = -1;
+    if (p->store_depth >= 0 && depth > p->store_depth) return 0;
+    if (p->n >= p->max) return jp_fail(p, "too many JSON values");
+    json_tok *t = &p->t[p->n];
+    t->type = type, t->start = (uint32_t)p->i, t->end = (uint32_t)p->i, t->size = 0, t->next = p->n + 1;
+    *idx = p->n++;
+    return 0;
+}
+
+/* Length of the UTF-8 sequence at s[i..len), or 0 when it is invalid. */
+static int utf8_len(const unsigned char *s, size_t i, size_t len) {
+    unsigned c = s[i];
+    if (c < 0x80) return 1;
+    int n;
+    unsigned min, cp;
+    if (c >= 0xC2 && c <= 0xDF) n = 2, min = 0x80, cp = c & 0x1F;
+    else if (c >= 0xE0 && c <= 0xEF) n = 3, min = 0x800, cp = c & 0x0F;
+    else if (c >= 0xF0 && c <= 0xF4) n = 4, min = 0x10000, cp = c & 0x07;
+    else return 0;
+    if (i + n > len) return 0;
+    for (int k = 1; k < n; k++) {
+        if ((s[i + k] & 0xC0) != 0x80) return 0;
+        cp = cp << 6 | (s[i + k] & 0x3F);
+    }
+    if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return 0;
+    return n;
+}
+
+static int hexval(int c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+static int jp_string(jparser *p, int depth) {
+    int k;
+    p->i++; /* the opening quote */
+    if (jp_token(p, JSON_STRING, depth, &k) < 0) return LTG_ERR;
+    const unsigned char *s = (const unsigned char *)p->s;
+    while (p->i < p->len) {
+        unsigned c = s[p->i];
+        if (c == '"') {
+            if (k >= 0) p->t[k].end = (uint32_t)p->i;
+            p->i++;
+            return 0;
+        }
+        if (c < 0x20) return jp_fail(p, "control character in string (escape it)");
+        if (c == '\\') {
+            if (p->i + 1 >= p->len) break;
+            c = s[p->i + 1];
+            if (c == 'u') {
+                if (p->i + 6 > p->len) break;
+                for (int h = 2; h < 6; h++)
+                    if (hexval(s[p->i + h]) < 0) { p->i += h; return jp_fail(p, "bad \\u escape"); }
+                p->i += 6;
+            } else if (strchr("\"\\/bfnrt", (int)c) && c) {
+                p->i += 2;
+            } else {
+                p->i++;
+                return jp_fail(p, "bad escape in string");
+            }
+            continue;
+        }
+        int n = utf8_len(s, p->i, p->len);
+        if (!n) return jp_fail(p, "invalid UTF-8 in string");
+        p->i += n;
+    }
+    return jp_fail(p, "unterminated string");
+}
+
+static int jp_number(jparser *p, int depth) {
+    int k;
+    if (jp_token(p, JSON_NUMBER, depth, &k) < 0) return LTG_ERR;
+    const char *s = p->s;
+    size_t i = p->i;
+    if (i < p->len && s[i] == '-') i++;
+    if (i < p->len && s[i] == '0') i++;
+    else if (i < p->len && s[i] >= '1' && s[i] <= '9') while (i < p->len && isdigit((unsigned char)s[i])) i++;
+    else { p->i = i; return jp_fail(p, "bad number"); }
+    if (i < p->len && s[i] == '.') {
+        i++;
+        if (i >= p->len || !isdigit((unsigned char)s[i])) { p->i = i; return jp_fail(p, "bad number: digit expected after '.'"); }
+        while (i < p->len && isdigit((unsigned char)s[i])) i++;
+    }
+    if (i < p->len && (s[i] == 'e' || s[i] == 'E')) {
+        i++;
+        if (i < p->len && (s[i] == '+' || s[i] == '-')) i++;
+        if (i >= p->len || !isdigit((unsigned char)s[i])) { p->i = i; return jp_fail(p, "bad number: digit expected in exponent"); }
+        while (i < p->len && isdigit((unsigned char)s[i])) i++;
+    }
+    p->i = i;
+    if (k >= 0) p->t[k].end = (uint32_t)i;
+    return 0;
+}
+
+static int jp_value(jparser *p, int depth) {
+    jp_ws(p);
+    if (p->i >= p->len) return jp_fail(p, "unexpected end of JSON");
+    char c = p->s[p->i];
+    if (c == '{' || c == '[') {
+        if (depth >= JSON_MAX_DEPTH) return jp_fail(p, "JSON nested too deeply");
+        int k;
+        if (jp_token(p, c == '{' ? JSON_OBJECT : JSON_ARRAY, depth, &k) < 0) return LTG_ERR;
+        char close = c == '{' ? '}' : ']';
+        p->i++;
+        jp_ws(p);
+        if (p->i < p->len && p->s[p->i] == close) {
+            p->i++;
+        } else {
+            for (;;) {
+                if (c == '{') {
+                    jp_ws(p);
+                    if (p->i >= p->len || p->s[p->i] != '"') return jp_fail(p, "expected a string key");
+                    if (jp_string(p, depth + 1) < 0) return LTG_ERR;
+                    jp_ws(p);
+                    if (p->i >= p->len || p->s[p->i] != ':') return jp_fail(p, "expected ':'");
+                    p->i++;
+                }
+                if (jp_value(p, depth + 1) < 0) return LTG_ERR;
+                if (k >= 0) p->t[k].size++;
+                jp_ws(p);
+                if (p->i < p->len && p->s[p->i] == ',') { p->i++; continue; }
+                if (p->i < p->len && p->s[p->i] == close) { p->i++; break; }
+                return jp_fail(p, c == '{' ? "expected ',' or '}'" : "expected ',' or ']'");
+            }
+        }
+        if (k >= 0) p->t[k].end = (uint32_t)p->i, p->t[k].next = p->n;
+        return 0;
+    }
+    if (c == '"') return jp_string(p, depth);
+    if (c == '-' || (c >= '0' && c <= '9')) return jp_number(p, depth);
+    static const struct { const char *word; json_type type; } lits[] = {
+        {"true", JSON_TRUE}, {"false", JSON_FALSE}, {"null", JSON_NULL}};
+    for (int w = 0; w < 3; w++) {
+        size_t n = strlen(lits[w].word);
+        if (p->len - p->i >= n && memcmp(p->s + p->i, lits[w].word, n) == 0) {
+            int k;
+            if (jp_token(p, lits[w].type, depth, &k) < 0) return LTG_ERR;
+            p->i += n;
+            if (k >= 0) p->t[k].end = (uint32_t)p->i;
+            return 0;
+        }
+    }
+    return jp_fail(p, "unexpected character");
+}
+
+/* see ltg.h */
+int json_parse(const char *s, size_t len, json_tok *t, int max, int store_depth, json_result *res) {
+    jparser p = {s, len, 0, t, max, 0, store_depth, res};
+    res->ntok = 0, res->err = NULL, res->err_offset = 0;
+    if (len >= UINT32_MAX) return jp_fail(&p, "JSON document too large");
+    if (jp_value(&p, 0) < 0) return LTG_ERR;
+    jp_ws(&p);
+    if (p.i != len) return jp_fail(&p, "unexpected data after the JSON value");
+    res->ntok = p.n;
+    return 0;
+}
+
+/* see ltg.h */
+int json_get(const char *s, const json_tok *t, int obj, const char *key) {
+    if (obj < 0 || t[obj].type != JSON_OBJECT || t[obj].next == obj + 1) return -1; /* members not stored */
+    int i = obj + 1;
+    for (int m = 0; m < t[obj].size; m++) {
+        if (json_eq(s, t, i, key)) return i + 1;
+        i = t[i + 1].next;
+    }
+    return -1;
+}
+
+/* see ltg.h */
+void json_unescape(const char *s, const json_tok *t, int i, buf *out) {
+    const char *p = s + t[i].start, *end = s + t[i].end;
+    buf_reserve(out, (size_t)(end - p));
+    while (p < end) {
+        if (*p != '\\') { out->p[out->len++] = *p++; continue; }
+        char c = p[1];
+        p += 2;
+        unsigned cp;
+        switch (c) {
+        case 'b': cp = '\b'; break;
+        case 'f': cp = '\f'; break;
+        case 'n': cp = '\n'; break;
+        case 'r': cp = '\r'; break;
+        case 't': cp = '\t'; break;
+        case 'u':
+            cp = (unsigned)(hexval(p[0]) << 12 | hexval(p[1]) << 8 | hexval(p[2]) << 4 | hexval(p[3]));
+            p += 4;
+            if (cp >= 0xD800 && cp <= 0xDBFF && end - p >= 6 && p[0] == '\\' && p[1] == 'u') {
+                unsigned lo = (unsigned)(hexval(p[2]) << 12 | hexval(p[3]) << 8 | hexval(p[4]) << 4 | hexval(p[5]));
+                if (lo >= 0xDC00 && lo <= 0xDFFF) cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00), p += 6;
+            }
+            if (cp >= 0xD800 && cp <= 0xDFFF) cp = 0xFFFD; /* a lone surrogate */
+            break;
+        default: cp = (unsigned char)c; break; /* " \ / */
+        }
+        char u[4];
+        int n;
+        if (cp < 0x80) u[0] = (char)cp, n = 1;
+        else if (cp < 0x800) u[0] = (char)(0xC0 | cp >> 6), u[1] = (char)(0x80 | (cp & 0x3F)), n = 2;
+        else if (cp < 0x10000) u[0] = (char)(0xE0 | cp >> 12), u[1] = (char)(0x80 | ((cp >> 6) & 0x3F)), u[2] = (char)(0x80 | (cp & 0x3F)), n = 3;
+        else u[0] = (char)(0xF0 | cp >> 18), u[1] = (char)(0x80 | ((cp >> 12) & 0x3F)), u[2] = (char)(0x80 | ((cp >> 6) & 0x3F)), u[3] = (char)(0x80 | (cp & 0x3F)), n = 4;
+        buf_reserve(out, (size_t)(end - p) + 4);
+        memcpy(out->p + out->len, u, (size_t)n);
+        out->len += (size_t)n;
+    }
+    out->p[out->len] = 0;
+}
+
+/* see ltg.h */
+int json_eq(const char *s, const json_tok *t, int i, const char *lit) {
+    if (i < 0 || t[i].type != JSON_STRING) return 0;
+    size_t n = t[i].end - t[i].start;
+    if (!memchr(s + t[i].start, '\\', n)) return n == strlen(lit) && memcmp(s + t[i].start, lit, n) == 0;
+    buf b = {0};
+    json_unescape(s, t, i, &b);
+    int eq = b.len == strlen(lit) && memcmp(b.p, lit, b.len) == 0;
+    buf_free(&b);
+    return eq;
+}
+
+/* see ltg.h */
+int json_number(const char *s, const json_tok *t, int i, double *out) {
+    if (i < 0 || t[i].type != JSON_NUMBER) return LTG_ERR;
+    char tmp[64];
+    size_t n = t[i].end - t[i].start;
+    if (n >= sizeof tmp) return LTG_ERR;
+    memcpy(tmp, s + t[i].start, n);
+    tmp[n] = 0;
+    *out = strtod(tmp, NULL);
+    return isfinite(*out) ? 0 : LTG_ERR;
+}
+
+/* see ltg.h */
+void jw_init(jwriter *w, buf *out) { w->out = out, w->depth = 0, w->need_comma = 0; }
+
+static void jw_sep(jwriter *w) {
+    uint64_t bit = 1ULL << (w->depth & 63);
+    if (w->need_comma & bit) buf_append(w->out, ",", 1);
+    w->need_comma |= bit;
+}
+void jw_open(jwriter *w, char brace) {
+    jw_sep(w);
+    buf_append(w->out, &brace, 1);
+    w->depth++;
+    w->need_comma &= ~(1ULL << (w->depth & 63));
+}
+void jw_close(jwriter *w, char brace) {
+    w->depth--;
+    buf_append(w->out, &brace, 1);
+}
+void jw_key(jwriter *w, const char *key) {
+    jw_str(w, key, strlen(key));
+    buf_append(w->out, ":", 1);
+    w->need_comma &= ~(1ULL << (w->depth & 63)); /* the value follows without a comma */
+}
+void jw_str(jwriter *w, const char *s, size_t n) {
+    static const char hex[] = "0123456789abcdef";
+    jw_sep(w);
+    buf *b = w->out;
+    buf_reserve(b, n + 2);
+    b->p[b->len++] = '"';
+    for (size_t i = 0; i < n;) {
+        unsigned char c = (unsigned char)s[i];
+        buf_reserve(b, 8);
+        if (c == '"' || c == '\\') {
+            b->p[b->len++] = '\\', b->p[b->len++] = (char)c, i++;
+        } else if (c < 0x20) {
+            const char *esc = c == '\n' ? "\\n" : c == '\r' ? "\\r" : c == '\t' ? "\\t" : NULL;
+            if (esc) memcpy(b->p + b->len, esc, 2), b->len += 2;
+            else memcpy(b->p + b->len, "\\u00", 4), b->p[b->len + 4] = hex[c >> 4], b->p[b->len + 5] = hex[c & 15], b->len += 6;
+            i++;
+        } else if (c < 0x80) {
+            b->p[b->len++] = (char)c, i++;
+        } else {
+            int k = utf8_len((const unsigned char *)s, i, n);
+            if (k) memcpy(b->p + b->len, s + i, (size_t)k), b->len += (size_t)k, i += (size_t)k;
+            else memcpy(b->p + b->len, "\xEF\xBF\xBD", 3), b->len += 3, i++;
+        }
+    }
+    buf_append(b, "\"", 1);
+}
+void jw_cstr(jwriter *w, const char *s) {
+    if (s) jw_str(w, s, strlen(s));
+    else jw_null(w);
+}
+void jw_int(jwriter *w, long long v) { jw_sep(w); buf_printf(w->out, "%lld", v); }
+void jw_num(jwriter *w, double v) {
+    jw_sep(w);
+    if (!isfinite(v)) { buf_puts(w->out, "null"); return; }
+    buf_printf(w->out, "%.10g", v);
+}
+void jw_bool(jwriter *w, int v) { jw_sep(w); buf_puts(w->out, v ? "true" : "false"); }
+void jw_null(jwriter *w) { jw_sep(w); buf_puts(w->out, "null"); }
+void jw_raw(jwriter *w, const char *json, size_t n) { jw_sep(w); buf_append(w->out, json, n); }
+
+/* ===== 4. HTTP/1.1 messages: heads, chunked coding, SSE =====
+ *
+ * IMPLEMENTATION NOTES
+ * The parsers follow picohttpparser's contract: no allocation, results are
+ * slices of the caller's buffer, and they can be fed any split of the input.
+ * Heads are parsed only once the blank line that ends them is in the buffer
+ * (http_head_end resumes its scan, so byte-by-byte arrival costs O(n)).
+ *
+ * They are strict where leniency lets two parties disagree about where a
+ * message ends, which is how request smuggling works: lines end in CRLF,
+ * obsolete line folding and NUL bytes are refused, a message with both
+ * Content-Length and Transfer-Encoding is refused, two different
+ * Content-Lengths are refused, and the only transfer coding is "chunked".
+ */
+static int is_tchar(int c) { return c > 32 && c < 127 && !strchr("\"(),/:;<=>?@[\\]{}", c); }
+
+/* see ltg.h */
+int http_head_end(const char *b, size_t len, size_t *scan) {
+    size_t i = *scan;
+    while (i < len) {
+        const char *nl = memchr(b + i, '\n', len - i);
+        if (!nl) break;
+        size_t k = (size_t)(nl - b);
+        if (k + 1 >= len || (b[k + 1] == '\r' && k + 2 >= len)) { *scan = k; return LTG_AGAIN; }
+        if (b[k + 1] == '\n') return (int)(k + 2); /* bare LF: the parser refuses it */
+        if (b[k + 1] == '\r' && b[k + 2] == '\n') return (int)(k + 3);
+        i = k + 1;
+    }
+    *scan = len;
+    return LTG_AGAIN;
+}
+
+/* see ltg.h */
+const char *http_header_get(const char *b, const http_header *h, int nh, const char *name, size_t *n) {
+    for (int i = 0; i < nh; i++)
+        if (ascii_casecmp_n(b + h[i].name.off, h[i].name.len, name) == 0) {
+            *n = h[i].value.len;
+            return b + h[i].value.off;
+        }
+    return NULL;
+}
+
+/* Parse header lines from b[i..len) into h[]; the head ends with an empty
+ * line. Returns the index after it, or LTG_ERR with *err (and *status for
+ * a request) set. */
+static int http_parse_headers(const char *b, size_t len, size_t i, http_header *h, int *nh, const char **err, int *status) {
+    *nh = 0;
+    for (;;) {
+        if (i + 1 < len && b[i] == '\r' && b[i + 1] == '\n') return (int)(i + 2);
+        if (i < len && (b[i] == ' ' || b[i] == '\t')) { *err = "obsolete line folding is not allowed"; return LTG_ERR; }
+        size_t s = i;
+        while (i < len && is_tchar((unsigned char)b[i])) i++;
+        if (i == s || i >= len || b[i] != ':') { *err = "malformed header line"; return LTG_ERR; }
+        slice name = {(uint32_t)s, (uint32_t)(i - s)};
+        i++;
+        while (i < len && (b[i] == ' ' || b[i] == '\t')) i++;
+        s = i;
+        while (i < len && b[i] != '\r' && b[i] != '\n') {
+            unsigned char c = (unsigned char)b[i];
+            if ((c < 32 && c != '\t') || c == 127) { *err = "invalid character in a header value"; return LTG_ERR; }
+            i++;
+        }
+        if (i + 1 >= len || b[i] != '\r' || b[i + 1] != '\n') { *err = "header lines must end with CRLF"; return LTG_ERR; }
+        size_t e = i;
+        while (e > s && (b[e - 1] == ' ' || b[e - 1] == '\t')) e--;
+        if (*nh == HTTP_MAX_HEADERS) { *err = "too many header fields"; *status = 431; return LTG_ERR; }
+        h[*nh].name = name;
+        h[*nh].value = (slice){(uint32_t)s, (uint32_t)(e - s)};
+        (*nh)++;
+        i += 2;
+    }
+}
+
+/* Does the comma-separated header value v[0..n) hold `token`? */
+static int header_has_token(const char *v, size_t n, const char *token) {
+    size_t i = 0;
+    while (i < n) {
+        while (i < n && (v[i] == ' ' || v[i] == '\t' || v[i] == ',')) i++;
+        size_t s = i;
+        while (i < n && v[i] != ',') i++;
+        size_t e = i;
+        while (e > s && (v[e - 1] == ' ' || v[e - 1] == '\t')) e--;
+        if (e > s && ascii_casecmp_n(v + s, e - s, token) == 0) return 1;
+    }
+    return 0;
+}
+
+/* The framing facts of a message: Content-Length, chunked, keep-alive.
+ * Shared by requests and responses; returns 0 or LTG_ERR with *err. */
+static int http_framing(const char *b, const http_header *h, int nh, int minor, long long *cl, int *chunked,
+                        int *keep_alive, const char **err, int *status) {
+    *cl = -1, *chunked = 0, *keep_alive = minor >= 1;
+    int te = 0;
+    for (int i = 0; i < nh; i++) {
+        const char *n = b + h[i].name.off, *v = b + h[i].value.off;
+        size_t nl = h[i].name.len, vl = h[i].value.len;
+        if (ascii_casecmp_n(n, nl, "content-length") == 0) {
+            long long x;
+            if (parse_ll(v, vl, LLONG_MAX / 2, &x) < 0) { *err = "invalid Content-Length"; return LTG_ERR; }
+            if (*cl >= 0 && *cl != x) { *err = "conflicting Content-Length headers"; return LTG_ERR; }
+            *cl = x;
+        } else if (ascii_casecmp_n(n, nl, "transfer-encoding") == 0) {
+            if (te || ascii_casecmp_n(v, vl, "chunked") != 0) {
+                *err = "only Transfer-Encoding: chunked is supported";
+                *status = 501;
+                return LTG_ERR;
+            }
+            te = *chunked = 1;
+        } else if (ascii_casecmp_n(n, nl, "connection") == 0) {
+            if (header_has_token(v, vl, "close")) *keep_alive = 0;
+            else if (header_has_token(v, vl, "keep-alive")) *keep_alive = 1;
+        }
+    }
+    if (te && *cl >= 0) { *err = "both Content-Length and Transfer-Encoding"; return LTG_ERR; }
+    return 0;
+}
+
+/* see ltg.h */
+int http_parse_request(const char *b, size_t len, http_request *r) {
+    r->nh = 0, r->status = 400, r->err = NULL, r->expect_continue = 0;
+    size_t i = 0;
+    while (i + 1 < len && b[i] == '\r' && b[i + 1] == '\n') i += 2; /* RFC 9112 2.2: ignore leading empty lines */
+    size_t s = i;
+    while (i < len && is_tchar((unsigned char)b[i])) i++;
+    if (i == s || i >= len || b[i] != ' ') { r->err = "malformed request line"; return LTG_ERR; }
+    r->method = (slice){(uint32_t)s, (uint32_t)(i - s)};
+    s = ++i;
+    while (i < len && (unsigned char)b[i] > 32 && (unsigned char)b[i] < 127) i++;
+    if (i == s || i >= len || b[i] != ' ') { r->err = "malformed request target"; return LTG_ERR; }
+    r->target = (slice){(uint32_t)s, (uint32_t)(i - s)};
+    i++;
+    if (len - i < 10 || memcmp(b + i, "HTTP/1.", 7) != 0 || !isdigit((unsigned char)b[i + 7]) || b[i + 8] != '\r' || b[i + 9] != '\n') {
+        r->err = "malformed HTTP version (HTTP/1.0 or HTTP/1.1 expected)";
+        return LTG_ERR;
+    }
+    r->minor = b[i + 7] - '0';
+    int end = http_parse_headers(b, len, i + 10, r->h, &r->nh, &r->err, &r->status);
+    if (end < 0) return LTG_ERR;
+    if ((size_t)end != len) { r->err = "malformed request head"; return LTG_ERR; }
+    if (http_framing(b, r->h, r->nh, r->minor, &r->content_length, &r->chunked, &r->keep_alive, &r->err, &r->status) < 0)
+        return LTG_ERR;
+    size_t n;
+    const char *v = http_header_get(b, r->h, r->nh, "expect", &n);
+    if (v) {
+        if (ascii_casecmp_n(v, n, "100-continue") != 0) { r->err = "unsupported Expect"; r->status = 417; return LTG_ERR; }
+        r->expect_continue = r->minor >= 1;
+    }
+    if (r->minor >= 1 && !http_header_get(b, r->h, r->nh, "host", &n)) { r->err = "missing Host header"; return LTG_ERR; }
+    return (int)len;
+}
+
+/* see ltg.h */
+int http_parse_response(const char *b, size_t len, http_response *r) {
+    r->nh = 0, r->err = NULL;
+    int status_unused = 0;
+    if (len < 14 || memcmp(b, "HTTP/1.", 7) != 0 || !isdigit((unsigned char)b[7]) || b[8] != ' ' ||
+        !isdigit((unsigned char)b[9]) || !isdigit((unsigned char)b[10]) || !isdigit((unsigned char)b[11])) {
+        r->err = "malformed status line";
+        return LTG_ERR;
+    }
+    r->minor = b[7] - '0';
+    r->status = (b[9] - '0') * 100 + (b[10] - '0') * 10 + (b[11] - '0');
+    size_t i = 12;
+    if (b[i] == ' ') i++;
+    size_t s = i;
+    while (i < len && b[i] != '\r' && b[i] != '\n') i++;
+    if (i + 1 >= len || b[i] != '\r' || b[i + 1] != '\n') { r->err = "malformed status line"; return LTG_ERR; }
+    r->reason = (slice){(uint32_t)s, (uint32_t)(i - s)};
+    int end = http_parse_headers(b, len, i + 2, r->h, &r->nh, &r->err, &status_unused);
+    if (end < 0) return LTG_ERR;
+    if ((size_t)end != len) { r->err = "malformed response head"; return LTG_ERR; }
+    if (http_framing(b, r->h, r->nh, r->minor, &r->content_length, &r->chunked, &r->keep_alive, &r->err, &status_unused) < 0)
+        return LTG_ERR;
+    return (int)len;
+}
+
+/* see ltg.h */
+long chunk_decode(chunk_decoder *d, const char *in, size_t n, buf *out) {
+    size_t i = 0;
+    if (d->state == CHUNK_ERROR) return LTG_ERR; /* errors are sticky */
+    while (i < n && d->state != CHUNK_DONE) {
+        char c = in[i];
+        switch (d->state) {
+        case CHUNK_SIZE: {
+            int h = hexval((unsigned char)c);
+            if (h >= 0 && d->digits < 15) { d->left = d->left * 16 + (uint64_t)h, d->digits++, i++; break; }
+            if (h >= 0 || !d->digits) goto bad;
+            if (c == ';' || c == ' ' || c == '\t') d->state = CHUNK_EXT, d->line = 0;
+            else if (c == '\r') d->state = CHUNK_SIZE_LF;
+            else goto bad;
+            i++;
+            break;
+        }
+        case CHUNK_EXT: /* chunk extensions are allowed and ignored */
+            if (c == '\r') d->state = CHUNK_SIZE_LF;
+            else if (c == '\n' || c == 0 || ++d->line > 1024) goto bad;
+            i++;
+            break;
+        case CHUNK_SIZE_LF:
+            if (c != '\n') goto bad;
+            i++;
+            d->digits = 0, d->line = 0;
+            d->state = d->left ? CHUNK_DATA : CHUNK_TRAILER;
+            break;
+        case CHUNK_DATA: {
+            size_t take = n - i < d->left ? n - i : (size_t)d->left;
+            buf_append(out, in + i, take);
+            i += take, d->left -= take;
+            if (!d->left) d->state = CHUNK_DATA_CR;
+            break;
+        }
+        case CHUNK_DATA_CR:
+            if (c != '\r') goto bad;
+            i++, d->state = CHUNK_DATA_LF;
+            break;
+        case CHUNK_DATA_LF:
+            if (c != '\n') goto bad;
+            i++, d->state = CHUNK_SIZE;
+            break;
+        case CHUNK_TRAILER: /* trailer fields are read and dropped */
+            if (c == '\r') d->state = CHUNK_TRAILER_LF;
+            else if (c == '\n' || c == 0 || ++d->trailer > 8192) goto bad;
+            else d->line++;
+            i++;
+            break;
+        case CHUNK_TRAILER_LF:
+            if (c != '\n') goto bad;
+            i++;
+            d->state = d->line ? CHUNK_TRAILER : CHUNK_DONE;
+            d->line = 0;
+            break;
+        case CHUNK_DONE:
+        case CHUNK_ERROR: break;
+        }
+    }
+    return (long)i;
+bad:
+    d->state = CHUNK_ERROR;
+    return LTG_ERR;
+}
+
+/* see ltg.h */
+size_t sse_event_len(const char *s, size_t n) {
+    int line_empty = 1;
+    for (size_t i = 0; i < n;) {
+        if (s[i] != '\n' && s[i] != '\r') { line_empty = 0, i++; continue; }
+        size_t e = i + 1;
+        if (s[i] == '\r') {
+            if (e >= n) return 0; /* a CR at the end may be the first half of CRLF */
+            if (s[e] == '\n') e++;
+        }
+        if (line_empty) return e;
+        line_empty = 1, i = e;
+    }
+    return 0;
+}
+
+/* ===== 5. The event loop: fds, timers, deferred close =====
+ *
+ * IMPLEMENTATION NOTES
+ * One handler per fd, kept in a table indexed by the fd (Redis's ae.c).
+ * Each turn rebuilds the pollfd array from that table, polls with the
+ * timeout of the nearest timer, dispatches, then runs due timers.
+ *
+ * Closing is deferred twice over. A closed connection is only marked and
+ * queued; it is freed at the end of the turn, so no handler frees what a
+ * caller further up the stack still uses. And the fd itself is closed at
+ * the end of the turn too, so the kernel cannot hand the same number to a
+ * new socket while a stale poll result for the old one waits to be read.
+ *
+ * Output is written directly first: a connection with new output joins the
+ * pending list, which is flushed once before the loop sleeps, and POLLOUT
+ * is requested only when a write returned EAGAIN (Redis's
+ * handleClientsWithPendingWrites).
+ *
+ * Timers live in a binary min-heap; each knows its slot, so stopping one is
+ * O(log n). Signals reach the loop through a self-pipe, never by
+ * interrupting it at an unknown point.
+ */
+static int *fds_to_close;
+static int nclose, close_cap;
+
+static void loop_watch(int fd, short events, fd_handler *h, void *ctx) {
+    if (fd < 0 || fd >= S.nfds_cap) { ltg_log("fd %d beyond the fd table (%d)", fd, S.nfds_cap); abort(); }
+    S.fds[fd] = (fd_watch){h, ctx, events};
+    if (fd >= S.fd_high) S.fd_high = fd + 1;
+}
+
+static void loop_events(int fd, short events) { S.fds[fd].events = events; }
+
+/* Stop watching fd and close it at the end of this turn. */
+static void loop_close(int fd) {
+    if (fd < 0) return;
+    S.fds[fd] = (fd_watch){0};
+    if (nclose == close_cap) {
+        close_cap = close_cap ? close_cap * 2 : 64;
+        fds_to_close = xrealloc(fds_to_close, (size_t)close_cap * sizeof *fds_to_close);
+    }
+    fds_to_close[nclose++] = fd;
+}
+
+static void timer_init(timer *t, void (*fire)(void *), void *ctx) { t->slot = -1, t->fire = fire, t->ctx = ctx, t->when = 0; }
+
+static int timer_less(int a, int b) { return S.heap[a]->when < S.heap[b]->when; }
+
+static void heap_swap(int a, int b) {
+    timer *t = S.heap[a];
+    S.heap[a] = S.heap[b], S.heap[b] = t;
+    S.heap[a]->slot = a, S.heap[b]->slot = b;
+}
+
+static void heap_fix(int i) {
+    while (i > 0 && timer_less(i, (i - 1) / 2)) heap_swap(i, (i - 1) / 2), i = (i - 1) / 2;
+    for (;;) {
+        int l = 2 * i + 1, r = l + 1, m = i;
+        if (l < S.nheap && timer_less(l, m)) m = l;
+        if (r < S.nheap && timer_less(r, m)) m = r;
+        if (m == i) return;
+        heap_swap(i, m), i = m;
+    }
+}
+
+static void timer_stop(timer *t) {
+    if (t->slot < 0) return;
+    int i = t->slot;
+    t->slot = -1;
+    S.nheap--;
+    if (i == S.nheap) return;
+    S.heap[i] = S.heap[S.nheap];
+    S.heap[i]->slot = i;
+    heap_fix(i);
+}
+
+/* Arm (or re-arm) t to fire `ms` from now. */
+static void timer_set(timer *t, int64_t ms) {
+    t->when = S.now + ms;
+    if (t->slot >= 0) { heap_fix(t->slot); return; }
+    if (S.nheap == S.heap_cap) {
+        S.heap_cap = S.heap_cap ? S.heap_cap * 2 : 256;
+        S.heap = xrealloc(S.heap, (size_t)S.heap_cap * sizeof *S.heap);
+    }
+    t->slot = S.nheap;
+    S.heap[S.nheap++] = t;
+    heap_fix(t->slot);
+}
+
+static void timers_run(void) {
+    while (S.nheap && S.heap[0]->when <= S.now) {
+        timer *t = S.heap[0];
+        timer_stop(t);
+        t->fire(t->ctx);
+    }
+}
+
+static void on_signal(int sig) {
+    if (sig == SIGHUP) S.got_hup = 1;
+    else S.got_term = 1;
+    int saved = errno;
+    if (write(S.sig_pipe[1], "s", 1) < 0) { /* the pipe is full: a wake-up is already pending */ }
+    errno = saved;
+}
+
+static void conn_flush_all(void);
+static void conn_reap(void);
+static void loop_signals(void);
+static int loop_should_exit(void);
+
+static void loop_run(void) {
+    for (;;) {
+        S.now = clock_ms();
+        timers_run();
+        conn_flush_all();
+        conn_reap();
+        for (int i = 0; i < nclose; i++) close(fds_to_close[i]);
+        nclose = 0;
+        if (loop_should_exit()) return;
+
+        int n = 0;
+        for (int fd = 0; fd < S.fd_high; fd++)
+            if (S.fds[fd].handler) S.pfds[n++] = (struct pollfd){fd, S.fds[fd].events, 0};
+        int timeout = -1;
+        if (S.nheap) {
+            int64_t d = S.heap[0]->when - clock_ms();
+            timeout = d < 0 ? 0 : d > 60000 ? 60000 : (int)d;
+        }
+        int ready = poll(S.pfds, (nfds_t)n, timeout);
+        if (ready < 0 && errno != EINTR) { ltg_log("poll: %s", strerror(errno)); abort(); }
+        S.now = clock_ms();
+        for (int i = 0; i < n && ready > 0; i++) {
+            if (!S.pfds[i].revents) continue;
+            ready--;
+            fd_watch *w = &S.fds[S.pfds[i].fd];
+            if (w->handler) w->handler(w->ctx, S.pfds[i].revents); /* NULL: unwatched earlier this turn */
+        }
+        loop_signals();
+    }
+}
+
+/* ===== 6. Name resolution: /etc/hosts and a DNS stub resolver =====
+ *
+ * IMPLEMENTATION NOTES
+ * getaddrinfo() blocks, and in a static binary it would drag in NSS, so ltg
+ * resolves names itself: a numeric address is used as it is; then
+ * /etc/hosts (read at start-up); then a DNS query over UDP to the servers of
+ * /etc/resolv.conf (A records, recursion desired). Answers are cached for
+ * their TTL (at most an hour), failures for a few seconds, so a dead name
+ * does not cost a query per request. Every upstream connection that waits
+ * for the same name joins one pending entry; one query serves them all.
+ *
+ * A query is retried on the next server after DNS_TIMEOUT_MS, DNS_TRIES
+ * times in all. The answer must carry the query's random id and come from
+ * the server asked. Only IPv4 answers are asked for (see the roadmap).
+ */
+enum { DNS_PENDING, DNS_OK, DNS_FAILED };
+
+struct dns_entry {
+    dns_entry *next;
+    char name[256];
+    int state;
+    struct sockaddr_storage addr; /* port 0; the caller sets it */
+    int64_t expires;              /* S.now ms; for a pending entry: unused */
+    uint16_t qid;
+    int tries;
+    timer t;
+    upstream *waiters;
+    const char *err;
+};
+
+typedef struct hosts_entry {
+    struct hosts_entry *next;
+    char *name;
+    struct sockaddr_storage addr;
+} hosts_entry;
+static hosts_entry *hosts;
+
+/* Parse a numeric IPv4 or IPv6 address into `ss` (port 0). */
+static int addr_parse(const char *s, struct sockaddr_storage *ss) {
+    memset(ss, 0, sizeof *ss);
+    struct sockaddr_in *a4 = (struct sockaddr_in *)ss;
+    struct sockaddr_in6 *a6 = (struct sockaddr_in6 *)ss;
+    if (inet_pton(AF_INET, s, &a4->sin_addr) == 1) { a4->sin_family = AF_INET; return 0; }
+    if (inet_pton(AF_INET6, s, &a6->sin6_addr) == 1) { a6->sin6_family = AF_INET6; return 0; }
+    return LTG_ERR;
+}
+
+static void addr_set_port(struct sockaddr_storage *ss, int port) {
+    if (ss->ss_family == AF_INET) ((struct sockaddr_in *)ss)->sin_port = htons((uint16_t)port);
+    else ((struct sockaddr_in6 *)ss)->sin6_port = htons((uint16_t)port);
+}
+
+static socklen_t addr_len(const struct sockaddr_storage *ss) {
+    return ss->ss_family == AF_INET ? sizeof(struct sockaddr_in) : sizeof(struct sockaddr_in6);
+}
+
+/* Read a whole small file (config, hosts, resolv.conf) into `out`. */
+static int read_file(const char *path, buf *out) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return LTG_ERR;
+    char tmp[8192];
+    ssize_t n;
+    while ((n = read(fd, tmp, sizeof tmp)) > 0) buf_append(out, tmp, (size_t)n);
+    close(fd);
+    if (!out->p) buf_reserve(out, 0);
+    return n < 0 ? LTG_ERR : 0;
+}
+
+/* Call fn(word, ...) for each line of a text file split into words ('#' starts a comment). */
+static void for_each_line(const char *path, void (*fn)(char **w, int n)) {
+    buf b = {0};
+    if (read_file(path, &b) < 0) { buf_free(&b); return; }
+    char *save = NULL;
+    for (char *line = strtok_r(b.p, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        char *hash = strchr(line, '#');
+        if (hash) *hash = 0;
+        char *w[16], *s2 = NULL;
+        int n = 0;
+        for (char *t = strtok_r(line, " \t\r", &s2); t && n < 16; t = strtok_r(NULL, " \t\r", &s2)) w[n++] = t;
+        if (n) fn(w, n);
+    }
+    buf_free(&b);
+}
+
+static void hosts_line(char **w, int n) {
+    struct sockaddr_storage ss;
+    if (addr_parse(w[0], &ss) < 0) return;
+    for (int i = 1; i < n; i++) {
+        hosts_entry *h = xcalloc(1, sizeof *h);
+        h->name = xstrndup(w[i], strlen(w[i]));
+        h->addr = ss;
+        h->next = hosts, hosts = h;
+    }
+}
+
+static void resolv_line(char **w, int n) {
+    if (n < 2 || strcmp(w[0], "nameserver") != 0 || S.ndns_servers == 3) return;
+    struct sockaddr_storage ss;
+    if (addr_parse(w[1], &ss) < 0 || ss.ss_family != AF_INET) return; /* the query socket is IPv4 */
+    addr_set_port(&ss, 53);
+    S.dns_servers[S.ndns_servers++] = ss;
+}
+
+/* Build a DNS query for the A record of `name` into q; returns its length
+ * or LTG_ERR when the name is not a valid host name. */
+static int dns_build_query(const char *name, uint16_t id, uint8_t *q, size_t cap) {
+    size_t n = strlen(name), i = 12;
+    if (n == 0 || n > 253 || cap < n + 18) return LTG_ERR;
+    memset(q, 0, 12);
+    q[0] = (uint8_t)(id >> 8), q[1] = (uint8_t)id;
+    q[2] = 0x01; /* RD: recursion desired */
+    q[5] = 1;    /* one question */
+    for (const char *p = name; *p;) {
+        const char *dot = strchr(p, '.');
+        size_t len = dot ? (size_t)(dot - p) : strlen(p);
+        if (len == 0 || len > 63) {
+            if (len == 0 && !dot[1]) break; /* a trailing dot: "example.com." */
+            return LTG_ERR;
+        }
+        q[i++] = (uint8_t)len;
+        memcpy(q + i, p, len);
+        i += len;
+        p += len + (dot ? 1 : 0);
+    }
+    q[i++] = 0;
+    q[i++] = 0, q[i++] = 1; /* QTYPE A */
+    q[i++] = 0, q[i++] = 1; /* QCLASS IN */
+    return (int)i;
+}
+
+/* Skip a (possibly compressed) name at p[*i]; LTG_ERR past the end. */
+static int dns_skip_name(const uint8_t *p, size_t n, size_t *i) {
+    for (int labels = 0; labels < 128; labels++) {
+        if (*i >= n) return LTG_ERR;
+        uint8_t len = p[*i];
+        if (len == 0) { (*i)++; return 0; }
+        if ((len & 0xC0) == 0xC0) { if (*i + 2 > n) return LTG_ERR; *i += 2; return 0; }
+        if (len & 0xC0) return LTG_ERR;
+        *i += 1u + len;
+    }
+    return LTG_ERR;
+}
+
+/* Parse a DNS answer to query `id`: the first A record, and the smallest
+ * TTL of the records on the way to it. Returns 0, or LTG_ERR with *why. */
+static int dns_parse_answer(const uint8_t *p, size_t n, uint16_t id, struct in_addr *addr, uint32_t *ttl, const char **why) {
+    *why = "malformed DNS answer";
+    if (n < 12) return LTG_ERR;
+    if ((uint16_t)(p[0] << 8 | p[1]) != id || !(p[2] & 0x80)) { *why = "DNS answer to another query"; return LTG_ERR; }
+    int rcode = p[3] & 0x0F;
+    if (rcode == 3) { *why = "no such host (NXDOMAIN)"; return LTG_ERR; }
+    if (rcode != 0) { *why = "DNS server failure"; return LTG_ERR; }
+    if (p[2] & 0x02) { *why = "truncated DNS answer"; return LTG_ERR; }
+    int qd = p[4] << 8 | p[5], an = p[6] << 8 | p[7];
+    size_t i = 12;
+    for (int k = 0; k < qd; k++) {
+        if (dns_skip_name(p, n, &i) < 0 || i + 4 > n) return LTG_ERR;
+        i += 4;
+    }
+    uint32_t min_ttl = DNS_MAX_TTL_S;
+    for (int k = 0; k < an; k++) {
+        if (dns_skip_name(p, n, &i) < 0 || i + 10 > n) return LTG_ERR;
+        int type = p[i] << 8 | p[i + 1], rdlen = p[i + 8] << 8 | p[i + 9];
+        uint32_t t = (uint32_t)p[i + 4] << 24 | (uint32_t)p[i + 5] << 16 | (uint32_t)p[i + 6] << 8 | p[i + 7];
+        i += 10;
+        if (i + (size_t)rdlen > n) return LTG_ERR;
+        if (t < min_ttl) min_ttl = t;
+        if (type == 1 && rdlen == 4) {
+            memcpy(addr, p + i, 4);
+            *ttl = min_ttl;
+            return 0;
+        }
+        i += (size_t)rdlen; /* a CNAME on the way: its TTL counted, its target follows */
+    }
+    *why = "the name has no IPv4 address";
+    return LTG_ERR;
+}
+
+static void up_resolved(upstream *u, const struct sockaddr_storage *addr, const char *err);
+static upstream **up_wait_link(upstream *u); /* the link of an upstream in a waiter list */
+
+static void dns_finish(dns_entry *e, const char *err) {
+    timer_stop(&e->t);
+    e->state = err ? DNS_FAILED : DNS_OK;
+    e->err = err;
+    if (err) e->expires = S.now + DNS_NEGATIVE_TTL_S * 1000;
+    if (err) ltg_log("cannot resolve %s: %s", e->name, err);
+    upstream *w = e->waiters;
+    e->waiters = NULL;
+    while (w) {
+        upstream *next = *up_wait_link(w);
+        up_resolved(w, err ? NULL : &e->addr, err);
+        w = next;
+    }
+}
+
+static void dns_send(dns_entry *e) {
+    uint8_t q[300];
+    int n = dns_build_query(e->name, e->qid, q, sizeof q);
+    const struct sockaddr_storage *srv = &S.dns_servers[e->tries % S.ndns_servers];
+    e->tries++;
+    if (n < 0) { dns_finish(e, "invalid host name"); return; }
+    if (sendto(S.dns_fd, q, (size_t)n, 0, (const struct sockaddr *)srv, addr_len(srv)) < 0)
+        ltg_log("DNS query for %s: %s", e->name, strerror(errno)); /* the timer retries */
+    timer_set(&e->t, DNS_TIMEOUT_MS);
+}
+
+static void dns_timeout(void *ctx) {
+    dns_entry *e = ctx;
+    if (e->tries >= DNS_TRIES) dns_finish(e, "DNS timed out");
+    else dns_send(e);
+}
+
+static void dns_readable(void *ctx, int revents) {
+    (void)ctx, (void)revents;
+    uint8_t p[1500];
+    struct sockaddr_storage from;
+    for (;;) {
+        socklen_t fl = sizeof from;
+        ssize_t n = recvfrom(S.dns_fd, p, sizeof p, 0, (struct sockaddr *)&from, &fl);
+        if (n < 0) return; /* EAGAIN, or an ICMP error for a query: its timer retries */
+        if (n < 2) continue;
+        uint16_t id = (uint16_t)(p[0] << 8 | p[1]);
+        for (dns_entry *e = S.dns_cache; e; e = e->next) {
+            if (e->state != DNS_PENDING || e->qid != id) continue;
+            const struct sockaddr_storage *srv = &S.dns_servers[(e->tries - 1) % S.ndns_servers];
+            if (fl != addr_len(srv) || memcmp(&from, srv, fl) != 0) continue; /* not the server we asked */
+            struct in_addr a;
+            uint32_t ttl;
+            const char *why;
+            if (dns_parse_answer(p, (size_t)n, id, &a, &ttl, &why) < 0) { dns_finish(e, why); break; }
+            memset(&e->addr, 0, sizeof e->addr);
+            ((struct sockaddr_in *)&e->addr)->sin_family = AF_INET;
+            ((struct sockaddr_in *)&e->addr)->sin_addr = a;
+            e->expires = S.now + (int64_t)ttl * 1000;
+            dns_finish(e, NULL);
+            break;
+        }
+    }
+}
+
+/* Resolve `host` for upstream u. Returns 0 with *addr filled, LTG_AGAIN when
+ * u will be called back through up_resolved(), or LTG_ERR with *err. */
+static int dns_resolve(const char *host, upstream *u, struct sockaddr_storage *addr, const char **err) {
+    if (addr_parse(host, addr) == 0) return 0;
+    for (hosts_entry *h = hosts; h; h = h->next)
+        if (strcasecmp(h->name, host) == 0) { *addr = h->addr; return 0; }
+    dns_entry *e;
+    for (e = S.dns_cache; e; e = e->next)
+        if (strcasecmp(e->name, host) == 0) break;
+    if (e && e->state != DNS_PENDING && e->expires <= S.now) e->state = DNS_PENDING, e->tries = 0, e->qid = 0;
+    if (e && e->state == DNS_OK) { *addr = e->addr; return 0; }
+    if (e && e->state == DNS_FAILED) { *err = e->err; return LTG_ERR; }
+    if (!S.ndns_servers || S.dns_fd < 0) { *err = "no DNS server (nameserver in /etc/resolv.conf)"; return LTG_ERR; }
+    if (strlen(host) >= sizeof e->name) { *err = "host name too long"; return LTG_ERR; }
+    if (!e) {
+        e = xcalloc(1, sizeof *e);
+        snprintf(e->name, sizeof e->name, "%s", host);
+        timer_init(&e->t, dns_timeout, e);
+        e->state = DNS_PENDING;
+        e->next = S.dns_cache, S.dns_cache = e;
+    }
+    *up_wait_link(u) = e->waiters;
+    e->waiters = u;
+    if (!e->qid) {
+        e->qid = (uint16_t)(rng_next() | 1);
+        dns_send(e);
+    }
+    return LTG_AGAIN;
+}
+
+/* Forget u as a waiter (its exchange ended before the answer came). */
+static void dns_cancel(upstream *u) {
+    for (dns_entry *e = S.dns_cache; e; e = e->next)
+        for (upstream **pp = &e->waiters; *pp; pp = up_wait_link(*pp))
+            if (*pp == u) { *pp = *up_wait_link(u); return; }
+}
+
+static void dns_init(void) {
+    for_each_line("/etc/hosts", hosts_line);
+    struct sockaddr_storage lo;
+    if (addr_parse("127.0.0.1", &lo) == 0) { /* "localhost" even without /etc/hosts */
+        hosts_entry *h = xcalloc(1, sizeof *h);
+        h->name = xstrndup("localhost", 9), h->addr = lo;
+        struct hosts_entry **tail = &hosts;
+        while (*tail) tail = &(*tail)->next;
+        *tail = h; /* last: the file's own entry wins */
+    }
+    for_each_line("/etc/resolv.conf", resolv_line);
+    if (!S.ndns_servers) resolv_line((char *[]){"nameserver", "127.0.0.1"}, 2); /* the resolver's documented default */
+    S.dns_fd = socket(AF_INET, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (S.dns_fd >= 0) loop_watch(S.dns_fd, POLLIN, dns_readable, NULL);
+}
+
+/* ===== 7. Catalog config =====
+ *
+ * IMPLEMENTATION NOTES
+ * The catalog (API.md section 2) names the providers, the model aliases
+ * clients may ask for, their prices, and the admin keys. It is loaded at
+ * start-up and again on SIGHUP; a catalog that fails any check is refused
+ * whole, with a message naming the file, the field and the problem, and the
+ * old one stays. Unknown fields are errors: a misspelt "input_usd_per_mtok"
+ * must not silently price a model at zero.
+ *
+ * Requests in flight hold a reference on the catalog they started with, so
+ * a reload never pulls a provider out from under them; the old catalog (and
+ * its pool of idle connections) is freed when its last request ends.
+ * Secrets from the environment are kept only as long as the catalog lives;
+ * admin keys are kept only as their SHA-256.
+ */
+struct provider {
+    char *name, *host, *base_path, *hostport, *api_key;
+    int port, tls, tls_verify;
+    upstream *idle; /* the pool: idle keep-alive connections, most recent first */
+    int nidle;
+    catalog *cat;
+};
+
+struct model {
+    char *alias, *upstream;
+    provider *p;
+    double in_price, out_price; /* USD per million tokens */
+    long long context_window, max_output_tokens;
+};
+
+enum { PERM_ALL = 1, PERM_GROUPS_WRITE = 2, PERM_GROUPS_READ = 4, PERM_KEYS_WRITE = 8, PERM_KEYS_READ = 16,
+       PERM_SPEND_READ = 32, PERM_USAGE_READ = 64 };
+static const char *perm_names[] = {"*", "llm_token_gateway.token_groups.write", "llm_token_gateway.token_groups.read",
+                                   "llm_token_gateway.token_keys.write", "llm_token_gateway.token_keys.read",
+                                   "llm_token_gateway.spend.read", "llm_token_gateway.usage.read"};
+
+typedef struct {
+    uint8_t sha[32];
+    int perms; /* PERM_* bits */
+} admin_key;
+
+struct catalog {
+    provider *prov;
+    int nprov;
+    model *models;
+    int nmodels;
+    admin_key *admins;
+    int nadmins;
+    char **dev_keys;
+    int ndev;
+    int refs;    /* requests in flight that use this catalog, plus 1 while current */
+};
+
+static void sha256(const void *data, size_t n, uint8_t out[32]) {
+    br_sha256_context ctx;
+    br_sha256_init(&ctx);
+    br_sha256_update(&ctx, data, n);
+    br_sha256_out(&ctx, out);
+}
+
+/* Compare two secrets in time that depends only on their lengths. */
+static int secret_eq(const void *a, size_t an, const void *b, size_t bn) {
+    const uint8_t *x = a, *y = b;
+    uint8_t d = an != bn;
+    for (size_t i = 0; i < an && i < bn; i++) d |= x[i] ^ y[i];
+    return d == 0;
+}
+
+static model *catalog_model(catalog *c, const char *s, size_t n) {
+    for (int i = 0; i < c->nmodels; i++)
+        if (strlen(c->models[i].alias) == n && memcmp(c->models[i].alias, s, n) == 0) return &c->models[i];
+    return NULL;
+}
+
+static void up_free(upstream *u);
+
+static void catalog_free(catalog *c) {
+    if (!c) return;
+    for (int i = 0; i < c->nprov; i++) {
+        provider *p = &c->prov[i];
+        while (p->idle) {
+            upstream *u = p->idle;
+            p->idle = *up_wait_link(u);
+            up_free(u);
+        }
+        free(p->name), free(p->host), free(p->base_path), free(p->hostport);
+        if (p->api_key) memset(p->api_key, 0, strlen(p->api_key));
+        free(p->api_key);
+    }
+    for (int i = 0; i < c->nmodels; i++) free(c->models[i].alias), free(c->models[i].upstream);
+    for (int i = 0; i < c->ndev; i++) free(c->dev_keys[i]);
+    free(c->prov), free(c->models), free(c->admins), free(c->dev_keys);
+    free(c);
+}
+
+static void catalog_release(catalog *c) {
+    if (--c->refs == 0) catalog_free(c);
+}
+
+/* Split "http://host[:port][/path]" into its parts. */
+static int url_parse(const char *url, provider *p, const char **why) {
+    const char *s;
+    if (strncmp(url, "http://", 7) == 0) s = url + 7, p->tls = 0, p->port = 80;
+    else if (strncmp(url, "https://", 8) == 0) {
+        *why = "https:// providers are not supported yet (TLS is on the README roadmap); use an http:// base_url";
+        return LTG_ERR;
+    } else { *why = "must start with http:// or https://"; return LTG_ERR; }
+    const char *host_end, *rest;
+    if (*s == '[') {
+        host_end = strchr(s, ']');
+        if (!host_end) { *why = "unterminated [IPv6] host"; return LTG_ERR; }
+        p->host = xstrndup(s + 1, (size_t)(host_end - s - 1));
+        rest = host_end + 1;
+    } else {
+        rest = s + strcspn(s, ":/?#");
+        p->host = xstrndup(s, (size_t)(rest - s));
+    }
+    if (!*p->host) { *why = "has no host"; return LTG_ERR; }
+    if (*rest == ':') {
+        long long port;
+        const char *pe = rest + 1 + strcspn(rest + 1, "/?#");
+        if (parse_ll(rest + 1, (size_t)(pe - rest - 1), 65535, &port) < 0 || port == 0) { *why = "has an invalid port"; return LTG_ERR; }
+        p->port = (int)port;
+        rest = pe;
+    }
+    if (*rest && *rest != '/') { *why = "may not have a query or fragment"; return LTG_ERR; }
+    size_t plen = strlen(rest);
+    while (plen && rest[plen - 1] == '/') plen--;
+    p->base_path = xstrndup(rest, plen);
+    char hp[300];
+    int v6 = strchr(p->host, ':') != NULL;
+    if (p->port == 80) snprintf(hp, sizeof hp, v6 ? "[%s]" : "%s", p->host);
+    else snprintf(hp, sizeof hp, v6 ? "[%s]:%d" : "%s:%d", p->host, p->port);
+    p->hostport = xstrndup(hp, strlen(hp));
+    return 0;
+}
+
+typedef struct {
+    const char *file, *s;
+    json_tok *t;
+    char *err;
+    size_t errlen;
+} cfg;
+
+static int cfg_fail(cfg *c, const char *field, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int cfg_fail(cfg *c, const char *field, const char *fmt, ...) {
+    int n = snprintf(c->err, c->errlen, "%s: %s: ", c->file, field);
+    va_list ap;
+    va_start(ap, fmt);
+    if (n > 0 && (size_t)n < c->errlen) vsnprintf(c->err + n, c->errlen - (size_t)n, fmt, ap);
+    va_end(ap);
+    return LTG_ERR;
+}
+
+/* The field name of member key token k, for messages. */
+static const char *cfg_key(cfg *c, int k, char *out, size_t cap) {
+    snprintf(out, cap, "%.*s", (int)(c->t[k].end - c->t[k].start), c->s + c->t[k].start);
+    return out;
+}
+
+/* Check that every member of object `obj` is one of `allowed` (NULL-terminated). */
+static int cfg_only(cfg *c, int obj, const char *where, const char *const *allowed) {
+    int i = obj + 1;
+    for (int m = 0; m < c->t[obj].size; m++, i = c->t[i + 1].next) {
+        int ok = 0;
+        for (const char *const *a = allowed; *a; a++) ok |= json_eq(c->s, c->t, i, *a);
+        char k[128], f[300];
+        if (!ok) {
+            snprintf(f, sizeof f, "%s%s%s", where, *where ? "." : "", cfg_key(c, i, k, sizeof k));
+            return cfg_fail(c, f, "unknown field");
+        }
+    }
+    return 0;
+}
+
+static char *cfg_string(cfg *c, int v) {
+    buf b = {0};
+    json_unescape(c->s, c->t, v, &b);
+    if (!b.p) buf_reserve(&b, 0);
+    return b.p;
+}
+
+static int cfg_price(cfg *c, int obj, const char *key, const char *where, int required, double *out) {
+    int v = json_get(c->s, c->t, obj, key);
+    char f[300];
+    snprintf(f, sizeof f, "%s.%s", where, key);
+    if (v < 0) {
+        if (required) return cfg_fail(c, f, "missing (a number: USD per million tokens)");
+        return 0;
+    }
+    if (json_number(c->s, c->t, v, out) < 0 || *out < 0) return cfg_fail(c, f, "must be a number >= 0");
+    return 0;
+}
+
+static int cfg_int(cfg *c, int obj, const char *key, const char *where, long long min, long long *out) {
+    int v = json_get(c->s, c->t, obj, key);
+    if (v < 0) return 0;
+    double d;
+    char f[300];
+    snprintf(f, sizeof f, "%s.%s", where, key);
+    if (json_number(c->s, c->t, v, &d) < 0 || d != floor(d) || d < (double)min || d > 1e12)
+        return cfg_fail(c, f, "must be a whole number >= %lld", min);
+    *out = (long long)d;
+    return 0;
+}
+
+static int cfg_providers(cfg *c, catalog *cat, int obj) {
+    static const char *const fields[] = {"base_url", "api_key_env", "tls_verify", NULL};
+    if (obj < 0 || c->t[obj].type != JSON_OBJECT || c->t[obj].size == 0)
+        return cfg_fail(c, "providers", "must be an object with at least one provider");
+    cat->prov = xcalloc((size_t)c->t[obj].size, sizeof *cat->prov);
+    int i = obj + 1;
+    for (int m = 0; m < c->t[obj].size; m++, i = c->t[i + 1].next) {
+        provider *p = &cat->prov[cat->nprov++];
+        p->name = cfg_string(c, i);
+        p->tls_verify = 1;
+        p->cat = cat;
+        char where[300], f[400];
+        snprintf(where, sizeof where, "providers.%s", p->name);
+        int v = i + 1;
+        if (c->t[v].type != JSON_OBJECT) return cfg_fail(c, where, "must be an object");
+        if (cfg_only(c, v, where, fields) < 0) return LTG_ERR;
+        int u = json_get(c->s, c->t, v, "base_url");
+        snprintf(f, sizeof f, "%s.base_url", where);
+        if (u < 0 || c->t[u].type != JSON_STRING) return cfg_fail(c, f, "missing (a string like \"http://127.0.0.1:9000/v1\")");
+        char *url = cfg_string(c, u);
+        const char *why;
+        int r = url_parse(url, p, &why);
+        free(url);
+        if (r < 0) return cfg_fail(c, f, "%s", why);
+        int k = json_get(c->s, c->t, v, "api_key_env");
+        if (k >= 0) {
+            snprintf(f, sizeof f, "%s.api_key_env", where);
+            if (c->t[k].type != JSON_STRING) return cfg_fail(c, f, "must be the name of an environment variable");
+            char *name = cfg_string(c, k);
+            const char *val = getenv(name);
+            if (!val || !*val) {
+                cfg_fail(c, f, "environment variable %s is not set", name);
+                free(name);
+                return LTG_ERR;
+            }
+            free(name);
+            p->api_key = xstrndup(val, strlen(val));
+        }
+        int tv = json_get(c->s, c->t, v, "tls_verify");
+        if (tv >= 0) {
+            snprintf(f, sizeof f, "%s.tls_verify", where);
+            if (c->t[tv].type != JSON_TRUE && c->t[tv].type != JSON_FALSE) return cfg_fail(c, f, "must be true or false");
+            p->tls_verify = c->t[tv].type == JSON_TRUE;
+        }
+    }
+    return 0;
+}
+
+static int cfg_models(cfg *c, catalog *cat, int obj) {
+    static const char *const fields[] = {"provider", "upstream_model", "input_usd_per_mtok", "output_usd_per_mtok",
+                                         "context_window", "max_output_tokens", NULL};
+    if (obj < 0 || c->t[obj].type != JSON_OBJECT || c->t[obj].size == 0)
+        return cfg_fail(c, "models", "must be an object with at least one model alias");
+    cat->models = xcalloc((size_t)c->t[obj].size, sizeof *cat->models);
+    int i = obj + 1;
+    for (int m = 0; m < c->t[obj].size; m++, i = c->t[i + 1].next) {
+        model *md = &cat->models[cat->nmodels++];
+        md->alias = cfg_string(c, i);
+        md->max_output_tokens = 4096;
+        char where[300], f[400];
+        snprintf(where, sizeof where, "models.%s", md->alias);
+        int v = i + 1;
+        if (!*md->alias) return cfg_fail(c, "models", "an alias may not be empty");
+        if (c->t[v].type != JSON_OBJECT) return cfg_fail(c, where, "must be an object");
+        if (cfg_only(c, v, where, fields) < 0) return LTG_ERR;
+        int pv = json_get(c->s, c->t, v, "provider");
+        snprintf(f, sizeof f, "%s.provider", where);
+        if (pv < 0 || c->t[pv].type != JSON_STRING) return cfg_fail(c, f, "missing (the name of a provider)");
+        for (int k = 0; k < cat->nprov; k++)
+            if (json_eq(c->s, c->t, pv, cat->prov[k].name)) md->p = &cat->prov[k];
+        if (!md->p) return cfg_fail(c, f, "no provider named \"%.*s\"", (int)(c->t[pv].end - c->t[pv].start), c->s + c->t[pv].start);
+        int uv = json_get(c->s, c->t, v, "upstream_model");
+        snprintf(f, sizeof f, "%s.upstream_model", where);
+        if (uv < 0 || c->t[uv].type != JSON_STRING || c->t[uv].end == c->t[uv].start)
+            return cfg_fail(c, f, "missing (the provider's name for the model)");
+        md->upstream = cfg_string(c, uv);
+        if (cfg_price(c, v, "input_usd_per_mtok", where, 1, &md->in_price) < 0 ||
+            cfg_price(c, v, "output_usd_per_mtok", where, 1, &md->out_price) < 0 ||
+            cfg_int(c, v, "context_window", where, 1, &md->context_window) < 0 ||
+            cfg_int(c, v, "max_output_tokens", where, 1, &md->max_output_tokens) < 0)
+            return LTG_ERR;
+        for (int k = 0; k < cat->nmodels - 1; k++)
+            if (strcmp(cat->models[k].alias, md->alias) == 0) return cfg_fail(c, where, "the alias is defined twice");
+    }
+    return 0;
+}
+
+static int cfg_admin_keys(cfg *c, catalog *cat, int arr) {
+    static const char *const fields[] = {"key_env", "key_sha256", "permissions", NULL};
+    if (arr < 0) return 0;
+    if (c->t[arr].type != JSON_ARRAY) return cfg_fail(c, "admin_keys", "must be an array");
+    cat->admins = xcalloc((size_t)c->t[arr].size, sizeof *cat->admins);
+    int v = arr + 1;
+    for (int m = 0; m < c->t[arr].size; m++, v = c->t[v].next) {
+        admin_key *a = &cat->admins[cat->nadmins++];
+        char where[64], f[128];
+        snprintf(where, sizeof where, "admin_keys[%d]", m);
+        if (c->t[v].type != JSON_OBJECT) return cfg_fail(c, where, "must be an object");
+        if (cfg_only(c, v, where, fields) < 0) return LTG_ERR;
+        int ke = json_get(c->s, c->t, v, "key_env"), ks = json_get(c->s, c->t, v, "key_sha256");
+        if ((ke < 0) == (ks < 0)) return cfg_fail(c, where, "give exactly one of key_env and key_sha256 (never the key itself)");
+        if (ke >= 0) {
+            snprintf(f, sizeof f, "%s.key_env", where);
+            if (c->t[ke].type != JSON_STRING) return cfg_fail(c, f, "must be the name of an environment variable");
+            char *name = cfg_string(c, ke);
+            const char *val = getenv(name);
+            if (!val || !*val) { cfg_fail(c, f, "environment variable %s is not set", name); free(name); return LTG_ERR; }
+            free(name);
+            sha256(val, strlen(val), a->sha);
+        } else {
+            snprintf(f, sizeof f, "%s.key_sha256", where);
+            const char *h = c->s + c->t[ks].start;
+            if (c->t[ks].type != JSON_STRING || c->t[ks].end - c->t[ks].start != 64) return cfg_fail(c, f, "must be 64 hex digits");
+            for (int k = 0; k < 32; k++) {
+                int hi = hexval((unsigned char)h[2 * k]), lo = hexval((unsigned char)h[2 * k + 1]);
+                if (hi < 0 || lo < 0) return cfg_fail(c, f, "must be 64 hex digits");
+                a->sha[k] = (uint8_t)(hi << 4 | lo);
+            }
+        }
+        int pv = json_get(c->s, c->t, v, "permissions");
+        snprintf(f, sizeof f, "%s.permissions", where);
+        if (pv < 0 || c->t[pv].type != JSON_ARRAY || c->t[pv].size == 0) return cfg_fail(c, f, "missing (a non-empty array, e.g. [\"*\"])");
+        int e = pv + 1;
+        for (int k = 0; k < c->t[pv].size; k++, e = c->t[e].next) {
+            int bit = 0;
+            for (int b = 0; b < 7; b++)
+                if (json_eq(c->s, c->t, e, perm_names[b])) bit = 1 << b;
+            if (!bit) return cfg_fail(c, f, "unknown permission (allowed: \"*\", llm_token_gateway.{token_groups,token_keys}.{read,write}, llm_token_gateway.spend.read, llm_token_gateway.usage.read)");
+            a->perms |= bit;
+        }
+    }
+    return 0;
+}
+
+static int cfg_dev_keys(cfg *c, catalog *cat, int arr) {
+    if (arr < 0) return 0;
+    if (c->t[arr].type != JSON_ARRAY) return cfg_fail(c, "dev_keys", "must be an array of strings");
+    cat->dev_keys = xcalloc((size_t)c->t[arr].size, sizeof *cat->dev_keys);
+    int v = arr + 1;
+    for (int m = 0; m < c->t[arr].size; m++, v = c->t[v].next) {
+        if (c->t[v].type != JSON_STRING || c->t[v].end - c->t[v].start < 8) return cfg_fail(c, "dev_keys", "each key must be a string of at least 8 characters");
+        cat->dev_keys[cat->ndev++] = cfg_string(c, v);
+    }
+    return 0;
+}
+
+/* Load and check the catalog at `path`. Returns it (refs = 1), or NULL with
+ * a message in err. `text`, when not NULL, is used instead of the file
+ * (the unit tests feed configs this way). */
+static catalog *catalog_load(const char *path, const char *text, char *err, size_t errlen) {
+    buf b = {0};
+    if (text) buf_puts(&b, text);
+    else if (read_file(path, &b) < 0) {
+        snprintf(err, errlen, "%s: cannot read: %s", path, strerror(errno));
+        buf_free(&b);
+        return NULL;
+    }
+    int max = (int)(b.len / 2 + 2);
+    cfg c = {path, b.p, xcalloc((size_t)max, sizeof(json_tok)), err, errlen};
+    catalog *cat = xcalloc(1, sizeof *cat);
+    cat->refs = 1;
+    json_result res;
+    int ok = -1;
+    if (json_parse(b.p, b.len, c.t, max, -1, &res) < 0) {
+        snprintf(err, errlen, "%s: not valid JSON: %s at byte offset %zu", path, res.err, res.err_offset);
+    } else if (c.t[0].type != JSON_OBJECT) {
+        snprintf(err, errlen, "%s: the catalog must be a JSON object", path);
+    } else {
+        static const char *const top[] = {"providers", "models", "admin_keys", "dev_keys", NULL};
+        ok = cfg_only(&c, 0, "", top) == 0 && cfg_providers(&c, cat, json_get(b.p, c.t, 0, "providers")) == 0 &&
+             cfg_models(&c, cat, json_get(b.p, c.t, 0, "models")) == 0 &&
+             cfg_admin_keys(&c, cat, json_get(b.p, c.t, 0, "admin_keys")) == 0 &&
+             cfg_dev_keys(&c, cat, json_get(b.p, c.t, 0, "dev_keys")) == 0 ? 0 : -1;
+    }
+    free(c.t);
+    buf_free(&b);
+    if (ok < 0) { catalog_free(cat); return NULL; }
+    return cat;
+}
+
+/* ===== 8. Upstream connections and the pool =====
+ *
+ * IMPLEMENTATION NOTES
+ * An upstream connection carries one request at a time to one provider:
+ *
+ *   RESOLVING -> CONNECTING -> SENDING -> READING -> (pool) IDLE -> SENDING ...
+ *
+ * It knows nothing of retries or clients. It reports to its exchange through
+ * exchange_upstream(), which reads the connection's state: `have_head`, the
+ * decoded body bytes in `body`, `complete`, or `failed` with `err`. Failures
+ * are always reported on the next loop turn (through the connection's
+ * timer), never from inside the call that caused them, so an exchange that
+ * starts an attempt is never re-entered half-built.
+ *
+ * What a failure means for a retry depends on how far the request got, so
+ * the connection records it: `wrote` (bytes of the request the kernel took)
+ * and `got_bytes` (anything came back). Nothing written means nothing
+ * reached the provider.
+ *
+ * The pool keeps idle keep-alive connections per provider, most recent
+ * first (the warmest). An idle connection stays in the poll set so a
+ * provider's close is seen at once; before reuse it is checked once more
+ * with a non-blocking MSG_PEEK, so a connection that was closed in the
+ * meantime is dropped and never written to. (TLS, when it comes, is a layer
+ * between this code and the socket: up_send_raw/up_recv_raw are its seam.)
+ */
+typedef enum { UP_RESOLVING, UP_CONNECTING, UP_SENDING, UP_READING, UP_IDLE } up_state;
+
+struct upstream {
+    upstream *link;     /* next DNS waiter, or next idle connection in the pool */
+    int fd;
+    up_state state;
+    provider *p;
+    exchange *x;        /* the request it serves; NULL while idle */
+    buf out;            /* the request */
+    size_t wrote;       /* bytes of `out` the kernel accepted */
+    buf in;             /* bytes from the provider not yet parsed */
+    size_t scan;        /* http_head_end's resume point */
+    buf head;           /* the response head; `resp` points into it */
+    http_response resp;
+    int have_head, complete, failed, reused, got_bytes, paused, until_eof, leftover;
+    chunk_decoder cd;
+    long long body_left;
+    buf body;           /* decoded body bytes the exchange has not taken yet */
+    timer t;            /* connect timeout, failure notice, or pool idle timeout */
+    char err[160];
+};
+
+static void exchange_upstream(exchange *x);
+
+static upstream **up_wait_link(upstream *u) { return &u->link; }
+
+static void up_free(upstream *u) {
+    timer_stop(&u->t);
+    if (u->fd >= 0) loop_close(u->fd);
+    buf_free(&u->out), buf_free(&u->in), buf_free(&u->head), buf_free(&u->body);
+    free(u);
+}
+
+static void up_notify(void *ctx) {
+    upstream *u = ctx;
+    if (u->state == UP_IDLE) { /* the pool's idle timeout */
+        provider *p = u->p;
+        for (upstream **pp = &p->idle; *pp; pp = &(*pp)->link)
+            if (*pp == u) { *pp = u->link, p->nidle--; break; }
+        up_free(u);
+        return;
+    }
+    if (u->state == UP_CONNECTING && !u->failed) {
+        snprintf(u->err, sizeof u->err, "connect to %s:%d timed out", u->p->host, u->p->port);
+        u->failed = 1;
+    }
+    exchange_upstream(u->x);
+}
+
+/* Record a failure; the exchange hears of it on the next loop turn. */
+static void up_fail(upstream *u, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void up_fail(upstream *u, const char *fmt, ...) {
+    if (u->failed) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(u->err, sizeof u->err, fmt, ap);
+    va_end(ap);
+    u->failed = 1;
+    if (u->fd >= 0) loop_events(u->fd, 0);
+    timer_set(&u->t, 0);
+}
+
+static void up_io(void *ctx, int revents);
+
+static void up_write(upstream *u) {
+    while (u->wrote < u->out.len) {
+        ssize_t n = send(u->fd, u->out.p + u->wrote, u->out.len - u->wrote, MSG_NOSIGNAL);
+        if (n > 0) { u->wrote += (size_t)n; continue; }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) { loop_events(u->fd, POLLOUT); return; }
+        up_fail(u, "write to %s: %s", u->p->host, n < 0 ? strerror(errno) : "closed");
+        return;
+    }
+    u->state = UP_READING;
+    loop_events(u->fd, u->paused ? 0 : POLLIN);
+}
+
+static void up_connect(upstream *u, const struct sockaddr_storage *addr) {
+    struct sockaddr_storage a = *addr;
+    addr_set_port(&a, u->p->port);
+    u->fd = socket(a.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (u->fd < 0) { up_fail(u, "socket: %s", strerror(errno)); return; }
+    if (u->fd >= S.nfds_cap) {
+        close(u->fd);
+        u->fd = -1;
+        up_fail(u, "out of file descriptors for upstream connections");
+        return;
+    }
+    int one = 1;
+    setsockopt(u->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    loop_watch(u->fd, POLLOUT, up_io, u);
+    if (connect(u->fd, (struct sockaddr *)&a, addr_len(&a)) == 0) {
+        u->state = UP_SENDING;
+        up_write(u);
+    } else if (errno == EINPROGRESS) {
+        u->state = UP_CONNECTING;
+        timer_set(&u->t, CONNECT_TIMEOUT_MS);
+    } else {
+        up_fail(u, "connect to %s:%d: %s", u->p->host, u->p->port, strerror(errno));
+    }
+}
+
+/* DNS has answered for u (see dns_finish). */
+static void up_resolved(upstream *u, const struct sockaddr_storage *addr, const char *err) {
+    u->link = NULL;
+    if (!addr) up_fail(u, "cannot resolve %s: %s", u->p->host, err);
+    else up_connect(u, addr);
+}
+
+/* Parse what arrived: the head once, then body bytes into u->body. */
+static void up_parse(upstream *u) {
+    while (!u->have_head) {
+        int n = http_head_end(u->in.p, u->in.len, &u->scan);
+        if (n == LTG_AGAIN) {
+            if (u->in.len > UP_MAX_HEAD_BYTES) up_fail(u, "response head from %s larger than %d KiB", u->p->host, UP_MAX_HEAD_BYTES / 1024);
+            return;
+        }
+        u->head.len = 0;
+        buf_append(&u->head, u->in.p, (size_t)n);
+        buf_consume(&u->in, (size_t)n);
+        u->scan = 0;
+        if (http_parse_response(u->head.p, u->head.len, &u->resp) < 0) {
+            up_fail(u, "malformed response from %s: %s", u->p->host, u->resp.err);
+            return;
+        }
+        if (u->resp.status >= 100 && u->resp.status < 200) continue; /* 100 Continue and friends: wait for the real one */
+        u->have_head = 1;
+        u->until_eof = !u->resp.chunked && u->resp.content_length < 0;
+        u->body_left = u->resp.content_length;
+        if (u->resp.status == 204 || u->resp.status == 304 || (!u->resp.chunked && u->resp.content_length == 0))
+            u->complete = 1;
+    }
+    if (u->complete) { u->leftover = u->in.len > 0; return; }
+    if (u->resp.chunked) {
+        long k = chunk_decode(&u->cd, u->in.p, u->in.len, &u->body);
+        if (k < 0) { up_fail(u, "invalid chunked encoding from %s", u->p->host); return; }
+        buf_consume(&u->in, (size_t)k);
+        u->complete = u->cd.state == CHUNK_DONE;
+    } else if (!u->until_eof) {
+        size_t take = u->in.len < (size_t)u->body_left ? u->in.len : (size_t)u->body_left;
+        buf_append(&u->body, u->in.p, take);
+        buf_consume(&u->in, take);
+        u->body_left -= (long long)take;
+        u->complete = u->body_left == 0;
+    } else {
+        buf_append(&u->body, u->in.p, u->in.len);
+        u->in.len = 0;
+    }
+    if (u->complete) u->leftover = u->in.len > 0;
+}
+
+static void up_read(upstream *u) {
+    for (int rounds = 0; rounds < 4 && !u->complete; rounds++) {
+        buf_reserve(&u->in, READ_CHUNK);
+        ssize_t n = recv(u->fd, u->in.p + u->in.len, READ_CHUNK, 0);
+        if (n > 0) {
+            u->in.len += (size_t)n;
+            u->in.p[u->in.len] = 0;
+            u->got_bytes = 1;
+            up_parse(u);
+            if (u->failed) return;
+            if (n < READ_CHUNK) break;
+            continue;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+        if (n == 0 && u->have_head && u->until_eof) { u->complete = 1; break; }
+        if (n == 0 && !u->got_bytes) up_fail(u, "%s closed the connection before answering", u->p->host);
+        else if (n == 0) up_fail(u, "%s closed the connection in the middle of its answer", u->p->host);
+        else up_fail(u, "read from %s: %s", u->p->host, strerror(errno));
+        return;
+    }
+    if (u->complete) loop_events(u->fd, 0);
+    exchange_upstream(u->x);
+}
+
+static void up_io(void *ctx, int revents) {
+    upstream *u = ctx;
+    if (u->failed) return;
+    switch (u->state) {
+    case UP_CONNECTING: {
+        int err = 0;
+        socklen_t len = sizeof err;
+        getsockopt(u->fd, SOL_SOCKET, SO_ERROR, &err, &len);
+        if (err) { up_fail(u, "connect to %s:%d: %s", u->p->host, u->p->port, strerror(err)); return; }
+        timer_stop(&u->t);
+        u->state = UP_SENDING;
+        up_write(u);
+        return;
+    }
+    case UP_SENDING:
+        up_write(u);
+        return;
+    case UP_READING:
+        up_read(u);
+        return;
+    case UP_IDLE: /* the provider closed an idle connection, or sent what nobody asked for */
+        (void)revents;
+        timer_set(&u->t, 0); /* up_notify drops it from the pool */
+        loop_events(u->fd, 0);
+        return;
+    case UP_RESOLVING: return;
+    }
+}
+
+/* Take an idle pooled connection that is still open, or NULL. */
+static upstream *pool_take(provider *p) {
+    while (p->idle) {
+        upstream *u = p->idle;
+        p->idle = u->link, p->nidle--;
+        u->link = NULL;
+        timer_stop(&u->t);
+        char c;
+        ssize_t n = recv(u->fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return u;
+        up_free(u); /* closed (0), unexpected bytes (> 0), or an error */
+    }
+    return NULL;
+}
+
+/* Start sending `req` (n bytes) to provider p for exchange x. Never fails
+ * synchronously: a failure is reported to x on the next turn. */
+static upstream *up_start(provider *p, exchange *x, const char *req, size_t n) {
+    upstream *u = pool_take(p);
+    if (u) {
+        u->reused = 1;
+        u->out.len = u->wrote = 0, u->in.len = u->scan = u->head.len = u->body.len = 0;
+        u->have_head = u->complete = u->failed = u->got_bytes = u->paused = u->until_eof = u->leftover = 0;
+        u->cd = (chunk_decoder){0};
+    } else {
+        u = xcalloc(1, sizeof *u);
+        u->fd = -1;
+        u->p = p;
+        timer_init(&u->t, up_notify, u);
+    }
+    u->x = x;
+    buf_append(&u->out, req, n);
+    if (u->reused) {
+        u->state = UP_SENDING;
+        loop_watch(u->fd, 0, up_io, u);
+        up_write(u);
+        return u;
+    }
+    u->state = UP_RESOLVING;
+    struct sockaddr_storage addr;
+    const char *err = NULL;
+    int r = dns_resolve(p->host, u, &addr, &err);
+    if (r == 0) up_connect(u, &addr);
+    else if (r == LTG_ERR) up_fail(u, "cannot resolve %s: %s", p->host, err);
+    return u;
+}
+
+/* Stop or resume reading the provider (back-pressure from a slow client). */
+static void up_pause(upstream *u, int pause) {
+    if (u->paused == pause) return;
+    u->paused = pause;
+    if (u->state == UP_READING && !u->failed && !u->complete) loop_events(u->fd, pause ? 0 : POLLIN);
+}
+
+/* The exchange is done with u: back to the pool if it can carry another
+ * request, closed otherwise. */
+static void up_release(upstream *u) {
+    provider *p = u->p;
+    if (u->state == UP_RESOLVING) dns_cancel(u);
+    int reusable = u->complete && !u->failed && !u->leftover && u->resp.keep_alive && !u->until_eof &&
+                   p->cat == S.cat && p->nidle < POOL_MAX_IDLE && !S.draining;
+    if (!reusable) { up_free(u); return; }
+    u->state = UP_IDLE;
+    u->x = NULL;
+    u->body.len = 0;
+    loop_events(u->fd, POLLIN);
+    timer_set(&u->t, POOL_IDLE_MS);
+    u->link = p->idle, p->idle = u, p->nidle++;
+}
+
+/* ===== 9. Client connections: the HTTP/1.1 server =====
+ *
+ * IMPLEMENTATION NOTES
+ * A client connection is a small state machine:
+ *
+ *   HEAD --(head parsed)--> BODY --(body complete)--> BUSY --(answered)--> HEAD
+ *
+ * The current request's head stays at the front of `in` while it is served
+ * (the parsed header slices point into it); its body is decoded into
+ * `body`. When the answer is complete, conn_done() drops those bytes, and
+ * whatever follows in `in` is the next pipelined request. A request is
+ * served only when the one before it is answered, so answers leave in order.
+ *
+ * One timer per connection means one of three things, by state: the idle
+ * keep-alive limit (no bytes of a next request), the head limit (counted
+ * from the first byte of a head, not re-armed by a slow trickle: that is
+ * what stops slowloris), or the body's inactivity limit.
+ *
+ * While a request is served, the connection keeps reading, so a client
+ * that goes away is noticed at once and its upstream request is cancelled;
+ * but it stops reading when more than a few pipelined requests wait, and
+ * stops serving them while the client does not read its answers.
+ */
+typedef enum { CONN_HEAD, CONN_BODY, CONN_BUSY } conn_state;
+enum { TK_NONE, TK_IDLE, TK_HEAD, TK_BODY };
+
+struct conn {
+    conn *prev, *next;        /* every open connection, for draining */
+    int fd, admin;
+    conn_state state;
+    buf in;                   /* received bytes; the current request's head first */
+    size_t scan;              /* http_head_end's resume point */
+    size_t head_len, body_raw;/* bytes of `in` taken by the current head and body */
+    http_request req;
+    chunk_decoder cd;
+    buf body;                 /* the current request's decoded body */
+    buf out;                  /* answer bytes not yet written */
+    size_t out_off;
+    int keep_alive;           /* the current answer keeps the connection */
+    int close_after;          /* close once `out` is written */
+    int processing, closing, pending, want_out, read_paused;
+    int timer_kind;
+    timer t;
+    exchange *x;              /* the inference request being served */
+    char rid[32];             /* the current request's id */
+    conn *next_pending, *next_closing;
+};
+
+static conn *conns; /* all open client connections */
+
+static void route(conn *c);
+static void exchange_abort(exchange *x);
+static void exchange_drained(exchange *x);
+
+static void conn_watch(conn *c) {
+    if (!c->closing) loop_events(c->fd, (short)((c->read_paused ? 0 : POLLIN) | (c->want_out ? POLLOUT : 0)));
+}
+
+static void conn_close(conn *c) {
+    if (c->closing) return;
+    c->closing = 1;
+    timer_stop(&c->t);
+    if (c->x) exchange_abort(c->x);
+    c->x = NULL;
+    loop_close(c->fd);
+    if (c->prev) c->prev->next = c->next;
+    else conns = c->next;
+    if (c->next) c->next->prev = c->prev;
+    c->next_closing = S.closing, S.closing = c;
+    S.nconns--;
+}
+
+static void conn_reap(void) {
+    while (S.closing) {
+        conn *c = S.closing;
+        S.closing = c->next_closing;
+        buf_free(&c->in), buf_free(&c->body), buf_free(&c->out);
+        free(c);
+    }
+}
+
+static void conn_send(conn *c, const void *p, size_t n) {
+    if (c->closing) return;
+    buf_append(&c->out, p, n);
+    if (!c->pending) c->pending = 1, c->next_pending = S.pending_writes, S.pending_writes = c;
+}
+
+static void conn_process(conn *c);
+
+static void conn_flush(conn *c) {
+    while (c->out_off < c->out.len) {
+        ssize_t n = send(c->fd, c->out.p + c->out_off, c->out.len - c->out_off, MSG_NOSIGNAL);
+        if (n > 0) { c->out_off += (size_t)n; continue; }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            if (c->out_off > 65536) buf_consume(&c->out, c->out_off), c->out_off = 0;
+            c->want_out = 1;
+            conn_watch(c);
+            return;
+        }
+        conn_close(c); /* the client went away */
+        return;
+    }
+    c->out.len = c->out_off = 0;
+    c->want_out = 0;
+    if (c->close_after) { conn_close(c); return; }
+    conn_watch(c);
+    if (c->x) exchange_drained(c->x);
+    else conn_process(c); /* serving may have stopped while the client did not read */
+}
+
+static void conn_flush_all(void) {
+    while (S.pending_writes) {
+        conn *c = S.pending_writes;
+        S.pending_writes = c->next_pending;
+        c->pending = 0;
+        if (!c->closing) conn_flush(c);
+    }
+}
+
+static size_t conn_unsent(conn *c) { return c->out.len - c->out_off; }
+
+static const char *http_reason(int status) {
+    switch (status) {
+    case 100: return "Continue";
+    case 200: return "OK";
+    case 201: return "Created";
+    case 400: return "Bad Request";
+    case 401: return "Unauthorized";
+    case 403: return "Forbidden";
+    case 404: return "Not Found";
+    case 405: return "Method Not Allowed";
+    case 408: return "Request Timeout";
+    case 409: return "Conflict";
+    case 412: return "Precondition Failed";
+    case 413: return "Content Too Large";
+    case 417: return "Expectation Failed";
+    case 428: return "Precondition Required";
+    case 429: return "Too Many Requests";
+    case 431: return "Request Header Fields Too Large";
+    case 500: return "Internal Server Error";
+    case 501: return "Not Implemented";
+    case 502: return "Bad Gateway";
+    case 503: return "Service Unavailable";
+    case 504: return "Gateway Timeout";
+    default: return status < 300 ? "OK" : status < 500 ? "Client Error" : "Server Error";
+    }
+}
+
+/* Write an answer's head. `length` < 0 means a chunked body follows.
+ * `extra` is more header lines, each ending in CRLF. */
+static void conn_head(conn *c, int status, const char *ctype, long long length, const char *extra) {
+    c->keep_alive = c->req.keep_alive && !S.draining && !c->close_after;
+    buf h = {0};
+    buf_printf(&h, "HTTP/1.1 %d %s\r\nContent-Type: %s\r\n", status, http_reason(status), ctype);
+    if (length >= 0) buf_printf(&h, "Content-Length: %lld\r\n", length);
+    else buf_puts(&h, "Transfer-Encoding: chunked\r\n");
+    if (extra) buf_puts(&h, extra);
+    if (!c->keep_alive) buf_puts(&h, "Connection: close\r\n");
+    buf_puts(&h, "\r\n");
+    conn_send(c, h.p, h.len);
+    buf_free(&h);
+}
+
+/* The current request is answered: make room for the next one. */
+static void conn_done(conn *c) {
+    buf_consume(&c->in, c->head_len + c->body_raw);
+    c->head_len = c->body_raw = c->scan = 0;
+    c->body.len = 0;
+    c->cd = (chunk_decoder){0};
+    c->state = CONN_HEAD;
+    c->rid[0] = 0;
+    if (!c->keep_alive) {
+        c->close_after = 1;
+        conn_send(c, "", 0); /* joins the pending list: closes after the flush */
+        return;
+    }
+    conn_process(c);
+}
+
+/* A whole answer with a body. */
+static void conn_reply(conn *c, int status, const char *ctype, const char *extra, const char *body, size_t n) {
+    conn_head(c, status, ctype, (long long)n, extra);
+    conn_send(c, body, n);
+    conn_done(c);
+}
+
+/* An error in the shape of the listener's API: OpenAI's on the inference
+ * plane, JSON:API's on the admin plane (API.md 3 and 4). */
+static void conn_error(conn *c, int status, const char *code, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static void conn_error(conn *c, int status, const char *code, const char *fmt, ...) {
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    buf b = {0}, extra = {0};
+    jwriter w;
+    jw_init(&w, &b);
+    jw_open(&w, '{');
+    if (c->admin) {
+        jw_key(&w, "errors");
+        jw_open(&w, '[');
+        jw_open(&w, '{');
+        jw_key(&w, "code"), jw_cstr(&w, code);
+        jw_key(&w, "title"), jw_cstr(&w, http_reason(status));
+        jw_key(&w, "detail"), jw_cstr(&w, msg);
+        jw_key(&w, "meta"), jw_open(&w, '{'), jw_close(&w, '}');
+        jw_close(&w, '}');
+        jw_close(&w, ']');
+        buf_puts(&extra, "Cache-Control: no-store\r\n");
+    } else {
+        const char *type = status == 401 ? "authentication_error" : status == 403 ? "permission_error"
+                         : status == 404 ? "not_found_error" : status == 429 ? "rate_limit_error"
+                         : status >= 500 ? "api_error" : "invalid_request_error";
+        jw_key(&w, "error");
+        jw_open(&w, '{');
+        jw_key(&w, "message"), jw_cstr(&w, msg);
+        jw_key(&w, "type"), jw_cstr(&w, type);
+        jw_key(&w, "param"), jw_null(&w);
+        jw_key(&w, "code"), jw_cstr(&w, code);
+        jw_close(&w, '}');
+    }
+    jw_close(&w, '}');
+    if (c->rid[0]) buf_printf(&extra, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: 0\r\n", c->rid, c->rid);
+    c->state = CONN_BUSY;
+    conn_reply(c, status, "application/json", extra.p, b.p, b.len);
+    buf_free(&b), buf_free(&extra);
+}
+
+/* Errors of the HTTP layer itself: the request's framing cannot be trusted,
+ * so the answer closes the connection. */
+static void conn_fail(conn *c, int status, const char *code, const char *msg) {
+    c->close_after = 1;
+    c->req.keep_alive = 0;
+    conn_error(c, status, code, "%s", msg);
+}
+
+static void conn_timer(void *ctx) {
+    conn *c = ctx;
+    if (conn_unsent(c)) { timer_set(&c->t, S.idle_timeout_ms); return; } /* still writing: not idle */
+    if (c->timer_kind == TK_IDLE) { conn_close(c); return; }
+    conn_fail(c, 408, "request_timeout", c->timer_kind == TK_HEAD ? "the request head did not arrive in time"
+                                                                  : "the request body stopped arriving");
+}
+
+static void conn_arm_timer(conn *c) {
+    if (c->closing) return;
+    int kind = c->state == CONN_BUSY ? TK_NONE : c->state == CONN_BODY ? TK_BODY : c->in.len ? TK_HEAD : TK_IDLE;
+    if (kind == c->timer_kind && kind != TK_BODY) return; /* a head's limit counts from its first byte */
+    c->timer_kind = kind;
+    if (kind == TK_NONE) timer_stop(&c->t);
+    else timer_set(&c->t, kind == TK_HEAD ? S.head_timeout_ms : S.idle_timeout_ms);
+}
+
+/* Parse and serve as many buffered requests as may be served now. */
+static void conn_process(conn *c) {
+    if (c->processing) return; /* a caller up the stack is already looping */
+    c->processing = 1;
+    while (!c->closing && c->state != CONN_BUSY && !c->close_after && conn_unsent(c) < OUT_HIGH_WATER) {
+        if (c->state == CONN_HEAD) {
+            int n = http_head_end(c->in.p, c->in.len, &c->scan);
+            if (n == LTG_AGAIN && c->in.len <= MAX_HEAD_BYTES) break;
+            if (n == LTG_AGAIN || n > MAX_HEAD_BYTES) { conn_fail(c, 431, "headers_too_large", "the request head is larger than 16 KiB"); break; }
+            c->head_len = (size_t)n;
+            if (http_parse_request(c->in.p, (size_t)n, &c->req) < 0) {
+                conn_fail(c, c->req.status, c->req.status == 431 ? "headers_too_large" : "bad_request", c->req.err);
+                break;
+            }
+            if (c->req.content_length > S.max_body) {
+                char m[128];
+                snprintf(m, sizeof m, "the request body is larger than %lld bytes", S.max_body);
+                conn_fail(c, 413, "body_too_large", m);
+                break;
+            }
+            c->state = CONN_BODY;
+            c->timer_kind = TK_NONE;
+            int has_body = c->req.chunked || c->req.content_length > 0;
+            if (has_body && c->req.expect_continue && c->in.len == c->head_len) conn_send(c, "HTTP/1.1 100 Continue\r\n\r\n", 25);
+        }
+        if (c->req.chunked) {
+            long k = chunk_decode(&c->cd, c->in.p + c->head_len + c->body_raw, c->in.len - c->head_len - c->body_raw, &c->body);
+            if (k < 0) { conn_fail(c, 400, "bad_request", "malformed chunked request body"); break; }
+            c->body_raw += (size_t)k;
+            if ((long long)c->body.len > S.max_body) { conn_fail(c, 413, "body_too_large", "the request body is too large"); break; }
+            if (c->cd.state != CHUNK_DONE) break;
+        } else if (c->req.content_length > 0) {
+            size_t cl = (size_t)c->req.content_length;
+            if (c->in.len - c->head_len < cl) break;
+            buf_append(&c->body, c->in.p + c->head_len, cl);
+            c->body_raw = cl;
+        }
+        if (!c->body.p) buf_reserve(&c->body, 0);
+        c->state = CONN_BUSY;
+        route(c);
+    }
+    c->processing = 0;
+    if (c->closing) return;
+    /* Stop reading while a request is served and more than 64 KiB of the next ones wait. */
+    int paused = c->state == CONN_BUSY && c->in.len > c->head_len + c->body_raw + 65536;
+    if (paused != c->read_paused) c->read_paused = paused, conn_watch(c);
+    conn_arm_timer(c);
+}
+
+static void conn_read(conn *c) {
+    for (int rounds = 0; rounds < 4; rounds++) {
+        buf_reserve(&c->in, READ_CHUNK);
+        ssize_t n = recv(c->fd, c->in.p + c->in.len, READ_CHUNK, 0);
+        if (n > 0) {
+            c->in.len += (size_t)n;
+            c->in.p[c->in.len] = 0;
+            if (n < READ_CHUNK) break;
+            continue;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+        conn_close(c); /* the client closed, or the connection broke */
+        return;
+    }
+    conn_process(c);
+}
+
+static void conn_io(void *ctx, int revents) {
+    conn *c = ctx;
+    if (revents & POLLOUT) conn_flush(c);
+    if (!c->closing && (revents & (POLLIN | POLLHUP | POLLERR))) conn_read(c);
+}
+
+static void conn_new(int fd, int admin) {
+    conn *c = xcalloc(1, sizeof *c);
+    c->fd = fd, c->admin = admin;
+    timer_init(&c->t, conn_timer, c);
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    c->next = conns;
+    if (conns) conns->prev = c;
+    conns = c;
+    S.nconns++;
+    loop_watch(fd, POLLIN, conn_io, c);
+    conn_arm_timer(c);
+}
+
+/* ===== 10. Inference: the proxy path =====
+ *
+ * IMPLEMENTATION NOTES
+ * An exchange is one inference request on its way through ltg: it holds the
+ * rewritten request, the upstream connection it borrowed, and how far the
+ * answer got. The client sees one of two shapes:
+ *
+ *   - a whole answer (non-streaming, or any error): ltg waits for the
+ *     provider's complete body, then writes head and body at once;
+ *   - a stream: when the provider answers 200 with text/event-stream, each
+ *     complete SSE event is sent on as one HTTP chunk the moment it is
+ *     whole. The client's head goes out with the first event, not before,
+ *     so until then the attempt can still fail without the client having
+ *     seen anything.
+ *
+ * The deadline (x-ltg-deadline, 30 s by default) bounds the wait for the
+ * answer to start; once a stream is flowing, a stream may go quiet for at
+ * most STREAM_IDLE_MS. A stream cut after it started ends with an explicit
+ * SSE error event and no [DONE], so no client mistakes half an answer for a
+ * whole one. A client that goes away cancels its upstream request: the
+ * connection is closed, never returned to the pool mid-answer.
+ *
+ * Back-pressure: when the client does not read and more than
+ * OUT_HIGH_WATER bytes wait for it, ltg stops reading the provider
+ * (up_pause); TCP then slows the provider down. Memory per stream stays
+ * bounded by what one read can add.
+ */
+struct exchange {
+    conn *c;
+    catalog *cat;        /* held: the model and provider live in it */
+    model *m;
+    int stream;
+    buf req;             /* the upstream request: head and rewritten body */
+    upstream *u;
+    int attempts;
+    int head_sent;       /* the client has the answer's head: no failover after this */
+    timer t;             /* the deadline, then the stream's idle limit */
+    int64_t started;
+    long long deadline_ms;
+};
+
+static void exchange_free(exchange *x) {
+    timer_stop(&x->t);
+    if (x->u) up_release(x->u);
+    buf_free(&x->req);
+    catalog_release(x->cat);
+    free(x);
+}
+
+/* The request is over for the client too: free it and let the connection
+ * go on to its next request. */
+static void exchange_end(exchange *x) {
+    conn *c = x->c;
+    c->x = NULL;
+    exchange_free(x);
+    conn_done(c);
+}
+
+/* The client went away (see conn_close): drop everything. */
+static void exchange_abort(exchange *x) {
+    x->c->x = NULL;
+    exchange_free(x);
+}
+
+/* The x-ltg headers every chat and embeddings answer carries (API.md 4.1). */
+static void exchange_headers(exchange *x, int status, buf *h) {
+    buf_printf(h, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: %d\r\n", x->c->rid, x->c->rid, x->attempts);
+    if (status >= 200 && status < 300) buf_printf(h, "x-ltg-served-model: %s\r\n", x->m->alias);
+}
+
+/* Answer with an OpenAI-shaped error when no upstream answer can be relayed. */
+static void exchange_error(exchange *x, int status, const char *code, const char *msg) {
+    conn *c = x->c;
+    if (x->head_sent) { /* a stream already started: end it visibly broken */
+        buf b = {0}, ev = {0};
+        jwriter w;
+        jw_init(&w, &b);
+        jw_open(&w, '{'), jw_key(&w, "error"), jw_open(&w, '{');
+        jw_key(&w, "message"), jw_cstr(&w, msg);
+        jw_key(&w, "type"), jw_cstr(&w, "upstream_error");
+        jw_key(&w, "code"), jw_cstr(&w, "stream_interrupted");
+        jw_close(&w, '}'), jw_close(&w, '}');
+        buf_printf(&ev, "data: %s\n\n", b.p);
+        char size[32];
+        int n = snprintf(size, sizeof size, "%zx\r\n", ev.len);
+        conn_send(c, size, (size_t)n);
+        conn_send(c, ev.p, ev.len);
+        conn_send(c, "\r\n0\r\n\r\n", 7);
+        buf_free(&b), buf_free(&ev);
+        exchange_end(x);
+        return;
+    }
+    buf b = {0}, h = {0};
+    jwriter w;
+    jw_init(&w, &b);
+    jw_open(&w, '{'), jw_key(&w, "error"), jw_open(&w, '{');
+    jw_key(&w, "message"), jw_cstr(&w, msg);
+    jw_key(&w, "type"), jw_cstr(&w, status == 504 ? "timeout_error" : "upstream_error");
+    jw_key(&w, "param"), jw_null(&w);
+    jw_key(&w, "code"), jw_cstr(&w, code);
+    jw_close(&w, '}'), jw_close(&w, '}');
+    exchange_headers(x, status, &h);
+    conn_head(c, status, "application/json", (long long)b.len, h.p);
+    conn_send(c, b.p, b.len);
+    buf_free(&b), buf_free(&h);
+    exchange_end(x);
+}
+
+static void exchange_timer(void *ctx) {
+    exchange *x = ctx;
+    char msg[160];
+    if (x->head_sent) snprintf(msg, sizeof msg, "the stream from %s stalled for %d s", x->m->alias, STREAM_IDLE_MS / 1000);
+    else snprintf(msg, sizeof msg, "no answer from %s within the deadline of %lld ms", x->m->alias, x->deadline_ms);
+    exchange_error(x, 504, "deadline_exceeded", msg);
+}
+
+/* Send one piece of the stream as an HTTP chunk. */
+static void exchange_chunk(exchange *x, const char *p, size_t n) {
+    char size[32];
+    int k = snprintf(size, sizeof size, "%zx\r\n", n);
+    conn_send(x->c, size, (size_t)k);
+    conn_send(x->c, p, n);
+    conn_send(x->c, "\r\n", 2);
+}
+
+/* Relay the stream's complete events; end it when the provider's body ends. */
+static void exchange_relay_stream(exchange *x) {
+    upstream *u = x->u;
+    size_t off = 0, n;
+    while ((n = sse_event_len(u->body.p + off, u->body.len - off)) > 0) {
+        if (!x->head_sent) {
+            buf h = {0};
+            exchange_headers(x, 200, &h);
+            buf_puts(&h, "Cache-Control: no-cache\r\n");
+            conn_head(x->c, 200, "text/event-stream", -1, h.p);
+            buf_free(&h);
+            x->head_sent = 1;
+        }
+        exchange_chunk(x, u->body.p + off, n);
+        off += n;
+    }
+    buf_consume(&u->body, off);
+    if (x->head_sent) timer_set(&x->t, STREAM_IDLE_MS);
+    if (u->complete) {
+        if (u->body.len) { /* the provider ended without a final blank line: pass the rest on */
+            if (!x->head_sent) { exchange_error(x, 502, "upstream_error", "the provider's stream ended before its first event"); return; }
+            exchange_chunk(x, u->body.p, u->body.len);
+        }
+        if (!x->head_sent) { exchange_error(x, 502, "upstream_error", "the provider's stream was empty"); return; }
+        conn_send(x->c, "0\r\n\r\n", 5);
+        exchange_end(x);
+        return;
+    }
+    if (u->body.len > 1024 * 1024) { exchange_error(x, 502, "upstream_error", "an SSE event from the provider is larger than 1 MiB"); return; }
+    if (conn_unsent(x->c) > OUT_HIGH_WATER) up_pause(u, 1);
+}
+
+/* The client has read what was waiting: resume the provider. */
+static void exchange_drained(exchange *x) {
+    if (x->u && x->u->paused) up_pause(x->u, 0);
+}
+
+/* News from the upstream connection (see section 8). */
+static void exchange_upstream(exchange *x) {
+    upstream *u = x->u;
+    if (u->failed) {
+        char msg[256];
+        snprintf(msg, sizeof msg, "%s: %s", x->m->alias, u->err);
+        exchange_error(x, 502, "upstream_error", msg);
+        return;
+    }
+    if (!u->have_head) return;
+    size_t n;
+    const char *ct = http_header_get(u->head.p, u->resp.h, u->resp.nh, "content-type", &n);
+    int sse = ct && n >= 17 && ascii_casecmp_n(ct, 17, "text/event-stream") == 0;
+    if (x->stream && u->resp.status == 200 && sse) { exchange_relay_stream(x); return; }
+    if (u->body.len > UP_MAX_BODY_BYTES) { exchange_error(x, 502, "upstream_error", "the provider's answer is larger than 64 MiB"); return; }
+    if (!u->complete) return;
+    buf h = {0};
+    char ctype[128];
+    snprintf(ctype, sizeof ctype, "%.*s", ct ? (int)(n < 127 ? n : 127) : 16, ct ? ct : "application/json");
+    exchange_headers(x, u->resp.status, &h);
+    conn_head(x->c, u->resp.status, ctype, (long long)u->body.len, h.p);
+    conn_send(x->c, u->body.p, u->body.len);
+    buf_free(&h);
+    exchange_end(x);
+}
+
+/* Build the upstream request: the client's body with "model" (token mv)
+ * rewritten to the provider's name for it, and the provider's key. */
+static void exchange_build(exchange *x, const char *path, const char *body, size_t blen, const json_tok *mv) {
+    provider *p = x->m->p;
+    buf nb = {0};
+    jwriter w;
+    jw_init(&w, &nb);
+    buf_append(&nb, body, mv->start - 1);
+    jw_cstr(&w, x->m->upstream);
+    buf_append(&nb, body + mv->end + 1, blen - mv->end - 1);
+    buf_printf(&x->req, "POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %zu\r\n"
+                        "Accept: %s\r\nAccept-Encoding: identity\r\nUser-Agent: ltg/0.1\r\n",
+               p->base_path, path, p->hostport, nb.len, x->stream ? "text/event-stream" : "application/json");
+    if (p->api_key) buf_printf(&x->req, "Authorization: Bearer %s\r\n", p->api_key);
+    buf_puts(&x->req, "\r\n");
+    buf_append(&x->req, nb.p, nb.len);
+    buf_free(&nb);
+}
+
+/* The bearer token of the request, or NULL. */
+static const char *request_bearer(conn *c, size_t *n) {
+    const char *v = http_header_get(c->in.p, c->req.h, c->req.nh, "authorization", n);
+    if (!v || *n < 7 || ascii_casecmp_n(v, 7, "bearer ") != 0) return NULL;
+    v += 7, *n -= 7;
+    while (*n && *v == ' ') v++, (*n)--;
+    return *n ? v : NULL;
+}
+
+/* Until token keys exist, the inference plane accepts the config's dev_keys. */
+static int inference_auth(conn *c) {
+    size_t n;
+    const char *key = request_bearer(c, &n);
+    if (!key) {
+        conn_error(c, 401, "invalid_api_key", "missing API key: send the header Authorization: Bearer <key>");
+        return LTG_ERR;
+    }
+    int ok = 0;
+    for (int i = 0; i < S.cat->ndev; i++) ok |= secret_eq(key, n, S.cat->dev_keys[i], strlen(S.cat->dev_keys[i]));
+    if (!ok) { conn_error(c, 401, "invalid_api_key", "invalid API key"); return LTG_ERR; }
+    return 0;
+}
+
+/* POST /v1/chat/completions and /v1/embeddings. */
+static void inference_call(conn *c, const char *upstream_path, int can_stream) {
+    if (inference_auth(c) < 0) return;
+    const char *body = c->body.p;
+    json_tok t[MAX_BODY_FIELDS];
+    json_result res;
+    if (json_parse(body, c->body.len, t, MAX_BODY_FIELDS, 1, &res) < 0) {
+        conn_error(c, 400, "invalid_json", "the request body is not valid JSON: %s at byte offset %zu", res.err, res.err_offset);
+        return;
+    }
+    if (t[0].type != JSON_OBJECT) { conn_error(c, 400, "invalid_request", "the request body must be a JSON object"); return; }
+    int mv = json_get(body, t, 0, "model");
+    if (mv < 0 || t[mv].type != JSON_STRING) { conn_error(c, 400, "invalid_request", "the request needs a \"model\": one of the gateway's model aliases (GET /v1/models)"); return; }
+    buf name = {0};
+    json_unescape(body, t, mv, &name);
+    model *m = catalog_model(S.cat, name.p ? name.p : "", name.len);
+    if (!m) {
+        conn_error(c, 404, "model_not_found", "the model \"%.200s\" does not exist in this gateway (GET /v1/models lists them)", name.p ? name.p : "");
+        buf_free(&name);
+        return;
+    }
+    buf_free(&name);
+    int sv = json_get(body, t, 0, "stream");
+    if (sv >= 0 && t[sv].type != JSON_TRUE && t[sv].type != JSON_FALSE && t[sv].type != JSON_NULL) {
+        conn_error(c, 400, "invalid_request", "\"stream\" must be true or false");
+        return;
+    }
+    int stream = sv >= 0 && t[sv].type == JSON_TRUE;
+    if (stream && !can_stream) { conn_error(c, 400, "invalid_request", "this endpoint does not stream: remove \"stream\""); return; }
+
+    exchange *x = xcalloc(1, sizeof *x);
+    x->c = c, x->m = m, x->cat = S.cat, x->stream = stream;
+    x->cat->refs++;
+    x->started = S.now;
+    x->deadline_ms = DEFAULT_DEADLINE_MS;
+    timer_init(&x->t, exchange_timer, x);
+    timer_set(&x->t, x->deadline_ms);
+    exchange_build(x, upstream_path, body, c->body.len, &t[mv]);
+    c->x = x;
+    x->attempts++;
+    x->u = up_start(m->p, x, x->req.p, x->req.len);
+}
+
+/* GET /v1/models: the aliases this key may call, in OpenAI's list shape. */
+static void inference_models(conn *c) {
+    if (inference_auth(c) < 0) return;
+    buf b = {0}, h = {0};
+    jwriter w;
+    jw_init(&w, &b);
+    jw_open(&w, '{');
+    jw_key(&w, "object"), jw_cstr(&w, "list");
+    jw_key(&w, "data"), jw_open(&w, '[');
+    for (int i = 0; i < S.cat->nmodels; i++) {
+        jw_open(&w, '{');
+        jw_key(&w, "id"), jw_cstr(&w, S.cat->models[i].alias);
+        jw_key(&w, "object"), jw_cstr(&w, "model");
+        jw_key(&w, "created"), jw_int(&w, 0);
+        jw_key(&w, "owned_by"), jw_cstr(&w, S.cat->models[i].p->name);
+        jw_close(&w, '}');
+    }
+    jw_close(&w, ']'), jw_close(&w, '}');
+    buf_printf(&h, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\n", c->rid, c->rid);
+    conn_reply(c, 200, "application/json", h.p, b.p, b.len);
+    buf_free(&b), buf_free(&h);
+}
+
+/* ===== 11. Routing and the admin listener =====
+ *
+ * IMPLEMENTATION NOTES
+ * Both listeners share the HTTP server; `conn.admin` says which one a
+ * connection came from, and so which endpoints and which error shape it
+ * gets. The control plane of API.md section 3 is on the roadmap: until it
+ * lands, the admin listener serves only the health check.
+ */
+static int path_is(conn *c, const char *path) {
+    const char *t = c->in.p + c->req.target.off;
+    size_t n = c->req.target.len, q = 0;
+    while (q < n && t[q] != '?') q++;
+    return q == strlen(path) && memcmp(t, path, q) == 0;
+}
+
+static int method_is(conn *c, const char *m) {
+    return c->req.method.len == strlen(m) && memcmp(c->in.p + c->req.method.off, m, c->req.method.len) == 0;
+}
+
+static void route(conn *c) {
+    if (path_is(c, "/healthz")) {
+        if (!method_is(c, "GET")) { conn_error(c, 405, "method_not_allowed", "use GET for /healthz"); return; }
+        static const char ok[] = "{\"status\":\"ok\"}";
+        conn_reply(c, 200, "application/json", "Cache-Control: no-store\r\n", ok, sizeof ok - 1);
+        return;
+    }
+    if (c->admin) {
+        conn_error(c, 404, "not_found", "no such endpoint on the admin listener (the control plane is on ltg's roadmap)");
+        return;
+    }
+    snprintf(c->rid, sizeof c->rid, "req_%016llx%08llx", (unsigned long long)rng_next(), (unsigned long long)(++S.request_seq & 0xffffffff));
+    static const struct { const char *path, *method, *upstream; int stream; } api[] = {
+        {"/v1/chat/completions", "POST", "/chat/completions", 1},
+        {"/v1/embeddings", "POST", "/embeddings", 0},
+        {"/v1/models", "GET", NULL, 0},
+    };
+    for (size_t i = 0; i < sizeof api / sizeof api[0]; i++) {
+        if (!path_is(c, api[i].path)) continue;
+        if (!method_is(c, api[i].method)) { conn_error(c, 405, "method_not_allowed", "use %s for %s", api[i].method, api[i].path); return; }
+        if (api[i].upstream) inference_call(c, api[i].upstream, api[i].stream);
+        else inference_models(c);
+        return;
+    }
+    conn_error(c, 404, "not_found", "no such endpoint (ltg serves /v1/chat/completions, /v1/embeddings and /v1/models)");
+}
+
+/* ===== 12. main =====
+ *
+ * IMPLEMENTATION NOTES
+ * Start-up: options, the catalog, the fd table sized from the connection
+ * cap, signals, resolver, listeners; then the loop. SIGTERM/SIGINT start a
+ * drain: the listeners close (a new connection is refused), idle
+ * connections close, requests in flight finish (at most --drain-seconds),
+ * and ltg exits 0. SIGHUP reloads the catalog.
+ */
+static timer accept_pause, drain_timer;
+
+static void listener_accept(void *ctx, int revents);
+
+static void accept_resume(void *ctx) {
+    (void)ctx;
+    if (S.listen_fd >= 0) loop_events(S.listen_fd, POLLIN);
+    if (S.admin_fd >= 0) loop_events(S.admin_fd, POLLIN);
+}
+
+static void listener_accept(void *ctx, int revents) {
+    (void)revents;
+    int lfd = *(int *)ctx, admin = ctx == &S.admin_fd;
+    for (int i = 0; i < 64; i++) {
+        int fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) {
+            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+                ltg_log("accept: %s: pausing new connections for 100 ms", strerror(errno));
+                loop_events(S.listen_fd, 0), loop_events(S.admin_fd, 0);
+                timer_set(&accept_pause, 100);
+            }
+            return;
+        }
+        if (S.nconns >= S.max_conns || fd >= S.nfds_cap) { close(fd); continue; } /* over the cap: closed at once */
+        conn_new(fd, admin);
+    }
+}
+
+static int listen_on(const char *spec, const char **why) {
+    char host[64];
+    const char *colon = strrchr(spec, ':');
+    long long port;
+    *why = "expected ADDR:PORT, e.g. 127.0.0.1:8080";
+    if (!colon || colon == spec || (size_t)(colon - spec) >= sizeof host) return LTG_ERR;
+    if (parse_ll(colon + 1, strlen(colon + 1), 65535, &port) < 0) return LTG_ERR;
+    snprintf(host, sizeof host, "%.*s", (int)(colon - spec), spec);
+    if (host[0] == '[' && host[strlen(host) - 1] == ']') memmove(host, host + 1, strlen(host)), host[strlen(host) - 1] = 0;
+    struct sockaddr_storage a;
+    if (strcmp(host, "localhost") == 0) snprintf(host, sizeof host, "127.0.0.1");
+    if (addr_parse(host, &a) < 0) { *why = "the address must be numeric (IPv4 or [IPv6])"; return LTG_ERR; }
+    addr_set_port(&a, (int)port);
+    int fd = socket(a.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0), one = 1;
+    if (fd < 0) { *why = strerror(errno); return LTG_ERR; }
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (bind(fd, (struct sockaddr *)&a, addr_len(&a)) < 0 || listen(fd, 1024) < 0) {
+        *why = strerror(errno);
+        close(fd);
+        return LTG_ERR;
+    }
+    return fd;
+}
+
+static void drain_start(void) {
+    S.draining = 1;
+    S.drain_until = S.now + (int64_t)S.drain_seconds * 1000;
+    timer_set(&drain_timer, (int64_t)S.drain_seconds * 1000);
+    ltg_log("draining: %d connection(s) open, at most %d s", S.nconns, S.drain_seconds);
+    loop_close(S.listen_fd), loop_close(S.admin_fd);
+    S.listen_fd = S.admin_fd = -1;
+    for (conn *c = conns, *next; c; c = next) {
+        next = c->next;
+        if (c->state == CONN_HEAD && !c->in.len && !conn_unsent(c)) conn_close(c);
+    }
+}
+
+static void config_reload(void) {
+    char err[512];
+    catalog *cat = catalog_load(S.config_path, NULL, err, sizeof err);
+    if (!cat) { ltg_log("SIGHUP: config refused, the old one stays: %s", err); return; }
+    catalog *old = S.cat;
+    S.cat = cat;
+    catalog_release(old);
+    ltg_log("SIGHUP: config taken: %d provider(s), %d model(s)", cat->nprov, cat->nmodels);
+}
+
+static void loop_signals(void) {
+    if (S.got_hup) S.got_hup = 0, config_reload();
+    if (S.got_term && !S.draining) drain_start();
+}
+
+static int loop_should_exit(void) { return S.draining && (S.nconns == 0 || S.now >= S.drain_until); }
+
+static void sig_pipe_read(void *ctx, int revents) {
+    (void)ctx, (void)revents;
+    char tmp[64];
+    while (read(S.sig_pipe[0], tmp, sizeof tmp) > 0) {}
+}
+
+static void drain_expired(void *ctx) { (void)ctx; } /* it only wakes the loop: loop_should_exit() decides */
+
+#ifndef LTG_NO_MAIN
+static void usage(void) {
+    fprintf(stderr,
+            "usage: ltg --config FILE [--data DIR] [--listen ADDR:PORT] [--admin-listen ADDR:PORT]\n"
+            "           [--max-conns N] [--drain-seconds N] [--max-body-mb N] [--head-timeout S] [--idle-timeout S]\n");
+    exit(2);
+}
+
+int main(int argc, char **argv) {
+    S.config_path = NULL;
+    snprintf(S.listen_addr, sizeof S.listen_addr, "127.0.0.1:8080");
+    snprintf(S.admin_addr, sizeof S.admin_addr, "127.0.0.1:8081");
+    S.max_conns = 1024, S.drain_seconds = 10, S.max_body = 8LL << 20;
+    S.head_timeout_ms = 10000, S.idle_timeout_ms = 60000;
+    for (int i = 1; i < argc; i++) {
+        const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        long long n = 0;
+        int numeric = strcmp(o, "--max-conns") == 0 || strcmp(o, "--drain-seconds") == 0 || strcmp(o, "--max-body-mb") == 0 ||
+                      strcmp(o, "--head-timeout") == 0 || strcmp(o, "--idle-timeout") == 0;
+        if (!v) usage();
+        if (numeric && (parse_ll(v, strlen(v), 1000000, &n) < 0 || n < 1)) {
+            fprintf(stderr, "ltg: %s needs a whole number >= 1, not \"%s\"\n", o, v);
+            return 2;
+        }
+        if (strcmp(o, "--config") == 0) S.config_path = v;
+        else if (strcmp(o, "--data") == 0) S.data_dir = v;
+        else if (strcmp(o, "--listen") == 0) snprintf(S.listen_addr, sizeof S.listen_addr, "%s", v);
+        else if (strcmp(o, "--admin-listen") == 0) snprintf(S.admin_addr, sizeof S.admin_addr, "%s", v);
+        else if (strcmp(o, "--max-conns") == 0) S.max_conns = (int)n;
+        else if (strcmp(o, "--drain-seconds") == 0) S.drain_seconds = (int)n;
+        else if (strcmp(o, "--max-body-mb") == 0) S.max_body = n << 20;
+        else if (strcmp(o, "--head-timeout") == 0) S.head_timeout_ms = (int)n * 1000;
+        else if (strcmp(o, "--idle-timeout") == 0) S.idle_timeout_ms = (int)n * 1000;
+        else usage();
+        i++;
+    }
+    if (!S.config_path) usage();
+    signal(SIGPIPE, SIG_IGN);
+    rng_seed();
+    S.now = clock_ms();
+
+    char err[512];
+    S.cat = catalog_load(S.config_path, NULL, err, sizeof err);
+    if (!S.cat) { fprintf(stderr, "ltg: %s\n", err); return 1; }
+    if (S.data_dir && mkdir(S.data_dir, 0700) < 0 && errno != EEXIST) {
+        fprintf(stderr, "ltg: --data %s: %s\n", S.data_dir, strerror(errno));
+        return 1;
+    }
+
+    /* Room for every client, one upstream connection each, and a margin. */
+    struct rlimit rl;
+    getrlimit(RLIMIT_NOFILE, &rl);
+    rlim_t want = (rlim_t)S.max_conns * 2 + 64;
+    if (rl.rlim_cur < want) {
+        rl.rlim_cur = want < rl.rlim_max ? want : rl.rlim_max;
+        setrlimit(RLIMIT_NOFILE, &rl);
+        getrlimit(RLIMIT_NOFILE, &rl);
+    }
+    S.nfds_cap = (int)(rl.rlim_cur < want ? rl.rlim_cur : want);
+    if ((rlim_t)S.nfds_cap < want) {
+        S.max_conns = (S.nfds_cap - 64) / 2 > 1 ? (S.nfds_cap - 64) / 2 : 1;
+        ltg_log("the fd limit (ulimit -n %d) caps connections at %d", S.nfds_cap, S.max_conns);
+    }
+    S.fds = xcalloc((size_t)S.nfds_cap, sizeof *S.fds);
+    S.pfds = xcalloc((size_t)S.nfds_cap, sizeof *S.pfds);
+
+    if (pipe2(S.sig_pipe, O_NONBLOCK | O_CLOEXEC) < 0) { perror("ltg: pipe"); return 1; }
+    loop_watch(S.sig_pipe[0], POLLIN, sig_pipe_read, NULL);
+    struct sigaction sa = {0};
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, NULL), sigaction(SIGINT, &sa, NULL), sigaction(SIGHUP, &sa, NULL);
+    timer_init(&accept_pause, accept_resume, NULL);
+    timer_init(&drain_timer, drain_expired, NULL);
+    dns_init();
+
+    const char *why;
+    if ((S.listen_fd = listen_on(S.listen_addr, &why)) < 0) { fprintf(stderr, "ltg: --listen %s: %s\n", S.listen_addr, why); return 1; }
+    if ((S.admin_fd = listen_on(S.admin_addr, &why)) < 0) { fprintf(stderr, "ltg: --admin-listen %s: %s\n", S.admin_addr, why); return 1; }
+    loop_watch(S.listen_fd, POLLIN, listener_accept, &S.listen_fd);
+    loop_watch(S.admin_fd, POLLIN, listener_accept, &S.admin_fd);
+    ltg_log("listening on %s (inference) and %s (admin); %d provider(s), %d model(s)", S.listen_addr, S.admin_addr,
+            S.cat->nprov, S.cat->nmodels);
+
+    loop_run();
+    ltg_log("stopped");
+    return 0;
+}
+#endif

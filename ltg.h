@@ -1,0 +1,176 @@
+/* ltg.h -- the contracts of ltg's reusable parts.
+ *
+ * ltg is one C file (ltg.c). This header holds the types and functions that
+ * another program may take when it vendors ltg: the byte buffer, the JSON
+ * reader and writer, and the resumable HTTP/1.1 parsers. Each contract is
+ * written once, here; ltg.c says "see ltg.h" beside the implementation.
+ *
+ * Conventions, shared by every parser below:
+ *   - A parser never allocates and never blocks. Results are slices
+ *     (offset + length) into the caller's buffer.
+ *   - A parser returns the number of bytes it consumed (>= 0), LTG_AGAIN when
+ *     it needs more input, or LTG_ERR when the input is invalid. After
+ *     LTG_ERR the parser's state says why (a status or a message) and every
+ *     later call keeps failing: errors are sticky.
+ */
+#ifndef LTG_H
+#define LTG_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define LTG_AGAIN (-2)
+#define LTG_ERR (-1)
+
+/* ===== Byte buffer =====
+ * One growable buffer type for everything ltg builds or receives. `len`
+ * bytes of `p` are used; `p[len]` is always a NUL so a buffer may be handed
+ * to string functions. Allocation failure aborts: a gateway that cannot get
+ * a few kilobytes has no useful way to continue. */
+typedef struct {
+    char *p;
+    size_t len, cap;
+} buf;
+
+void buf_reserve(buf *b, size_t extra);            /* room for `extra` more bytes */
+void buf_append(buf *b, const void *data, size_t n);
+void buf_puts(buf *b, const char *s);
+void buf_printf(buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void buf_consume(buf *b, size_t n);                /* drop the first n bytes */
+void buf_free(buf *b);
+
+/* ===== JSON reader =====
+ * Strict RFC 8259, jsmn-style: json_parse() fills a caller-given token array
+ * in document order and allocates nothing. A token covers a value: for a
+ * string, `start`/`end` are the bytes between the quotes (still escaped: use
+ * json_unescape); for other values the value's own bytes. `size` is the
+ * number of children (an object's keys count once each, the key token is
+ * followed by its value's tokens); `next` is the index of the first token
+ * after this one's subtree, so walking siblings is `i = t[i].next`. */
+typedef enum { JSON_OBJECT, JSON_ARRAY, JSON_STRING, JSON_NUMBER, JSON_TRUE, JSON_FALSE, JSON_NULL } json_type;
+
+typedef struct {
+    json_type type;
+    uint32_t start, end; /* byte range in the input */
+    int size;            /* children: members of an object, elements of an array */
+    int next;            /* index of the token after this subtree */
+} json_tok;
+
+typedef struct {
+    int ntok;          /* tokens written */
+    size_t err_offset; /* on error: the byte offset where the input went wrong */
+    const char *err;   /* on error: what was wrong, e.g. "expected ':'" */
+} json_result;
+
+#define JSON_MAX_DEPTH 64
+
+/* Parse `len` bytes of `s` as one JSON value with optional surrounding white
+ * space. The whole document is always validated, but only values nested at
+ * most `store_depth` deep are stored (0 = the root only, 1 = the root and its
+ * members, -1 = all): a proxy that needs a request's top-level fields does
+ * not pay a token for every word of a long conversation. Returns 0 and fills
+ * `res->ntok`, or LTG_ERR with res->err and res->err_offset set (also when
+ * more than `max` tokens would be stored). */
+int json_parse(const char *s, size_t len, json_tok *t, int max, int store_depth, json_result *res);
+
+/* In object token `obj`, the index of the value whose key equals `key`, or -1
+ * (also when the object's members were too deep to be stored). */
+int json_get(const char *s, const json_tok *t, int obj, const char *key);
+/* 1 when token i is a string equal to `lit` (compared unescaped). */
+int json_eq(const char *s, const json_tok *t, int i, const char *lit);
+/* Append the unescaped bytes of string token i to `out` (UTF-8). */
+void json_unescape(const char *s, const json_tok *t, int i, buf *out);
+/* Read number token i; returns 0, or LTG_ERR when it is not a number. */
+int json_number(const char *s, const json_tok *t, int i, double *out);
+
+/* ===== JSON writer =====
+ * Appends to a buf and inserts the commas itself: call jw_key() before each
+ * member of an object, then the value. Strings are escaped per RFC 8259
+ * (control characters as \u00XX); invalid UTF-8 is written as U+FFFD. */
+typedef struct {
+    buf *out;
+    int depth;
+    uint64_t need_comma; /* bit d: the container at depth d already has a member */
+} jwriter;
+
+void jw_init(jwriter *w, buf *out);
+void jw_open(jwriter *w, char brace); /* '{' or '[' */
+void jw_close(jwriter *w, char brace); /* '}' or ']' */
+void jw_key(jwriter *w, const char *key);
+void jw_str(jwriter *w, const char *s, size_t n);
+void jw_cstr(jwriter *w, const char *s); /* NULL writes null */
+void jw_int(jwriter *w, long long v);
+void jw_num(jwriter *w, double v);
+void jw_bool(jwriter *w, int v);
+void jw_null(jwriter *w);
+void jw_raw(jwriter *w, const char *json, size_t n); /* an already-encoded value */
+
+/* ===== HTTP/1.1 messages =====
+ * The head parsers take the whole head (through the blank line): find it
+ * with http_head_end(), which resumes where it stopped, so a head that
+ * arrives one byte at a time is scanned once. */
+typedef struct {
+    uint32_t off, len;
+} slice;
+
+#define HTTP_MAX_HEADERS 64
+
+typedef struct {
+    slice name, value;
+} http_header;
+
+typedef struct {
+    slice method, target;
+    int minor;              /* HTTP/1.<minor> */
+    http_header h[HTTP_MAX_HEADERS];
+    int nh;
+    int status;             /* on LTG_ERR: the status to answer (400, 431, 501) */
+    const char *err;        /* on LTG_ERR: why */
+    /* Framing and connection facts, derived from the headers: */
+    long long content_length; /* -1 when absent */
+    int chunked, keep_alive, expect_continue;
+} http_request;
+
+typedef struct {
+    int status, minor;
+    slice reason;
+    http_header h[HTTP_MAX_HEADERS];
+    int nh;
+    const char *err;
+    long long content_length;
+    int chunked, keep_alive;
+} http_response;
+
+/* Look for the end of a head in buf[0..len). `*scan` is where the previous
+ * call stopped (start at 0). Returns the head's length including the blank
+ * line, or LTG_AGAIN. */
+int http_head_end(const char *buf, size_t len, size_t *scan);
+/* Parse a complete request head of `len` bytes. Returns len or LTG_ERR. */
+int http_parse_request(const char *buf, size_t len, http_request *r);
+/* Parse a complete response head of `len` bytes. Returns len or LTG_ERR. */
+int http_parse_response(const char *buf, size_t len, http_response *r);
+/* The value of header `name` (case-insensitive) or NULL; `*n` gets its length. */
+const char *http_header_get(const char *buf, const http_header *h, int nh, const char *name, size_t *n);
+
+/* Chunked transfer coding, decoded incrementally. */
+typedef enum { CHUNK_SIZE, CHUNK_EXT, CHUNK_SIZE_LF, CHUNK_DATA, CHUNK_DATA_CR, CHUNK_DATA_LF,
+               CHUNK_TRAILER, CHUNK_TRAILER_LF, CHUNK_DONE, CHUNK_ERROR } chunk_state;
+
+typedef struct {
+    chunk_state state;
+    uint64_t left;    /* bytes left in the current chunk */
+    int digits;       /* hex digits read for the current size */
+    int line;         /* bytes of the current extension or trailer line */
+    int trailer;      /* bytes of all trailer lines, bounded */
+} chunk_decoder;
+
+/* Decode up to `n` bytes of `in`, appending the data to `out`. Returns bytes
+ * consumed (it stops right after the final CRLF of the message), or LTG_ERR.
+ * d->state == CHUNK_DONE once the last chunk and its trailers are read. */
+long chunk_decode(chunk_decoder *d, const char *in, size_t n, buf *out);
+
+/* Server-sent events: the length of the first complete event in s[0..n)
+ * including its blank line ("\n\n", "\r\n\r\n" or mixed), or 0 if none yet. */
+size_t sse_event_len(const char *s, size_t n);
+
+#endif

@@ -1,0 +1,1147 @@
+/*
+ * mock.c -- a fake OpenAI-style provider for ltg's tests and benchmarks.
+ *
+ *     tests/mock --port PORT      (127.0.0.1 only; --port 0 picks a free port)
+ *
+ * It answers POST <prefix>/chat/completions (plain or streamed as SSE) and
+ * POST <prefix>/embeddings with canned bodies that echo the request's "model",
+ * and it fails on demand. A failure is chosen per request by a *directive*, a
+ * space-separated list of tokens, taken from the per-model script queue (see
+ * POST /_mock/script) or else from a top-level string field "mock" in the body:
+ *
+ *     status=N             answer N with an OpenAI-shaped error body
+ *     context_length       400 context_length_exceeded
+ *     retry_after=S        add "Retry-After: S"
+ *     head_delay_ms=N      wait before the response head
+ *     first_event_delay_ms=N, event_delay_ms=N, events=N    shape a stream
+ *     cut_after=N          stream: close abruptly after N content events
+ *     reset                read the request, then reset the connection (RST)
+ *     close                answer with "Connection: close", then close
+ *     framing=length|chunked|eof    how a non-stream body is delimited
+ *     hang                 never answer; wait until the peer closes
+ *     ok                   a normal answer
+ *
+ * Control endpoints: POST /_mock/script, GET /_mock/stats, GET /_mock/last,
+ * POST /_mock/reset. Connections whose first request is a control request are
+ * left out of "connections" and "open_connections", so that a test reading
+ * the stats sees only the connections that ltg made.
+ *
+ * How it works: one thread per connection with blocking I/O, one mutex around
+ * the shared state. That is the simplest design that serves hundreds of
+ * connections and tens of thousands of small requests a second on loopback,
+ * which is all a test upstream needs. Every wait polls the socket for a peer
+ * close (POLLRDHUP), so a connection the peer drops is counted as closed at
+ * once, even in the middle of a delay or a hang.
+ */
+#define _GNU_SOURCE
+#include <ctype.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#define HEAD_MAX      (64 * 1024)        /* a longer request head gets 431 */
+#define BODY_MAX      (64 * 1024 * 1024) /* a longer request gets 413 */
+#define HEADERS_MAX   100
+#define READ_CHUNK    16384
+#define MODEL_MAX     128
+#define DIRECTIVE_MAX 512
+#define LOG_MAX       1000
+
+/* ===== 1. Small utilities ===== */
+
+static void die(const char *what)
+{
+    perror(what);
+    exit(1);
+}
+
+static long now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000L + ts.tv_nsec / 1000000L;
+}
+
+/* A growable byte buffer. Each connection keeps a few and reuses them, so a
+ * keep-alive connection stops allocating after its first requests. */
+struct buf {
+    char *data;
+    size_t len, cap;
+};
+
+static void buf_reserve(struct buf *b, size_t extra)
+{
+    if (b->cap - b->len >= extra)
+        return;
+    size_t cap = b->cap ? b->cap : 256;
+    while (cap - b->len < extra)
+        cap *= 2;
+    if (!(b->data = realloc(b->data, cap)))
+        die("realloc");
+    b->cap = cap;
+}
+
+static void buf_append(struct buf *b, const void *p, size_t n)
+{
+    buf_reserve(b, n);
+    memcpy(b->data + b->len, p, n);
+    b->len += n;
+}
+
+static void buf_puts(struct buf *b, const char *s) { buf_append(b, s, strlen(s)); }
+
+__attribute__((format(printf, 2, 3)))
+static void buf_printf(struct buf *b, const char *fmt, ...)
+{
+    va_list ap;
+    buf_reserve(b, 64);
+    va_start(ap, fmt);
+    int n = vsnprintf(b->data + b->len, b->cap - b->len, fmt, ap);
+    va_end(ap);
+    if ((size_t)n >= b->cap - b->len) {
+        buf_reserve(b, (size_t)n + 1);
+        va_start(ap, fmt);
+        vsnprintf(b->data + b->len, b->cap - b->len, fmt, ap);
+        va_end(ap);
+    }
+    b->len += (size_t)n;
+}
+
+/* Appends s as a quoted JSON string. Bytes >= 0x80 pass through untouched. */
+static void buf_json_string(struct buf *b, const char *s, size_t n)
+{
+    buf_reserve(b, n + 2);
+    b->data[b->len++] = '"';
+    for (size_t i = 0; i < n; i++) {
+        unsigned char ch = (unsigned char)s[i];
+        if (ch == '"' || ch == '\\') {
+            char esc[2] = { '\\', (char)ch };
+            buf_append(b, esc, 2);
+        } else if (ch < 0x20) {
+            buf_printf(b, "\\u%04x", ch);
+        } else {
+            buf_append(b, &s[i], 1);
+        }
+    }
+    buf_append(b, "\"", 1);
+}
+
+/* ===== 2. Reading JSON just enough =====
+ *
+ * IMPLEMENTATION NOTES
+ * The mock needs a handful of top-level fields, so instead of a parser it
+ * walks the top-level object and skips every value it does not want. Skipping
+ * respects strings and nesting, so a "model" inside a message is never taken
+ * for the top-level one. Malformed JSON simply yields "field not found".
+ */
+
+static const char *json_ws(const char *p, const char *end)
+{
+    while (p < end && (*p == ' ' || *p == '\t' || *p == '\r' || *p == '\n'))
+        p++;
+    return p;
+}
+
+/* p is at '"'; returns the position after the closing quote, or NULL. */
+static const char *json_skip_string(const char *p, const char *end)
+{
+    for (p++; p < end; p++) {
+        if (*p == '\\') {
+            if (++p == end)
+                return NULL;
+        } else if (*p == '"') {
+            return p + 1;
+        }
+    }
+    return NULL;
+}
+
+/* Returns the position after the value that starts at p, or NULL. */
+static const char *json_skip_value(const char *p, const char *end)
+{
+    if (p >= end)
+        return NULL;
+    if (*p == '"')
+        return json_skip_string(p, end);
+    if (*p == '{' || *p == '[') {
+        int depth = 0;
+        while (p < end) {
+            if (*p == '"') {
+                if (!(p = json_skip_string(p, end)))
+                    return NULL;
+                continue;
+            }
+            if (*p == '{' || *p == '[')
+                depth++;
+            else if ((*p == '}' || *p == ']') && --depth == 0)
+                return p + 1;
+            p++;
+        }
+        return NULL;
+    }
+    const char *start = p;                /* number, true, false, null */
+    while (p < end && !strchr(",}] \t\r\n", *p))
+        p++;
+    return p > start ? p : NULL;
+}
+
+/* Finds key in the object [p, end). On success *value and *value_end span
+ * the raw value text. Keys are compared raw (no escapes in the keys we use). */
+static int json_find(const char *p, const char *end, const char *key,
+                     const char **value, const char **value_end)
+{
+    size_t key_len = strlen(key);
+    p = json_ws(p, end);
+    if (p >= end || *p++ != '{')
+        return 0;
+    for (;;) {
+        p = json_ws(p, end);
+        if (p >= end || *p != '"')
+            return 0;
+        const char *k = p + 1, *k_end = json_skip_string(p, end);
+        if (!k_end)
+            return 0;
+        p = json_ws(k_end, end);
+        if (p >= end || *p++ != ':')
+            return 0;
+        const char *v = json_ws(p, end);
+        if (!(p = json_skip_value(v, end)))
+            return 0;
+        if ((size_t)(k_end - 1 - k) == key_len && !memcmp(k, key, key_len)) {
+            *value = v;
+            *value_end = p;
+            return 1;
+        }
+        p = json_ws(p, end);
+        if (p >= end || *p++ != ',')
+            return 0;
+    }
+}
+
+/* Copies the JSON string at [p, end) into out (NUL-terminated, truncated to
+ * cap). It only ever reads model names and directives, so an escape keeps
+ * just the escaped character and a \uXXXX becomes '?'. Returns 0, or -1 if
+ * [p, end) is not a string. */
+static int json_string_decode(const char *p, const char *end, char *out, size_t cap)
+{
+    size_t n = 0;
+    if (p >= end || *p != '"' || json_skip_string(p, end) != end)
+        return -1;
+    for (p++; p < end - 1 && n + 1 < cap; p++) {
+        if (*p == '\\' && *++p == 'u') {
+            p += end - 1 - p > 4 ? 4 : end - 2 - p;    /* skip the hex digits */
+            out[n++] = '?';
+        } else {
+            out[n++] = *p;
+        }
+    }
+    out[n] = '\0';
+    return 0;
+}
+
+/* Reads a top-level string field into out; out is "" if it is absent. */
+static int json_get_string(const char *body, size_t len, const char *key, char *out, size_t cap)
+{
+    const char *v, *v_end;
+    out[0] = '\0';
+    return json_find(body, body + len, key, &v, &v_end)
+        && json_string_decode(v, v_end, out, cap) == 0;
+}
+
+static int json_is_true(const char *body, const char *end, const char *key)
+{
+    const char *v, *v_end;
+    return json_find(body, end, key, &v, &v_end) && v_end - v == 4 && !memcmp(v, "true", 4);
+}
+
+/* ===== 3. Directives ===== */
+
+enum framing { FRAMING_LENGTH, FRAMING_CHUNKED, FRAMING_EOF };
+
+struct directive {
+    long status;                 /* 0: a normal answer */
+    long retry_after;            /* -1: no Retry-After header */
+    long head_delay_ms, first_event_delay_ms, event_delay_ms;
+    long events;                 /* content events in a stream (and completion tokens) */
+    long cut_after;              /* -1: never cut */
+    long context_length, reset, close, hang;    /* flags */
+    enum framing framing;
+};
+
+static const struct directive directive_ok = {
+    .retry_after = -1, .events = 3, .cut_after = -1, .framing = FRAMING_LENGTH,
+};
+
+/* Every token but "ok" and "framing=" sets one field: a flag to 1, a number to its value. */
+static const struct { const char *name; size_t offset; int number; } directive_tokens[] = {
+    { "status", offsetof(struct directive, status), 1 },
+    { "retry_after", offsetof(struct directive, retry_after), 1 },
+    { "head_delay_ms", offsetof(struct directive, head_delay_ms), 1 },
+    { "first_event_delay_ms", offsetof(struct directive, first_event_delay_ms), 1 },
+    { "event_delay_ms", offsetof(struct directive, event_delay_ms), 1 },
+    { "events", offsetof(struct directive, events), 1 },
+    { "cut_after", offsetof(struct directive, cut_after), 1 },
+    { "context_length", offsetof(struct directive, context_length), 0 },
+    { "reset", offsetof(struct directive, reset), 0 },
+    { "close", offsetof(struct directive, close), 0 },
+    { "hang", offsetof(struct directive, hang), 0 },
+};
+
+/* Parses text into *d. On a bad token returns -1 with a message in why. */
+static int directive_parse(const char *text, struct directive *d, char *why, size_t why_cap)
+{
+    char copy[DIRECTIVE_MAX], *save, *tok;
+    *d = directive_ok;
+    snprintf(copy, sizeof copy, "%s", text);
+    for (tok = strtok_r(copy, " ", &save); tok; tok = strtok_r(NULL, " ", &save)) {
+        char *value = strchr(tok, '='), *num_end;
+        if (value)
+            *value++ = '\0';
+        if (!value && !strcmp(tok, "ok"))
+            continue;
+        if (value && !strcmp(tok, "framing")) {
+            if (!strcmp(value, "length")) d->framing = FRAMING_LENGTH;
+            else if (!strcmp(value, "chunked")) d->framing = FRAMING_CHUNKED;
+            else if (!strcmp(value, "eof")) d->framing = FRAMING_EOF;
+            else goto bad;
+            continue;
+        }
+        size_t i = 0, n = sizeof directive_tokens / sizeof *directive_tokens;
+        while (i < n && strcmp(tok, directive_tokens[i].name))
+            i++;
+        if (i == n || !value != !directive_tokens[i].number)
+            goto bad;
+        long v = value ? strtol(value, &num_end, 10) : 1;
+        if (value && (num_end == value || *num_end || v < 0 || v > 1000000000))
+            goto bad;
+        *(long *)((char *)d + directive_tokens[i].offset) = v;
+    }
+    if (d->status && (d->status < 400 || d->status > 599)) {
+        snprintf(why, why_cap, "mock directive status=%ld is not an error status (400..599)", d->status);
+        return -1;
+    }
+    if (d->context_length && !d->status)
+        d->status = 400;
+    return 0;
+bad:
+    snprintf(why, why_cap, "bad mock directive '%s' (in '%s')", tok, text);
+    return -1;
+}
+
+/* ===== 4. Shared state: counters, scripts, the log, the last request ===== */
+
+struct model {                   /* what the mock knows about one upstream model */
+    char name[MODEL_MAX];
+    long calls;
+    char **steps;                /* the scripted directives, a FIFO: steps[first..count) */
+    size_t first, count, cap;
+};
+
+struct log_entry {
+    long t_ms;
+    char model[MODEL_MAX], directive[DIRECTIVE_MAX], path[256];
+};
+
+static struct {
+    pthread_mutex_t lock;        /* guards everything below */
+    long start_ms;
+    long connections, open_connections, requests;
+    unsigned epoch;              /* bumped by /_mock/reset */
+    unsigned long next_id;       /* for "chatcmpl-mock-N"; never reset */
+    struct model *models;
+    size_t nmodels;
+    struct log_entry log[LOG_MAX];
+    size_t log_next, log_len;    /* a ring: the last LOG_MAX inference requests */
+    struct buf last_head, last_body;  /* the last request that was not a control request */
+} mock = { .lock = PTHREAD_MUTEX_INITIALIZER };
+
+/* Finds or adds the record of a model. Caller holds the lock. */
+static struct model *mock_model(const char *name)
+{
+    for (size_t i = 0; i < mock.nmodels; i++)
+        if (!strcmp(mock.models[i].name, name))
+            return &mock.models[i];
+    if (!(mock.models = realloc(mock.models, (mock.nmodels + 1) * sizeof *mock.models)))
+        die("realloc");
+    struct model *m = &mock.models[mock.nmodels++];
+    memset(m, 0, sizeof *m);
+    snprintf(m->name, sizeof m->name, "%s", name);
+    return m;
+}
+
+static void model_push_step(struct model *m, const char *step)
+{
+    if (m->count == m->cap) {
+        m->cap = m->cap ? m->cap * 2 : 8;
+        if (!(m->steps = realloc(m->steps, m->cap * sizeof *m->steps)))
+            die("realloc");
+    }
+    if (!(m->steps[m->count++] = strdup(step)))
+        die("strdup");
+}
+
+static unsigned long mock_begin_request(const char *model, const char *path, size_t path_len,
+                                        const char *body_directive, char *directive, size_t cap)
+{
+    pthread_mutex_lock(&mock.lock);
+    struct model *m = mock_model(model);
+    if (m->first < m->count) {
+        snprintf(directive, cap, "%s", m->steps[m->first]);
+        free(m->steps[m->first++]);
+        if (m->first == m->count)
+            m->first = m->count = 0;
+    } else {
+        snprintf(directive, cap, "%s", body_directive[0] ? body_directive : "ok");
+    }
+    m->calls++;
+    mock.requests++;
+    struct log_entry *e = &mock.log[mock.log_next];
+    mock.log_next = (mock.log_next + 1) % LOG_MAX;
+    if (mock.log_len < LOG_MAX)
+        mock.log_len++;
+    e->t_ms = now_ms() - mock.start_ms;
+    snprintf(e->model, sizeof e->model, "%s", model);
+    snprintf(e->directive, sizeof e->directive, "%s", directive);
+    snprintf(e->path, sizeof e->path, "%.*s", (int)path_len, path);
+    unsigned long id = ++mock.next_id;
+    pthread_mutex_unlock(&mock.lock);
+    return id;
+}
+
+static void mock_reset(void)
+{
+    pthread_mutex_lock(&mock.lock);
+    for (size_t i = 0; i < mock.nmodels; i++) {
+        for (size_t j = mock.models[i].first; j < mock.models[i].count; j++)
+            free(mock.models[i].steps[j]);
+        free(mock.models[i].steps);
+    }
+    mock.nmodels = 0;
+    mock.connections = mock.requests = 0;
+    mock.log_next = mock.log_len = 0;
+    mock.last_head.len = mock.last_body.len = 0;
+    mock.epoch++;
+    pthread_mutex_unlock(&mock.lock);
+}
+
+/* ===== 5. HTTP/1.1 requests =====
+ *
+ * IMPLEMENTATION NOTES
+ * http_parse() is a pure function of the bytes received so far: it returns
+ * the length of the first complete request (head and body), HTTP_AGAIN, or
+ * an error, and every pointer it sets points into the caller's buffer. The
+ * connection simply calls it again after each recv(). That re-scans a large
+ * chunked body once per recv(), a shortcut that is harmless for a test tool.
+ */
+
+enum { HTTP_AGAIN = -1, HTTP_BAD = -2, HTTP_HEAD_TOO_BIG = -3, HTTP_BODY_TOO_BIG = -4, HTTP_CLOSED = -5 };
+
+struct header {
+    const char *name, *value;
+    size_t name_len, value_len;
+};
+
+struct request {
+    const char *method, *path;
+    size_t method_len, path_len;       /* path_len stops before any '?' */
+    struct header headers[HEADERS_MAX];
+    int nheaders;
+    size_t head_len;                   /* 0 until the head is complete */
+    size_t content_length;
+    int chunked, want_close, expect_continue;
+    const char *body;                  /* after conn_read_request: the decoded body */
+    size_t body_len;
+};
+
+static int slice_is(const char *s, size_t n, const char *lit)
+{
+    return strlen(lit) == n && !strncasecmp(s, lit, n);
+}
+
+static int slice_has(const char *s, size_t n, const char *word)
+{
+    size_t w = strlen(word);
+    for (size_t i = 0; i + w <= n; i++)
+        if (!strncasecmp(s + i, word, w))
+            return 1;
+    return 0;
+}
+
+/* Parses the head: request line and headers. Returns the head length. */
+static long http_parse_head(const char *buf, size_t len, struct request *r)
+{
+    r->head_len = 0;
+    const char *end = memmem(buf, len, "\r\n\r\n", 4);
+    if (!end)
+        return len > HEAD_MAX ? HTTP_HEAD_TOO_BIG : HTTP_AGAIN;
+    if (end - buf > HEAD_MAX)
+        return HTTP_HEAD_TOO_BIG;
+    const char *stop = end + 2, *p = buf;            /* every line ends in CRLF before stop */
+    const char *le = memmem(p, (size_t)(stop - p), "\r\n", 2);
+    const char *sp1 = memchr(p, ' ', (size_t)(le - p));
+    const char *sp2 = sp1 ? memchr(sp1 + 1, ' ', (size_t)(le - sp1 - 1)) : NULL;
+    if (!sp2 || sp1 == p || sp2 == sp1 + 1)
+        return HTTP_BAD;
+    int http10 = slice_is(sp2 + 1, (size_t)(le - sp2 - 1), "HTTP/1.0");
+    if (!http10 && !slice_is(sp2 + 1, (size_t)(le - sp2 - 1), "HTTP/1.1"))
+        return HTTP_BAD;
+    r->method = p;
+    r->method_len = (size_t)(sp1 - p);
+    r->path = sp1 + 1;
+    const char *query = memchr(r->path, '?', (size_t)(sp2 - r->path));
+    r->path_len = (size_t)((query ? query : sp2) - r->path);
+    r->nheaders = 0;
+    r->content_length = 0;
+    r->chunked = r->expect_continue = 0;
+    r->want_close = http10;
+    for (p = le + 2; p < stop; p = le + 2) {
+        le = memmem(p, (size_t)(stop - p), "\r\n", 2);
+        const char *colon = memchr(p, ':', (size_t)(le - p));
+        if (!colon || colon == p || r->nheaders == HEADERS_MAX)
+            return HTTP_BAD;
+        const char *v = colon + 1, *v_end = le;
+        while (v < v_end && (*v == ' ' || *v == '\t')) v++;
+        while (v_end > v && (v_end[-1] == ' ' || v_end[-1] == '\t')) v_end--;
+        struct header *h = &r->headers[r->nheaders++];
+        *h = (struct header){ p, v, (size_t)(colon - p), (size_t)(v_end - v) };
+        if (slice_is(h->name, h->name_len, "content-length")) {
+            char *num_end;
+            unsigned long long n = strtoull(v, &num_end, 10);
+            if (num_end != v_end || v == v_end)
+                return HTTP_BAD;
+            if (n > BODY_MAX)
+                return HTTP_BODY_TOO_BIG;
+            r->content_length = (size_t)n;
+        } else if (slice_is(h->name, h->name_len, "transfer-encoding")) {
+            r->chunked = slice_has(v, h->value_len, "chunked");
+        } else if (slice_is(h->name, h->name_len, "connection")) {
+            if (slice_has(v, h->value_len, "close")) r->want_close = 1;
+            else if (slice_has(v, h->value_len, "keep-alive")) r->want_close = 0;
+        } else if (slice_is(h->name, h->name_len, "expect")) {
+            r->expect_continue = slice_has(v, h->value_len, "100-continue");
+        }
+    }
+    r->head_len = (size_t)(end + 4 - buf);
+    return (long)r->head_len;
+}
+
+/* Walks a chunked body; appends the data to out if out is not NULL.
+ * Returns the bytes of chunked encoding (through the final CRLF). */
+static long chunked_decode(const char *p, size_t len, struct buf *out)
+{
+    size_t i = 0;
+    for (;;) {
+        const char *nl = memchr(p + i, '\n', len - i);
+        if (!nl)
+            return HTTP_AGAIN;
+        size_t size = 0, digits = 0;
+        for (; i < len && p[i] && strchr("0123456789abcdefABCDEF", p[i]); i++, digits++) {
+            size = size * 16 + (size_t)(p[i] <= '9' ? p[i] - '0' : (p[i] | 0x20) - 'a' + 10);
+            if (size > BODY_MAX)
+                return HTTP_BODY_TOO_BIG;
+        }
+        if (!digits)
+            return HTTP_BAD;
+        i = (size_t)(nl - p) + 1;                  /* skip extensions and CRLF */
+        if (size == 0) {                           /* trailers end at an empty line */
+            for (;;) {
+                if (!(nl = memchr(p + i, '\n', len - i)))
+                    return HTTP_AGAIN;
+                size_t line = (size_t)(nl - (p + i));
+                i = (size_t)(nl - p) + 1;
+                if (line == 0 || (line == 1 && p[i - 2] == '\r'))
+                    return (long)i;
+            }
+        }
+        if (len - i < size + 2)
+            return HTTP_AGAIN;
+        if (out)
+            buf_append(out, p + i, size);
+        i += size;
+        if (p[i] != '\r' || p[i + 1] != '\n')
+            return HTTP_BAD;
+        i += 2;
+    }
+}
+
+/* Parses one whole request. For a chunked body, r->body is still encoded. */
+static long http_parse(const char *buf, size_t len, struct request *r)
+{
+    long head = http_parse_head(buf, len, r);
+    if (head < 0)
+        return head;
+    r->body = buf + head;
+    if (r->chunked) {
+        long n = chunked_decode(r->body, len - (size_t)head, NULL);
+        if (n < 0)
+            return n;
+        r->body_len = (size_t)n;
+    } else {
+        if (len - (size_t)head < r->content_length)
+            return HTTP_AGAIN;
+        r->body_len = r->content_length;
+    }
+    return head + (long)r->body_len;
+}
+
+/* ===== 6. Connections: reading, writing, waiting ===== */
+
+struct conn {
+    int fd;
+    int counted;                 /* counts in connections/open_connections */
+    unsigned epoch;              /* mock.epoch when it was counted */
+    struct buf in;               /* received bytes not yet consumed */
+    struct buf body;             /* a decoded chunked request body */
+    struct buf json;             /* the answer body (or SSE event) being built */
+    struct buf out;              /* the bytes of the next write */
+};
+
+static int conn_send(struct conn *c, const char *p, size_t n)
+{
+    while (n > 0) {
+        ssize_t w = send(c->fd, p, n, MSG_NOSIGNAL);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            return -1;
+        p += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+/* Waits ms milliseconds (forever if ms < 0). Returns -1 as soon as the peer
+ * closes or resets the connection: POLLRDHUP reports the peer's FIN even
+ * when a pipelined request sits unread in the socket. */
+static int conn_wait(struct conn *c, long ms)
+{
+    long deadline = now_ms() + ms;
+    for (;;) {
+        long left = ms < 0 ? -1 : deadline - now_ms();
+        if (ms >= 0 && left <= 0)
+            return 0;
+        struct pollfd pfd = { .fd = c->fd, .events = POLLRDHUP };
+        int n = poll(&pfd, 1, (int)left);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n != 0)
+            return -1;
+    }
+}
+
+/* Reads until c->in holds a whole request. Returns its length or an HTTP_ code. */
+static long conn_read_request(struct conn *c, struct request *r)
+{
+    int continue_sent = 0;
+    for (;;) {
+        long n = http_parse(c->in.data, c->in.len, r);
+        if (n >= 0 && r->chunked) {
+            c->body.len = 0;
+            chunked_decode(r->body, r->body_len, &c->body);
+            r->body = c->body.data ? c->body.data : "";
+            r->body_len = c->body.len;
+        }
+        if (n != HTTP_AGAIN)
+            return n;
+        if (r->head_len && r->expect_continue && !continue_sent) {
+            static const char cont[] = "HTTP/1.1 100 Continue\r\n\r\n";
+            if (conn_send(c, cont, sizeof cont - 1) < 0)
+                return HTTP_CLOSED;
+            continue_sent = 1;
+        }
+        if (c->in.len > HEAD_MAX + BODY_MAX)
+            return HTTP_BODY_TOO_BIG;
+        buf_reserve(&c->in, READ_CHUNK);
+        ssize_t got = recv(c->fd, c->in.data + c->in.len, c->in.cap - c->in.len, 0);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got <= 0)
+            return HTTP_CLOSED;
+        c->in.len += (size_t)got;
+    }
+}
+
+/* The reason phrase of each status the mock is likely to send, and the
+ * OpenAI error type and code that status=N answers with. */
+static const struct status { long status; const char *reason, *type, *code; } statuses[] = {
+    { 200, "OK", NULL, NULL },
+    { 400, "Bad Request", "invalid_request_error", "invalid_request" },
+    { 401, "Unauthorized", "authentication_error", "invalid_api_key" },
+    { 403, "Forbidden", "permission_error", "permission_denied" },
+    { 404, "Not Found", "not_found_error", "model_not_found" },
+    { 405, "Method Not Allowed", "invalid_request_error", "method_not_allowed" },
+    { 408, "Request Timeout", "timeout_error", "timeout" },
+    { 413, "Content Too Large", "invalid_request_error", "request_too_large" },
+    { 429, "Too Many Requests", "rate_limit_error", "rate_limit_exceeded" },
+    { 431, "Request Header Fields Too Large", "invalid_request_error", "request_too_large" },
+    { 500, "Internal Server Error", "server_error", "internal_error" },
+    { 502, "Bad Gateway", "server_error", "bad_gateway" },
+    { 503, "Service Unavailable", "server_error", "service_unavailable" },
+    { 504, "Gateway Timeout", "server_error", "gateway_timeout" },
+};
+
+static struct status status_info(long status)
+{
+    for (size_t i = 0; i < sizeof statuses / sizeof *statuses; i++)
+        if (statuses[i].status == status)
+            return statuses[i];
+    return (struct status){ status, "Mock Status",
+                            status >= 500 ? "server_error" : "invalid_request_error", "mock_error" };
+}
+
+/* Writes the status line and the headers every answer shares into c->out. */
+static void put_head(struct conn *c, long status, const char *content_type,
+                     const struct directive *d, int keep)
+{
+    c->out.len = 0;
+    buf_printf(&c->out, "HTTP/1.1 %ld %s\r\nContent-Type: %s\r\n", status, status_info(status).reason, content_type);
+    if (d->retry_after >= 0)
+        buf_printf(&c->out, "Retry-After: %ld\r\n", d->retry_after);
+    if (!keep)
+        buf_puts(&c->out, "Connection: close\r\n");
+}
+
+/* Sends c->json as a whole answer in one write, framed as d says.
+ * Returns 1 to keep the connection open, 0 to close it. */
+static int send_answer(struct conn *c, const struct request *r, const struct directive *d, long status)
+{
+    int keep = !r->want_close && !d->close && d->framing != FRAMING_EOF;
+    put_head(c, status, "application/json", d, keep);
+    if (d->framing == FRAMING_LENGTH)
+        buf_printf(&c->out, "Content-Length: %zu\r\n\r\n", c->json.len);
+    else if (d->framing == FRAMING_CHUNKED)
+        buf_printf(&c->out, "Transfer-Encoding: chunked\r\n\r\n%zx\r\n", c->json.len);
+    else
+        buf_puts(&c->out, "\r\n");
+    buf_append(&c->out, c->json.data, c->json.len);
+    if (d->framing == FRAMING_CHUNKED)
+        buf_puts(&c->out, "\r\n0\r\n\r\n");       /* the body is never empty */
+    if (conn_send(c, c->out.data, c->out.len) < 0)
+        return 0;
+    return keep;
+}
+
+/* An OpenAI-shaped error answer. */
+static int send_error(struct conn *c, const struct request *r, const struct directive *d,
+                      long status, const char *type, const char *code, const char *message)
+{
+    c->json.len = 0;
+    buf_puts(&c->json, "{\"error\":{\"message\":");
+    buf_json_string(&c->json, message, strlen(message));
+    buf_printf(&c->json, ",\"type\":\"%s\",\"param\":null,\"code\":\"%s\"}}", type, code);
+    return send_answer(c, r, d, status);
+}
+
+/* The error that status=N (or context_length) produces. */
+static int send_directed_error(struct conn *c, const struct request *r, const struct directive *d)
+{
+    if (d->context_length)
+        return send_error(c, r, d, d->status, "invalid_request_error", "context_length_exceeded",
+                          "This model's maximum context length is 8192 tokens. "
+                          "However, your messages resulted in 9000 tokens.");
+    struct status st = status_info(d->status);
+    char message[64];
+    snprintf(message, sizeof message, "mock error %ld", d->status);
+    return send_error(c, r, d, d->status, st.type, st.code, message);
+}
+
+/* ===== 7. Inference answers ===== */
+
+struct chat {                    /* what every answer to one request shares */
+    unsigned long id;
+    long created, prompt_tokens;
+    char model[MODEL_MAX];
+};
+
+/* Sends c->json as one SSE event in one HTTP chunk. The n-th event (n > 0)
+ * waits event_delay_ms first. Returns -1 if the peer has gone. */
+static int stream_event(struct conn *c, const struct directive *d, int n)
+{
+    if (n > 0 && d->event_delay_ms && conn_wait(c, d->event_delay_ms) < 0)
+        return -1;
+    c->out.len = 0;
+    buf_printf(&c->out, "%zx\r\ndata: ", c->json.len + 8);
+    buf_append(&c->out, c->json.data, c->json.len);
+    buf_puts(&c->out, "\n\n\r\n");
+    return conn_send(c, c->out.data, c->out.len);
+}
+
+/* Starts a chunk event in c->json, up to and including "choices". */
+static void chunk_begin(struct conn *c, const struct chat *ch)
+{
+    c->json.len = 0;
+    buf_printf(&c->json, "{\"id\":\"chatcmpl-mock-%lu\",\"object\":\"chat.completion.chunk\",\"created\":%ld,\"model\":",
+               ch->id, ch->created);
+    buf_json_string(&c->json, ch->model, strlen(ch->model));
+    buf_puts(&c->json, ",\"choices\":");
+}
+
+static int send_stream(struct conn *c, const struct request *r, const struct directive *d,
+                       const struct chat *ch, int include_usage)
+{
+    int keep = !r->want_close && !d->close;
+    put_head(c, 200, "text/event-stream", d, keep);
+    buf_puts(&c->out, "Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n");
+    if (conn_send(c, c->out.data, c->out.len) < 0)
+        return 0;
+    if (d->first_event_delay_ms && conn_wait(c, d->first_event_delay_ms) < 0)
+        return 0;
+    int n = 0;
+    for (long i = 0; i < d->events; i++) {
+        if (i == d->cut_after)
+            return 0;
+        chunk_begin(c, ch);
+        buf_puts(&c->json, "[{\"index\":0,\"delta\":{\"content\":\"word \"},\"finish_reason\":null}]}");
+        if (stream_event(c, d, n++) < 0)
+            return 0;
+    }
+    if (d->cut_after >= 0)       /* cut_after >= events: cut before the finish event */
+        return 0;
+    chunk_begin(c, ch);
+    buf_puts(&c->json, "[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}");
+    if (stream_event(c, d, n++) < 0)
+        return 0;
+    if (include_usage) {
+        chunk_begin(c, ch);
+        buf_printf(&c->json, "[],\"usage\":{\"prompt_tokens\":%ld,\"completion_tokens\":%ld,\"total_tokens\":%ld}}",
+                   ch->prompt_tokens, d->events, ch->prompt_tokens + d->events);
+        if (stream_event(c, d, n++) < 0)
+            return 0;
+    }
+    c->json.len = 0;
+    buf_puts(&c->json, "[DONE]");
+    if (stream_event(c, d, n++) < 0 || conn_send(c, "0\r\n\r\n", 5) < 0)
+        return 0;
+    return keep;
+}
+
+static int serve_inference(struct conn *c, const struct request *r, int embeddings)
+{
+    struct chat ch = { .created = (long)time(NULL) };
+    char body_directive[DIRECTIVE_MAX], directive[DIRECTIVE_MAX], why[DIRECTIVE_MAX + 64];
+    const char *end = r->body + r->body_len, *v, *v_end;
+    json_get_string(r->body, r->body_len, "model", ch.model, sizeof ch.model);
+    json_get_string(r->body, r->body_len, "mock", body_directive, sizeof body_directive);
+    int stream = !embeddings && json_is_true(r->body, end, "stream");
+    int include_usage = json_is_true(r->body, end, "include_usage")
+        || (json_find(r->body, end, "stream_options", &v, &v_end) && json_is_true(v, v_end, "include_usage"));
+    ch.prompt_tokens = r->body_len / 4 ? (long)(r->body_len / 4) : 1;
+    ch.id = mock_begin_request(ch.model, r->path, r->path_len, body_directive, directive, sizeof directive);
+
+    struct directive d;
+    if (directive_parse(directive, &d, why, sizeof why) < 0)
+        return send_error(c, r, &directive_ok, 400, "invalid_request_error", "mock_bad_directive", why);
+    if (d.head_delay_ms && conn_wait(c, d.head_delay_ms) < 0)
+        return 0;
+    if (d.reset) {
+        struct linger lg = { .l_onoff = 1, .l_linger = 0 };
+        setsockopt(c->fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
+        return 0;
+    }
+    if (d.hang) {
+        conn_wait(c, -1);
+        return 0;
+    }
+    if (d.status)
+        return send_directed_error(c, r, &d);
+    if (stream)
+        return send_stream(c, r, &d, &ch, include_usage);
+
+    c->json.len = 0;
+    if (embeddings) {
+        buf_puts(&c->json, "{\"object\":\"list\",\"data\":[{\"object\":\"embedding\",\"index\":0,"
+                           "\"embedding\":[0.1,0.2,0.3]}],\"model\":");
+        buf_json_string(&c->json, ch.model, strlen(ch.model));
+        buf_printf(&c->json, ",\"usage\":{\"prompt_tokens\":%ld,\"total_tokens\":%ld}}",
+                   ch.prompt_tokens, ch.prompt_tokens);
+    } else {
+        char content[MODEL_MAX + 16];
+        snprintf(content, sizeof content, "Hello from %s.", ch.model);
+        buf_printf(&c->json, "{\"id\":\"chatcmpl-mock-%lu\",\"object\":\"chat.completion\",\"created\":%ld,\"model\":",
+                   ch.id, ch.created);
+        buf_json_string(&c->json, ch.model, strlen(ch.model));
+        buf_puts(&c->json, ",\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":");
+        buf_json_string(&c->json, content, strlen(content));
+        buf_printf(&c->json, "},\"finish_reason\":\"stop\"}],\"usage\":{\"prompt_tokens\":%ld,"
+                   "\"completion_tokens\":%ld,\"total_tokens\":%ld}}",
+                   ch.prompt_tokens, d.events, ch.prompt_tokens + d.events);
+    }
+    return send_answer(c, r, &d, 200);
+}
+
+/* ===== 8. Control endpoints ===== */
+
+/* Walks the JSON array of steps that starts at p. With m == NULL it only
+ * checks that every step is a valid directive (message in why); otherwise it
+ * appends the steps to m. Checking first means a typo queues nothing. */
+static int script_steps(const char *p, const char *end, struct model *m, char *why, size_t why_cap)
+{
+    char step[DIRECTIVE_MAX];
+    struct directive d;
+    for (p = json_ws(p + 1, end); p < end && *p != ']'; p = json_ws(p, end)) {
+        const char *v_end = json_skip_value(p, end);
+        if (!v_end || json_string_decode(p, v_end, step, sizeof step) < 0) {
+            snprintf(why, why_cap, "each step must be a string");
+            return -1;
+        }
+        if (!m && directive_parse(step, &d, why, why_cap) < 0)
+            return -1;
+        if (m)
+            model_push_step(m, step);
+        p = json_ws(v_end, end);
+        if (p < end && *p == ',')
+            p++;
+    }
+    return 0;
+}
+
+/* POST /_mock/script {"model":"m","steps":["status=503","ok"]} */
+static int control_script(struct conn *c, const struct request *r)
+{
+    char model[MODEL_MAX], why[DIRECTIVE_MAX + 64];
+    const char *end = r->body + r->body_len, *steps, *steps_end;
+    if (!json_get_string(r->body, r->body_len, "model", model, sizeof model) || !model[0]
+        || !json_find(r->body, end, "steps", &steps, &steps_end) || *steps != '[')
+        return send_error(c, r, &directive_ok, 400, "invalid_request_error", "invalid_request",
+                          "expected {\"model\":\"...\",\"steps\":[\"directive\",...]}");
+    if (script_steps(steps, steps_end, NULL, why, sizeof why) < 0)
+        return send_error(c, r, &directive_ok, 400, "invalid_request_error", "mock_bad_directive", why);
+    pthread_mutex_lock(&mock.lock);
+    struct model *m = mock_model(model);
+    script_steps(steps, steps_end, m, why, sizeof why);
+    size_t queued = m->count - m->first;
+    pthread_mutex_unlock(&mock.lock);
+    c->json.len = 0;
+    buf_puts(&c->json, "{\"model\":");
+    buf_json_string(&c->json, model, strlen(model));
+    buf_printf(&c->json, ",\"queued\":%zu}", queued);
+    return send_answer(c, r, &directive_ok, 200);
+}
+
+static int control_stats(struct conn *c, const struct request *r)
+{
+    c->json.len = 0;
+    pthread_mutex_lock(&mock.lock);
+    buf_printf(&c->json, "{\"connections\":%ld,\"open_connections\":%ld,\"requests\":%ld,\"calls\":{",
+               mock.connections, mock.open_connections, mock.requests);
+    for (size_t i = 0, n = 0; i < mock.nmodels; i++)
+        if (mock.models[i].calls) {
+            buf_puts(&c->json, n++ ? "," : "");
+            buf_json_string(&c->json, mock.models[i].name, strlen(mock.models[i].name));
+            buf_printf(&c->json, ":%ld", mock.models[i].calls);
+        }
+    buf_puts(&c->json, "},\"log\":[");
+    for (size_t i = 0; i < mock.log_len; i++) {
+        const struct log_entry *e = &mock.log[(mock.log_next + LOG_MAX - mock.log_len + i) % LOG_MAX];
+        buf_puts(&c->json, i ? ",{\"model\":" : "{\"model\":");
+        buf_json_string(&c->json, e->model, strlen(e->model));
+        buf_printf(&c->json, ",\"t_ms\":%ld,\"directive\":", e->t_ms);
+        buf_json_string(&c->json, e->directive, strlen(e->directive));
+        buf_puts(&c->json, ",\"path\":");
+        buf_json_string(&c->json, e->path, strlen(e->path));
+        buf_puts(&c->json, "}");
+    }
+    pthread_mutex_unlock(&mock.lock);
+    buf_puts(&c->json, "]}");
+    return send_answer(c, r, &directive_ok, 200);
+}
+
+/* Keeps a copy of a request for GET /_mock/last: the raw head, parsed again
+ * when asked for, and the decoded body. */
+static void mock_keep_last(const struct conn *c, const struct request *r)
+{
+    pthread_mutex_lock(&mock.lock);
+    mock.last_head.len = mock.last_body.len = 0;
+    buf_append(&mock.last_head, c->in.data, r->head_len);
+    buf_append(&mock.last_body, r->body, r->body_len);
+    pthread_mutex_unlock(&mock.lock);
+}
+
+static int control_last(struct conn *c, const struct request *r)
+{
+    struct request last;
+    c->json.len = 0;
+    pthread_mutex_lock(&mock.lock);
+    if (!mock.last_head.len || http_parse_head(mock.last_head.data, mock.last_head.len, &last) < 0) {
+        pthread_mutex_unlock(&mock.lock);
+        return send_error(c, r, &directive_ok, 404, "not_found_error", "not_found", "no request received yet");
+    }
+    buf_puts(&c->json, "{\"method\":");
+    buf_json_string(&c->json, last.method, last.method_len);
+    buf_puts(&c->json, ",\"path\":");
+    buf_json_string(&c->json, last.path, strcspn(last.path, " "));   /* with its query */
+    buf_puts(&c->json, ",\"headers\":{");
+    for (int i = 0; i < last.nheaders; i++) {
+        const struct header *h = &last.headers[i];
+        char name[256];
+        size_t n = h->name_len < sizeof name ? h->name_len : sizeof name;
+        for (size_t j = 0; j < n; j++)
+            name[j] = (char)tolower((unsigned char)h->name[j]);
+        buf_puts(&c->json, i ? "," : "");
+        buf_json_string(&c->json, name, n);
+        buf_puts(&c->json, ":");
+        buf_json_string(&c->json, h->value, h->value_len);
+    }
+    buf_puts(&c->json, "},\"body\":");
+    buf_json_string(&c->json, mock.last_body.data ? mock.last_body.data : "", mock.last_body.len);
+    pthread_mutex_unlock(&mock.lock);
+    buf_puts(&c->json, "}");
+    return send_answer(c, r, &directive_ok, 200);
+}
+
+static int serve_control(struct conn *c, const struct request *r)
+{
+    const char *m = r->method, *p = r->path;
+    size_t ml = r->method_len, pl = r->path_len;
+    if (slice_is(p, pl, "/_mock/script") && slice_is(m, ml, "POST"))
+        return control_script(c, r);
+    if (slice_is(p, pl, "/_mock/stats") && slice_is(m, ml, "GET"))
+        return control_stats(c, r);
+    if (slice_is(p, pl, "/_mock/last") && slice_is(m, ml, "GET"))
+        return control_last(c, r);
+    if (slice_is(p, pl, "/_mock/reset") && slice_is(m, ml, "POST")) {
+        mock_reset();
+        c->json.len = 0;
+        buf_puts(&c->json, "{\"status\":\"ok\"}");
+        return send_answer(c, r, &directive_ok, 200);
+    }
+    return send_error(c, r, &directive_ok, 404, "not_found_error", "not_found",
+                      "unknown mock control endpoint (or wrong method)");
+}
+
+/* ===== 9. Connection threads and main ===== */
+
+static int path_ends_with(const struct request *r, const char *suffix)
+{
+    size_t n = strlen(suffix);
+    return r->path_len >= n && !memcmp(r->path + r->path_len - n, suffix, n);
+}
+
+/* Answers one request. Returns 1 to keep the connection open. */
+static int conn_route(struct conn *c, const struct request *r)
+{
+    if (r->path_len >= 7 && !memcmp(r->path, "/_mock/", 7))
+        return serve_control(c, r);
+    mock_keep_last(c, r);
+    int chat = path_ends_with(r, "/chat/completions"), embeddings = path_ends_with(r, "/embeddings");
+    if (!chat && !embeddings)
+        return send_error(c, r, &directive_ok, 404, "invalid_request_error", "not_found", "unknown path");
+    if (!slice_is(r->method, r->method_len, "POST"))
+        return send_error(c, r, &directive_ok, 405, "invalid_request_error", "method_not_allowed",
+                          "use POST");
+    return serve_inference(c, r, embeddings);
+}
+
+static void *conn_main(void *arg)
+{
+    struct conn *c = arg;
+    struct request r;
+    int first = 1;
+    buf_reserve(&c->in, READ_CHUNK);
+    for (;;) {
+        long n = conn_read_request(c, &r);
+        if (n == HTTP_CLOSED)
+            break;
+        if (n < 0) {
+            static const struct request bare = { .want_close = 1 };
+            long status = n == HTTP_HEAD_TOO_BIG ? 431 : n == HTTP_BODY_TOO_BIG ? 413 : 400;
+            send_error(c, &bare, &directive_ok, status, "invalid_request_error", "bad_request",
+                       "mock could not read the request");
+            break;
+        }
+        if (first && r.path_len >= 7 && !memcmp(r.path, "/_mock/", 7)) {
+            pthread_mutex_lock(&mock.lock);          /* a test's control connection */
+            mock.open_connections--;
+            if (c->epoch == mock.epoch)
+                mock.connections--;
+            c->counted = 0;
+            pthread_mutex_unlock(&mock.lock);
+        }
+        first = 0;
+        int keep = conn_route(c, &r);
+        c->in.len -= (size_t)n;
+        memmove(c->in.data, c->in.data + n, c->in.len);
+        if (!keep)
+            break;
+    }
+    close(c->fd);
+    if (c->counted) {
+        pthread_mutex_lock(&mock.lock);
+        mock.open_connections--;
+        pthread_mutex_unlock(&mock.lock);
+    }
+    free(c->in.data);
+    free(c->body.data);
+    free(c->json.data);
+    free(c->out.data);
+    free(c);
+    return NULL;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 3 || strcmp(argv[1], "--port")) {
+        fprintf(stderr, "usage: %s --port PORT\n", argv[0]);
+        return 2;
+    }
+    signal(SIGPIPE, SIG_IGN);
+    mock.start_ms = now_ms();
+
+    int one = 1, lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in addr = { .sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(argv[2])),
+                                .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+    socklen_t addr_len = sizeof addr;
+    if (lfd < 0)
+        die("socket");
+    setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (bind(lfd, (struct sockaddr *)&addr, sizeof addr) < 0)
+        die("bind");
+    if (listen(lfd, SOMAXCONN) < 0)
+        die("listen");
+    getsockname(lfd, (struct sockaddr *)&addr, &addr_len);
+    fprintf(stderr, "mock: listening on 127.0.0.1:%d\n", ntohs(addr.sin_port));
+
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&attr, 256 * 1024);   /* buffers live on the heap */
+    for (;;) {
+        int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+        if (fd < 0) {
+            if (errno == EMFILE || errno == ENFILE)
+                usleep(10000);                       /* out of fds: let some close */
+            continue;
+        }
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        struct conn *c = calloc(1, sizeof *c);
+        if (!c)
+            die("calloc");
+        c->fd = fd;
+        c->counted = 1;
+        pthread_mutex_lock(&mock.lock);
+        mock.connections++;
+        mock.open_connections++;
+        c->epoch = mock.epoch;
+        pthread_mutex_unlock(&mock.lock);
+        pthread_t tid;
+        if (pthread_create(&tid, &attr, conn_main, c) != 0) {
+            pthread_mutex_lock(&mock.lock);
+            mock.open_connections--;
+            pthread_mutex_unlock(&mock.lock);
+            close(fd);
+            free(c);
+        }
+    }
+}

@@ -1,0 +1,96 @@
+// The official OpenAI node SDK (v4) against ltg: what a user's code does, end to end.
+//
+//   node tests/sdk_test.mjs BASE_URL API_KEY      e.g. http://127.0.0.1:8080/v1 dev-key-1
+//
+// Needs `openai` resolvable from tests/ (npm install --prefix tests openai@4). SDK retries are
+// off (maxRetries: 0), as ltg's README tells clients: ltg owns retries and fallbacks.
+// Exits 0 when every check passes, 1 with a message otherwise.
+
+import OpenAI from "openai";
+
+const [baseURL, apiKey] = process.argv.slice(2);
+if (!baseURL || !apiKey) {
+  console.error("usage: node sdk_test.mjs BASE_URL API_KEY");
+  process.exit(2);
+}
+
+function check(cond, msg) {
+  if (!cond) throw new Error(msg);
+}
+
+const client = new OpenAI({ baseURL, apiKey, maxRetries: 0, timeout: 30_000 });
+
+async function nonStream() {
+  const { data, response } = await client.chat.completions
+    .create({ model: "Kimi-K3", messages: [{ role: "user", content: "Hello" }] })
+    .withResponse();
+  const content = data.choices?.[0]?.message?.content;
+  check(content === "Hello from kimi-k3.", `non-stream content: ${JSON.stringify(content)}`);
+  check(data.model === "kimi-k3", `non-stream model: ${data.model}`);
+  check(response.status === 200, `non-stream status ${response.status}`);
+  const served = response.headers.get("x-ltg-served-model");
+  check(served === "Kimi-K3", `x-ltg-served-model: ${served}`);
+  check(response.headers.get("x-ltg-attempts") === "1",
+        `x-ltg-attempts: ${response.headers.get("x-ltg-attempts")}`);
+  check(response.headers.get("x-ltg-request-id"), "x-ltg-request-id missing");
+}
+
+async function stream() {
+  const { data: s, response } = await client.chat.completions
+    .create({ model: "Kimi-K3", messages: [{ role: "user", content: "Stream please" }], stream: true })
+    .withResponse();
+  check(response.headers.get("x-ltg-served-model") === "Kimi-K3",
+        `stream x-ltg-served-model: ${response.headers.get("x-ltg-served-model")}`);
+  let text = "";
+  let finish = null;
+  let chunks = 0;
+  for await (const chunk of s) {
+    chunks++;
+    const choice = chunk.choices?.[0];
+    if (choice?.delta?.content) text += choice.delta.content;
+    if (choice?.finish_reason) finish = choice.finish_reason;
+  }
+  check(chunks >= 2, `stream: only ${chunks} chunks`);
+  check(text.length > 0, "stream: no content deltas");
+  check(finish === "stop", `stream: finish_reason ${finish}`);
+}
+
+async function embeddings() {
+  // encoding_format "float": without it SDK v4 asks for base64 and decodes it client-side.
+  const e = await client.embeddings.create({ model: "GLM-5.3-Flash", input: "hello", encoding_format: "float" });
+  check(Array.isArray(e.data) && e.data[0].embedding.length === 3,
+        `embeddings: ${JSON.stringify(e).slice(0, 200)}`);
+}
+
+async function errors() {
+  // An unknown model: the SDK raises its usual NotFoundError from the OpenAI-shaped body.
+  try {
+    await client.chat.completions.create({ model: "No-Such-Model", messages: [{ role: "user", content: "x" }] });
+    throw new Error("unknown model: no error raised");
+  } catch (e) {
+    check(e instanceof OpenAI.NotFoundError, `unknown model: ${e?.constructor?.name}: ${e?.message}`);
+    check(e.status === 404, `unknown model: status ${e.status}`);
+    check(typeof e.code === "string" && e.code.length > 0, `unknown model: error code ${e.code}`);
+  }
+  // A wrong key: AuthenticationError.
+  const bad = new OpenAI({ baseURL, apiKey: apiKey + "-wrong", maxRetries: 0, timeout: 30_000 });
+  try {
+    await bad.chat.completions.create({ model: "Kimi-K3", messages: [{ role: "user", content: "x" }] });
+    throw new Error("wrong key: no error raised");
+  } catch (e) {
+    check(e instanceof OpenAI.AuthenticationError, `wrong key: ${e?.constructor?.name}: ${e?.message}`);
+    check(e.code === "invalid_api_key", `wrong key: error code ${e.code}`);
+  }
+}
+
+try {
+  await nonStream();
+  await stream();
+  await embeddings();
+  await errors();
+  console.log("sdk: ok");
+  process.exit(0);
+} catch (e) {
+  console.error(`sdk: FAIL: ${e?.message ?? e}`);
+  process.exit(1);
+}
