@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# test.sh -- runs every test of ltg: the unit tests and the integration
+# suite, first against the release build, then again under AddressSanitizer
+# and UndefinedBehaviorSanitizer. `make test` builds what it needs and calls
+# this. The last line is "N passed, M failed"; the exit status is 0 only
+# when nothing failed.
+set -u
+cd "$(dirname "$0")"
+
+# The integration suite is Python 3 (standard library only).
+if ! command -v python3 >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get install -y -qq python3 >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq python3; } >/dev/null 2>&1
+  fi
+  command -v python3 >/dev/null || { echo "the tests need python3: run  sudo apt-get install python3"; echo "0 passed, 1 failed"; exit 1; }
+fi
+
+pass=0 fail=0
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+
+# run NAME CMD...: run one suite, show its output, add up its closing line.
+run() {
+  local name=$1; shift
+  echo "=== $name"
+  "$@" 2>&1 | tee "$log"
+  local last
+  last=$(grep -E '^([a-z-]+: )?[0-9]+ passed, [0-9]+ failed' "$log" | tail -n 1)
+  if [ -z "$last" ]; then
+    echo "FAIL - $name ended without a summary line (crashed?)"
+    fail=$((fail + 1))
+    return
+  fi
+  local p f
+  p=$(sed -E 's/^([a-z-]+: )?([0-9]+) passed, ([0-9]+) failed.*/\2/' <<<"$last")
+  f=$(sed -E 's/^([a-z-]+: )?([0-9]+) passed, ([0-9]+) failed.*/\3/' <<<"$last")
+  pass=$((pass + p)) fail=$((fail + f))
+}
+
+export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+
+run "unit" ./tests/unit
+run "unit (asan+ubsan)" ./tests/unit-asan
+run "integration" python3 tests/integration.py --ltg ./ltg --mock ./tests/mock
+run "integration (asan+ubsan)" python3 tests/integration.py --ltg ./ltg-asan --mock ./tests/mock
+
+echo "$pass passed, $fail failed"
+[ "$fail" = 0 ]

@@ -1,0 +1,419 @@
+#!/usr/bin/env bash
+# tests/bench.sh -- ltg against nginx, same upstream, same run.
+#
+#     tests/bench.sh             (or: make bench)
+#
+# Starts the mock provider (tests/mock) as a fast fixed-answer upstream, nginx
+# as a plain keep-alive reverse proxy to it, and ltg with one provider (the
+# mock) and one model alias. Each of mock-direct, nginx and ltg gets the same
+# load from wrk: POST /v1/chat/completions with a small JSON body, at 1
+# keep-alive connection (wrk -t1 -c1) and at 64 (wrk -t2 -c64), after a short
+# warm-up. It prints a markdown table of requests/s, p50/p99 latency, CPU
+# microseconds per request of the proxy process and its peak RSS, the ratio
+# ltg/nginx, and whether ltg meets its targets.
+#
+# Environment:
+#   BENCH_SECONDS   seconds per measured run (default 5)
+#   BENCH_WARMUP    seconds of warm-up per target (default 1)
+#   BENCH_STRICT=1  exit 1 when a target is missed (default: report only)
+#
+# Everything listens on 127.0.0.1, on free ports picked at run time; every
+# process started here is stopped on exit. nginx and wrk are installed from
+# Debian when missing (root with apt-get). Exit status: 0 when the benchmark
+# ran (and, with BENCH_STRICT=1, the targets were met), 1 otherwise.
+set -uo pipefail
+
+cd "$(dirname "$0")/.." || exit 1
+ROOT=$(pwd)
+PATH=$PATH:/usr/sbin:/sbin
+
+SECS=${BENCH_SECONDS:-5}
+WARM=${BENCH_WARMUP:-1}
+STRICT=${BENCH_STRICT:-0}
+case $SECS in '' | *[!0-9]* | 0) echo "bench: BENCH_SECONDS must be a whole number >= 1" >&2; exit 1 ;; esac
+case $WARM in '' | *[!0-9]*) echo "bench: BENCH_WARMUP must be a whole number >= 0" >&2; exit 1 ;; esac
+
+ALIAS=Bench-Model          # the alias clients send
+UPSTREAM_MODEL=bench-model # what ltg sends upstream (same length: same answer size)
+DEV_KEY=dev-key-bench-0001
+BODY='{"model":"'$ALIAS'","messages":[{"role":"user","content":"hi"}]}'
+
+die() { echo "bench: $*" >&2; exit 1; }
+
+# ---------------------------------------------------------------- cleanup
+T=$(mktemp -d /tmp/ltg-bench.XXXXXX) || die "mktemp failed"
+PIDS=()
+POLICY_RC_CREATED=0
+cleanup() {
+    local p
+    for p in "${PIDS[@]}"; do
+        kill -TERM "$p" 2>/dev/null
+    done
+    for p in "${PIDS[@]}"; do
+        # wait only works for our children; fall back to polling
+        for _ in $(seq 1 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+        kill -KILL "$p" 2>/dev/null
+        wait "$p" 2>/dev/null
+    done
+    [ "$POLICY_RC_CREATED" = 1 ] && rm -f /usr/sbin/policy-rc.d
+    [ -n "${BENCH_KEEP_TMP:-}" ] || rm -rf "$T"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# ---------------------------------------------------------------- tools
+install_tools() {
+    local want=() pkg
+    command -v wrk >/dev/null || want+=(wrk)
+    command -v curl >/dev/null || want+=(curl)
+    if ! command -v nginx >/dev/null; then
+        # nginx-light is the smallest build with the proxy and upstream keepalive.
+        pkg=nginx
+        if apt-cache policy nginx-light 2>/dev/null | grep -q 'Candidate: [0-9]'; then pkg=nginx-light; fi
+        want+=("$pkg")
+    fi
+    [ ${#want[@]} -eq 0 ] && return 0
+    [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null ||
+        die "missing ${want[*]}: run  sudo apt-get install -y ${want[*]}"
+    echo "bench: installing ${want[*]}" >&2
+    # Keep the nginx package from starting its system service on port 80.
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+        printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && POLICY_RC_CREATED=1
+    fi
+    export DEBIAN_FRONTEND=noninteractive
+    if ! apt-get install -y -qq "${want[@]}" >"$T/apt.log" 2>&1; then
+        apt-get update -qq >>"$T/apt.log" 2>&1
+        # nginx-light may be unknown before the update; plain nginx always exists
+        want=("${want[@]/nginx-light/nginx}")
+        apt-get install -y -qq "${want[@]}" >>"$T/apt.log" 2>&1 || { tail -20 "$T/apt.log" >&2; die "apt-get install ${want[*]} failed"; }
+    fi
+    if [ "$POLICY_RC_CREATED" = 1 ]; then rm -f /usr/sbin/policy-rc.d; POLICY_RC_CREATED=0; fi
+    command -v wrk >/dev/null && command -v nginx >/dev/null && command -v curl >/dev/null || die "tools still missing after install"
+}
+install_tools
+
+[ -x ./ltg ] && [ -x tests/mock ] || die "build first: make ltg tests/mock"
+
+# ---------------------------------------------------------------- ports
+# Free ports below the ephemeral range, so that wrk's and the proxies' client
+# sockets never take them between the probe and the bind.
+read -r EPH_LO _ </proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || EPH_LO=32768
+PORT_LO=$((EPH_LO > 13024 ? EPH_LO - 12000 : 1024))
+USED_PORTS=" "
+free_port() {
+    local p
+    for _ in $(seq 1 200); do
+        p=$((PORT_LO + RANDOM % (EPH_LO - PORT_LO)))
+        case $USED_PORTS in *" $p "*) continue ;; esac
+        if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
+            USED_PORTS="$USED_PORTS$p "
+            echo "$p"
+            return 0
+        fi
+    done
+    die "no free port found"
+}
+
+# wait_http URL PID LOG: until URL answers (any HTTP status) or PID dies.
+wait_http() {
+    for _ in $(seq 1 100); do
+        kill -0 "$2" 2>/dev/null || { echo "--- $3:" >&2; tail -20 "$3" >&2; return 1; }
+        if curl -s -o /dev/null -m 1 "$1"; then return 0; fi
+        sleep 0.05
+    done
+    echo "--- $3:" >&2; tail -20 "$3" >&2
+    return 1
+}
+
+# ---------------------------------------------------------------- /proc helpers
+TCK=$(getconf CLK_TCK)
+cpu_ticks() { # utime + stime of the whole process (all threads)
+    local s
+    s=$(cat "/proc/$1/stat" 2>/dev/null) || { echo 0; return; }
+    s=${s##*) }   # after the comm field, which may hold spaces
+    # after comm, $1 is field 3 (state): utime (field 14) is ${12}, stime (15) ${13}
+    set -- $s
+    echo $((${12} + ${13}))
+}
+hwm_kb() { awk '/^VmHWM:/ {print $2}' "/proc/$1/status" 2>/dev/null || echo 0; }
+
+# ---------------------------------------------------------------- upstream: the mock
+"$ROOT/tests/mock" --port 0 2>"$T/mock.log" &
+MOCK_PID=$!
+PIDS+=("$MOCK_PID")
+MOCK_PORT=
+for _ in $(seq 1 100); do
+    MOCK_PORT=$(sed -n 's/.*listening on 127\.0\.0\.1:\([0-9]*\).*/\1/p' "$T/mock.log" | head -n1)
+    [ -n "$MOCK_PORT" ] && break
+    kill -0 "$MOCK_PID" 2>/dev/null || break
+    sleep 0.05
+done
+[ -n "$MOCK_PORT" ] || { cat "$T/mock.log" >&2; die "the mock did not start"; }
+MOCK_URL=http://127.0.0.1:$MOCK_PORT
+
+# ---------------------------------------------------------------- nginx
+start_nginx() {
+    local try
+    mkdir -p "$T/nginx"
+    for try in 1 2 3; do
+        NGINX_PORT=$(free_port)
+        cat >"$T/nginx/nginx.conf" <<EOF
+# generated by tests/bench.sh: a plain keep-alive reverse proxy to the mock
+$( [ "$(id -u)" = 0 ] && echo "user root;" )
+worker_processes 1;
+daemon off;
+pid $T/nginx/nginx.pid;
+error_log $T/nginx/error.log warn;
+events { worker_connections 4096; }
+http {
+    access_log off;
+    client_body_temp_path $T/nginx/body;
+    proxy_temp_path $T/nginx/proxy;
+    fastcgi_temp_path $T/nginx/fastcgi;
+    uwsgi_temp_path $T/nginx/uwsgi;
+    scgi_temp_path $T/nginx/scgi;
+    keepalive_requests 100000000;
+    upstream mock {
+        server 127.0.0.1:$MOCK_PORT;
+        keepalive 64;
+        keepalive_requests 100000000;
+    }
+    server {
+        listen 127.0.0.1:$NGINX_PORT;
+        location / {
+            proxy_pass http://mock;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+        }
+    }
+}
+EOF
+        nginx -p "$T/nginx" -e "$T/nginx/error.log" -c "$T/nginx/nginx.conf" 2>>"$T/nginx/error.log" &
+        NGINX_MASTER=$!
+        PIDS+=("$NGINX_MASTER")
+        if wait_http "http://127.0.0.1:$NGINX_PORT/" "$NGINX_MASTER" "$T/nginx/error.log" 2>/dev/null; then
+            NGINX_PID=$(pgrep -P "$NGINX_MASTER" | head -n1)
+            [ -n "$NGINX_PID" ] || die "no nginx worker under master $NGINX_MASTER"
+            return 0
+        fi
+        kill "$NGINX_MASTER" 2>/dev/null; wait "$NGINX_MASTER" 2>/dev/null
+    done
+    tail -20 "$T/nginx/error.log" >&2
+    die "nginx did not start"
+}
+start_nginx
+
+# ---------------------------------------------------------------- ltg
+start_ltg() {
+    local try
+    cat >"$T/ltg.json" <<EOF
+{
+  "providers": { "mock": { "base_url": "$MOCK_URL/v1", "api_key_env": "LTG_BENCH_MOCK_KEY" } },
+  "models": {
+    "$ALIAS": { "provider": "mock", "upstream_model": "$UPSTREAM_MODEL",
+                "input_usd_per_mtok": 0.60, "output_usd_per_mtok": 2.50 }
+  },
+  "dev_keys": ["$DEV_KEY"]
+}
+EOF
+    export LTG_BENCH_MOCK_KEY=sk-bench-upstream
+    for try in 1 2 3; do
+        LTG_PORT=$(free_port)
+        LTG_ADMIN_PORT=$(free_port)
+        "$ROOT/ltg" --config "$T/ltg.json" --listen "127.0.0.1:$LTG_PORT" \
+            --admin-listen "127.0.0.1:$LTG_ADMIN_PORT" 2>>"$T/ltg.log" &
+        LTG_PID=$!
+        PIDS+=("$LTG_PID")
+        if wait_http "http://127.0.0.1:$LTG_PORT/healthz" "$LTG_PID" "$T/ltg.log" 2>/dev/null; then
+            return 0
+        fi
+        kill "$LTG_PID" 2>/dev/null; wait "$LTG_PID" 2>/dev/null
+        grep -q "listen" "$T/ltg.log" || break   # not a port clash: do not retry
+    done
+    tail -20 "$T/ltg.log" >&2
+    die "ltg did not start"
+}
+start_ltg
+
+# ---------------------------------------------------------------- correctness first
+# One request through each; the answer must be 200 and the mock's own body
+# (its "id" and "created" differ per request and are left out of the compare).
+normalize() { sed -e 's/"id":"[^"]*"/"id":"X"/' -e 's/"created":[0-9]*/"created":0/' "$1"; }
+post() { # URL OUT -> prints the status
+    curl -s -o "$2" -D "$2.head" -w '%{http_code}' -m 5 -X POST "$1/v1/chat/completions" \
+        -H 'Content-Type: application/json' -H "Authorization: Bearer $DEV_KEY" --data-binary "$3"
+}
+BODY_UP=${BODY/\"$ALIAS\"/\"$UPSTREAM_MODEL\"}
+CHECK_FAIL=0
+st=$(post "$MOCK_URL" "$T/ref-alias" "$BODY")
+[ "$st" = 200 ] || die "the mock answered $st to the bench request: $(cat "$T/ref-alias")"
+st=$(post "$MOCK_URL" "$T/ref-up" "$BODY_UP")
+[ "$st" = 200 ] || die "the mock answered $st to the bench request: $(cat "$T/ref-up")"
+check() { # NAME URL REF
+    local st
+    st=$(post "$2" "$T/check-$1" "$BODY")
+    if [ "$st" != 200 ]; then
+        echo "bench: $1 answered $st (want 200): $(head -c 500 "$T/check-$1")" >&2; CHECK_FAIL=1; return
+    fi
+    if ! diff <(normalize "$3") <(normalize "$T/check-$1") >"$T/check-$1.diff"; then
+        echo "bench: $1 answered 200 but not with the mock's body:" >&2; cat "$T/check-$1.diff" >&2; CHECK_FAIL=1
+    fi
+}
+check nginx "http://127.0.0.1:$NGINX_PORT" "$T/ref-alias"
+check ltg "http://127.0.0.1:$LTG_PORT" "$T/ref-up"
+if [ "$CHECK_FAIL" = 0 ] && ! grep -qi "^x-ltg-served-model: $ALIAS" "$T/check-ltg.head"; then
+    echo "bench: ltg's answer lacks x-ltg-served-model: $ALIAS" >&2; CHECK_FAIL=1
+fi
+[ "$CHECK_FAIL" = 0 ] || die "correctness check failed; nothing measured"
+
+# ---------------------------------------------------------------- wrk
+cat >"$T/post.lua" <<EOF
+wrk.method = "POST"
+wrk.path = "/v1/chat/completions"
+wrk.body = '$BODY'
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer $DEV_KEY"
+
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    "BENCH requests=%d duration_us=%d p50_us=%d p99_us=%d max_us=%d status=%d connect=%d read=%d write=%d timeout=%d\n",
+    summary.requests, summary.duration, latency:percentile(50), latency:percentile(99), latency.max,
+    e.status, e.connect, e.read, e.write, e.timeout))
+end
+EOF
+
+# run_wrk NAME URL PID THREADS CONNS KEY: measured run; sets R_<KEY>_* globals
+declare -A R
+ERRORS_SEEN=0
+run_wrk() {
+    local name=$1 url=$2 pid=$3 t=$4 c=$5 key=$6 out="$T/wrk-$1-$6.txt" c0 c1 line
+    c0=$(cpu_ticks "$pid")
+    wrk -t"$t" -c"$c" -d"${SECS}s" --timeout 5s --latency -s "$T/post.lua" "$url" >"$out" 2>&1
+    c1=$(cpu_ticks "$pid")
+    line=$(grep '^BENCH ' "$out")
+    [ -n "$line" ] || { cat "$out" >&2; die "wrk gave no result for $name at $c connection(s)"; }
+    local requests duration_us p50_us p99_us max_us status connect read write timeout kv
+    for kv in ${line#BENCH }; do local "$kv"; done
+    R[$name,$key,rps]=$(awk -v r="$requests" -v d="$duration_us" 'BEGIN {printf "%.0f", r / (d / 1e6)}')
+    R[$name,$key,p50]=$p50_us
+    R[$name,$key,p99]=$p99_us
+    R[$name,$key,cpu]=$(awk -v t=$((c1 - c0)) -v k="$TCK" -v r="$requests" 'BEGIN {printf "%.1f", r ? t * 1e6 / k / r : 0}')
+    R[$name,$key,errs]="non-2xx/3xx=$status connect=$connect read=$read write=$write timeout=$timeout"
+    R[$name,$key,requests]=$requests
+    if [ $((status + connect + read + write + timeout)) -ne 0 ]; then
+        echo "bench: $name at $c connection(s): $requests requests, errors: ${R[$name,$key,errs]}" >&2
+        sed -n '/Socket errors\|Non-2xx/p' "$out" >&2
+        [ "$name" = ltg ] && ERRORS_SEEN=1
+    fi
+}
+
+mock_stat() { curl -s -m 2 "$MOCK_URL/_mock/stats" | sed -n "s/.*\"$1\":\([0-9]*\).*/\1/p" | head -n1; }
+
+bench_target() { # NAME URL PID
+    local name=$1 url=$2 pid=$3
+    echo "bench: $name ..." >&2
+    if [ "$WARM" -gt 0 ]; then
+        wrk -t2 -c64 -d"${WARM}s" -s "$T/post.lua" "$url" >"$T/warm-$name.txt" 2>&1
+    fi
+    curl -s -m 2 -X POST "$MOCK_URL/_mock/reset" >/dev/null
+    run_wrk "$name" "$url" "$pid" 1 1 c1
+    run_wrk "$name" "$url" "$pid" 2 64 c64
+    R[$name,upconns]=$(mock_stat connections)
+    R[$name,hwm]=$(hwm_kb "$pid")
+    kill -0 "$pid" 2>/dev/null || die "$name (pid $pid) died during the benchmark"
+}
+
+# ---------------------------------------------------------------- conditions
+CPU_MODEL=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n1)
+NGINX_VER=$(nginx -v 2>&1 | sed 's/.*nginx\///')
+WRK_VER=$(wrk -v 2>&1 | head -n1 | awk '{print $2}')
+LTG_REV=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo "?")
+git -C "$ROOT" diff --quiet HEAD -- ltg.c ltg.h 2>/dev/null || LTG_REV="$LTG_REV+changes"
+
+START=$(date +%s)
+bench_target mock-direct "$MOCK_URL" "$MOCK_PID"
+bench_target nginx "http://127.0.0.1:$NGINX_PORT" "$NGINX_PID"
+bench_target ltg "http://127.0.0.1:$LTG_PORT" "$LTG_PID"
+ELAPSED=$(($(date +%s) - START))
+
+# after the load, ltg must still answer correctly
+check ltg-after "http://127.0.0.1:$LTG_PORT" "$T/ref-up"
+[ "$CHECK_FAIL" = 0 ] || ERRORS_SEEN=1
+
+# ---------------------------------------------------------------- report
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b + 0 == 0) print "n/a"; else printf "%.2fx", a / b }'; }
+fmt_int() { awk -v v="$1" 'BEGIN {printf "%\047d", v}' 2>/dev/null || echo "$1"; }
+mb() { awk -v k="$1" 'BEGIN {printf "%.1f MiB", k / 1024}'; }
+
+echo
+echo "## ltg vs nginx (same upstream, same run)"
+echo
+echo "- machine: $(nproc) cores ($CPU_MODEL), $(uname -sr); nothing pinned: wrk, the mock and the proxy share all cores"
+echo "- load: wrk $WRK_VER, POST /v1/chat/completions, ${#BODY}-byte JSON body, keep-alive;"
+echo "  1 connection = wrk -t1 -c1, 64 connections = wrk -t2 -c64; ${SECS} s per run after ${WARM} s warm-up at 64"
+echo "- upstream: tests/mock (fixed small JSON answer, one thread per connection), 127.0.0.1:$MOCK_PORT"
+echo "- nginx $NGINX_VER: worker_processes 1 (ltg is single-threaded: one core against one core),"
+echo "  upstream keepalive 64, proxy_http_version 1.1, access_log off; CPU and RSS are its worker's"
+echo "- ltg $LTG_REV: one provider (the mock), one alias, dev_keys auth; model rewritten $ALIAS -> $UPSTREAM_MODEL"
+echo "- CPU us/req = (utime+stime of the proxy process over the run) / requests; for mock-direct it is the mock's own"
+echo "- latency: wrk's p50/p99 in microseconds; peak RSS = VmHWM after all runs"
+echo
+echo "| metric | mock-direct | nginx | ltg | ltg/nginx |"
+echo "| --- | ---: | ---: | ---: | ---: |"
+row() { # LABEL KEY METRIC FMT
+    local m=${R[mock-direct,$2,$3]} n=${R[nginx,$2,$3]} l=${R[ltg,$2,$3]}
+    if [ "$4" = int ]; then
+        echo "| $1 | $(fmt_int "$m") | $(fmt_int "$n") | $(fmt_int "$l") | $(ratio "$l" "$n") |"
+    else
+        echo "| $1 | $m | $n | $l | $(ratio "$l" "$n") |"
+    fi
+}
+row "requests/s, 1 conn" c1 rps int
+row "requests/s, 64 conns" c64 rps int
+row "p50 latency us, 1 conn" c1 p50 int
+row "p99 latency us, 1 conn" c1 p99 int
+row "p50 latency us, 64 conns" c64 p50 int
+row "p99 latency us, 64 conns" c64 p99 int
+row "CPU us/request, 1 conn" c1 cpu x
+row "CPU us/request, 64 conns" c64 cpu x
+ADD_N=$((R[nginx,c1,p50] - R[mock-direct,c1,p50]))
+ADD_L=$((R[ltg,c1,p50] - R[mock-direct,c1,p50]))
+echo "| added p50 us over mock-direct, 1 conn | - | $ADD_N | $ADD_L | $(ratio "$ADD_L" "$ADD_N") |"
+echo "| peak RSS (VmHWM) | $(mb "${R[mock-direct,hwm]}") | $(mb "${R[nginx,hwm]}") | $(mb "${R[ltg,hwm]}") | $(ratio "${R[ltg,hwm]}" "${R[nginx,hwm]}") |"
+echo "| upstream connections opened (both runs) | - | ${R[nginx,upconns]:-?} | ${R[ltg,upconns]:-?} | |"
+echo
+echo "nginx master RSS (not counted above): $(mb "$(hwm_kb "$NGINX_MASTER")"); benchmark time ${ELAPSED} s"
+echo
+
+# ---------------------------------------------------------------- targets
+MISSED=0
+verdict() { if [ "$1" = 1 ]; then echo "MET"; else echo "NOT MET"; MISSED=1; fi; }
+t1=$(awk -v l="${R[ltg,c64,rps]}" -v n="${R[nginx,c64,rps]}" 'BEGIN {print (l >= 0.8 * n) ? 1 : 0}')
+if [ "$ADD_N" -gt 0 ]; then
+    t2=$(awk -v l="$ADD_L" -v n="$ADD_N" 'BEGIN {print (l <= 2 * n) ? 1 : 0}')
+    t2_note="ltg +$ADD_L us vs 2 x nginx +$ADD_N us = $((2 * ADD_N)) us"
+else
+    # nginx added nothing measurable: hold ltg to the p50 resolution of a few us
+    t2=$(awk -v l="$ADD_L" 'BEGIN {print (l <= 10) ? 1 : 0}')
+    t2_note="nginx added $ADD_N us (not measurable); ltg +$ADD_L us, held to <= 10 us"
+fi
+LIMIT_KB=15360
+t3=$(( R[ltg,hwm] <= LIMIT_KB ? 1 : 0 ))
+echo "### targets"
+echo
+echo "- ltg requests/s at 64 conns >= 0.8x nginx: $(verdict "$t1") ($(ratio "${R[ltg,c64,rps]}" "${R[nginx,c64,rps]}"))"
+echo "- ltg added p50 at 1 conn within 2x nginx's added p50: $(verdict "$t2") ($t2_note)"
+echo "- ltg peak RSS <= 15 MiB ($LIMIT_KB kB): $(verdict "$t3") (${R[ltg,hwm]} kB)"
+echo "- ltg errors under load (non-2xx, socket errors): $( [ "$ERRORS_SEEN" = 0 ] && echo none || echo "SEEN: 1 conn: ${R[ltg,c1,errs]}; 64 conns: ${R[ltg,c64,errs]}")"
+
+if grep -v 'listening on' "$T/ltg.log" | grep -q .; then
+    echo
+    echo "ltg logged during the benchmark (last 10 lines):"
+    grep -v 'listening on' "$T/ltg.log" | tail -n 10 | sed 's/^/    /'
+fi
+
+[ "$ERRORS_SEEN" = 0 ] || exit 1
+[ "$STRICT" = 1 ] && [ "$MISSED" = 1 ] && exit 1
+exit 0

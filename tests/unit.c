@@ -1,0 +1,399 @@
+/* tests/unit.c -- unit tests for ltg's parsers, writer, config loader and resolver.
+ *
+ * It includes ltg.c itself (without main) to reach the static functions.
+ * Every parser is fed each case whole and one byte at a time, and the input
+ * is placed right before an unmapped page, so a read past the end crashes
+ * here instead of passing by luck. Ends with "N passed, M failed".
+ */
+#define LTG_NO_MAIN
+#include "../ltg.c"
+
+#include <sys/mman.h>
+
+static int passed, failed;
+
+#define CHECK(cond, ...)                                                  \
+    do {                                                                  \
+        if (cond) passed++;                                               \
+        else {                                                            \
+            failed++;                                                     \
+            printf("FAIL %s:%d: ", __FILE__, __LINE__);                   \
+            printf(__VA_ARGS__);                                          \
+            printf("\n");                                                 \
+        }                                                                 \
+    } while (0)
+
+/* A copy of s[0..n) that ends exactly where an unmapped page begins. */
+static char *guard_base;
+static size_t guard_len;
+static const char *guarded(const char *s, size_t n) {
+    long page = sysconf(_SC_PAGESIZE);
+    if (guard_base) munmap(guard_base, guard_len);
+    size_t data_pages = (n + (size_t)page - 1) / (size_t)page + 1;
+    guard_len = (data_pages + 1) * (size_t)page;
+    guard_base = mmap(NULL, guard_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    mprotect(guard_base + data_pages * (size_t)page, (size_t)page, PROT_NONE);
+    char *p = guard_base + data_pages * (size_t)page - n;
+    memcpy(p, s, n);
+    return p;
+}
+
+/* ---- JSON ---- */
+
+static int parses(const char *s) {
+    json_tok t[256];
+    json_result r;
+    const char *g = guarded(s, strlen(s));
+    return json_parse(g, strlen(s), t, 256, -1, &r) == 0;
+}
+
+static void test_json_reader(void) {
+    static const char *valid[] = {
+        "{}", "[]", "0", "-0", "1.5e10", "-1.25E-3", "\"\"", "true", "false", "null", " \t\r\n{\"a\" : [1, 2, {\"b\":null}]} ",
+        "\"\\u00e9\\ud83d\\ude00\\n\\\"\\\\\\/\"", "\"h\xc3\xa9llo \xe2\x82\xac \xf0\x9f\x98\x80\"", "[[[[[]]]]]", "{\"\":\"\"}",
+    };
+    for (size_t i = 0; i < sizeof valid / sizeof *valid; i++) CHECK(parses(valid[i]), "valid JSON refused: %s", valid[i]);
+    static const char *invalid[] = {
+        "", " ", "{", "}", "[1,]", "{\"a\":1,}", "{\"a\" 1}", "{a:1}", "01", "1.", ".5", "1e", "+1", "-", "tru", "nul",
+        "\"abc", "\"\\x\"", "\"\\u12g4\"", "\"a\nb\"", "[1 2]", "{} {}", "'a'", "[1]x", "\"\xc0\xaf\"", "\"\xed\xa0\x80\"",
+        "\"\xf4\x90\x80\x80\"", "\"\xe2\x82\"", "\"\x80\"", "NaN", "Infinity", "[-]", "{\"a\":}", "\"a\"\"b\"", "/* c */ 1",
+    };
+    for (size_t i = 0; i < sizeof invalid / sizeof *invalid; i++) CHECK(!parses(invalid[i]), "invalid JSON taken: %s", invalid[i]);
+
+    /* Depth limit: 64 nested arrays parse, 65 do not. */
+    char deep[200];
+    for (int d = 64; d <= 65; d++) {
+        memset(deep, '[', (size_t)d);
+        memset(deep + d, ']', (size_t)d);
+        deep[2 * d] = 0;
+        CHECK(parses(deep) == (d == 64), "depth %d", d);
+    }
+
+    /* Tokens, siblings and lookups. */
+    const char *s = "{\"model\":\"K\\u0033\",\"n\":[1,2,3],\"o\":{\"x\":true},\"stream\":false}";
+    json_tok t[32];
+    json_result r;
+    CHECK(json_parse(s, strlen(s), t, 32, -1, &r) == 0 && r.ntok == 14, "token count %d", r.ntok);
+    CHECK(t[0].type == JSON_OBJECT && t[0].size == 4, "root object of 4 members");
+    int m = json_get(s, t, 0, "model");
+    CHECK(json_eq(s, t, m, "K3"), "escaped value compares unescaped");
+    int n = json_get(s, t, 0, "n");
+    CHECK(t[n].type == JSON_ARRAY && t[n].size == 3 && t[n].next == n + 4, "array subtree next");
+    int o = json_get(s, t, 0, "o");
+    CHECK(t[json_get(s, t, o, "x")].type == JSON_TRUE, "nested lookup");
+    CHECK(json_get(s, t, 0, "missing") == -1, "missing key");
+    CHECK(t[json_get(s, t, 0, "stream")].type == JSON_FALSE, "last member");
+
+    /* Shallow storage: depth 1 keeps the members, not their insides. */
+    CHECK(json_parse(s, strlen(s), t, 32, 1, &r) == 0 && r.ntok == 9, "shallow token count %d", r.ntok);
+    o = json_get(s, t, 0, "o");
+    CHECK(o > 0 && t[o].type == JSON_OBJECT && json_get(s, t, o, "x") == -1, "shallow: inner members not stored");
+    CHECK(json_get(s, t, 0, "stream") > 0, "shallow: later members still found");
+    const char *deepdoc = "[[[[1,2,3,[4,[5]]]]]]";
+    CHECK(json_parse(deepdoc, strlen(deepdoc), t, 1, 0, &r) == 0 && r.ntok == 1, "root only");
+    CHECK(json_parse(s, strlen(s), t, 4, -1, &r) < 0 && strstr(r.err, "too many"), "token limit");
+
+    /* Errors name the byte offset. */
+    const char *bad = "{\"a\": [1, 2,, 3]}";
+    CHECK(json_parse(bad, strlen(bad), t, 32, -1, &r) < 0 && r.err_offset == 12, "offset %zu", r.err_offset);
+
+    /* Unescaping, including surrogate pairs and a lone surrogate. */
+    const char *es = "\"a\\tb\\u00e9\\ud83d\\ude00\\udc00\"";
+    json_parse(es, strlen(es), t, 4, -1, &r);
+    buf b = {0};
+    json_unescape(es, t, 0, &b);
+    CHECK(b.len == 12 && memcmp(b.p, "a\tb\xc3\xa9\xf0\x9f\x98\x80\xef\xbf\xbd", 12) == 0, "unescape");
+    buf_free(&b);
+
+    double d;
+    const char *num = "[-12.5e2]";
+    json_parse(num, strlen(num), t, 4, -1, &r);
+    CHECK(json_number(num, t, 1, &d) == 0 && d == -1250, "number");
+}
+
+static void test_json_writer(void) {
+    buf b = {0};
+    jwriter w;
+    jw_init(&w, &b);
+    jw_open(&w, '{');
+    jw_key(&w, "s"), jw_str(&w, "q\"b\\n\n\x01\xc3\xa9\xff", 10);
+    jw_key(&w, "a"), jw_open(&w, '[');
+    jw_int(&w, -3), jw_num(&w, 0.5), jw_bool(&w, 1), jw_null(&w), jw_cstr(&w, NULL);
+    jw_open(&w, '{'), jw_close(&w, '}');
+    jw_close(&w, ']');
+    jw_key(&w, "r"), jw_raw(&w, "[1]", 3);
+    jw_close(&w, '}');
+    const char *want = "{\"s\":\"q\\\"b\\\\n\\n\\u0001\xc3\xa9\xef\xbf\xbd\",\"a\":[-3,0.5,true,null,null,{}],\"r\":[1]}";
+    CHECK(strcmp(b.p, want) == 0, "writer: %s", b.p);
+    CHECK(parses(b.p), "writer output parses");
+    buf_free(&b);
+}
+
+/* ---- HTTP ---- */
+
+/* Feed s whole and byte by byte to http_head_end; both must agree. */
+static int head_len(const char *s) {
+    size_t n = strlen(s), scan = 0;
+    const char *g = guarded(s, n);
+    int whole = http_head_end(g, n, &scan);
+    int bytewise = LTG_AGAIN;
+    scan = 0;
+    for (size_t k = 1; k <= n && bytewise == LTG_AGAIN; k++) bytewise = http_head_end(g, k, &scan);
+    return whole == bytewise ? whole : -100;
+}
+
+static int parse_req(const char *s, http_request *r) {
+    int n = head_len(s);
+    if (n < 0) return n;
+    return http_parse_request(guarded(s, strlen(s)), (size_t)n, r);
+}
+
+static void test_http_request(void) {
+    http_request r;
+    const char *ok = "POST /v1/chat/completions?x=1 HTTP/1.1\r\nHost: a\r\nContent-Length: 12\r\nX-Empty:\r\n"
+                     "Authorization:  Bearer k  \r\n\r\nbody";
+    CHECK(parse_req(ok, &r) == (int)strlen(ok) - 4, "whole head");
+    const char *b = guarded(ok, strlen(ok));
+    CHECK(r.method.len == 4 && r.target.len == 24 && r.minor == 1 && r.nh == 4, "request line and headers");
+    size_t n;
+    const char *v = http_header_get(b, r.h, r.nh, "AUTHORIZATION", &n);
+    CHECK(v && n == 8 && memcmp(v, "Bearer k", 8) == 0, "header value trimmed");
+    CHECK(http_header_get(b, r.h, r.nh, "x-empty", &n) && n == 0, "empty header value");
+    CHECK(r.content_length == 12 && !r.chunked && r.keep_alive, "framing");
+
+    CHECK(parse_req("GET / HTTP/1.0\r\n\r\n", &r) > 0 && !r.keep_alive, "1.0 closes by default");
+    CHECK(parse_req("GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n", &r) > 0 && r.keep_alive, "1.0 keep-alive");
+    CHECK(parse_req("GET / HTTP/1.1\r\nHost: a\r\nConnection: foo, close\r\n\r\n", &r) > 0 && !r.keep_alive, "close token");
+    CHECK(parse_req("POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n", &r) > 0 && r.chunked, "chunked");
+    CHECK(parse_req("POST / HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n", &r) > 0 && r.expect_continue, "expect");
+    CHECK(parse_req("\r\nGET / HTTP/1.1\r\nHost: a\r\n\r\n", &r) > 0, "leading empty line ignored");
+    CHECK(parse_req("GET / HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\n", &r) > 0, "identical lengths");
+
+    static const struct { const char *req; int status; } bad[] = {
+        {"GET / HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\n", 400},
+        {"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n", 400},
+        {"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", 501},
+        {"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: -1\r\n\r\n", 400},
+        {"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 1x\r\n\r\n", 400},
+        {"GET / HTTP/1.1\r\nHost: a\r\nX: a\r\n b\r\n\r\n", 400},
+        {"GET / HTTP/1.1\r\nHost: a\r\nNo colon\r\n\r\n", 400},
+        {"GET / HTTP/1.1\r\nHost: a\r\nX : y\r\n\r\n", 400},
+        {"GET / HTTP/1.1\nHost: a\n\n", 400},
+        {"GET / HTTP/1.1\r\nHost: a\r\nX: a\rb\r\n\r\n", 400},
+        {"GET / HTTP/2.0\r\nHost: a\r\n\r\n", 400},
+        {"GET  / HTTP/1.1\r\nHost: a\r\n\r\n", 400},
+        {"GET / HTTP/1.1\r\n\r\n", 400},
+        {"GET / HTTP/1.1\r\nHost: a\r\nExpect: magic\r\n\r\n", 417},
+        {"G@T / HTTP/1.1\r\nHost: a\r\n\r\n", 400},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        int res = parse_req(bad[i].req, &r);
+        CHECK(res == LTG_ERR && r.status == bad[i].status && r.err, "bad request %zu: got %d status %d", i, res, r.status);
+    }
+    /* A NUL inside a header value. */
+    const char nul[] = "GET / HTTP/1.1\r\nHost: a\r\nX: a\0b\r\n\r\n";
+    CHECK(http_parse_request(guarded(nul, sizeof nul - 1), sizeof nul - 1, &r) == LTG_ERR, "NUL refused");
+
+    /* 65 headers: 431. */
+    buf many = {0};
+    buf_puts(&many, "GET / HTTP/1.1\r\nHost: a\r\n");
+    for (int i = 0; i < HTTP_MAX_HEADERS; i++) buf_printf(&many, "X-%d: y\r\n", i);
+    buf_puts(&many, "\r\n");
+    CHECK(parse_req(many.p, &r) == LTG_ERR && r.status == 431, "too many headers");
+    buf_free(&many);
+
+    CHECK(head_len("GET / HTTP/1.1\r\nHost: a\r\n") == LTG_AGAIN, "incomplete head");
+    CHECK(head_len("GET / HTTP/1.1\r\nHost: a\r\n\r") == LTG_AGAIN, "incomplete at CR");
+}
+
+static void test_http_response(void) {
+    http_response r;
+    const char *s = "HTTP/1.1 429 Too Many Requests\r\nRetry-After: 2\r\nContent-Length: 10\r\n\r\n";
+    CHECK(http_parse_response(guarded(s, strlen(s)), strlen(s), &r) > 0 && r.status == 429 && r.content_length == 10 && r.keep_alive, "429");
+    s = "HTTP/1.0 200 OK\r\n\r\n";
+    CHECK(http_parse_response(guarded(s, strlen(s)), strlen(s), &r) > 0 && !r.keep_alive && r.content_length == -1, "1.0 eof body");
+    s = "HTTP/1.1 200\r\nTransfer-Encoding: chunked\r\n\r\n";
+    CHECK(http_parse_response(guarded(s, strlen(s)), strlen(s), &r) > 0 && r.chunked && r.reason.len == 0, "no reason phrase");
+    static const char *bad[] = {"HTTP/1.1 20 OK\r\n\r\n", "HTTP/1.1 200 OK\n\n", "HTTX/1.1 200 OK\r\n\r\n",
+                                "HTTP/1.1 200 OK\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++)
+        CHECK(http_parse_response(guarded(bad[i], strlen(bad[i])), strlen(bad[i]), &r) == LTG_ERR, "bad response %zu", i);
+}
+
+/* Decode s whole and byte by byte; both must give `want` (NULL: an error). */
+static void check_chunked(const char *s, const char *want, size_t want_rest) {
+    size_t n = strlen(s);
+    const char *g = guarded(s, n);
+    for (int bytewise = 0; bytewise < 2; bytewise++) {
+        chunk_decoder d = {0};
+        buf out = {0};
+        size_t used = 0;
+        int err = 0;
+        while (used < n && d.state != CHUNK_DONE) {
+            size_t step = bytewise ? 1 : n - used;
+            long k = chunk_decode(&d, g + used, step, &out);
+            if (k < 0) { err = 1; break; }
+            used += (size_t)k;
+        }
+        if (!want) CHECK(err || d.state != CHUNK_DONE, "chunked should fail: %s", s);
+        else CHECK(!err && d.state == CHUNK_DONE && out.len == strlen(want) && memcmp(out.p ? out.p : "", want, out.len) == 0 && n - used == want_rest,
+                   "chunked %s (%s)", s, bytewise ? "byte by byte" : "whole");
+        buf_free(&out);
+    }
+}
+
+static void test_chunked(void) {
+    check_chunked("5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n", "hello world", 0);
+    check_chunked("a;ext=1\r\n0123456789\r\n0\r\nTrailer: x\r\n\r\nNEXT", "0123456789", 4);
+    check_chunked("A \r\n0123456789\r\n0\r\n\r\n", "0123456789", 0);
+    check_chunked("0\r\n\r\n", "", 0);
+    check_chunked("5\r\nhelloX\r\n0\r\n\r\n", NULL, 0);
+    check_chunked("z\r\n", NULL, 0);
+    check_chunked("5\nhello\r\n0\r\n\r\n", NULL, 0);
+    check_chunked("fffffffffffffffff\r\n", NULL, 0);
+    check_chunked("\r\n", NULL, 0);
+    /* Errors are sticky. */
+    chunk_decoder d = {0};
+    buf out = {0};
+    CHECK(chunk_decode(&d, "x", 1, &out) < 0 && chunk_decode(&d, "0\r\n\r\n", 5, &out) < 0, "sticky error");
+    buf_free(&out);
+}
+
+static void test_sse(void) {
+    CHECK(sse_event_len("data: a\n\ndata: b\n\n", 18) == 9, "LF");
+    CHECK(sse_event_len("data: a\r\n\r\nrest", 15) == 11, "CRLF");
+    CHECK(sse_event_len("data: a\r\rx", 10) == 9, "CR");
+    CHECK(sse_event_len("data: a\ndata: b\n\n", 17) == 17, "two lines");
+    CHECK(sse_event_len("data: a\n", 8) == 0, "incomplete");
+    CHECK(sse_event_len("data: a\r\n\r", 10) == 0, "CR at the end waits");
+    CHECK(sse_event_len(": ping\n\n", 8) == 8, "comment event");
+}
+
+/* ---- config ---- */
+
+static catalog *load(const char *text, char *err) { return catalog_load("test.json", text, err, 512); }
+
+static void test_config(void) {
+    char err[512];
+    setenv("UNIT_KEY", "provider-secret", 1);
+    setenv("UNIT_ADMIN", "admin-secret", 1);
+    unsetenv("UNIT_UNSET");
+    const char *good = "{\"providers\":{\"p\":{\"base_url\":\"http://127.0.0.1:9000/v1/\",\"api_key_env\":\"UNIT_KEY\"},"
+                       "\"q\":{\"base_url\":\"http://[::1]/x\"}},"
+                       "\"models\":{\"A\":{\"provider\":\"p\",\"upstream_model\":\"a-1\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":2.5,"
+                       "\"context_window\":1000,\"max_output_tokens\":100},"
+                       "\"B\":{\"provider\":\"q\",\"upstream_model\":\"b\",\"input_usd_per_mtok\":0,\"output_usd_per_mtok\":0}},"
+                       "\"admin_keys\":[{\"key_env\":\"UNIT_ADMIN\",\"permissions\":[\"*\"]},"
+                       "{\"key_sha256\":\"9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08\",\"permissions\":[\"llm_token_gateway.spend.read\"]}],"
+                       "\"dev_keys\":[\"dev-key-123\"]}";
+    catalog *c = load(good, err);
+    CHECK(c != NULL, "good config: %s", err);
+    if (c) {
+        CHECK(c->nprov == 2 && c->nmodels == 2 && c->nadmins == 2 && c->ndev == 1, "counts");
+        CHECK(strcmp(c->prov[0].host, "127.0.0.1") == 0 && c->prov[0].port == 9000 && strcmp(c->prov[0].base_path, "/v1") == 0, "url");
+        CHECK(strcmp(c->prov[0].hostport, "127.0.0.1:9000") == 0 && strcmp(c->prov[0].api_key, "provider-secret") == 0, "host and key");
+        CHECK(strcmp(c->prov[1].host, "::1") == 0 && c->prov[1].port == 80 && strcmp(c->prov[1].hostport, "[::1]") == 0, "ipv6 url");
+        model *m = catalog_model(c, "A", 1);
+        CHECK(m && m->p == &c->prov[0] && m->in_price == 1 && m->out_price == 2.5 && m->max_output_tokens == 100, "model A");
+        CHECK(catalog_model(c, "B", 1)->max_output_tokens == 4096, "default max_output_tokens");
+        uint8_t h[32];
+        sha256("admin-secret", 12, h);
+        CHECK(memcmp(h, c->admins[0].sha, 32) == 0 && c->admins[0].perms == PERM_ALL, "admin key hashed");
+        CHECK(c->admins[1].perms == PERM_SPEND_READ && c->admins[1].sha[0] == 0x9f, "sha256 key");
+        catalog_free(c);
+    }
+    static const struct { const char *cfg, *want; } bad[] = {
+        {"{", "not valid JSON: expected a string key at byte offset 1"},
+        {"[]", "must be a JSON object"},
+        {"{\"providers\":{},\"models\":{}}", "providers: must be an object"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"ftp://x\"}},\"models\":{}}", "providers.p.base_url: must start with http"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x:99999\"}},\"models\":{}}", "providers.p.base_url: has an invalid port"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"https://x\"}},\"models\":{}}", "not supported yet"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\",\"api_key_env\":\"UNIT_UNSET\"}},\"models\":{}}", "providers.p.api_key_env: environment variable UNIT_UNSET is not set"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\",\"bogus\":1}},\"models\":{}}", "providers.p.bogus: unknown field"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{}}", "models: must be an object with at least one"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"nope\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}", "models.M.provider: no provider named \"nope\""},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"output_usd_per_mtok\":1}}}", "models.M.input_usd_per_mtok: missing"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":-1,\"output_usd_per_mtok\":1}}}", "models.M.input_usd_per_mtok: must be a number >= 0"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1,\"max_output_tokens\":1.5}}}", "models.M.max_output_tokens: must be a whole number"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}", "models.M.upstream_model: missing"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}},\"admin_keys\":[{\"permissions\":[\"*\"]}]}", "admin_keys[0]: give exactly one of key_env and key_sha256"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}},\"admin_keys\":[{\"key_env\":\"UNIT_ADMIN\",\"permissions\":[\"root\"]}]}", "admin_keys[0].permissions: unknown permission"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}},\"admin_keys\":[{\"key_sha256\":\"abc\",\"permissions\":[\"*\"]}]}", "admin_keys[0].key_sha256: must be 64 hex digits"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}},\"extra\":1}", "test.json: extra: unknown field"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}},\"dev_keys\":[\"short\"]}", "dev_keys: each key must be a string of at least 8"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        err[0] = 0;
+        c = load(bad[i].cfg, err);
+        CHECK(!c && strstr(err, bad[i].want) && strncmp(err, "test.json: ", 11) == 0, "bad config %zu: got \"%s\", want \"%s\"", i, err, bad[i].want);
+        catalog_free(c);
+    }
+    CHECK(!catalog_load("/nonexistent/ltg.json", NULL, err, sizeof err) && strstr(err, "/nonexistent/ltg.json: cannot read"), "missing file");
+}
+
+/* ---- DNS ---- */
+
+static void test_dns(void) {
+    uint8_t q[300];
+    int n = dns_build_query("api.example.com", 0x1234, q, sizeof q);
+    static const uint8_t want[] = {0x12, 0x34, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 3, 'a', 'p', 'i', 7, 'e', 'x', 'a', 'm', 'p', 'l', 'e',
+                                   3, 'c', 'o', 'm', 0, 0, 1, 0, 1};
+    CHECK(n == (int)sizeof want && memcmp(q, want, sizeof want) == 0, "query bytes");
+    CHECK(dns_build_query("a..b", 1, q, sizeof q) < 0, "empty label");
+    CHECK(dns_build_query("example.com.", 1, q, sizeof q) > 0, "trailing dot");
+
+    /* An answer: the question, a CNAME (ttl 300) then an A record (ttl 60), names compressed. */
+    uint8_t a[512];
+    memcpy(a, want, sizeof want);
+    a[2] = 0x81, a[3] = 0x80, a[7] = 2;
+    size_t i = sizeof want;
+    static const uint8_t cname[] = {0xC0, 12, 0, 5, 0, 1, 0, 0, 1, 44, 0, 4, 1, 'x', 0xC0, 16};
+    static const uint8_t arec[] = {0xC0, 28, 0, 1, 0, 1, 0, 0, 0, 60, 0, 4, 10, 1, 2, 3};
+    memcpy(a + i, cname, sizeof cname), i += sizeof cname;
+    memcpy(a + i, arec, sizeof arec), i += sizeof arec;
+    struct in_addr addr;
+    uint32_t ttl;
+    const char *why;
+    CHECK(dns_parse_answer(a, i, 0x1234, &addr, &ttl, &why) == 0 && ttl == 60 && ntohl(addr.s_addr) == 0x0A010203, "A after CNAME");
+    CHECK(dns_parse_answer(a, i, 0x9999, &addr, &ttl, &why) < 0, "wrong id");
+    for (size_t cut = 0; cut < i; cut++) /* every truncation fails cleanly (the guard page catches over-reads) */
+        CHECK(dns_parse_answer((const uint8_t *)guarded((const char *)a, cut), cut, 0x1234, &addr, &ttl, &why) < 0, "truncated at %zu", cut);
+    a[3] = 0x83;
+    CHECK(dns_parse_answer(a, i, 0x1234, &addr, &ttl, &why) < 0 && strstr(why, "NXDOMAIN"), "nxdomain");
+    /* A compression loop must not hang. */
+    uint8_t loop[] = {0x12, 0x34, 0x81, 0x80, 0, 0, 0, 1, 0, 0, 0, 0, 0xC0, 12, 0, 1, 0, 1, 0, 0, 0, 1, 0, 4, 1, 2, 3, 4};
+    CHECK(dns_parse_answer(loop, sizeof loop, 0x1234, &addr, &ttl, &why) == 0, "pointer answer parses");
+}
+
+/* ---- timers ---- */
+
+static int fired[8], nfired;
+static void note_fire(void *ctx) { fired[nfired++] = (int)(intptr_t)ctx; }
+
+static void test_timers(void) {
+    timer t[5];
+    S.now = 1000;
+    for (int i = 0; i < 5; i++) timer_init(&t[i], note_fire, (void *)(intptr_t)i);
+    timer_set(&t[0], 50), timer_set(&t[1], 10), timer_set(&t[2], 30), timer_set(&t[3], 20), timer_set(&t[4], 40);
+    timer_stop(&t[2]);
+    timer_set(&t[0], 5); /* re-armed earlier */
+    S.now = 1100;
+    timers_run();
+    CHECK(nfired == 4 && fired[0] == 0 && fired[1] == 1 && fired[2] == 3 && fired[3] == 4, "timer order");
+    CHECK(S.nheap == 0 && t[2].slot == -1, "heap empty");
+}
+
+int main(void) {
+    test_json_reader();
+    test_json_writer();
+    test_http_request();
+    test_http_response();
+    test_chunked();
+    test_sse();
+    test_config();
+    test_dns();
+    test_timers();
+    printf("unit: %d passed, %d failed\n", passed, failed);
+    return failed != 0;
+}
