@@ -527,6 +527,22 @@ void json_unescape(const char *s, const json_tok *t, int i, buf *out) {
 }
 
 /* see ltg.h */
+int json_duplicate_key(const char *s, const json_tok *t, int obj) {
+    if (obj < 0 || t[obj].type != JSON_OBJECT || t[obj].next == obj + 1) return -1;
+    int n = t[obj].size, dup = -1;
+    buf *keys = xcalloc((size_t)n, sizeof *keys);
+    int i = obj + 1;
+    for (int m = 0; m < n && dup < 0; m++, i = t[i + 1].next) {
+        json_unescape(s, t, i, &keys[m]);
+        for (int k = 0; k < m && dup < 0; k++)
+            if (keys[k].len == keys[m].len && memcmp(keys[k].p, keys[m].p, keys[m].len) == 0) dup = i;
+    }
+    for (int m = 0; m < n; m++) buf_free(&keys[m]);
+    free(keys);
+    return dup;
+}
+
+/* see ltg.h */
 int json_eq(const char *s, const json_tok *t, int i, const char *lit) {
     if (i < 0 || t[i].type != JSON_STRING) return 0;
     size_t n = t[i].end - t[i].start;
@@ -2162,6 +2178,13 @@ static void conn_done(conn *c) {
     buf_consume(&c->in, c->head_len + c->body_raw);
     c->head_len = c->body_raw = c->scan = 0;
     c->body.len = 0;
+    if (c->body.cap > (1 << 20)) buf_free(&c->body); /* a large body's memory is not kept for the next request */
+    if (c->in.cap > (1 << 20) && c->in.len < 65536) {
+        buf rest = {0};
+        buf_append(&rest, c->in.p, c->in.len);
+        buf_free(&c->in);
+        c->in = rest;
+    }
     c->cd = (chunk_decoder){0};
     c->state = CONN_HEAD;
     c->rid[0] = 0;
@@ -2269,7 +2292,6 @@ static void conn_process(conn *c) {
                 break;
             }
             c->state = CONN_BODY;
-            c->timer_kind = TK_NONE;
             int has_body = c->req.chunked || c->req.content_length > 0;
             if (has_body && c->req.expect_continue && c->in.len == c->head_len) conn_send(c, "HTTP/1.1 100 Continue\r\n\r\n", 25);
         }
@@ -2576,6 +2598,12 @@ static void inference_call(conn *c, const char *upstream_path, int can_stream) {
         return;
     }
     if (t[0].type != JSON_OBJECT) { conn_error(c, 400, "invalid_request", "the request body must be a JSON object"); return; }
+    int dup = json_duplicate_key(body, t, 0);
+    if (dup >= 0) { /* providers disagree on which duplicate wins: a second "model" could smuggle another model past the checks */
+        conn_error(c, 400, "invalid_request", "the request body has the key \"%.*s\" twice: send each top-level key once",
+                   (int)(t[dup].end - t[dup].start > 100 ? 100 : t[dup].end - t[dup].start), body + t[dup].start);
+        return;
+    }
     int mv = json_get(body, t, 0, "model");
     if (mv < 0 || t[mv].type != JSON_STRING) { conn_error(c, 400, "invalid_request", "the request needs a \"model\": one of the gateway's model aliases (GET /v1/models)"); return; }
     buf name = {0};

@@ -76,6 +76,9 @@ int json_parse(const char *s, size_t len, json_tok *t, int max, int store_depth,
 /* In object token `obj`, the index of the value whose key equals `key`, or -1
  * (also when the object's members were too deep to be stored). */
 int json_get(const char *s, const json_tok *t, int obj, const char *key);
+/* The key token of the first member of object `obj` whose key (unescaped)
+ * repeats an earlier one, or -1. */
+int json_duplicate_key(const char *s, const json_tok *t, int obj);
 /* 1 when token i is a string equal to `lit` (compared unescaped). */
 int json_eq(const char *s, const json_tok *t, int i, const char *lit);
 /* Append the unescaped bytes of string token i to `out` (UTF-8). */

@@ -16,6 +16,16 @@
 #   BENCH_SECONDS   seconds per measured run (default 5)
 #   BENCH_WARMUP    seconds of warm-up per target (default 1)
 #   BENCH_STRICT=1  exit 1 when a target is missed (default: report only)
+#   BENCH_PIN=0     do not pin the 1-connection runs to one core (see below)
+#
+# The 1-connection runs are pinned (taskset) to one core: wrk, the mock and the
+# proxy under test all on the last CPU. Unpinned, one request ping-pongs
+# between cores and each cross-core wake-up (an IPI, costly in a VM) adds tens
+# of microseconds at random: the same mock-direct run gives p50 7, 40 or 80 us
+# from one run to the next, which drowns the proxies' own cost. Pinned, the
+# latency is the CPU work of the chain, stable to a microsecond or two, and it
+# is literally one core against one core. The 64-connection runs are not
+# pinned: wrk -t2, the mock and the proxy share all cores.
 #
 # Everything listens on 127.0.0.1, on free ports picked at run time; every
 # process started here is stopped on exit. nginx and wrk are installed from
@@ -30,6 +40,7 @@ PATH=$PATH:/usr/sbin:/sbin
 SECS=${BENCH_SECONDS:-5}
 WARM=${BENCH_WARMUP:-1}
 STRICT=${BENCH_STRICT:-0}
+PIN=${BENCH_PIN:-1}
 case $SECS in '' | *[!0-9]* | 0) echo "bench: BENCH_SECONDS must be a whole number >= 1" >&2; exit 1 ;; esac
 case $WARM in '' | *[!0-9]*) echo "bench: BENCH_WARMUP must be a whole number >= 0" >&2; exit 1 ;; esac
 
@@ -195,6 +206,7 @@ EOF
         if wait_http "http://127.0.0.1:$NGINX_PORT/" "$NGINX_MASTER" "$T/nginx/error.log" 2>/dev/null; then
             NGINX_PID=$(pgrep -P "$NGINX_MASTER" | head -n1)
             [ -n "$NGINX_PID" ] || die "no nginx worker under master $NGINX_MASTER"
+            PIDS+=("$NGINX_PID")   # after its master: stopped with it, killed if it lingers
             return 0
         fi
         kill "$NGINX_MASTER" 2>/dev/null; wait "$NGINX_MASTER" 2>/dev/null
@@ -290,7 +302,7 @@ ERRORS_SEEN=0
 run_wrk() {
     local name=$1 url=$2 pid=$3 t=$4 c=$5 key=$6 out="$T/wrk-$1-$6.txt" c0 c1 line
     c0=$(cpu_ticks "$pid")
-    wrk -t"$t" -c"$c" -d"${SECS}s" --timeout 5s --latency -s "$T/post.lua" "$url" >"$out" 2>&1
+    $WRK_PREFIX wrk -t"$t" -c"$c" -d"${SECS}s" --timeout 5s --latency -s "$T/post.lua" "$url" >"$out" 2>&1
     c1=$(cpu_ticks "$pid")
     line=$(grep '^BENCH ' "$out")
     [ -n "$line" ] || { cat "$out" >&2; die "wrk gave no result for $name at $c connection(s)"; }
@@ -311,18 +323,49 @@ run_wrk() {
 
 mock_stat() { curl -s -m 2 "$MOCK_URL/_mock/stats" | sed -n "s/.*\"$1\":\([0-9]*\).*/\1/p" | head -n1; }
 
-bench_target() { # NAME URL PID
-    local name=$1 url=$2 pid=$3
-    echo "bench: $name ..." >&2
-    if [ "$WARM" -gt 0 ]; then
-        wrk -t2 -c64 -d"${WARM}s" -s "$T/post.lua" "$url" >"$T/warm-$name.txt" 2>&1
+# Pinning: PIN_CPU is the last CPU we may run on; pin PID... moves every thread
+# of each process there, unpin puts back the CPUs they had.
+WRK_PREFIX=
+PIN_CPU=
+declare -A AFFINITY
+if [ "$PIN" = 1 ] && command -v taskset >/dev/null; then
+    PIN_CPU=$(taskset -c -p $$ 2>/dev/null | sed 's/.*: //' | tr ',' '\n' | sed 's/.*-//' | sort -n | tail -n1)
+    [ "$(nproc)" -gt 1 ] || PIN_CPU=
+fi
+pin() {
+    local p
+    for p in "$@"; do
+        AFFINITY[$p]=$(taskset -c -p "$p" 2>/dev/null | sed 's/.*: //')
+        taskset -a -c -p "$PIN_CPU" "$p" >/dev/null 2>&1
+    done
+}
+unpin() {
+    local p
+    for p in "$@"; do
+        [ -n "${AFFINITY[$p]:-}" ] && taskset -a -c -p "${AFFINITY[$p]}" "$p" >/dev/null 2>&1
+    done
+}
+
+# measure NAME KEY THREADS CONNS: one measured run of one target, plus the
+# connections the mock accepted meanwhile (a pooling proxy opens none).
+# The 1-connection runs are pinned to one core when PIN_CPU is set.
+measure() {
+    local name=$1 before after pids
+    echo "bench: $name, $4 connection(s), ${SECS} s" >&2
+    before=$(mock_stat connections)
+    pids=("$MOCK_PID")
+    [ "${PID_OF[$name]}" = "$MOCK_PID" ] || pids+=("${PID_OF[$name]}")
+    WRK_PREFIX=
+    if [ "$4" = 1 ] && [ -n "$PIN_CPU" ]; then
+        pin "${pids[@]}"
+        WRK_PREFIX="taskset -c $PIN_CPU"
     fi
-    curl -s -m 2 -X POST "$MOCK_URL/_mock/reset" >/dev/null
-    run_wrk "$name" "$url" "$pid" 1 1 c1
-    run_wrk "$name" "$url" "$pid" 2 64 c64
-    R[$name,upconns]=$(mock_stat connections)
-    R[$name,hwm]=$(hwm_kb "$pid")
-    kill -0 "$pid" 2>/dev/null || die "$name (pid $pid) died during the benchmark"
+    run_wrk "$name" "${URL[$name]}" "${PID_OF[$name]}" "$3" "$4" "$2"
+    [ -n "$WRK_PREFIX" ] && unpin "${pids[@]}"
+    WRK_PREFIX=
+    after=$(mock_stat connections)
+    R[$name,$2,upconns]=$((after - before))
+    kill -0 "${PID_OF[$name]}" 2>/dev/null || die "$name (pid ${PID_OF[$name]}) died during the benchmark"
 }
 
 # ---------------------------------------------------------------- conditions
@@ -330,12 +373,31 @@ CPU_MODEL=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n1)
 NGINX_VER=$(nginx -v 2>&1 | sed 's/.*nginx\///')
 WRK_VER=$(wrk -v 2>&1 | head -n1 | awk '{print $2}')
 LTG_REV=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo "?")
-git -C "$ROOT" diff --quiet HEAD -- ltg.c ltg.h 2>/dev/null || LTG_REV="$LTG_REV+changes"
+git -C "$ROOT" diff --quiet HEAD -- ltg.c ltg.h 2>/dev/null || LTG_REV="$LTG_REV + uncommitted changes to ltg.c/ltg.h"
+if [ ltg.c -nt ltg ] || [ ltg.h -nt ltg ]; then
+    LTG_REV="$LTG_REV (WARNING: ./ltg is older than its sources: run make ltg)"
+    echo "bench: warning: ./ltg is older than ltg.c/ltg.h; measuring it anyway" >&2
+fi
 
+# The runs of one connection count go back to back for the three targets, so
+# that the mock-direct baseline is taken under the same conditions as the
+# proxies' (other load on the machine drifts over tens of seconds).
+TARGETS=(mock-direct nginx ltg)
+declare -A URL=([mock-direct]=$MOCK_URL [nginx]=http://127.0.0.1:$NGINX_PORT [ltg]=http://127.0.0.1:$LTG_PORT)
+declare -A PID_OF=([mock-direct]=$MOCK_PID [nginx]=$NGINX_PID [ltg]=$LTG_PID)
+LOADAVG=$(cut -d' ' -f1-3 /proc/loadavg)
 START=$(date +%s)
-bench_target mock-direct "$MOCK_URL" "$MOCK_PID"
-bench_target nginx "http://127.0.0.1:$NGINX_PORT" "$NGINX_PID"
-bench_target ltg "http://127.0.0.1:$LTG_PORT" "$LTG_PID"
+curl -s -m 2 -X POST "$MOCK_URL/_mock/reset" >/dev/null
+warm_up() { # NAME
+    [ "$WARM" -gt 0 ] || return 0
+    echo "bench: $1, warm-up ${WARM} s at 64 connections" >&2
+    wrk -t2 -c64 -d"${WARM}s" -s "$T/post.lua" "${URL[$1]}" >>"$T/warm-$1.txt" 2>&1
+}
+for n in "${TARGETS[@]}"; do warm_up "$n"; done
+for n in "${TARGETS[@]}"; do measure "$n" c1 1 1; done
+# warm again just before: ltg drops upstream connections idle for 30 s
+for n in "${TARGETS[@]}"; do warm_up "$n"; measure "$n" c64 2 64; done
+for n in "${TARGETS[@]}"; do R[$n,hwm]=$(hwm_kb "${PID_OF[$n]}"); done
 ELAPSED=$(($(date +%s) - START))
 
 # after the load, ltg must still answer correctly
@@ -344,15 +406,23 @@ check ltg-after "http://127.0.0.1:$LTG_PORT" "$T/ref-up"
 
 # ---------------------------------------------------------------- report
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b + 0 == 0) print "n/a"; else printf "%.2fx", a / b }'; }
-fmt_int() { awk -v v="$1" 'BEGIN {printf "%\047d", v}' 2>/dev/null || echo "$1"; }
 mb() { awk -v k="$1" 'BEGIN {printf "%.1f MiB", k / 1024}'; }
 
 echo
 echo "## ltg vs nginx (same upstream, same run)"
 echo
-echo "- machine: $(nproc) cores ($CPU_MODEL), $(uname -sr); nothing pinned: wrk, the mock and the proxy share all cores"
+if [ -n "$PIN_CPU" ]; then
+    echo "- machine: $(nproc) cores ($CPU_MODEL), $(uname -sr); 1-connection runs: wrk, the mock and the proxy all"
+    echo "  pinned to CPU $PIN_CPU (cross-core wake-ups in this VM add random tens of us; BENCH_PIN=0 to unpin);"
+    echo "  64-connection runs: nothing pinned, wrk, the mock and the proxy share all cores;"
+else
+    echo "- machine: $(nproc) cores ($CPU_MODEL), $(uname -sr); nothing pinned: wrk, the mock and the proxy share all cores;"
+fi
+echo "  load average before the runs: $LOADAVG (other work on the machine adds noise, most to the 1-connection rows)"
 echo "- load: wrk $WRK_VER, POST /v1/chat/completions, ${#BODY}-byte JSON body, keep-alive;"
-echo "  1 connection = wrk -t1 -c1, 64 connections = wrk -t2 -c64; ${SECS} s per run after ${WARM} s warm-up at 64"
+echo "  1 connection = wrk -t1 -c1, 64 connections = wrk -t2 -c64; ${SECS} s per run;"
+echo "  order: ${WARM} s warm-up at 64 conns of each, the 1-connection runs of the three back to back,"
+echo "  then for each: ${WARM} s warm-up again, its 64-connection run"
 echo "- upstream: tests/mock (fixed small JSON answer, one thread per connection), 127.0.0.1:$MOCK_PORT"
 echo "- nginx $NGINX_VER: worker_processes 1 (ltg is single-threaded: one core against one core),"
 echo "  upstream keepalive 64, proxy_http_version 1.1, access_log off; CPU and RSS are its worker's"
@@ -362,27 +432,23 @@ echo "- latency: wrk's p50/p99 in microseconds; peak RSS = VmHWM after all runs"
 echo
 echo "| metric | mock-direct | nginx | ltg | ltg/nginx |"
 echo "| --- | ---: | ---: | ---: | ---: |"
-row() { # LABEL KEY METRIC FMT
+row() { # LABEL KEY METRIC
     local m=${R[mock-direct,$2,$3]} n=${R[nginx,$2,$3]} l=${R[ltg,$2,$3]}
-    if [ "$4" = int ]; then
-        echo "| $1 | $(fmt_int "$m") | $(fmt_int "$n") | $(fmt_int "$l") | $(ratio "$l" "$n") |"
-    else
-        echo "| $1 | $m | $n | $l | $(ratio "$l" "$n") |"
-    fi
+    echo "| $1 | $m | $n | $l | $(ratio "$l" "$n") |"
 }
-row "requests/s, 1 conn" c1 rps int
-row "requests/s, 64 conns" c64 rps int
-row "p50 latency us, 1 conn" c1 p50 int
-row "p99 latency us, 1 conn" c1 p99 int
-row "p50 latency us, 64 conns" c64 p50 int
-row "p99 latency us, 64 conns" c64 p99 int
-row "CPU us/request, 1 conn" c1 cpu x
-row "CPU us/request, 64 conns" c64 cpu x
+row "requests/s, 1 conn" c1 rps
+row "requests/s, 64 conns" c64 rps
+row "p50 latency us, 1 conn" c1 p50
+row "p99 latency us, 1 conn" c1 p99
+row "p50 latency us, 64 conns" c64 p50
+row "p99 latency us, 64 conns" c64 p99
+row "CPU us/request, 1 conn" c1 cpu
+row "CPU us/request, 64 conns" c64 cpu
 ADD_N=$((R[nginx,c1,p50] - R[mock-direct,c1,p50]))
 ADD_L=$((R[ltg,c1,p50] - R[mock-direct,c1,p50]))
 echo "| added p50 us over mock-direct, 1 conn | - | $ADD_N | $ADD_L | $(ratio "$ADD_L" "$ADD_N") |"
 echo "| peak RSS (VmHWM) | $(mb "${R[mock-direct,hwm]}") | $(mb "${R[nginx,hwm]}") | $(mb "${R[ltg,hwm]}") | $(ratio "${R[ltg,hwm]}" "${R[nginx,hwm]}") |"
-echo "| upstream connections opened (both runs) | - | ${R[nginx,upconns]:-?} | ${R[ltg,upconns]:-?} | |"
+echo "| connections the mock accepted during the runs (1 / 64 conns) | ${R[mock-direct,c1,upconns]} / ${R[mock-direct,c64,upconns]} | ${R[nginx,c1,upconns]} / ${R[nginx,c64,upconns]} | ${R[ltg,c1,upconns]} / ${R[ltg,c64,upconns]} | |"
 echo
 echo "nginx master RSS (not counted above): $(mb "$(hwm_kb "$NGINX_MASTER")"); benchmark time ${ELAPSED} s"
 echo

@@ -395,11 +395,13 @@ class Harness:
         self.ltg_log = None
         self.mock_log = None
         self.ltg_starts = 0
+        self.exit_problems = []
 
     # --- mock ---
 
     def start_mock(self):
-        self.mock_log = open(self.mock_log_path, "ab")
+        if self.mock_log is None:
+            self.mock_log = open(self.mock_log_path, "ab")
         self.mock_proc = subprocess.Popen([self.mock_bin, "--port", str(self.mock_port)],
                                           stdin=subprocess.DEVNULL, stdout=self.mock_log,
                                           stderr=self.mock_log, env=self.env)
@@ -505,8 +507,12 @@ class Harness:
         if p.poll() is None:
             try:
                 p.send_signal(signal.SIGTERM)
-                p.wait(timeout=12)
+                rc = p.wait(timeout=12)
+                if rc != 0:
+                    self.exit_problems.append("ltg %s exited with code %r after SIGTERM"
+                                              % (" ".join(self.ltg_args or ()), rc))
             except subprocess.TimeoutExpired:
+                self.exit_problems.append("ltg %s still running 12 s after SIGTERM" % " ".join(self.ltg_args or ()))
                 p.kill()
                 p.wait()
         self.ltg_proc = None
@@ -515,6 +521,25 @@ class Harness:
     def ensure_ltg(self, extra=()):
         if not self.ltg_alive() or self.ltg_args != tuple(extra):
             self.start_ltg(extra)
+
+    def log_size(self):
+        try:
+            return os.path.getsize(self.ltg_log_path)
+        except OSError:
+            return 0
+
+    def sanitizer_report(self, since=0):
+        """The first line of a sanitizer report written to ltg's log after offset `since`."""
+        try:
+            with open(self.ltg_log_path, "rb") as f:
+                f.seek(since)
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            return None
+        for line in text.splitlines():
+            if "runtime error:" in line or "AddressSanitizer" in line or "LeakSanitizer" in line:
+                return line.strip()
+        return None
 
     def shutdown(self):
         for p in (self.ltg_proc, self.mock_proc):
@@ -823,6 +848,16 @@ def t_pipelining():
     check(r2.json().get("model") == "glm-5.3-flash" and r2.header("x-ltg-served-model") == "GLM-5.3-Flash",
           "second answer is not the second request's: %r" % r2.body[:200])
     check(r3.status == 200 and r3.json() == {"status": "ok"}, "third answer: %s" % r3.brief())
+    # A streaming answer followed by a pipelined plain one.
+    with Conn(H.port, timeout=30) as c:
+        c.send(http_request("POST", "/v1/chat/completions",
+                            chat_body(stream=True, directive="event_delay_ms=100 events=3"))
+               + http_request("POST", "/v1/chat/completions", chat_body(model="GLM-5.3-Flash")))
+        r1 = c.read_final_response(20)
+        r2 = c.read_final_response(20)
+    check_stream_shape(r1, 3)
+    check(r2.status == 200 and r2.json().get("model") == "glm-5.3-flash",
+          "the request pipelined after a stream: %s" % r2.brief())
 
 
 @test("Connection: close and HTTP/1.0 close after the answer")
@@ -1097,8 +1132,14 @@ def t_idle_timeout():
     # A connection that never sends a byte is idle too.
     with Conn(H.port, timeout=15) as c:
         check(c.wait_closed(8), "a connection that never sent anything was still open after 8 s")
-    # A busy connection is not idle: a slow stream (4 x 400 ms) outlives the 1 s idle timeout.
-    t0, r = read_stream(chat_body(stream=True, directive="event_delay_ms=400 events=4"), timeout=40)
+    # A busy connection is not idle: an upstream that takes 2.5 s to answer, and a slow stream
+    # (4 x 400 ms), both outlive the 1 s idle timeout.
+    r = one_request(H.port, "POST", "/v1/chat/completions", chat_body(directive="head_delay_ms=2500"))
+    check(r.status == 200, "a non-stream call whose upstream answers after 2.5 s: %s" % r.brief())
+    try:
+        t0, r = read_stream(chat_body(stream=True, directive="event_delay_ms=400 events=4"), timeout=40)
+    except TestFailure as e:
+        raise TestFailure("a 2 s stream with --idle-timeout 1: %s" % e)
     check_stream_shape(r, 4)
 
 
@@ -1226,6 +1267,55 @@ def t_upstream_framing():
                   % (d, r.header("x-ltg-served-model")))
 
 
+@test("upstream cut mid-stream -> SSE error event, no [DONE]")
+def t_upstream_cut_stream():
+    t0, r = read_stream(chat_body(stream=True, directive="cut_after=2"))
+    check(r.status == 200, "status %s" % r.brief())
+    datas = [event_data(t) for _, t in sse_events(r)]
+    check("[DONE]" not in datas, "a cut stream must not end with [DONE]: %r" % datas[-2:])
+    check(len(datas) >= 3, "events %r" % datas)
+    contents = [d for d in datas[:-1] if '"content"' in d]
+    check(len(contents) == 2, "expected the 2 events sent before the cut, got %r" % datas[:-1])
+    last = json.loads(datas[-1])
+    check(isinstance(last.get("error"), dict) and last["error"].get("code") == "stream_interrupted",
+          "the last event should be an error event with code stream_interrupted: %r" % datas[-1])
+    r = one_request(H.port, "POST", "/v1/chat/completions", chat_body())
+    check(r.status == 200, "a call after a cut stream: %s" % r.brief())
+
+
+@test("upstream restart: stale pooled connections are not fatal")
+def t_upstream_restart():
+    for i in range(2):
+        r = one_request(H.port, "POST", "/v1/chat/completions", chat_body())
+        check(r.status == 200, "warm-up call: %s" % r.brief())
+    H.mock_proc.kill()
+    H.mock_proc.wait()
+    H.start_mock()
+    for i in range(3):
+        r = one_request(H.port, "POST", "/v1/chat/completions", chat_body(content="after restart %d" % i))
+        check(r.status == 200, "call %d after the provider restarted: %s" % (i + 1, r.brief()))
+        check(r.header("x-ltg-served-model") == "Kimi-K3", "x-ltg-served-model %r" % r.header("x-ltg-served-model"))
+
+
+@test("duplicate \"model\" keys cannot smuggle another model upstream")
+def t_duplicate_model_key():
+    # ltg authorizes and bills the alias it reads; an upstream whose JSON parser keeps the last
+    # duplicate key (most do) must not see a different model. Refusing (400) or forwarding only
+    # the rewritten model are both fine.
+    raw = b'{"model":"Kimi-K3","messages":[{"role":"user","content":"x"}],"model":"gpt-4o"}'
+    r = one_request(H.port, "POST", "/v1/chat/completions", raw)
+    if r.status == 400:
+        check_openai_error(r, 400)
+        return
+    check(r.status == 200, "status %s" % r.brief())
+    fwd = H.mock_last()["body"]
+    objects = []   # every object's key/value pairs, innermost first: the top level comes last
+    json.loads(fwd, object_pairs_hook=lambda pairs: objects.append(pairs) or dict(pairs))
+    models = [v for k, v in objects[-1] if k == "model"]
+    check(set(models) == {"kimi-k3"}, "ltg checked Kimi-K3 but forwarded %r: an upstream that keeps the "
+          "last duplicate key would serve %r" % (fwd, models[-1]))
+
+
 @test("concurrent streams are relayed independently")
 def t_concurrent_streams():
     results = [None] * 4
@@ -1309,6 +1399,29 @@ def t_sigterm_drain():
     check(rc == 0, "ltg exited with code %r after SIGTERM" % rc)
     check(H.port in refused, "a new connection to the inference listener was not refused after SIGTERM")
     check(H.admin_port in refused, "a new connection to the admin listener was not refused after SIGTERM")
+
+
+@test("SIGTERM drain is bounded by --drain-seconds", ltg_args=("--drain-seconds", "1"), fresh=True)
+def t_sigterm_drain_bounded():
+    proc = H.ltg_proc
+    with Conn(H.port, timeout=30) as c:
+        c.send(http_request("POST", "/v1/chat/completions",
+                            chat_body(stream=True, directive="event_delay_ms=500 events=30")))
+        r = c.read_head(20)
+        check(r.status == 200, "status %d" % r.status)
+        first = c.read_chunk(time.monotonic() + 20)
+        check(first and b"data:" in first, "first chunk %r" % first)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            raise TestFailure("ltg still running 10 s after SIGTERM with --drain-seconds 1 "
+                              "(the stream would take 15 s)")
+        dt = time.monotonic() - t0
+        check(rc == 0, "exit code %r" % rc)
+        check(c.wait_closed(5), "the client connection was not closed when ltg exited")
+        check(b"[DONE]" not in c.buf, "the 15 s stream cannot have completed in %.1f s" % dt)
 
 
 @test("SIGTERM with nothing in flight exits 0 at once", fresh=True)
@@ -1397,7 +1510,13 @@ def main():
                 else:
                     H.ensure_ltg(ltg_args)
                 proc = H.ltg_proc
-                fn()
+                log_at = H.log_size()
+                try:
+                    fn()
+                finally:
+                    san = H.sanitizer_report(log_at)
+                    if san:
+                        raise TestFailure("sanitizer report in ltg's log: %s" % san)
                 if not fresh and proc.poll() is not None:
                     raise TestFailure("ltg exited with code %r during the test" % proc.returncode)
                 print("ok - %s" % name, flush=True)
@@ -1421,6 +1540,20 @@ def main():
                 if VERBOSE:
                     print(tail(H.ltg_log_path, 15), file=sys.stderr)
                 failed += 1
+        # Last: every ltg this run stopped (and the one still running) exited 0 on SIGTERM, and no
+        # sanitizer complained (leaks are reported at exit).
+        if not args.k:
+            H.stop_ltg()
+            problems = list(H.exit_problems)
+            san = H.sanitizer_report(0)
+            if san:
+                problems.append("sanitizer report in ltg's log: %s" % san)
+            if problems:
+                print("FAIL - clean exits: %s" % "; ".join(problems), flush=True)
+                failed += 1
+            else:
+                print("ok - clean exits (SIGTERM -> exit 0, no sanitizer report)", flush=True)
+                passed += 1
     except KeyboardInterrupt:
         print("FAIL - interrupted")
         failed += 1

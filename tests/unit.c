@@ -93,6 +93,11 @@ static void test_json_reader(void) {
     CHECK(json_parse(deepdoc, strlen(deepdoc), t, 1, 0, &r) == 0 && r.ntok == 1, "root only");
     CHECK(json_parse(s, strlen(s), t, 4, -1, &r) < 0 && strstr(r.err, "too many"), "token limit");
 
+    /* Duplicate keys, also when one of them is escaped. */
+    const char *dups = "{\"model\":\"a\",\"x\":1,\"mod\\u0065l\":\"b\"}";
+    CHECK(json_parse(dups, strlen(dups), t, 32, 1, &r) == 0 && json_duplicate_key(dups, t, 0) == 5, "duplicate key found");
+    CHECK(json_parse(s, strlen(s), t, 32, 1, &r) == 0 && json_duplicate_key(s, t, 0) == -1, "no duplicate");
+
     /* Errors name the byte offset. */
     const char *bad = "{\"a\": [1, 2,, 3]}";
     CHECK(json_parse(bad, strlen(bad), t, 32, -1, &r) < 0 && r.err_offset == 12, "offset %zu", r.err_offset);
