@@ -1007,8 +1007,8 @@ static void loop_run(void) {
         if (loop_should_exit()) return;
 
         int n = 0;
-        for (int fd = 0; fd < S.fd_high; fd++)
-            if (S.fds[fd].handler) S.pfds[n++] = (struct pollfd){fd, S.fds[fd].events, 0};
+        for (int fd = 0; fd < S.fd_high; fd++) /* an fd that wants nothing is not polled at all: poll() costs per fd */
+            if (S.fds[fd].handler && S.fds[fd].events) S.pfds[n++] = (struct pollfd){fd, S.fds[fd].events, 0};
         int timeout = -1;
         if (S.nheap) {
             int64_t d = S.heap[0]->when - clock_ms();
@@ -1728,11 +1728,13 @@ static catalog *catalog_load(const char *path, const char *text, char *err, size
  * reached the provider.
  *
  * The pool keeps idle keep-alive connections per provider, most recent
- * first (the warmest). An idle connection stays in the poll set so a
- * provider's close is seen at once; before reuse it is checked once more
- * with a non-blocking MSG_PEEK, so a connection that was closed in the
- * meantime is dropped and never written to. (TLS, when it comes, is a layer
- * between this code and the socket: up_send_raw/up_recv_raw are its seam.)
+ * first (the warmest), so the ones a burst left behind age out after
+ * POOL_IDLE_MS. An idle connection is not polled: poll() costs time for
+ * every fd on every turn, and a burst can leave dozens idle. Instead it is
+ * checked with a non-blocking MSG_PEEK before reuse, so one the provider
+ * closed in the meantime is dropped and never written to. (TLS, when it
+ * comes, is a layer between this code and the socket: up_write and up_read
+ * are where it slots in.)
  */
 typedef enum { UP_RESOLVING, UP_CONNECTING, UP_SENDING, UP_READING, UP_IDLE } up_state;
 
@@ -1912,6 +1914,7 @@ static void up_read(upstream *u) {
 
 static void up_io(void *ctx, int revents) {
     upstream *u = ctx;
+    (void)revents; /* the state says what to do; errors surface from the call itself */
     if (u->failed) return;
     switch (u->state) {
     case UP_CONNECTING: {
@@ -1930,11 +1933,7 @@ static void up_io(void *ctx, int revents) {
     case UP_READING:
         up_read(u);
         return;
-    case UP_IDLE: /* the provider closed an idle connection, or sent what nobody asked for */
-        (void)revents;
-        timer_set(&u->t, 0); /* up_notify drops it from the pool */
-        loop_events(u->fd, 0);
-        return;
+    case UP_IDLE: /* not polled: see pool_take() */
     case UP_RESOLVING: return;
     }
 }
@@ -2004,7 +2003,7 @@ static void up_release(upstream *u) {
     u->state = UP_IDLE;
     u->x = NULL;
     u->body.len = 0;
-    loop_events(u->fd, POLLIN);
+    loop_events(u->fd, 0);
     timer_set(&u->t, POOL_IDLE_MS);
     u->link = p->idle, p->idle = u, p->nidle++;
 }
