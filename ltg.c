@@ -118,7 +118,7 @@ typedef struct {
 
 static struct {
     /* options */
-    const char *config_path, *data_dir;
+    const char *config_path, *data_dir, *resolv_conf;
     char listen_addr[64], admin_addr[64];
     int max_conns, drain_seconds;
     long long max_body;
@@ -1315,7 +1315,7 @@ static void dns_init(void) {
         while (*tail) tail = &(*tail)->next;
         *tail = h; /* last: the file's own entry wins */
     }
-    for_each_line("/etc/resolv.conf", resolv_line);
+    for_each_line(S.resolv_conf, resolv_line);
     if (!S.ndns_servers) resolv_line((char *[]){"nameserver", "127.0.0.1"}, 2); /* the resolver's documented default */
     S.dns_fd = socket(AF_INET, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (S.dns_fd >= 0) loop_watch(S.dns_fd, POLLIN, dns_readable, NULL);
@@ -2678,10 +2678,13 @@ static int method_is(conn *c, const char *m) {
 }
 
 static void route(conn *c) {
-    if (path_is(c, "/healthz")) {
-        if (!method_is(c, "GET")) { conn_error(c, 405, "method_not_allowed", "use GET for /healthz"); return; }
+    if (path_is(c, "/healthz")) { /* HEAD too: some load balancers probe with it */
+        int head = method_is(c, "HEAD");
+        if (!head && !method_is(c, "GET")) { conn_error(c, 405, "method_not_allowed", "use GET for /healthz"); return; }
         static const char ok[] = "{\"status\":\"ok\"}";
-        conn_reply(c, 200, "application/json", "Cache-Control: no-store\r\n", ok, sizeof ok - 1);
+        conn_head(c, 200, "application/json", sizeof ok - 1, "Cache-Control: no-store\r\n");
+        if (!head) conn_send(c, ok, sizeof ok - 1);
+        conn_done(c);
         return;
     }
     if (c->admin) {
@@ -2807,12 +2810,13 @@ static void drain_expired(void *ctx) { (void)ctx; } /* it only wakes the loop: l
 static void usage(void) {
     fprintf(stderr,
             "usage: ltg --config FILE [--data DIR] [--listen ADDR:PORT] [--admin-listen ADDR:PORT]\n"
-            "           [--max-conns N] [--drain-seconds N] [--max-body-mb N] [--head-timeout S] [--idle-timeout S]\n");
+            "           [--max-conns N] [--drain-seconds N] [--max-body-mb N] [--head-timeout S] [--idle-timeout S]\n"
+            "           [--resolv-conf FILE]\n");
     exit(2);
 }
 
 int main(int argc, char **argv) {
-    S.config_path = NULL;
+    S.config_path = NULL, S.resolv_conf = "/etc/resolv.conf";
     snprintf(S.listen_addr, sizeof S.listen_addr, "127.0.0.1:8080");
     snprintf(S.admin_addr, sizeof S.admin_addr, "127.0.0.1:8081");
     S.max_conns = 1024, S.drain_seconds = 10, S.max_body = 8LL << 20;
@@ -2829,6 +2833,7 @@ int main(int argc, char **argv) {
         }
         if (strcmp(o, "--config") == 0) S.config_path = v;
         else if (strcmp(o, "--data") == 0) S.data_dir = v;
+        else if (strcmp(o, "--resolv-conf") == 0) S.resolv_conf = v;
         else if (strcmp(o, "--listen") == 0) snprintf(S.listen_addr, sizeof S.listen_addr, "%s", v);
         else if (strcmp(o, "--admin-listen") == 0) snprintf(S.admin_addr, sizeof S.admin_addr, "%s", v);
         else if (strcmp(o, "--max-conns") == 0) S.max_conns = (int)n;
