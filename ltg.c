@@ -3,8 +3,11 @@
  * Applications call models through ltg. It sits between them and the model
  * providers and owns what an application should not: which models a
  * credential may use, how a failed call is retried, and the record of what
- * happened. The inference listener speaks the OpenAI API; the admin listener
- * serves health checks (and, as it grows, the control plane of API.md).
+ * happened. Two listeners: the control plane (admin keys) manages token
+ * groups -- the policy -- and issues token keys; the inference plane speaks
+ * the OpenAI API and accepts only token keys. Every change to groups and
+ * keys is fsynced to an append-only log before it is acknowledged, and the
+ * log is replayed at start-up.
  *
  * One process, one thread, one poll() loop. Every socket is non-blocking;
  * every wait (a timeout, a DNS answer, a slow client) is a timer or a poll
@@ -15,9 +18,10 @@
  * The life of one chat request:
  *   1. conn_read() gathers bytes; http_head_end()/http_parse_request() find
  *      and parse the head, the body arrives (Content-Length or chunked).
- *   2. route() sends it to inference_chat(), which checks the key, parses the
- *      JSON body, looks up the model alias and rewrites "model".
- *   3. exchange_start() borrows a pooled upstream connection or opens one
+ *   2. route() sends it to inference_call(), which resolves the token key
+ *      to its group, parses the JSON body, checks the model against the
+ *      group's allowed models and rewrites "model" to the provider's name.
+ *   3. up_start() borrows a pooled upstream connection or opens one
  *      (resolving the host without blocking) and writes the request.
  *   4. up_read() parses the provider's answer; a stream is relayed to the
  *      client event by event, any other answer is relayed whole.
@@ -26,17 +30,20 @@
  *
  * Sections (banners below carry the same names):
  *   1. Limits and global state
- *   2. Utilities: logging, time, random, byte buffers
+ *   2. Utilities: logging, time, random, buffers, hashing
  *   3. JSON reader and writer
  *   4. HTTP/1.1 messages: heads, chunked coding, SSE
  *   5. The event loop: fds, timers, deferred close
  *   6. Name resolution: /etc/hosts and a DNS stub resolver
  *   7. Catalog config
  *   8. Upstream connections and the pool
- *   9. Client connections: the HTTP/1.1 server
- *  10. Inference: the proxy path
- *  11. Routing and the admin listener
- *  12. main
+ *   9. The store: token groups, token keys, idempotency records
+ *  10. The append-only log
+ *  11. Client connections: the HTTP/1.1 server
+ *  12. The control plane
+ *  13. Inference: the proxy path
+ *  14. Routing
+ *  15. main
  *
  * Read ltg.h first: it holds the contracts of the parsers and buffers.
  */
@@ -57,6 +64,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/random.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -154,10 +162,12 @@ static struct {
     dns_entry *dns_cache;
 } S;
 
-/* ===== 2. Utilities: logging, time, random, byte buffers =====
+/* ===== 2. Utilities: logging, time, random, buffers, hashing =====
  *
  * IMPLEMENTATION NOTES
  * Log lines go to stderr with a UTC timestamp; ltg never logs a secret.
+ * Also here: CRC-32 for log records, UUIDs for ids, and one hash table
+ * (open addressing) that every index of the store uses.
  * `S.now` is read once per loop turn (libuv does the same): every timer set
  * during one turn agrees on what "now" is. Random numbers for ids and jitter
  * come from xoshiro256**, seeded from the kernel; secrets (when the control
@@ -280,6 +290,128 @@ static int parse_ll(const char *s, size_t n, long long max, long long *out) {
     if (v > max) return LTG_ERR;
     *out = v;
     return 0;
+}
+
+/* Wall-clock milliseconds since the epoch, for timestamps people read. */
+static int64_t wall_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* "2026-11-29T18:00:00.123Z" into out (64 bytes). */
+static void iso_time(int64_t ms, char out[64]) {
+    time_t sec = (time_t)(ms / 1000);
+    struct tm tm;
+    gmtime_r(&sec, &tm);
+    snprintf(out, 64, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour,
+             tm.tm_min, tm.tm_sec, (int)(ms % 1000));
+}
+
+static void hex_encode(const uint8_t *p, size_t n, char *out) {
+    static const char digits[] = "0123456789abcdef";
+    for (size_t i = 0; i < n; i++) out[2 * i] = digits[p[i] >> 4], out[2 * i + 1] = digits[p[i] & 15];
+    out[2 * n] = 0;
+}
+
+/* Random bytes from the kernel, for secrets and ids; aborts if it has none. */
+static void os_random(void *p, size_t n) {
+    for (size_t got = 0; got < n;) {
+        ssize_t r = getrandom((char *)p + got, n - got, 0);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) { ltg_log("getrandom: %s", strerror(errno)); abort(); }
+        got += (size_t)r;
+    }
+}
+
+/* A random (version 4) UUID: "xxxxxxxx-xxxx-4xxx-yxxx-xxxxxxxxxxxx". */
+static void uuid_new(char out[37]) {
+    uint8_t b[16];
+    char h[33];
+    os_random(b, sizeof b);
+    b[6] = (uint8_t)((b[6] & 0x0F) | 0x40), b[8] = (uint8_t)((b[8] & 0x3F) | 0x80);
+    hex_encode(b, 16, h);
+    snprintf(out, 37, "%.8s-%.4s-%.4s-%.4s-%.12s", h, h + 8, h + 12, h + 16, h + 20);
+}
+
+/* CRC-32 (IEEE 802.3), the checksum of every log record. */
+static uint32_t crc32(const void *data, size_t n) {
+    static uint32_t table[256];
+    if (!table[1])
+        for (uint32_t i = 0; i < 256; i++) {
+            uint32_t c = i;
+            for (int k = 0; k < 8; k++) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+            table[i] = c;
+        }
+    uint32_t c = 0xFFFFFFFFu;
+    for (size_t i = 0; i < n; i++) c = table[(c ^ ((const uint8_t *)data)[i]) & 0xFF] ^ (c >> 8);
+    return c ^ 0xFFFFFFFFu;
+}
+
+/* A hash table of pointers to items that carry their own key (open
+ * addressing, linear probing). `key` returns an item's key bytes. Used for
+ * groups and keys by id, keys by secret hash, idempotency records. */
+#define HMAP_TOMB ((void *)1)
+typedef struct {
+    void **slot;
+    size_t cap, used, live; /* used counts tombstones too */
+    const void *(*key)(const void *item, size_t *n);
+} hmap;
+
+static uint64_t hash_bytes(const void *p, size_t n) {
+    uint64_t h = 1469598103934665603ULL; /* FNV-1a */
+    for (size_t i = 0; i < n; i++) h = (h ^ ((const uint8_t *)p)[i]) * 1099511628211ULL;
+    return h;
+}
+
+static size_t hmap_find(const hmap *m, const void *k, size_t n) {
+    size_t i = (size_t)hash_bytes(k, n) & (m->cap - 1);
+    for (;; i = (i + 1) & (m->cap - 1)) {
+        void *it = m->slot[i];
+        if (!it) return i;
+        if (it == HMAP_TOMB) continue;
+        size_t kn;
+        const void *kk = m->key(it, &kn);
+        if (kn == n && memcmp(kk, k, n) == 0) return i;
+    }
+}
+
+static void *hmap_get(const hmap *m, const void *k, size_t n) {
+    if (!m->cap) return NULL;
+    void *it = m->slot[hmap_find(m, k, n)];
+    return it == HMAP_TOMB ? NULL : it;
+}
+
+static void hmap_put(hmap *m, void *item);
+
+static void hmap_grow(hmap *m) {
+    hmap old = *m;
+    m->cap = m->cap ? (m->live * 4 > m->cap ? m->cap * 2 : m->cap) : 64;
+    m->slot = xcalloc(m->cap, sizeof *m->slot);
+    m->used = m->live = 0;
+    for (size_t i = 0; i < old.cap; i++)
+        if (old.slot[i] && old.slot[i] != HMAP_TOMB) hmap_put(m, old.slot[i]);
+    free(old.slot);
+}
+
+/* Insert or replace the item with the same key. */
+static void hmap_put(hmap *m, void *item) {
+    if ((m->used + 1) * 4 > m->cap * 3) hmap_grow(m);
+    size_t n;
+    const void *k = m->key(item, &n);
+    size_t i = hmap_find(m, k, n);
+    if (!m->slot[i]) m->used++, m->live++;
+    m->slot[i] = item;
+}
+
+static void *hmap_del(hmap *m, const void *k, size_t n) {
+    if (!m->cap) return NULL;
+    size_t i = hmap_find(m, k, n);
+    void *it = m->slot[i];
+    if (!it) return NULL;
+    m->slot[i] = HMAP_TOMB;
+    m->live--;
+    return it;
 }
 
 /* ===== 3. JSON reader and writer =====
@@ -993,6 +1125,7 @@ static void on_signal(int sig) {
 
 static void conn_flush_all(void);
 static void conn_reap(void);
+static int store_tick(void);
 static void loop_signals(void);
 static int loop_should_exit(void);
 
@@ -1005,12 +1138,13 @@ static void loop_run(void) {
         for (int i = 0; i < nclose; i++) close(fds_to_close[i]);
         nclose = 0;
         if (loop_should_exit()) return;
+        int busy = store_tick(); /* a compaction in progress: poll without sleeping */
 
         int n = 0;
         for (int fd = 0; fd < S.fd_high; fd++) /* an fd that wants nothing is not polled at all: poll() costs per fd */
             if (S.fds[fd].handler && S.fds[fd].events) S.pfds[n++] = (struct pollfd){fd, S.fds[fd].events, 0};
-        int timeout = -1;
-        if (S.nheap) {
+        int timeout = busy ? 0 : -1;
+        if (S.nheap && !busy) {
             int64_t d = S.heap[0]->when - clock_ms();
             timeout = d < 0 ? 0 : d > 60000 ? 60000 : (int)d;
         }
@@ -1370,8 +1504,6 @@ struct catalog {
     int nmodels;
     admin_key *admins;
     int nadmins;
-    char **dev_keys;
-    int ndev;
     int refs;    /* requests in flight that use this catalog, plus 1 while current */
 };
 
@@ -1412,8 +1544,7 @@ static void catalog_free(catalog *c) {
         free(p->api_key);
     }
     for (int i = 0; i < c->nmodels; i++) free(c->models[i].alias), free(c->models[i].upstream);
-    for (int i = 0; i < c->ndev; i++) free(c->dev_keys[i]);
-    free(c->prov), free(c->models), free(c->admins), free(c->dev_keys);
+    free(c->prov), free(c->models), free(c->admins);
     free(c);
 }
 
@@ -1662,18 +1793,6 @@ static int cfg_admin_keys(cfg *c, catalog *cat, int arr) {
     return 0;
 }
 
-static int cfg_dev_keys(cfg *c, catalog *cat, int arr) {
-    if (arr < 0) return 0;
-    if (c->t[arr].type != JSON_ARRAY) return cfg_fail(c, "dev_keys", "must be an array of strings");
-    cat->dev_keys = xcalloc((size_t)c->t[arr].size, sizeof *cat->dev_keys);
-    int v = arr + 1;
-    for (int m = 0; m < c->t[arr].size; m++, v = c->t[v].next) {
-        if (c->t[v].type != JSON_STRING || c->t[v].end - c->t[v].start < 8) return cfg_fail(c, "dev_keys", "each key must be a string of at least 8 characters");
-        cat->dev_keys[cat->ndev++] = cfg_string(c, v);
-    }
-    return 0;
-}
-
 /* Load and check the catalog at `path`. Returns it (refs = 1), or NULL with
  * a message in err. `text`, when not NULL, is used instead of the file
  * (the unit tests feed configs this way). */
@@ -1696,11 +1815,13 @@ static catalog *catalog_load(const char *path, const char *text, char *err, size
     } else if (c.t[0].type != JSON_OBJECT) {
         snprintf(err, errlen, "%s: the catalog must be a JSON object", path);
     } else {
-        static const char *const top[] = {"providers", "models", "admin_keys", "dev_keys", NULL};
+        static const char *const top[] = {"providers", "models", "admin_keys", NULL};
+        if (json_get(b.p, c.t, 0, "dev_keys") >= 0) {
+            cfg_fail(&c, "dev_keys", "was removed: create a token group and a token key through the control plane (README: provisioning)");
+        } else
         ok = cfg_only(&c, 0, "", top) == 0 && cfg_providers(&c, cat, json_get(b.p, c.t, 0, "providers")) == 0 &&
              cfg_models(&c, cat, json_get(b.p, c.t, 0, "models")) == 0 &&
-             cfg_admin_keys(&c, cat, json_get(b.p, c.t, 0, "admin_keys")) == 0 &&
-             cfg_dev_keys(&c, cat, json_get(b.p, c.t, 0, "dev_keys")) == 0 ? 0 : -1;
+             cfg_admin_keys(&c, cat, json_get(b.p, c.t, 0, "admin_keys")) == 0 ? 0 : -1;
     }
     free(c.t);
     buf_free(&b);
@@ -2008,7 +2129,994 @@ static void up_release(upstream *u) {
     u->link = p->idle, p->idle = u, p->nidle++;
 }
 
-/* ===== 9. Client connections: the HTTP/1.1 server =====
+/* ===== 9. The store: token groups, token keys, idempotency records =====
+ *
+ * IMPLEMENTATION NOTES
+ * Policy lives in token groups; applications hold token keys, each bound to
+ * one group. Both live in memory: a hash table by id for lookups, and a
+ * vector in creation order for listing (a deleted entry leaves a NULL that
+ * is squeezed out later, so positions stay put while a compaction walks
+ * them). Token keys are also hashed by the SHA-256 of their secret, which
+ * is all ltg ever keeps of a secret.
+ *
+ * A change is made on a copy: group_parse() lays the request's fields over
+ * it (PATCH: omitted kept, null clears), group_validate() checks the whole
+ * result against the rules of API.md 3.1, and only a copy that passed is
+ * written to the log (section 10) and then swapped in. A refused change
+ * therefore leaves nothing behind, in memory or on disk.
+ *
+ * Validation errors carry a JSON pointer (RFC 6901) to the offending value
+ * and a message that says what is allowed. Catalog membership is checked
+ * before every other rule, as API.md asks, so a typo in a model name is
+ * reported as such rather than as a fallback rule it happens to break.
+ *
+ * Idempotency records remember the answer to a change for 24 hours, keyed
+ * by the admin key (its hash), the method, the path and the client's
+ * Idempotency-Key; they are written in the same log record as the change
+ * they answered, so a retry after a crash finds either both or neither.
+ */
+#define MAX_FALLBACKS 3
+#define IDEM_TTL_MS (24LL * 3600 * 1000)
+#define NAME_MAX_LEN 200
+
+typedef enum { BACKOFF_CONSTANT, BACKOFF_LINEAR, BACKOFF_EXPONENTIAL } backoff_kind;
+static const char *const backoff_names[] = {"constant", "linear", "exponential", NULL};
+
+/* What every stored item starts with: its slot in the creation-order vector
+ * and the size of its latest log record (for the compaction estimate). */
+typedef struct {
+    int vi;
+    size_t rec_bytes;
+} entry;
+
+typedef struct {
+    char *model;
+    char *to[MAX_FALLBACKS];
+    int n;
+} fallback;
+
+typedef struct {
+    int max_attempts, retry_delay_ms, backoff, request_timeout_ms; /* request_timeout_ms 0: none */
+} retry_policy;
+
+typedef struct {
+    entry e;
+    char id[37];
+    char *name;
+    char **allowed;
+    int nallowed;
+    fallback *fb;
+    int nfb;
+    int has_retries;          /* 0: "retries": null, the defaults apply */
+    retry_policy retries;
+    int has_budget;           /* 0: uncapped */
+    double max_budget;        /* USD */
+    int budget_days;          /* 1, 7 or 30; 0 = lifetime */
+    long long cache_ttl;      /* seconds; -1 = null */
+    long long max_parallel;   /* -1 = unlimited */
+    int blocked;
+    long long version;
+    int64_t created_at, updated_at, budget_anchor; /* wall ms; budget_anchor 0 = no budget */
+    int inflight;             /* requests in flight (not logged) */
+} group;
+
+typedef struct {
+    entry e;
+    char id[37];
+    char group_id[37];
+    char *name;
+    uint8_t hash[32];         /* SHA-256 of the secret */
+    long long version;
+    int64_t created_at, updated_at;
+} tkey;
+
+typedef struct {
+    entry e;
+    uint8_t key[32];          /* SHA-256 of admin key hash, method, path, Idempotency-Key */
+    uint8_t body[32];         /* SHA-256 of the request body */
+    int status;
+    long long version;        /* the answer's ETag; 0 for none */
+    char *response;           /* the answer's body */
+    int64_t expires;          /* wall ms */
+} idem;
+
+typedef struct {
+    void **p;
+    int n, cap, live;
+} vec;
+
+static struct {
+    hmap groups, keys, keys_by_hash, idems;
+    vec gv, kv, iv;
+    int frozen;               /* a compaction walks the vectors: positions must stay */
+    size_t live_bytes;        /* what a snapshot of the live state would take */
+} ST;
+
+static const void *group_key(const void *it, size_t *n) { *n = 36; return ((const group *)it)->id; }
+static const void *tkey_key(const void *it, size_t *n) { *n = 36; return ((const tkey *)it)->id; }
+static const void *tkey_hash_key(const void *it, size_t *n) { *n = 32; return ((const tkey *)it)->hash; }
+static const void *idem_key(const void *it, size_t *n) { *n = 32; return ((const idem *)it)->key; }
+
+static void store_init(void) {
+    ST.groups.key = group_key, ST.keys.key = tkey_key, ST.keys_by_hash.key = tkey_hash_key, ST.idems.key = idem_key;
+}
+
+static void vec_add(vec *v, void *item) {
+    if (v->n == v->cap) v->cap = v->cap ? v->cap * 2 : 64, v->p = xrealloc(v->p, (size_t)v->cap * sizeof *v->p);
+    ((entry *)item)->vi = v->n;
+    v->p[v->n++] = item;
+    v->live++;
+}
+
+static void vec_squeeze(vec *v);
+
+static void vec_del(vec *v, void *item) {
+    v->p[((entry *)item)->vi] = NULL;
+    v->live--;
+    vec_squeeze(v);
+}
+
+/* Squeeze out the holes deletions left, unless a compaction is walking it. */
+static void vec_squeeze(vec *v) {
+    if (ST.frozen || v->n < 2 * v->live + 64) return;
+    int k = 0;
+    for (int i = 0; i < v->n; i++)
+        if (v->p[i]) ((entry *)v->p[i])->vi = k, v->p[k++] = v->p[i];
+    v->n = k;
+}
+
+static char *json_strdup(const char *s, const json_tok *t, int i) {
+    buf b = {0};
+    json_unescape(s, t, i, &b);
+    if (!b.p) buf_reserve(&b, 0);
+    return b.p;
+}
+
+/* A whole number in token i; LTG_ERR when it is not one. */
+static int json_int(const char *s, const json_tok *t, int i, long long *out) {
+    double d;
+    if (json_number(s, t, i, &d) < 0 || d != floor(d) || fabs(d) > 1e15) return LTG_ERR;
+    *out = (long long)d;
+    return 0;
+}
+
+/* ---- validation errors ---- */
+
+typedef struct {
+    const char *code;         /* invalid_request, model_not_in_catalog, invalid_json */
+    char pointer[256];        /* RFC 6901; empty: none */
+    char detail[320];
+} verr;
+
+/* Append one reference token to a JSON pointer, escaping '~' and '/'. */
+static void ptr_push(char *ptr, size_t cap, const char *token) {
+    size_t n = strlen(ptr);
+    if (n + 1 < cap) ptr[n++] = '/';
+    for (const char *p = token; *p && n + 2 < cap; p++) {
+        if (*p == '~') ptr[n++] = '~', ptr[n++] = '0';
+        else if (*p == '/') ptr[n++] = '~', ptr[n++] = '1';
+        else ptr[n++] = *p;
+    }
+    ptr[n] = 0;
+}
+
+static int verr_set(verr *e, const char *code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int verr_set(verr *e, const char *code, const char *fmt, ...) {
+    e->code = code;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->detail, sizeof e->detail, fmt, ap);
+    va_end(ap);
+    return LTG_ERR;
+}
+
+/* The pointer /a/b (b may be NULL) and an invalid_request error about it. */
+static int verr_at(verr *e, const char *a, const char *b, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static int verr_at(verr *e, const char *a, const char *b, const char *fmt, ...) {
+    e->pointer[0] = 0;
+    ptr_push(e->pointer, sizeof e->pointer, a);
+    if (b) ptr_push(e->pointer, sizeof e->pointer, b);
+    e->code = "invalid_request";
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->detail, sizeof e->detail, fmt, ap);
+    va_end(ap);
+    return LTG_ERR;
+}
+
+/* ---- groups ---- */
+
+static void group_free(group *g) {
+    if (!g) return;
+    free(g->name);
+    for (int i = 0; i < g->nallowed; i++) free(g->allowed[i]);
+    free(g->allowed);
+    for (int i = 0; i < g->nfb; i++) {
+        free(g->fb[i].model);
+        for (int k = 0; k < g->fb[i].n; k++) free(g->fb[i].to[k]);
+    }
+    free(g->fb);
+    free(g);
+}
+
+static void group_clear_fallbacks(group *g) {
+    for (int i = 0; i < g->nfb; i++) {
+        free(g->fb[i].model);
+        for (int k = 0; k < g->fb[i].n; k++) free(g->fb[i].to[k]);
+    }
+    free(g->fb);
+    g->fb = NULL, g->nfb = 0;
+}
+
+static group *group_new(void) {
+    group *g = xcalloc(1, sizeof *g);
+    g->cache_ttl = -1, g->max_parallel = -1;
+    return g;
+}
+
+static char *xstrdup(const char *s) { return xstrndup(s, strlen(s)); }
+
+static group *group_clone(const group *src) {
+    group *g = xmalloc(sizeof *g);
+    *g = *src;
+    g->name = xstrdup(src->name);
+    g->allowed = xcalloc((size_t)src->nallowed, sizeof *g->allowed);
+    for (int i = 0; i < src->nallowed; i++) g->allowed[i] = xstrdup(src->allowed[i]);
+    g->fb = xcalloc((size_t)src->nfb, sizeof *g->fb);
+    for (int i = 0; i < src->nfb; i++) {
+        g->fb[i].model = xstrdup(src->fb[i].model);
+        g->fb[i].n = src->fb[i].n;
+        for (int k = 0; k < src->fb[i].n; k++) g->fb[i].to[k] = xstrdup(src->fb[i].to[k]);
+    }
+    return g;
+}
+
+/* The defaults of a retry policy: also what "retries": null means. */
+static retry_policy retry_defaults(void) { return (retry_policy){1, 250, BACKOFF_EXPONENTIAL, 0}; }
+
+static int group_allows(const group *g, const char *alias) {
+    for (int i = 0; i < g->nallowed; i++)
+        if (strcmp(g->allowed[i], alias) == 0) return 1;
+    return 0;
+}
+
+enum { PARSE_CREATE, PARSE_PATCH, PARSE_LOG };
+
+static int parse_retries(const char *s, const json_tok *t, int v, group *g, verr *e) {
+    if (t[v].type == JSON_NULL) { g->has_retries = 0; return 0; }
+    if (t[v].type != JSON_OBJECT) return verr_at(e, "retries", NULL, "must be an object (or null for the defaults)");
+    retry_policy r = retry_defaults();
+    int i = v + 1;
+    for (int m = 0; m < t[v].size; m++, i = t[i + 1].next) {
+        int x = i + 1;
+        long long n = 0;
+        char key[64];
+        snprintf(key, sizeof key, "%.*s", (int)(t[i].end - t[i].start), s + t[i].start);
+        if (json_eq(s, t, i, "backoff")) {
+            int k = 0;
+            while (backoff_names[k] && !json_eq(s, t, x, backoff_names[k])) k++;
+            if (!backoff_names[k]) return verr_at(e, "retries", "backoff", "must be \"constant\", \"linear\" or \"exponential\"");
+            r.backoff = k;
+            continue;
+        }
+        int known = json_eq(s, t, i, "max_attempts") || json_eq(s, t, i, "retry_delay_ms") || json_eq(s, t, i, "request_timeout_ms");
+        if (!known) return verr_at(e, "retries", key, "unknown field (retries has max_attempts, retry_delay_ms, backoff, request_timeout_ms)");
+        if (json_eq(s, t, i, "request_timeout_ms") && t[x].type == JSON_NULL) { r.request_timeout_ms = 0; continue; }
+        if (json_int(s, t, x, &n) < 0) return verr_at(e, "retries", key, "must be a whole number");
+        if (n < INT_MIN || n > INT_MAX) n = n < 0 ? INT_MIN : INT_MAX; /* range-checked by group_validate */
+        if (json_eq(s, t, i, "max_attempts")) r.max_attempts = (int)n;
+        else if (json_eq(s, t, i, "retry_delay_ms")) r.retry_delay_ms = (int)n;
+        else r.request_timeout_ms = n == 0 ? -1 : (int)n; /* 0 is out of range, not "none": use null for none */
+    }
+    g->has_retries = 1, g->retries = r;
+    return 0;
+}
+
+static int parse_fallbacks(const char *s, const json_tok *t, int v, group *g, verr *e) {
+    group_clear_fallbacks(g);
+    if (t[v].type == JSON_NULL) return 0;
+    if (t[v].type != JSON_OBJECT) return verr_at(e, "fallbacks", NULL, "must be an object: model -> list of fallback models");
+    g->fb = xcalloc((size_t)t[v].size, sizeof *g->fb);
+    int i = v + 1;
+    for (int m = 0; m < t[v].size; m++, i = t[i + 1].next) {
+        fallback *f = &g->fb[g->nfb++];
+        f->model = json_strdup(s, t, i);
+        int a = i + 1;
+        if (t[a].type != JSON_ARRAY) return verr_at(e, "fallbacks", f->model, "must be a list of model aliases");
+        if (t[a].size > MAX_FALLBACKS) return verr_at(e, "fallbacks", f->model, "has %d models: at most %d fallbacks per model", t[a].size, MAX_FALLBACKS);
+        int x = a + 1;
+        for (int k = 0; k < t[a].size; k++, x = t[x].next) {
+            char idx[16];
+            snprintf(idx, sizeof idx, "%d", k);
+            if (t[x].type != JSON_STRING) {
+                verr_at(e, "fallbacks", f->model, "must hold model aliases (strings)");
+                ptr_push(e->pointer, sizeof e->pointer, idx);
+                return LTG_ERR;
+            }
+            f->to[f->n++] = json_strdup(s, t, x);
+        }
+    }
+    return 0;
+}
+
+/* Lay the members of JSON object `obj` over g. PARSE_CREATE and PARSE_PATCH
+ * take the API's writable fields; PARSE_LOG also takes what only the log
+ * knows (id, version, timestamps). Checks types and field names only: the
+ * rules are group_validate()'s. */
+static int group_parse(const char *s, const json_tok *t, int obj, group *g, int mode, verr *e) {
+    static const char *const readonly[] = {"id", "record_type", "version", "created_at", "updated_at", "spend",
+                                           "reserved_spend", "budget_started_at", "resets_at", NULL};
+    if (t[obj].type != JSON_OBJECT) return verr_set(e, "invalid_request", "the body must be a JSON object");
+    int i = obj + 1;
+    for (int m = 0; m < t[obj].size; m++, i = t[i + 1].next) {
+        int v = i + 1;
+        char key[128];
+        snprintf(key, sizeof key, "%.*s", (int)(t[i].end - t[i].start < 100 ? t[i].end - t[i].start : 100), s + t[i].start);
+        long long n;
+        double d;
+        if (mode == PARSE_LOG && json_eq(s, t, i, "id") && t[v].type == JSON_STRING && t[v].end - t[v].start == 36) {
+            memcpy(g->id, s + t[v].start, 36), g->id[36] = 0;
+        } else if (mode == PARSE_LOG && json_eq(s, t, i, "version") && json_int(s, t, v, &n) == 0) {
+            g->version = n;
+        } else if (mode == PARSE_LOG && json_eq(s, t, i, "created_at") && json_int(s, t, v, &n) == 0) {
+            g->created_at = n;
+        } else if (mode == PARSE_LOG && json_eq(s, t, i, "updated_at") && json_int(s, t, v, &n) == 0) {
+            g->updated_at = n;
+        } else if (mode == PARSE_LOG && json_eq(s, t, i, "budget_anchor") && json_int(s, t, v, &n) == 0) {
+            g->budget_anchor = n;
+        } else if (json_eq(s, t, i, "name")) {
+            if (t[v].type != JSON_STRING) return verr_at(e, "name", NULL, "must be a string (it cannot be null)");
+            free(g->name);
+            g->name = json_strdup(s, t, v);
+        } else if (json_eq(s, t, i, "allowed_models")) {
+            if (t[v].type != JSON_ARRAY) return verr_at(e, "allowed_models", NULL, "must be a list of model aliases (it cannot be null)");
+            for (int k = 0; k < g->nallowed; k++) free(g->allowed[k]);
+            free(g->allowed);
+            g->allowed = xcalloc((size_t)t[v].size, sizeof *g->allowed), g->nallowed = 0;
+            int x = v + 1;
+            for (int k = 0; k < t[v].size; k++, x = t[x].next) {
+                char idx[16];
+                snprintf(idx, sizeof idx, "%d", k);
+                if (t[x].type != JSON_STRING) return verr_at(e, "allowed_models", idx, "must be a model alias (a string)");
+                g->allowed[g->nallowed++] = json_strdup(s, t, x);
+            }
+        } else if (json_eq(s, t, i, "fallbacks")) {
+            if (parse_fallbacks(s, t, v, g, e) < 0) return LTG_ERR;
+        } else if (json_eq(s, t, i, "retries")) {
+            if (parse_retries(s, t, v, g, e) < 0) return LTG_ERR;
+        } else if (json_eq(s, t, i, "max_budget")) {
+            if (t[v].type == JSON_NULL) g->has_budget = 0;
+            else if (json_number(s, t, v, &d) < 0) return verr_at(e, "max_budget", NULL, "must be a number of USD (or null for no cap)");
+            else g->has_budget = 1, g->max_budget = d;
+        } else if (json_eq(s, t, i, "budget_duration")) {
+            if (t[v].type == JSON_NULL) g->budget_days = 0;
+            else if (json_eq(s, t, v, "1d")) g->budget_days = 1;
+            else if (json_eq(s, t, v, "7d")) g->budget_days = 7;
+            else if (json_eq(s, t, v, "30d")) g->budget_days = 30;
+            else return verr_at(e, "budget_duration", NULL, "must be \"1d\", \"7d\", \"30d\" or null (a lifetime budget)");
+        } else if (json_eq(s, t, i, "cache_ttl")) {
+            if (t[v].type == JSON_NULL) g->cache_ttl = -1;
+            else if (json_int(s, t, v, &n) < 0) return verr_at(e, "cache_ttl", NULL, "must be a whole number of seconds (or null)");
+            else g->cache_ttl = n;
+        } else if (json_eq(s, t, i, "max_parallel_requests")) {
+            if (t[v].type == JSON_NULL) g->max_parallel = -1;
+            else if (json_int(s, t, v, &n) < 0) return verr_at(e, "max_parallel_requests", NULL, "must be a whole number (or null for no limit)");
+            else g->max_parallel = n;
+        } else if (json_eq(s, t, i, "blocked")) {
+            if (t[v].type != JSON_TRUE && t[v].type != JSON_FALSE) return verr_at(e, "blocked", NULL, "must be true or false");
+            g->blocked = t[v].type == JSON_TRUE;
+        } else {
+            int ro = 0;
+            for (const char *const *r = readonly; *r; r++) ro |= json_eq(s, t, i, *r);
+            return verr_at(e, key, NULL, ro ? "is read-only: ltg sets it" : "unknown field (a token group has name, allowed_models, fallbacks, retries, max_budget, budget_duration, cache_ttl, max_parallel_requests, blocked)");
+        }
+    }
+    return 0;
+}
+
+/* Is `d` a USD amount with at most six decimal places? */
+static int usd_ok(double d) {
+    double micro = d * 1e6;
+    return fabs(micro - floor(micro + 0.5)) < 1e-6;
+}
+
+/* The rules of API.md 3.1 over a whole group (after a PATCH: the merged
+ * result). Catalog membership first. */
+static int group_validate(const group *g, const catalog *cat, verr *e) {
+    char idx[16];
+    if (!g->name) return verr_at(e, "name", NULL, "is required (a name for the group)");
+    if (!g->allowed) return verr_at(e, "allowed_models", NULL, "is required (the model aliases this group may call; [] permits none)");
+    for (int i = 0; i < g->nallowed; i++)
+        if (!catalog_model((catalog *)cat, g->allowed[i], strlen(g->allowed[i]))) {
+            snprintf(idx, sizeof idx, "%d", i);
+            verr_at(e, "allowed_models", idx, "\"%.100s\" is not a model of this gateway's catalog (GET /v1/models with a key lists them)", g->allowed[i]);
+            e->code = "model_not_in_catalog";
+            return LTG_ERR;
+        }
+    for (int i = 0; i < g->nfb; i++) {
+        const fallback *f = &g->fb[i];
+        if (!catalog_model((catalog *)cat, f->model, strlen(f->model))) {
+            verr_at(e, "fallbacks", f->model, "\"%.100s\" is not a model of this gateway's catalog", f->model);
+            e->code = "model_not_in_catalog";
+            return LTG_ERR;
+        }
+        for (int k = 0; k < f->n; k++)
+            if (!catalog_model((catalog *)cat, f->to[k], strlen(f->to[k]))) {
+                snprintf(idx, sizeof idx, "%d", k);
+                verr_at(e, "fallbacks", f->model, "\"%.100s\" is not a model of this gateway's catalog", f->to[k]);
+                ptr_push(e->pointer, sizeof e->pointer, idx);
+                e->code = "model_not_in_catalog";
+                return LTG_ERR;
+            }
+    }
+    if (!*g->name || strlen(g->name) > NAME_MAX_LEN) return verr_at(e, "name", NULL, "must be 1 to %d characters", NAME_MAX_LEN);
+    for (int i = 0; i < g->nallowed; i++)
+        for (int k = 0; k < i; k++)
+            if (strcmp(g->allowed[i], g->allowed[k]) == 0) {
+                snprintf(idx, sizeof idx, "%d", i);
+                return verr_at(e, "allowed_models", idx, "\"%.100s\" is listed twice", g->allowed[i]);
+            }
+    for (int i = 0; i < g->nfb; i++) {
+        const fallback *f = &g->fb[i];
+        if (!group_allows(g, f->model)) return verr_at(e, "fallbacks", f->model, "\"%.100s\" has fallbacks but is not in allowed_models", f->model);
+        for (int k = 0; k < f->n; k++) {
+            snprintf(idx, sizeof idx, "%d", k);
+            const char *why = NULL;
+            if (strcmp(f->to[k], f->model) == 0) why = "a model cannot be its own fallback";
+            else if (!group_allows(g, f->to[k])) why = "a fallback must also be in allowed_models";
+            for (int j = 0; j < k && !why; j++)
+                if (strcmp(f->to[j], f->to[k]) == 0) why = "is listed twice";
+            if (why) {
+                verr_at(e, "fallbacks", f->model, "\"%.100s\": %s", f->to[k], why);
+                ptr_push(e->pointer, sizeof e->pointer, idx);
+                return LTG_ERR;
+            }
+        }
+    }
+    if (g->has_retries) {
+        const retry_policy *r = &g->retries;
+        if (r->max_attempts < 1 || r->max_attempts > 5) return verr_at(e, "retries", "max_attempts", "must be between 1 and 5");
+        if (r->retry_delay_ms < 0 || r->retry_delay_ms > 60000) return verr_at(e, "retries", "retry_delay_ms", "must be between 0 and 60000");
+        if (r->request_timeout_ms && (r->request_timeout_ms < 100 || r->request_timeout_ms > 600000))
+            return verr_at(e, "retries", "request_timeout_ms", "must be between 100 and 600000 (or null for none)");
+    }
+    if (g->has_budget && (g->max_budget < 0 || g->max_budget > 1e9 || !usd_ok(g->max_budget)))
+        return verr_at(e, "max_budget", NULL, "must be between 0 and 1000000000 USD with at most six decimal places (0 denies every paid request, null is uncapped)");
+    if (g->cache_ttl < -1 || g->cache_ttl > 30 * 86400) return verr_at(e, "cache_ttl", NULL, "must be between 0 and 2592000 seconds (or null)");
+    if (g->max_parallel == 0 || g->max_parallel < -1 || g->max_parallel > 100000)
+        return verr_at(e, "max_parallel_requests", NULL, "must be between 1 and 100000 (or null for no limit; to stop all requests set blocked)");
+    return 0;
+}
+
+/* The start of the current budget period and its end (0: none). */
+static void group_period(const group *g, int64_t now, int64_t *start, int64_t *end) {
+    *start = *end = 0;
+    if (!g->has_budget || !g->budget_anchor) return;
+    *start = g->budget_anchor;
+    if (!g->budget_days) return;
+    int64_t len = (int64_t)g->budget_days * 86400000;
+    if (now > g->budget_anchor) *start = g->budget_anchor + (now - g->budget_anchor) / len * len;
+    *end = *start + len;
+}
+
+/* A group as JSON: the API's shape, or the log's (exact integers, only
+ * what cannot be derived). */
+static void group_json(jwriter *w, const group *g, int for_log) {
+    char ts[64];
+    jw_open(w, '{');
+    jw_key(w, "id"), jw_cstr(w, g->id);
+    if (!for_log) jw_key(w, "record_type"), jw_cstr(w, "token_group");
+    jw_key(w, "name"), jw_cstr(w, g->name);
+    jw_key(w, "allowed_models"), jw_open(w, '[');
+    for (int i = 0; i < g->nallowed; i++) jw_cstr(w, g->allowed[i]);
+    jw_close(w, ']');
+    jw_key(w, "fallbacks"), jw_open(w, '{');
+    for (int i = 0; i < g->nfb; i++) {
+        jw_key(w, g->fb[i].model), jw_open(w, '[');
+        for (int k = 0; k < g->fb[i].n; k++) jw_cstr(w, g->fb[i].to[k]);
+        jw_close(w, ']');
+    }
+    jw_close(w, '}');
+    jw_key(w, "retries");
+    if (!g->has_retries) jw_null(w);
+    else {
+        jw_open(w, '{');
+        jw_key(w, "max_attempts"), jw_int(w, g->retries.max_attempts);
+        jw_key(w, "retry_delay_ms"), jw_int(w, g->retries.retry_delay_ms);
+        jw_key(w, "backoff"), jw_cstr(w, backoff_names[g->retries.backoff]);
+        jw_key(w, "request_timeout_ms");
+        if (g->retries.request_timeout_ms) jw_int(w, g->retries.request_timeout_ms);
+        else jw_null(w);
+        jw_close(w, '}');
+    }
+    jw_key(w, "max_budget");
+    if (g->has_budget) jw_num(w, g->max_budget);
+    else jw_null(w);
+    jw_key(w, "budget_duration");
+    if (g->budget_days) snprintf(ts, sizeof ts, "%dd", g->budget_days), jw_cstr(w, ts);
+    else jw_null(w);
+    jw_key(w, "cache_ttl");
+    if (g->cache_ttl >= 0) jw_int(w, g->cache_ttl);
+    else jw_null(w);
+    jw_key(w, "max_parallel_requests");
+    if (g->max_parallel > 0) jw_int(w, g->max_parallel);
+    else jw_null(w);
+    jw_key(w, "blocked"), jw_bool(w, g->blocked);
+    jw_key(w, "version"), jw_int(w, g->version);
+    if (for_log) {
+        jw_key(w, "created_at"), jw_int(w, g->created_at);
+        jw_key(w, "updated_at"), jw_int(w, g->updated_at);
+        jw_key(w, "budget_anchor"), jw_int(w, g->budget_anchor);
+    } else {
+        int64_t start, end;
+        group_period(g, wall_ms(), &start, &end);
+        iso_time(g->created_at, ts), jw_key(w, "created_at"), jw_cstr(w, ts);
+        iso_time(g->updated_at, ts), jw_key(w, "updated_at"), jw_cstr(w, ts);
+        jw_key(w, "spend"), jw_num(w, 0);
+        jw_key(w, "reserved_spend"), jw_num(w, 0);
+        jw_key(w, "budget_started_at");
+        if (start) iso_time(start, ts), jw_cstr(w, ts);
+        else jw_null(w);
+        jw_key(w, "resets_at");
+        if (end) iso_time(end, ts), jw_cstr(w, ts);
+        else jw_null(w);
+    }
+    jw_close(w, '}');
+}
+
+static group *group_find(const char *id) { return strlen(id) == 36 ? hmap_get(&ST.groups, id, 36) : NULL; }
+
+/* ---- token keys ---- */
+
+static void tkey_free(tkey *k) {
+    if (k) free(k->name), free(k);
+}
+
+static void tkey_json(jwriter *w, const tkey *k, int for_log) {
+    char ts[64], hex[65];
+    jw_open(w, '{');
+    jw_key(w, "id"), jw_cstr(w, k->id);
+    if (!for_log) jw_key(w, "record_type"), jw_cstr(w, "token_key");
+    jw_key(w, "name"), jw_cstr(w, k->name);
+    jw_key(w, "token_group_id"), jw_cstr(w, k->group_id);
+    jw_key(w, "version"), jw_int(w, k->version);
+    if (for_log) {
+        hex_encode(k->hash, 32, hex);
+        jw_key(w, "sha256"), jw_cstr(w, hex);
+        jw_key(w, "created_at"), jw_int(w, k->created_at);
+        jw_key(w, "updated_at"), jw_int(w, k->updated_at);
+    } else {
+        iso_time(k->created_at, ts), jw_key(w, "created_at"), jw_cstr(w, ts);
+        iso_time(k->updated_at, ts), jw_key(w, "updated_at"), jw_cstr(w, ts);
+    }
+    jw_close(w, '}');
+}
+
+static tkey *tkey_find(const char *id) { return strlen(id) == 36 ? hmap_get(&ST.keys, id, 36) : NULL; }
+
+/* ---- applying changes (from a handler, or from the log at start-up) ---- */
+
+static void store_put_group(group *g, size_t rec_bytes) {
+    group *old = hmap_get(&ST.groups, g->id, 36);
+    if (old) {
+        g->inflight = old->inflight;
+        g->e.vi = old->e.vi;
+        ST.gv.p[g->e.vi] = g;
+        ST.live_bytes -= old->e.rec_bytes;
+        group_free(old);
+    } else vec_add(&ST.gv, g);
+    hmap_put(&ST.groups, g);
+    g->e.rec_bytes = rec_bytes;
+    ST.live_bytes += rec_bytes;
+}
+
+static void store_del_key(const char *id) {
+    tkey *k = hmap_del(&ST.keys, id, 36);
+    if (!k) return;
+    hmap_del(&ST.keys_by_hash, k->hash, 32);
+    vec_del(&ST.kv, k);
+    ST.live_bytes -= k->e.rec_bytes;
+    tkey_free(k);
+}
+
+static void store_del_group(const char *id) {
+    group *g = hmap_del(&ST.groups, id, 36);
+    if (!g) return;
+    vec_del(&ST.gv, g);
+    ST.live_bytes -= g->e.rec_bytes;
+    group_free(g);
+}
+
+static void store_put_key(tkey *k, size_t rec_bytes) {
+    tkey *old = hmap_get(&ST.keys, k->id, 36);
+    if (old) store_del_key(old->id);
+    vec_add(&ST.kv, k);
+    hmap_put(&ST.keys, k);
+    hmap_put(&ST.keys_by_hash, k);
+    k->e.rec_bytes = rec_bytes;
+    ST.live_bytes += rec_bytes;
+}
+
+static void idem_free(idem *r) {
+    if (r) free(r->response), free(r);
+}
+
+static void store_put_idem(idem *r, size_t rec_bytes) {
+    idem *old = hmap_get(&ST.idems, r->key, 32);
+    if (old) {
+        vec_del(&ST.iv, old);
+        ST.live_bytes -= old->e.rec_bytes;
+        idem_free(old);
+    }
+    vec_add(&ST.iv, r);
+    hmap_put(&ST.idems, r);
+    r->e.rec_bytes = rec_bytes;
+    ST.live_bytes += rec_bytes;
+}
+
+/* The idempotency record for `key`, or NULL (an expired one is dropped). */
+static idem *idem_find(const uint8_t key[32]) {
+    idem *r = hmap_get(&ST.idems, key, 32);
+    if (r && r->expires <= wall_ms()) {
+        hmap_del(&ST.idems, key, 32);
+        vec_del(&ST.iv, r);
+        ST.live_bytes -= r->e.rec_bytes;
+        idem_free(r);
+        return NULL;
+    }
+    return r;
+}
+
+static void idem_json(jwriter *w, const idem *r) {
+    char hex[65];
+    jw_open(w, '{');
+    hex_encode(r->key, 32, hex), jw_key(w, "k"), jw_cstr(w, hex);
+    hex_encode(r->body, 32, hex), jw_key(w, "b"), jw_cstr(w, hex);
+    jw_key(w, "s"), jw_int(w, r->status);
+    jw_key(w, "v"), jw_int(w, r->version);
+    jw_key(w, "r"), jw_cstr(w, r->response);
+    jw_key(w, "x"), jw_int(w, r->expires);
+    jw_close(w, '}');
+}
+
+static int hex_decode(const char *s, size_t n, uint8_t *out) {
+    for (size_t i = 0; i < n / 2; i++) {
+        int hi = hexval((unsigned char)s[2 * i]), lo = hexval((unsigned char)s[2 * i + 1]);
+        if (hi < 0 || lo < 0) return LTG_ERR;
+        out[i] = (uint8_t)(hi << 4 | lo);
+    }
+    return 0;
+}
+
+/* Apply one log record's payload (section 10 calls this for every record
+ * at start-up). Returns 0, or LTG_ERR with a reason in err. */
+static int store_apply(const char *p, size_t n, char *err, size_t errlen) {
+    int max = (int)(n / 2 + 4);
+    json_tok *t = xcalloc((size_t)max, sizeof *t);
+    json_result res;
+    int rc = LTG_ERR;
+    verr e = {0};
+    if (json_parse(p, n, t, max, -1, &res) < 0) { snprintf(err, errlen, "not JSON: %s at byte %zu", res.err, res.err_offset); goto done; }
+    int ops = json_get(p, t, 0, "ops");
+    if (ops < 0 || t[ops].type != JSON_ARRAY) { snprintf(err, errlen, "no \"ops\" list"); goto done; }
+    int o = ops + 1;
+    for (int k = 0; k < t[ops].size; k++, o = t[o].next) {
+        int v;
+        if ((v = json_get(p, t, o, "put_group")) >= 0) {
+            group *g = group_new();
+            if (group_parse(p, t, v, g, PARSE_LOG, &e) < 0 || !g->id[0]) {
+                snprintf(err, errlen, "bad group: %.60s %.100s", e.pointer, e.detail);
+                group_free(g);
+                goto done;
+            }
+            store_put_group(g, n + 8);
+        } else if ((v = json_get(p, t, o, "put_key")) >= 0) {
+            int id = json_get(p, t, v, "id"), gid = json_get(p, t, v, "token_group_id"), nm = json_get(p, t, v, "name"),
+                sh = json_get(p, t, v, "sha256");
+            long long ver, c, u;
+            if (id < 0 || gid < 0 || nm < 0 || sh < 0 || t[id].end - t[id].start != 36 || t[gid].end - t[gid].start != 36 ||
+                t[sh].end - t[sh].start != 64 || json_int(p, t, json_get(p, t, v, "version"), &ver) < 0 ||
+                json_int(p, t, json_get(p, t, v, "created_at"), &c) < 0 || json_int(p, t, json_get(p, t, v, "updated_at"), &u) < 0) {
+                snprintf(err, errlen, "bad token key");
+                goto done;
+            }
+            tkey *key = xcalloc(1, sizeof *key);
+            memcpy(key->id, p + t[id].start, 36), memcpy(key->group_id, p + t[gid].start, 36);
+            key->name = json_strdup(p, t, nm);
+            key->version = ver, key->created_at = c, key->updated_at = u;
+            if (hex_decode(p + t[sh].start, 64, key->hash) < 0) { tkey_free(key); snprintf(err, errlen, "bad token key hash"); goto done; }
+            store_put_key(key, n + 8);
+        } else if ((v = json_get(p, t, o, "del_group")) >= 0 && t[v].type == JSON_STRING && t[v].end - t[v].start == 36) {
+            char id[37];
+            memcpy(id, p + t[v].start, 36), id[36] = 0;
+            store_del_group(id);
+        } else if ((v = json_get(p, t, o, "del_key")) >= 0 && t[v].type == JSON_STRING && t[v].end - t[v].start == 36) {
+            char id[37];
+            memcpy(id, p + t[v].start, 36), id[36] = 0;
+            store_del_key(id);
+        } else {
+            snprintf(err, errlen, "unknown operation");
+            goto done;
+        }
+    }
+    int iv = json_get(p, t, 0, "idem");
+    if (iv >= 0) {
+        int k = json_get(p, t, iv, "k"), b = json_get(p, t, iv, "b"), r = json_get(p, t, iv, "r");
+        long long st, ver, x;
+        if (k < 0 || b < 0 || r < 0 || t[k].end - t[k].start != 64 || t[b].end - t[b].start != 64 ||
+            json_int(p, t, json_get(p, t, iv, "s"), &st) < 0 || json_int(p, t, json_get(p, t, iv, "v"), &ver) < 0 ||
+            json_int(p, t, json_get(p, t, iv, "x"), &x) < 0) {
+            snprintf(err, errlen, "bad idempotency record");
+            goto done;
+        }
+        if (x > wall_ms()) {
+            idem *rec = xcalloc(1, sizeof *rec);
+            hex_decode(p + t[k].start, 64, rec->key), hex_decode(p + t[b].start, 64, rec->body);
+            rec->status = (int)st, rec->version = ver, rec->expires = x;
+            rec->response = json_strdup(p, t, r);
+            store_put_idem(rec, n + 8);
+        }
+    }
+    rc = 0;
+done:
+    free(t);
+    return rc;
+}
+
+/* ===== 10. The append-only log =====
+ *
+ * IMPLEMENTATION NOTES
+ * Every acknowledged change is one record in DATA/state.log, written and
+ * fsynced before the answer leaves (Redis's appendfsync always). The file
+ * opens with an 8-byte magic; a record is
+ *
+ *     [length: 4 bytes LE][CRC-32 of the payload: 4 bytes LE][payload]
+ *
+ * and the payload is JSON: {"ops":[...], "idem":{...}} (store_apply).
+ *
+ * Replay at start-up applies every record in order. A crash mid-write can
+ * only damage the end of the file, so a last record that is cut short or
+ * fails its checksum is a torn write: the file is truncated back to the
+ * last whole record, with a warning. A bad record with whole records after
+ * it is not a torn write but damage, and start-up stops with the file and
+ * offset: ltg will not guess which of your changes to drop.
+ *
+ * A failed write is cut back off the file (ftruncate to the old size) and
+ * the change is refused; a failed fsync leaves the file in doubt, so the
+ * log refuses every later change until a restart replays what is really
+ * on disk. Errors are sticky, as in BearSSL.
+ *
+ * Compaction: when the file grows past twice what the live state needs (and
+ * past 1 MiB), a snapshot is written to state.log.tmp a few hundred items
+ * per loop turn, so the loop never stops for long. Changes made meanwhile
+ * go to the old file as usual and are also kept aside; when the snapshot is
+ * complete they are appended to it, the new file is fsynced and renamed
+ * over the old one, and the directory is fsynced. A crash at any point
+ * leaves either the old file or the new one, each complete.
+ */
+#define LOG_MAGIC "LTGLOG1\n"
+#define LOG_MAX_RECORD (64u << 20)
+#define COMPACT_MIN_BYTES (1 << 20)
+#define COMPACT_STEP 500 /* items per loop turn */
+
+static struct {
+    char path[256], tmp[256], dir[256];
+    int fd;
+    off_t size;
+    char broken[512];         /* sticky: set once, every later append refuses */
+    /* compaction in progress: */
+    int compacting, tmp_fd;
+    off_t tmp_size;
+    int gi, gend, ki, kend, ii, iend;
+    buf tail;                 /* records appended while the snapshot is written */
+    off_t retry_at;           /* after a failed compaction: not before the log reaches this */
+} LOG = {.fd = -1, .tmp_fd = -1};
+
+static void put_le32(uint8_t *p, uint32_t v) { p[0] = (uint8_t)v, p[1] = (uint8_t)(v >> 8), p[2] = (uint8_t)(v >> 16), p[3] = (uint8_t)(v >> 24); }
+static uint32_t get_le32(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
+
+/* Frame a payload as a record at the end of `out`. */
+static void log_frame(buf *out, const char *payload, size_t n) {
+    uint8_t h[8];
+    put_le32(h, (uint32_t)n), put_le32(h + 4, crc32(payload, n));
+    buf_append(out, h, 8);
+    buf_append(out, payload, n);
+}
+
+static int write_all(int fd, const char *p, size_t n) {
+    while (n) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return LTG_ERR;
+        p += w, n -= (size_t)w;
+    }
+    return 0;
+}
+
+static int fsync_dir(const char *dir) {
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return LTG_ERR;
+    int r = fsync(fd);
+    close(fd);
+    return r;
+}
+
+static void compact_abandon(const char *why);
+
+/* Append one record and make it durable. Returns 0, or LTG_ERR with the
+ * reason in LOG.broken or *why. */
+static int log_append(const char *payload, size_t n, const char **why) {
+    if (LOG.broken[0]) { *why = LOG.broken; return LTG_ERR; }
+    if (n > LOG_MAX_RECORD) { *why = "the change is too large to log"; return LTG_ERR; }
+    buf rec = {0};
+    log_frame(&rec, payload, n);
+    int rc = 0;
+    if (write_all(LOG.fd, rec.p, rec.len) < 0) {
+        snprintf(LOG.broken, sizeof LOG.broken, "writing %s failed: %s", LOG.path, strerror(errno));
+        if (ftruncate(LOG.fd, LOG.size) == 0) LOG.broken[0] = 0; /* cut back: the log is whole again */
+        ltg_log("%s: %s", LOG.path, strerror(errno));
+        *why = "the state log could not be written (see ltg's log)";
+        rc = LTG_ERR;
+    } else if (fdatasync(LOG.fd) < 0) {
+        snprintf(LOG.broken, sizeof LOG.broken, "fsync of %s failed (%s): changes are refused until ltg restarts", LOG.path, strerror(errno));
+        ltg_log("%s", LOG.broken);
+        *why = LOG.broken;
+        rc = LTG_ERR;
+    } else {
+        LOG.size += (off_t)rec.len;
+        if (LOG.compacting) buf_append(&LOG.tail, rec.p, rec.len);
+    }
+    buf_free(&rec);
+    return rc;
+}
+
+/* Open (or create) DIR/state.log and replay it into the store. Returns 0,
+ * or LTG_ERR with a message for the operator in err. */
+static int log_open(const char *dir, char *err, size_t errlen) {
+    if (strlen(dir) > 200) { snprintf(err, errlen, "--data: the path is longer than 200 bytes"); return LTG_ERR; }
+    snprintf(LOG.dir, sizeof LOG.dir, "%s", dir);
+    snprintf(LOG.path, sizeof LOG.path, "%s/state.log", dir);
+    snprintf(LOG.tmp, sizeof LOG.tmp, "%s/state.log.tmp", dir);
+    unlink(LOG.tmp); /* a compaction that a crash interrupted: the old file is whole */
+    LOG.fd = open(LOG.path, O_RDWR | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+    if (LOG.fd < 0) { snprintf(err, errlen, "%s: %s", LOG.path, strerror(errno)); return LTG_ERR; }
+    buf b = {0};
+    if (read_file(LOG.path, &b) < 0) { snprintf(err, errlen, "%s: %s", LOG.path, strerror(errno)); buf_free(&b); return LTG_ERR; }
+    int64_t t0 = clock_ms();
+    size_t off = 8, records = 0;
+    if (b.len < 8) { /* new, or a crash while it was being created */
+        if (ftruncate(LOG.fd, 0) < 0 || write_all(LOG.fd, LOG_MAGIC, 8) < 0 || fsync(LOG.fd) < 0 || fsync_dir(dir) < 0) {
+            snprintf(err, errlen, "%s: cannot initialise: %s", LOG.path, strerror(errno));
+            buf_free(&b);
+            return LTG_ERR;
+        }
+        LOG.size = 8;
+        buf_free(&b);
+        return 0;
+    }
+    if (memcmp(b.p, LOG_MAGIC, 8) != 0) {
+        snprintf(err, errlen, "%s: not an ltg state log (bad magic at offset 0)", LOG.path);
+        buf_free(&b);
+        return LTG_ERR;
+    }
+    while (off < b.len) {
+        const uint8_t *h = (const uint8_t *)b.p + off;
+        size_t left = b.len - off;
+        uint32_t len = left >= 8 ? get_le32(h) : 0;
+        int torn = left < 8 || len > LOG_MAX_RECORD || (size_t)len > left - 8;
+        int bad_sum = !torn && crc32(h + 8, len) != get_le32(h + 4);
+        if (torn || (bad_sum && off + 8 + len == b.len)) {
+            ltg_log("warning: %s: the last record (offset %zu) is torn, a crash mid-write: truncating to %zu bytes", LOG.path, off, off);
+            if (ftruncate(LOG.fd, (off_t)off) < 0 || fsync(LOG.fd) < 0) {
+                snprintf(err, errlen, "%s: cannot truncate the torn record: %s", LOG.path, strerror(errno));
+                buf_free(&b);
+                return LTG_ERR;
+            }
+            break;
+        }
+        char why[200];
+        if (bad_sum || store_apply((const char *)h + 8, len, why, sizeof why) < 0) {
+            snprintf(err, errlen, "%s: damaged record at offset %zu (%.100s) with whole records after it: not a torn write, so ltg will not drop it; restore the file from a backup", LOG.path, off,
+                     bad_sum ? "checksum mismatch" : why);
+            buf_free(&b);
+            return LTG_ERR;
+        }
+        off += 8 + len, records++;
+    }
+    LOG.size = (off_t)(off < b.len ? off : b.len);
+    buf_free(&b);
+    ltg_log("%s: replayed %zu records in %lld ms: %d token group(s), %d token key(s)", LOG.path, records,
+            (long long)(clock_ms() - t0), ST.gv.live, ST.kv.live);
+    return 0;
+}
+
+/* The record that recreates one stored item, for the snapshot. */
+static void snapshot_item(buf *out, const char *op, void *item) {
+    buf p = {0};
+    jwriter w;
+    jw_init(&w, &p);
+    jw_open(&w, '{');
+    if (op) {
+        jw_key(&w, "ops"), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, op);
+        if (strcmp(op, "put_group") == 0) group_json(&w, item, 1);
+        else tkey_json(&w, item, 1);
+        jw_close(&w, '}'), jw_close(&w, ']');
+    } else {
+        jw_key(&w, "ops"), jw_open(&w, '['), jw_close(&w, ']');
+        jw_key(&w, "idem"), idem_json(&w, item);
+    }
+    jw_close(&w, '}');
+    log_frame(out, p.p, p.len);
+    buf_free(&p);
+}
+
+static void compact_abandon(const char *why) {
+    ltg_log("compaction of %s abandoned: %s (the log stays as it was)", LOG.path, why);
+    if (LOG.tmp_fd >= 0) close(LOG.tmp_fd);
+    LOG.tmp_fd = -1;
+    unlink(LOG.tmp);
+    LOG.compacting = ST.frozen = 0;
+    buf_free(&LOG.tail);
+    LOG.retry_at = LOG.size * 2;
+}
+
+static int compact_due(void) {
+    return !LOG.compacting && LOG.fd >= 0 && !LOG.broken[0] && LOG.size > COMPACT_MIN_BYTES &&
+           (size_t)LOG.size > 2 * ST.live_bytes && LOG.size >= LOG.retry_at;
+}
+
+static void compact_start(void) {
+    LOG.tmp_fd = open(LOG.tmp, O_RDWR | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0600);
+    if (LOG.tmp_fd < 0) { compact_abandon(strerror(errno)); return; }
+    if (write_all(LOG.tmp_fd, LOG_MAGIC, 8) < 0) { compact_abandon(strerror(errno)); return; }
+    LOG.tmp_size = 8;
+    LOG.compacting = ST.frozen = 1;
+    LOG.gi = LOG.ki = LOG.ii = 0;
+    LOG.gend = ST.gv.n, LOG.kend = ST.kv.n, LOG.iend = ST.iv.n; /* items added later are in the tail */
+    ltg_log("compacting %s: %lld bytes for about %zu bytes of live state", LOG.path, (long long)LOG.size, ST.live_bytes);
+}
+
+/* One step of a compaction: a few hundred items, or the switch-over. */
+static void compact_step(void) {
+    buf out = {0};
+    int budget = COMPACT_STEP;
+    int64_t now = wall_ms();
+    for (; LOG.gi < LOG.gend && budget; LOG.gi++)
+        if (ST.gv.p[LOG.gi]) snapshot_item(&out, "put_group", ST.gv.p[LOG.gi]), budget--;
+    for (; LOG.gi == LOG.gend && LOG.ki < LOG.kend && budget; LOG.ki++)
+        if (ST.kv.p[LOG.ki]) snapshot_item(&out, "put_key", ST.kv.p[LOG.ki]), budget--;
+    for (; LOG.ki == LOG.kend && LOG.ii < LOG.iend && budget; LOG.ii++) {
+        idem *r = ST.iv.p[LOG.ii];
+        if (r && r->expires > now) snapshot_item(&out, NULL, r), budget--;
+    }
+    if (out.len && write_all(LOG.tmp_fd, out.p, out.len) < 0) { buf_free(&out); compact_abandon(strerror(errno)); return; }
+    LOG.tmp_size += (off_t)out.len;
+    buf_free(&out);
+    if (LOG.gi < LOG.gend || LOG.ki < LOG.kend || LOG.ii < LOG.iend) return;
+    /* The snapshot is written: add what changed meanwhile, make it durable, switch. */
+    if (write_all(LOG.tmp_fd, LOG.tail.p, LOG.tail.len) < 0 || fsync(LOG.tmp_fd) < 0) { compact_abandon(strerror(errno)); return; }
+    if (rename(LOG.tmp, LOG.path) < 0) { compact_abandon(strerror(errno)); return; }
+    if (fsync_dir(LOG.dir) < 0) ltg_log("warning: fsync of %s failed: %s", LOG.dir, strerror(errno));
+    off_t before = LOG.size;
+    close(LOG.fd);
+    LOG.fd = LOG.tmp_fd, LOG.tmp_fd = -1;
+    LOG.size = LOG.tmp_size + (off_t)LOG.tail.len;
+    buf_free(&LOG.tail);
+    LOG.compacting = ST.frozen = 0, LOG.retry_at = 0;
+    vec_squeeze(&ST.gv), vec_squeeze(&ST.kv), vec_squeeze(&ST.iv);
+    ltg_log("compacted %s: %lld -> %lld bytes", LOG.path, (long long)before, (long long)LOG.size);
+}
+
+/* Called by the loop before it sleeps; returns 1 while work remains (the
+ * loop then polls without waiting). */
+static int store_tick(void) {
+    if (compact_due()) compact_start();
+    if (!LOG.compacting) return 0;
+    compact_step();
+    return LOG.compacting;
+}
+
+/* ===== 11. Client connections: the HTTP/1.1 server =====
  *
  * IMPLEMENTATION NOTES
  * A client connection is a small state machine:
@@ -2057,6 +3165,8 @@ struct conn {
 };
 
 static conn *conns; /* all open client connections */
+
+static void admin_error(conn *c, int status, const char *code, const char *pointer, long long current_version, const char *detail);
 
 static void route(conn *c);
 static void exchange_abort(exchange *x);
@@ -2204,29 +3314,16 @@ static void conn_reply(conn *c, int status, const char *ctype, const char *extra
 
 /* An error in the shape of the listener's API: OpenAI's on the inference
  * plane, JSON:API's on the admin plane (API.md 3 and 4). */
-static void conn_error(conn *c, int status, const char *code, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-static void conn_error(conn *c, int status, const char *code, const char *fmt, ...) {
+static void conn_error_v(conn *c, int status, const char *code, const char *headers, const char *fmt, va_list ap) {
     char msg[512];
-    va_list ap;
-    va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
+    if (c->admin) { admin_error(c, status, code, NULL, 0, msg); return; }
     buf b = {0}, extra = {0};
+    if (headers) buf_puts(&extra, headers);
     jwriter w;
     jw_init(&w, &b);
     jw_open(&w, '{');
-    if (c->admin) {
-        jw_key(&w, "errors");
-        jw_open(&w, '[');
-        jw_open(&w, '{');
-        jw_key(&w, "code"), jw_cstr(&w, code);
-        jw_key(&w, "title"), jw_cstr(&w, http_reason(status));
-        jw_key(&w, "detail"), jw_cstr(&w, msg);
-        jw_key(&w, "meta"), jw_open(&w, '{'), jw_close(&w, '}');
-        jw_close(&w, '}');
-        jw_close(&w, ']');
-        buf_puts(&extra, "Cache-Control: no-store\r\n");
-    } else {
+    {
         const char *type = status == 401 ? "authentication_error" : status == 403 ? "permission_error"
                          : status == 404 ? "not_found_error" : status == 429 ? "rate_limit_error"
                          : status >= 500 ? "api_error" : "invalid_request_error";
@@ -2243,6 +3340,23 @@ static void conn_error(conn *c, int status, const char *code, const char *fmt, .
     c->state = CONN_BUSY;
     conn_reply(c, status, "application/json", extra.p, b.p, b.len);
     buf_free(&b), buf_free(&extra);
+}
+
+static void conn_error(conn *c, int status, const char *code, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static void conn_error(conn *c, int status, const char *code, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    conn_error_v(c, status, code, NULL, fmt, ap);
+    va_end(ap);
+}
+
+/* conn_error with extra header lines (each ending in CRLF). */
+static void conn_error_h(conn *c, int status, const char *code, const char *headers, const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+static void conn_error_h(conn *c, int status, const char *code, const char *headers, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    conn_error_v(c, status, code, headers, fmt, ap);
+    va_end(ap);
 }
 
 /* Errors of the HTTP layer itself: the request's framing cannot be trusted,
@@ -2356,7 +3470,569 @@ static void conn_new(int fd, int admin) {
     conn_arm_timer(c);
 }
 
-/* ===== 10. Inference: the proxy path =====
+/* Request helpers shared by the control plane and the inference plane. */
+static int path_is(conn *c, const char *path) {
+    const char *t = c->in.p + c->req.target.off;
+    size_t n = c->req.target.len, q = 0;
+    while (q < n && t[q] != '?') q++;
+    return q == strlen(path) && memcmp(t, path, q) == 0;
+}
+
+static int method_is(conn *c, const char *m) {
+    return c->req.method.len == strlen(m) && memcmp(c->in.p + c->req.method.off, m, c->req.method.len) == 0;
+}
+
+/* The bearer token of the request, or NULL. */
+static const char *request_bearer(conn *c, size_t *n) {
+    const char *v = http_header_get(c->in.p, c->req.h, c->req.nh, "authorization", n);
+    if (!v || *n < 7 || ascii_casecmp_n(v, 7, "bearer ") != 0) return NULL;
+    v += 7, *n -= 7;
+    while (*n && *v == ' ') v++, (*n)--;
+    return *n ? v : NULL;
+}
+
+/* ===== 12. The control plane =====
+ *
+ * IMPLEMENTATION NOTES
+ * /v2/llm_token_gateway on the admin listener (API.md 3). Every request
+ * names an admin key from the catalog; a key's permissions decide what it
+ * may do (a write permission includes the matching read). Bodies and errors
+ * follow JSON:API's shape: {"data":...}, {"errors":[...]}.
+ *
+ * A change goes through the same steps, in this order:
+ *   1. Idempotency-Key: a key seen before with the same body answers the
+ *      stored first answer (x-ltg-replayed: true); with another body, 409.
+ *      This comes before If-Match on purpose: a client retrying a PATCH
+ *      that did succeed must get its answer, not a 412 about its own change.
+ *   2. If-Match (PATCH, DELETE): missing 428, stale 412 with the version.
+ *   3. Parse and validate on a copy (section 9): 400 changes nothing.
+ *   4. One log record with the change and its idempotency record, fsynced
+ *      (section 10); only then the copy replaces the original in memory.
+ */
+#define API_PREFIX "/v2/llm_token_gateway"
+
+typedef struct {
+    int perms;
+    uint8_t sha[32];
+} admin_who;
+
+static const char *error_title(const char *code, int status) {
+    static const struct { const char *code, *title; } titles[] = {
+        {"invalid_request", "Invalid request"}, {"invalid_json", "Invalid JSON"},
+        {"model_not_in_catalog", "Model not in catalog"}, {"precondition_failed", "Stale If-Match"},
+        {"precondition_required", "If-Match required"}, {"idempotency_conflict", "Idempotency key reused"},
+        {"idempotency_key_required", "Idempotency-Key required"}, {"permission_denied", "Permission denied"},
+        {"unauthorized", "Unauthorized"}, {"not_found", "Not found"}, {"storage_unavailable", "Storage unavailable"}};
+    for (size_t i = 0; i < sizeof titles / sizeof *titles; i++)
+        if (strcmp(titles[i].code, code) == 0) return titles[i].title;
+    return http_reason(status);
+}
+
+/* A JSON:API error; `pointer` may be NULL, `current_version` 0 for none. */
+static void admin_error(conn *c, int status, const char *code, const char *pointer, long long current_version, const char *detail) {
+    buf b = {0}, h = {0};
+    jwriter w;
+    jw_init(&w, &b);
+    jw_open(&w, '{'), jw_key(&w, "errors"), jw_open(&w, '['), jw_open(&w, '{');
+    jw_key(&w, "code"), jw_cstr(&w, code);
+    jw_key(&w, "title"), jw_cstr(&w, error_title(code, status));
+    jw_key(&w, "detail"), jw_cstr(&w, detail);
+    if (pointer && *pointer) jw_key(&w, "source"), jw_open(&w, '{'), jw_key(&w, "pointer"), jw_cstr(&w, pointer), jw_close(&w, '}');
+    jw_key(&w, "meta"), jw_open(&w, '{');
+    if (current_version) jw_key(&w, "current_version"), jw_int(&w, current_version);
+    jw_close(&w, '}');
+    jw_close(&w, '}'), jw_close(&w, ']'), jw_close(&w, '}');
+    buf_printf(&h, "Cache-Control: no-store\r\nX-Request-ID: %s\r\n", c->rid);
+    if (status == 401) buf_puts(&h, "WWW-Authenticate: Bearer\r\n");
+    c->state = CONN_BUSY;
+    conn_reply(c, status, "application/json", h.p, b.p, b.len);
+    buf_free(&b), buf_free(&h);
+}
+
+static void admin_verr(conn *c, const verr *e) { admin_error(c, 400, e->code, e->pointer, 0, e->detail); }
+
+/* A success: {"data": ...} already in `body`; version > 0 adds the ETag. */
+static void admin_reply(conn *c, int status, long long version, int replayed, const char *body, size_t n) {
+    buf h = {0};
+    buf_printf(&h, "Cache-Control: no-store\r\nX-Request-ID: %s\r\n", c->rid);
+    if (version > 0) buf_printf(&h, "ETag: \"%lld\"\r\n", version);
+    if (replayed) buf_puts(&h, "x-ltg-replayed: true\r\n");
+    conn_reply(c, status, "application/json", h.p, body, n);
+    buf_free(&h);
+}
+
+/* Who is asking: 0 with *who filled, or LTG_ERR after answering 401. */
+static int admin_auth(conn *c, admin_who *who) {
+    size_t n;
+    const char *key = request_bearer(c, &n);
+    if (!key) { admin_error(c, 401, "unauthorized", NULL, 0, "missing admin key: send Authorization: Bearer <admin key>"); return LTG_ERR; }
+    if (n >= 7 && memcmp(key, "ltg_sk_", 7) == 0) {
+        admin_error(c, 401, "unauthorized", NULL, 0, "a token key cannot manage the gateway: token keys are for the inference plane; use an admin key");
+        return LTG_ERR;
+    }
+    sha256(key, n, who->sha);
+    int found = 0;
+    who->perms = 0;
+    for (int i = 0; i < S.cat->nadmins; i++) /* every key is compared: the time does not say which matched */
+        if (secret_eq(who->sha, 32, S.cat->admins[i].sha, 32)) who->perms |= S.cat->admins[i].perms, found = 1;
+    if (!found) { admin_error(c, 401, "unauthorized", NULL, 0, "unknown admin key"); return LTG_ERR; }
+    return 0;
+}
+
+/* Does `who` hold permission bit `need`? Answers 403 when not. A write
+ * permission includes the matching read. */
+static int admin_allowed(conn *c, const admin_who *who, int need) {
+    int have = who->perms;
+    if (have & PERM_GROUPS_WRITE) have |= PERM_GROUPS_READ;
+    if (have & PERM_KEYS_WRITE) have |= PERM_KEYS_READ;
+    if ((have & PERM_ALL) || (have & need)) return 1;
+    char msg[160];
+    int bit = 0;
+    while ((1 << bit) != need) bit++;
+    snprintf(msg, sizeof msg, "this admin key lacks the permission %s", perm_names[bit]);
+    admin_error(c, 403, "permission_denied", NULL, 0, msg);
+    return 0;
+}
+
+/* Decode %XX escapes of s[0..n) into out (NUL-terminated, truncated to cap). */
+static void percent_decode(const char *s, size_t n, char *out, size_t cap) {
+    size_t k = 0;
+    for (size_t i = 0; i < n && k + 1 < cap; i++) {
+        if (s[i] == '%' && i + 2 < n && hexval((unsigned char)s[i + 1]) >= 0 && hexval((unsigned char)s[i + 2]) >= 0)
+            out[k++] = (char)(hexval((unsigned char)s[i + 1]) << 4 | hexval((unsigned char)s[i + 2])), i += 2;
+        else out[k++] = s[i] == '+' ? ' ' : s[i];
+    }
+    out[k] = 0;
+}
+
+/* The value of query parameter `name` (or its alias), decoded; NULL if absent. */
+static const char *query_get(conn *c, const char *name, const char *alias, char *out, size_t cap) {
+    const char *t = c->in.p + c->req.target.off, *end = t + c->req.target.len;
+    const char *q = memchr(t, '?', (size_t)(end - t));
+    if (!q) return NULL;
+    for (const char *p = q + 1; p < end;) {
+        const char *amp = memchr(p, '&', (size_t)(end - p));
+        if (!amp) amp = end;
+        const char *eq = memchr(p, '=', (size_t)(amp - p));
+        char key[64];
+        percent_decode(p, (size_t)((eq ? eq : amp) - p), key, sizeof key);
+        if (strcmp(key, name) == 0 || (alias && strcmp(key, alias) == 0)) {
+            if (eq) percent_decode(eq + 1, (size_t)(amp - eq - 1), out, cap);
+            else out[0] = 0;
+            return out;
+        }
+        p = amp + 1;
+    }
+    return NULL;
+}
+
+/* page[number] and page[size] (API.md 3.5); 0, or LTG_ERR after a 400. */
+static int page_params(conn *c, int *number, int *size) {
+    char v[32];
+    long long n;
+    *number = 1, *size = 50;
+    if (query_get(c, "page[number]", "page_number", v, sizeof v)) {
+        if (parse_ll(v, strlen(v), 1000000000, &n) < 0 || n < 1) { admin_error(c, 400, "invalid_request", NULL, 0, "page[number] must be a whole number >= 1"); return LTG_ERR; }
+        *number = (int)n;
+    }
+    if (query_get(c, "page[size]", "page_size", v, sizeof v)) {
+        if (parse_ll(v, strlen(v), 1000000000, &n) < 0 || n < 1 || n > 1000) { admin_error(c, 400, "invalid_request", NULL, 0, "page[size] must be between 1 and 1000"); return LTG_ERR; }
+        *size = (int)n;
+    }
+    return 0;
+}
+
+static void page_meta(jwriter *w, int number, int size, int total) {
+    int pages = (total + size - 1) / size;
+    jw_key(w, "meta"), jw_open(w, '{');
+    jw_key(w, "page_number"), jw_int(w, number);
+    jw_key(w, "page_size"), jw_int(w, size);
+    jw_key(w, "total_results"), jw_int(w, total);
+    jw_key(w, "total_pages"), jw_int(w, pages);
+    jw_key(w, "has_more"), jw_bool(w, number < pages);
+    jw_close(w, '}');
+}
+
+/* If-Match against `version`: 1 when it matches, 0 after answering 428/412/400. */
+static int if_match(conn *c, long long version) {
+    size_t n;
+    const char *v = http_header_get(c->in.p, c->req.h, c->req.nh, "if-match", &n);
+    if (!v) { admin_error(c, 428, "precondition_required", NULL, 0, "this change needs If-Match: \"<version>\" (the ETag of your last read)"); return 0; }
+    if (n == 1 && *v == '*') return 1;
+    if (n >= 2 && v[0] == 'W' && v[1] == '/') v += 2, n -= 2;
+    if (n >= 2 && v[0] == '"' && v[n - 1] == '"') v++, n -= 2;
+    long long want;
+    if (parse_ll(v, n, LLONG_MAX / 2, &want) < 0) { admin_error(c, 400, "invalid_request", NULL, 0, "If-Match must be a quoted version, like \"3\""); return 0; }
+    if (want != version) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "the resource is at version %lld, not %lld: read it again and reapply your change", version, want);
+        admin_error(c, 412, "precondition_failed", NULL, version, msg);
+        return 0;
+    }
+    return 1;
+}
+
+typedef struct {
+    uint8_t key[32], body[32];
+} idem_ticket;
+
+/* Step 1 of a change. Returns 1 to go on (ticket filled), 0 when answered
+ * (a replay, a conflict, or a missing key). */
+static int idem_begin(conn *c, const admin_who *who, idem_ticket *tk) {
+    size_t n;
+    const char *v = http_header_get(c->in.p, c->req.h, c->req.nh, "idempotency-key", &n);
+    if (!v || n == 0 || n > 255) {
+        admin_error(c, 400, "idempotency_key_required", NULL, 0, "every POST, PATCH and DELETE needs an Idempotency-Key header (1 to 255 characters, e.g. a UUID)");
+        return 0;
+    }
+    br_sha256_context h;
+    br_sha256_init(&h);
+    br_sha256_update(&h, who->sha, 32);
+    br_sha256_update(&h, c->in.p + c->req.method.off, c->req.method.len);
+    br_sha256_update(&h, " ", 1);
+    br_sha256_update(&h, c->in.p + c->req.target.off, c->req.target.len);
+    br_sha256_update(&h, "\n", 1);
+    br_sha256_update(&h, v, n);
+    br_sha256_out(&h, tk->key);
+    sha256(c->body.p, c->body.len, tk->body);
+    idem *r = idem_find(tk->key);
+    if (!r) return 1;
+    if (memcmp(r->body, tk->body, 32) != 0) {
+        admin_error(c, 409, "idempotency_conflict", NULL, 0, "this Idempotency-Key was used for a different request body: use a new key for a new change");
+        return 0;
+    }
+    admin_reply(c, r->status, r->version, 1, r->response, strlen(r->response));
+    return 0;
+}
+
+/* Step 4: log the change (`ops`, a JSON array) with its idempotency record,
+ * then remember the record. Returns 0, or LTG_ERR after answering 503. The
+ * caller applies the change to memory only after 0. */
+static int admin_commit(conn *c, const idem_ticket *tk, const char *ops, int status, long long version, const char *response, size_t *rec_bytes) {
+    idem *r = xcalloc(1, sizeof *r);
+    memcpy(r->key, tk->key, 32), memcpy(r->body, tk->body, 32);
+    r->status = status, r->version = version, r->response = xstrdup(response);
+    r->expires = wall_ms() + IDEM_TTL_MS;
+    buf p = {0};
+    jwriter w;
+    jw_init(&w, &p);
+    jw_open(&w, '{');
+    jw_key(&w, "ops"), jw_raw(&w, ops, strlen(ops));
+    jw_key(&w, "idem"), idem_json(&w, r);
+    jw_close(&w, '}');
+    const char *why;
+    int rc = log_append(p.p, p.len, &why);
+    *rec_bytes = p.len + 8;
+    buf_free(&p);
+    if (rc < 0) {
+        idem_free(r);
+        admin_error(c, 503, "storage_unavailable", NULL, 0, why);
+        return LTG_ERR;
+    }
+    store_put_idem(r, *rec_bytes);
+    return 0;
+}
+
+/* Parse an admin request body; 0, or LTG_ERR after a 400 invalid_json. */
+static int admin_body(conn *c, json_tok **t) {
+    int max = (int)(c->body.len / 2 + 4);
+    *t = xcalloc((size_t)max, sizeof **t);
+    json_result res;
+    if (json_parse(c->body.p, c->body.len, *t, max, -1, &res) == 0) return 0;
+    char msg[200];
+    snprintf(msg, sizeof msg, "the body is not valid JSON: %s at byte offset %zu", res.err, res.err_offset);
+    admin_error(c, 400, "invalid_json", NULL, 0, msg);
+    free(*t);
+    *t = NULL;
+    return LTG_ERR;
+}
+
+static void data_open(jwriter *w, buf *b) { jw_init(w, b), jw_open(w, '{'), jw_key(w, "data"); }
+
+/* POST /token_groups */
+static void groups_create(conn *c, const admin_who *who) {
+    idem_ticket tk;
+    json_tok *t;
+    if (!idem_begin(c, who, &tk) || admin_body(c, &t) < 0) return;
+    group *g = group_new();
+    verr e = {0};
+    if (group_parse(c->body.p, t, 0, g, PARSE_CREATE, &e) < 0 || group_validate(g, S.cat, &e) < 0) {
+        admin_verr(c, &e);
+        group_free(g), free(t);
+        return;
+    }
+    free(t);
+    uuid_new(g->id);
+    g->version = 1;
+    g->created_at = g->updated_at = wall_ms();
+    if (g->has_budget) g->budget_anchor = g->created_at;
+    buf ops = {0}, body = {0};
+    jwriter w;
+    jw_init(&w, &ops), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, "put_group"), group_json(&w, g, 1), jw_close(&w, '}'), jw_close(&w, ']');
+    data_open(&w, &body), group_json(&w, g, 0), jw_close(&w, '}');
+    size_t rec;
+    if (admin_commit(c, &tk, ops.p, 201, 1, body.p, &rec) == 0) {
+        store_put_group(g, rec);
+        admin_reply(c, 201, 1, 0, body.p, body.len);
+    } else group_free(g);
+    buf_free(&ops), buf_free(&body);
+}
+
+/* PATCH /token_groups/{id} */
+static void groups_update(conn *c, const admin_who *who, group *cur) {
+    idem_ticket tk;
+    json_tok *t;
+    if (!idem_begin(c, who, &tk) || !if_match(c, cur->version) || admin_body(c, &t) < 0) return;
+    group *g = group_clone(cur);
+    verr e = {0};
+    if (group_parse(c->body.p, t, 0, g, PARSE_PATCH, &e) < 0 || group_validate(g, S.cat, &e) < 0) {
+        admin_verr(c, &e);
+        group_free(g), free(t);
+        return;
+    }
+    free(t);
+    g->version = cur->version + 1;
+    g->updated_at = wall_ms();
+    /* A budget's period is anchored when the budget is set; changing the
+     * amount keeps the period, changing the duration starts a new one. */
+    if (!g->has_budget) g->budget_anchor = 0;
+    else if (!cur->has_budget || g->budget_days != cur->budget_days) g->budget_anchor = g->updated_at;
+    buf ops = {0}, body = {0};
+    jwriter w;
+    jw_init(&w, &ops), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, "put_group"), group_json(&w, g, 1), jw_close(&w, '}'), jw_close(&w, ']');
+    data_open(&w, &body), group_json(&w, g, 0), jw_close(&w, '}');
+    size_t rec;
+    if (admin_commit(c, &tk, ops.p, 200, g->version, body.p, &rec) == 0) {
+        store_put_group(g, rec);
+        admin_reply(c, 200, g->version, 0, body.p, body.len);
+    } else group_free(g);
+    buf_free(&ops), buf_free(&body);
+}
+
+/* DELETE /token_groups/{id}: the group and all its keys, in one record. */
+static void groups_delete(conn *c, const admin_who *who, group *g) {
+    idem_ticket tk;
+    if (!idem_begin(c, who, &tk) || !if_match(c, g->version)) return;
+    buf ops = {0}, body = {0};
+    jwriter w;
+    jw_init(&w, &ops), jw_open(&w, '[');
+    jw_open(&w, '{'), jw_key(&w, "del_group"), jw_cstr(&w, g->id), jw_close(&w, '}');
+    for (int i = 0; i < ST.kv.n; i++) {
+        tkey *k = ST.kv.p[i];
+        if (k && strcmp(k->group_id, g->id) == 0) jw_open(&w, '{'), jw_key(&w, "del_key"), jw_cstr(&w, k->id), jw_close(&w, '}');
+    }
+    jw_close(&w, ']');
+    data_open(&w, &body), group_json(&w, g, 0), jw_close(&w, '}');
+    size_t rec;
+    if (admin_commit(c, &tk, ops.p, 200, 0, body.p, &rec) == 0) {
+        int frozen = ST.frozen;
+        ST.frozen = 1; /* the walk below must not have the vector squeezed under it */
+        for (int i = 0; i < ST.kv.n; i++) {
+            tkey *k = ST.kv.p[i];
+            if (k && strcmp(k->group_id, g->id) == 0) store_del_key(k->id);
+        }
+        ST.frozen = frozen;
+        vec_squeeze(&ST.kv);
+        store_del_group(g->id);
+        admin_reply(c, 200, 0, 0, body.p, body.len);
+    }
+    buf_free(&ops), buf_free(&body);
+}
+
+static void groups_list(conn *c) {
+    int number, size;
+    if (page_params(c, &number, &size) < 0) return;
+    buf b = {0};
+    jwriter w;
+    jw_init(&w, &b), jw_open(&w, '{'), jw_key(&w, "data"), jw_open(&w, '[');
+    int skip = (number - 1) * size, shown = 0;
+    for (int i = 0; i < ST.gv.n && shown < size; i++) {
+        if (!ST.gv.p[i]) continue;
+        if (skip) { skip--; continue; }
+        group_json(&w, ST.gv.p[i], 0), shown++;
+    }
+    jw_close(&w, ']');
+    page_meta(&w, number, size, ST.gv.live);
+    jw_close(&w, '}');
+    admin_reply(c, 200, 0, 0, b.p, b.len);
+    buf_free(&b);
+}
+
+/* POST /token_keys: the secret is shown in this answer and never again. */
+static void keys_create(conn *c, const admin_who *who) {
+    idem_ticket tk;
+    json_tok *t;
+    if (!idem_begin(c, who, &tk) || admin_body(c, &t) < 0) return;
+    const char *s = c->body.p;
+    verr e = {0};
+    int nm = -1, gid = -1, i = 1;
+    if (t[0].type != JSON_OBJECT) verr_set(&e, "invalid_request", "the body must be a JSON object: {\"name\": ..., \"token_group_id\": ...}");
+    else
+        for (int m = 0; m < t[0].size && !e.code; m++, i = t[i + 1].next) {
+            char key[128];
+            snprintf(key, sizeof key, "%.*s", (int)(t[i].end - t[i].start < 100 ? t[i].end - t[i].start : 100), s + t[i].start);
+            if (json_eq(s, t, i, "name")) nm = i + 1;
+            else if (json_eq(s, t, i, "token_group_id")) gid = i + 1;
+            else verr_at(&e, key, NULL, "unknown field (a token key has name and token_group_id)");
+        }
+    if (!e.code && (nm < 0 || t[nm].type != JSON_STRING || t[nm].end == t[nm].start || t[nm].end - t[nm].start > NAME_MAX_LEN))
+        verr_at(&e, "name", NULL, "is required: a string of 1 to %d characters", NAME_MAX_LEN);
+    char gidbuf[64] = "";
+    if (!e.code && (gid < 0 || t[gid].type != JSON_STRING)) verr_at(&e, "token_group_id", NULL, "is required: the id of a token group");
+    if (!e.code) snprintf(gidbuf, sizeof gidbuf, "%.*s", (int)(t[gid].end - t[gid].start < 60 ? t[gid].end - t[gid].start : 60), s + t[gid].start);
+    if (!e.code && !group_find(gidbuf)) verr_at(&e, "token_group_id", NULL, "no token group has this id");
+    if (e.code) { admin_verr(c, &e); free(t); return; }
+    tkey *k = xcalloc(1, sizeof *k);
+    k->name = json_strdup(s, t, nm);
+    free(t);
+    memcpy(k->group_id, gidbuf, 37);
+    uuid_new(k->id);
+    k->version = 1;
+    k->created_at = k->updated_at = wall_ms();
+    uint8_t raw[32];
+    char secret[64] = "ltg_sk_";
+    static const char b64url[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    os_random(raw, sizeof raw);
+    for (int b = 0, o = 7; b < 256; b += 6) { /* 256 bits as 43 base64url characters */
+        int byte = b / 8, shift = b % 8;
+        unsigned v = (unsigned)raw[byte] << 8 | (byte + 1 < 32 ? raw[byte + 1] : 0);
+        secret[o++] = b64url[(v >> (10 - shift)) & 63];
+        secret[o] = 0;
+    }
+    sha256(secret, strlen(secret), k->hash);
+    memset(raw, 0, sizeof raw);
+    buf ops = {0}, body = {0}, replay = {0};
+    jwriter w;
+    jw_init(&w, &ops), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, "put_key"), tkey_json(&w, k, 1), jw_close(&w, '}'), jw_close(&w, ']');
+    data_open(&w, &replay), tkey_json(&w, k, 0), jw_close(&w, '}');
+    /* The answer is the replay's data plus the secret. */
+    buf_append(&body, replay.p, replay.len - 2);
+    buf_printf(&body, ",\"token\":\"%s\"}}", secret);
+    memset(secret, 0, sizeof secret);
+    size_t rec;
+    if (admin_commit(c, &tk, ops.p, 200, 1, replay.p, &rec) == 0) {
+        store_put_key(k, rec);
+        admin_reply(c, 201, 1, 0, body.p, body.len);
+    } else tkey_free(k);
+    memset(body.p, 0, body.len);
+    buf_free(&ops), buf_free(&body), buf_free(&replay);
+}
+
+/* DELETE /token_keys/{id}: from now on the key gets 401. */
+static void keys_delete(conn *c, const admin_who *who, tkey *k) {
+    idem_ticket tk;
+    if (!idem_begin(c, who, &tk) || !if_match(c, k->version)) return;
+    buf ops = {0}, body = {0};
+    jwriter w;
+    jw_init(&w, &ops), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, "del_key"), jw_cstr(&w, k->id), jw_close(&w, '}'), jw_close(&w, ']');
+    data_open(&w, &body), tkey_json(&w, k, 0), jw_close(&w, '}');
+    size_t rec;
+    if (admin_commit(c, &tk, ops.p, 200, 0, body.p, &rec) == 0) {
+        store_del_key(k->id);
+        admin_reply(c, 200, 0, 0, body.p, body.len);
+    }
+    buf_free(&ops), buf_free(&body);
+}
+
+static void keys_list(conn *c) {
+    int number, size;
+    if (page_params(c, &number, &size) < 0) return;
+    char gid[64];
+    const char *filter = query_get(c, "token_group_id", "filter[token_group_id]", gid, sizeof gid);
+    buf b = {0};
+    jwriter w;
+    jw_init(&w, &b), jw_open(&w, '{'), jw_key(&w, "data"), jw_open(&w, '[');
+    int skip = (number - 1) * size, shown = 0, total = 0;
+    for (int i = 0; i < ST.kv.n; i++) {
+        tkey *k = ST.kv.p[i];
+        if (!k || (filter && strcmp(k->group_id, filter) != 0)) continue;
+        total++;
+        if (skip) { skip--; continue; }
+        if (shown < size) tkey_json(&w, k, 0), shown++;
+    }
+    jw_close(&w, ']');
+    page_meta(&w, number, size, total);
+    jw_close(&w, '}');
+    admin_reply(c, 200, 0, 0, b.p, b.len);
+    buf_free(&b);
+}
+
+/* Everything under /v2/llm_token_gateway. */
+static void admin_route(conn *c) {
+    const char *t = c->in.p + c->req.target.off;
+    size_t n = c->req.target.len, plen = strlen(API_PREFIX);
+    const char *q = memchr(t, '?', n);
+    if (q) n = (size_t)(q - t);
+    if (n < plen || memcmp(t, API_PREFIX, plen) != 0 || (n > plen && t[plen] != '/')) {
+        admin_error(c, 404, "not_found", NULL, 0, "no such endpoint: the control plane is under " API_PREFIX);
+        return;
+    }
+    char path[256];
+    snprintf(path, sizeof path, "%.*s", (int)(n - plen < 200 ? n - plen : 200), t + plen);
+    admin_who who;
+    if (admin_auth(c, &who) < 0) return;
+    int get = method_is(c, "GET"), post = method_is(c, "POST"), patch = method_is(c, "PATCH"), del = method_is(c, "DELETE");
+    char id[64] = "";
+    int is_groups = strncmp(path, "/token_groups", 13) == 0, is_keys = strncmp(path, "/token_keys", 11) == 0;
+    const char *rest = is_groups ? path + 13 : is_keys ? path + 11 : NULL;
+    if (!rest || (*rest && (*rest != '/' || !rest[1] || strchr(rest + 1, '/')))) {
+        admin_error(c, 404, "not_found", NULL, 0, "no such endpoint (the control plane has /token_groups and /token_keys)");
+        return;
+    }
+    if (*rest) snprintf(id, sizeof id, "%s", rest + 1);
+    if (is_groups) {
+        int read = PERM_GROUPS_READ, write = PERM_GROUPS_WRITE;
+        if (!*id) {
+            if (get) { if (admin_allowed(c, &who, read)) groups_list(c); }
+            else if (post) { if (admin_allowed(c, &who, write)) groups_create(c, &who); }
+            else admin_error(c, 405, "method_not_allowed", NULL, 0, "use GET or POST on /token_groups");
+            return;
+        }
+        if (!get && !patch && !del) { admin_error(c, 405, "method_not_allowed", NULL, 0, "use GET, PATCH or DELETE on /token_groups/{id}"); return; }
+        if (!admin_allowed(c, &who, get ? read : write)) return;
+        group *g = group_find(id);
+        if (!g) { /* a deleted group's DELETE may be a retry: its idempotency record answers */
+            idem_ticket tk;
+            if (!get && !idem_begin(c, &who, &tk)) return;
+            admin_error(c, 404, "not_found", NULL, 0, "no token group has this id");
+            return;
+        }
+        if (get) {
+            buf b = {0};
+            jwriter w;
+            data_open(&w, &b), group_json(&w, g, 0), jw_close(&w, '}');
+            admin_reply(c, 200, g->version, 0, b.p, b.len);
+            buf_free(&b);
+        } else if (patch) groups_update(c, &who, g);
+        else groups_delete(c, &who, g);
+        return;
+    }
+    int read = PERM_KEYS_READ, write = PERM_KEYS_WRITE;
+    if (!*id) {
+        if (get) { if (admin_allowed(c, &who, read)) keys_list(c); }
+        else if (post) { if (admin_allowed(c, &who, write)) keys_create(c, &who); }
+        else admin_error(c, 405, "method_not_allowed", NULL, 0, "use GET or POST on /token_keys");
+        return;
+    }
+    if (!get && !del) { admin_error(c, 405, "method_not_allowed", NULL, 0, "use GET or DELETE on /token_keys/{id}"); return; }
+    if (!admin_allowed(c, &who, get ? read : write)) return;
+    tkey *k = tkey_find(id);
+    if (!k) {
+        idem_ticket tk;
+        if (del && !idem_begin(c, &who, &tk)) return;
+        admin_error(c, 404, "not_found", NULL, 0, "no token key has this id");
+        return;
+    }
+    if (get) {
+        buf b = {0};
+        jwriter w;
+        data_open(&w, &b), tkey_json(&w, k, 0), jw_close(&w, '}');
+        admin_reply(c, 200, k->version, 0, b.p, b.len);
+        buf_free(&b);
+    } else keys_delete(c, &who, k);
+}
+
+/* ===== 13. Inference: the proxy path =====
  *
  * IMPLEMENTATION NOTES
  * An exchange is one inference request on its way through ltg: it holds the
@@ -2385,6 +4061,7 @@ static void conn_new(int fd, int admin) {
  */
 struct exchange {
     conn *c;
+    char group_id[37], key_id[37]; /* by id: the group may be changed or deleted meanwhile */
     catalog *cat;        /* held: the model and provider live in it */
     model *m;
     int stream;
@@ -2398,6 +4075,8 @@ struct exchange {
 };
 
 static void exchange_free(exchange *x) {
+    group *g = group_find(x->group_id);
+    if (g) g->inflight--;
     timer_stop(&x->t);
     if (x->u) up_release(x->u);
     buf_free(&x->req);
@@ -2563,32 +4242,36 @@ static void exchange_build(exchange *x, const char *path, const char *body, size
     buf_free(&nb);
 }
 
-/* The bearer token of the request, or NULL. */
-static const char *request_bearer(conn *c, size_t *n) {
-    const char *v = http_header_get(c->in.p, c->req.h, c->req.nh, "authorization", n);
-    if (!v || *n < 7 || ascii_casecmp_n(v, 7, "bearer ") != 0) return NULL;
-    v += 7, *n -= 7;
-    while (*n && *v == ' ') v++, (*n)--;
-    return *n ? v : NULL;
-}
-
-/* Until token keys exist, the inference plane accepts the config's dev_keys. */
-static int inference_auth(conn *c) {
+/* The request's token key and its group, or NULL after answering 401/403.
+ * Only the SHA-256 of the presented secret is looked up. */
+static tkey *inference_auth(conn *c, group **gp) {
     size_t n;
     const char *key = request_bearer(c, &n);
     if (!key) {
-        conn_error(c, 401, "invalid_api_key", "missing API key: send the header Authorization: Bearer <key>");
-        return LTG_ERR;
+        conn_error(c, 401, "invalid_api_key", "missing API key: send the header Authorization: Bearer ltg_sk_...");
+        return NULL;
     }
-    int ok = 0;
-    for (int i = 0; i < S.cat->ndev; i++) ok |= secret_eq(key, n, S.cat->dev_keys[i], strlen(S.cat->dev_keys[i]));
-    if (!ok) { conn_error(c, 401, "invalid_api_key", "invalid API key"); return LTG_ERR; }
-    return 0;
+    uint8_t h[32];
+    sha256(key, n, h);
+    tkey *k = hmap_get(&ST.keys_by_hash, h, 32);
+    group *g = k ? group_find(k->group_id) : NULL;
+    if (!k || !g || !secret_eq(k->hash, 32, h, 32)) {
+        conn_error(c, 401, "invalid_api_key", "invalid API key: unknown or revoked (admin keys are not accepted here)");
+        return NULL;
+    }
+    if (g->blocked) {
+        conn_error(c, 403, "group_blocked", "this key's token group is blocked");
+        return NULL;
+    }
+    *gp = g;
+    return k;
 }
 
 /* POST /v1/chat/completions and /v1/embeddings. */
 static void inference_call(conn *c, const char *upstream_path, int can_stream) {
-    if (inference_auth(c) < 0) return;
+    group *g;
+    tkey *key = inference_auth(c, &g);
+    if (!key) return;
     const char *body = c->body.p;
     json_tok t[MAX_BODY_FIELDS];
     json_result res;
@@ -2607,9 +4290,15 @@ static void inference_call(conn *c, const char *upstream_path, int can_stream) {
     if (mv < 0 || t[mv].type != JSON_STRING) { conn_error(c, 400, "invalid_request", "the request needs a \"model\": one of the gateway's model aliases (GET /v1/models)"); return; }
     buf name = {0};
     json_unescape(body, t, mv, &name);
-    model *m = catalog_model(S.cat, name.p ? name.p : "", name.len);
+    if (!name.p) buf_reserve(&name, 0);
+    model *m = catalog_model(S.cat, name.p, name.len);
+    if (!group_allows(g, name.p)) {
+        conn_error(c, 403, "model_not_allowed", "this key may not call \"%.200s\" (GET /v1/models lists the models it may call)", name.p);
+        buf_free(&name);
+        return;
+    }
     if (!m) {
-        conn_error(c, 404, "model_not_found", "the model \"%.200s\" does not exist in this gateway (GET /v1/models lists them)", name.p ? name.p : "");
+        conn_error(c, 404, "model_not_found", "the model \"%.200s\" is no longer in this gateway's catalog", name.p);
         buf_free(&name);
         return;
     }
@@ -2621,9 +4310,16 @@ static void inference_call(conn *c, const char *upstream_path, int can_stream) {
     }
     int stream = sv >= 0 && t[sv].type == JSON_TRUE;
     if (stream && !can_stream) { conn_error(c, 400, "invalid_request", "this endpoint does not stream: remove \"stream\""); return; }
+    if (g->max_parallel > 0 && g->inflight >= g->max_parallel) {
+        conn_error_h(c, 429, "too_many_parallel_requests", "Retry-After: 1\r\n",
+                     "this key's group allows %lld requests at a time and all are in flight: retry shortly", g->max_parallel);
+        return;
+    }
 
     exchange *x = xcalloc(1, sizeof *x);
     x->c = c, x->m = m, x->cat = S.cat, x->stream = stream;
+    memcpy(x->group_id, g->id, 37), memcpy(x->key_id, key->id, 37);
+    g->inflight++;
     x->cat->refs++;
     x->started = S.now;
     x->deadline_ms = DEFAULT_DEADLINE_MS;
@@ -2637,19 +4333,22 @@ static void inference_call(conn *c, const char *upstream_path, int can_stream) {
 
 /* GET /v1/models: the aliases this key may call, in OpenAI's list shape. */
 static void inference_models(conn *c) {
-    if (inference_auth(c) < 0) return;
+    group *g;
+    if (!inference_auth(c, &g)) return;
     buf b = {0}, h = {0};
     jwriter w;
     jw_init(&w, &b);
     jw_open(&w, '{');
     jw_key(&w, "object"), jw_cstr(&w, "list");
     jw_key(&w, "data"), jw_open(&w, '[');
-    for (int i = 0; i < S.cat->nmodels; i++) {
+    for (int i = 0; i < g->nallowed; i++) {
+        model *m = catalog_model(S.cat, g->allowed[i], strlen(g->allowed[i]));
+        if (!m) continue; /* dropped from the catalog by a reload */
         jw_open(&w, '{');
-        jw_key(&w, "id"), jw_cstr(&w, S.cat->models[i].alias);
+        jw_key(&w, "id"), jw_cstr(&w, m->alias);
         jw_key(&w, "object"), jw_cstr(&w, "model");
         jw_key(&w, "created"), jw_int(&w, 0);
-        jw_key(&w, "owned_by"), jw_cstr(&w, S.cat->models[i].p->name);
+        jw_key(&w, "owned_by"), jw_cstr(&w, m->p->name);
         jw_close(&w, '}');
     }
     jw_close(&w, ']'), jw_close(&w, '}');
@@ -2658,26 +4357,16 @@ static void inference_models(conn *c) {
     buf_free(&b), buf_free(&h);
 }
 
-/* ===== 11. Routing and the admin listener =====
+/* ===== 14. Routing =====
  *
  * IMPLEMENTATION NOTES
  * Both listeners share the HTTP server; `conn.admin` says which one a
  * connection came from, and so which endpoints and which error shape it
- * gets. The control plane of API.md section 3 is on the roadmap: until it
- * lands, the admin listener serves only the health check.
+ * gets: the control plane (section 12) on the admin listener, the OpenAI
+ * API (section 13) on the inference listener, /healthz on both.
  */
-static int path_is(conn *c, const char *path) {
-    const char *t = c->in.p + c->req.target.off;
-    size_t n = c->req.target.len, q = 0;
-    while (q < n && t[q] != '?') q++;
-    return q == strlen(path) && memcmp(t, path, q) == 0;
-}
-
-static int method_is(conn *c, const char *m) {
-    return c->req.method.len == strlen(m) && memcmp(c->in.p + c->req.method.off, m, c->req.method.len) == 0;
-}
-
 static void route(conn *c) {
+    snprintf(c->rid, sizeof c->rid, "req_%016llx%08llx", (unsigned long long)rng_next(), (unsigned long long)(++S.request_seq & 0xffffffff));
     if (path_is(c, "/healthz")) { /* HEAD too: some load balancers probe with it */
         int head = method_is(c, "HEAD");
         if (!head && !method_is(c, "GET")) { conn_error(c, 405, "method_not_allowed", "use GET for /healthz"); return; }
@@ -2688,10 +4377,9 @@ static void route(conn *c) {
         return;
     }
     if (c->admin) {
-        conn_error(c, 404, "not_found", "no such endpoint on the admin listener (the control plane is on ltg's roadmap)");
+        admin_route(c);
         return;
     }
-    snprintf(c->rid, sizeof c->rid, "req_%016llx%08llx", (unsigned long long)rng_next(), (unsigned long long)(++S.request_seq & 0xffffffff));
     static const struct { const char *path, *method, *upstream; int stream; } api[] = {
         {"/v1/chat/completions", "POST", "/chat/completions", 1},
         {"/v1/embeddings", "POST", "/embeddings", 0},
@@ -2707,7 +4395,7 @@ static void route(conn *c) {
     conn_error(c, 404, "not_found", "no such endpoint (ltg serves /v1/chat/completions, /v1/embeddings and /v1/models)");
 }
 
-/* ===== 12. main =====
+/* ===== 15. main =====
  *
  * IMPLEMENTATION NOTES
  * Start-up: options, the catalog, the fd table sized from the connection
@@ -2852,10 +4540,17 @@ int main(int argc, char **argv) {
     char err[512];
     S.cat = catalog_load(S.config_path, NULL, err, sizeof err);
     if (!S.cat) { fprintf(stderr, "ltg: %s\n", err); return 1; }
-    if (S.data_dir && mkdir(S.data_dir, 0700) < 0 && errno != EEXIST) {
-        fprintf(stderr, "ltg: --data %s: %s\n", S.data_dir, strerror(errno));
+    if (!S.data_dir) { fprintf(stderr, "ltg: --data DIR is required: the directory that keeps token groups, keys and the ledger\n"); return 2; }
+    if (mkdir(S.data_dir, 0700) < 0 && errno != EEXIST) { fprintf(stderr, "ltg: --data %s: %s\n", S.data_dir, strerror(errno)); return 1; }
+    char lock[PATH_MAX];
+    snprintf(lock, sizeof lock, "%s/lock", S.data_dir);
+    int lock_fd = open(lock, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (lock_fd < 0 || flock(lock_fd, LOCK_EX | LOCK_NB) < 0) { /* two writers would interleave their records */
+        fprintf(stderr, "ltg: --data %s: %s\n", S.data_dir, lock_fd < 0 ? strerror(errno) : "another ltg is using this directory");
         return 1;
     }
+    store_init();
+    if (log_open(S.data_dir, err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
 
     /* Room for every client, one upstream connection each, and a margin. */
     struct rlimit rl;

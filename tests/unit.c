@@ -289,12 +289,11 @@ static void test_config(void) {
                        "\"context_window\":1000,\"max_output_tokens\":100},"
                        "\"B\":{\"provider\":\"q\",\"upstream_model\":\"b\",\"input_usd_per_mtok\":0,\"output_usd_per_mtok\":0}},"
                        "\"admin_keys\":[{\"key_env\":\"UNIT_ADMIN\",\"permissions\":[\"*\"]},"
-                       "{\"key_sha256\":\"9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08\",\"permissions\":[\"llm_token_gateway.spend.read\"]}],"
-                       "\"dev_keys\":[\"dev-key-123\"]}";
+                       "{\"key_sha256\":\"9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08\",\"permissions\":[\"llm_token_gateway.spend.read\"]}]}";
     catalog *c = load(good, err);
     CHECK(c != NULL, "good config: %s", err);
     if (c) {
-        CHECK(c->nprov == 2 && c->nmodels == 2 && c->nadmins == 2 && c->ndev == 1, "counts");
+        CHECK(c->nprov == 2 && c->nmodels == 2 && c->nadmins == 2, "counts");
         CHECK(strcmp(c->prov[0].host, "127.0.0.1") == 0 && c->prov[0].port == 9000 && strcmp(c->prov[0].base_path, "/v1") == 0, "url");
         CHECK(strcmp(c->prov[0].hostport, "127.0.0.1:9000") == 0 && strcmp(c->prov[0].api_key, "provider-secret") == 0, "host and key");
         CHECK(strcmp(c->prov[1].host, "::1") == 0 && c->prov[1].port == 80 && strcmp(c->prov[1].hostport, "[::1]") == 0, "ipv6 url");
@@ -326,7 +325,7 @@ static void test_config(void) {
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}},\"admin_keys\":[{\"key_env\":\"UNIT_ADMIN\",\"permissions\":[\"root\"]}]}", "admin_keys[0].permissions: unknown permission"},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}},\"admin_keys\":[{\"key_sha256\":\"abc\",\"permissions\":[\"*\"]}]}", "admin_keys[0].key_sha256: must be 64 hex digits"},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}},\"extra\":1}", "test.json: extra: unknown field"},
-        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}},\"dev_keys\":[\"short\"]}", "dev_keys: each key must be a string of at least 8"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}},\"dev_keys\":[\"some-dev-key\"]}", "dev_keys: was removed"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
         err[0] = 0;
@@ -371,6 +370,291 @@ static void test_dns(void) {
     CHECK(dns_parse_answer(loop, sizeof loop, 0x1234, &addr, &ttl, &why) == 0, "pointer answer parses");
 }
 
+/* ---- the store: validation ---- */
+
+static catalog *unit_cat;
+
+/* Parse `body` as a create (or, with `base`, a PATCH over a clone of it)
+ * and validate. Returns the group or NULL with *e filled. */
+static group *try_group(const char *body, const group *base, verr *e) {
+    json_tok t[256];
+    json_result r;
+    memset(e, 0, sizeof *e);
+    if (json_parse(body, strlen(body), t, 256, -1, &r) < 0) { verr_set(e, "invalid_json", "%s", r.err); return NULL; }
+    group *g = base ? group_clone(base) : group_new();
+    if (group_parse(body, t, 0, g, base ? PARSE_PATCH : PARSE_CREATE, e) < 0 || group_validate(g, unit_cat, e) < 0) {
+        group_free(g);
+        return NULL;
+    }
+    return g;
+}
+
+static void expect_refused(const char *body, const group *base, const char *code, const char *pointer, const char *words) {
+    verr e;
+    group *g = try_group(body, base, &e);
+    CHECK(!g && e.code && strcmp(e.code, code) == 0 && strcmp(e.pointer, pointer) == 0 && strstr(e.detail, words),
+          "%s: got %s %s \"%s\", want %s %s \"%s\"", body, e.code ? e.code : "(accepted)", e.pointer, e.detail, code, pointer, words);
+    group_free(g);
+}
+
+static void test_group_validation(void) {
+    char err[512];
+    unit_cat = catalog_load("t.json", "{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{"
+                                      "\"A\":{\"provider\":\"p\",\"upstream_model\":\"a\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1},"
+                                      "\"B\":{\"provider\":\"p\",\"upstream_model\":\"b\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1},"
+                                      "\"C\":{\"provider\":\"p\",\"upstream_model\":\"c\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1},"
+                                      "\"D\":{\"provider\":\"p\",\"upstream_model\":\"d\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1},"
+                                      "\"E\":{\"provider\":\"p\",\"upstream_model\":\"e\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1},"
+                                      "\"x/y~z\":{\"provider\":\"p\",\"upstream_model\":\"xyz\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}",
+                              err, sizeof err);
+    CHECK(unit_cat != NULL, "catalog: %s", err);
+    verr e;
+    group *g = try_group("{\"name\":\"g\",\"allowed_models\":[\"A\",\"B\",\"C\",\"D\",\"E\"],\"fallbacks\":{\"A\":[\"B\",\"C\",\"D\"]},"
+                         "\"retries\":{\"max_attempts\":5,\"retry_delay_ms\":60000,\"backoff\":\"linear\",\"request_timeout_ms\":100},"
+                         "\"max_budget\":0.123456,\"budget_duration\":\"7d\",\"cache_ttl\":0,\"max_parallel_requests\":1,\"blocked\":true}", NULL, &e);
+    CHECK(g && g->nfb == 1 && g->fb[0].n == 3 && g->retries.max_attempts == 5 && g->retries.backoff == BACKOFF_LINEAR &&
+          g->max_budget == 0.123456 && g->budget_days == 7 && g->cache_ttl == 0 && g->max_parallel == 1 && g->blocked, "full group: %s %s", e.pointer, e.detail);
+    group *min = try_group("{\"name\":\"m\",\"allowed_models\":[]}", NULL, &e);
+    CHECK(min && !min->has_retries && !min->has_budget && min->cache_ttl == -1 && min->max_parallel == -1, "minimal group");
+    group_free(min);
+
+    /* The catalog is checked first, whatever else is wrong. */
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[\"A\",\"Nope\"],\"retries\":{\"max_attempts\":9}}", NULL, "model_not_in_catalog", "/allowed_models/1", "Nope");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[\"A\"],\"fallbacks\":{\"Z\":[]}}", NULL, "model_not_in_catalog", "/fallbacks/Z", "Z");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[\"A\"],\"fallbacks\":{\"A\":[\"Q\"]}}", NULL, "model_not_in_catalog", "/fallbacks/A/0", "Q");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[\"A\"],\"fallbacks\":{\"A\":[\"B\",\"x~/\"]}}", NULL, "model_not_in_catalog", "/fallbacks/A/1", "x~/");
+    /* RFC 6901 escaping of "~" and "/" in a pointer. */
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[\"A\"],\"fallbacks\":{\"x/y~z\":[\"A\"]}}", NULL, "invalid_request", "/fallbacks/x~1y~0z", "not in allowed_models");
+    /* Fallback rules. */
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[\"A\",\"B\"],\"fallbacks\":{\"C\":[\"A\"]}}", NULL, "invalid_request", "/fallbacks/C", "not in allowed_models");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[\"A\",\"B\"],\"fallbacks\":{\"A\":[\"B\",\"C\"]}}", NULL, "invalid_request", "/fallbacks/A/1", "must also be in allowed_models");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[\"A\",\"B\"],\"fallbacks\":{\"A\":[\"A\"]}}", NULL, "invalid_request", "/fallbacks/A/0", "its own fallback");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[\"A\",\"B\"],\"fallbacks\":{\"A\":[\"B\",\"B\"]}}", NULL, "invalid_request", "/fallbacks/A/1", "twice");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[\"A\",\"B\",\"C\",\"D\",\"E\"],\"fallbacks\":{\"A\":[\"B\",\"C\",\"D\",\"E\"]}}", NULL, "invalid_request", "/fallbacks/A", "at most 3");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[\"A\"],\"fallbacks\":{\"A\":\"B\"}}", NULL, "invalid_request", "/fallbacks/A", "list");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[\"A\"],\"fallbacks\":[]}", NULL, "invalid_request", "/fallbacks", "object");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[\"A\",\"A\"]}", NULL, "invalid_request", "/allowed_models/1", "twice");
+    /* Retry ranges, each edge. */
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"retries\":{\"max_attempts\":0}}", NULL, "invalid_request", "/retries/max_attempts", "between 1 and 5");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"retries\":{\"max_attempts\":6}}", NULL, "invalid_request", "/retries/max_attempts", "between 1 and 5");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"retries\":{\"retry_delay_ms\":-1}}", NULL, "invalid_request", "/retries/retry_delay_ms", "between 0 and 60000");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"retries\":{\"retry_delay_ms\":60001}}", NULL, "invalid_request", "/retries/retry_delay_ms", "between 0 and 60000");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"retries\":{\"request_timeout_ms\":99}}", NULL, "invalid_request", "/retries/request_timeout_ms", "between 100 and 600000");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"retries\":{\"request_timeout_ms\":600001}}", NULL, "invalid_request", "/retries/request_timeout_ms", "between 100 and 600000");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"retries\":{\"request_timeout_ms\":0}}", NULL, "invalid_request", "/retries/request_timeout_ms", "between 100 and 600000");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"retries\":{\"backoff\":\"random\"}}", NULL, "invalid_request", "/retries/backoff", "exponential");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"retries\":{\"max_attempts\":2.5}}", NULL, "invalid_request", "/retries/max_attempts", "whole number");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"retries\":{\"jitter\":1}}", NULL, "invalid_request", "/retries/jitter", "unknown field");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"retries\":5}", NULL, "invalid_request", "/retries", "object");
+    /* Other fields. */
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"max_budget\":-1}", NULL, "invalid_request", "/max_budget", "between 0");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"max_budget\":0.1234567}", NULL, "invalid_request", "/max_budget", "six decimal places");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"max_budget\":\"10\"}", NULL, "invalid_request", "/max_budget", "number");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"budget_duration\":\"2d\"}", NULL, "invalid_request", "/budget_duration", "\"30d\"");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"cache_ttl\":-5}", NULL, "invalid_request", "/cache_ttl", "between 0 and");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"cache_ttl\":1.5}", NULL, "invalid_request", "/cache_ttl", "whole number");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"max_parallel_requests\":0}", NULL, "invalid_request", "/max_parallel_requests", "between 1");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"blocked\":\"yes\"}", NULL, "invalid_request", "/blocked", "true or false");
+    expect_refused("{\"name\":5,\"allowed_models\":[]}", NULL, "invalid_request", "/name", "string");
+    expect_refused("{\"name\":\"\",\"allowed_models\":[]}", NULL, "invalid_request", "/name", "1 to 200");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":\"A\"}", NULL, "invalid_request", "/allowed_models", "list");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[1]}", NULL, "invalid_request", "/allowed_models/0", "string");
+    expect_refused("{\"allowed_models\":[]}", NULL, "invalid_request", "/name", "required");
+    expect_refused("{\"name\":\"g\"}", NULL, "invalid_request", "/allowed_models", "required");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"frobnicate\":1}", NULL, "invalid_request", "/frobnicate", "unknown field");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"version\":3}", NULL, "invalid_request", "/version", "read-only");
+    expect_refused("[]", NULL, "invalid_request", "", "JSON object");
+
+    /* PATCH: omitted kept, null clears, nested objects replaced whole, rules on the merged result. */
+    if (g) {
+        group *p = try_group("{\"name\":\"renamed\"}", g, &e);
+        CHECK(p && strcmp(p->name, "renamed") == 0 && p->nfb == 1 && p->retries.max_attempts == 5 && p->has_budget, "patch keeps the rest");
+        group_free(p);
+        p = try_group("{\"retries\":null,\"fallbacks\":null,\"max_budget\":null,\"cache_ttl\":null,\"max_parallel_requests\":null}", g, &e);
+        CHECK(p && !p->has_retries && p->nfb == 0 && !p->has_budget && p->cache_ttl == -1 && p->max_parallel == -1, "null clears");
+        group_free(p);
+        p = try_group("{\"retries\":{\"max_attempts\":3}}", g, &e);
+        CHECK(p && p->retries.max_attempts == 3 && p->retries.retry_delay_ms == 250 && p->retries.backoff == BACKOFF_EXPONENTIAL &&
+              p->retries.request_timeout_ms == 0, "retries replaced whole, not merged");
+        group_free(p);
+        expect_refused("{\"allowed_models\":[\"A\"]}", g, "invalid_request", "/fallbacks/A/0", "must also be in allowed_models");
+        expect_refused("{\"name\":null}", g, "invalid_request", "/name", "cannot be null");
+        expect_refused("{\"allowed_models\":null}", g, "invalid_request", "/allowed_models", "cannot be null");
+        CHECK(strcmp(g->name, "g") == 0 && g->nallowed == 5, "a refused patch leaves the original untouched");
+    }
+    group_free(g);
+}
+
+/* ---- the store: the log ---- */
+
+static char unit_dir[256];
+
+static void store_clear(void) {
+    for (int i = 0; i < ST.gv.n; i++) group_free(ST.gv.p[i]);
+    for (int i = 0; i < ST.kv.n; i++) tkey_free(ST.kv.p[i]);
+    for (int i = 0; i < ST.iv.n; i++) idem_free(ST.iv.p[i]);
+    free(ST.gv.p), free(ST.kv.p), free(ST.iv.p);
+    free(ST.groups.slot), free(ST.keys.slot), free(ST.keys_by_hash.slot), free(ST.idems.slot);
+    memset(&ST, 0, sizeof ST);
+    store_init();
+    if (LOG.fd >= 0) close(LOG.fd);
+    if (LOG.tmp_fd >= 0) close(LOG.tmp_fd);
+    buf_free(&LOG.tail);
+    memset(&LOG, 0, sizeof LOG);
+    LOG.fd = LOG.tmp_fd = -1;
+}
+
+/* Log and apply a group as the handlers do: one record, then memory. */
+static group *log_group(const char *name, int i) {
+    group *g = group_new();
+    uuid_new(g->id);
+    char nm[64];
+    snprintf(nm, sizeof nm, "%s-%d", name, i);
+    g->name = xstrdup(nm);
+    g->allowed = xcalloc(1, sizeof *g->allowed), g->allowed[0] = xstrdup("A"), g->nallowed = 1;
+    g->version = 1, g->created_at = g->updated_at = 1700000000000LL + i;
+    buf p = {0};
+    jwriter w;
+    jw_init(&w, &p);
+    jw_open(&w, '{'), jw_key(&w, "ops"), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, "put_group"), group_json(&w, g, 1);
+    jw_close(&w, '}'), jw_close(&w, ']'), jw_close(&w, '}');
+    const char *why;
+    int rc = log_append(p.p, p.len, &why);
+    CHECK(rc == 0, "append");
+    store_put_group(g, p.len + 8);
+    buf_free(&p);
+    return g;
+}
+
+static void log_delete_group(const char *id) {
+    char p[128];
+    snprintf(p, sizeof p, "{\"ops\":[{\"del_group\":\"%s\"}]}", id);
+    const char *why;
+    CHECK(log_append(p, strlen(p), &why) == 0, "append delete");
+    store_del_group(id);
+}
+
+/* A fingerprint of the store: every group's log JSON, in id order. */
+static void store_fingerprint(buf *out) {
+    out->len = 0;
+    int n = 0;
+    group **all = xcalloc((size_t)ST.gv.live + 1, sizeof *all);
+    for (int i = 0; i < ST.gv.n; i++)
+        if (ST.gv.p[i]) all[n++] = ST.gv.p[i];
+    for (int i = 1; i < n; i++) /* insertion sort by id: small n */
+        for (int k = i; k > 0 && strcmp(all[k - 1]->id, all[k]->id) > 0; k--) {
+            group *t = all[k];
+            all[k] = all[k - 1], all[k - 1] = t;
+        }
+    jwriter w;
+    jw_init(&w, out);
+    jw_open(&w, '[');
+    for (int i = 0; i < n; i++) group_json(&w, all[i], 1);
+    jw_close(&w, ']');
+    free(all);
+}
+
+static int reopen(char *err) {
+    store_clear();
+    return log_open(unit_dir, err, 512);
+}
+
+static off_t file_size(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0 ? st.st_size : -1;
+}
+
+static void test_log(void) {
+    /* tmpfs when there is one: thousands of fsyncs are the test's, not the disk's. */
+    snprintf(unit_dir, sizeof unit_dir, "%s/ltg-unit-XXXXXX", access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp");
+    if (!mkdtemp(unit_dir)) { CHECK(0, "mkdtemp"); return; }
+    char err[512], path[300];
+    snprintf(path, sizeof path, "%s/state.log", unit_dir);
+    store_clear();
+    CHECK(log_open(unit_dir, err, sizeof err) == 0 && file_size(path) == 8, "new log: %s", err);
+    group *g1 = log_group("a", 1);
+    char id1[37];
+    memcpy(id1, g1->id, 37);
+    log_group("b", 2);
+    group *g3 = log_group("c", 3);
+    char id3[37];
+    memcpy(id3, g3->id, 37);
+    log_delete_group(id3);
+    buf before = {0}, after = {0};
+    store_fingerprint(&before);
+    off_t whole = file_size(path);
+
+    CHECK(reopen(err) == 0 && ST.gv.live == 2 && group_find(id1) && !group_find(id3), "replay: %s", err);
+    store_fingerprint(&after);
+    CHECK(before.len == after.len && memcmp(before.p, after.p, before.len) == 0, "replay gives the same state");
+
+    /* A torn tail: half a record. */
+    int fd = open(path, O_WRONLY | O_APPEND);
+    uint8_t h[8];
+    put_le32(h, 100), put_le32(h + 4, 0);
+    CHECK(write(fd, h, 8) == 8 && write(fd, "{\"ops\":[", 8) == 8, "write torn");
+    close(fd);
+    CHECK(reopen(err) == 0 && file_size(path) == whole && ST.gv.live == 2, "torn tail truncated");
+    /* A torn tail: a whole-length record whose checksum fails (the last one). */
+    fd = open(path, O_WRONLY | O_APPEND);
+    const char *pl = "{\"ops\":[]}";
+    put_le32(h, (uint32_t)strlen(pl)), put_le32(h + 4, crc32(pl, strlen(pl)) ^ 1);
+    CHECK(write(fd, h, 8) == 8 && write(fd, pl, strlen(pl)) == (ssize_t)strlen(pl), "write bad tail");
+    close(fd);
+    CHECK(reopen(err) == 0 && file_size(path) == whole, "bad last record truncated");
+    /* Only a few bytes of a header. */
+    fd = open(path, O_WRONLY | O_APPEND);
+    CHECK(write(fd, h, 3) == 3, "write 3");
+    close(fd);
+    CHECK(reopen(err) == 0 && file_size(path) == whole, "torn header truncated");
+
+    /* Damage in the middle: a flipped byte in the first record stops start-up. */
+    fd = open(path, O_RDWR);
+    char c;
+    CHECK(pread(fd, &c, 1, 20) == 1, "read");
+    c ^= 0x20;
+    CHECK(pwrite(fd, &c, 1, 20) == 1, "flip");
+    close(fd);
+    CHECK(reopen(err) < 0 && strstr(err, "damaged record at offset 8") && strstr(err, "checksum"), "damage in the middle: %s", err);
+    CHECK(file_size(path) == whole, "a damaged log is not truncated");
+    /* Not an ltg log at all. */
+    fd = open(path, O_RDWR);
+    CHECK(pwrite(fd, "XXXXXXXX", 8, 0) == 8, "magic");
+    close(fd);
+    CHECK(reopen(err) < 0 && strstr(err, "not an ltg state log"), "bad magic: %s", err);
+
+    /* Compaction: a log grown past twice the live state is rewritten in steps
+     * while changes keep arriving, and replays to the same state. */
+    unlink(path);
+    CHECK(reopen(err) == 0, "fresh");
+    static char ids[4000][37];
+    for (int i = 0; i < 4000; i++) memcpy(ids[i], log_group("g", i)->id, 37);
+    for (int i = 0; i < 2000; i++) log_delete_group(ids[i]); /* 2000 live groups, 6000 records */
+    off_t grown = LOG.size;
+    CHECK(compact_due(), "compaction due: log %lld, live %zu", (long long)LOG.size, ST.live_bytes);
+    int steps = 0, during = 0;
+    while (store_tick()) { /* changes arrive between the steps */
+        steps++;
+        log_group("during", during++);
+        if (steps == 1) log_delete_group(ids[3999]);
+    }
+    off_t small = file_size(path);
+    CHECK(steps >= 3 && !LOG.compacting && small < grown / 2 && small == LOG.size, "compacted %lld -> %lld bytes in %d steps",
+          (long long)grown, (long long)small, steps);
+    CHECK(access(LOG.tmp, F_OK) != 0, "no temporary file left");
+    log_group("after", 1); /* the new file takes appends */
+    store_fingerprint(&before);
+    int want = 2000 - 1 + during + 1;
+    CHECK(reopen(err) == 0 && ST.gv.live == want, "replay after compaction: %d groups, want %d", ST.gv.live, want);
+    store_fingerprint(&after);
+    CHECK(before.len == after.len && memcmp(before.p, after.p, before.len) == 0, "compaction keeps the state");
+    buf_free(&before), buf_free(&after);
+    store_clear();
+    char cmd[400];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", unit_dir);
+    CHECK(system(cmd) == 0, "cleanup");
+}
+
 /* ---- timers ---- */
 
 static int fired[8], nfired;
@@ -399,6 +683,8 @@ int main(void) {
     test_config();
     test_dns();
     test_timers();
+    test_group_validation();
+    test_log();
     printf("unit: %d passed, %d failed\n", passed, failed);
     return failed != 0;
 }
