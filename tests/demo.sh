@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # tests/demo.sh -- `make demo`: ltg in front of the bundled mock provider,
-# walked through in readable steps. Needs nothing outside loopback and no
-# API key. Everything it starts, it stops.
+# walked through in readable steps: provision a token group and a key on the
+# control plane, call models with the key, see a refused policy change and a
+# stale write, and revoke the key. Needs nothing outside loopback and no API
+# key. Everything it starts, it stops.
 set -u
 cd "$(dirname "$0")/.."
-command -v curl >/dev/null || { echo "the demo needs curl: sudo apt-get install curl"; exit 1; }
+for tool in curl python3; do
+  command -v $tool >/dev/null || { echo "the demo needs $tool: sudo apt-get install $tool"; exit 1; }
+done
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])' 2>/dev/null || echo $((20000 + RANDOM % 20000)); }
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 MOCK_PORT=$(free_port) LTG_PORT=$(free_port) ADMIN_PORT=$(free_port)
 dir=$(mktemp -d)
 pids=()
@@ -14,42 +18,64 @@ cleanup() { kill "${pids[@]}" 2>/dev/null; wait 2>/dev/null; rm -rf "$dir"; }
 trap cleanup EXIT
 
 sed "s/127.0.0.1:9000/127.0.0.1:$MOCK_PORT/" ltg.example.json > "$dir/ltg.json"
-export MOCK_API_KEY=demo-provider-key LTG_ADMIN_KEY=demo-admin-key
-KEY=ltg-dev-key-change-me
+export MOCK_API_KEY=demo-provider-key LTG_ADMIN_KEY=demo-admin-key-$$
 BASE=http://127.0.0.1:$LTG_PORT
+ADMIN=http://127.0.0.1:$ADMIN_PORT/v2/llm_token_gateway
 
 tests/mock --port "$MOCK_PORT" 2>"$dir/mock.log" & pids+=($!)
 ./ltg --config "$dir/ltg.json" --data "$dir/data" --listen 127.0.0.1:$LTG_PORT --admin-listen 127.0.0.1:$ADMIN_PORT 2>"$dir/ltg.log" & pids+=($!)
 for _ in $(seq 50); do curl -sf "$BASE/healthz" >/dev/null && break; sleep 0.1; done
 
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
-show() { printf '$ %s\n' "$*"; "$@"; echo; }
+# show CMD...: print the command (secrets shortened), run it, print its output.
+quote() { local a; for a in "$@"; do if [[ $a =~ ^[A-Za-z0-9_./:=@%+-]+$ ]]; then printf '%s ' "$a"; else printf "'%s' " "${a//\'/\'\\\'\'}"; fi; done; }
+show() { printf '$ %s\n' "$(quote "$@" | sed -E "s/$LTG_ADMIN_KEY/\$LTG_ADMIN_KEY/g; s/ltg_sk_[A-Za-z0-9_-]+/\$KEY/g")"; "$@"; echo; }
+field() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
+admin() { curl -s -H "Authorization: Bearer $LTG_ADMIN_KEY" "$@"; }
 
-step "1. ltg is up (the mock provider plays Kimi-K3 and GLM-5.3-Flash on port $MOCK_PORT)"
-show curl -s "$BASE/healthz"
+step "1. Provision a token group: Kimi-K3 falls back to GLM-5.3-Flash, 2 attempts, a 10 USD daily budget"
+GROUP_BODY='{"name":"gateway-fallbacks-demo","allowed_models":["Kimi-K3","GLM-5.3-Flash"],"fallbacks":{"Kimi-K3":["GLM-5.3-Flash"]},"retries":{"max_attempts":2,"retry_delay_ms":250,"backoff":"exponential"},"max_budget":10,"budget_duration":"1d"}'
+echo "\$ curl -s \$ADMIN/token_groups -H 'Authorization: Bearer \$LTG_ADMIN_KEY' -H 'Idempotency-Key: …' -d '$GROUP_BODY'"
+admin -D "$dir/h1" "$ADMIN/token_groups" -H "Idempotency-Key: demo-group-$$" -d "$GROUP_BODY" > "$dir/group.json"
+python3 -m json.tool "$dir/group.json"
+GROUP=$(field 'd["data"]["id"]' < "$dir/group.json")
+echo "ETag: $(grep -i '^etag' "$dir/h1" | tr -d '\r' | cut -d' ' -f2)"
 
-step "2. The models this key may call"
-show curl -s "$BASE/v1/models" -H "Authorization: Bearer $KEY"
+step "2. Issue a token key for the group: the secret is shown this once, ltg keeps only its SHA-256"
+admin "$ADMIN/token_keys" -H "Idempotency-Key: demo-key-$$" -d "{\"name\":\"demo-app\",\"token_group_id\":\"$GROUP\"}" > "$dir/key.json"
+KEY=$(field 'd["data"]["token"]' < "$dir/key.json")
+KEY_ID=$(field 'd["data"]["id"]' < "$dir/key.json")
+echo "token key $KEY_ID: ${KEY:0:12}… (the application holds this; it cannot manage the gateway)"
 
-step "3. A chat call: ltg rewrites the alias to the provider's model and injects the provider's key"
+step "3. The application calls a model with its key"
 show curl -s -D - "$BASE/v1/chat/completions" -H "Authorization: Bearer $KEY" \
   -d '{"model":"Kimi-K3","messages":[{"role":"user","content":"Hello"}]}'
-echo "What the provider received (the mock's record):"
-curl -s "http://127.0.0.1:$MOCK_PORT/_mock/last" | python3 -c 'import json,sys; d=json.load(sys.stdin); print("  model:", json.loads(d["body"])["model"], "| authorization:", d["headers"].get("authorization"))'
+echo "What the provider received: $(curl -s "http://127.0.0.1:$MOCK_PORT/_mock/last" | field '"model=" + json.loads(d["body"])["model"] + ", authorization=" + d["headers"]["authorization"]')"
 
 step "4. A streamed call: SSE events relayed one by one as the provider sends them"
 show curl -s -N "$BASE/v1/chat/completions" -H "Authorization: Bearer $KEY" \
-  -d '{"model":"GLM-5.3-Flash","stream":true,"mock":"event_delay_ms=300","messages":[{"role":"user","content":"Hello"}]}'
+  -d '{"model":"GLM-5.3-Flash","stream":true,"mock":"event_delay_ms=200","messages":[{"role":"user","content":"Hello"}]}'
 
-step "5. The provider fails (503): the failure is relayed and x-ltg-served-model is absent"
-show curl -s -D - "$BASE/v1/chat/completions" -H "Authorization: Bearer $KEY" \
-  -d '{"model":"Kimi-K3","mock":"status=503","messages":[{"role":"user","content":"Hello"}]}'
+step "5. A model outside the group's allowed_models is refused before any provider call"
+show curl -s -w ' (HTTP %{http_code})' "$BASE/v1/chat/completions" -H "Authorization: Bearer $KEY" \
+  -d '{"model":"Local-Llama","messages":[{"role":"user","content":"Hello"}]}'
 
-step "6. A key ltg does not know gets 401"
-show curl -s -w ' (HTTP %{http_code})' "$BASE/v1/chat/completions" -H "Authorization: Bearer not-a-key" -d '{}'
+step "6. An invalid policy update (max_attempts 9) is refused with 400, and the group is unchanged"
+show curl -s -w ' (HTTP %{http_code})' -X PATCH "$ADMIN/token_groups/$GROUP" -H "Authorization: Bearer $LTG_ADMIN_KEY" \
+  -H 'If-Match: "1"' -H "Idempotency-Key: demo-bad-$$" -d '{"retries":{"max_attempts":9}}'
+echo "version is still $(admin "$ADMIN/token_groups/$GROUP" | field 'd["data"]["version"]'), max_attempts still $(admin "$ADMIN/token_groups/$GROUP" | field 'd["data"]["retries"]["max_attempts"]')"
 
-step "7. Upstream connections were kept alive and reused"
-curl -s "http://127.0.0.1:$MOCK_PORT/_mock/stats" | python3 -c 'import json,sys; d=json.load(sys.stdin); print("  %d requests reached the provider over %d TCP connection(s)" % (d["requests"], d["connections"]))'
+step "7. A valid update with the current ETag, then a second writer with the stale one gets 412"
+show curl -s -o /dev/null -w 'HTTP %{http_code}, ETag %header{etag}' -X PATCH "$ADMIN/token_groups/$GROUP" -H "Authorization: Bearer $LTG_ADMIN_KEY" \
+  -H 'If-Match: "1"' -H "Idempotency-Key: demo-ok-$$" -d '{"retries":{"max_attempts":3,"retry_delay_ms":100,"backoff":"linear"}}'
+show curl -s -w ' (HTTP %{http_code})' -X PATCH "$ADMIN/token_groups/$GROUP" -H "Authorization: Bearer $LTG_ADMIN_KEY" \
+  -H 'If-Match: "1"' -H "Idempotency-Key: demo-stale-$$" -d '{"name":"renamed"}'
+
+step "8. Teardown: revoke the key; from now on it gets 401"
+show curl -s -w ' (HTTP %{http_code})' -X DELETE "$ADMIN/token_keys/$KEY_ID" -H "Authorization: Bearer $LTG_ADMIN_KEY" \
+  -H 'If-Match: "1"' -H "Idempotency-Key: demo-revoke-$$"
+show curl -s -w ' (HTTP %{http_code})' "$BASE/v1/chat/completions" -H "Authorization: Bearer $KEY" \
+  -d '{"model":"Kimi-K3","messages":[{"role":"user","content":"Hello"}]}'
 
 step "Done. ltg's log:"
 sed 's/^/  /' "$dir/ltg.log"
