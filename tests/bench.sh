@@ -46,7 +46,7 @@ case $WARM in '' | *[!0-9]*) echo "bench: BENCH_WARMUP must be a whole number >=
 
 ALIAS=Bench-Model          # the alias clients send
 UPSTREAM_MODEL=bench-model # what ltg sends upstream (same length: same answer size)
-DEV_KEY=dev-key-bench-0001
+TOKEN_KEY=""   # the token key, provisioned through the control plane once ltg is up
 BODY='{"model":"'$ALIAS'","messages":[{"role":"user","content":"hi"}]}'
 
 die() { echo "bench: $*" >&2; exit 1; }
@@ -217,6 +217,17 @@ EOF
 start_nginx
 
 # ---------------------------------------------------------------- ltg
+# A token group allowing the alias, and a token key for it.
+provision_key() {
+    local admin="http://127.0.0.1:$LTG_ADMIN_PORT/v2/llm_token_gateway" gid
+    gid=$(curl -s "$admin/token_groups" -H "Authorization: Bearer $LTG_BENCH_ADMIN_KEY" -H "Idempotency-Key: bench-g-$$" \
+          -d "{\"name\":\"bench\",\"allowed_models\":[\"$ALIAS\"]}" | sed -n 's/.*"id":"\([^"]*\)".*/\1/p' | head -n 1)
+    [ -n "$gid" ] || die "could not create a token group"
+    TOKEN_KEY=$(curl -s "$admin/token_keys" -H "Authorization: Bearer $LTG_BENCH_ADMIN_KEY" -H "Idempotency-Key: bench-k-$$" \
+          -d "{\"name\":\"bench\",\"token_group_id\":\"$gid\"}" | sed -n 's/.*"token":"\(ltg_sk_[^"]*\)".*/\1/p')
+    [ -n "$TOKEN_KEY" ] || die "could not create a token key"
+}
+
 start_ltg() {
     local try
     cat >"$T/ltg.json" <<EOF
@@ -226,18 +237,19 @@ start_ltg() {
     "$ALIAS": { "provider": "mock", "upstream_model": "$UPSTREAM_MODEL",
                 "input_usd_per_mtok": 0.60, "output_usd_per_mtok": 2.50 }
   },
-  "dev_keys": ["$DEV_KEY"]
+  "admin_keys": [ { "key_env": "LTG_BENCH_ADMIN_KEY", "permissions": ["*"] } ]
 }
 EOF
-    export LTG_BENCH_MOCK_KEY=sk-bench-upstream
+    export LTG_BENCH_MOCK_KEY=sk-bench-upstream LTG_BENCH_ADMIN_KEY=bench-admin-$$
     for try in 1 2 3; do
         LTG_PORT=$(free_port)
         LTG_ADMIN_PORT=$(free_port)
-        "$ROOT/ltg" --config "$T/ltg.json" --listen "127.0.0.1:$LTG_PORT" \
+        "$ROOT/ltg" --config "$T/ltg.json" --data "$T/ltg-data" --listen "127.0.0.1:$LTG_PORT" \
             --admin-listen "127.0.0.1:$LTG_ADMIN_PORT" 2>>"$T/ltg.log" &
         LTG_PID=$!
         PIDS+=("$LTG_PID")
         if wait_http "http://127.0.0.1:$LTG_PORT/healthz" "$LTG_PID" "$T/ltg.log" 2>/dev/null; then
+            provision_key
             return 0
         fi
         kill "$LTG_PID" 2>/dev/null; wait "$LTG_PID" 2>/dev/null
@@ -254,7 +266,7 @@ start_ltg
 normalize() { sed -e 's/"id":"[^"]*"/"id":"X"/' -e 's/"created":[0-9]*/"created":0/' "$1"; }
 post() { # URL OUT -> prints the status
     curl -s -o "$2" -D "$2.head" -w '%{http_code}' -m 5 -X POST "$1/v1/chat/completions" \
-        -H 'Content-Type: application/json' -H "Authorization: Bearer $DEV_KEY" --data-binary "$3"
+        -H 'Content-Type: application/json' -H "Authorization: Bearer $TOKEN_KEY" --data-binary "$3"
 }
 BODY_UP=${BODY/\"$ALIAS\"/\"$UPSTREAM_MODEL\"}
 CHECK_FAIL=0
@@ -285,7 +297,7 @@ wrk.method = "POST"
 wrk.path = "/v1/chat/completions"
 wrk.body = '$BODY'
 wrk.headers["Content-Type"] = "application/json"
-wrk.headers["Authorization"] = "Bearer $DEV_KEY"
+wrk.headers["Authorization"] = "Bearer $TOKEN_KEY"
 
 done = function(summary, latency, requests)
   local e = summary.errors
@@ -426,7 +438,7 @@ echo "  then for each: ${WARM} s warm-up again, its 64-connection run"
 echo "- upstream: tests/mock (fixed small JSON answer, one thread per connection), 127.0.0.1:$MOCK_PORT"
 echo "- nginx $NGINX_VER: worker_processes 1 (ltg is single-threaded: one core against one core),"
 echo "  upstream keepalive 64, proxy_http_version 1.1, access_log off; CPU and RSS are its worker's"
-echo "- ltg $LTG_REV: one provider (the mock), one alias, dev_keys auth; model rewritten $ALIAS -> $UPSTREAM_MODEL"
+echo "- ltg $LTG_REV: one provider (the mock), one alias, token-key auth; model rewritten $ALIAS -> $UPSTREAM_MODEL"
 echo "- CPU us/req = (utime+stime of the proxy process over the run) / requests; for mock-direct it is the mock's own"
 echo "- latency: wrk's p50/p99 in microseconds; peak RSS = VmHWM after all runs"
 echo
@@ -473,6 +485,48 @@ echo "- ltg requests/s at 64 conns >= 0.8x nginx: $(verdict "$t1") ($(ratio "${R
 echo "- ltg added p50 at 1 conn within 2x nginx's added p50: $(verdict "$t2") ($t2_note)"
 echo "- ltg peak RSS <= 15 MiB ($LIMIT_KB kB): $(verdict "$t3") (${R[ltg,hwm]} kB)"
 echo "- ltg errors under load (non-2xx, socket errors): $( [ "$ERRORS_SEEN" = 0 ] && echo none || echo "SEEN: 1 conn: ${R[ltg,c1,errs]}; 64 conns: ${R[ltg,c64,errs]}")"
+
+# ---------------------------------------------------------------- start-up replay
+# Target (issue 3): replaying a state log of 100,000 groups + keys takes under
+# a second. The log is written here in ltg's own format (magic, then records
+# of length, CRC-32, JSON payload), one record per item as a compaction
+# writes them; ltg reports the replay time itself at start-up.
+REPLAY_N=${BENCH_REPLAY_ITEMS:-100000}
+mkdir -p "$T/replay"
+python3 - "$T/replay/state.log" "$REPLAY_N" "$ALIAS" <<'PY'
+import hashlib, json, struct, sys, uuid, zlib
+path, n, alias = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+t = 1795970000000
+with open(path, "wb") as out:
+    out.write(b"LTGLOG1\n")
+    def rec(obj):
+        p = json.dumps(obj, separators=(",", ":")).encode()
+        out.write(struct.pack("<II", len(p), zlib.crc32(p)) + p)
+    for i in range(n // 2):
+        gid = str(uuid.uuid4())
+        rec({"ops": [{"put_group": {"id": gid, "name": "group-%d" % i, "allowed_models": [alias], "fallbacks": {},
+             "retries": {"max_attempts": 2, "retry_delay_ms": 250, "backoff": "exponential", "request_timeout_ms": None},
+             "max_budget": 10, "budget_duration": "1d", "cache_ttl": None, "max_parallel_requests": None,
+             "blocked": False, "version": 1, "created_at": t + i, "updated_at": t + i, "budget_anchor": t + i}}]})
+        rec({"ops": [{"put_key": {"id": str(uuid.uuid4()), "name": "key-%d" % i, "token_group_id": gid, "version": 1,
+             "sha256": hashlib.sha256(b"ltg_sk_%d" % i).hexdigest(), "created_at": t + i, "updated_at": t + i}}]})
+PY
+RP=$(free_port) RA=$(free_port)
+"$ROOT/ltg" --config "$T/ltg.json" --data "$T/replay" --listen "127.0.0.1:$RP" --admin-listen "127.0.0.1:$RA" 2>"$T/replay.log" &
+REPLAY_PID=$!
+PIDS+=("$REPLAY_PID")
+wait_http "http://127.0.0.1:$RP/healthz" "$REPLAY_PID" "$T/replay.log" 2>/dev/null || die "ltg did not start on the replay log"
+REPLAY_RSS=$(hwm_kb "$REPLAY_PID")
+kill "$REPLAY_PID" 2>/dev/null; wait "$REPLAY_PID" 2>/dev/null
+REPLAY_MS=$(sed -n 's/.*replayed \([0-9]*\) records in \([0-9]*\) ms.*/\2/p' "$T/replay.log")
+REPLAY_REC=$(sed -n 's/.*replayed \([0-9]*\) records in.*/\1/p' "$T/replay.log")
+echo
+echo "### start-up replay"
+echo
+echo "- $REPLAY_REC records ($((REPLAY_N / 2)) groups + $((REPLAY_N / 2)) keys, $(( $(stat -c %s "$T/replay/state.log") / 1048576 )) MiB) replayed in $REPLAY_MS ms; peak RSS after replay $REPLAY_RSS kB"
+t4=$(( ${REPLAY_MS:-99999} < 1000 ? 1 : 0 ))
+echo "- replay of 100,000 groups+keys under 1 s: $(verdict "$t4")"
+echo
 
 if grep -v 'listening on' "$T/ltg.log" | grep -q .; then
     echo
