@@ -3735,6 +3735,8 @@ static int admin_commit(conn *c, const idem_ticket *tk, const char *ops, int sta
 
 /* Parse an admin request body; 0, or LTG_ERR after a 400 invalid_json. */
 static int admin_body(conn *c, json_tok **t) {
+    *t = NULL;
+    if (c->body.len > (1 << 20)) { admin_error(c, 413, "body_too_large", NULL, 0, "control-plane bodies are limited to 1 MiB"); return LTG_ERR; }
     int max = (int)(c->body.len / 2 + 4);
     *t = xcalloc((size_t)max, sizeof **t);
     json_result res;
@@ -3748,6 +3750,21 @@ static int admin_body(conn *c, json_tok **t) {
 }
 
 static void data_open(jwriter *w, buf *b) { jw_init(w, b), jw_open(w, '{'), jw_key(w, "data"); }
+
+/* Step 4 for a group: log its new state with the answer, then swap it in
+ * (or drop it when the log refused). */
+static void group_commit(conn *c, const idem_ticket *tk, group *g, int status) {
+    buf ops = {0}, body = {0};
+    jwriter w;
+    jw_init(&w, &ops), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, "put_group"), group_json(&w, g, 1), jw_close(&w, '}'), jw_close(&w, ']');
+    data_open(&w, &body), group_json(&w, g, 0), jw_close(&w, '}');
+    size_t rec;
+    if (admin_commit(c, tk, ops.p, status, g->version, body.p, &rec) == 0) {
+        store_put_group(g, rec);
+        admin_reply(c, status, g->version, 0, body.p, body.len);
+    } else group_free(g);
+    buf_free(&ops), buf_free(&body);
+}
 
 /* POST /token_groups */
 static void groups_create(conn *c, const admin_who *who) {
@@ -3766,16 +3783,7 @@ static void groups_create(conn *c, const admin_who *who) {
     g->version = 1;
     g->created_at = g->updated_at = wall_ms();
     if (g->has_budget) g->budget_anchor = g->created_at;
-    buf ops = {0}, body = {0};
-    jwriter w;
-    jw_init(&w, &ops), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, "put_group"), group_json(&w, g, 1), jw_close(&w, '}'), jw_close(&w, ']');
-    data_open(&w, &body), group_json(&w, g, 0), jw_close(&w, '}');
-    size_t rec;
-    if (admin_commit(c, &tk, ops.p, 201, 1, body.p, &rec) == 0) {
-        store_put_group(g, rec);
-        admin_reply(c, 201, 1, 0, body.p, body.len);
-    } else group_free(g);
-    buf_free(&ops), buf_free(&body);
+    group_commit(c, &tk, g, 201);
 }
 
 /* PATCH /token_groups/{id} */
@@ -3797,16 +3805,7 @@ static void groups_update(conn *c, const admin_who *who, group *cur) {
      * amount keeps the period, changing the duration starts a new one. */
     if (!g->has_budget) g->budget_anchor = 0;
     else if (!cur->has_budget || g->budget_days != cur->budget_days) g->budget_anchor = g->updated_at;
-    buf ops = {0}, body = {0};
-    jwriter w;
-    jw_init(&w, &ops), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, "put_group"), group_json(&w, g, 1), jw_close(&w, '}'), jw_close(&w, ']');
-    data_open(&w, &body), group_json(&w, g, 0), jw_close(&w, '}');
-    size_t rec;
-    if (admin_commit(c, &tk, ops.p, 200, g->version, body.p, &rec) == 0) {
-        store_put_group(g, rec);
-        admin_reply(c, 200, g->version, 0, body.p, body.len);
-    } else group_free(g);
-    buf_free(&ops), buf_free(&body);
+    group_commit(c, &tk, g, 200);
 }
 
 /* DELETE /token_groups/{id}: the group and all its keys, in one record. */
