@@ -37,13 +37,14 @@
  *   6. Name resolution: /etc/hosts and a DNS stub resolver
  *   7. Catalog config
  *   8. Upstream connections and the pool
- *   9. The store: token groups, token keys, idempotency records
- *  10. The append-only log
- *  11. Client connections: the HTTP/1.1 server
- *  12. The control plane
- *  13. Inference: the proxy path
- *  14. Routing
- *  15. main
+ *   9. The attempt plan: retry, fallback, circuit breaker
+ *  10. The store: token groups, token keys, idempotency records
+ *  11. The append-only log
+ *  12. Client connections: the HTTP/1.1 server
+ *  13. The control plane
+ *  14. Inference: the proxy path
+ *  15. Routing
+ *  16. main
  *
  * Read ltg.h first: it holds the contracts of the parsers and buffers.
  */
@@ -1484,6 +1485,8 @@ struct model {
     provider *p;
     double in_price, out_price; /* USD per million tokens */
     long long context_window, max_output_tokens;
+    int cb_failures, cb_probing; /* the circuit breaker (section 9) */
+    int64_t cb_open_until;       /* S.now ms; 0: closed */
 };
 
 enum { PERM_ALL = 1, PERM_GROUPS_WRITE = 2, PERM_GROUPS_READ = 4, PERM_KEYS_WRITE = 8, PERM_KEYS_READ = 16,
@@ -2129,7 +2132,151 @@ static void up_release(upstream *u) {
     u->link = p->idle, p->idle = u, p->nidle++;
 }
 
-/* ===== 9. The store: token groups, token keys, idempotency records =====
+/* ===== 9. The attempt plan: retry, fallback, circuit breaker =====
+ *
+ * IMPLEMENTATION NOTES
+ * Retries live in one layer, here. Every upstream attempt ends in one
+ * outcome, and the outcome alone decides the next step:
+ *
+ *   ok             2xx                            -> answer
+ *   no_work        nothing reached the provider,  -> the same model again after the
+ *                  429, 529                          backoff, while attempts remain;
+ *                                                    then the next model
+ *   indeterminate  timeout, 408, 5xx, connection  -> the next model: the provider may
+ *                  lost after sending                have done (and billed) the work
+ *   terminal       context length, other 4xx      -> answer with it: another model
+ *                                                    or attempt would fail the same way
+ *   unknown_model  404                            -> the next model
+ *   circuit_open   the breaker skips the model    -> the next model, no call made
+ *
+ * Why these rows: a 429 or 529 says "not now" before any work was done, so
+ * waiting and asking again is both safe and likely to work; a 5xx or a
+ * timeout may come after the model generated (and billed) the answer, so
+ * asking it again risks paying twice for the same failure, while another
+ * model is a fresh chance; a context-length error is a property of the
+ * request, and every other 4xx says the request itself is wrong.
+ *
+ * plan_next() is that table, line for line. The timing around it (backoff,
+ * Retry-After, the deadline) is the exchange's (section 14); both use the
+ * pure helpers here, which the unit tests drive without sockets.
+ *
+ * The circuit breaker, per model alias: after 5 consecutive no_work or
+ * indeterminate outcomes the model is skipped for 5 s (outcome
+ * circuit_open, no upstream call, not counted in x-ltg-attempts); then one
+ * request is let through as a probe. Its success closes the breaker, its
+ * failure opens it for another 5 s. A breaker lives in the catalog's model,
+ * so a reload starts it closed.
+ */
+#define BREAKER_FAILURES 5
+#define BREAKER_OPEN_MS 5000
+#define BACKOFF_CAP_MS 10000
+
+/* see ltg.h */
+attempt_plan plan_start(int nmodels, int max_attempts) { return (attempt_plan){nmodels, 0, 1, max_attempts}; }
+
+/* see ltg.h */
+plan_action plan_next_model(attempt_plan *p) {
+    if (p->model + 1 >= p->nmodels) return PLAN_GIVE_UP;
+    p->model++, p->attempt = 1;
+    return PLAN_NEXT_MODEL;
+}
+
+/* see ltg.h */
+plan_action plan_next(attempt_plan *p, attempt_outcome o) {
+    switch (o) {
+    case OUTCOME_OK:            return PLAN_ANSWER;
+    case OUTCOME_NO_WORK:       if (p->attempt < p->max_attempts) { p->attempt++; return PLAN_RETRY_SAME; }
+                                return plan_next_model(p);
+    case OUTCOME_INDETERMINATE: return plan_next_model(p);
+    case OUTCOME_TERMINAL:      return PLAN_ANSWER;
+    case OUTCOME_UNKNOWN_MODEL: return plan_next_model(p);
+    case OUTCOME_CIRCUIT_OPEN:  return plan_next_model(p);
+    }
+    return PLAN_GIVE_UP;
+}
+
+/* see ltg.h */
+attempt_outcome attempt_classify(int status, int reached) {
+    if (status == 0) return reached ? OUTCOME_INDETERMINATE : OUTCOME_NO_WORK;
+    if (status >= 200 && status < 300) return OUTCOME_OK;
+    if (status == 429 || status == 529) return OUTCOME_NO_WORK;
+    if (status == 404) return OUTCOME_UNKNOWN_MODEL;
+    if (status == 408 || status >= 500) return OUTCOME_INDETERMINATE;
+    return OUTCOME_TERMINAL; /* 400, 401, 403, 413, 422, other 4xx; and a 1xx or 3xx no API should send */
+}
+
+static int contains_nocase(const char *s, size_t n, const char *word) {
+    size_t w = strlen(word);
+    for (size_t i = 0; i + w <= n; i++)
+        if (ascii_casecmp_n(s + i, w, word) == 0) return 1;
+    return 0;
+}
+
+/* see ltg.h */
+int attempt_context_length(int status, const char *body, size_t n) {
+    if (status != 400 && status != 413) return 0;
+    return contains_nocase(body, n, "context_length_exceeded") || contains_nocase(body, n, "maximum context length") ||
+           contains_nocase(body, n, "context length") || contains_nocase(body, n, "context window") ||
+           contains_nocase(body, n, "maximum number of tokens");
+}
+
+/* see ltg.h */
+const char *outcome_name(attempt_outcome o) {
+    static const char *const names[] = {"ok", "no_work", "indeterminate", "terminal", "unknown_model", "circuit_open"};
+    return (unsigned)o < 6 ? names[o] : "?";
+}
+
+/* see ltg.h */
+long backoff_ms(int backoff, int delay_ms, int n, unsigned jitter_permille) {
+    long base = delay_ms;
+    if (backoff == BACKOFF_LINEAR) base *= n - 1;
+    else if (backoff == BACKOFF_EXPONENTIAL) base <<= (n - 2 < 14 ? n - 2 : 14);
+    base += base * (long)(jitter_permille > 200 ? 200 : jitter_permille) / 1000;
+    return base < BACKOFF_CAP_MS ? base : BACKOFF_CAP_MS;
+}
+
+/* see ltg.h */
+long retry_after_ms(const char *v, size_t n, long long now) {
+    long long secs;
+    if (parse_ll(v, n, 86400 * 365, &secs) == 0) return (long)(secs * 1000);
+    char tmp[64];
+    if (n >= sizeof tmp) return -1;
+    memcpy(tmp, v, n), tmp[n] = 0;
+    struct tm tm = {0};
+    const char *end = strptime(tmp, "%a, %d %b %Y %H:%M:%S GMT", &tm);
+    if (!end || *end) return -1;
+    long long at = (long long)timegm(&tm);
+    return at <= now ? 0 : (long)((at - now) * 1000);
+}
+
+/* May an attempt go to model m now? In the half-open state the first
+ * caller becomes the probe (*probe = 1) and the others are turned away. */
+static int breaker_allows(model *m, int64_t now, int *probe) {
+    *probe = 0;
+    if (!m->cb_open_until) return 1;
+    if (now < m->cb_open_until || m->cb_probing) return 0;
+    m->cb_probing = *probe = 1;
+    return 1;
+}
+
+/* An attempt on m ended with outcome o (`probe`: it was the half-open probe). */
+static void breaker_record(model *m, attempt_outcome o, int probe, int64_t now) {
+    if (probe) m->cb_probing = 0;
+    if (o == OUTCOME_NO_WORK || o == OUTCOME_INDETERMINATE) {
+        if (probe || ++m->cb_failures >= BREAKER_FAILURES) {
+            if (!m->cb_open_until || probe) ltg_log("circuit breaker for %s: open for %d s", m->alias, BREAKER_OPEN_MS / 1000);
+            m->cb_open_until = now + BREAKER_OPEN_MS, m->cb_failures = 0;
+        }
+    } else if (o != OUTCOME_CIRCUIT_OPEN) { /* the provider answered: it is up */
+        if (m->cb_open_until) ltg_log("circuit breaker for %s: closed", m->alias);
+        m->cb_failures = 0, m->cb_open_until = 0;
+    }
+}
+
+/* A probe that ended without an outcome (its client left): the next request probes. */
+static void breaker_forget_probe(model *m) { m->cb_probing = 0; }
+
+/* ===== 10. The store: token groups, token keys, idempotency records =====
  *
  * IMPLEMENTATION NOTES
  * Policy lives in token groups; applications hold token keys, each bound to
@@ -2142,7 +2289,7 @@ static void up_release(upstream *u) {
  * A change is made on a copy: group_parse() lays the request's fields over
  * it (PATCH: omitted kept, null clears), group_validate() checks the whole
  * result against the rules of API.md 3.1, and only a copy that passed is
- * written to the log (section 10) and then swapped in. A refused change
+ * written to the log (section 11) and then swapped in. A refused change
  * therefore leaves nothing behind, in memory or on disk.
  *
  * Validation errors carry a JSON pointer (RFC 6901) to the offending value
@@ -2159,8 +2306,7 @@ static void up_release(upstream *u) {
 #define IDEM_TTL_MS (24LL * 3600 * 1000)
 #define NAME_MAX_LEN 200
 
-typedef enum { BACKOFF_CONSTANT, BACKOFF_LINEAR, BACKOFF_EXPONENTIAL } backoff_kind;
-static const char *const backoff_names[] = {"constant", "linear", "exponential", NULL};
+static const char *const backoff_names[] = {"constant", "linear", "exponential", NULL}; /* backoff_kind, ltg.h */
 
 /* What every stored item starts with: its slot in the creation-order vector
  * and the size of its latest log record (for the compaction estimate). */
@@ -2788,7 +2934,7 @@ static int hex_decode(const char *s, size_t n, uint8_t *out) {
     return 0;
 }
 
-/* Apply one log record's payload (section 10 calls this for every record
+/* Apply one log record's payload (section 11 calls this for every record
  * at start-up). Returns 0, or LTG_ERR with a reason in err. */
 static int store_apply(const char *p, size_t n, char *err, size_t errlen) {
     int max = (int)(n / 2 + 4);
@@ -2863,7 +3009,7 @@ done:
     return rc;
 }
 
-/* ===== 10. The append-only log =====
+/* ===== 11. The append-only log =====
  *
  * IMPLEMENTATION NOTES
  * Every acknowledged change is one record in DATA/state.log, written and
@@ -3116,7 +3262,7 @@ static int store_tick(void) {
     return LOG.compacting;
 }
 
-/* ===== 11. Client connections: the HTTP/1.1 server =====
+/* ===== 12. Client connections: the HTTP/1.1 server =====
  *
  * IMPLEMENTATION NOTES
  * A client connection is a small state machine:
@@ -3491,7 +3637,7 @@ static const char *request_bearer(conn *c, size_t *n) {
     return *n ? v : NULL;
 }
 
-/* ===== 12. The control plane =====
+/* ===== 13. The control plane =====
  *
  * IMPLEMENTATION NOTES
  * /v2/llm_token_gateway on the admin listener (API.md 3). Every request
@@ -3505,9 +3651,9 @@ static const char *request_bearer(conn *c, size_t *n) {
  *      This comes before If-Match on purpose: a client retrying a PATCH
  *      that did succeed must get its answer, not a 412 about its own change.
  *   2. If-Match (PATCH, DELETE): missing 428, stale 412 with the version.
- *   3. Parse and validate on a copy (section 9): 400 changes nothing.
+ *   3. Parse and validate on a copy (section 10): 400 changes nothing.
  *   4. One log record with the change and its idempotency record, fsynced
- *      (section 10); only then the copy replaces the original in memory.
+ *      (section 11); only then the copy replaces the original in memory.
  */
 #define API_PREFIX "/v2/llm_token_gateway"
 
@@ -4031,52 +4177,83 @@ static void admin_route(conn *c) {
     } else keys_delete(c, &who, k);
 }
 
-/* ===== 13. Inference: the proxy path =====
+/* ===== 14. Inference: the proxy path =====
  *
  * IMPLEMENTATION NOTES
- * An exchange is one inference request on its way through ltg: it holds the
- * rewritten request, the upstream connection it borrowed, and how far the
- * answer got. The client sees one of two shapes:
+ * An exchange is one inference request on its way through ltg. It owns the
+ * plan (section 9), the log of its attempts, the upstream connection of
+ * the current attempt, and two timers: the deadline of the whole request,
+ * and `t`, which is by turns the current attempt's timeout, the backoff
+ * before the next attempt, and (once a stream flows) its idle limit.
  *
+ *   exchange_attempt() -> up_start() ... exchange_upstream() -> attempt_end()
+ *        ^                                                          |
+ *        +------------- plan_next(): retry / next model <-----------+
+ *
+ * The client sees one of two shapes:
  *   - a whole answer (non-streaming, or any error): ltg waits for the
  *     provider's complete body, then writes head and body at once;
  *   - a stream: when the provider answers 200 with text/event-stream, each
  *     complete SSE event is sent on as one HTTP chunk the moment it is
- *     whole. The client's head goes out with the first event, not before,
- *     so until then the attempt can still fail without the client having
- *     seen anything.
+ *     whole. The client's head goes out with the first event, not before:
+ *     until then an attempt can still fail over without the client having
+ *     seen a byte. After it, a failure ends the stream with an explicit SSE
+ *     error event and no [DONE], so no client mistakes half an answer for a
+ *     whole one.
  *
- * The deadline (x-ltg-deadline, 30 s by default) bounds the wait for the
- * answer to start; once a stream is flowing, a stream may go quiet for at
- * most STREAM_IDLE_MS. A stream cut after it started ends with an explicit
- * SSE error event and no [DONE], so no client mistakes half an answer for a
- * whole one. A client that goes away cancels its upstream request: the
- * connection is closed, never returned to the pool mid-answer.
+ * Timing. The per-attempt timeout (request_timeout_ms) runs to the response
+ * head, or for a stream to its first event. The deadline (x-ltg-deadline,
+ * 30 s by default) bounds everything before the answer starts: no attempt
+ * starts after it (a retry whose backoff would end past it is skipped), a
+ * running attempt is cut when it passes, and the client gets 504 at once.
+ * A stream that has started is then bounded by inactivity instead.
  *
- * Back-pressure: when the client does not read and more than
- * OUT_HIGH_WATER bytes wait for it, ltg stops reading the provider
- * (up_pause); TCP then slows the provider down. Memory per stream stays
- * bounded by what one read can add.
+ * A client that goes away cancels its upstream request: the connection is
+ * closed, never returned to the pool mid-answer. Back-pressure: when the
+ * client does not read and more than OUT_HIGH_WATER bytes wait for it, ltg
+ * stops reading the provider (up_pause); TCP then slows the provider down.
  */
+#define MAX_CHAIN (1 + MAX_FALLBACKS)
+#define MAX_ATTEMPT_LOG (MAX_CHAIN * 5)
+
+typedef struct {
+    int model;            /* index in the chain */
+    int attempt;          /* from 1, per model */
+    int status;           /* upstream HTTP status, 0 when none came */
+    attempt_outcome outcome;
+    int ms;
+} attempt_entry;
+
 struct exchange {
     conn *c;
     char group_id[37], key_id[37]; /* by id: the group may be changed or deleted meanwhile */
-    catalog *cat;        /* held: the model and provider live in it */
-    model *m;
+    catalog *cat;         /* held: the models and providers live in it */
+    model *chain[MAX_CHAIN];
+    int nchain;
     int stream;
-    buf req;             /* the upstream request: head and rewritten body */
-    upstream *u;
-    int attempts;
-    int head_sent;       /* the client has the answer's head: no failover after this */
-    timer t;             /* the deadline, then the stream's idle limit */
-    int64_t started;
+    const char *path;     /* the upstream path: /chat/completions or /embeddings */
+    uint32_t model_at, model_end; /* the "model" value, quotes included, in the client's body */
+    retry_policy rp;      /* the group's, with the request's overrides */
     long long deadline_ms;
+    attempt_plan plan;
+    attempt_entry log[MAX_ATTEMPT_LOG];
+    int nlog;
+    int attempts;         /* upstream attempts made: x-ltg-attempts */
+    upstream *u;          /* the current attempt's connection */
+    buf req;
+    int head_sent;        /* the client has the answer's head: no failover after this */
+    int probe;            /* the current attempt is its model's breaker probe */
+    int64_t started, attempt_started;
+    timer deadline, t;
+    int last_status;      /* of the last failure: what the client gets when all fail */
+    char last_reason[200];
 };
 
 static void exchange_free(exchange *x) {
     group *g = group_find(x->group_id);
     if (g) g->inflight--;
-    timer_stop(&x->t);
+    if (x->probe) breaker_forget_probe(x->chain[x->plan.model]);
+    timer_stop(&x->deadline), timer_stop(&x->t);
     if (x->u) up_release(x->u);
     buf_free(&x->req);
     catalog_release(x->cat);
@@ -4098,56 +4275,28 @@ static void exchange_abort(exchange *x) {
     exchange_free(x);
 }
 
+static model *exchange_model(exchange *x) { return x->chain[x->plan.model]; }
+
 /* The x-ltg headers every chat and embeddings answer carries (API.md 4.1). */
 static void exchange_headers(exchange *x, int status, buf *h) {
     buf_printf(h, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: %d\r\n", x->c->rid, x->c->rid, x->attempts);
-    if (status >= 200 && status < 300) buf_printf(h, "x-ltg-served-model: %s\r\n", x->m->alias);
+    if (status >= 200 && status < 300) buf_printf(h, "x-ltg-served-model: %s\r\n", exchange_model(x)->alias);
 }
 
-/* Answer with an OpenAI-shaped error when no upstream answer can be relayed. */
-static void exchange_error(exchange *x, int status, const char *code, const char *msg) {
-    conn *c = x->c;
-    if (x->head_sent) { /* a stream already started: end it visibly broken */
-        buf b = {0}, ev = {0};
-        jwriter w;
-        jw_init(&w, &b);
-        jw_open(&w, '{'), jw_key(&w, "error"), jw_open(&w, '{');
-        jw_key(&w, "message"), jw_cstr(&w, msg);
-        jw_key(&w, "type"), jw_cstr(&w, "upstream_error");
-        jw_key(&w, "code"), jw_cstr(&w, "stream_interrupted");
-        jw_close(&w, '}'), jw_close(&w, '}');
-        buf_printf(&ev, "data: %s\n\n", b.p);
-        char size[32];
-        int n = snprintf(size, sizeof size, "%zx\r\n", ev.len);
-        conn_send(c, size, (size_t)n);
-        conn_send(c, ev.p, ev.len);
-        conn_send(c, "\r\n0\r\n\r\n", 7);
-        buf_free(&b), buf_free(&ev);
-        exchange_end(x);
-        return;
+/* The attempt log as JSON (the shape of the ledger's attempt_log). */
+static void exchange_attempts_json(exchange *x, jwriter *w) {
+    jw_open(w, '[');
+    for (int i = 0; i < x->nlog; i++) {
+        attempt_entry *e = &x->log[i];
+        jw_open(w, '{');
+        jw_key(w, "model"), jw_cstr(w, x->chain[e->model]->alias);
+        jw_key(w, "attempt"), jw_int(w, e->attempt);
+        jw_key(w, "status"), jw_int(w, e->status);
+        jw_key(w, "outcome"), jw_cstr(w, outcome_name(e->outcome));
+        jw_key(w, "ms"), jw_int(w, e->ms);
+        jw_close(w, '}');
     }
-    buf b = {0}, h = {0};
-    jwriter w;
-    jw_init(&w, &b);
-    jw_open(&w, '{'), jw_key(&w, "error"), jw_open(&w, '{');
-    jw_key(&w, "message"), jw_cstr(&w, msg);
-    jw_key(&w, "type"), jw_cstr(&w, status == 504 ? "timeout_error" : "upstream_error");
-    jw_key(&w, "param"), jw_null(&w);
-    jw_key(&w, "code"), jw_cstr(&w, code);
-    jw_close(&w, '}'), jw_close(&w, '}');
-    exchange_headers(x, status, &h);
-    conn_head(c, status, "application/json", (long long)b.len, h.p);
-    conn_send(c, b.p, b.len);
-    buf_free(&b), buf_free(&h);
-    exchange_end(x);
-}
-
-static void exchange_timer(void *ctx) {
-    exchange *x = ctx;
-    char msg[160];
-    if (x->head_sent) snprintf(msg, sizeof msg, "the stream from %s stalled for %d s", x->m->alias, STREAM_IDLE_MS / 1000);
-    else snprintf(msg, sizeof msg, "no answer from %s within the deadline of %lld ms", x->m->alias, x->deadline_ms);
-    exchange_error(x, 504, "deadline_exceeded", msg);
+    jw_close(w, ']');
 }
 
 /* Send one piece of the stream as an HTTP chunk. */
@@ -4159,12 +4308,174 @@ static void exchange_chunk(exchange *x, const char *p, size_t n) {
     conn_send(x->c, "\r\n", 2);
 }
 
+/* No answer to relay: an OpenAI-shaped error whose error.attempts lists
+ * every attempt; or, once a stream has started, the SSE error event. */
+static void exchange_fail(exchange *x, int status, const char *code, const char *msg) {
+    buf b = {0}, h = {0};
+    jwriter w;
+    jw_init(&w, &b);
+    jw_open(&w, '{'), jw_key(&w, "error"), jw_open(&w, '{');
+    jw_key(&w, "message"), jw_cstr(&w, msg);
+    jw_key(&w, "type"), jw_cstr(&w, x->head_sent ? "upstream_error" : status == 504 ? "timeout_error" : "upstream_error");
+    if (x->head_sent) {
+        jw_key(&w, "code"), jw_cstr(&w, "stream_interrupted");
+        jw_close(&w, '}'), jw_close(&w, '}');
+        buf_printf(&h, "data: %s\n\n", b.p);
+        exchange_chunk(x, h.p, h.len);
+        conn_send(x->c, "0\r\n\r\n", 5); /* the chunked framing ends cleanly: the connection stays usable */
+    } else {
+        jw_key(&w, "param"), jw_null(&w);
+        jw_key(&w, "code"), jw_cstr(&w, code);
+        jw_key(&w, "attempts"), exchange_attempts_json(x, &w);
+        jw_close(&w, '}'), jw_close(&w, '}');
+        exchange_headers(x, status, &h);
+        if (status == 503 || status == 429) buf_puts(&h, "Retry-After: 1\r\n");
+        conn_head(x->c, status, "application/json", (long long)b.len, h.p);
+        conn_send(x->c, b.p, b.len);
+    }
+    buf_free(&b), buf_free(&h);
+    exchange_end(x);
+}
+
+/* Relay the provider's whole answer (a success, or a terminal error). */
+static void exchange_relay(exchange *x) {
+    upstream *u = x->u;
+    size_t n;
+    const char *ct = http_header_get(u->head.p, u->resp.h, u->resp.nh, "content-type", &n);
+    char ctype[128];
+    snprintf(ctype, sizeof ctype, "%.*s", ct ? (int)(n < 127 ? n : 127) : 16, ct ? ct : "application/json");
+    buf h = {0};
+    exchange_headers(x, u->resp.status, &h);
+    conn_head(x->c, u->resp.status, ctype, (long long)u->body.len, h.p);
+    conn_send(x->c, u->body.p, u->body.len);
+    buf_free(&h);
+    exchange_end(x);
+}
+
+static void exchange_attempt(exchange *x);
+
+/* The current attempt ended with outcome o (status: the upstream's, or 0).
+ * Log it, tell the breaker, and follow the plan. */
+/* `fail_status` is what the client gets if this failure is the last: the
+ * upstream's status, 504 for a timeout, 502 for a connection failure. */
+static void attempt_end(exchange *x, attempt_outcome o, int status, int fail_status, const char *reason) {
+    model *m = exchange_model(x);
+    if (x->nlog < MAX_ATTEMPT_LOG)
+        x->log[x->nlog++] = (attempt_entry){x->plan.model, x->plan.attempt, status, o, (int)(S.now - x->attempt_started)};
+    breaker_record(m, o, x->probe, S.now);
+    x->probe = 0;
+    timer_stop(&x->t);
+    if (o == OUTCOME_OK || o == OUTCOME_TERMINAL) { exchange_relay(x); return; }
+    long retry_after = -1;
+    if (x->u && x->u->have_head) {
+        size_t n;
+        const char *v = http_header_get(x->u->head.p, x->u->resp.h, x->u->resp.nh, "retry-after", &n);
+        if (v) retry_after = retry_after_ms(v, n, (long long)(wall_ms() / 1000));
+    }
+    if (x->u) up_release(x->u), x->u = NULL;
+    x->last_status = fail_status;
+    snprintf(x->last_reason, sizeof x->last_reason, "%s: %s", m->alias, reason);
+    plan_action next = plan_next(&x->plan, o);
+    if (next == PLAN_RETRY_SAME) {
+        long delay = retry_after >= 0 ? retry_after
+                                      : backoff_ms(x->rp.backoff, x->rp.retry_delay_ms, x->plan.attempt, (unsigned)(rng_next() % 201));
+        if (S.now + delay < x->started + x->deadline_ms) {
+            timer_set(&x->t, delay); /* exchange_timer starts the attempt when it fires */
+            return;
+        }
+        next = plan_next_model(&x->plan); /* the retry could not start before the deadline */
+    }
+    if (next == PLAN_NEXT_MODEL) { exchange_attempt(x); return; }
+    char msg[320];
+    snprintf(msg, sizeof msg, "every attempt failed; the last: %s", x->last_reason);
+    exchange_fail(x, x->last_status, "upstream_error", msg);
+}
+
+/* Build the request for the current model: the client's body with "model"
+ * rewritten to the provider's name for it, and the provider's key. */
+static void exchange_build(exchange *x) {
+    model *m = exchange_model(x);
+    provider *p = m->p;
+    const char *body = x->c->body.p;
+    size_t blen = x->c->body.len;
+    buf name = {0};
+    jwriter w;
+    jw_init(&w, &name);
+    jw_cstr(&w, m->upstream);
+    x->req.len = 0;
+    buf_printf(&x->req, "POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %zu\r\n"
+                        "Accept: %s\r\nAccept-Encoding: identity\r\nUser-Agent: ltg/0.1\r\n",
+               p->base_path, x->path, p->hostport, blen - (x->model_end - x->model_at) + name.len,
+               x->stream ? "text/event-stream" : "application/json");
+    if (p->api_key) buf_printf(&x->req, "Authorization: Bearer %s\r\n", p->api_key);
+    buf_puts(&x->req, "\r\n");
+    buf_append(&x->req, body, x->model_at);
+    buf_append(&x->req, name.p, name.len);
+    buf_append(&x->req, body + x->model_end, blen - x->model_end);
+    buf_free(&name);
+}
+
+/* Start the attempt the plan points at, skipping models whose breaker is
+ * open. */
+static void exchange_attempt(exchange *x) {
+    for (;;) {
+        model *m = exchange_model(x);
+        if (breaker_allows(m, S.now, &x->probe)) break;
+        if (x->nlog < MAX_ATTEMPT_LOG) x->log[x->nlog++] = (attempt_entry){x->plan.model, x->plan.attempt, 0, OUTCOME_CIRCUIT_OPEN, 0};
+        if (plan_next(&x->plan, OUTCOME_CIRCUIT_OPEN) == PLAN_GIVE_UP) {
+            if (!x->attempts) { exchange_fail(x, 503, "circuit_open", "every model of this request is failing (circuit breaker open): retry in a few seconds"); return; }
+            char msg[320];
+            snprintf(msg, sizeof msg, "every attempt failed; the last: %s", x->last_reason);
+            exchange_fail(x, x->last_status, "upstream_error", msg);
+            return;
+        }
+    }
+    exchange_build(x);
+    x->attempts++;
+    x->attempt_started = S.now;
+    if (x->rp.request_timeout_ms > 0) timer_set(&x->t, x->rp.request_timeout_ms);
+    x->u = up_start(exchange_model(x)->p, x, x->req.p, x->req.len);
+}
+
+/* `t` fired: the backoff before the next attempt is over, the current
+ * attempt timed out, or a started stream went quiet. */
+static void exchange_timer(void *ctx) {
+    exchange *x = ctx;
+    char msg[160];
+    if (x->head_sent) {
+        snprintf(msg, sizeof msg, "the stream from %s stalled for %d s", exchange_model(x)->alias, STREAM_IDLE_MS / 1000);
+        exchange_fail(x, 504, "stream_interrupted", msg);
+    } else if (!x->u) {
+        exchange_attempt(x);
+    } else {
+        snprintf(msg, sizeof msg, "no %s within the request timeout of %d ms", x->stream ? "first event" : "answer", x->rp.request_timeout_ms);
+        upstream *u = x->u;
+        attempt_end(x, u->wrote ? OUTCOME_INDETERMINATE : OUTCOME_NO_WORK, u->have_head ? u->resp.status : 0, 504, msg);
+    }
+}
+
+/* The deadline passed before the answer started: cut the running attempt. */
+static void exchange_deadline(void *ctx) {
+    exchange *x = ctx;
+    if (x->head_sent) return; /* a flowing stream is bounded by inactivity instead */
+    if (x->u && x->nlog < MAX_ATTEMPT_LOG)
+        x->log[x->nlog++] = (attempt_entry){x->plan.model, x->plan.attempt, 0, OUTCOME_INDETERMINATE, (int)(S.now - x->attempt_started)};
+    if (x->u) breaker_record(exchange_model(x), OUTCOME_INDETERMINATE, x->probe, S.now), x->probe = 0;
+    char msg[160];
+    snprintf(msg, sizeof msg, "no answer within the deadline of %lld ms", x->deadline_ms);
+    exchange_fail(x, 504, "deadline_exceeded", msg);
+}
+
 /* Relay the stream's complete events; end it when the provider's body ends. */
 static void exchange_relay_stream(exchange *x) {
     upstream *u = x->u;
     size_t off = 0, n;
     while ((n = sse_event_len(u->body.p + off, u->body.len - off)) > 0) {
-        if (!x->head_sent) {
+        if (!x->head_sent) { /* the first event: the answer starts, the attempt has succeeded */
+            if (x->nlog < MAX_ATTEMPT_LOG)
+                x->log[x->nlog++] = (attempt_entry){x->plan.model, x->plan.attempt, 200, OUTCOME_OK, (int)(S.now - x->attempt_started)};
+            breaker_record(exchange_model(x), OUTCOME_OK, x->probe, S.now);
+            x->probe = 0;
             buf h = {0};
             exchange_headers(x, 200, &h);
             buf_puts(&h, "Cache-Control: no-cache\r\n");
@@ -4178,16 +4489,17 @@ static void exchange_relay_stream(exchange *x) {
     buf_consume(&u->body, off);
     if (x->head_sent) timer_set(&x->t, STREAM_IDLE_MS);
     if (u->complete) {
-        if (u->body.len) { /* the provider ended without a final blank line: pass the rest on */
-            if (!x->head_sent) { exchange_error(x, 502, "upstream_error", "the provider's stream ended before its first event"); return; }
-            exchange_chunk(x, u->body.p, u->body.len);
-        }
-        if (!x->head_sent) { exchange_error(x, 502, "upstream_error", "the provider's stream was empty"); return; }
+        if (!x->head_sent) { attempt_end(x, OUTCOME_INDETERMINATE, 200, 502, "the stream ended before its first event"); return; }
+        if (u->body.len) exchange_chunk(x, u->body.p, u->body.len); /* no final blank line: pass the rest on */
         conn_send(x->c, "0\r\n\r\n", 5);
         exchange_end(x);
         return;
     }
-    if (u->body.len > 1024 * 1024) { exchange_error(x, 502, "upstream_error", "an SSE event from the provider is larger than 1 MiB"); return; }
+    if (u->body.len > 1024 * 1024) {
+        if (x->head_sent) exchange_fail(x, 502, "upstream_error", "an SSE event from the provider is larger than 1 MiB");
+        else attempt_end(x, OUTCOME_INDETERMINATE, 200, 502, "an SSE event larger than 1 MiB");
+        return;
+    }
     if (conn_unsent(x->c) > OUT_HIGH_WATER) up_pause(u, 1);
 }
 
@@ -4196,49 +4508,33 @@ static void exchange_drained(exchange *x) {
     if (x->u && x->u->paused) up_pause(x->u, 0);
 }
 
-/* News from the upstream connection (see section 8). */
+/* News from the upstream connection (section 8): classify and act. */
 static void exchange_upstream(exchange *x) {
     upstream *u = x->u;
     if (u->failed) {
-        char msg[256];
-        snprintf(msg, sizeof msg, "%s: %s", x->m->alias, u->err);
-        exchange_error(x, 502, "upstream_error", msg);
+        if (x->head_sent) { /* the stream had started: no failover now */
+            char msg[256];
+            snprintf(msg, sizeof msg, "%s: %s", exchange_model(x)->alias, u->err);
+            exchange_fail(x, 502, "stream_interrupted", msg);
+            return;
+        }
+        attempt_end(x, attempt_classify(0, u->wrote > 0 || u->have_head), u->have_head ? u->resp.status : 0, 502, u->err);
         return;
     }
     if (!u->have_head) return;
+    int status = u->resp.status;
     size_t n;
     const char *ct = http_header_get(u->head.p, u->resp.h, u->resp.nh, "content-type", &n);
     int sse = ct && n >= 17 && ascii_casecmp_n(ct, 17, "text/event-stream") == 0;
-    if (x->stream && u->resp.status == 200 && sse) { exchange_relay_stream(x); return; }
-    if (u->body.len > UP_MAX_BODY_BYTES) { exchange_error(x, 502, "upstream_error", "the provider's answer is larger than 64 MiB"); return; }
+    if (x->stream && status == 200 && sse) { exchange_relay_stream(x); return; }
+    timer_stop(&x->t); /* the head came: the attempt's timeout is met; the deadline bounds the body */
+    if (u->body.len > UP_MAX_BODY_BYTES) { attempt_end(x, OUTCOME_INDETERMINATE, status, 502, "an answer larger than 64 MiB"); return; }
     if (!u->complete) return;
-    buf h = {0};
-    char ctype[128];
-    snprintf(ctype, sizeof ctype, "%.*s", ct ? (int)(n < 127 ? n : 127) : 16, ct ? ct : "application/json");
-    exchange_headers(x, u->resp.status, &h);
-    conn_head(x->c, u->resp.status, ctype, (long long)u->body.len, h.p);
-    conn_send(x->c, u->body.p, u->body.len);
-    buf_free(&h);
-    exchange_end(x);
-}
-
-/* Build the upstream request: the client's body with "model" (token mv)
- * rewritten to the provider's name for it, and the provider's key. */
-static void exchange_build(exchange *x, const char *path, const char *body, size_t blen, const json_tok *mv) {
-    provider *p = x->m->p;
-    buf nb = {0};
-    jwriter w;
-    jw_init(&w, &nb);
-    buf_append(&nb, body, mv->start - 1);
-    jw_cstr(&w, x->m->upstream);
-    buf_append(&nb, body + mv->end + 1, blen - mv->end - 1);
-    buf_printf(&x->req, "POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %zu\r\n"
-                        "Accept: %s\r\nAccept-Encoding: identity\r\nUser-Agent: ltg/0.1\r\n",
-               p->base_path, path, p->hostport, nb.len, x->stream ? "text/event-stream" : "application/json");
-    if (p->api_key) buf_printf(&x->req, "Authorization: Bearer %s\r\n", p->api_key);
-    buf_puts(&x->req, "\r\n");
-    buf_append(&x->req, nb.p, nb.len);
-    buf_free(&nb);
+    attempt_outcome o = attempt_classify(status, 1);
+    char reason[200];
+    if (attempt_context_length(status, u->body.p, u->body.len)) snprintf(reason, sizeof reason, "context length exceeded (%d)", status);
+    else snprintf(reason, sizeof reason, "answered %d", status);
+    attempt_end(x, o, status, status, reason);
 }
 
 /* The request's token key and its group, or NULL after answering 401/403.
@@ -4264,6 +4560,44 @@ static tkey *inference_auth(conn *c, group **gp) {
     }
     *gp = g;
     return k;
+}
+
+/* A per-request override header (API.md 4.2): 0 absent, 1 read, LTG_ERR
+ * after answering 400. */
+static int override_int(conn *c, const char *name, long long lo, long long hi, long long *out) {
+    size_t n;
+    const char *v = http_header_get(c->in.p, c->req.h, c->req.nh, name, &n);
+    if (!v) return 0;
+    if (parse_ll(v, n, LLONG_MAX / 2, out) < 0 || *out < lo || *out > hi) {
+        conn_error(c, 400, "invalid_request", "the header %s must be a whole number from %lld to %lld", name, lo, hi);
+        return LTG_ERR;
+    }
+    return 1;
+}
+
+/* The group's retry policy with the request's x-ltg-* overrides; LTG_ERR after a 400. */
+static int inference_policy(conn *c, const group *g, retry_policy *rp, long long *deadline_ms) {
+    *rp = g->has_retries ? g->retries : retry_defaults();
+    *deadline_ms = DEFAULT_DEADLINE_MS;
+    long long v;
+    int r;
+    if ((r = override_int(c, "x-ltg-max-attempts", 1, 5, &v)) < 0) return LTG_ERR;
+    if (r) rp->max_attempts = (int)v;
+    if ((r = override_int(c, "x-ltg-retry-delay", 0, 60000, &v)) < 0) return LTG_ERR;
+    if (r) rp->retry_delay_ms = (int)v;
+    if ((r = override_int(c, "x-ltg-request-timeout", 100, 600000, &v)) < 0) return LTG_ERR;
+    if (r) rp->request_timeout_ms = (int)v;
+    if ((r = override_int(c, "x-ltg-deadline", 100, 600000, &v)) < 0) return LTG_ERR;
+    if (r) *deadline_ms = v;
+    size_t n;
+    const char *b = http_header_get(c->in.p, c->req.h, c->req.nh, "x-ltg-backoff", &n);
+    if (b) {
+        int k = 0;
+        while (backoff_names[k] && ascii_casecmp_n(b, n, backoff_names[k]) != 0) k++;
+        if (!backoff_names[k]) { conn_error(c, 400, "invalid_request", "the header x-ltg-backoff must be constant, linear or exponential"); return LTG_ERR; }
+        rp->backoff = k;
+    }
+    return 0;
 }
 
 /* POST /v1/chat/completions and /v1/embeddings. */
@@ -4301,33 +4635,45 @@ static void inference_call(conn *c, const char *upstream_path, int can_stream) {
         buf_free(&name);
         return;
     }
-    buf_free(&name);
     int sv = json_get(body, t, 0, "stream");
     if (sv >= 0 && t[sv].type != JSON_TRUE && t[sv].type != JSON_FALSE && t[sv].type != JSON_NULL) {
         conn_error(c, 400, "invalid_request", "\"stream\" must be true or false");
+        buf_free(&name);
         return;
     }
     int stream = sv >= 0 && t[sv].type == JSON_TRUE;
-    if (stream && !can_stream) { conn_error(c, 400, "invalid_request", "this endpoint does not stream: remove \"stream\""); return; }
-    if (g->max_parallel > 0 && g->inflight >= g->max_parallel) {
+    retry_policy rp;
+    long long deadline_ms;
+    if (stream && !can_stream) conn_error(c, 400, "invalid_request", "this endpoint does not stream: remove \"stream\"");
+    else if (inference_policy(c, g, &rp, &deadline_ms) < 0) { /* answered */ }
+    else if (g->max_parallel > 0 && g->inflight >= g->max_parallel)
         conn_error_h(c, 429, "too_many_parallel_requests", "Retry-After: 1\r\n",
                      "this key's group allows %lld requests at a time and all are in flight: retry shortly", g->max_parallel);
-        return;
+    else {
+        exchange *x = xcalloc(1, sizeof *x);
+        x->c = c, x->cat = S.cat, x->stream = stream, x->path = upstream_path;
+        x->cat->refs++;
+        memcpy(x->group_id, g->id, 37), memcpy(x->key_id, key->id, 37);
+        g->inflight++;
+        /* The chain: [M] + fallbacks[M], as far as the catalog still has them. */
+        x->chain[x->nchain++] = m;
+        for (int i = 0; i < g->nfb; i++)
+            if (strcmp(g->fb[i].model, name.p) == 0)
+                for (int k = 0; k < g->fb[i].n; k++) {
+                    model *f = catalog_model(S.cat, g->fb[i].to[k], strlen(g->fb[i].to[k]));
+                    if (f && x->nchain < MAX_CHAIN) x->chain[x->nchain++] = f;
+                }
+        x->model_at = t[mv].start - 1, x->model_end = t[mv].end + 1;
+        x->rp = rp, x->deadline_ms = deadline_ms;
+        x->plan = plan_start(x->nchain, rp.max_attempts);
+        x->started = S.now;
+        timer_init(&x->deadline, exchange_deadline, x);
+        timer_init(&x->t, exchange_timer, x);
+        timer_set(&x->deadline, deadline_ms);
+        c->x = x;
+        exchange_attempt(x);
     }
-
-    exchange *x = xcalloc(1, sizeof *x);
-    x->c = c, x->m = m, x->cat = S.cat, x->stream = stream;
-    memcpy(x->group_id, g->id, 37), memcpy(x->key_id, key->id, 37);
-    g->inflight++;
-    x->cat->refs++;
-    x->started = S.now;
-    x->deadline_ms = DEFAULT_DEADLINE_MS;
-    timer_init(&x->t, exchange_timer, x);
-    timer_set(&x->t, x->deadline_ms);
-    exchange_build(x, upstream_path, body, c->body.len, &t[mv]);
-    c->x = x;
-    x->attempts++;
-    x->u = up_start(m->p, x, x->req.p, x->req.len);
+    buf_free(&name);
 }
 
 /* GET /v1/models: the aliases this key may call, in OpenAI's list shape. */
@@ -4356,13 +4702,13 @@ static void inference_models(conn *c) {
     buf_free(&b), buf_free(&h);
 }
 
-/* ===== 14. Routing =====
+/* ===== 15. Routing =====
  *
  * IMPLEMENTATION NOTES
  * Both listeners share the HTTP server; `conn.admin` says which one a
  * connection came from, and so which endpoints and which error shape it
- * gets: the control plane (section 12) on the admin listener, the OpenAI
- * API (section 13) on the inference listener, /healthz on both.
+ * gets: the control plane (section 13) on the admin listener, the OpenAI
+ * API (section 14) on the inference listener, /healthz on both.
  */
 static void route(conn *c) {
     snprintf(c->rid, sizeof c->rid, "req_%016llx%08llx", (unsigned long long)rng_next(), (unsigned long long)(++S.request_seq & 0xffffffff));
@@ -4394,7 +4740,7 @@ static void route(conn *c) {
     conn_error(c, 404, "not_found", "no such endpoint (ltg serves /v1/chat/completions, /v1/embeddings and /v1/models)");
 }
 
-/* ===== 15. main =====
+/* ===== 16. main =====
  *
  * IMPLEMENTATION NOTES
  * Start-up: options, the catalog, the fd table sized from the connection

@@ -176,4 +176,59 @@ long chunk_decode(chunk_decoder *d, const char *in, size_t n, buf *out);
  * including its blank line ("\n\n", "\r\n\r\n" or mixed), or 0 if none yet. */
 size_t sse_event_len(const char *s, size_t n);
 
+/* ===== The attempt planner =====
+ * For a requested model M the plan is [M] + fallbacks[M], each model with up
+ * to max_attempts attempts. Every attempt ends in one outcome; the outcome
+ * alone decides what happens next (API.md 4.3). These functions are pure:
+ * no sockets, no clock, so the table can be tested row by row. */
+typedef enum { BACKOFF_CONSTANT, BACKOFF_LINEAR, BACKOFF_EXPONENTIAL } backoff_kind;
+
+typedef enum {
+    OUTCOME_OK,            /* 2xx */
+    OUTCOME_NO_WORK,       /* nothing reached the provider, 429, 529 */
+    OUTCOME_INDETERMINATE, /* timeout, 408, 5xx, connection lost after sending */
+    OUTCOME_TERMINAL,      /* context length, 400, 401, 403, 422, other 4xx but 404 */
+    OUTCOME_UNKNOWN_MODEL, /* 404 */
+    OUTCOME_CIRCUIT_OPEN   /* the model's breaker is open: no call made */
+} attempt_outcome;
+
+typedef enum {
+    PLAN_ANSWER,     /* the outcome's answer goes to the client */
+    PLAN_RETRY_SAME, /* the same model again, after the backoff delay */
+    PLAN_NEXT_MODEL, /* the next model of the chain, at once */
+    PLAN_GIVE_UP     /* nothing left to try */
+} plan_action;
+
+typedef struct {
+    int nmodels;      /* 1 + the fallbacks: at most 4 */
+    int model;        /* the current model's index in the chain */
+    int attempt;      /* the current attempt's number on that model, from 1 */
+    int max_attempts; /* per model, 1..5 */
+} attempt_plan;
+
+/* A plan at its first attempt. */
+attempt_plan plan_start(int nmodels, int max_attempts);
+/* After an attempt with outcome o: moves the plan to the next attempt and
+ * says what it is. */
+plan_action plan_next(attempt_plan *p, attempt_outcome o);
+/* Give up on the current model (its next attempt could not start before the
+ * deadline): PLAN_NEXT_MODEL or PLAN_GIVE_UP. */
+plan_action plan_next_model(attempt_plan *p);
+/* The outcome of an answer with HTTP `status`, or of a failure with no
+ * status (status 0): `reached` says whether any byte of the request was
+ * handed to the provider's connection. */
+attempt_outcome attempt_classify(int status, int reached);
+/* Is this error answer a context-length refusal (code
+ * context_length_exceeded, or a message saying so)? */
+int attempt_context_length(int status, const char *body, size_t n);
+const char *outcome_name(attempt_outcome o);
+/* The delay before attempt n (n >= 2) of a model: delay_ms x 1, x (n-1) or
+ * x 2^(n-2) for a constant, linear or exponential backoff, plus
+ * jitter_permille/1000 of that (0..200: jitter only lengthens), capped at
+ * 10 s. */
+long backoff_ms(int backoff, int delay_ms, int n, unsigned jitter_permille);
+/* A Retry-After value (delta-seconds or an HTTP date) in ms from `now`
+ * (seconds since the epoch); -1 when it is neither. */
+long retry_after_ms(const char *v, size_t n, long long now);
+
 #endif
