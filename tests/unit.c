@@ -655,6 +655,89 @@ static void test_log(void) {
     CHECK(system(cmd) == 0, "cleanup");
 }
 
+/* ---- the attempt plan ---- */
+
+static void test_plan(void) {
+    /* The outcome table of API.md 4.3, row by row. */
+    attempt_plan p = plan_start(2, 3);
+    CHECK(plan_next(&p, OUTCOME_OK) == PLAN_ANSWER && p.model == 0 && p.attempt == 1, "ok answers");
+    p = plan_start(2, 3);
+    CHECK(plan_next(&p, OUTCOME_TERMINAL) == PLAN_ANSWER && p.model == 0, "terminal answers, no other attempt");
+    p = plan_start(2, 3);
+    CHECK(plan_next(&p, OUTCOME_NO_WORK) == PLAN_RETRY_SAME && p.model == 0 && p.attempt == 2, "no_work retries the same model");
+    CHECK(plan_next(&p, OUTCOME_NO_WORK) == PLAN_RETRY_SAME && p.attempt == 3, "no_work again");
+    CHECK(plan_next(&p, OUTCOME_NO_WORK) == PLAN_NEXT_MODEL && p.model == 1 && p.attempt == 1, "attempts spent: next model");
+    CHECK(plan_next(&p, OUTCOME_NO_WORK) == PLAN_RETRY_SAME && p.model == 1 && p.attempt == 2, "the fallback gets its own attempts");
+    p = plan_start(2, 3);
+    CHECK(plan_next(&p, OUTCOME_INDETERMINATE) == PLAN_NEXT_MODEL && p.model == 1 && p.attempt == 1, "indeterminate never retries the same model");
+    CHECK(plan_next(&p, OUTCOME_INDETERMINATE) == PLAN_GIVE_UP, "indeterminate on the last model: give up");
+    p = plan_start(3, 5);
+    CHECK(plan_next(&p, OUTCOME_UNKNOWN_MODEL) == PLAN_NEXT_MODEL && p.model == 1, "404: next model");
+    CHECK(plan_next(&p, OUTCOME_CIRCUIT_OPEN) == PLAN_NEXT_MODEL && p.model == 2, "circuit open: next model");
+    CHECK(plan_next(&p, OUTCOME_UNKNOWN_MODEL) == PLAN_GIVE_UP, "chain spent");
+    p = plan_start(1, 1);
+    CHECK(plan_next(&p, OUTCOME_NO_WORK) == PLAN_GIVE_UP, "one attempt, one model");
+    p = plan_start(2, 2);
+    CHECK(plan_next_model(&p) == PLAN_NEXT_MODEL && p.model == 1 && p.attempt == 1 && plan_next_model(&p) == PLAN_GIVE_UP, "skip a model");
+
+    /* Classification of statuses and of failures without one. */
+    static const struct { int status, reached; attempt_outcome want; } rows[] = {
+        {200, 1, OUTCOME_OK}, {201, 1, OUTCOME_OK}, {429, 1, OUTCOME_NO_WORK}, {529, 1, OUTCOME_NO_WORK},
+        {408, 1, OUTCOME_INDETERMINATE}, {500, 1, OUTCOME_INDETERMINATE}, {502, 1, OUTCOME_INDETERMINATE},
+        {503, 1, OUTCOME_INDETERMINATE}, {504, 1, OUTCOME_INDETERMINATE}, {404, 1, OUTCOME_UNKNOWN_MODEL},
+        {400, 1, OUTCOME_TERMINAL}, {401, 1, OUTCOME_TERMINAL}, {403, 1, OUTCOME_TERMINAL}, {413, 1, OUTCOME_TERMINAL},
+        {422, 1, OUTCOME_TERMINAL}, {409, 1, OUTCOME_TERMINAL}, {0, 0, OUTCOME_NO_WORK}, {0, 1, OUTCOME_INDETERMINATE},
+    };
+    for (size_t i = 0; i < sizeof rows / sizeof *rows; i++)
+        CHECK(attempt_classify(rows[i].status, rows[i].reached) == rows[i].want, "classify %d/%d", rows[i].status, rows[i].reached);
+    const char *ctx1 = "{\"error\":{\"message\":\"x\",\"code\":\"context_length_exceeded\"}}";
+    const char *ctx2 = "{\"error\":{\"message\":\"This model's maximum context length is 8192 tokens.\"}}";
+    const char *other = "{\"error\":{\"message\":\"bad temperature\"}}";
+    CHECK(attempt_context_length(400, ctx1, strlen(ctx1)) && attempt_context_length(413, ctx2, strlen(ctx2)), "context length found");
+    CHECK(!attempt_context_length(400, other, strlen(other)) && !attempt_context_length(500, ctx1, strlen(ctx1)), "not context length");
+    CHECK(strcmp(outcome_name(OUTCOME_NO_WORK), "no_work") == 0 && strcmp(outcome_name(OUTCOME_CIRCUIT_OPEN), "circuit_open") == 0, "names");
+
+    /* Backoff: x1, x(n-1), x2^(n-2); jitter only lengthens, up to 20 percent; capped at 10 s. */
+    CHECK(backoff_ms(BACKOFF_CONSTANT, 250, 4, 0) == 250, "constant");
+    CHECK(backoff_ms(BACKOFF_LINEAR, 250, 2, 0) == 250 && backoff_ms(BACKOFF_LINEAR, 250, 4, 0) == 750, "linear");
+    CHECK(backoff_ms(BACKOFF_EXPONENTIAL, 250, 2, 0) == 250 && backoff_ms(BACKOFF_EXPONENTIAL, 250, 5, 0) == 2000, "exponential");
+    CHECK(backoff_ms(BACKOFF_CONSTANT, 1000, 2, 200) == 1200 && backoff_ms(BACKOFF_CONSTANT, 1000, 2, 999) == 1200, "jitter at most 20 percent");
+    CHECK(backoff_ms(BACKOFF_EXPONENTIAL, 60000, 5, 100) == 10000, "capped at 10 s");
+    CHECK(backoff_ms(BACKOFF_EXPONENTIAL, 0, 5, 100) == 0, "zero delay");
+
+    /* Retry-After: seconds or an HTTP date. */
+    CHECK(retry_after_ms("2", 1, 0) == 2000 && retry_after_ms("0", 1, 0) == 0, "delta seconds");
+    const char *date = "Sun, 06 Nov 1994 08:49:37 GMT";
+    CHECK(retry_after_ms(date, strlen(date), 784111777 - 3) == 3000, "http date");
+    CHECK(retry_after_ms(date, strlen(date), 784111777 + 60) == 0, "a date in the past");
+    CHECK(retry_after_ms("soon", 4, 0) == -1 && retry_after_ms("-1", 2, 0) == -1, "garbage");
+
+    /* The circuit breaker: 5 failures open it, 5 s later one probe goes through. */
+    model m = {0};
+    m.alias = "M";
+    int probe;
+    for (int i = 0; i < 4; i++) breaker_record(&m, OUTCOME_INDETERMINATE, 0, 1000);
+    CHECK(breaker_allows(&m, 1000, &probe) && !probe, "4 failures: closed");
+    breaker_record(&m, OUTCOME_OK, 0, 1000);
+    for (int i = 0; i < 4; i++) breaker_record(&m, OUTCOME_NO_WORK, 0, 1000);
+    CHECK(breaker_allows(&m, 1000, &probe), "a success resets the count");
+    breaker_record(&m, OUTCOME_NO_WORK, 0, 1000);
+    CHECK(!breaker_allows(&m, 1000, &probe) && !breaker_allows(&m, 5999, &probe), "5 failures: open for 5 s");
+    CHECK(breaker_allows(&m, 6000, &probe) && probe, "then one probe");
+    int probe2;
+    CHECK(!breaker_allows(&m, 6001, &probe2), "only one probe at a time");
+    breaker_record(&m, OUTCOME_INDETERMINATE, 1, 6100);
+    CHECK(!breaker_allows(&m, 6200, &probe2) && breaker_allows(&m, 11100, &probe2) && probe2, "a failed probe opens it again");
+    breaker_record(&m, OUTCOME_OK, 1, 11200);
+    CHECK(breaker_allows(&m, 11200, &probe) && !probe && !m.cb_open_until, "a good probe closes it");
+    for (int i = 0; i < 5; i++) breaker_record(&m, OUTCOME_TERMINAL, 0, 12000);
+    CHECK(breaker_allows(&m, 12000, &probe), "terminal answers are not failures of the provider");
+    for (int i = 0; i < 5; i++) breaker_record(&m, OUTCOME_INDETERMINATE, 0, 13000);
+    CHECK(breaker_allows(&m, 18000, &probe) && probe, "probe");
+    breaker_forget_probe(&m);
+    CHECK(breaker_allows(&m, 18001, &probe) && probe, "a probe whose client left is taken over by the next request");
+}
+
 /* ---- timers ---- */
 
 static int fired[8], nfired;
@@ -683,6 +766,7 @@ int main(void) {
     test_config();
     test_dns();
     test_timers();
+    test_plan();
     test_group_validation();
     test_log();
     printf("unit: %d passed, %d failed\n", passed, failed);
