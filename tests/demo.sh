@@ -56,22 +56,40 @@ step "4. A streamed call: SSE events relayed one by one as the provider sends th
 show curl -s -N "$BASE/v1/chat/completions" -H "Authorization: Bearer $KEY" \
   -d '{"model":"GLM-5.3-Flash","stream":true,"mock":"event_delay_ms=200","messages":[{"role":"user","content":"Hello"}]}'
 
-step "5. A model outside the group's allowed_models is refused before any provider call"
+step "5. Forced failover on a stream: the primary's first event comes after 3 s; the request allows 1 s"
+echo "(the mock is told to make kimi-k3 slow for one call: POST /_mock/script)"
+curl -s -o /dev/null "http://127.0.0.1:$MOCK_PORT/_mock/script" -d '{"model":"kimi-k3","steps":["first_event_delay_ms=3000"]}'
+show curl -s -N -D "$dir/h5" -o "$dir/b5" "$BASE/v1/chat/completions" -H "Authorization: Bearer $KEY" \
+  -H 'x-ltg-request-timeout: 1000' -H 'x-ltg-max-attempts: 1' \
+  -d '{"model":"Kimi-K3","stream":true,"messages":[{"role":"user","content":"Hello"}]}'
+hdr() { grep -i "^$1:" "$dir/h5" | tr -d '\r' | cut -d' ' -f2; }
+echo "requested model: Kimi-K3"
+echo "served model:    $(hdr x-ltg-served-model)   (x-ltg-served-model)"
+echo "attempts:        $(hdr x-ltg-attempts)               (x-ltg-attempts: the primary timed out, the fallback answered)"
+echo "request id:      $(hdr x-ltg-request-id)"
+echo "stream complete: $(grep -c '^data: ' "$dir/b5") events, last: $(grep '^data: ' "$dir/b5" | tail -n 1)"
+
+step "6. The primary fails with 503: the gateway moves to the fallback (and never retries a 503 on the same model)"
+curl -s -o /dev/null "http://127.0.0.1:$MOCK_PORT/_mock/script" -d '{"model":"kimi-k3","steps":["status=503"]}'
+show curl -s -o /dev/null -w 'HTTP %{http_code}, served by %header{x-ltg-served-model}, %header{x-ltg-attempts} attempts\n' \
+  "$BASE/v1/chat/completions" -H "Authorization: Bearer $KEY" -d '{"model":"Kimi-K3","messages":[{"role":"user","content":"Hello"}]}'
+
+step "7. A model outside the group's allowed_models is refused before any provider call"
 show curl -s -w ' (HTTP %{http_code})' "$BASE/v1/chat/completions" -H "Authorization: Bearer $KEY" \
   -d '{"model":"Local-Llama","messages":[{"role":"user","content":"Hello"}]}'
 
-step "6. An invalid policy update (max_attempts 9) is refused with 400, and the group is unchanged"
+step "8. An invalid policy update (max_attempts 9) is refused with 400, and the group is unchanged"
 show curl -s -w ' (HTTP %{http_code})' -X PATCH "$ADMIN/token_groups/$GROUP" -H "Authorization: Bearer $LTG_ADMIN_KEY" \
   -H 'If-Match: "1"' -H "Idempotency-Key: demo-bad-$$" -d '{"retries":{"max_attempts":9}}'
 echo "version is still $(admin "$ADMIN/token_groups/$GROUP" | field 'd["data"]["version"]'), max_attempts still $(admin "$ADMIN/token_groups/$GROUP" | field 'd["data"]["retries"]["max_attempts"]')"
 
-step "7. A valid update with the current ETag, then a second writer with the stale one gets 412"
+step "9. A valid update with the current ETag, then a second writer with the stale one gets 412"
 show curl -s -o /dev/null -w 'HTTP %{http_code}, ETag %header{etag}' -X PATCH "$ADMIN/token_groups/$GROUP" -H "Authorization: Bearer $LTG_ADMIN_KEY" \
   -H 'If-Match: "1"' -H "Idempotency-Key: demo-ok-$$" -d '{"retries":{"max_attempts":3,"retry_delay_ms":100,"backoff":"linear"}}'
 show curl -s -w ' (HTTP %{http_code})' -X PATCH "$ADMIN/token_groups/$GROUP" -H "Authorization: Bearer $LTG_ADMIN_KEY" \
   -H 'If-Match: "1"' -H "Idempotency-Key: demo-stale-$$" -d '{"name":"renamed"}'
 
-step "8. Teardown: revoke the key; from now on it gets 401"
+step "10. Teardown: revoke the key; from now on it gets 401"
 show curl -s -w ' (HTTP %{http_code})' -X DELETE "$ADMIN/token_keys/$KEY_ID" -H "Authorization: Bearer $LTG_ADMIN_KEY" \
   -H 'If-Match: "1"' -H "Idempotency-Key: demo-revoke-$$"
 show curl -s -w ' (HTTP %{http_code})' "$BASE/v1/chat/completions" -H "Authorization: Bearer $KEY" \
