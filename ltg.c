@@ -4372,9 +4372,9 @@ static void attempt_end(exchange *x, attempt_outcome o, int status, int fail_sta
         const char *v = http_header_get(x->u->head.p, x->u->resp.h, x->u->resp.nh, "retry-after", &n);
         if (v) retry_after = retry_after_ms(v, n, (long long)(wall_ms() / 1000));
     }
-    if (x->u) up_release(x->u), x->u = NULL;
     x->last_status = fail_status;
-    snprintf(x->last_reason, sizeof x->last_reason, "%s: %s", m->alias, reason);
+    snprintf(x->last_reason, sizeof x->last_reason, "%s: %s", m->alias, reason); /* before the release: reason may be u->err */
+    if (x->u) up_release(x->u), x->u = NULL;
     plan_action next = plan_next(&x->plan, o);
     if (next == PLAN_RETRY_SAME) {
         long delay = retry_after >= 0 ? retry_after
