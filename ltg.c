@@ -2936,7 +2936,8 @@ static int hex_decode(const char *s, size_t n, uint8_t *out) {
 
 /* Apply one log record's payload (section 11 calls this for every record
  * at start-up). Returns 0, or LTG_ERR with a reason in err. */
-static int store_apply(const char *p, size_t n, char *err, size_t errlen) {
+static int store_apply(const char *p, size_t n, off_t at, char *err, size_t errlen) {
+    (void)at;
     int max = (int)(n / 2 + 4);
     json_tok *t = xcalloc((size_t)max, sizeof *t);
     json_result res;
@@ -3045,18 +3046,24 @@ done:
 #define COMPACT_MIN_BYTES (1 << 20)
 #define COMPACT_STEP 500 /* items per loop turn */
 
-static struct {
-    char path[256], tmp[256], dir[256];
+typedef struct {
+    char path[256], dir[256];
     int fd;
     off_t size;
+    int dirty;                /* appended since the last fsync (see log_sync) */
     char broken[512];         /* sticky: set once, every later append refuses */
+} logfile;
+
+static struct {
+    logfile f;                /* DATA/state.log */
+    char tmp[256];
     /* compaction in progress: */
     int compacting, tmp_fd;
     off_t tmp_size;
     int gi, gend, ki, kend, ii, iend;
     buf tail;                 /* records appended while the snapshot is written */
     off_t retry_at;           /* after a failed compaction: not before the log reaches this */
-} LOG = {.fd = -1, .tmp_fd = -1};
+} LOG = {.f.fd = -1, .tmp_fd = -1};
 
 static void put_le32(uint8_t *p, uint32_t v) { p[0] = (uint8_t)v, p[1] = (uint8_t)(v >> 8), p[2] = (uint8_t)(v >> 16), p[3] = (uint8_t)(v >> 24); }
 static uint32_t get_le32(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
@@ -3089,59 +3096,75 @@ static int fsync_dir(const char *dir) {
 
 static void compact_abandon(const char *why);
 
-/* Append one record and make it durable. Returns 0, or LTG_ERR with the
- * reason in LOG.broken or *why. */
-static int log_append(const char *payload, size_t n, const char **why) {
-    if (LOG.broken[0]) { *why = LOG.broken; return LTG_ERR; }
-    if (n > LOG_MAX_RECORD) { *why = "the change is too large to log"; return LTG_ERR; }
+/* fdatasync what was appended. A failed fsync leaves the file in doubt:
+ * the log refuses every later append until ltg restarts. */
+static int log_sync(logfile *l) {
+    if (!l->dirty || l->broken[0]) return l->broken[0] ? LTG_ERR : 0;
+    l->dirty = 0;
+    if (fdatasync(l->fd) == 0) return 0;
+    snprintf(l->broken, sizeof l->broken, "fsync of %s failed (%s): changes are refused until ltg restarts", l->path, strerror(errno));
+    ltg_log("%s", l->broken);
+    return LTG_ERR;
+}
+
+/* Append one record to l; with `sync`, make it durable before returning
+ * (otherwise log_sync() does, once per loop turn). Returns 0, or LTG_ERR
+ * with the reason in *why. */
+static int log_append(logfile *l, const char *payload, size_t n, int sync, const char **why) {
+    if (l->broken[0]) { *why = l->broken; return LTG_ERR; }
+    if (n > LOG_MAX_RECORD) { *why = "the record is too large to log"; return LTG_ERR; }
     buf rec = {0};
     log_frame(&rec, payload, n);
     int rc = 0;
-    if (write_all(LOG.fd, rec.p, rec.len) < 0) {
-        snprintf(LOG.broken, sizeof LOG.broken, "writing %s failed: %s", LOG.path, strerror(errno));
-        if (ftruncate(LOG.fd, LOG.size) == 0) LOG.broken[0] = 0; /* cut back: the log is whole again */
-        ltg_log("%s: %s", LOG.path, strerror(errno));
-        *why = "the state log could not be written (see ltg's log)";
-        rc = LTG_ERR;
-    } else if (fdatasync(LOG.fd) < 0) {
-        snprintf(LOG.broken, sizeof LOG.broken, "fsync of %s failed (%s): changes are refused until ltg restarts", LOG.path, strerror(errno));
-        ltg_log("%s", LOG.broken);
-        *why = LOG.broken;
+    if (write_all(l->fd, rec.p, rec.len) < 0) {
+        snprintf(l->broken, sizeof l->broken, "writing %s failed: %s", l->path, strerror(errno));
+        ltg_log("%s", l->broken);
+        if (ftruncate(l->fd, l->size) == 0) l->broken[0] = 0; /* cut back: the log is whole again */
+        *why = "a log could not be written (see ltg's log)";
         rc = LTG_ERR;
     } else {
-        LOG.size += (off_t)rec.len;
-        if (LOG.compacting) buf_append(&LOG.tail, rec.p, rec.len);
+        l->size += (off_t)rec.len;
+        l->dirty = 1;
+        if (sync && log_sync(l) < 0) { *why = l->broken; rc = LTG_ERR; }
     }
     buf_free(&rec);
     return rc;
 }
 
-/* Open (or create) DIR/state.log and replay it into the store. Returns 0,
- * or LTG_ERR with a message for the operator in err. */
-static int log_open(const char *dir, char *err, size_t errlen) {
+/* A change to the state log: durable before it is acknowledged, and kept
+ * aside for a compaction in progress. */
+static int state_append(const char *payload, size_t n, const char **why) {
+    if (log_append(&LOG.f, payload, n, 1, why) < 0) return LTG_ERR;
+    if (LOG.compacting) log_frame(&LOG.tail, payload, n);
+    return 0;
+}
+
+/* Open (or create) DIR/NAME and replay it: apply() gets every record's
+ * payload and its offset in the file. Returns 0, or LTG_ERR with a message
+ * for the operator in err. */
+static int log_open(logfile *l, const char *dir, const char *name, const char *magic,
+                    int (*apply)(const char *p, size_t n, off_t at, char *why, size_t whylen), char *err, size_t errlen) {
     if (strlen(dir) > 200) { snprintf(err, errlen, "--data: the path is longer than 200 bytes"); return LTG_ERR; }
-    snprintf(LOG.dir, sizeof LOG.dir, "%s", dir);
-    snprintf(LOG.path, sizeof LOG.path, "%s/state.log", dir);
-    snprintf(LOG.tmp, sizeof LOG.tmp, "%s/state.log.tmp", dir);
-    unlink(LOG.tmp); /* a compaction that a crash interrupted: the old file is whole */
-    LOG.fd = open(LOG.path, O_RDWR | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
-    if (LOG.fd < 0) { snprintf(err, errlen, "%s: %s", LOG.path, strerror(errno)); return LTG_ERR; }
+    snprintf(l->dir, sizeof l->dir, "%s", dir);
+    snprintf(l->path, sizeof l->path, "%.200s/%.40s", dir, name);
+    l->fd = open(l->path, O_RDWR | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+    if (l->fd < 0) { snprintf(err, errlen, "%s: %s", l->path, strerror(errno)); return LTG_ERR; }
     buf b = {0};
-    if (read_file(LOG.path, &b) < 0) { snprintf(err, errlen, "%s: %s", LOG.path, strerror(errno)); buf_free(&b); return LTG_ERR; }
+    if (read_file(l->path, &b) < 0) { snprintf(err, errlen, "%s: %s", l->path, strerror(errno)); buf_free(&b); return LTG_ERR; }
     int64_t t0 = clock_ms();
     size_t off = 8, records = 0;
     if (b.len < 8) { /* new, or a crash while it was being created */
-        if (ftruncate(LOG.fd, 0) < 0 || write_all(LOG.fd, LOG_MAGIC, 8) < 0 || fsync(LOG.fd) < 0 || fsync_dir(dir) < 0) {
-            snprintf(err, errlen, "%s: cannot initialise: %s", LOG.path, strerror(errno));
+        if (ftruncate(l->fd, 0) < 0 || write_all(l->fd, magic, 8) < 0 || fsync(l->fd) < 0 || fsync_dir(dir) < 0) {
+            snprintf(err, errlen, "%s: cannot initialise: %s", l->path, strerror(errno));
             buf_free(&b);
             return LTG_ERR;
         }
-        LOG.size = 8;
+        l->size = 8;
         buf_free(&b);
         return 0;
     }
-    if (memcmp(b.p, LOG_MAGIC, 8) != 0) {
-        snprintf(err, errlen, "%s: not an ltg state log (bad magic at offset 0)", LOG.path);
+    if (memcmp(b.p, magic, 8) != 0) {
+        snprintf(err, errlen, "%s: not an ltg %s (bad magic at offset 0)", l->path, name);
         buf_free(&b);
         return LTG_ERR;
     }
@@ -3152,27 +3175,26 @@ static int log_open(const char *dir, char *err, size_t errlen) {
         int torn = left < 8 || len > LOG_MAX_RECORD || (size_t)len > left - 8;
         int bad_sum = !torn && crc32(h + 8, len) != get_le32(h + 4);
         if (torn || (bad_sum && off + 8 + len == b.len)) {
-            ltg_log("warning: %s: the last record (offset %zu) is torn, a crash mid-write: truncating to %zu bytes", LOG.path, off, off);
-            if (ftruncate(LOG.fd, (off_t)off) < 0 || fsync(LOG.fd) < 0) {
-                snprintf(err, errlen, "%s: cannot truncate the torn record: %s", LOG.path, strerror(errno));
+            ltg_log("warning: %s: the last record (offset %zu) is torn, a crash mid-write: truncating to %zu bytes", l->path, off, off);
+            if (ftruncate(l->fd, (off_t)off) < 0 || fsync(l->fd) < 0) {
+                snprintf(err, errlen, "%s: cannot truncate the torn record: %s", l->path, strerror(errno));
                 buf_free(&b);
                 return LTG_ERR;
             }
             break;
         }
         char why[200];
-        if (bad_sum || store_apply((const char *)h + 8, len, why, sizeof why) < 0) {
-            snprintf(err, errlen, "%s: damaged record at offset %zu (%.100s) with whole records after it: not a torn write, so ltg will not drop it; restore the file from a backup", LOG.path, off,
+        if (bad_sum || apply((const char *)h + 8, len, (off_t)(off + 8), why, sizeof why) < 0) {
+            snprintf(err, errlen, "%s: damaged record at offset %zu (%.100s) with whole records after it: not a torn write, so ltg will not drop it; restore the file from a backup", l->path, off,
                      bad_sum ? "checksum mismatch" : why);
             buf_free(&b);
             return LTG_ERR;
         }
         off += 8 + len, records++;
     }
-    LOG.size = (off_t)(off < b.len ? off : b.len);
+    l->size = (off_t)(off < b.len ? off : b.len);
     buf_free(&b);
-    ltg_log("%s: replayed %zu records in %lld ms: %d token group(s), %d token key(s)", LOG.path, records,
-            (long long)(clock_ms() - t0), ST.gv.live, ST.kv.live);
+    ltg_log("%s: replayed %zu records in %lld ms", l->path, records, (long long)(clock_ms() - t0));
     return 0;
 }
 
@@ -3197,18 +3219,18 @@ static void snapshot_item(buf *out, const char *op, void *item) {
 }
 
 static void compact_abandon(const char *why) {
-    ltg_log("compaction of %s abandoned: %s (the log stays as it was)", LOG.path, why);
+    ltg_log("compaction of %s abandoned: %s (the log stays as it was)", LOG.f.path, why);
     if (LOG.tmp_fd >= 0) close(LOG.tmp_fd);
     LOG.tmp_fd = -1;
     unlink(LOG.tmp);
     LOG.compacting = ST.frozen = 0;
     buf_free(&LOG.tail);
-    LOG.retry_at = LOG.size * 2;
+    LOG.retry_at = LOG.f.size * 2;
 }
 
 static int compact_due(void) {
-    return !LOG.compacting && LOG.fd >= 0 && !LOG.broken[0] && LOG.size > COMPACT_MIN_BYTES &&
-           (size_t)LOG.size > 2 * ST.live_bytes && LOG.size >= LOG.retry_at;
+    return !LOG.compacting && LOG.f.fd >= 0 && !LOG.f.broken[0] && LOG.f.size > COMPACT_MIN_BYTES &&
+           (size_t)LOG.f.size > 2 * ST.live_bytes && LOG.f.size >= LOG.retry_at;
 }
 
 static void compact_start(void) {
@@ -3219,7 +3241,7 @@ static void compact_start(void) {
     LOG.compacting = ST.frozen = 1;
     LOG.gi = LOG.ki = LOG.ii = 0;
     LOG.gend = ST.gv.n, LOG.kend = ST.kv.n, LOG.iend = ST.iv.n; /* items added later are in the tail */
-    ltg_log("compacting %s: %lld bytes for about %zu bytes of live state", LOG.path, (long long)LOG.size, ST.live_bytes);
+    ltg_log("compacting %s: %lld bytes for about %zu bytes of live state", LOG.f.path, (long long)LOG.f.size, ST.live_bytes);
 }
 
 /* One step of a compaction: a few hundred items, or the switch-over. */
@@ -3241,16 +3263,16 @@ static void compact_step(void) {
     if (LOG.gi < LOG.gend || LOG.ki < LOG.kend || LOG.ii < LOG.iend) return;
     /* The snapshot is written: add what changed meanwhile, make it durable, switch. */
     if (write_all(LOG.tmp_fd, LOG.tail.p, LOG.tail.len) < 0 || fsync(LOG.tmp_fd) < 0) { compact_abandon(strerror(errno)); return; }
-    if (rename(LOG.tmp, LOG.path) < 0) { compact_abandon(strerror(errno)); return; }
-    if (fsync_dir(LOG.dir) < 0) ltg_log("warning: fsync of %s failed: %s", LOG.dir, strerror(errno));
-    off_t before = LOG.size;
-    close(LOG.fd);
-    LOG.fd = LOG.tmp_fd, LOG.tmp_fd = -1;
-    LOG.size = LOG.tmp_size + (off_t)LOG.tail.len;
+    if (rename(LOG.tmp, LOG.f.path) < 0) { compact_abandon(strerror(errno)); return; }
+    if (fsync_dir(LOG.f.dir) < 0) ltg_log("warning: fsync of %s failed: %s", LOG.f.dir, strerror(errno));
+    off_t before = LOG.f.size;
+    close(LOG.f.fd);
+    LOG.f.fd = LOG.tmp_fd, LOG.tmp_fd = -1;
+    LOG.f.size = LOG.tmp_size + (off_t)LOG.tail.len;
     buf_free(&LOG.tail);
     LOG.compacting = ST.frozen = 0, LOG.retry_at = 0;
     vec_squeeze(&ST.gv), vec_squeeze(&ST.kv), vec_squeeze(&ST.iv);
-    ltg_log("compacted %s: %lld -> %lld bytes", LOG.path, (long long)before, (long long)LOG.size);
+    ltg_log("compacted %s: %lld -> %lld bytes", LOG.f.path, (long long)before, (long long)LOG.f.size);
 }
 
 /* Called by the loop before it sleeps; returns 1 while work remains (the
@@ -3867,7 +3889,7 @@ static int admin_commit(conn *c, const idem_ticket *tk, const char *ops, int sta
     jw_key(&w, "idem"), idem_json(&w, r);
     jw_close(&w, '}');
     const char *why;
-    int rc = log_append(p.p, p.len, &why);
+    int rc = state_append(p.p, p.len, &why);
     *rec_bytes = p.len + 8;
     buf_free(&p);
     if (rc < 0) {
@@ -4895,7 +4917,10 @@ int main(int argc, char **argv) {
         return 1;
     }
     store_init();
-    if (log_open(S.data_dir, err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
+    snprintf(LOG.tmp, sizeof LOG.tmp, "%.200s/state.log.tmp", S.data_dir);
+    unlink(LOG.tmp); /* a compaction that a crash interrupted: the old file is whole */
+    if (log_open(&LOG.f, S.data_dir, "state.log", LOG_MAGIC, store_apply, err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
+    ltg_log("state: %d token group(s), %d token key(s)", ST.gv.live, ST.kv.live);
 
     /* Room for every client, one upstream connection each, and a margin. */
     struct rlimit rl;

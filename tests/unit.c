@@ -497,11 +497,11 @@ static void store_clear(void) {
     free(ST.groups.slot), free(ST.keys.slot), free(ST.keys_by_hash.slot), free(ST.idems.slot);
     memset(&ST, 0, sizeof ST);
     store_init();
-    if (LOG.fd >= 0) close(LOG.fd);
+    if (LOG.f.fd >= 0) close(LOG.f.fd);
     if (LOG.tmp_fd >= 0) close(LOG.tmp_fd);
     buf_free(&LOG.tail);
     memset(&LOG, 0, sizeof LOG);
-    LOG.fd = LOG.tmp_fd = -1;
+    LOG.f.fd = LOG.tmp_fd = -1;
 }
 
 /* Log and apply a group as the handlers do: one record, then memory. */
@@ -519,7 +519,7 @@ static group *log_group(const char *name, int i) {
     jw_open(&w, '{'), jw_key(&w, "ops"), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, "put_group"), group_json(&w, g, 1);
     jw_close(&w, '}'), jw_close(&w, ']'), jw_close(&w, '}');
     const char *why;
-    int rc = log_append(p.p, p.len, &why);
+    int rc = state_append(p.p, p.len, &why);
     CHECK(rc == 0, "append");
     store_put_group(g, p.len + 8);
     buf_free(&p);
@@ -530,7 +530,7 @@ static void log_delete_group(const char *id) {
     char p[128];
     snprintf(p, sizeof p, "{\"ops\":[{\"del_group\":\"%s\"}]}", id);
     const char *why;
-    CHECK(log_append(p, strlen(p), &why) == 0, "append delete");
+    CHECK(state_append(p, strlen(p), &why) == 0, "append delete");
     store_del_group(id);
 }
 
@@ -556,7 +556,8 @@ static void store_fingerprint(buf *out) {
 
 static int reopen(char *err) {
     store_clear();
-    return log_open(unit_dir, err, 512);
+    snprintf(LOG.tmp, sizeof LOG.tmp, "%.200s/state.log.tmp", unit_dir);
+    return log_open(&LOG.f, unit_dir, "state.log", LOG_MAGIC, store_apply, err, 512);
 }
 
 static off_t file_size(const char *path) {
@@ -571,7 +572,7 @@ static void test_log(void) {
     char err[512], path[300];
     snprintf(path, sizeof path, "%s/state.log", unit_dir);
     store_clear();
-    CHECK(log_open(unit_dir, err, sizeof err) == 0 && file_size(path) == 8, "new log: %s", err);
+    CHECK(reopen(err) == 0 && file_size(path) == 8, "new log: %s", err);
     group *g1 = log_group("a", 1);
     char id1[37];
     memcpy(id1, g1->id, 37);
@@ -621,7 +622,7 @@ static void test_log(void) {
     fd = open(path, O_RDWR);
     CHECK(pwrite(fd, "XXXXXXXX", 8, 0) == 8, "magic");
     close(fd);
-    CHECK(reopen(err) < 0 && strstr(err, "not an ltg state log"), "bad magic: %s", err);
+    CHECK(reopen(err) < 0 && strstr(err, "not an ltg state.log"), "bad magic: %s", err);
 
     /* Compaction: a log grown past twice the live state is rewritten in steps
      * while changes keep arriving, and replays to the same state. */
@@ -630,8 +631,8 @@ static void test_log(void) {
     static char ids[4000][37];
     for (int i = 0; i < 4000; i++) memcpy(ids[i], log_group("g", i)->id, 37);
     for (int i = 0; i < 2000; i++) log_delete_group(ids[i]); /* 2000 live groups, 6000 records */
-    off_t grown = LOG.size;
-    CHECK(compact_due(), "compaction due: log %lld, live %zu", (long long)LOG.size, ST.live_bytes);
+    off_t grown = LOG.f.size;
+    CHECK(compact_due(), "compaction due: log %lld, live %zu", (long long)LOG.f.size, ST.live_bytes);
     int steps = 0, during = 0;
     while (store_tick()) { /* changes arrive between the steps */
         steps++;
@@ -639,7 +640,7 @@ static void test_log(void) {
         if (steps == 1) log_delete_group(ids[3999]);
     }
     off_t small = file_size(path);
-    CHECK(steps >= 3 && !LOG.compacting && small < grown / 2 && small == LOG.size, "compacted %lld -> %lld bytes in %d steps",
+    CHECK(steps >= 3 && !LOG.compacting && small < grown / 2 && small == LOG.f.size, "compacted %lld -> %lld bytes in %d steps",
           (long long)grown, (long long)small, steps);
     CHECK(access(LOG.tmp, F_OK) != 0, "no temporary file left");
     log_group("after", 1); /* the new file takes appends */
