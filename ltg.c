@@ -40,11 +40,12 @@
  *   9. The attempt plan: retry, fallback, circuit breaker
  *  10. The store: token groups, token keys, idempotency records
  *  11. The append-only log
- *  12. Client connections: the HTTP/1.1 server
- *  13. The control plane
- *  14. Inference: the proxy path
- *  15. Routing
- *  16. main
+ *  12. The ledger, budgets and the cache
+ *  13. Client connections: the HTTP/1.1 server
+ *  14. The control plane
+ *  15. Inference: the proxy path
+ *  16. Routing
+ *  17. main
  *
  * Read ltg.h first: it holds the contracts of the parsers and buffers.
  */
@@ -132,6 +133,7 @@ static struct {
     int max_conns, drain_seconds;
     long long max_body;
     int head_timeout_ms, idle_timeout_ms;
+    long long cache_mb;
 
     /* the loop */
     int64_t now;              /* monotonic ms, cached once per loop turn */
@@ -148,6 +150,7 @@ static struct {
     /* listeners and clients */
     int listen_fd, admin_fd;
     int nconns;
+    int nexchanges;           /* inference requests in flight, with or without their client */
     int draining;
     int64_t drain_until;
 
@@ -761,6 +764,13 @@ void jw_num(jwriter *w, double v) {
 void jw_bool(jwriter *w, int v) { jw_sep(w); buf_puts(w->out, v ? "true" : "false"); }
 void jw_null(jwriter *w) { jw_sep(w); buf_puts(w->out, "null"); }
 void jw_raw(jwriter *w, const char *json, size_t n) { jw_sep(w); buf_append(w->out, json, n); }
+
+/* Money: micro-USD written as a plain decimal, "0.000096" (never 9.6e-05). */
+static void jw_usd(jwriter *w, int64_t micro) {
+    jw_sep(w);
+    if (micro < 0) buf_puts(w->out, "-"), micro = -micro;
+    buf_printf(w->out, "%lld.%06lld", (long long)(micro / 1000000), (long long)(micro % 1000000));
+}
 
 /* ===== 4. HTTP/1.1 messages: heads, chunked coding, SSE =====
  *
@@ -2157,7 +2167,7 @@ static void up_release(upstream *u) {
  * request, and every other 4xx says the request itself is wrong.
  *
  * plan_next() is that table, line for line. The timing around it (backoff,
- * Retry-After, the deadline) is the exchange's (section 14); both use the
+ * Retry-After, the deadline) is the exchange's (section 15); both use the
  * pure helpers here, which the unit tests drive without sockets.
  *
  * The circuit breaker, per model alias: after 5 consecutive no_work or
@@ -2343,7 +2353,10 @@ typedef struct {
     int blocked;
     long long version;
     int64_t created_at, updated_at, budget_anchor; /* wall ms; budget_anchor 0 = no budget */
-    int inflight;             /* requests in flight (not logged) */
+    /* Runtime, not logged (rebuilt from the ledger at start-up): */
+    int inflight;             /* requests in flight */
+    int64_t spend, reserved;  /* micro-USD: charged in the current period; held by requests in flight */
+    int64_t period_start;     /* the period `spend` belongs to (see budget_refresh) */
 } group;
 
 typedef struct {
@@ -2776,7 +2789,7 @@ static void group_json(jwriter *w, const group *g, int for_log) {
         jw_close(w, '}');
     }
     jw_key(w, "max_budget");
-    if (g->has_budget) jw_num(w, g->max_budget);
+    if (g->has_budget) jw_usd(w, (int64_t)llround(g->max_budget * 1e6));
     else jw_null(w);
     jw_key(w, "budget_duration");
     if (g->budget_days) snprintf(ts, sizeof ts, "%dd", g->budget_days), jw_cstr(w, ts);
@@ -2798,8 +2811,8 @@ static void group_json(jwriter *w, const group *g, int for_log) {
         group_period(g, wall_ms(), &start, &end);
         iso_time(g->created_at, ts), jw_key(w, "created_at"), jw_cstr(w, ts);
         iso_time(g->updated_at, ts), jw_key(w, "updated_at"), jw_cstr(w, ts);
-        jw_key(w, "spend"), jw_num(w, 0);
-        jw_key(w, "reserved_spend"), jw_num(w, 0);
+        jw_key(w, "spend"), jw_usd(w, start == g->period_start ? g->spend : 0);
+        jw_key(w, "reserved_spend"), jw_usd(w, g->reserved);
         jw_key(w, "budget_started_at");
         if (start) iso_time(start, ts), jw_cstr(w, ts);
         else jw_null(w);
@@ -2845,7 +2858,7 @@ static tkey *tkey_find(const char *id) { return strlen(id) == 36 ? hmap_get(&ST.
 static void store_put_group(group *g, size_t rec_bytes) {
     group *old = hmap_get(&ST.groups, g->id, 36);
     if (old) {
-        g->inflight = old->inflight;
+        g->inflight = old->inflight, g->spend = old->spend, g->reserved = old->reserved, g->period_start = old->period_start;
         g->e.vi = old->e.vi;
         ST.gv.p[g->e.vi] = g;
         ST.live_bytes -= old->e.rec_bytes;
@@ -3275,16 +3288,346 @@ static void compact_step(void) {
     ltg_log("compacted %s: %lld -> %lld bytes", LOG.f.path, (long long)before, (long long)LOG.f.size);
 }
 
+/* ===== 12. The ledger, budgets and the cache =====
+ *
+ * IMPLEMENTATION NOTES
+ * Every inference request that reached dispatch or the cache leaves one
+ * spend event (API.md 3.4) in DATA/ledger.log, framed like the state log.
+ * Events are appended as they happen and fsynced once per loop turn (the
+ * loop calls store_tick() before it sleeps): a power cut can lose only the
+ * last few milliseconds of events, and a torn one is cut off at start-up
+ * like any torn record. The ledger is never rewritten.
+ *
+ * Queries never load the ledger. An in-memory index keeps 56 bytes per
+ * event -- time, file offset, interned key, group and model, tokens, cost,
+ * status -- in file order, which is time order (created_at never goes
+ * back: a clock stepping backwards is clamped). A date range is two binary
+ * searches; a page of events is a few pread()s; usage summaries are sums
+ * over the index. A page's snapshot is just the index length when the
+ * first page was read, so later pages see exactly those events however
+ * many arrive meanwhile.
+ *
+ * Budgets. A group's spend in its current period is the sum of what its
+ * events charged since the period began; it lives in the group (rebuilt
+ * from the ledger at start-up) with `reserved`, the worst cases of the
+ * requests in flight. A request is admitted only if spend + reserved + its
+ * own worst case fits the budget, and the loop is single-threaded, so
+ * concurrent requests cannot together pass it. When the request ends its
+ * reservation is replaced by its real cost.
+ *
+ * The cache holds whole non-streaming 200 answers by (group, requested
+ * model, body), for the group's cache_ttl, least recently used out first
+ * within --cache-mb.
+ */
+#define LEDGER_MAGIC "LTGLED1\n"
+#define MICRO 1000000.0
+
+enum { EV_SUCCEEDED, EV_FAILED, EV_PARTIAL };
+static const char *const ev_status_names[] = {"succeeded", "failed", "partial"};
+
+typedef struct {
+    int64_t at;             /* created_at, wall ms */
+    uint64_t off;           /* the record's payload in ledger.log */
+    uint32_t len;
+    uint32_t key, group;    /* interned ids */
+    uint32_t in_tok, out_tok;
+    uint16_t model;         /* interned alias: the served model, else the requested one */
+    uint8_t status;         /* EV_* */
+    uint8_t cache_hit;
+    int64_t cost;           /* micro-USD; -1: usage never arrived */
+    int64_t charged;        /* micro-USD charged to the group's budget */
+} ledger_entry;
+
+typedef struct {
+    uint32_t idx;
+    char s[];
+} interned;
+
+static const void *interned_key(const void *it, size_t *n) {
+    *n = strlen(((const interned *)it)->s);
+    return ((const interned *)it)->s;
+}
+
+static struct {
+    logfile f;
+    ledger_entry *ix;
+    size_t n, cap;
+    interned **names;       /* by index */
+    uint32_t nnames, names_cap;
+    hmap by_name;
+} LG = {.f.fd = -1, .by_name.key = interned_key};
+
+/* The index of string s in the intern table, adding it when `add`;
+ * UINT32_MAX when absent. Ids and aliases repeat in every event: the index
+ * holds each once. */
+static uint32_t intern(const char *s, int add) {
+    interned *it = hmap_get(&LG.by_name, s, strlen(s));
+    if (it) return it->idx;
+    if (!add) return UINT32_MAX;
+    size_t n = strlen(s);
+    it = xmalloc(sizeof *it + n + 1);
+    memcpy(it->s, s, n + 1);
+    it->idx = LG.nnames;
+    if (LG.nnames == LG.names_cap) LG.names_cap = LG.names_cap ? LG.names_cap * 2 : 256, LG.names = xrealloc(LG.names, LG.names_cap * sizeof *LG.names);
+    LG.names[LG.nnames++] = it;
+    hmap_put(&LG.by_name, it);
+    return it->idx;
+}
+
+static void ledger_index(const ledger_entry *e) {
+    if (LG.n == LG.cap) LG.cap = LG.cap ? LG.cap * 2 : 4096, LG.ix = xrealloc(LG.ix, LG.cap * sizeof *LG.ix);
+    LG.ix[LG.n++] = *e;
+}
+
+/* ---- budgets ---- */
+
+static int64_t usd_to_micro(double usd) { return (int64_t)llround(usd * MICRO); }
+
+/* Bring g's period up to date: a new period starts with nothing spent. */
+static void budget_refresh(group *g, int64_t now) {
+    int64_t start, end;
+    group_period(g, now, &start, &end);
+    if (start != g->period_start) g->period_start = start, g->spend = 0;
+}
+
+/* USD left in g's current period, or -1 when uncapped. */
+static double budget_remaining(group *g) {
+    if (!g->has_budget) return -1;
+    budget_refresh(g, wall_ms());
+    int64_t left = usd_to_micro(g->max_budget) - g->spend - g->reserved;
+    return (double)(left > 0 ? left : 0) / MICRO;
+}
+
+/* The ledger at start-up: each group's spend in its current period. */
+static void budget_rebuild(void) {
+    int64_t now = wall_ms();
+    for (int i = 0; i < ST.gv.n; i++)
+        if (ST.gv.p[i]) budget_refresh(ST.gv.p[i], now);
+    for (size_t i = 0; i < LG.n; i++) {
+        const ledger_entry *e = &LG.ix[i];
+        group *g = group_find(LG.names[e->group]->s);
+        if (g && g->has_budget && e->at >= g->period_start) g->spend += e->charged;
+    }
+}
+
+/* ---- the ledger file ---- */
+
+static struct inf_idem *inf_idem_restore(const char *p, const json_tok *t, int r, int64_t expires);
+
+/* Replay one ledger record into the index (and an idempotent answer it
+ * carries into the replay table). */
+static int ledger_apply(const char *p, size_t n, off_t at, char *err, size_t errlen) {
+    json_tok t[96];
+    json_result res;
+    if (json_parse(p, n, t, 96, 2, &res) < 0) { snprintf(err, errlen, "not JSON: %s at byte %zu", res.err, res.err_offset); return LTG_ERR; }
+    int e = json_get(p, t, 0, "e");
+    long long when, charged, in = 0, out = 0;
+    if (e < 0 || json_int(p, t, json_get(p, t, 0, "t"), &when) < 0 || json_int(p, t, json_get(p, t, 0, "c"), &charged) < 0) {
+        snprintf(err, errlen, "not a spend event");
+        return LTG_ERR;
+    }
+    ledger_entry x = {0};
+    x.at = when, x.off = (uint64_t)at, x.len = (uint32_t)n, x.charged = charged;
+    char *key = json_strdup(p, t, json_get(p, t, e, "token_key_id")), *grp = json_strdup(p, t, json_get(p, t, e, "token_group_id"));
+    int mv = json_get(p, t, e, "model");
+    if (mv < 0 || t[mv].type != JSON_STRING) mv = json_get(p, t, e, "requested_model");
+    char *mod = json_strdup(p, t, mv);
+    x.key = intern(key, 1), x.group = intern(grp, 1), x.model = (uint16_t)intern(mod, 1);
+    free(key), free(grp), free(mod);
+    json_int(p, t, json_get(p, t, e, "input_tokens"), &in), json_int(p, t, json_get(p, t, e, "output_tokens"), &out);
+    x.in_tok = (uint32_t)in, x.out_tok = (uint32_t)out;
+    double cost;
+    x.cost = json_number(p, t, json_get(p, t, e, "cost"), &cost) == 0 ? usd_to_micro(cost) : -1;
+    int st = json_get(p, t, e, "status");
+    x.status = json_eq(p, t, st, "failed") ? EV_FAILED : json_eq(p, t, st, "partial") ? EV_PARTIAL : EV_SUCCEEDED;
+    int hit = json_get(p, t, e, "cache_hit");
+    x.cache_hit = hit >= 0 && t[hit].type == JSON_TRUE;
+    ledger_index(&x);
+    int r = json_get(p, t, 0, "r");
+    if (r >= 0 && when + IDEM_TTL_MS > wall_ms()) inf_idem_restore(p, t, r, when + IDEM_TTL_MS);
+    return 0;
+}
+
+/* Append an event (its JSON in `event`) to the file and the index. */
+static void ledger_append(const ledger_entry *e, const char *event, size_t n, const char *replay) {
+    buf p = {0};
+    buf_printf(&p, "{\"t\":%lld,\"c\":%lld,\"e\":", (long long)e->at, (long long)e->charged);
+    buf_append(&p, event, n);
+    if (replay) buf_printf(&p, ",\"r\":%s", replay);
+    buf_puts(&p, "}");
+    const char *why;
+    ledger_entry x = *e;
+    x.off = (uint64_t)LG.f.size + 8, x.len = (uint32_t)p.len;
+    if (log_append(&LG.f, p.p, p.len, 0, &why) < 0) ltg_log("a spend event was not recorded: %s", why); /* the answer is already on its way */
+    else ledger_index(&x);
+    buf_free(&p);
+}
+
+/* The first index position at or after time `at`. */
+static size_t ledger_lower(int64_t at, size_t n) {
+    size_t lo = 0, hi = n;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (LG.ix[mid].at < at) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* ---- the cache ---- */
+
+typedef struct cache_entry {
+    uint8_t key[32];
+    struct cache_entry *prev, *next; /* LRU: head is the most recent */
+    char *body;
+    size_t len;
+    char served[64];      /* the alias that answered */
+    uint32_t in_tok, out_tok;
+    int64_t expires;      /* S.now ms */
+} cache_entry;
+
+static const void *cache_key(const void *it, size_t *n) { *n = 32; return ((const cache_entry *)it)->key; }
+
+static struct {
+    hmap map;
+    cache_entry *head, *tail;
+    size_t bytes, limit;
+} CACHE = {.map.key = cache_key};
+
+static void cache_unlink(cache_entry *e) {
+    if (e->prev) e->prev->next = e->next;
+    else CACHE.head = e->next;
+    if (e->next) e->next->prev = e->prev;
+    else CACHE.tail = e->prev;
+    e->prev = e->next = NULL;
+}
+
+static void cache_drop(cache_entry *e) {
+    cache_unlink(e);
+    hmap_del(&CACHE.map, e->key, 32);
+    CACHE.bytes -= e->len + sizeof *e;
+    free(e->body), free(e);
+}
+
+/* The key of a cacheable answer: group, requested model, body. */
+static void cache_keyof(const char *group_id, const char *alias, const char *body, size_t n, uint8_t out[32]) {
+    br_sha256_context h;
+    br_sha256_init(&h);
+    br_sha256_update(&h, group_id, strlen(group_id) + 1);
+    br_sha256_update(&h, alias, strlen(alias) + 1);
+    br_sha256_update(&h, body, n);
+    br_sha256_out(&h, out);
+}
+
+static cache_entry *cache_get(const uint8_t key[32]) {
+    cache_entry *e = hmap_get(&CACHE.map, key, 32);
+    if (!e) return NULL;
+    if (e->expires <= S.now) { cache_drop(e); return NULL; }
+    cache_unlink(e);
+    e->next = CACHE.head;
+    if (CACHE.head) CACHE.head->prev = e;
+    CACHE.head = e;
+    if (!CACHE.tail) CACHE.tail = e;
+    return e;
+}
+
+static void cache_put(const uint8_t key[32], const char *body, size_t n, const char *served, uint32_t in, uint32_t out, int64_t ttl_ms) {
+    if (n + sizeof(cache_entry) > CACHE.limit) return;
+    cache_entry *old = hmap_get(&CACHE.map, key, 32);
+    if (old) cache_drop(old);
+    while (CACHE.tail && CACHE.bytes + n + sizeof(cache_entry) > CACHE.limit) cache_drop(CACHE.tail);
+    cache_entry *e = xcalloc(1, sizeof *e);
+    memcpy(e->key, key, 32);
+    e->body = xmalloc(n ? n : 1), memcpy(e->body, body, n), e->len = n;
+    snprintf(e->served, sizeof e->served, "%s", served);
+    e->in_tok = in, e->out_tok = out, e->expires = S.now + ttl_ms;
+    e->next = CACHE.head;
+    if (CACHE.head) CACHE.head->prev = e;
+    CACHE.head = e;
+    if (!CACHE.tail) CACHE.tail = e;
+    hmap_put(&CACHE.map, e);
+    CACHE.bytes += n + sizeof *e;
+}
+
+/* ---- idempotent inference (API.md 4.4) ---- */
+
+typedef struct inf_idem {
+    uint8_t key[32];      /* SHA-256 of the token key id and the Idempotency-Key */
+    uint8_t body[32];     /* SHA-256 of the request body */
+    int done;             /* 0: the first request is still in flight */
+    int status, stream;
+    char served[64];
+    char *answer;         /* the first answer's body (a stream: its events) */
+    size_t len;
+    int64_t expires;      /* wall ms */
+} inf_idem;
+
+static const void *inf_idem_key(const void *it, size_t *n) { *n = 32; return ((const inf_idem *)it)->key; }
+static hmap INF_IDEM = {.key = inf_idem_key};
+
+static void inf_idem_free(inf_idem *r) {
+    if (r) free(r->answer), free(r);
+}
+
+static inf_idem *inf_idem_find(const uint8_t key[32]) {
+    inf_idem *r = hmap_get(&INF_IDEM, key, 32);
+    if (r && r->done && r->expires <= wall_ms()) {
+        hmap_del(&INF_IDEM, key, 32);
+        inf_idem_free(r);
+        return NULL;
+    }
+    return r;
+}
+
+/* The replay record written with a spend event. */
+static void inf_idem_json(buf *out, const inf_idem *r) {
+    char hex[65];
+    jwriter w;
+    jw_init(&w, out);
+    jw_open(&w, '{');
+    hex_encode(r->key, 32, hex), jw_key(&w, "k"), jw_cstr(&w, hex);
+    hex_encode(r->body, 32, hex), jw_key(&w, "b"), jw_cstr(&w, hex);
+    jw_key(&w, "s"), jw_int(&w, r->status);
+    jw_key(&w, "st"), jw_bool(&w, r->stream);
+    jw_key(&w, "m"), jw_cstr(&w, r->served);
+    jw_key(&w, "a"), jw_str(&w, r->answer ? r->answer : "", r->len);
+    jw_close(&w, '}');
+}
+
+static inf_idem *inf_idem_restore(const char *p, const json_tok *t, int r, int64_t expires) {
+    int k = json_get(p, t, r, "k"), b = json_get(p, t, r, "b"), a = json_get(p, t, r, "a"), m = json_get(p, t, r, "m");
+    long long st;
+    if (k < 0 || b < 0 || a < 0 || m < 0 || t[k].end - t[k].start != 64 || t[b].end - t[b].start != 64 ||
+        json_int(p, t, json_get(p, t, r, "s"), &st) < 0)
+        return NULL;
+    inf_idem *rec = xcalloc(1, sizeof *rec);
+    hex_decode(p + t[k].start, 64, rec->key), hex_decode(p + t[b].start, 64, rec->body);
+    rec->done = 1, rec->status = (int)st, rec->expires = expires;
+    int str = json_get(p, t, r, "st");
+    rec->stream = str >= 0 && t[str].type == JSON_TRUE;
+    buf ab = {0};
+    json_unescape(p, t, a, &ab);
+    rec->answer = ab.p, rec->len = ab.len;
+    char *served = json_strdup(p, t, m);
+    snprintf(rec->served, sizeof rec->served, "%s", served);
+    free(served);
+    inf_idem *old = hmap_get(&INF_IDEM, rec->key, 32);
+    if (old) hmap_del(&INF_IDEM, rec->key, 32), inf_idem_free(old);
+    hmap_put(&INF_IDEM, rec);
+    return rec;
+}
+
 /* Called by the loop before it sleeps; returns 1 while work remains (the
  * loop then polls without waiting). */
 static int store_tick(void) {
+    log_sync(&LG.f); /* the spend events of this turn, in one fsync */
     if (compact_due()) compact_start();
     if (!LOG.compacting) return 0;
     compact_step();
     return LOG.compacting;
 }
 
-/* ===== 12. Client connections: the HTTP/1.1 server =====
+/* ===== 13. Client connections: the HTTP/1.1 server =====
  *
  * IMPLEMENTATION NOTES
  * A client connection is a small state machine:
@@ -3659,7 +4002,7 @@ static const char *request_bearer(conn *c, size_t *n) {
     return *n ? v : NULL;
 }
 
-/* ===== 13. The control plane =====
+/* ===== 14. The control plane =====
  *
  * IMPLEMENTATION NOTES
  * /v2/llm_token_gateway on the admin listener (API.md 3). Every request
@@ -4124,6 +4467,169 @@ static void keys_list(conn *c) {
     buf_free(&b);
 }
 
+/* "YYYY-MM-DD" as the wall ms of its midnight UTC; LTG_ERR when it is not a date. */
+static int parse_day(const char *s, int64_t *ms) {
+    int y, m, d;
+    char tail;
+    if (strlen(s) != 10 || sscanf(s, "%4d-%2d-%2d%c", &y, &m, &d, &tail) != 3 || s[4] != '-' || s[7] != '-') return LTG_ERR;
+    struct tm tm = {.tm_year = y - 1900, .tm_mon = m - 1, .tm_mday = d};
+    time_t t = timegm(&tm);
+    if (tm.tm_year != y - 1900 || tm.tm_mon != m - 1 || tm.tm_mday != d) return LTG_ERR; /* 2026-02-30 */
+    *ms = (int64_t)t * 1000;
+    return 0;
+}
+
+/* The half-open UTC date range [start_date, end_date) of a ledger query:
+ * both or neither (neither: yesterday), at most 31 days. 0, or LTG_ERR
+ * after a 400. */
+static int range_params(conn *c, int64_t *start, int64_t *end) {
+    char a[32], b[32];
+    const char *sa = query_get(c, "start_date", NULL, a, sizeof a), *sb = query_get(c, "end_date", NULL, b, sizeof b);
+    if (!sa && !sb) {
+        *end = wall_ms() / 86400000 * 86400000;
+        *start = *end - 86400000;
+        return 0;
+    }
+    const char *why = NULL;
+    if (!sa || !sb) why = "give both start_date and end_date (YYYY-MM-DD), or neither for yesterday";
+    else if (parse_day(sa, start) < 0) why = "start_date must be a date: YYYY-MM-DD";
+    else if (parse_day(sb, end) < 0) why = "end_date must be a date: YYYY-MM-DD";
+    else if (*start >= *end) why = "start_date must be before end_date (the range is [start_date, end_date))";
+    else if (*end - *start > 31LL * 86400000) why = "the range may span at most 31 days";
+    if (why) { admin_error(c, 400, "invalid_request", NULL, 0, why); return LTG_ERR; }
+    return 0;
+}
+
+/* A query's filter on an interned id: UINT32_MAX - 1 for "none", or the id's
+ * index (UINT32_MAX when the id was never seen: nothing matches). */
+#define NO_FILTER (UINT32_MAX - 1)
+static uint32_t id_filter(conn *c, const char *name, char *out, size_t cap) {
+    if (!query_get(c, name, NULL, out, cap)) { out[0] = 0; return NO_FILTER; }
+    return intern(out, 0);
+}
+
+static int entry_matches(const ledger_entry *e, uint32_t key, uint32_t grp) {
+    return (key == NO_FILTER || e->key == key) && (grp == NO_FILTER || e->group == grp);
+}
+
+/* GET /spend/events (API.md 3.4). */
+static void spend_events(conn *c) {
+    int64_t start, end;
+    int number, size;
+    if (range_params(c, &start, &end) < 0 || page_params(c, &number, &size) < 0) return;
+    char kid[64], gid[64], snap[64];
+    uint32_t kf = id_filter(c, "token_key_id", kid, sizeof kid), gf = id_filter(c, "token_group_id", gid, sizeof gid);
+    char filters[256];
+    snprintf(filters, sizeof filters, "%lld|%lld|%s|%s", (long long)start, (long long)end, kid, gid);
+    unsigned long long fh = (unsigned long long)hash_bytes(filters, strlen(filters));
+    size_t limit = LG.n;
+    if (query_get(c, "page[snapshot]", "snapshot", snap, sizeof snap)) {
+        size_t n;
+        unsigned long long h;
+        if (sscanf(snap, "%zu-%16llx", &n, &h) != 2 || n > LG.n) { admin_error(c, 400, "invalid_request", NULL, 0, "page[snapshot] is not a snapshot this ledger gave out"); return; }
+        if (h != fh) { admin_error(c, 409, "snapshot_mismatch", NULL, 0, "the filters changed since this snapshot was taken: start again from page 1 without page[snapshot]"); return; }
+        limit = n;
+    }
+    buf b = {0}, rec = {0};
+    jwriter w;
+    jw_init(&w, &b), jw_open(&w, '{'), jw_key(&w, "data"), jw_open(&w, '[');
+    size_t skip = (size_t)(number - 1) * (size_t)size, total = 0;
+    for (size_t i = ledger_lower(start, limit); i < limit && LG.ix[i].at < end; i++) {
+        const ledger_entry *e = &LG.ix[i];
+        if (!entry_matches(e, kf, gf)) continue;
+        if (total++ < skip || total > skip + (size_t)size) continue;
+        rec.len = 0;
+        buf_reserve(&rec, e->len);
+        json_tok t[16];
+        json_result res;
+        int ev;
+        if (pread(LG.f.fd, rec.p, e->len, (off_t)e->off) != (ssize_t)e->len || json_parse(rec.p, e->len, t, 16, 1, &res) < 0 ||
+            (ev = json_get(rec.p, t, 0, "e")) < 0) {
+            ltg_log("%s: cannot read the event at offset %llu", LG.f.path, (unsigned long long)e->off);
+            continue;
+        }
+        jw_raw(&w, rec.p + t[ev].start, t[ev].end - t[ev].start);
+    }
+    jw_close(&w, ']');
+    page_meta(&w, number, size, (int)total);
+    b.len--; /* reopen meta to add the snapshot */
+    buf_printf(&b, ",\"snapshot\":\"%zu-%016llx\"}}", limit, fh);
+    admin_reply(c, 200, 0, 0, b.p, b.len);
+    buf_free(&b), buf_free(&rec);
+}
+
+typedef struct {
+    long long requests, succeeded, failed, partial, cache_hits, in_tok, out_tok;
+    int64_t spend, reserved;
+} usage_row;
+
+static void usage_add(usage_row *r, const ledger_entry *e) {
+    r->requests++;
+    r->succeeded += e->status == EV_SUCCEEDED, r->failed += e->status == EV_FAILED, r->partial += e->status == EV_PARTIAL;
+    r->cache_hits += e->cache_hit;
+    r->in_tok += e->in_tok, r->out_tok += e->out_tok;
+    r->spend += e->charged;
+}
+
+static void usage_json(jwriter *w, const usage_row *r) {
+    jw_key(w, "requests"), jw_int(w, r->requests);
+    jw_key(w, "succeeded_requests"), jw_int(w, r->succeeded);
+    jw_key(w, "failed_requests"), jw_int(w, r->failed);
+    jw_key(w, "partial_requests"), jw_int(w, r->partial);
+    jw_key(w, "cache_hits"), jw_int(w, r->cache_hits);
+    jw_key(w, "input_tokens"), jw_int(w, r->in_tok);
+    jw_key(w, "output_tokens"), jw_int(w, r->out_tok);
+    jw_key(w, "spend"), jw_usd(w, r->spend);
+    jw_key(w, "reserved_spend"), jw_usd(w, r->reserved);
+}
+
+/* GET /usage/summary (API.md 3.4): totals, every day of the range, each model. */
+static void usage_summary(conn *c) {
+    int64_t start, end;
+    if (range_params(c, &start, &end) < 0) return;
+    char gid[64];
+    uint32_t gf = id_filter(c, "token_group_id", gid, sizeof gid);
+    int days = (int)((end - start) / 86400000);
+    usage_row total = {0}, by_day[31] = {{0}};
+    usage_row *by_model = xcalloc(LG.nnames ? LG.nnames : 1, sizeof *by_model);
+    for (size_t i = ledger_lower(start, LG.n); i < LG.n && LG.ix[i].at < end; i++) {
+        const ledger_entry *e = &LG.ix[i];
+        if (!entry_matches(e, NO_FILTER, gf)) continue;
+        usage_add(&total, e);
+        usage_add(&by_day[(e->at - start) / 86400000], e);
+        usage_add(&by_model[e->model], e);
+    }
+    int64_t now = wall_ms();
+    if (now >= start && now < end) /* what requests in flight hold now belongs to today */
+        for (int i = 0; i < ST.gv.n; i++) {
+            group *g = ST.gv.p[i];
+            if (g && (gf == NO_FILTER || (gf != UINT32_MAX && strcmp(LG.names[gf]->s, g->id) == 0)))
+                total.reserved += g->reserved, by_day[(now - start) / 86400000].reserved += g->reserved;
+        }
+    buf b = {0};
+    jwriter w;
+    char date[64];
+    jw_init(&w, &b), jw_open(&w, '{'), jw_key(&w, "data"), jw_open(&w, '{');
+    jw_key(&w, "token_group_id"), jw_cstr(&w, gid[0] ? gid : NULL);
+    iso_time(start, date), date[10] = 0, jw_key(&w, "start_date"), jw_cstr(&w, date);
+    iso_time(end, date), date[10] = 0, jw_key(&w, "end_date"), jw_cstr(&w, date);
+    jw_key(&w, "totals"), jw_open(&w, '{'), usage_json(&w, &total), jw_close(&w, '}');
+    jw_key(&w, "by_day"), jw_open(&w, '[');
+    for (int d = 0; d < days; d++) {
+        iso_time(start + (int64_t)d * 86400000, date), date[10] = 0;
+        jw_open(&w, '{'), jw_key(&w, "date"), jw_cstr(&w, date), usage_json(&w, &by_day[d]), jw_close(&w, '}');
+    }
+    jw_close(&w, ']');
+    jw_key(&w, "by_model"), jw_open(&w, '[');
+    for (uint32_t k = 0; k < LG.nnames; k++)
+        if (by_model[k].requests) jw_open(&w, '{'), jw_key(&w, "model"), jw_cstr(&w, LG.names[k]->s), usage_json(&w, &by_model[k]), jw_close(&w, '}');
+    jw_close(&w, ']');
+    jw_close(&w, '}'), jw_close(&w, '}');
+    admin_reply(c, 200, 0, 0, b.p, b.len);
+    buf_free(&b);
+    free(by_model);
+}
+
 /* Everything under /v2/llm_token_gateway. */
 static void admin_route(conn *c) {
     const char *t = c->in.p + c->req.target.off;
@@ -4139,11 +4645,17 @@ static void admin_route(conn *c) {
     admin_who who;
     if (admin_auth(c, &who) < 0) return;
     int get = method_is(c, "GET"), post = method_is(c, "POST"), patch = method_is(c, "PATCH"), del = method_is(c, "DELETE");
+    if (strcmp(path, "/spend/events") == 0 || strcmp(path, "/usage/summary") == 0) {
+        int spend = path[1] == 's';
+        if (!get) admin_error(c, 405, "method_not_allowed", NULL, 0, "use GET");
+        else if (admin_allowed(c, &who, spend ? PERM_SPEND_READ : PERM_USAGE_READ)) spend ? spend_events(c) : usage_summary(c);
+        return;
+    }
     char id[64] = "";
     int is_groups = strncmp(path, "/token_groups", 13) == 0, is_keys = strncmp(path, "/token_keys", 11) == 0;
     const char *rest = is_groups ? path + 13 : is_keys ? path + 11 : NULL;
     if (!rest || (*rest && (*rest != '/' || !rest[1] || strchr(rest + 1, '/')))) {
-        admin_error(c, 404, "not_found", NULL, 0, "no such endpoint (the control plane has /token_groups and /token_keys)");
+        admin_error(c, 404, "not_found", NULL, 0, "no such endpoint (the control plane has /token_groups, /token_keys, /spend/events and /usage/summary)");
         return;
     }
     if (*rest) snprintf(id, sizeof id, "%s", rest + 1);
@@ -4199,22 +4711,29 @@ static void admin_route(conn *c) {
     } else keys_delete(c, &who, k);
 }
 
-/* ===== 14. Inference: the proxy path =====
+/* ===== 15. Inference: the proxy path =====
  *
  * IMPLEMENTATION NOTES
- * An exchange is one inference request on its way through ltg. It owns the
- * plan (section 9), the log of its attempts, the upstream connection of
- * the current attempt, and two timers: the deadline of the whole request,
- * and `t`, which is by turns the current attempt's timeout, the backoff
- * before the next attempt, and (once a stream flows) its idle limit.
+ * An exchange is one inference request on its way through ltg. It owns a
+ * copy of the request body, the plan (section 9), the log of its attempts,
+ * the upstream connection of the current attempt, its budget reservation,
+ * and two timers: the deadline of the whole request, and `t`, which is by
+ * turns the current attempt's timeout, the backoff before the next
+ * attempt, and (once a stream flows) its idle limit.
  *
+ *   inference_call(): auth, model, overrides, replay?, parallel, budget, cache?
+ *        |
  *   exchange_attempt() -> up_start() ... exchange_upstream() -> attempt_end()
  *        ^                                                          |
  *        +------------- plan_next(): retry / next model <-----------+
+ *        |
+ *   exchange_settle(): the real cost replaces the reservation, the spend
+ *   event is written, the replay record and the cache are filled
  *
  * The client sees one of two shapes:
  *   - a whole answer (non-streaming, or any error): ltg waits for the
- *     provider's complete body, then writes head and body at once;
+ *     provider's complete body, then writes head and body at once, with
+ *     the request's cost and the budget left in the headers;
  *   - a stream: when the provider answers 200 with text/event-stream, each
  *     complete SSE event is sent on as one HTTP chunk the moment it is
  *     whole. The client's head goes out with the first event, not before:
@@ -4223,6 +4742,10 @@ static void admin_route(conn *c) {
  *     error event and no [DONE], so no client mistakes half an answer for a
  *     whole one.
  *
+ * Streams are metered: ltg asks the provider for a usage chunk
+ * (stream_options.include_usage) and passes it on only to a client that
+ * asked for it itself.
+ *
  * Timing. The per-attempt timeout (request_timeout_ms) runs to the response
  * head, or for a stream to its first event. The deadline (x-ltg-deadline,
  * 30 s by default) bounds everything before the answer starts: no attempt
@@ -4230,13 +4753,23 @@ static void admin_route(conn *c) {
  * running attempt is cut when it passes, and the client gets 504 at once.
  * A stream that has started is then bounded by inactivity instead.
  *
- * A client that goes away cancels its upstream request: the connection is
- * closed, never returned to the pool mid-answer. Back-pressure: when the
- * client does not read and more than OUT_HIGH_WATER bytes wait for it, ltg
- * stops reading the provider (up_pause); TCP then slows the provider down.
+ * A client that goes away cancels its upstream request (the connection is
+ * closed, never returned to the pool mid-answer) -- unless the request
+ * carries an Idempotency-Key: then it runs to its end without the client,
+ * and its answer waits for the client's retry, which is the point of the
+ * key. Back-pressure: when the client does not read and more than
+ * OUT_HIGH_WATER bytes wait for it, ltg stops reading the provider.
  */
 #define MAX_CHAIN (1 + MAX_FALLBACKS)
 #define MAX_ATTEMPT_LOG (MAX_CHAIN * 5)
+#define REPLAY_MAX_BYTES (8 << 20) /* the largest answer kept for an idempotent replay */
+
+enum { CACHE_NONE, CACHE_MISS, CACHE_BYPASS };
+
+typedef struct {
+    uint32_t at, end;     /* the bytes of the client's body it replaces */
+    char *text;           /* what replaces them */
+} body_edit;
 
 typedef struct {
     int model;            /* index in the chain */
@@ -4247,14 +4780,18 @@ typedef struct {
 } attempt_entry;
 
 struct exchange {
-    conn *c;
+    conn *c;              /* NULL once the client left an idempotent request */
+    char rid[32];
     char group_id[37], key_id[37]; /* by id: the group may be changed or deleted meanwhile */
     catalog *cat;         /* held: the models and providers live in it */
     model *chain[MAX_CHAIN];
     int nchain;
-    int stream;
+    int stream, cache_mode;
+    int hide_usage;       /* ltg asked for the usage chunk: keep it from the client */
     const char *path;     /* the upstream path: /chat/completions or /embeddings */
-    uint32_t model_at, model_end; /* the "model" value, quotes included, in the client's body */
+    buf body;             /* the client's body */
+    body_edit edit[2];    /* the body's rewrites, in body order */
+    int nedit;
     retry_policy rp;      /* the group's, with the request's overrides */
     long long deadline_ms;
     attempt_plan plan;
@@ -4269,40 +4806,56 @@ struct exchange {
     timer deadline, t;
     int last_status;      /* of the last failure: what the client gets when all fail */
     char last_reason[200];
+    int64_t reserved;     /* micro-USD held against the group's budget */
+    long long in_tok, out_tok;
+    int usage_known;
+    inf_idem *idem;       /* the replay record this request fills */
+    buf record;           /* a stream's events, for that record */
+    int record_full;      /* too long to keep for a replay */
+    uint8_t cache_key[32];
 };
+
+static model *exchange_model(exchange *x) { return x->chain[x->plan.model]; }
+
+static void x_send(exchange *x, const void *p, size_t n) {
+    if (x->c) conn_send(x->c, p, n);
+}
+
+static void x_head(exchange *x, int status, const char *ctype, long long length, const char *extra) {
+    if (x->c) conn_head(x->c, status, ctype, length, extra);
+}
 
 static void exchange_free(exchange *x) {
     group *g = group_find(x->group_id);
     if (g) g->inflight--;
-    if (x->probe) breaker_forget_probe(x->chain[x->plan.model]);
+    if (x->probe) breaker_forget_probe(exchange_model(x));
+    if (x->idem && !x->idem->done) { /* no answer to keep: a retry may try afresh */
+        hmap_del(&INF_IDEM, x->idem->key, 32);
+        inf_idem_free(x->idem);
+    }
     timer_stop(&x->deadline), timer_stop(&x->t);
     if (x->u) up_release(x->u);
-    buf_free(&x->req);
+    for (int i = 0; i < x->nedit; i++) free(x->edit[i].text);
+    buf_free(&x->req), buf_free(&x->body), buf_free(&x->record);
     catalog_release(x->cat);
+    S.nexchanges--;
     free(x);
 }
 
-/* The request is over for the client too: free it and let the connection
- * go on to its next request. */
+/* The request is over: free it and let the connection (if the client is
+ * still there) go on to its next request. */
 static void exchange_end(exchange *x) {
     conn *c = x->c;
-    c->x = NULL;
     exchange_free(x);
-    conn_done(c);
+    if (c) c->x = NULL, conn_done(c);
 }
-
-/* The client went away (see conn_close): drop everything. */
-static void exchange_abort(exchange *x) {
-    x->c->x = NULL;
-    exchange_free(x);
-}
-
-static model *exchange_model(exchange *x) { return x->chain[x->plan.model]; }
 
 /* The x-ltg headers every chat and embeddings answer carries (API.md 4.1). */
 static void exchange_headers(exchange *x, int status, buf *h) {
-    buf_printf(h, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: %d\r\n", x->c->rid, x->c->rid, x->attempts);
+    buf_printf(h, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: %d\r\n", x->rid, x->rid, x->attempts);
     if (status >= 200 && status < 300) buf_printf(h, "x-ltg-served-model: %s\r\n", exchange_model(x)->alias);
+    if (x->cache_mode == CACHE_MISS) buf_puts(h, "x-ltg-cache: miss\r\n");
+    if (x->cache_mode == CACHE_BYPASS) buf_puts(h, "x-ltg-cache: bypass\r\n");
 }
 
 /* The attempt log as JSON (the shape of the ledger's attempt_log). */
@@ -4321,13 +4874,102 @@ static void exchange_attempts_json(exchange *x, jwriter *w) {
     jw_close(w, ']');
 }
 
-/* Send one piece of the stream as an HTTP chunk. */
+/* Send one piece of the stream as an HTTP chunk (and keep it for a replay). */
 static void exchange_chunk(exchange *x, const char *p, size_t n) {
     char size[32];
     int k = snprintf(size, sizeof size, "%zx\r\n", n);
-    conn_send(x->c, size, (size_t)k);
-    conn_send(x->c, p, n);
-    conn_send(x->c, "\r\n", 2);
+    x_send(x, size, (size_t)k);
+    x_send(x, p, n);
+    x_send(x, "\r\n", 2);
+    if (x->idem && x->record.len + n <= REPLAY_MAX_BYTES) buf_append(&x->record, p, n);
+    else if (x->idem) x->record_full = 1;
+}
+
+/* The usage object of a JSON answer or event (s[0..n)), if it has one. */
+static int usage_read(const char *s, size_t n, long long *in, long long *out) {
+    json_tok t[128];
+    json_result res;
+    if (json_parse(s, n, t, 128, 2, &res) < 0) return 0;
+    int u = json_get(s, t, 0, "usage");
+    if (u < 0 || t[u].type != JSON_OBJECT) return 0;
+    *in = 0, *out = 0;
+    json_int(s, t, json_get(s, t, u, "prompt_tokens"), in);
+    json_int(s, t, json_get(s, t, u, "completion_tokens"), out);
+    return 1;
+}
+
+/* Replace the reservation by what the request costs, and write its spend
+ * event (and its replay record). `served`: the chain index of the model
+ * that answered, or -1. Returns the cost in micro-USD, -1 when unknown. */
+static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int served, int cache_hit, int keep_answer) {
+    model *m = served >= 0 ? x->chain[served] : NULL;
+    int64_t cost = -1, charged = 0;
+    if (cache_hit) cost = 0;
+    else if (x->usage_known && m) cost = (int64_t)llround((double)x->in_tok * m->in_price + (double)x->out_tok * m->out_price);
+    if (cost >= 0) charged = cost;
+    else if (ev_status != EV_FAILED) charged = x->reserved; /* an answer whose usage never came: the worst case */
+    group *g = group_find(x->group_id);
+    int64_t now = wall_ms();
+    if (LG.n && now < LG.ix[LG.n - 1].at) now = LG.ix[LG.n - 1].at; /* the ledger never goes back in time */
+    if (g) {
+        budget_refresh(g, now);
+        g->reserved -= x->reserved;
+        g->spend += charged;
+    }
+    x->reserved = 0;
+    /* The spend event, in the shape of API.md 3.4. */
+    char id[37], ts[64];
+    buf e = {0};
+    jwriter w;
+    jw_init(&w, &e);
+    uuid_new(id);
+    iso_time(now, ts);
+    jw_open(&w, '{');
+    jw_key(&w, "id"), jw_cstr(&w, id);
+    jw_key(&w, "record_type"), jw_cstr(&w, "spend_event");
+    jw_key(&w, "request_id"), jw_cstr(&w, x->rid);
+    jw_key(&w, "created_at"), jw_cstr(&w, ts);
+    jw_key(&w, "token_key_id"), jw_cstr(&w, x->key_id);
+    jw_key(&w, "token_group_id"), jw_cstr(&w, x->group_id);
+    jw_key(&w, "requested_model"), jw_cstr(&w, x->chain[0]->alias);
+    jw_key(&w, "model"), jw_cstr(&w, m ? m->alias : NULL);
+    jw_key(&w, "attempts"), jw_int(&w, x->attempts);
+    jw_key(&w, "status"), jw_cstr(&w, ev_status_names[ev_status]);
+    jw_key(&w, "http_status"), jw_int(&w, http_status);
+    jw_key(&w, "cache_hit"), jw_bool(&w, cache_hit);
+    jw_key(&w, "input_tokens");
+    if (x->usage_known || cache_hit) jw_int(&w, x->in_tok);
+    else jw_null(&w);
+    jw_key(&w, "output_tokens");
+    if (x->usage_known || cache_hit) jw_int(&w, x->out_tok);
+    else jw_null(&w);
+    jw_key(&w, "cost");
+    if (cost >= 0) jw_usd(&w, cost);
+    else jw_null(&w);
+    jw_key(&w, "usage_status"), jw_cstr(&w, x->usage_known || cache_hit ? "reported" : "unknown");
+    jw_key(&w, "latency_ms"), jw_int(&w, S.now - x->started);
+    jw_key(&w, "attempt_log"), exchange_attempts_json(x, &w);
+    jw_close(&w, '}');
+    ledger_entry le = {.at = now, .key = intern(x->key_id, 1), .group = intern(x->group_id, 1),
+                       .in_tok = (uint32_t)x->in_tok, .out_tok = (uint32_t)x->out_tok,
+                       .model = (uint16_t)intern(m ? m->alias : x->chain[0]->alias, 1), .status = (uint8_t)ev_status,
+                       .cache_hit = (uint8_t)cache_hit, .cost = cost, .charged = charged};
+    /* An idempotent request keeps a whole answer (a success, or the
+     * provider's own refusal) for its retries; a failure is not kept, so a
+     * retry tries afresh. */
+    buf replay = {0};
+    inf_idem *r = x->idem;
+    if (r && keep_answer) {
+        r->done = 1, r->status = http_status, r->stream = x->stream && x->head_sent;
+        r->expires = now + IDEM_TTL_MS;
+        snprintf(r->served, sizeof r->served, "%s", m ? m->alias : "");
+        if (r->stream) r->answer = x->record.p, r->len = x->record.len, x->record = (buf){0};
+        else r->answer = xmalloc(x->u->body.len + 1), memcpy(r->answer, x->u->body.p, x->u->body.len), r->len = x->u->body.len;
+        inf_idem_json(&replay, r);
+    }
+    ledger_append(&le, e.p, e.len, replay.p);
+    buf_free(&e), buf_free(&replay);
+    return cost;
 }
 
 /* No answer to relay: an OpenAI-shaped error whose error.attempts lists
@@ -4340,36 +4982,51 @@ static void exchange_fail(exchange *x, int status, const char *code, const char 
     jw_key(&w, "message"), jw_cstr(&w, msg);
     jw_key(&w, "type"), jw_cstr(&w, x->head_sent ? "upstream_error" : status == 504 ? "timeout_error" : "upstream_error");
     if (x->head_sent) {
+        exchange_settle(x, 200, EV_PARTIAL, x->plan.model, 0, 0);
         jw_key(&w, "code"), jw_cstr(&w, "stream_interrupted");
         jw_close(&w, '}'), jw_close(&w, '}');
         buf_printf(&h, "data: %s\n\n", b.p);
         exchange_chunk(x, h.p, h.len);
-        conn_send(x->c, "0\r\n\r\n", 5); /* the chunked framing ends cleanly: the connection stays usable */
+        x_send(x, "0\r\n\r\n", 5); /* the chunked framing ends cleanly: the connection stays usable */
     } else {
+        exchange_settle(x, status, EV_FAILED, -1, 0, 0);
         jw_key(&w, "param"), jw_null(&w);
         jw_key(&w, "code"), jw_cstr(&w, code);
         jw_key(&w, "attempts"), exchange_attempts_json(x, &w);
         jw_close(&w, '}'), jw_close(&w, '}');
         exchange_headers(x, status, &h);
         if (status == 503 || status == 429) buf_puts(&h, "Retry-After: 1\r\n");
-        conn_head(x->c, status, "application/json", (long long)b.len, h.p);
-        conn_send(x->c, b.p, b.len);
+        x_head(x, status, "application/json", (long long)b.len, h.p);
+        x_send(x, b.p, b.len);
     }
     buf_free(&b), buf_free(&h);
     exchange_end(x);
 }
 
-/* Relay the provider's whole answer (a success, or a terminal error). */
+/* Relay the provider's whole answer (a success, or a terminal error), with
+ * what it cost. */
 static void exchange_relay(exchange *x) {
     upstream *u = x->u;
+    int status = u->resp.status, ok = status >= 200 && status < 300;
+    if (ok) x->usage_known = usage_read(u->body.p, u->body.len, &x->in_tok, &x->out_tok);
     size_t n;
     const char *ct = http_header_get(u->head.p, u->resp.h, u->resp.nh, "content-type", &n);
     char ctype[128];
     snprintf(ctype, sizeof ctype, "%.*s", ct ? (int)(n < 127 ? n : 127) : 16, ct ? ct : "application/json");
+    if (ok && x->cache_mode == CACHE_MISS && status == 200) {
+        group *g = group_find(x->group_id);
+        if (g && g->cache_ttl > 0)
+            cache_put(x->cache_key, u->body.p, u->body.len, exchange_model(x)->alias, (uint32_t)x->in_tok, (uint32_t)x->out_tok, g->cache_ttl * 1000);
+    }
+    int64_t cost = exchange_settle(x, status, ok ? EV_SUCCEEDED : EV_FAILED, ok ? x->plan.model : -1, 0, 1);
     buf h = {0};
-    exchange_headers(x, u->resp.status, &h);
-    conn_head(x->c, u->resp.status, ctype, (long long)u->body.len, h.p);
-    conn_send(x->c, u->body.p, u->body.len);
+    exchange_headers(x, status, &h);
+    buf_printf(&h, "x-ltg-cost: %.6f\r\n", cost > 0 ? (double)cost / MICRO : 0.0);
+    group *g = group_find(x->group_id);
+    double left = g ? budget_remaining(g) : -1;
+    if (left >= 0) buf_printf(&h, "x-ltg-budget-remaining: %.6f\r\n", left);
+    x_head(x, status, ctype, (long long)u->body.len, h.p);
+    x_send(x, u->body.p, u->body.len);
     buf_free(&h);
     exchange_end(x);
 }
@@ -4377,9 +5034,9 @@ static void exchange_relay(exchange *x) {
 static void exchange_attempt(exchange *x);
 
 /* The current attempt ended with outcome o (status: the upstream's, or 0).
- * Log it, tell the breaker, and follow the plan. */
-/* `fail_status` is what the client gets if this failure is the last: the
- * upstream's status, 504 for a timeout, 502 for a connection failure. */
+ * Log it, tell the breaker, and follow the plan. `fail_status` is what the
+ * client gets if this failure is the last: the upstream's status, 504 for a
+ * timeout, 502 for a connection failure. */
 static void attempt_end(exchange *x, attempt_outcome o, int status, int fail_status, const char *reason) {
     model *m = exchange_model(x);
     if (x->nlog < MAX_ATTEMPT_LOG)
@@ -4413,28 +5070,33 @@ static void attempt_end(exchange *x, attempt_outcome o, int status, int fail_sta
     exchange_fail(x, x->last_status, "upstream_error", msg);
 }
 
-/* Build the request for the current model: the client's body with "model"
- * rewritten to the provider's name for it, and the provider's key. */
+/* Build the request for the current model: the client's body with its
+ * rewrites ("model" to the provider's name for it, and a stream's usage
+ * request), and the provider's key. */
 static void exchange_build(exchange *x) {
     model *m = exchange_model(x);
     provider *p = m->p;
-    const char *body = x->c->body.p;
-    size_t blen = x->c->body.len;
-    buf name = {0};
+    buf name = {0}, body = {0};
     jwriter w;
     jw_init(&w, &name);
     jw_cstr(&w, m->upstream);
+    x->edit[0].text = name.p; /* edit 0 is always "model" */
+    uint32_t at = 0;
+    for (int i = 0; i < x->nedit; i++) {
+        buf_append(&body, x->body.p + at, x->edit[i].at - at);
+        buf_puts(&body, x->edit[i].text);
+        at = x->edit[i].end;
+    }
+    buf_append(&body, x->body.p + at, x->body.len - at);
+    x->edit[0].text = NULL;
     x->req.len = 0;
     buf_printf(&x->req, "POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %zu\r\n"
                         "Accept: %s\r\nAccept-Encoding: identity\r\nUser-Agent: ltg/0.1\r\n",
-               p->base_path, x->path, p->hostport, blen - (x->model_end - x->model_at) + name.len,
-               x->stream ? "text/event-stream" : "application/json");
+               p->base_path, x->path, p->hostport, body.len, x->stream ? "text/event-stream" : "application/json");
     if (p->api_key) buf_printf(&x->req, "Authorization: Bearer %s\r\n", p->api_key);
     buf_puts(&x->req, "\r\n");
-    buf_append(&x->req, body, x->model_at);
-    buf_append(&x->req, name.p, name.len);
-    buf_append(&x->req, body + x->model_end, blen - x->model_end);
-    buf_free(&name);
+    buf_append(&x->req, body.p, body.len);
+    buf_free(&name), buf_free(&body);
 }
 
 /* Start the attempt the plan points at, skipping models whose breaker is
@@ -4488,11 +5150,34 @@ static void exchange_deadline(void *ctx) {
     exchange_fail(x, 504, "deadline_exceeded", msg);
 }
 
+/* One SSE event of a metered stream: read its usage, and say whether it is
+ * the usage chunk ltg asked for on its own (to be kept from the client). */
+static int stream_event_usage(exchange *x, const char *ev, size_t n) {
+    if (!memmem(ev, n, "\"usage\"", 7)) return 0;
+    const char *data = memmem(ev, n, "data:", 5);
+    if (!data) return 0;
+    data += 5;
+    const char *end = memchr(data, '\n', (size_t)(ev + n - data));
+    size_t len = (size_t)((end ? end : ev + n) - data);
+    long long in, out;
+    if (!usage_read(data, len, &in, &out)) return 0;
+    x->in_tok = in, x->out_tok = out, x->usage_known = 1;
+    if (!x->hide_usage) return 0;
+    json_tok t[128];
+    json_result res;
+    if (json_parse(data, len, t, 128, 1, &res) < 0) return 0;
+    int ch = json_get(data, t, 0, "choices");
+    return ch < 0 || (t[ch].type == JSON_ARRAY && t[ch].size == 0);
+}
+
 /* Relay the stream's complete events; end it when the provider's body ends. */
 static void exchange_relay_stream(exchange *x) {
     upstream *u = x->u;
     size_t off = 0, n;
     while ((n = sse_event_len(u->body.p + off, u->body.len - off)) > 0) {
+        const char *ev = u->body.p + off;
+        off += n;
+        if (stream_event_usage(x, ev, n)) continue;
         if (!x->head_sent) { /* the first event: the answer starts, the attempt has succeeded */
             if (x->nlog < MAX_ATTEMPT_LOG)
                 x->log[x->nlog++] = (attempt_entry){x->plan.model, x->plan.attempt, 200, OUTCOME_OK, (int)(S.now - x->attempt_started)};
@@ -4501,19 +5186,19 @@ static void exchange_relay_stream(exchange *x) {
             buf h = {0};
             exchange_headers(x, 200, &h);
             buf_puts(&h, "Cache-Control: no-cache\r\n");
-            conn_head(x->c, 200, "text/event-stream", -1, h.p);
+            x_head(x, 200, "text/event-stream", -1, h.p);
             buf_free(&h);
             x->head_sent = 1;
         }
-        exchange_chunk(x, u->body.p + off, n);
-        off += n;
+        exchange_chunk(x, ev, n);
     }
     buf_consume(&u->body, off);
     if (x->head_sent) timer_set(&x->t, STREAM_IDLE_MS);
     if (u->complete) {
         if (!x->head_sent) { attempt_end(x, OUTCOME_INDETERMINATE, 200, 502, "the stream ended before its first event"); return; }
         if (u->body.len) exchange_chunk(x, u->body.p, u->body.len); /* no final blank line: pass the rest on */
-        conn_send(x->c, "0\r\n\r\n", 5);
+        x_send(x, "0\r\n\r\n", 5);
+        exchange_settle(x, 200, EV_SUCCEEDED, x->plan.model, 0, !x->record_full);
         exchange_end(x);
         return;
     }
@@ -4522,7 +5207,7 @@ static void exchange_relay_stream(exchange *x) {
         else attempt_end(x, OUTCOME_INDETERMINATE, 200, 502, "an SSE event larger than 1 MiB");
         return;
     }
-    if (conn_unsent(x->c) > OUT_HIGH_WATER) up_pause(u, 1);
+    if (x->c && conn_unsent(x->c) > OUT_HIGH_WATER) up_pause(u, 1);
 }
 
 /* The client has read what was waiting: resume the provider. */
@@ -4557,6 +5242,18 @@ static void exchange_upstream(exchange *x) {
     if (attempt_context_length(status, u->body.p, u->body.len)) snprintf(reason, sizeof reason, "context length exceeded (%d)", status);
     else snprintf(reason, sizeof reason, "answered %d", status);
     attempt_end(x, o, status, status, reason);
+}
+
+/* The client went away (see conn_close). Without an Idempotency-Key the
+ * request is cancelled; with one it runs on, and its answer waits for the
+ * client's retry. */
+static void exchange_abort(exchange *x) {
+    x->c->x = NULL;
+    x->c = NULL;
+    if (x->idem) return;
+    if (x->head_sent) exchange_settle(x, 200, EV_PARTIAL, x->plan.model, 0, 0);
+    else exchange_settle(x, 499, EV_FAILED, -1, 0, 0); /* 499: nginx's "client closed the request" */
+    exchange_free(x);
 }
 
 /* The request's token key and its group, or NULL after answering 401/403.
@@ -4598,7 +5295,7 @@ static int override_int(conn *c, const char *name, long long lo, long long hi, l
 }
 
 /* The group's retry policy with the request's x-ltg-* overrides; LTG_ERR after a 400. */
-static int inference_policy(conn *c, const group *g, retry_policy *rp, long long *deadline_ms) {
+static int inference_policy(conn *c, const group *g, retry_policy *rp, long long *deadline_ms, int *bypass) {
     *rp = g->has_retries ? g->retries : retry_defaults();
     *deadline_ms = DEFAULT_DEADLINE_MS;
     long long v;
@@ -4619,10 +5316,65 @@ static int inference_policy(conn *c, const group *g, retry_policy *rp, long long
         if (!backoff_names[k]) { conn_error(c, 400, "invalid_request", "the header x-ltg-backoff must be constant, linear or exponential"); return LTG_ERR; }
         rp->backoff = k;
     }
+    const char *cb = http_header_get(c->in.p, c->req.h, c->req.nh, "x-ltg-cache", &n);
+    *bypass = cb != NULL;
+    if (cb && ascii_casecmp_n(cb, n, "bypass") != 0) { conn_error(c, 400, "invalid_request", "the header x-ltg-cache takes one value: bypass"); return LTG_ERR; }
     return 0;
 }
 
-/* POST /v1/chat/completions and /v1/embeddings. */
+/* An idempotent request's first answer, again (API.md 4.4). */
+static void inference_replay(conn *c, const inf_idem *r) {
+    buf h = {0};
+    buf_printf(&h, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: 0\r\nx-ltg-replayed: true\r\n", c->rid, c->rid);
+    if (r->status >= 200 && r->status < 300) buf_printf(&h, "x-ltg-served-model: %s\r\n", r->served);
+    if (r->stream) {
+        char size[32];
+        int k = snprintf(size, sizeof size, "%zx\r\n", r->len);
+        conn_head(c, r->status, "text/event-stream", -1, h.p);
+        if (r->len) conn_send(c, size, (size_t)k), conn_send(c, r->answer, r->len), conn_send(c, "\r\n", 2);
+        conn_send(c, "0\r\n\r\n", 5);
+        conn_done(c);
+    } else conn_reply(c, r->status, "application/json", h.p, r->answer, r->len);
+    buf_free(&h);
+}
+
+/* The worst case of a request (API.md 4.5), in micro-USD: the body's bytes
+ * / 3 as prompt tokens at the input price, plus max_tokens (or
+ * max_completion_tokens, or the model's max_output_tokens) at the output
+ * price -- at the dearest model of the chain, since any of them may answer. */
+static int64_t worst_case(model *const *chain, int n, size_t body_len, long long max_tokens) {
+    double worst = 0;
+    long long prompt = (long long)(body_len + 2) / 3;
+    for (int i = 0; i < n; i++) {
+        double w = (double)prompt * chain[i]->in_price + (double)(max_tokens > 0 ? max_tokens : chain[i]->max_output_tokens) * chain[i]->out_price;
+        if (w > worst) worst = w;
+    }
+    return (int64_t)ceil(worst);
+}
+
+/* How a stream's body asks for its usage chunk: an edit (text NULL when the
+ * client asked for it already; *hide then 0). LTG_ERR with *why when
+ * stream_options is not an object. */
+static int usage_edit(const char *body, const json_tok *t, int so, body_edit *e, int *hide, const char **why) {
+    *hide = 1;
+    if (so < 0) { *e = (body_edit){t[0].end - 1, t[0].end - 1, xstrdup(",\"stream_options\":{\"include_usage\":true}")}; return 0; }
+    if (t[so].type == JSON_NULL) { *e = (body_edit){t[so].start, t[so].end, xstrdup("{\"include_usage\":true}")}; return 0; }
+    json_tok st[64];
+    json_result res;
+    const char *o = body + t[so].start;
+    if (t[so].type != JSON_OBJECT || json_parse(o, t[so].end - t[so].start, st, 64, 1, &res) < 0) {
+        *why = "\"stream_options\" must be an object, e.g. {\"include_usage\": true}";
+        return LTG_ERR;
+    }
+    int iu = json_get(o, st, 0, "include_usage");
+    if (iu >= 0 && st[iu].type == JSON_TRUE) { *e = (body_edit){0, 0, NULL}, *hide = 0; return 0; }
+    if (iu >= 0) *e = (body_edit){t[so].start + st[iu].start, t[so].start + st[iu].end, xstrdup("true")}; /* ltg meters every stream */
+    else *e = (body_edit){t[so].start + 1, t[so].start + 1, xstrdup(st[0].size ? "\"include_usage\":true," : "\"include_usage\":true")};
+    return 0;
+}
+
+/* POST /v1/chat/completions and /v1/embeddings: every check, then the
+ * replay, the cache or the exchange. */
 static void inference_call(conn *c, const char *upstream_path, int can_stream) {
     group *g;
     tkey *key = inference_auth(c, &g);
@@ -4647,54 +5399,115 @@ static void inference_call(conn *c, const char *upstream_path, int can_stream) {
     json_unescape(body, t, mv, &name);
     if (!name.p) buf_reserve(&name, 0);
     model *m = catalog_model(S.cat, name.p, name.len);
-    if (!group_allows(g, name.p)) {
-        conn_error(c, 403, "model_not_allowed", "this key may not call \"%.200s\" (GET /v1/models lists the models it may call)", name.p);
-        buf_free(&name);
-        return;
-    }
-    if (!m) {
-        conn_error(c, 404, "model_not_found", "the model \"%.200s\" is no longer in this gateway's catalog", name.p);
-        buf_free(&name);
-        return;
-    }
-    int sv = json_get(body, t, 0, "stream");
-    if (sv >= 0 && t[sv].type != JSON_TRUE && t[sv].type != JSON_FALSE && t[sv].type != JSON_NULL) {
-        conn_error(c, 400, "invalid_request", "\"stream\" must be true or false");
-        buf_free(&name);
-        return;
-    }
-    int stream = sv >= 0 && t[sv].type == JSON_TRUE;
+    int sv = json_get(body, t, 0, "stream"), mt = json_get(body, t, 0, "max_tokens");
+    if (mt < 0) mt = json_get(body, t, 0, "max_completion_tokens");
+    int stream = sv >= 0 && t[sv].type == JSON_TRUE, bypass = 0, hide = 0;
+    long long max_tokens = 0, deadline_ms = 0;
     retry_policy rp;
-    long long deadline_ms;
-    if (stream && !can_stream) conn_error(c, 400, "invalid_request", "this endpoint does not stream: remove \"stream\"");
-    else if (inference_policy(c, g, &rp, &deadline_ms) < 0) { /* answered */ }
+    body_edit usage = {0, 0, NULL};
+    const char *why = NULL;
+    inf_idem *replay = NULL;
+    uint8_t idem_key[32], body_hash[32];
+    size_t ikn;
+    const char *ik = http_header_get(c->in.p, c->req.h, c->req.nh, "idempotency-key", &ikn);
+    if (ik) { /* keyed by the token key: one client's keys never meet another's */
+        br_sha256_context h;
+        br_sha256_init(&h);
+        br_sha256_update(&h, key->id, 36);
+        br_sha256_update(&h, ik, ikn);
+        br_sha256_out(&h, idem_key);
+        sha256(body, c->body.len, body_hash);
+        replay = inf_idem_find(idem_key);
+    }
+    /* The chain: [M] + fallbacks[M], as far as the catalog still has them. */
+    model *chain[MAX_CHAIN] = {m};
+    int nchain = 1;
+    for (int i = 0; m && i < g->nfb; i++)
+        if (strcmp(g->fb[i].model, name.p) == 0)
+            for (int k = 0; k < g->fb[i].n; k++) {
+                model *f = catalog_model(S.cat, g->fb[i].to[k], strlen(g->fb[i].to[k]));
+                if (f && nchain < MAX_CHAIN) chain[nchain++] = f;
+            }
+    int64_t worst = 0;
+    if (!group_allows(g, name.p))
+        conn_error(c, 403, "model_not_allowed", "this key may not call \"%.200s\" (GET /v1/models lists the models it may call)", name.p);
+    else if (!m)
+        conn_error(c, 404, "model_not_found", "the model \"%.200s\" is no longer in this gateway's catalog", name.p);
+    else if (sv >= 0 && t[sv].type != JSON_TRUE && t[sv].type != JSON_FALSE && t[sv].type != JSON_NULL)
+        conn_error(c, 400, "invalid_request", "\"stream\" must be true or false");
+    else if (stream && !can_stream)
+        conn_error(c, 400, "invalid_request", "this endpoint does not stream: remove \"stream\"");
+    else if (mt >= 0 && (json_int(body, t, mt, &max_tokens) < 0 || max_tokens < 1))
+        conn_error(c, 400, "invalid_request", "\"max_tokens\" must be a whole number >= 1");
+    else if (stream && usage_edit(body, t, json_get(body, t, 0, "stream_options"), &usage, &hide, &why) < 0)
+        conn_error(c, 400, "invalid_request", "%s", why);
+    else if (ik && (ikn == 0 || ikn > 255))
+        conn_error(c, 400, "invalid_request", "Idempotency-Key must be 1 to 255 characters");
+    else if (inference_policy(c, g, &rp, &deadline_ms, &bypass) < 0) { /* answered */ }
+    else if (replay && memcmp(replay->body, body_hash, 32) != 0)
+        conn_error(c, 409, "idempotency_conflict", "this Idempotency-Key was used with a different request body: use a new key for a new request");
+    else if (replay && !replay->done)
+        conn_error_h(c, 409, "idempotency_in_flight", "Retry-After: 1\r\n", "the first request with this Idempotency-Key is still in flight: retry shortly to get its answer");
+    else if (replay)
+        inference_replay(c, replay);
     else if (g->max_parallel > 0 && g->inflight >= g->max_parallel)
         conn_error_h(c, 429, "too_many_parallel_requests", "Retry-After: 1\r\n",
                      "this key's group allows %lld requests at a time and all are in flight: retry shortly", g->max_parallel);
+    else if (budget_refresh(g, wall_ms()), worst = worst_case(chain, nchain, c->body.len, max_tokens),
+             g->has_budget && g->spend + g->reserved + worst > usd_to_micro(g->max_budget))
+        conn_error(c, 403, "budget_exceeded", "this group's budget of %.6f USD%s has %.6f USD left, and this request may cost up to %.6f USD",
+                   g->max_budget, g->budget_days ? " per period" : "", budget_remaining(g), (double)worst / MICRO);
     else {
         exchange *x = xcalloc(1, sizeof *x);
-        x->c = c, x->cat = S.cat, x->stream = stream, x->path = upstream_path;
+        x->c = c, x->cat = S.cat, x->stream = stream, x->path = upstream_path, x->hide_usage = hide;
         x->cat->refs++;
+        S.nexchanges++;
+        memcpy(x->rid, c->rid, sizeof x->rid);
         memcpy(x->group_id, g->id, 37), memcpy(x->key_id, key->id, 37);
-        g->inflight++;
-        /* The chain: [M] + fallbacks[M], as far as the catalog still has them. */
-        x->chain[x->nchain++] = m;
-        for (int i = 0; i < g->nfb; i++)
-            if (strcmp(g->fb[i].model, name.p) == 0)
-                for (int k = 0; k < g->fb[i].n; k++) {
-                    model *f = catalog_model(S.cat, g->fb[i].to[k], strlen(g->fb[i].to[k]));
-                    if (f && x->nchain < MAX_CHAIN) x->chain[x->nchain++] = f;
-                }
-        x->model_at = t[mv].start - 1, x->model_end = t[mv].end + 1;
+        memcpy(x->chain, chain, sizeof chain), x->nchain = nchain;
+        buf_append(&x->body, body, c->body.len);
+        x->edit[x->nedit++] = (body_edit){t[mv].start - 1, t[mv].end + 1, NULL}; /* "model": see exchange_build */
+        if (usage.text) x->edit[x->nedit++] = usage, usage.text = NULL;
+        if (x->nedit == 2 && x->edit[1].at < x->edit[0].at) { /* in body order */
+            body_edit e = x->edit[0];
+            x->edit[0] = x->edit[1], x->edit[1] = e;
+        }
         x->rp = rp, x->deadline_ms = deadline_ms;
-        x->plan = plan_start(x->nchain, rp.max_attempts);
+        x->plan = plan_start(nchain, rp.max_attempts);
         x->started = S.now;
+        x->reserved = worst;
+        g->inflight++, g->reserved += worst;
         timer_init(&x->deadline, exchange_deadline, x);
         timer_init(&x->t, exchange_timer, x);
-        timer_set(&x->deadline, deadline_ms);
-        c->x = x;
-        exchange_attempt(x);
+        if (g->cache_ttl > 0) x->cache_mode = stream || bypass ? CACHE_BYPASS : CACHE_MISS;
+        if (x->cache_mode == CACHE_MISS) cache_keyof(g->id, name.p, body, c->body.len, x->cache_key);
+        cache_entry *hit = x->cache_mode == CACHE_MISS ? cache_get(x->cache_key) : NULL;
+        if (hit) { /* every policy check passed first: a cached answer never bypasses them */
+            x->in_tok = hit->in_tok, x->out_tok = hit->out_tok;
+            for (int i = 0; i < x->nchain; i++)
+                if (strcmp(x->chain[i]->alias, hit->served) == 0) x->plan.model = i;
+            exchange_settle(x, 200, EV_SUCCEEDED, x->plan.model, 1, 0);
+            buf h = {0};
+            buf_printf(&h, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: 0\r\nx-ltg-served-model: %s\r\n"
+                           "x-ltg-cache: hit\r\nx-ltg-cost: 0.000000\r\n", x->rid, x->rid, hit->served);
+            double left = budget_remaining(g);
+            if (left >= 0) buf_printf(&h, "x-ltg-budget-remaining: %.6f\r\n", left);
+            x->c = NULL;
+            exchange_free(x);
+            conn_reply(c, 200, "application/json", h.p, hit->body, hit->len);
+            buf_free(&h);
+        } else {
+            if (ik) {
+                x->idem = xcalloc(1, sizeof *x->idem);
+                memcpy(x->idem->key, idem_key, 32), memcpy(x->idem->body, body_hash, 32);
+                hmap_put(&INF_IDEM, x->idem);
+            }
+            timer_set(&x->deadline, deadline_ms);
+            c->x = x;
+            exchange_attempt(x);
+        }
     }
+    free(usage.text);
     buf_free(&name);
 }
 
@@ -4724,13 +5537,13 @@ static void inference_models(conn *c) {
     buf_free(&b), buf_free(&h);
 }
 
-/* ===== 15. Routing =====
+/* ===== 16. Routing =====
  *
  * IMPLEMENTATION NOTES
  * Both listeners share the HTTP server; `conn.admin` says which one a
  * connection came from, and so which endpoints and which error shape it
- * gets: the control plane (section 13) on the admin listener, the OpenAI
- * API (section 14) on the inference listener, /healthz on both.
+ * gets: the control plane (section 14) on the admin listener, the OpenAI
+ * API (section 15) on the inference listener, /healthz on both.
  */
 static void route(conn *c) {
     snprintf(c->rid, sizeof c->rid, "req_%016llx%08llx", (unsigned long long)rng_next(), (unsigned long long)(++S.request_seq & 0xffffffff));
@@ -4762,7 +5575,7 @@ static void route(conn *c) {
     conn_error(c, 404, "not_found", "no such endpoint (ltg serves /v1/chat/completions, /v1/embeddings and /v1/models)");
 }
 
-/* ===== 16. main =====
+/* ===== 17. main =====
  *
  * IMPLEMENTATION NOTES
  * Start-up: options, the catalog, the fd table sized from the connection
@@ -4851,7 +5664,7 @@ static void loop_signals(void) {
     if (S.got_term && !S.draining) drain_start();
 }
 
-static int loop_should_exit(void) { return S.draining && (S.nconns == 0 || S.now >= S.drain_until); }
+static int loop_should_exit(void) { return S.draining && ((S.nconns == 0 && S.nexchanges == 0) || S.now >= S.drain_until); }
 
 static void sig_pipe_read(void *ctx, int revents) {
     (void)ctx, (void)revents;
@@ -4866,7 +5679,7 @@ static void usage(void) {
     fprintf(stderr,
             "usage: ltg --config FILE [--data DIR] [--listen ADDR:PORT] [--admin-listen ADDR:PORT]\n"
             "           [--max-conns N] [--drain-seconds N] [--max-body-mb N] [--head-timeout S] [--idle-timeout S]\n"
-            "           [--resolv-conf FILE]\n");
+            "           [--cache-mb N] [--resolv-conf FILE]\n");
     exit(2);
 }
 
@@ -4875,11 +5688,11 @@ int main(int argc, char **argv) {
     snprintf(S.listen_addr, sizeof S.listen_addr, "127.0.0.1:8080");
     snprintf(S.admin_addr, sizeof S.admin_addr, "127.0.0.1:8081");
     S.max_conns = 1024, S.drain_seconds = 10, S.max_body = 8LL << 20;
-    S.head_timeout_ms = 10000, S.idle_timeout_ms = 60000;
+    S.head_timeout_ms = 10000, S.idle_timeout_ms = 60000, S.cache_mb = 64;
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         long long n = 0;
-        int numeric = strcmp(o, "--max-conns") == 0 || strcmp(o, "--drain-seconds") == 0 || strcmp(o, "--max-body-mb") == 0 ||
+        int numeric = strcmp(o, "--max-conns") == 0 || strcmp(o, "--drain-seconds") == 0 || strcmp(o, "--max-body-mb") == 0 || strcmp(o, "--cache-mb") == 0 ||
                       strcmp(o, "--head-timeout") == 0 || strcmp(o, "--idle-timeout") == 0;
         if (!v) usage();
         if (numeric && (parse_ll(v, strlen(v), 1000000, &n) < 0 || n < 1)) {
@@ -4894,6 +5707,7 @@ int main(int argc, char **argv) {
         else if (strcmp(o, "--max-conns") == 0) S.max_conns = (int)n;
         else if (strcmp(o, "--drain-seconds") == 0) S.drain_seconds = (int)n;
         else if (strcmp(o, "--max-body-mb") == 0) S.max_body = n << 20;
+        else if (strcmp(o, "--cache-mb") == 0) S.cache_mb = n;
         else if (strcmp(o, "--head-timeout") == 0) S.head_timeout_ms = (int)n * 1000;
         else if (strcmp(o, "--idle-timeout") == 0) S.idle_timeout_ms = (int)n * 1000;
         else usage();
@@ -4920,7 +5734,10 @@ int main(int argc, char **argv) {
     snprintf(LOG.tmp, sizeof LOG.tmp, "%.200s/state.log.tmp", S.data_dir);
     unlink(LOG.tmp); /* a compaction that a crash interrupted: the old file is whole */
     if (log_open(&LOG.f, S.data_dir, "state.log", LOG_MAGIC, store_apply, err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
-    ltg_log("state: %d token group(s), %d token key(s)", ST.gv.live, ST.kv.live);
+    if (log_open(&LG.f, S.data_dir, "ledger.log", LEDGER_MAGIC, ledger_apply, err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
+    budget_rebuild();
+    CACHE.limit = (size_t)S.cache_mb << 20;
+    ltg_log("state: %d token group(s), %d token key(s); ledger: %zu spend event(s)", ST.gv.live, ST.kv.live, LG.n);
 
     /* Room for every client, one upstream connection each, and a margin. */
     struct rlimit rl;
