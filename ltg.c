@@ -2,31 +2,35 @@
  *
  * Applications call models through ltg. It sits between them and the model
  * providers and owns what an application should not: which models a
- * credential may use, how a failed call is retried, and the record of what
- * happened. Two listeners: the control plane (admin keys) manages token
- * groups -- the policy -- and issues token keys; the inference plane speaks
- * the OpenAI API and accepts only token keys. Every change to groups and
- * keys is fsynced to an append-only log before it is acknowledged, and the
- * log is replayed at start-up.
+ * credential may use, how a failed call is retried or moved to a fallback,
+ * what may be spent, and the record of what happened. Two listeners: the
+ * control plane (admin keys) manages token groups -- the policy -- and
+ * issues token keys; the inference plane speaks the OpenAI API and accepts
+ * only token keys. Changes to groups and keys are fsynced to an append-only
+ * log before they are acknowledged; every request leaves a spend event in a
+ * second log, the ledger; both are replayed at start-up.
  *
  * One process, one thread, one poll() loop. Every socket is non-blocking;
- * every wait (a timeout, a DNS answer, a slow client) is a timer or a poll
- * interest, never a sleep. Memory has an owner you can name: a client
- * connection owns its buffers and its current exchange; an exchange owns the
- * upstream connection it borrowed from its provider's pool.
+ * every wait (a timeout, a backoff, a DNS answer, a slow client) is a timer
+ * or a poll interest, never a sleep. Memory has an owner you can name: a
+ * client connection owns its buffers and its current exchange; an exchange
+ * owns the upstream connection it borrowed from its provider's pool.
  *
  * The life of one chat request:
  *   1. conn_read() gathers bytes; http_head_end()/http_parse_request() find
  *      and parse the head, the body arrives (Content-Length or chunked).
- *   2. route() sends it to inference_call(), which resolves the token key
- *      to its group, parses the JSON body, checks the model against the
- *      group's allowed models and rewrites "model" to the provider's name.
- *   3. up_start() borrows a pooled upstream connection or opens one
- *      (resolving the host without blocking) and writes the request.
- *   4. up_read() parses the provider's answer; a stream is relayed to the
- *      client event by event, any other answer is relayed whole.
- *   5. The upstream connection returns to the pool; the client connection
- *      waits for its next request (keep-alive) or is closed.
+ *   2. route() sends it to inference_call(): the token key resolves to its
+ *      group, the body's model must be allowed, the worst-case cost must fit
+ *      the budget; a cached answer or an idempotent replay may answer here.
+ *   3. exchange_attempt() rewrites "model" for the current model of the
+ *      chain [M] + fallbacks[M], and up_start() borrows a pooled upstream
+ *      connection or opens one (resolving the host without blocking).
+ *   4. exchange_upstream() classifies the answer: a success is relayed
+ *      (a stream event by event), a failure goes to plan_next(), which
+ *      retries the same model, moves to the next one, or gives up.
+ *   5. exchange_settle() replaces the reservation by the real cost and
+ *      writes the spend event; the upstream connection returns to the pool
+ *      and the client connection waits for its next request.
  *
  * Sections (banners below carry the same names):
  *   1. Limits and global state
