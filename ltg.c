@@ -3030,13 +3030,17 @@ done:
 /* ===== 11. The append-only log =====
  *
  * IMPLEMENTATION NOTES
- * Every acknowledged change is one record in DATA/state.log, written and
- * fsynced before the answer leaves (Redis's appendfsync always). The file
- * opens with an 8-byte magic; a record is
+ * Two files share this code: DATA/state.log (groups, keys, idempotency
+ * records; here) and DATA/ledger.log (spend events; section 12). Every
+ * acknowledged change is one record in state.log, written and fsynced
+ * before the answer leaves (Redis's appendfsync always); the ledger is
+ * fsynced once per loop turn instead. A file opens with an 8-byte magic
+ * of its kind; a record is
  *
  *     [length: 4 bytes LE][CRC-32 of the payload: 4 bytes LE][payload]
  *
- * and the payload is JSON: {"ops":[...], "idem":{...}} (store_apply).
+ * and the payload is JSON: in state.log {"ops":[...], "idem":{...}}
+ * (store_apply), in the ledger {"t":..., "c":..., "e":{event}} (ledger_apply).
  *
  * Replay at start-up applies every record in order. A crash mid-write can
  * only damage the end of the file, so a last record that is cut short or
