@@ -74,22 +74,45 @@ curl -s -o /dev/null "http://127.0.0.1:$MOCK_PORT/_mock/script" -d '{"model":"ki
 show curl -s -o /dev/null -w 'HTTP %{http_code}, served by %header{x-ltg-served-model}, %header{x-ltg-attempts} attempts\n' \
   "$BASE/v1/chat/completions" -H "Authorization: Bearer $KEY" -d '{"model":"Kimi-K3","messages":[{"role":"user","content":"Hello"}]}'
 
-step "7. A model outside the group's allowed_models is refused before any provider call"
+step "7. The same failover, found again in the consumption ledger"
+REQ_ID=$(hdr x-ltg-request-id)
+TODAY=$(date -u +%F) TOMORROW=$(date -u -d tomorrow +%F)
+echo "\$ curl -s -g \"\$ADMIN/spend/events?start_date=$TODAY&end_date=$TOMORROW&token_group_id=$GROUP\" -H 'Authorization: Bearer \$LTG_ADMIN_KEY'"
+admin -g "$ADMIN/spend/events?start_date=$TODAY&end_date=$TOMORROW&token_group_id=$GROUP&page[size]=100" | python3 -c '
+import json, sys
+rid = sys.argv[1]
+for e in json.load(sys.stdin)["data"]:
+    if e["request_id"] == rid:
+        print("request %s: requested %s -> served %s, %d attempts, status %s, cost %.6f USD" % (
+            rid, e["requested_model"], e["model"], e["attempts"], e["status"], e["cost"]))
+        for a in e["attempt_log"]:
+            print("  attempt_log: %-14s attempt %d  status %3d  %-13s %5d ms" % (a["model"], a["attempt"], a["status"], a["outcome"], a["ms"]))' "$REQ_ID"
+echo
+echo "the usage summary of the group today:"
+admin "$ADMIN/usage/summary?token_group_id=$GROUP&start_date=$TODAY&end_date=$TOMORROW" | python3 -c '
+import json, sys
+d = json.load(sys.stdin)["data"]; t = d["totals"]
+print("  totals: %d requests (%d succeeded, %d failed, %d partial), %d input + %d output tokens, %.6f USD" % (
+    t["requests"], t["succeeded_requests"], t["failed_requests"], t["partial_requests"], t["input_tokens"], t["output_tokens"], t["spend"]))
+for m in d["by_model"]:
+    print("  %-14s %d requests, %.6f USD" % (m["model"], m["requests"], m["spend"]))'
+
+step "8. A model outside the group's allowed_models is refused before any provider call"
 show curl -s -w ' (HTTP %{http_code})' "$BASE/v1/chat/completions" -H "Authorization: Bearer $KEY" \
   -d '{"model":"Local-Llama","messages":[{"role":"user","content":"Hello"}]}'
 
-step "8. An invalid policy update (max_attempts 9) is refused with 400, and the group is unchanged"
+step "9. An invalid policy update (max_attempts 9) is refused with 400, and the group is unchanged"
 show curl -s -w ' (HTTP %{http_code})' -X PATCH "$ADMIN/token_groups/$GROUP" -H "Authorization: Bearer $LTG_ADMIN_KEY" \
   -H 'If-Match: "1"' -H "Idempotency-Key: demo-bad-$$" -d '{"retries":{"max_attempts":9}}'
 echo "version is still $(admin "$ADMIN/token_groups/$GROUP" | field 'd["data"]["version"]'), max_attempts still $(admin "$ADMIN/token_groups/$GROUP" | field 'd["data"]["retries"]["max_attempts"]')"
 
-step "9. A valid update with the current ETag, then a second writer with the stale one gets 412"
+step "10. A valid update with the current ETag, then a second writer with the stale one gets 412"
 show curl -s -o /dev/null -w 'HTTP %{http_code}, ETag %header{etag}' -X PATCH "$ADMIN/token_groups/$GROUP" -H "Authorization: Bearer $LTG_ADMIN_KEY" \
   -H 'If-Match: "1"' -H "Idempotency-Key: demo-ok-$$" -d '{"retries":{"max_attempts":3,"retry_delay_ms":100,"backoff":"linear"}}'
 show curl -s -w ' (HTTP %{http_code})' -X PATCH "$ADMIN/token_groups/$GROUP" -H "Authorization: Bearer $LTG_ADMIN_KEY" \
   -H 'If-Match: "1"' -H "Idempotency-Key: demo-stale-$$" -d '{"name":"renamed"}'
 
-step "10. Teardown: revoke the key; from now on it gets 401"
+step "11. Teardown: revoke the key; from now on it gets 401"
 show curl -s -w ' (HTTP %{http_code})' -X DELETE "$ADMIN/token_keys/$KEY_ID" -H "Authorization: Bearer $LTG_ADMIN_KEY" \
   -H 'If-Match: "1"' -H "Idempotency-Key: demo-revoke-$$"
 show curl -s -w ' (HTTP %{http_code})' "$BASE/v1/chat/completions" -H "Authorization: Bearer $KEY" \
