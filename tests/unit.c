@@ -739,6 +739,90 @@ static void test_plan(void) {
     CHECK(breaker_allows(&m, 18001, &probe) && probe, "a probe whose client left is taken over by the next request");
 }
 
+/* ---- the ledger, budgets, cache ---- */
+
+static void test_ledger_pieces(void) {
+    int64_t ms;
+    CHECK(parse_day("2026-11-29", &ms) == 0 && ms == 1795910400000LL, "a day");
+    CHECK(parse_day("2024-02-29", &ms) == 0, "a leap day");
+    static const char *bad[] = {"2026-02-29", "2026-13-01", "2026-1-01", "20261129", "2026-11-29x", "2026-11-2", "", "2026/11/29"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) CHECK(parse_day(bad[i], &ms) < 0, "bad day %s", bad[i]);
+
+    /* Budget periods: anchored, rolling over by themselves; a new period starts empty. */
+    group g = {0};
+    g.has_budget = 1, g.max_budget = 1, g.budget_days = 1, g.budget_anchor = 1000;
+    int64_t start, end;
+    group_period(&g, 1000 + 5 * 86400000LL + 7, &start, &end);
+    CHECK(start == 1000 + 5 * 86400000LL && end == start + 86400000LL, "the sixth daily period");
+    budget_refresh(&g, 2000);
+    g.spend = 500;
+    budget_refresh(&g, 1000 + 86400000LL - 1);
+    CHECK(g.spend == 500, "same period: spend kept");
+    budget_refresh(&g, 1000 + 86400000LL);
+    CHECK(g.spend == 0 && g.period_start == 1000 + 86400000LL, "rolled over at the anchor's hour, not at midnight");
+    g.budget_days = 0;
+    group_period(&g, 99 * 86400000LL, &start, &end);
+    CHECK(start == 1000 && end == 0, "a lifetime budget never resets");
+    g.has_budget = 0;
+    group_period(&g, 5000, &start, &end);
+    CHECK(start == 0 && end == 0, "no budget, no period");
+
+    /* The worst case: bytes / 3 at the input price plus max_tokens at the output price, dearest model. */
+    model a = {.alias = "a", .in_price = 1, .out_price = 2, .max_output_tokens = 100};
+    model b = {.alias = "b", .in_price = 3, .out_price = 1, .max_output_tokens = 4096};
+    model *chain[2] = {&a, &b};
+    CHECK(worst_case(chain, 1, 300, 50) == 100 * 1 + 50 * 2, "one model, max_tokens");
+    CHECK(worst_case(chain, 1, 301, 0) == 101 * 1 + 100 * 2, "rounded up, the model's default output");
+    CHECK(worst_case(chain, 2, 300, 0) == 100 * 3 + 4096, "the dearest of the chain");
+
+    /* Usage from an answer or an event. */
+    long long in, out;
+    const char *ans = "{\"id\":\"x\",\"usage\":{\"prompt_tokens\":12,\"completion_tokens\":5,\"total_tokens\":17}}";
+    CHECK(usage_read(ans, strlen(ans), &in, &out) && in == 12 && out == 5, "usage");
+    const char *none = "{\"usage\":null}";
+    CHECK(!usage_read(none, strlen(none), &in, &out), "null usage");
+
+    /* Asking a stream for its usage: the body edits. */
+    static const struct { const char *body, *want; int hide; } edits[] = {
+        {"{\"model\":\"m\",\"stream\":true}", "{\"model\":\"m\",\"stream\":true,\"stream_options\":{\"include_usage\":true}}", 1},
+        {"{\"model\":\"m\",\"stream_options\":null}", "{\"model\":\"m\",\"stream_options\":{\"include_usage\":true}}", 1},
+        {"{\"model\":\"m\",\"stream_options\":{}}", "{\"model\":\"m\",\"stream_options\":{\"include_usage\":true}}", 1},
+        {"{\"model\":\"m\",\"stream_options\":{\"x\":1}}", "{\"model\":\"m\",\"stream_options\":{\"include_usage\":true,\"x\":1}}", 1},
+        {"{\"model\":\"m\",\"stream_options\":{\"include_usage\":false}}", "{\"model\":\"m\",\"stream_options\":{\"include_usage\":true}}", 1},
+        {"{\"model\":\"m\",\"stream_options\":{\"include_usage\":true}}", "{\"model\":\"m\",\"stream_options\":{\"include_usage\":true}}", 0},
+    };
+    for (size_t i = 0; i < sizeof edits / sizeof *edits; i++) {
+        const char *body = edits[i].body;
+        json_tok t[16];
+        json_result r;
+        json_parse(body, strlen(body), t, 16, 1, &r);
+        body_edit e = {0, 0, NULL};
+        int hide;
+        const char *why;
+        int rc = usage_edit(body, t, json_get(body, t, 0, "stream_options"), &e, &hide, &why);
+        buf edited = {0};
+        buf_append(&edited, body, e.text ? e.at : strlen(body));
+        if (e.text) buf_puts(&edited, e.text), buf_puts(&edited, body + e.end);
+        CHECK(rc == 0 && hide == edits[i].hide && strcmp(edited.p, edits[i].want) == 0, "usage edit %zu: %s", i, edited.p);
+        buf_free(&edited), free(e.text);
+    }
+
+    /* The cache: TTL and least recently used out first. */
+    CACHE.limit = 3 * (sizeof(cache_entry) + 100);
+    uint8_t k1[32] = {1}, k2[32] = {2}, k3[32] = {3}, k4[32] = {4};
+    char body[100] = {0};
+    S.now = 1000;
+    cache_put(k1, body, 100, "a", 1, 2, 5000), cache_put(k2, body, 100, "a", 1, 2, 5000), cache_put(k3, body, 100, "a", 1, 2, 5000);
+    CHECK(cache_get(k1) && cache_get(k2) && cache_get(k3), "three fit");
+    CHECK(cache_get(k1) != NULL, "k1 used again: k2 is now the oldest");
+    cache_put(k4, body, 100, "a", 1, 2, 5000);
+    CHECK(!cache_get(k2) && cache_get(k1) && cache_get(k3) && cache_get(k4), "the least recently used went out");
+    S.now = 6000;
+    CHECK(!cache_get(k1) && CACHE.bytes == 2 * (sizeof(cache_entry) + 100), "expired at the TTL");
+    while (CACHE.head) cache_drop(CACHE.head);
+    CHECK(CACHE.bytes == 0 && CACHE.map.live == 0, "emptied");
+}
+
 /* ---- timers ---- */
 
 static int fired[8], nfired;
@@ -769,6 +853,7 @@ int main(void) {
     test_timers();
     test_plan();
     test_group_validation();
+    test_ledger_pieces();
     test_log();
     printf("unit: %d passed, %d failed\n", passed, failed);
     return failed != 0;
