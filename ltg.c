@@ -2317,6 +2317,7 @@ static void breaker_forget_probe(model *m) { m->cb_probing = 0; }
  * they answered, so a retry after a crash finds either both or neither.
  */
 #define MAX_FALLBACKS 3
+#define UNSET LLONG_MIN /* an optional integer set to null */
 #define IDEM_TTL_MS (24LL * 3600 * 1000)
 #define NAME_MAX_LEN 200
 
@@ -2352,8 +2353,8 @@ typedef struct {
     int has_budget;           /* 0: uncapped */
     double max_budget;        /* USD */
     int budget_days;          /* 1, 7 or 30; 0 = lifetime */
-    long long cache_ttl;      /* seconds; -1 = null */
-    long long max_parallel;   /* -1 = unlimited */
+    long long cache_ttl;      /* seconds; UNSET = null */
+    long long max_parallel;   /* UNSET = null: unlimited */
     int blocked;
     long long version;
     int64_t created_at, updated_at, budget_anchor; /* wall ms; budget_anchor 0 = no budget */
@@ -2435,6 +2436,18 @@ static char *json_strdup(const char *s, const json_tok *t, int i) {
     return b.p;
 }
 
+/* A string token usable as a name: 1..max bytes once unescaped, and no
+ * NUL (ltg's strings end at one, so it would silently cut the name). */
+static int name_ok(const char *s, const json_tok *t, int i, size_t max) {
+    if (t[i].type != JSON_STRING) return 0;
+    buf b = {0};
+    json_unescape(s, t, i, &b);
+    int ok = b.len >= 1 && b.len <= max && (!b.p || !memchr(b.p, 0, b.len));
+    buf_free(&b);
+    return ok;
+}
+
+
 /* A whole number in token i; LTG_ERR when it is not one. */
 static int json_int(const char *s, const json_tok *t, int i, long long *out) {
     double d;
@@ -2487,6 +2500,18 @@ static int verr_at(verr *e, const char *a, const char *b, const char *fmt, ...) 
     return LTG_ERR;
 }
 
+/* 0, or LTG_ERR with e set when object token `obj` has a key twice (at
+ * pointer /where/<key>): which of two values would win is anybody's guess. */
+static int no_duplicate_keys(const char *s, const json_tok *t, int obj, const char *where, verr *e) {
+    int k = json_duplicate_key(s, t, obj);
+    if (k < 0) return 0;
+    char *key = json_strdup(s, t, k);
+    if (where) verr_at(e, where, key, "is given twice: send each key once");
+    else verr_at(e, key, NULL, "is given twice: send each key once");
+    free(key);
+    return LTG_ERR;
+}
+
 /* ---- groups ---- */
 
 static void group_free(group *g) {
@@ -2513,7 +2538,7 @@ static void group_clear_fallbacks(group *g) {
 
 static group *group_new(void) {
     group *g = xcalloc(1, sizeof *g);
-    g->cache_ttl = -1, g->max_parallel = -1;
+    g->cache_ttl = UNSET, g->max_parallel = UNSET;
     return g;
 }
 
@@ -2548,6 +2573,7 @@ enum { PARSE_CREATE, PARSE_PATCH, PARSE_LOG };
 static int parse_retries(const char *s, const json_tok *t, int v, group *g, verr *e) {
     if (t[v].type == JSON_NULL) { g->has_retries = 0; return 0; }
     if (t[v].type != JSON_OBJECT) return verr_at(e, "retries", NULL, "must be an object (or null for the defaults)");
+    if (no_duplicate_keys(s, t, v, "retries", e) < 0) return LTG_ERR;
     retry_policy r = retry_defaults();
     int i = v + 1;
     for (int m = 0; m < t[v].size; m++, i = t[i + 1].next) {
@@ -2579,6 +2605,7 @@ static int parse_fallbacks(const char *s, const json_tok *t, int v, group *g, ve
     group_clear_fallbacks(g);
     if (t[v].type == JSON_NULL) return 0;
     if (t[v].type != JSON_OBJECT) return verr_at(e, "fallbacks", NULL, "must be an object: model -> list of fallback models");
+    if (no_duplicate_keys(s, t, v, "fallbacks", e) < 0) return LTG_ERR;
     g->fb = xcalloc((size_t)t[v].size, sizeof *g->fb);
     int i = v + 1;
     for (int m = 0; m < t[v].size; m++, i = t[i + 1].next) {
@@ -2591,7 +2618,7 @@ static int parse_fallbacks(const char *s, const json_tok *t, int v, group *g, ve
         for (int k = 0; k < t[a].size; k++, x = t[x].next) {
             char idx[16];
             snprintf(idx, sizeof idx, "%d", k);
-            if (t[x].type != JSON_STRING) {
+            if (!name_ok(s, t, x, 200)) {
                 verr_at(e, "fallbacks", f->model, "must hold model aliases (strings)");
                 ptr_push(e->pointer, sizeof e->pointer, idx);
                 return LTG_ERR;
@@ -2610,6 +2637,7 @@ static int group_parse(const char *s, const json_tok *t, int obj, group *g, int 
     static const char *const readonly[] = {"id", "record_type", "version", "created_at", "updated_at", "spend",
                                            "reserved_spend", "budget_started_at", "resets_at", NULL};
     if (t[obj].type != JSON_OBJECT) return verr_set(e, "invalid_request", "the body must be a JSON object");
+    if (no_duplicate_keys(s, t, obj, NULL, e) < 0) return LTG_ERR;
     int i = obj + 1;
     for (int m = 0; m < t[obj].size; m++, i = t[i + 1].next) {
         int v = i + 1;
@@ -2629,6 +2657,7 @@ static int group_parse(const char *s, const json_tok *t, int obj, group *g, int 
             g->budget_anchor = n;
         } else if (json_eq(s, t, i, "name")) {
             if (t[v].type != JSON_STRING) return verr_at(e, "name", NULL, "must be a string (it cannot be null)");
+            if (!name_ok(s, t, v, NAME_MAX_LEN)) return verr_at(e, "name", NULL, "must be 1 to %d bytes, without NUL", NAME_MAX_LEN);
             free(g->name);
             g->name = json_strdup(s, t, v);
         } else if (json_eq(s, t, i, "allowed_models")) {
@@ -2640,7 +2669,7 @@ static int group_parse(const char *s, const json_tok *t, int obj, group *g, int 
             for (int k = 0; k < t[v].size; k++, x = t[x].next) {
                 char idx[16];
                 snprintf(idx, sizeof idx, "%d", k);
-                if (t[x].type != JSON_STRING) return verr_at(e, "allowed_models", idx, "must be a model alias (a string)");
+                if (!name_ok(s, t, x, 200)) return verr_at(e, "allowed_models", idx, "must be a model alias (a string)");
                 g->allowed[g->nallowed++] = json_strdup(s, t, x);
             }
         } else if (json_eq(s, t, i, "fallbacks")) {
@@ -2658,11 +2687,11 @@ static int group_parse(const char *s, const json_tok *t, int obj, group *g, int 
             else if (json_eq(s, t, v, "30d")) g->budget_days = 30;
             else return verr_at(e, "budget_duration", NULL, "must be \"1d\", \"7d\", \"30d\" or null (a lifetime budget)");
         } else if (json_eq(s, t, i, "cache_ttl")) {
-            if (t[v].type == JSON_NULL) g->cache_ttl = -1;
+            if (t[v].type == JSON_NULL) g->cache_ttl = UNSET;
             else if (json_int(s, t, v, &n) < 0) return verr_at(e, "cache_ttl", NULL, "must be a whole number of seconds (or null)");
             else g->cache_ttl = n;
         } else if (json_eq(s, t, i, "max_parallel_requests")) {
-            if (t[v].type == JSON_NULL) g->max_parallel = -1;
+            if (t[v].type == JSON_NULL) g->max_parallel = UNSET;
             else if (json_int(s, t, v, &n) < 0) return verr_at(e, "max_parallel_requests", NULL, "must be a whole number (or null for no limit)");
             else g->max_parallel = n;
         } else if (json_eq(s, t, i, "blocked")) {
@@ -2745,8 +2774,9 @@ static int group_validate(const group *g, const catalog *cat, verr *e) {
     }
     if (g->has_budget && (g->max_budget < 0 || g->max_budget > 1e9 || !usd_ok(g->max_budget)))
         return verr_at(e, "max_budget", NULL, "must be between 0 and 1000000000 USD with at most six decimal places (0 denies every paid request, null is uncapped)");
-    if (g->cache_ttl < -1 || g->cache_ttl > 30 * 86400) return verr_at(e, "cache_ttl", NULL, "must be between 0 and 2592000 seconds (or null)");
-    if (g->max_parallel == 0 || g->max_parallel < -1 || g->max_parallel > 100000)
+    if (g->cache_ttl != UNSET && (g->cache_ttl < 0 || g->cache_ttl > 30 * 86400))
+        return verr_at(e, "cache_ttl", NULL, "must be between 0 and 2592000 seconds (or null)");
+    if (g->max_parallel != UNSET && (g->max_parallel < 1 || g->max_parallel > 100000))
         return verr_at(e, "max_parallel_requests", NULL, "must be between 1 and 100000 (or null for no limit; to stop all requests set blocked)");
     return 0;
 }
@@ -2799,10 +2829,10 @@ static void group_json(jwriter *w, const group *g, int for_log) {
     if (g->budget_days) snprintf(ts, sizeof ts, "%dd", g->budget_days), jw_cstr(w, ts);
     else jw_null(w);
     jw_key(w, "cache_ttl");
-    if (g->cache_ttl >= 0) jw_int(w, g->cache_ttl);
+    if (g->cache_ttl != UNSET) jw_int(w, g->cache_ttl);
     else jw_null(w);
     jw_key(w, "max_parallel_requests");
-    if (g->max_parallel > 0) jw_int(w, g->max_parallel);
+    if (g->max_parallel != UNSET) jw_int(w, g->max_parallel);
     else jw_null(w);
     jw_key(w, "blocked"), jw_bool(w, g->blocked);
     jw_key(w, "version"), jw_int(w, g->version);
@@ -2861,6 +2891,7 @@ static tkey *tkey_find(const char *id) { return strlen(id) == 36 ? hmap_get(&ST.
 
 static void store_put_group(group *g, size_t rec_bytes) {
     group *old = hmap_get(&ST.groups, g->id, 36);
+    hmap_put(&ST.groups, g); /* replaces old: before old is freed, since the table compares ids */
     if (old) {
         g->inflight = old->inflight, g->spend = old->spend, g->reserved = old->reserved, g->period_start = old->period_start;
         g->e.vi = old->e.vi;
@@ -2868,7 +2899,6 @@ static void store_put_group(group *g, size_t rec_bytes) {
         ST.live_bytes -= old->e.rec_bytes;
         group_free(old);
     } else vec_add(&ST.gv, g);
-    hmap_put(&ST.groups, g);
     g->e.rec_bytes = rec_bytes;
     ST.live_bytes += rec_bytes;
 }
@@ -2906,13 +2936,13 @@ static void idem_free(idem *r) {
 
 static void store_put_idem(idem *r, size_t rec_bytes) {
     idem *old = hmap_get(&ST.idems, r->key, 32);
+    hmap_put(&ST.idems, r); /* replaces old: before old is freed */
     if (old) {
         vec_del(&ST.iv, old);
         ST.live_bytes -= old->e.rec_bytes;
         idem_free(old);
     }
     vec_add(&ST.iv, r);
-    hmap_put(&ST.idems, r);
     r->e.rec_bytes = rec_bytes;
     ST.live_bytes += rec_bytes;
 }
@@ -3628,7 +3658,19 @@ static inf_idem *inf_idem_restore(const char *p, const json_tok *t, int r, int64
 /* Called by the loop before it sleeps; returns 1 while work remains (the
  * loop then polls without waiting). */
 static int store_tick(void) {
+    static int64_t purged;
     log_sync(&LG.f); /* the spend events of this turn, in one fsync */
+    if (S.now - purged > 60000 && !ST.frozen) { /* expired idempotency records leave the live state */
+        purged = S.now;
+        int64_t now = wall_ms();
+        ST.frozen = 1; /* no squeeze under the walk */
+        for (int i = 0; i < ST.iv.n; i++) {
+            idem *r = ST.iv.p[i];
+            if (r && r->expires <= now) idem_find(r->key);
+        }
+        ST.frozen = 0;
+        vec_squeeze(&ST.iv);
+    }
     if (compact_due()) compact_start();
     if (!LOG.compacting) return 0;
     compact_step();
@@ -4209,7 +4251,8 @@ static int idem_begin(conn *c, const admin_who *who, idem_ticket *tk) {
     br_sha256_update(&h, who->sha, 32);
     br_sha256_update(&h, c->in.p + c->req.method.off, c->req.method.len);
     br_sha256_update(&h, " ", 1);
-    br_sha256_update(&h, c->in.p + c->req.target.off, c->req.target.len);
+    const char *path = c->in.p + c->req.target.off, *q = memchr(path, '?', c->req.target.len);
+    br_sha256_update(&h, path, q ? (size_t)(q - path) : c->req.target.len); /* the path: a query string is not part of it */
     br_sha256_update(&h, "\n", 1);
     br_sha256_update(&h, v, n);
     br_sha256_out(&h, tk->key);
@@ -4241,14 +4284,15 @@ static int admin_commit(conn *c, const idem_ticket *tk, const char *ops, int sta
     jw_close(&w, '}');
     const char *why;
     int rc = state_append(p.p, p.len, &why);
-    *rec_bytes = p.len + 8;
+    *rec_bytes = strlen(ops) + 8; /* what the change alone would take in a snapshot */
+    size_t idem_bytes = p.len - strlen(ops);
     buf_free(&p);
     if (rc < 0) {
         idem_free(r);
         admin_error(c, 503, "storage_unavailable", NULL, 0, why);
         return LTG_ERR;
     }
-    store_put_idem(r, *rec_bytes);
+    store_put_idem(r, idem_bytes);
     return 0;
 }
 
@@ -4318,6 +4362,19 @@ static void groups_update(conn *c, const admin_who *who, group *cur) {
         return;
     }
     free(t);
+    buf before = {0}, after = {0};
+    jwriter w;
+    jw_init(&w, &before), group_json(&w, cur, 1);
+    jw_init(&w, &after), group_json(&w, g, 1);
+    int same = before.len == after.len && memcmp(before.p, after.p, before.len) == 0;
+    buf_free(&before), buf_free(&after);
+    if (same) { /* nothing changes: no new version, nothing to log */
+        buf b = {0};
+        data_open(&w, &b), group_json(&w, cur, 0), jw_close(&w, '}');
+        admin_reply(c, 200, cur->version, 0, b.p, b.len);
+        buf_free(&b), group_free(g);
+        return;
+    }
     g->version = cur->version + 1;
     g->updated_at = wall_ms();
     /* A budget's period is anchored when the budget is set; changing the
@@ -4385,6 +4442,7 @@ static void keys_create(conn *c, const admin_who *who) {
     verr e = {0};
     int nm = -1, gid = -1, i = 1;
     if (t[0].type != JSON_OBJECT) verr_set(&e, "invalid_request", "the body must be a JSON object: {\"name\": ..., \"token_group_id\": ...}");
+    else if (no_duplicate_keys(s, t, 0, NULL, &e) < 0) { /* e is set */ }
     else
         for (int m = 0; m < t[0].size && !e.code; m++, i = t[i + 1].next) {
             char key[128];
@@ -4393,8 +4451,8 @@ static void keys_create(conn *c, const admin_who *who) {
             else if (json_eq(s, t, i, "token_group_id")) gid = i + 1;
             else verr_at(&e, key, NULL, "unknown field (a token key has name and token_group_id)");
         }
-    if (!e.code && (nm < 0 || t[nm].type != JSON_STRING || t[nm].end == t[nm].start || t[nm].end - t[nm].start > NAME_MAX_LEN))
-        verr_at(&e, "name", NULL, "is required: a string of 1 to %d characters", NAME_MAX_LEN);
+    if (!e.code && (nm < 0 || !name_ok(s, t, nm, NAME_MAX_LEN)))
+        verr_at(&e, "name", NULL, "is required: a string of 1 to %d bytes, without NUL", NAME_MAX_LEN);
     char gidbuf[64] = "";
     if (!e.code && (gid < 0 || t[gid].type != JSON_STRING)) verr_at(&e, "token_group_id", NULL, "is required: the id of a token group");
     if (!e.code) snprintf(gidbuf, sizeof gidbuf, "%.*s", (int)(t[gid].end - t[gid].start < 60 ? t[gid].end - t[gid].start : 60), s + t[gid].start);
@@ -4680,7 +4738,8 @@ static void admin_route(conn *c) {
         group *g = group_find(id);
         if (!g) { /* a deleted group's DELETE may be a retry: its idempotency record answers */
             idem_ticket tk;
-            if (!get && !idem_begin(c, &who, &tk)) return;
+            size_t kn;
+            if (!get && http_header_get(c->in.p, c->req.h, c->req.nh, "idempotency-key", &kn) && !idem_begin(c, &who, &tk)) return;
             admin_error(c, 404, "not_found", NULL, 0, "no token group has this id");
             return;
         }
@@ -4706,7 +4765,8 @@ static void admin_route(conn *c) {
     tkey *k = tkey_find(id);
     if (!k) {
         idem_ticket tk;
-        if (del && !idem_begin(c, &who, &tk)) return;
+        size_t kn;
+        if (del && http_header_get(c->in.p, c->req.h, c->req.nh, "idempotency-key", &kn) && !idem_begin(c, &who, &tk)) return;
         admin_error(c, 404, "not_found", NULL, 0, "no token key has this id");
         return;
     }

@@ -1,6 +1,8 @@
 // The official OpenAI node SDK (v4) against ltg: what a user's code does, end to end.
 //
-//   node tests/sdk_test.mjs BASE_URL API_KEY      e.g. http://127.0.0.1:8080/v1 dev-key-1
+//   node tests/sdk_test.mjs BASE_URL API_KEY      e.g. http://127.0.0.1:8080/v1 ltg_sk_...
+//
+// API_KEY is a token key whose group allows Kimi-K3 and GLM-5.3-Flash.
 //
 // Needs `openai` resolvable from tests/ (npm install --prefix tests openai@4). SDK retries are
 // off (maxRetries: 0), as ltg's README tells clients: ltg owns retries and fallbacks.
@@ -63,14 +65,15 @@ async function embeddings() {
 }
 
 async function errors() {
-  // An unknown model: the SDK raises its usual NotFoundError from the OpenAI-shaped body.
+  // A model outside the key's group's allowed_models (here: not in the catalog at all): 403
+  // model_not_allowed, which the SDK raises as its usual PermissionDeniedError.
   try {
     await client.chat.completions.create({ model: "No-Such-Model", messages: [{ role: "user", content: "x" }] });
     throw new Error("unknown model: no error raised");
   } catch (e) {
-    check(e instanceof OpenAI.NotFoundError, `unknown model: ${e?.constructor?.name}: ${e?.message}`);
-    check(e.status === 404, `unknown model: status ${e.status}`);
-    check(typeof e.code === "string" && e.code.length > 0, `unknown model: error code ${e.code}`);
+    check(e instanceof OpenAI.PermissionDeniedError, `unknown model: ${e?.constructor?.name}: ${e?.message}`);
+    check(e.status === 403, `unknown model: status ${e.status}`);
+    check(e.code === "model_not_allowed", `unknown model: error code ${e.code}`);
   }
   // A wrong key: AuthenticationError.
   const bad = new OpenAI({ baseURL, apiKey: apiKey + "-wrong", maxRetries: 0, timeout: 30_000 });
