@@ -40,16 +40,17 @@
  *   5. The event loop: fds, timers, deferred close
  *   6. Name resolution: /etc/hosts and a DNS stub resolver
  *   7. Catalog config
- *   8. Upstream connections and the pool
- *   9. The attempt plan: retry, fallback, circuit breaker
- *  10. The store: token groups, token keys, idempotency records
- *  11. The append-only log
- *  12. The ledger, budgets and the cache
- *  13. Client connections: the HTTP/1.1 server
- *  14. The control plane
- *  15. Inference: the proxy path
- *  16. Routing
- *  17. main
+ *   8. TLS: trust anchors and the pump
+ *   9. Upstream connections and the pool
+ *  10. The attempt plan: retry, fallback, circuit breaker
+ *  11. The store: token groups, token keys, idempotency records
+ *  12. The append-only log
+ *  13. The ledger, budgets and the cache
+ *  14. Client connections: the HTTP/1.1 server
+ *  15. The control plane
+ *  16. Inference: the proxy path
+ *  17. Routing
+ *  18. main
  *
  * Read ltg.h first: it holds the contracts of the parsers and buffers.
  */
@@ -1489,6 +1490,8 @@ static void dns_init(void) {
 struct provider {
     char *name, *host, *base_path, *hostport, *api_key;
     int port, tls, tls_verify;
+    br_ssl_session_parameters session; /* the last TLS session, for resumption (section 8) */
+    int have_session;
     upstream *idle; /* the pool: idle keep-alive connections, most recent first */
     int nidle;
     catalog *cat;
@@ -1499,7 +1502,7 @@ struct model {
     provider *p;
     double in_price, out_price; /* USD per million tokens */
     long long context_window, max_output_tokens;
-    int cb_failures, cb_probing; /* the circuit breaker (section 9) */
+    int cb_failures, cb_probing; /* the circuit breaker (section 10) */
     int64_t cb_open_until;       /* S.now ms; 0: closed */
 };
 
@@ -1573,10 +1576,8 @@ static void catalog_release(catalog *c) {
 static int url_parse(const char *url, provider *p, const char **why) {
     const char *s;
     if (strncmp(url, "http://", 7) == 0) s = url + 7, p->tls = 0, p->port = 80;
-    else if (strncmp(url, "https://", 8) == 0) {
-        *why = "https:// providers are not supported yet (TLS is on the README roadmap); use an http:// base_url";
-        return LTG_ERR;
-    } else { *why = "must start with http:// or https://"; return LTG_ERR; }
+    else if (strncmp(url, "https://", 8) == 0) s = url + 8, p->tls = 1, p->port = 443;
+    else { *why = "must start with http:// or https://"; return LTG_ERR; }
     const char *host_end, *rest;
     if (*s == '[') {
         host_end = strchr(s, ']');
@@ -1601,7 +1602,7 @@ static int url_parse(const char *url, provider *p, const char **why) {
     p->base_path = xstrndup(rest, plen);
     char hp[300];
     int v6 = strchr(p->host, ':') != NULL;
-    if (p->port == 80) snprintf(hp, sizeof hp, v6 ? "[%s]" : "%s", p->host);
+    if (p->port == (p->tls ? 443 : 80)) snprintf(hp, sizeof hp, v6 ? "[%s]" : "%s", p->host);
     else snprintf(hp, sizeof hp, v6 ? "[%s]:%d" : "%s:%d", p->host, p->port);
     p->hostport = xstrndup(hp, strlen(hp));
     return 0;
@@ -1846,7 +1847,307 @@ static catalog *catalog_load(const char *path, const char *text, char *err, size
     return cat;
 }
 
-/* ===== 8. Upstream connections and the pool =====
+/* ===== 8. TLS: trust anchors and the pump =====
+ *
+ * IMPLEMENTATION NOTES
+ * HTTPS to providers is BearSSL's engine driven by the loop: no thread, no
+ * blocking call. The engine is a state machine with four byte streams --
+ * records to send, records received, plaintext in, plaintext out -- and it
+ * says which it can move now (br_ssl_engine_current_state). tls_pump()
+ * moves every one that can move without blocking, in BearSSL's own order
+ * (records out first), and turns what the engine then waits for into poll
+ * interest: records to send -> POLLOUT, records wanted -> POLLIN. Plaintext
+ * the engine has already decrypted never makes the socket readable, so the
+ * pump always drains it before it stops.
+ *
+ * Policy: TLS 1.2 only, ECDHE with AES-GCM or ChaCha20-Poly1305,
+ * renegotiation off, SNI and host name checks on (a provider may turn
+ * verification off with "tls_verify": false; ltg warns at start-up). The
+ * trust anchors come from the system bundle or --ca-file, loaded once when
+ * a provider needs them. Each provider keeps the parameters of its last
+ * session, so a new connection resumes it (an abbreviated handshake, about
+ * a tenth of the CPU); the pool keeps connections open anyway, so most
+ * requests pay no handshake at all.
+ *
+ * BearSSL 0.6 speaks TLS 1.0-1.2 only and checks no revocation (OCSP, CRL);
+ * it matches DNS names, not IP addresses, so an https provider given by IP
+ * address gets no SNI and no name check (ltg warns). A connection's engine
+ * and buffers live in one allocation that never moves: the engine holds
+ * pointers into itself.
+ */
+#define TLS_DEFAULT_CA "/etc/ssl/certs/ca-certificates.crt"
+
+static struct {
+    br_x509_trust_anchor *ta;
+    size_t nta, cap;
+    const char *ca_file;      /* --ca-file, or the system bundle */
+    uint64_t full, resumed;   /* handshakes: the share of full ones is what pooling must keep low */
+} TLS;
+
+/* ---- trust anchors ---- */
+
+static void dn_append(void *ctx, const void *p, size_t n) { buf_append(ctx, p, n); }
+
+/* Turn one DER certificate into a trust anchor (its DN and key in one
+ * allocation). Returns 0, or LTG_ERR for a certificate BearSSL cannot use. */
+static int tls_add_anchor(const unsigned char *der, size_t n) {
+    br_x509_decoder_context dc;
+    buf dn = {0};
+    br_x509_decoder_init(&dc, dn_append, &dn);
+    br_x509_decoder_push(&dc, der, n);
+    const br_x509_pkey *pk = br_x509_decoder_get_pkey(&dc);
+    if (!pk || br_x509_decoder_last_error(&dc)) { buf_free(&dn); return LTG_ERR; }
+    size_t keylen = pk->key_type == BR_KEYTYPE_RSA ? pk->key.rsa.nlen + pk->key.rsa.elen : pk->key.ec.qlen;
+    unsigned char *blob = xmalloc(dn.len + keylen + 1);
+    memcpy(blob, dn.p ? dn.p : "", dn.len);
+    if (TLS.nta == TLS.cap) TLS.cap = TLS.cap ? TLS.cap * 2 : 256, TLS.ta = xrealloc(TLS.ta, TLS.cap * sizeof *TLS.ta);
+    br_x509_trust_anchor *ta = &TLS.ta[TLS.nta++];
+    ta->dn.data = blob, ta->dn.len = dn.len;
+    ta->flags = br_x509_decoder_isCA(&dc) ? BR_X509_TA_CA : 0;
+    ta->pkey = *pk;
+    unsigned char *k = blob + dn.len;
+    if (pk->key_type == BR_KEYTYPE_RSA) {
+        memcpy(k, pk->key.rsa.n, pk->key.rsa.nlen), ta->pkey.key.rsa.n = k;
+        memcpy(k + pk->key.rsa.nlen, pk->key.rsa.e, pk->key.rsa.elen), ta->pkey.key.rsa.e = k + pk->key.rsa.nlen;
+    } else {
+        memcpy(k, pk->key.ec.q, pk->key.ec.qlen), ta->pkey.key.ec.q = k;
+    }
+    buf_free(&dn);
+    return 0;
+}
+
+/* Load every certificate of a PEM bundle (or one DER certificate) as a
+ * trust anchor. Returns the count, or LTG_ERR with err set. */
+static int tls_load_anchors(const char *path, char *err, size_t errlen) {
+    buf f = {0}, der = {0};
+    if (read_file(path, &f) < 0) {
+        snprintf(err, errlen, "%s: cannot read the CA bundle: %s (give another with --ca-file)", path, strerror(errno));
+        return LTG_ERR;
+    }
+    size_t before = TLS.nta;
+    int skipped = 0;
+    const unsigned char *p = (const unsigned char *)f.p;
+    if (f.len > 4 && p[0] == 0x30 && p[1] == 0x82 && (size_t)((p[2] << 8 | p[3]) + 4) == f.len) { /* one DER certificate */
+        skipped += tls_add_anchor(p, f.len) < 0;
+    } else {
+        br_pem_decoder_context pc;
+        br_pem_decoder_init(&pc);
+        int in_cert = 0;
+        buf_puts(&f, "\n"); /* a bundle whose last line has no newline keeps its last certificate */
+        for (size_t off = 0; off < f.len;) {
+            off += br_pem_decoder_push(&pc, f.p + off, f.len - off);
+            switch (br_pem_decoder_event(&pc)) {
+            case BR_PEM_BEGIN_OBJ:
+                in_cert = strcmp(br_pem_decoder_name(&pc), "CERTIFICATE") == 0 || strcmp(br_pem_decoder_name(&pc), "X509 CERTIFICATE") == 0;
+                der.len = 0;
+                br_pem_decoder_setdest(&pc, in_cert ? dn_append : NULL, &der);
+                break;
+            case BR_PEM_END_OBJ:
+                if (in_cert) skipped += tls_add_anchor((const unsigned char *)der.p, der.len) < 0;
+                in_cert = 0;
+                break;
+            case BR_PEM_ERROR:
+                snprintf(err, errlen, "%s: not a valid PEM file (near byte %zu)", path, off);
+                buf_free(&f), buf_free(&der);
+                return LTG_ERR;
+            }
+        }
+    }
+    buf_free(&f), buf_free(&der);
+    if (TLS.nta == before) {
+        snprintf(err, errlen, "%s: no usable certificate in it (%d skipped): give a PEM bundle of CA certificates with --ca-file", path, skipped);
+        return LTG_ERR;
+    }
+    if (skipped) ltg_log("%s: %d certificate(s) skipped (a key type or encoding BearSSL does not take)", path, skipped);
+    return (int)(TLS.nta - before);
+}
+
+/* What a catalog's https providers need: the trust anchors, loaded once,
+ * and a word about every provider whose certificates are not fully
+ * checked. 0, or LTG_ERR with err set. */
+static int tls_prepare(catalog *cat, char *err, size_t errlen) {
+    for (int i = 0; i < cat->nprov; i++) {
+        provider *p = &cat->prov[i];
+        if (!p->tls) continue;
+        if (!TLS.nta) {
+            const char *path = TLS.ca_file ? TLS.ca_file : TLS_DEFAULT_CA;
+            int n = tls_load_anchors(path, err, errlen);
+            if (n < 0) return LTG_ERR;
+            ltg_log("%s: %d trust anchor(s)", path, n);
+        }
+        struct sockaddr_storage ss;
+        if (!p->tls_verify) ltg_log("warning: providers.%s: tls_verify is false: its certificates are not checked at all", p->name);
+        else if (addr_parse(p->host, &ss) == 0)
+            ltg_log("warning: providers.%s: an IP address: its certificate chain is checked but not its name (BearSSL matches DNS names only)", p->name);
+    }
+    return 0;
+}
+
+/* ---- verification off: the leaf's key is taken, nothing is checked ---- */
+
+typedef struct {
+    const br_x509_class *vtable;
+    br_x509_decoder_context dc;
+    int certs;
+} tls_noverify;
+
+static void nv_start_chain(const br_x509_class **ctx, const char *name) { (void)name; ((tls_noverify *)(void *)ctx)->certs = 0; }
+static void nv_start_cert(const br_x509_class **ctx, uint32_t len) {
+    (void)len;
+    tls_noverify *nv = (tls_noverify *)(void *)ctx;
+    if (nv->certs == 0) br_x509_decoder_init(&nv->dc, NULL, NULL);
+}
+static void nv_append(const br_x509_class **ctx, const unsigned char *p, size_t n) {
+    tls_noverify *nv = (tls_noverify *)(void *)ctx;
+    if (nv->certs == 0) br_x509_decoder_push(&nv->dc, p, n);
+}
+static void nv_end_cert(const br_x509_class **ctx) { ((tls_noverify *)(void *)ctx)->certs++; }
+static unsigned nv_end_chain(const br_x509_class **ctx) {
+    tls_noverify *nv = (tls_noverify *)(void *)ctx;
+    return br_x509_decoder_get_pkey(&nv->dc) ? 0 : BR_ERR_X509_EMPTY_CHAIN;
+}
+static const br_x509_pkey *nv_get_pkey(const br_x509_class *const *ctx, unsigned *usages) {
+    tls_noverify *nv = (tls_noverify *)(void *)ctx;
+    if (usages) *usages = BR_KEYTYPE_KEYX | BR_KEYTYPE_SIGN;
+    return br_x509_decoder_get_pkey(&nv->dc);
+}
+static const br_x509_class tls_noverify_class = {sizeof(tls_noverify), nv_start_chain, nv_start_cert, nv_append,
+                                                 nv_end_cert, nv_end_chain, nv_get_pkey};
+
+/* ---- a connection ---- */
+
+typedef struct {
+    br_ssl_client_context sc;
+    br_x509_minimal_context xc;
+    tls_noverify nv;
+    unsigned char iobuf[BR_SSL_BUFSIZE_BIDI];
+} tls_conn;
+
+/* A BearSSL error in words, for the log, the attempt log and the answer. */
+static const char *tls_error_words(int err, char *tmp, size_t n) {
+    switch (err) {
+    case BR_ERR_X509_NOT_TRUSTED: return "certificate not trusted (its CA is not in the trust anchors: see --ca-file)";
+    case BR_ERR_X509_BAD_SERVER_NAME: return "certificate name mismatch (it is not for this host name)";
+    case BR_ERR_X509_EXPIRED: return "certificate expired or not yet valid";
+    case BR_ERR_X509_TIME_UNKNOWN: return "no clock to check the certificate's dates";
+    case BR_ERR_BAD_VERSION: return "the server does not speak TLS 1.2";
+    case BR_ERR_RECV_FATAL_ALERT + 70: return "server requires a protocol version ltg lacks (TLS 1.3 only?)";
+    case BR_ERR_RECV_FATAL_ALERT + 40: return "the server refused the handshake (no common cipher suite?)";
+    case BR_ERR_RECV_FATAL_ALERT + 112: return "the server does not know this host name (SNI)";
+    }
+    if (err >= BR_ERR_SEND_FATAL_ALERT) snprintf(tmp, n, "TLS alert %d sent by ltg", err - BR_ERR_SEND_FATAL_ALERT);
+    else if (err >= BR_ERR_RECV_FATAL_ALERT) snprintf(tmp, n, "TLS alert %d from the server", err - BR_ERR_RECV_FATAL_ALERT);
+    else if (err >= 32 && err < 64) snprintf(tmp, n, "certificate rejected (BearSSL X.509 error %d)", err);
+    else snprintf(tmp, n, "TLS error %d", err);
+    return tmp;
+}
+
+static const uint16_t tls_suites[] = {
+    BR_TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256, BR_TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256,
+    BR_TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384, BR_TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384,
+    BR_TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256, BR_TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256,
+};
+
+/* A client engine for provider p, ready to say ClientHello (resuming p's
+ * last session when it has one). NULL with *why on failure. */
+static tls_conn *tls_new(provider *p, const char **why) {
+    tls_conn *t = xmalloc(sizeof *t);
+    br_ssl_engine_context *eng = &t->sc.eng;
+    br_ssl_client_init_full(&t->sc, &t->xc, TLS.ta, TLS.nta);
+    br_ssl_engine_set_versions(eng, BR_TLS12, BR_TLS12);
+    br_ssl_engine_set_suites(eng, tls_suites, sizeof tls_suites / sizeof *tls_suites);
+    br_ssl_engine_add_flags(eng, BR_OPT_NO_RENEGOTIATION);
+    if (!p->tls_verify) t->nv.vtable = &tls_noverify_class, br_ssl_engine_set_x509(eng, &t->nv.vtable);
+    br_ssl_engine_set_buffer(eng, t->iobuf, sizeof t->iobuf, 1);
+    uint8_t seed[32];
+    os_random(seed, sizeof seed); /* mixed into BearSSL's own seeding */
+    br_ssl_engine_inject_entropy(eng, seed, sizeof seed);
+    if (p->have_session) br_ssl_engine_set_session_parameters(eng, &p->session);
+    struct sockaddr_storage ss;
+    int ip = addr_parse(p->host, &ss) == 0; /* BearSSL matches names, not addresses */
+    if (!br_ssl_client_reset(&t->sc, ip ? NULL : p->host, p->have_session)) {
+        *why = "the TLS engine could not start (host name too long, or no randomness)";
+        free(t);
+        return NULL;
+    }
+    return t;
+}
+
+/* The handshake completed: count it, keep the session for the next connection. */
+static void tls_handshake_done(provider *p, tls_conn *t) {
+    br_ssl_session_parameters now;
+    br_ssl_engine_get_session_parameters(&t->sc.eng, &now);
+    int resumed = p->have_session && now.session_id_len == p->session.session_id_len &&
+                  memcmp(now.session_id, p->session.session_id, now.session_id_len) == 0;
+    if (resumed) TLS.resumed++;
+    else TLS.full++;
+    p->session = now, p->have_session = 1;
+}
+
+enum { PUMP_OK, PUMP_EOF, PUMP_ERR };
+
+/* Move records and plaintext as far as they go without blocking: plaintext
+ * from out[*sent..outlen) into the engine, decrypted plaintext onto `in`.
+ * `reading` says whether to take records from the socket (not while the
+ * client is slow). Sets *events to the poll interest; *ready turns 1 when
+ * the handshake completes. On PUMP_ERR, why holds the reason. */
+static int tls_pump(tls_conn *t, int fd, const char *out, size_t outlen, size_t *sent, buf *in, int reading,
+                    int *ready, short *events, char *why, size_t whylen) {
+    br_ssl_engine_context *eng = &t->sc.eng;
+    int out_blocked = 0, in_blocked = 0, rc = PUMP_OK;
+    unsigned st;
+    for (;;) {
+        st = br_ssl_engine_current_state(eng);
+        if (st & BR_SSL_CLOSED) {
+            int err = br_ssl_engine_last_error(eng);
+            if (!err) { rc = PUMP_EOF; break; } /* close_notify */
+            char tmp[96];
+            snprintf(why, whylen, "%s", tls_error_words(err, tmp, sizeof tmp));
+            return PUMP_ERR;
+        }
+        if (!*ready && (st & (BR_SSL_SENDAPP | BR_SSL_RECVAPP))) *ready = 1;
+        size_t n;
+        unsigned char *p;
+        if ((st & BR_SSL_SENDREC) && !out_blocked) { /* records out first, as BearSSL's run_until does */
+            p = br_ssl_engine_sendrec_buf(eng, &n);
+            ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
+            if (w > 0) { br_ssl_engine_sendrec_ack(eng, (size_t)w); continue; }
+            if (w < 0 && errno == EINTR) continue;
+            if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) out_blocked = 1;
+            else { snprintf(why, whylen, "write: %s", w < 0 ? strerror(errno) : "closed"); return PUMP_ERR; }
+        }
+        if (st & BR_SSL_RECVAPP) {
+            p = br_ssl_engine_recvapp_buf(eng, &n);
+            buf_append(in, p, n);
+            br_ssl_engine_recvapp_ack(eng, n);
+            continue;
+        }
+        if ((st & BR_SSL_SENDAPP) && *sent < outlen) {
+            p = br_ssl_engine_sendapp_buf(eng, &n);
+            if (n > outlen - *sent) n = outlen - *sent;
+            memcpy(p, out + *sent, n);
+            br_ssl_engine_sendapp_ack(eng, n);
+            *sent += n;
+            if (*sent == outlen) br_ssl_engine_flush(eng, 0); /* the request is whole: send its last record now */
+            continue;
+        }
+        if ((st & BR_SSL_RECVREC) && !in_blocked && reading) {
+            p = br_ssl_engine_recvrec_buf(eng, &n);
+            ssize_t r = recv(fd, p, n, 0);
+            if (r > 0) { br_ssl_engine_recvrec_ack(eng, (size_t)r); continue; }
+            if (r < 0 && errno == EINTR) continue;
+            if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) in_blocked = 1;
+            else if (r == 0) { rc = PUMP_EOF; break; } /* without close_notify: the HTTP framing decides */
+            else { snprintf(why, whylen, "read: %s", strerror(errno)); return PUMP_ERR; }
+        }
+        break;
+    }
+    st = br_ssl_engine_current_state(eng);
+    *events = (short)(((st & BR_SSL_SENDREC) ? POLLOUT : 0) | ((st & BR_SSL_RECVREC) && reading ? POLLIN : 0));
+    return rc;
+}
+
+/* ===== 9. Upstream connections and the pool =====
  *
  * IMPLEMENTATION NOTES
  * An upstream connection carries one request at a time to one provider:
@@ -1892,8 +2193,10 @@ struct upstream {
     chunk_decoder cd;
     long long body_left;
     buf body;           /* decoded body bytes the exchange has not taken yet */
-    timer t;            /* connect timeout, failure notice, or pool idle timeout */
-    char err[160];
+    timer t;            /* connect/handshake timeout, failure notice, or pool idle timeout */
+    tls_conn *tls;      /* the TLS engine of an https provider (section 8), else NULL */
+    int tls_ready;      /* its handshake completed */
+    char err[200];
 };
 
 static void exchange_upstream(exchange *x);
@@ -1902,6 +2205,7 @@ static upstream **up_wait_link(upstream *u) { return &u->link; }
 
 static void up_free(upstream *u) {
     timer_stop(&u->t);
+    free(u->tls);
     if (u->fd >= 0) loop_close(u->fd);
     buf_free(&u->out), buf_free(&u->in), buf_free(&u->head), buf_free(&u->body);
     free(u);
@@ -1918,6 +2222,9 @@ static void up_notify(void *ctx) {
     }
     if (u->state == UP_CONNECTING && !u->failed) {
         snprintf(u->err, sizeof u->err, "connect to %s:%d timed out", u->p->host, u->p->port);
+        u->failed = 1;
+    } else if (u->tls && !u->tls_ready && !u->failed) {
+        snprintf(u->err, sizeof u->err, "TLS handshake with %s timed out", u->p->host);
         u->failed = 1;
     }
     exchange_upstream(u->x);
@@ -1938,7 +2245,10 @@ static void up_fail(upstream *u, const char *fmt, ...) {
 
 static void up_io(void *ctx, int revents);
 
+static void up_tls(upstream *u);
+
 static void up_write(upstream *u) {
+    if (u->tls) { up_tls(u); return; }
     while (u->wrote < u->out.len) {
         ssize_t n = send(u->fd, u->out.p + u->wrote, u->out.len - u->wrote, MSG_NOSIGNAL);
         if (n > 0) { u->wrote += (size_t)n; continue; }
@@ -1963,10 +2273,13 @@ static void up_connect(upstream *u, const struct sockaddr_storage *addr) {
         return;
     }
     int one = 1;
-    setsockopt(u->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    setsockopt(u->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); /* a handshake is several small writes */
     loop_watch(u->fd, POLLOUT, up_io, u);
+    const char *why;
+    if (u->p->tls && !(u->tls = tls_new(u->p, &why))) { up_fail(u, "%s", why); return; }
     if (connect(u->fd, (struct sockaddr *)&a, addr_len(&a)) == 0) {
         u->state = UP_SENDING;
+        if (u->tls) timer_set(&u->t, CONNECT_TIMEOUT_MS);
         up_write(u);
     } else if (errno == EINPROGRESS) {
         u->state = UP_CONNECTING;
@@ -2025,7 +2338,44 @@ static void up_parse(upstream *u) {
     if (u->complete) u->leftover = u->in.len > 0;
 }
 
+/* The provider closed the connection: the end of an answer framed by the
+ * close, or a failure. Returns 1 when the answer is complete. */
+static int up_eof(upstream *u) {
+    if (u->have_head && u->until_eof) return u->complete = 1;
+    if (!u->got_bytes) up_fail(u, "%s closed the connection before answering", u->p->host);
+    else up_fail(u, "%s closed the connection in the middle of its answer", u->p->host);
+    return 0;
+}
+
+/* An https connection: the pump moves the handshake, the request and the
+ * answer; then the same parsing as over plain TCP. */
+static void up_tls(upstream *u) {
+    char why[160];
+    short events;
+    size_t had = u->in.len;
+    int was_ready = u->tls_ready;
+    int r = tls_pump(u->tls, u->fd, u->out.p, u->out.len, &u->wrote, &u->in, !u->paused, &u->tls_ready, &events, why, sizeof why);
+    if (!was_ready && u->tls_ready) {
+        tls_handshake_done(u->p, u->tls);
+        timer_stop(&u->t); /* the connect and handshake deadline is met */
+    }
+    if (r == PUMP_ERR) { up_fail(u, "TLS with %s: %s", u->p->host, why); return; }
+    if (u->state == UP_SENDING && u->tls_ready && u->wrote == u->out.len) u->state = UP_READING;
+    loop_events(u->fd, events);
+    if (u->in.len > had) {
+        u->got_bytes = 1;
+        up_parse(u);
+        if (u->failed) return;
+    }
+    if (r == PUMP_EOF && !u->complete && !up_eof(u)) return;
+    if (u->state == UP_READING && (u->in.len > had || u->complete)) {
+        if (u->complete) loop_events(u->fd, 0);
+        exchange_upstream(u->x);
+    }
+}
+
 static void up_read(upstream *u) {
+    if (u->tls) { up_tls(u); return; }
     for (int rounds = 0; rounds < 4 && !u->complete; rounds++) {
         buf_reserve(&u->in, READ_CHUNK);
         ssize_t n = recv(u->fd, u->in.p + u->in.len, READ_CHUNK, 0);
@@ -2040,10 +2390,8 @@ static void up_read(upstream *u) {
         }
         if (n < 0 && errno == EINTR) continue;
         if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
-        if (n == 0 && u->have_head && u->until_eof) { u->complete = 1; break; }
-        if (n == 0 && !u->got_bytes) up_fail(u, "%s closed the connection before answering", u->p->host);
-        else if (n == 0) up_fail(u, "%s closed the connection in the middle of its answer", u->p->host);
-        else up_fail(u, "read from %s: %s", u->p->host, strerror(errno));
+        if (n == 0 && up_eof(u)) break;
+        if (n < 0) up_fail(u, "read from %s: %s", u->p->host, strerror(errno));
         return;
     }
     if (u->complete) loop_events(u->fd, 0);
@@ -2060,7 +2408,7 @@ static void up_io(void *ctx, int revents) {
         socklen_t len = sizeof err;
         getsockopt(u->fd, SOL_SOCKET, SO_ERROR, &err, &len);
         if (err) { up_fail(u, "connect to %s:%d: %s", u->p->host, u->p->port, strerror(err)); return; }
-        timer_stop(&u->t);
+        if (!u->tls) timer_stop(&u->t); /* over TLS the deadline runs on through the handshake */
         u->state = UP_SENDING;
         up_write(u);
         return;
@@ -2146,7 +2494,7 @@ static void up_release(upstream *u) {
     u->link = p->idle, p->idle = u, p->nidle++;
 }
 
-/* ===== 9. The attempt plan: retry, fallback, circuit breaker =====
+/* ===== 10. The attempt plan: retry, fallback, circuit breaker =====
  *
  * IMPLEMENTATION NOTES
  * Retries live in one layer, here. Every upstream attempt ends in one
@@ -2171,7 +2519,7 @@ static void up_release(upstream *u) {
  * request, and every other 4xx says the request itself is wrong.
  *
  * plan_next() is that table, line for line. The timing around it (backoff,
- * Retry-After, the deadline) is the exchange's (section 15); both use the
+ * Retry-After, the deadline) is the exchange's (section 16); both use the
  * pure helpers here, which the unit tests drive without sockets.
  *
  * The circuit breaker, per model alias: after 5 consecutive no_work or
@@ -2290,7 +2638,7 @@ static void breaker_record(model *m, attempt_outcome o, int probe, int64_t now) 
 /* A probe that ended without an outcome (its client left): the next request probes. */
 static void breaker_forget_probe(model *m) { m->cb_probing = 0; }
 
-/* ===== 10. The store: token groups, token keys, idempotency records =====
+/* ===== 11. The store: token groups, token keys, idempotency records =====
  *
  * IMPLEMENTATION NOTES
  * Policy lives in token groups; applications hold token keys, each bound to
@@ -2303,7 +2651,7 @@ static void breaker_forget_probe(model *m) { m->cb_probing = 0; }
  * A change is made on a copy: group_parse() lays the request's fields over
  * it (PATCH: omitted kept, null clears), group_validate() checks the whole
  * result against the rules of API.md 3.1, and only a copy that passed is
- * written to the log (section 11) and then swapped in. A refused change
+ * written to the log (section 12) and then swapped in. A refused change
  * therefore leaves nothing behind, in memory or on disk.
  *
  * Validation errors carry a JSON pointer (RFC 6901) to the offending value
@@ -2981,7 +3329,7 @@ static int hex_decode(const char *s, size_t n, uint8_t *out) {
     return 0;
 }
 
-/* Apply one log record's payload (section 11 calls this for every record
+/* Apply one log record's payload (section 12 calls this for every record
  * at start-up). Returns 0, or LTG_ERR with a reason in err. */
 static int store_apply(const char *p, size_t n, off_t at, char *err, size_t errlen) {
     (void)at;
@@ -3057,11 +3405,11 @@ done:
     return rc;
 }
 
-/* ===== 11. The append-only log =====
+/* ===== 12. The append-only log =====
  *
  * IMPLEMENTATION NOTES
  * Two files share this code: DATA/state.log (groups, keys, idempotency
- * records; here) and DATA/ledger.log (spend events; section 12). Every
+ * records; here) and DATA/ledger.log (spend events; section 13). Every
  * acknowledged change is one record in state.log, written and fsynced
  * before the answer leaves (Redis's appendfsync always); the ledger is
  * fsynced once per loop turn instead. A file opens with an 8-byte magic
@@ -3326,7 +3674,7 @@ static void compact_step(void) {
     ltg_log("compacted %s: %lld -> %lld bytes", LOG.f.path, (long long)before, (long long)LOG.f.size);
 }
 
-/* ===== 12. The ledger, budgets and the cache =====
+/* ===== 13. The ledger, budgets and the cache =====
  *
  * IMPLEMENTATION NOTES
  * Every inference request that reached dispatch or the cache leaves one
@@ -3677,7 +4025,7 @@ static int store_tick(void) {
     return LOG.compacting;
 }
 
-/* ===== 13. Client connections: the HTTP/1.1 server =====
+/* ===== 14. Client connections: the HTTP/1.1 server =====
  *
  * IMPLEMENTATION NOTES
  * A client connection is a small state machine:
@@ -4052,7 +4400,7 @@ static const char *request_bearer(conn *c, size_t *n) {
     return *n ? v : NULL;
 }
 
-/* ===== 14. The control plane =====
+/* ===== 15. The control plane =====
  *
  * IMPLEMENTATION NOTES
  * /v2/llm_token_gateway on the admin listener (API.md 3). Every request
@@ -4066,9 +4414,9 @@ static const char *request_bearer(conn *c, size_t *n) {
  *      This comes before If-Match on purpose: a client retrying a PATCH
  *      that did succeed must get its answer, not a 412 about its own change.
  *   2. If-Match (PATCH, DELETE): missing 428, stale 412 with the version.
- *   3. Parse and validate on a copy (section 10): 400 changes nothing.
+ *   3. Parse and validate on a copy (section 11): 400 changes nothing.
  *   4. One log record with the change and its idempotency record, fsynced
- *      (section 11); only then the copy replaces the original in memory.
+ *      (section 12); only then the copy replaces the original in memory.
  */
 #define API_PREFIX "/v2/llm_token_gateway"
 
@@ -4779,11 +5127,11 @@ static void admin_route(conn *c) {
     } else keys_delete(c, &who, k);
 }
 
-/* ===== 15. Inference: the proxy path =====
+/* ===== 16. Inference: the proxy path =====
  *
  * IMPLEMENTATION NOTES
  * An exchange is one inference request on its way through ltg. It owns a
- * copy of the request body, the plan (section 9), the log of its attempts,
+ * copy of the request body, the plan (section 10), the log of its attempts,
  * the upstream connection of the current attempt, its budget reservation,
  * and two timers: the deadline of the whole request, and `t`, which is by
  * turns the current attempt's timeout, the backoff before the next
@@ -5283,7 +5631,7 @@ static void exchange_drained(exchange *x) {
     if (x->u && x->u->paused) up_pause(x->u, 0);
 }
 
-/* News from the upstream connection (section 8): classify and act. */
+/* News from the upstream connection (section 9): classify and act. */
 static void exchange_upstream(exchange *x) {
     upstream *u = x->u;
     if (u->failed) {
@@ -5605,13 +5953,13 @@ static void inference_models(conn *c) {
     buf_free(&b), buf_free(&h);
 }
 
-/* ===== 16. Routing =====
+/* ===== 17. Routing =====
  *
  * IMPLEMENTATION NOTES
  * Both listeners share the HTTP server; `conn.admin` says which one a
  * connection came from, and so which endpoints and which error shape it
- * gets: the control plane (section 14) on the admin listener, the OpenAI
- * API (section 15) on the inference listener, /healthz on both.
+ * gets: the control plane (section 15) on the admin listener, the OpenAI
+ * API (section 16) on the inference listener, /healthz on both.
  */
 static void route(conn *c) {
     snprintf(c->rid, sizeof c->rid, "req_%016llx%08llx", (unsigned long long)rng_next(), (unsigned long long)(++S.request_seq & 0xffffffff));
@@ -5643,7 +5991,7 @@ static void route(conn *c) {
     conn_error(c, 404, "not_found", "no such endpoint (ltg serves /v1/chat/completions, /v1/embeddings and /v1/models)");
 }
 
-/* ===== 17. main =====
+/* ===== 18. main =====
  *
  * IMPLEMENTATION NOTES
  * Start-up: options, the catalog, the fd table sized from the connection
@@ -5720,6 +6068,7 @@ static void drain_start(void) {
 static void config_reload(void) {
     char err[512];
     catalog *cat = catalog_load(S.config_path, NULL, err, sizeof err);
+    if (cat && tls_prepare(cat, err, sizeof err) < 0) catalog_free(cat), cat = NULL;
     if (!cat) { ltg_log("SIGHUP: config refused, the old one stays: %s", err); return; }
     catalog *old = S.cat;
     S.cat = cat;
@@ -5747,7 +6096,7 @@ static void usage(void) {
     fprintf(stderr,
             "usage: ltg --config FILE [--data DIR] [--listen ADDR:PORT] [--admin-listen ADDR:PORT]\n"
             "           [--max-conns N] [--drain-seconds N] [--max-body-mb N] [--head-timeout S] [--idle-timeout S]\n"
-            "           [--cache-mb N] [--resolv-conf FILE]\n");
+            "           [--cache-mb N] [--ca-file FILE] [--resolv-conf FILE]\n");
     exit(2);
 }
 
@@ -5770,6 +6119,7 @@ int main(int argc, char **argv) {
         if (strcmp(o, "--config") == 0) S.config_path = v;
         else if (strcmp(o, "--data") == 0) S.data_dir = v;
         else if (strcmp(o, "--resolv-conf") == 0) S.resolv_conf = v;
+        else if (strcmp(o, "--ca-file") == 0) TLS.ca_file = v;
         else if (strcmp(o, "--listen") == 0) snprintf(S.listen_addr, sizeof S.listen_addr, "%s", v);
         else if (strcmp(o, "--admin-listen") == 0) snprintf(S.admin_addr, sizeof S.admin_addr, "%s", v);
         else if (strcmp(o, "--max-conns") == 0) S.max_conns = (int)n;
@@ -5788,7 +6138,7 @@ int main(int argc, char **argv) {
 
     char err[512];
     S.cat = catalog_load(S.config_path, NULL, err, sizeof err);
-    if (!S.cat) { fprintf(stderr, "ltg: %s\n", err); return 1; }
+    if (!S.cat || tls_prepare(S.cat, err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
     if (!S.data_dir) { fprintf(stderr, "ltg: --data DIR is required: the directory that keeps token groups, keys and the ledger\n"); return 2; }
     if (mkdir(S.data_dir, 0700) < 0 && errno != EEXIST) { fprintf(stderr, "ltg: --data %s: %s\n", S.data_dir, strerror(errno)); return 1; }
     char lock[PATH_MAX];
@@ -5843,6 +6193,8 @@ int main(int argc, char **argv) {
             S.cat->nprov, S.cat->nmodels);
 
     loop_run();
+    if (TLS.full + TLS.resumed)
+        ltg_log("TLS handshakes: %llu full, %llu resumed", (unsigned long long)TLS.full, (unsigned long long)TLS.resumed);
     ltg_log("stopped");
     return 0;
 }

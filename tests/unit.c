@@ -297,6 +297,11 @@ static void test_config(void) {
         CHECK(strcmp(c->prov[0].host, "127.0.0.1") == 0 && c->prov[0].port == 9000 && strcmp(c->prov[0].base_path, "/v1") == 0, "url");
         CHECK(strcmp(c->prov[0].hostport, "127.0.0.1:9000") == 0 && strcmp(c->prov[0].api_key, "provider-secret") == 0, "host and key");
         CHECK(strcmp(c->prov[1].host, "::1") == 0 && c->prov[1].port == 80 && strcmp(c->prov[1].hostport, "[::1]") == 0, "ipv6 url");
+        catalog *tc = load("{\"providers\":{\"t\":{\"base_url\":\"https://api.example.com/v1\",\"tls_verify\":false},\"u\":{\"base_url\":\"https://h:8443\"}},"
+                           "\"models\":{\"M\":{\"provider\":\"t\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}", err);
+        CHECK(tc && tc->prov[0].tls && tc->prov[0].port == 443 && !tc->prov[0].tls_verify && strcmp(tc->prov[0].hostport, "api.example.com") == 0 &&
+              tc->prov[1].tls_verify && strcmp(tc->prov[1].hostport, "h:8443") == 0, "https providers: %s", err);
+        catalog_free(tc);
         model *m = catalog_model(c, "A", 1);
         CHECK(m && m->p == &c->prov[0] && m->in_price == 1 && m->out_price == 2.5 && m->max_output_tokens == 100, "model A");
         CHECK(catalog_model(c, "B", 1)->max_output_tokens == 4096, "default max_output_tokens");
@@ -312,7 +317,7 @@ static void test_config(void) {
         {"{\"providers\":{},\"models\":{}}", "providers: must be an object"},
         {"{\"providers\":{\"p\":{\"base_url\":\"ftp://x\"}},\"models\":{}}", "providers.p.base_url: must start with http"},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x:99999\"}},\"models\":{}}", "providers.p.base_url: has an invalid port"},
-        {"{\"providers\":{\"p\":{\"base_url\":\"https://x\"}},\"models\":{}}", "not supported yet"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"https://x\",\"tls_verify\":\"no\"}},\"models\":{}}", "providers.p.tls_verify: must be true or false"},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\",\"api_key_env\":\"UNIT_UNSET\"}},\"models\":{}}", "providers.p.api_key_env: environment variable UNIT_UNSET is not set"},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\",\"bogus\":1}},\"models\":{}}", "providers.p.bogus: unknown field"},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{}}", "models: must be an object with at least one"},
@@ -415,7 +420,7 @@ static void test_group_validation(void) {
     CHECK(g && g->nfb == 1 && g->fb[0].n == 3 && g->retries.max_attempts == 5 && g->retries.backoff == BACKOFF_LINEAR &&
           g->max_budget == 0.123456 && g->budget_days == 7 && g->cache_ttl == 0 && g->max_parallel == 1 && g->blocked, "full group: %s %s", e.pointer, e.detail);
     group *min = try_group("{\"name\":\"m\",\"allowed_models\":[]}", NULL, &e);
-    CHECK(min && !min->has_retries && !min->has_budget && min->cache_ttl == -1 && min->max_parallel == -1, "minimal group");
+    CHECK(min && !min->has_retries && !min->has_budget && min->cache_ttl == UNSET && min->max_parallel == UNSET, "minimal group");
     group_free(min);
 
     /* The catalog is checked first, whatever else is wrong. */
@@ -471,7 +476,7 @@ static void test_group_validation(void) {
         CHECK(p && strcmp(p->name, "renamed") == 0 && p->nfb == 1 && p->retries.max_attempts == 5 && p->has_budget, "patch keeps the rest");
         group_free(p);
         p = try_group("{\"retries\":null,\"fallbacks\":null,\"max_budget\":null,\"cache_ttl\":null,\"max_parallel_requests\":null}", g, &e);
-        CHECK(p && !p->has_retries && p->nfb == 0 && !p->has_budget && p->cache_ttl == -1 && p->max_parallel == -1, "null clears");
+        CHECK(p && !p->has_retries && p->nfb == 0 && !p->has_budget && p->cache_ttl == UNSET && p->max_parallel == UNSET, "null clears");
         group_free(p);
         p = try_group("{\"retries\":{\"max_attempts\":3}}", g, &e);
         CHECK(p && p->retries.max_attempts == 3 && p->retries.retry_delay_ms == 250 && p->retries.backoff == BACKOFF_EXPONENTIAL &&
