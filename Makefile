@@ -38,8 +38,8 @@ tests/unit: tests/unit.c ltg.c ltg.h | deps
 tests/unit-asan: tests/unit.c ltg.c ltg.h | deps
 	$(CC) $(SAN) $(WARN) -Wno-unused-function $(CFLAGS_EXTRA) -o $@ tests/unit.c $(BEARSSL) -lm
 
-tests/mock: tests/mock.c
-	$(CC) -O2 -std=c11 -Wall -Wextra $(CFLAGS_EXTRA) -pthread -o $@ tests/mock.c
+tests/mock: tests/mock.c | deps
+	$(CC) -O2 -std=c11 -Wall -Wextra $(CFLAGS_EXTRA) -pthread -o $@ tests/mock.c $(BEARSSL)
 
 test: ltg ltg-asan tests/unit tests/unit-asan tests/mock
 	./test.sh

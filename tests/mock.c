@@ -2,6 +2,13 @@
  * mock.c -- a fake OpenAI-style provider for ltg's tests and benchmarks.
  *
  *     tests/mock --port PORT      (127.0.0.1 only; --port 0 picks a free port)
+ *     tests/mock --port PORT --tls-cert CHAIN.pem --tls-key KEY.pem
+ *     tests/mock --port PORT --tls-stall
+ *
+ * With --tls-cert and --tls-key it speaks HTTPS (TLS 1.2, BearSSL) instead of
+ * plain HTTP, control endpoints included; see section 9 for the details and
+ * tests/tls-certs.sh for certificates. --tls-stall accepts connections and
+ * never answers, not even the TLS ClientHello, for handshake deadline tests.
  *
  * It answers POST <prefix>/chat/completions (plain or streamed as SSE) and
  * POST <prefix>/embeddings with canned bodies that echo the request's "model",
@@ -23,8 +30,9 @@
  *
  * Control endpoints: POST /_mock/script, GET /_mock/stats, GET /_mock/last,
  * POST /_mock/reset. Connections whose first request is a control request are
- * left out of "connections" and "open_connections", so that a test reading
- * the stats sees only the connections that ltg made.
+ * left out of "connections" and "open_connections" (and, over TLS, out of
+ * "tls_handshakes" and "tls_resumed"), so that a test reading the stats sees
+ * only the connections that ltg made.
  *
  * How it works: one thread per connection with blocking I/O, one mutex around
  * the shared state. That is the simplest design that serves hundreds of
@@ -50,6 +58,8 @@
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
+
+#include <bearssl.h>
 
 #define HEAD_MAX      (64 * 1024)        /* a longer request head gets 431 */
 #define BODY_MAX      (64 * 1024 * 1024) /* a longer request gets 413 */
@@ -358,6 +368,7 @@ static struct {
     pthread_mutex_t lock;        /* guards everything below */
     long start_ms;
     long connections, open_connections, requests;
+    long tls_handshakes, tls_resumed, tls_failed;   /* TLS mode only */
     unsigned epoch;              /* bumped by /_mock/reset */
     unsigned long next_id;       /* for "chatcmpl-mock-N"; never reset */
     struct model *models;
@@ -365,6 +376,7 @@ static struct {
     struct log_entry log[LOG_MAX];
     size_t log_next, log_len;    /* a ring: the last LOG_MAX inference requests */
     struct buf last_head, last_body;  /* the last request that was not a control request */
+    char last_sni[256];          /* the TLS server name (SNI) of its connection */
 } mock = { .lock = PTHREAD_MUTEX_INITIALIZER };
 
 /* Finds or adds the record of a model. Caller holds the lock. */
@@ -430,6 +442,7 @@ static void mock_reset(void)
     }
     mock.nmodels = 0;
     mock.connections = mock.requests = 0;
+    mock.tls_handshakes = mock.tls_resumed = mock.tls_failed = 0;
     mock.log_next = mock.log_len = 0;
     mock.last_head.len = mock.last_body.len = 0;
     mock.epoch++;
@@ -598,18 +611,58 @@ static long http_parse(const char *buf, size_t len, struct request *r)
 
 /* ===== 6. Connections: reading, writing, waiting ===== */
 
+/* A connection's TLS state (TLS mode only, see section 9). BearSSL allocates
+ * nothing: the server context, the blocking I/O wrapper and the record
+ * buffers all live here, in one heap block that never moves. */
+struct tls {
+    br_ssl_server_context sc;    /* first: BearSSL's server context pointer is a struct tls pointer */
+    br_sslio_context io;
+    int cached;                  /* the session cache found the session the client offered */
+    unsigned char cached_id[32]; /* ... under this ID */
+    unsigned char iobuf[BR_SSL_BUFSIZE_BIDI];
+};
+
 struct conn {
     int fd;
     int counted;                 /* counts in connections/open_connections */
     unsigned epoch;              /* mock.epoch when it was counted */
+    struct tls *tls;             /* NULL: plain HTTP */
+    int resumed;                 /* TLS: the handshake resumed a cached session */
+    int abrupt;                  /* TLS: end without close_notify (cut_after, reset) */
     struct buf in;               /* received bytes not yet consumed */
     struct buf body;             /* a decoded chunked request body */
     struct buf json;             /* the answer body (or SSE event) being built */
     struct buf out;              /* the bytes of the next write */
 };
 
+/* The socket I/O under BearSSL's blocking wrapper: ctx points at the fd.
+ * Both return the bytes moved, or -1 (EOF counts as an error). */
+static int sock_read(void *ctx, unsigned char *p, size_t n)
+{
+    for (;;) {
+        ssize_t got = recv(*(int *)ctx, p, n, 0);
+        if (got < 0 && errno == EINTR)
+            continue;
+        return got > 0 ? (int)got : -1;
+    }
+}
+
+static int sock_write(void *ctx, const unsigned char *p, size_t n)
+{
+    for (;;) {
+        ssize_t w = send(*(int *)ctx, p, n, MSG_NOSIGNAL);
+        if (w < 0 && errno == EINTR)
+            continue;
+        return w > 0 ? (int)w : -1;
+    }
+}
+
+/* Sends n bytes. Over TLS every call is flushed, so each write (each SSE
+ * event, say) leaves at once, in records of its own. */
 static int conn_send(struct conn *c, const char *p, size_t n)
 {
+    if (c->tls)
+        return br_sslio_write_all(&c->tls->io, p, n) < 0 || br_sslio_flush(&c->tls->io) < 0 ? -1 : 0;
     while (n > 0) {
         ssize_t w = send(c->fd, p, n, MSG_NOSIGNAL);
         if (w < 0 && errno == EINTR)
@@ -620,6 +673,18 @@ static int conn_send(struct conn *c, const char *p, size_t n)
         n -= (size_t)w;
     }
     return 0;
+}
+
+/* Receives at most n bytes; returns how many, or <= 0 on EOF or error. */
+static ssize_t conn_recv(struct conn *c, void *p, size_t n)
+{
+    if (c->tls)
+        return br_sslio_read(&c->tls->io, p, n);
+    for (;;) {
+        ssize_t got = recv(c->fd, p, n, 0);
+        if (got >= 0 || errno != EINTR)
+            return got;
+    }
 }
 
 /* Waits ms milliseconds (forever if ms < 0). Returns -1 as soon as the peer
@@ -664,9 +729,7 @@ static long conn_read_request(struct conn *c, struct request *r)
         if (c->in.len > HEAD_MAX + BODY_MAX)
             return HTTP_BODY_TOO_BIG;
         buf_reserve(&c->in, READ_CHUNK);
-        ssize_t got = recv(c->fd, c->in.data + c->in.len, c->in.cap - c->in.len, 0);
-        if (got < 0 && errno == EINTR)
-            continue;
+        ssize_t got = conn_recv(c, c->in.data + c->in.len, c->in.cap - c->in.len);
         if (got <= 0)
             return HTTP_CLOSED;
         c->in.len += (size_t)got;
@@ -800,15 +863,19 @@ static int send_stream(struct conn *c, const struct request *r, const struct dir
         return 0;
     int n = 0;
     for (long i = 0; i < d->events; i++) {
-        if (i == d->cut_after)
+        if (i == d->cut_after) {
+            c->abrupt = 1;
             return 0;
+        }
         chunk_begin(c, ch);
         buf_puts(&c->json, "[{\"index\":0,\"delta\":{\"content\":\"word \"},\"finish_reason\":null}]}");
         if (stream_event(c, d, n++) < 0)
             return 0;
     }
-    if (d->cut_after >= 0)       /* cut_after >= events: cut before the finish event */
+    if (d->cut_after >= 0) {     /* cut_after >= events: cut before the finish event */
+        c->abrupt = 1;
         return 0;
+    }
     chunk_begin(c, ch);
     buf_puts(&c->json, "[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}");
     if (stream_event(c, d, n++) < 0)
@@ -848,6 +915,7 @@ static int serve_inference(struct conn *c, const struct request *r, int embeddin
     if (d.reset) {
         struct linger lg = { .l_onoff = 1, .l_linger = 0 };
         setsockopt(c->fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
+        c->abrupt = 1;
         return 0;
     }
     if (d.hang) {
@@ -934,8 +1002,10 @@ static int control_stats(struct conn *c, const struct request *r)
 {
     c->json.len = 0;
     pthread_mutex_lock(&mock.lock);
-    buf_printf(&c->json, "{\"connections\":%ld,\"open_connections\":%ld,\"requests\":%ld,\"calls\":{",
-               mock.connections, mock.open_connections, mock.requests);
+    buf_printf(&c->json, "{\"connections\":%ld,\"open_connections\":%ld,\"requests\":%ld,"
+               "\"tls_handshakes\":%ld,\"tls_resumed\":%ld,\"tls_failed\":%ld,\"calls\":{",
+               mock.connections, mock.open_connections, mock.requests,
+               mock.tls_handshakes, mock.tls_resumed, mock.tls_failed);
     for (size_t i = 0, n = 0; i < mock.nmodels; i++)
         if (mock.models[i].calls) {
             buf_puts(&c->json, n++ ? "," : "");
@@ -966,6 +1036,8 @@ static void mock_keep_last(const struct conn *c, const struct request *r)
     mock.last_head.len = mock.last_body.len = 0;
     buf_append(&mock.last_head, c->in.data, r->head_len);
     buf_append(&mock.last_body, r->body, r->body_len);
+    snprintf(mock.last_sni, sizeof mock.last_sni, "%s",
+             c->tls ? br_ssl_engine_get_server_name(&c->tls->sc.eng) : "");
     pthread_mutex_unlock(&mock.lock);
 }
 
@@ -996,6 +1068,10 @@ static int control_last(struct conn *c, const struct request *r)
     }
     buf_puts(&c->json, "},\"body\":");
     buf_json_string(&c->json, mock.last_body.data ? mock.last_body.data : "", mock.last_body.len);
+    if (c->tls) {                /* the SNI the client sent, "" if none */
+        buf_puts(&c->json, ",\"tls_server_name\":");
+        buf_json_string(&c->json, mock.last_sni, strlen(mock.last_sni));
+    }
     pthread_mutex_unlock(&mock.lock);
     buf_puts(&c->json, "}");
     return send_answer(c, r, &directive_ok, 200);
@@ -1021,7 +1097,281 @@ static int serve_control(struct conn *c, const struct request *r)
                       "unknown mock control endpoint (or wrong method)");
 }
 
-/* ===== 9. Connection threads and main ===== */
+/* ===== 9. TLS =====
+ *
+ * IMPLEMENTATION NOTES
+ * With --tls-cert and --tls-key every connection speaks TLS 1.2 through
+ * BearSSL's blocking wrapper, br_sslio, over the connection's socket. The
+ * connection thread runs the handshake first thing (tls_accept); after that
+ * conn_recv is br_sslio_read, and conn_send is br_sslio_write_all followed by
+ * br_sslio_flush. conn_wait still polls the bare socket: a client that goes
+ * away sends close_notify and then FIN, and POLLRDHUP reports the FIN.
+ *
+ * The chain and the key are read once at start-up: the PEM objects with
+ * br_pem_decoder, the key (RSA or EC, raw or PKCS#8) with br_skey_decoder,
+ * whose context then holds the key for the life of the process. The server
+ * profile is BearSSL's "full" one for the key's type. For an EC key BearSSL
+ * also wants the key type of the CA that signed the leaf (the static ECDH
+ * suites depend on it); that is the leaf's signature algorithm.
+ *
+ * Resumption: one LRU session cache serves all connections. The LRU is not
+ * thread-safe, so it sits behind a mutex in a cache class of our own. BearSSL
+ * does not tell whether a handshake resumed, so the class's load() notes the
+ * session ID it found for the connection, and the handshake resumed if the
+ * session ends up with that ID: a full handshake draws a fresh random one.
+ * (A found session is not always resumed: not if the client no longer offers
+ * its cipher suite or version.)
+ *
+ * Closing: a graceful end (Connection: close, framing=eof, an error answer)
+ * sends close_notify without waiting for the client's. An abrupt one
+ * (cut_after, reset) does not, so a client can tell a truncated answer.
+ *
+ * What tests see: GET /_mock/stats counts "tls_handshakes" (completed),
+ * "tls_resumed" (of those, resumed) and "tls_failed" (handshakes that did not
+ * complete: a client that rejected the certificate, say); GET /_mock/last
+ * adds "tls_server_name", the SNI its connection sent ("" if none).
+ */
+
+#define CHAIN_MAX  8
+#define PEM_MAX    16
+#define CACHE_SIZE 1000          /* sessions; each takes 100 bytes */
+
+static struct {
+    int on;                      /* --tls-cert and --tls-key were given */
+    int stall;                   /* --tls-stall */
+    br_x509_certificate chain[CHAIN_MAX];
+    size_t chain_len;
+    br_skey_decoder_context key; /* holds the decoded private key */
+    unsigned issuer_key_type;    /* BR_KEYTYPE_RSA or BR_KEYTYPE_EC */
+} tls_conf;
+
+/* The shared session cache: BearSSL's LRU behind a mutex. */
+struct locked_cache {
+    const br_ssl_session_cache_class *vtable;   /* first: BearSSL hands us &vtable */
+    pthread_mutex_t lock;
+    br_ssl_session_cache_lru lru;
+    unsigned char store[CACHE_SIZE * 100];
+};
+
+static void locked_cache_save(const br_ssl_session_cache_class **ctx, br_ssl_server_context *sc,
+                              const br_ssl_session_parameters *params)
+{
+    struct locked_cache *lc = (struct locked_cache *)(void *)ctx;
+    pthread_mutex_lock(&lc->lock);
+    lc->lru.vtable->save(&lc->lru.vtable, sc, params);
+    pthread_mutex_unlock(&lc->lock);
+}
+
+static int locked_cache_load(const br_ssl_session_cache_class **ctx, br_ssl_server_context *sc,
+                             br_ssl_session_parameters *params)
+{
+    struct locked_cache *lc = (struct locked_cache *)(void *)ctx;
+    pthread_mutex_lock(&lc->lock);
+    int found = lc->lru.vtable->load(&lc->lru.vtable, sc, params);
+    pthread_mutex_unlock(&lc->lock);
+    if (found) {
+        struct tls *t = (struct tls *)(void *)sc;           /* sc is its first member */
+        t->cached = 1;
+        memcpy(t->cached_id, params->session_id, sizeof t->cached_id);
+    }
+    return found;
+}
+
+static const br_ssl_session_cache_class locked_cache_class = {
+    sizeof(struct locked_cache), locked_cache_save, locked_cache_load,
+};
+
+static struct locked_cache tls_cache = { .vtable = &locked_cache_class, .lock = PTHREAD_MUTEX_INITIALIZER };
+
+__attribute__((format(printf, 2, 3), noreturn))
+static void tls_die(const char *path, const char *fmt, ...)
+{
+    va_list ap;
+    fprintf(stderr, "mock: %s: ", path);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    exit(1);
+}
+
+struct pem_object {
+    char name[128];              /* "CERTIFICATE", "EC PRIVATE KEY", ... */
+    struct buf der;
+};
+
+static void pem_append(void *ctx, const void *p, size_t n) { buf_append(ctx, p, n); }
+
+/* Decodes the PEM objects of a file into objs (zeroed by the caller) and
+ * returns how many there are. Exits on any error. */
+static size_t pem_read(const char *path, struct pem_object *objs)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        tls_die(path, "%s", strerror(errno));
+    br_pem_decoder_context pc;
+    br_pem_decoder_init(&pc);
+    unsigned char chunk[4096];
+    size_t n = 0, got;
+    int inside = 0, eof = 0;
+    while (!eof) {
+        if ((got = fread(chunk, 1, sizeof chunk, f)) == 0) {
+            chunk[0] = '\n';                    /* ends a last line that has no newline */
+            got = 1;
+            eof = 1;
+        }
+        for (const unsigned char *p = chunk; got > 0; ) {
+            size_t used = br_pem_decoder_push(&pc, p, got);
+            p += used;
+            got -= used;
+            switch (br_pem_decoder_event(&pc)) {
+            case BR_PEM_BEGIN_OBJ:
+                if (n == PEM_MAX)
+                    tls_die(path, "more than %d PEM objects", PEM_MAX);
+                snprintf(objs[n].name, sizeof objs[n].name, "%s", br_pem_decoder_name(&pc));
+                br_pem_decoder_setdest(&pc, pem_append, &objs[n].der);
+                inside = 1;
+                break;
+            case BR_PEM_END_OBJ:
+                n++;
+                inside = 0;
+                break;
+            case BR_PEM_ERROR:
+                tls_die(path, "not valid PEM");
+            }
+        }
+    }
+    if (ferror(f))
+        tls_die(path, "read error");
+    fclose(f);
+    if (inside)
+        tls_die(path, "truncated PEM object");
+    return n;
+}
+
+static void no_dn(void *ctx, const void *p, size_t n) { (void)ctx; (void)p; (void)n; }
+
+/* Does the private key belong to the leaf's public key? Compares the RSA
+ * modulus or the EC point, recomputed from the private key. */
+static int key_matches(const br_x509_pkey *pk)
+{
+    unsigned char pub[1024];
+    if (pk->key_type == BR_KEYTYPE_EC) {
+        const br_ec_private_key *sk = br_skey_decoder_get_ec(&tls_conf.key);
+        size_t len = sk && sk->curve == pk->key.ec.curve
+            ? br_ec_compute_pub(br_ec_get_default(), NULL, pub, sk) : 0;
+        return len && len == pk->key.ec.qlen && !memcmp(pub, pk->key.ec.q, len);
+    }
+    const br_rsa_private_key *sk = br_skey_decoder_get_rsa(&tls_conf.key);
+    br_rsa_compute_modulus modulus = br_rsa_compute_modulus_get_default();
+    size_t len = sk ? modulus(NULL, sk) : 0;
+    if (!len || len > sizeof pub || !modulus(pub, sk))
+        return 0;
+    const unsigned char *a = pub, *b = pk->key.rsa.n;
+    size_t alen = len, blen = pk->key.rsa.nlen;
+    for (; alen && !*a; a++, alen--) {}                    /* compare without leading zeros */
+    for (; blen && !*b; b++, blen--) {}
+    return alen == blen && !memcmp(a, b, alen);
+}
+
+/* Reads the certificate chain (leaf first) and the private key. */
+static void tls_load(const char *cert_path, const char *key_path)
+{
+    static struct pem_object certs[PEM_MAX], keys[PEM_MAX];  /* the chain points into certs */
+    size_t n = pem_read(cert_path, certs);
+    for (size_t i = 0; i < n; i++)
+        if (!strcmp(certs[i].name, "CERTIFICATE") || !strcmp(certs[i].name, "X509 CERTIFICATE")) {
+            if (tls_conf.chain_len == CHAIN_MAX)
+                tls_die(cert_path, "more than %d certificates", CHAIN_MAX);
+            tls_conf.chain[tls_conf.chain_len++] = (br_x509_certificate){
+                (unsigned char *)certs[i].der.data, certs[i].der.len };
+        }
+    if (!tls_conf.chain_len)
+        tls_die(cert_path, "no CERTIFICATE in it");
+
+    n = pem_read(key_path, keys);
+    size_t k = 0;
+    while (k < n && strcmp(keys[k].name, "PRIVATE KEY") && strcmp(keys[k].name, "EC PRIVATE KEY")
+           && strcmp(keys[k].name, "RSA PRIVATE KEY"))
+        k++;
+    if (k == n)
+        tls_die(key_path, "no PRIVATE KEY, EC PRIVATE KEY or RSA PRIVATE KEY in it");
+    br_skey_decoder_init(&tls_conf.key);
+    br_skey_decoder_push(&tls_conf.key, keys[k].der.data, keys[k].der.len);
+    if (br_skey_decoder_last_error(&tls_conf.key))
+        tls_die(key_path, "cannot decode the key (BearSSL error %d)", br_skey_decoder_last_error(&tls_conf.key));
+
+    br_x509_decoder_context dc;
+    br_x509_decoder_init(&dc, no_dn, NULL);
+    br_x509_decoder_push(&dc, tls_conf.chain[0].data, tls_conf.chain[0].data_len);
+    const br_x509_pkey *pk = br_x509_decoder_get_pkey(&dc);
+    if (!pk)
+        tls_die(cert_path, "cannot decode the first certificate (BearSSL error %d)",
+                br_x509_decoder_last_error(&dc));
+    if (pk->key_type != br_skey_decoder_key_type(&tls_conf.key) || !key_matches(pk))
+        tls_die(key_path, "this key does not belong to the first certificate of %s", cert_path);
+    tls_conf.issuer_key_type = (unsigned)br_x509_decoder_get_signer_key_type(&dc);
+    if (!tls_conf.issuer_key_type)
+        tls_conf.issuer_key_type = pk->key_type;
+    br_ssl_session_cache_lru_init(&tls_cache.lru, tls_cache.store, sizeof tls_cache.store);
+    tls_conf.on = 1;
+}
+
+/* Runs the server side of the handshake and counts it. Returns 0 when the
+ * connection is ready for HTTP, -1 if the handshake failed. */
+static int tls_accept(struct conn *c)
+{
+    static const char *alpn[] = { "http/1.1" };
+    struct tls *t = c->tls = malloc(sizeof *t);
+    if (!t)
+        die("malloc");
+    t->cached = 0;
+    if (br_skey_decoder_key_type(&tls_conf.key) == BR_KEYTYPE_RSA)
+        br_ssl_server_init_full_rsa(&t->sc, tls_conf.chain, tls_conf.chain_len,
+                                    br_skey_decoder_get_rsa(&tls_conf.key));
+    else
+        br_ssl_server_init_full_ec(&t->sc, tls_conf.chain, tls_conf.chain_len, tls_conf.issuer_key_type,
+                                   br_skey_decoder_get_ec(&tls_conf.key));
+    br_ssl_engine_set_versions(&t->sc.eng, BR_TLS12, BR_TLS12);
+    br_ssl_engine_add_flags(&t->sc.eng, BR_OPT_NO_RENEGOTIATION);
+    br_ssl_engine_set_protocol_names(&t->sc.eng, alpn, 1);
+    br_ssl_engine_set_buffer(&t->sc.eng, t->iobuf, sizeof t->iobuf, 1);
+    br_ssl_server_set_cache(&t->sc, &tls_cache.vtable);
+    br_sslio_init(&t->io, &t->sc.eng, sock_read, &c->fd, sock_write, &c->fd);
+    /* br_sslio_flush runs the engine until it takes application data, that
+     * is, through the whole handshake. */
+    int ok = br_ssl_server_reset(&t->sc) && br_sslio_flush(&t->io) == 0;
+    if (ok && t->cached) {
+        br_ssl_session_parameters sp;
+        br_ssl_engine_get_session_parameters(&t->sc.eng, &sp);
+        c->resumed = !memcmp(sp.session_id, t->cached_id, sizeof t->cached_id);
+    }
+    pthread_mutex_lock(&mock.lock);
+    if (c->epoch == mock.epoch) {
+        mock.tls_handshakes += ok;
+        mock.tls_resumed += c->resumed;
+        mock.tls_failed += !ok;
+    }
+    pthread_mutex_unlock(&mock.lock);
+    return ok ? 0 : -1;
+}
+
+/* Sends close_notify and does not wait for the client's answer. */
+static void tls_close_notify(struct conn *c)
+{
+    br_ssl_engine_context *eng = &c->tls->sc.eng;
+    unsigned char *rec;
+    size_t len;
+    br_ssl_engine_close(eng);
+    while ((rec = br_ssl_engine_sendrec_buf(eng, &len)) != NULL) {
+        int w = sock_write(&c->fd, rec, len);
+        if (w < 0)
+            break;
+        br_ssl_engine_sendrec_ack(eng, (size_t)w);
+    }
+}
+
+/* ===== 10. Connection threads and main ===== */
 
 static int path_ends_with(const struct request *r, const char *suffix)
 {
@@ -1044,28 +1394,32 @@ static int conn_route(struct conn *c, const struct request *r)
     return serve_inference(c, r, embeddings);
 }
 
-static void *conn_main(void *arg)
+/* Answers requests until one ends the connection. Returns 1 if that end is
+ * graceful (over TLS: send close_notify), 0 if the peer left or the end is abrupt. */
+static int conn_serve(struct conn *c)
 {
-    struct conn *c = arg;
     struct request r;
     int first = 1;
     buf_reserve(&c->in, READ_CHUNK);
     for (;;) {
         long n = conn_read_request(c, &r);
         if (n == HTTP_CLOSED)
-            break;
+            return 0;
         if (n < 0) {
             static const struct request bare = { .want_close = 1 };
             long status = n == HTTP_HEAD_TOO_BIG ? 431 : n == HTTP_BODY_TOO_BIG ? 413 : 400;
             send_error(c, &bare, &directive_ok, status, "invalid_request_error", "bad_request",
                        "mock could not read the request");
-            break;
+            return 1;
         }
         if (first && r.path_len >= 7 && !memcmp(r.path, "/_mock/", 7)) {
             pthread_mutex_lock(&mock.lock);          /* a test's control connection */
             mock.open_connections--;
-            if (c->epoch == mock.epoch)
+            if (c->epoch == mock.epoch) {
                 mock.connections--;
+                mock.tls_handshakes -= c->tls != NULL;
+                mock.tls_resumed -= c->resumed;
+            }
             c->counted = 0;
             pthread_mutex_unlock(&mock.lock);
         }
@@ -1074,14 +1428,24 @@ static void *conn_main(void *arg)
         c->in.len -= (size_t)n;
         memmove(c->in.data, c->in.data + n, c->in.len);
         if (!keep)
-            break;
+            return !c->abrupt;
     }
+}
+
+static void *conn_main(void *arg)
+{
+    struct conn *c = arg;
+    if (tls_conf.stall)
+        conn_wait(c, -1);                            /* read nothing, answer nothing */
+    else if ((!tls_conf.on || tls_accept(c) == 0) && conn_serve(c) && c->tls)
+        tls_close_notify(c);
     close(c->fd);
     if (c->counted) {
         pthread_mutex_lock(&mock.lock);
         mock.open_connections--;
         pthread_mutex_unlock(&mock.lock);
     }
+    free(c->tls);
     free(c->in.data);
     free(c->body.data);
     free(c->json.data);
@@ -1090,17 +1454,38 @@ static void *conn_main(void *arg)
     return NULL;
 }
 
+static void usage(const char *argv0)
+{
+    fprintf(stderr, "usage: %s --port PORT [--tls-cert CHAIN.pem --tls-key KEY.pem | --tls-stall]\n", argv0);
+    exit(2);
+}
+
 int main(int argc, char **argv)
 {
-    if (argc != 3 || strcmp(argv[1], "--port")) {
-        fprintf(stderr, "usage: %s --port PORT\n", argv[0]);
-        return 2;
+    const char *port = NULL, *cert = NULL, *key = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--tls-stall"))
+            tls_conf.stall = 1;
+        else if (i + 1 == argc)
+            usage(argv[0]);
+        else if (!strcmp(argv[i], "--port"))
+            port = argv[++i];
+        else if (!strcmp(argv[i], "--tls-cert"))
+            cert = argv[++i];
+        else if (!strcmp(argv[i], "--tls-key"))
+            key = argv[++i];
+        else
+            usage(argv[0]);
     }
+    if (!port || !cert != !key || (cert && tls_conf.stall))
+        usage(argv[0]);
+    if (cert)
+        tls_load(cert, key);
     signal(SIGPIPE, SIG_IGN);
     mock.start_ms = now_ms();
 
     int one = 1, lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    struct sockaddr_in addr = { .sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(argv[2])),
+    struct sockaddr_in addr = { .sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(port)),
                                 .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
     socklen_t addr_len = sizeof addr;
     if (lfd < 0)
@@ -1111,7 +1496,8 @@ int main(int argc, char **argv)
     if (listen(lfd, SOMAXCONN) < 0)
         die("listen");
     getsockname(lfd, (struct sockaddr *)&addr, &addr_len);
-    fprintf(stderr, "mock: listening on 127.0.0.1:%d\n", ntohs(addr.sin_port));
+    fprintf(stderr, "mock: listening on 127.0.0.1:%d%s\n", ntohs(addr.sin_port),
+            tls_conf.on ? " (TLS)" : tls_conf.stall ? " (stalling every connection)" : "");
 
     pthread_attr_t attr;
     pthread_attr_init(&attr);
