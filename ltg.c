@@ -5479,6 +5479,12 @@ static void attempt_end(exchange *x, attempt_outcome o, int status, int fail_sta
             return;
         }
         next = plan_next_model(&x->plan); /* the retry could not start before the deadline */
+        if (next == PLAN_GIVE_UP) {
+            char msg[320];
+            snprintf(msg, sizeof msg, "the next attempt could not start within the deadline of %lld ms; the last failure: %s", x->deadline_ms, x->last_reason);
+            exchange_fail(x, 504, "deadline_exceeded", msg);
+            return;
+        }
     }
     if (next == PLAN_NEXT_MODEL) { exchange_attempt(x); return; }
     char msg[320];
@@ -5559,7 +5565,8 @@ static void exchange_deadline(void *ctx) {
     exchange *x = ctx;
     if (x->head_sent) return; /* a flowing stream is bounded by inactivity instead */
     if (x->u && x->nlog < MAX_ATTEMPT_LOG)
-        x->log[x->nlog++] = (attempt_entry){x->plan.model, x->plan.attempt, 0, OUTCOME_INDETERMINATE, (int)(S.now - x->attempt_started)};
+        x->log[x->nlog++] = (attempt_entry){x->plan.model, x->plan.attempt, x->u->have_head ? x->u->resp.status : 0,
+                                            OUTCOME_INDETERMINATE, (int)(S.now - x->attempt_started)};
     if (x->u) breaker_record(exchange_model(x), OUTCOME_INDETERMINATE, x->probe, S.now), x->probe = 0;
     char msg[160];
     snprintf(msg, sizeof msg, "no answer within the deadline of %lld ms", x->deadline_ms);
