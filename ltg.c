@@ -3684,7 +3684,7 @@ static void compact_step(void) {
  * last few milliseconds of events, and a torn one is cut off at start-up
  * like any torn record. The ledger is never rewritten.
  *
- * Queries never load the ledger. An in-memory index keeps 56 bytes per
+ * Queries never load the ledger. An in-memory index keeps 64 bytes per
  * event -- time, file offset, interned key, group and model, tokens, cost,
  * status -- in file order, which is time order (created_at never goes
  * back: a clock stepping backwards is clamped). A date range is two binary
@@ -3717,7 +3717,7 @@ typedef struct {
     uint32_t len;
     uint32_t key, group;    /* interned ids */
     uint32_t in_tok, out_tok;
-    uint16_t model;         /* interned alias: the served model, else the requested one */
+    uint32_t model;         /* interned alias: the served model, else the requested one */
     uint8_t status;         /* EV_* */
     uint8_t cache_hit;
     int64_t cost;           /* micro-USD; -1: usage never arrived */
@@ -3792,7 +3792,7 @@ static void budget_rebuild(void) {
     for (size_t i = 0; i < LG.n; i++) {
         const ledger_entry *e = &LG.ix[i];
         group *g = group_find(LG.names[e->group]->s);
-        if (g && g->has_budget && e->at >= g->period_start) g->spend += e->charged;
+        if (g && e->at >= g->period_start) g->spend += e->charged; /* uncapped groups show their lifetime spend */
     }
 }
 
@@ -3818,7 +3818,7 @@ static int ledger_apply(const char *p, size_t n, off_t at, char *err, size_t err
     int mv = json_get(p, t, e, "model");
     if (mv < 0 || t[mv].type != JSON_STRING) mv = json_get(p, t, e, "requested_model");
     char *mod = json_strdup(p, t, mv);
-    x.key = intern(key, 1), x.group = intern(grp, 1), x.model = (uint16_t)intern(mod, 1);
+    x.key = intern(key, 1), x.group = intern(grp, 1), x.model = intern(mod, 1);
     free(key), free(grp), free(mod);
     json_int(p, t, json_get(p, t, e, "input_tokens"), &in), json_int(p, t, json_get(p, t, e, "output_tokens"), &out);
     x.in_tok = (uint32_t)in, x.out_tok = (uint32_t)out;
@@ -4018,6 +4018,10 @@ static int store_tick(void) {
         }
         ST.frozen = 0;
         vec_squeeze(&ST.iv);
+        for (size_t i = 0; i < INF_IDEM.cap; i++) { /* and the replay records of inference */
+            inf_idem *r = INF_IDEM.slot[i];
+            if (r && r != HMAP_TOMB && r->done && r->expires <= now) hmap_del(&INF_IDEM, r->key, 32), inf_idem_free(r);
+        }
     }
     if (compact_due()) compact_start();
     if (!LOG.compacting) return 0;
@@ -4883,9 +4887,10 @@ static void keys_list(conn *c) {
 
 /* "YYYY-MM-DD" as the wall ms of its midnight UTC; LTG_ERR when it is not a date. */
 static int parse_day(const char *s, int64_t *ms) {
-    int y, m, d;
-    char tail;
-    if (strlen(s) != 10 || sscanf(s, "%4d-%2d-%2d%c", &y, &m, &d, &tail) != 3 || s[4] != '-' || s[7] != '-') return LTG_ERR;
+    if (strlen(s) != 10 || s[4] != '-' || s[7] != '-') return LTG_ERR;
+    for (int i = 0; i < 10; i++)
+        if (i != 4 && i != 7 && !isdigit((unsigned char)s[i])) return LTG_ERR;
+    int y = atoi(s), m = atoi(s + 5), d = atoi(s + 8);
     struct tm tm = {.tm_year = y - 1900, .tm_mon = m - 1, .tm_mday = d};
     time_t t = timegm(&tm);
     if (tm.tm_year != y - 1900 || tm.tm_mon != m - 1 || tm.tm_mday != d) return LTG_ERR; /* 2026-02-30 */
@@ -5017,7 +5022,7 @@ static void usage_summary(conn *c) {
     if (now >= start && now < end) /* what requests in flight hold now belongs to today */
         for (int i = 0; i < ST.gv.n; i++) {
             group *g = ST.gv.p[i];
-            if (g && (gf == NO_FILTER || (gf != UINT32_MAX && strcmp(LG.names[gf]->s, g->id) == 0)))
+            if (g && (gf == NO_FILTER || strcmp(gid, g->id) == 0))
                 total.reserved += g->reserved, by_day[(now - start) / 86400000].reserved += g->reserved;
         }
     buf b = {0};
@@ -5317,7 +5322,7 @@ static int usage_read(const char *s, size_t n, long long *in, long long *out) {
 /* Replace the reservation by what the request costs, and write its spend
  * event (and its replay record). `served`: the chain index of the model
  * that answered, or -1. Returns the cost in micro-USD, -1 when unknown. */
-static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int served, int cache_hit, int keep_answer) {
+static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int served, int cache_hit, const char *keep, size_t keep_len) {
     model *m = served >= 0 ? x->chain[served] : NULL;
     int64_t cost = -1, charged = 0;
     if (cache_hit) cost = 0;
@@ -5368,19 +5373,18 @@ static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int 
     jw_close(&w, '}');
     ledger_entry le = {.at = now, .key = intern(x->key_id, 1), .group = intern(x->group_id, 1),
                        .in_tok = (uint32_t)x->in_tok, .out_tok = (uint32_t)x->out_tok,
-                       .model = (uint16_t)intern(m ? m->alias : x->chain[0]->alias, 1), .status = (uint8_t)ev_status,
+                       .model = intern(m ? m->alias : x->chain[0]->alias, 1), .status = (uint8_t)ev_status,
                        .cache_hit = (uint8_t)cache_hit, .cost = cost, .charged = charged};
     /* An idempotent request keeps a whole answer (a success, or the
      * provider's own refusal) for its retries; a failure is not kept, so a
      * retry tries afresh. */
     buf replay = {0};
     inf_idem *r = x->idem;
-    if (r && keep_answer) {
+    if (r && keep) {
         r->done = 1, r->status = http_status, r->stream = x->stream && x->head_sent;
         r->expires = now + IDEM_TTL_MS;
         snprintf(r->served, sizeof r->served, "%s", m ? m->alias : "");
-        if (r->stream) r->answer = x->record.p, r->len = x->record.len, x->record = (buf){0};
-        else r->answer = xmalloc(x->u->body.len + 1), memcpy(r->answer, x->u->body.p, x->u->body.len), r->len = x->u->body.len;
+        r->answer = xmalloc(keep_len + 1), memcpy(r->answer, keep, keep_len), r->len = keep_len;
         inf_idem_json(&replay, r);
     }
     ledger_append(&le, e.p, e.len, replay.p);
@@ -5398,14 +5402,14 @@ static void exchange_fail(exchange *x, int status, const char *code, const char 
     jw_key(&w, "message"), jw_cstr(&w, msg);
     jw_key(&w, "type"), jw_cstr(&w, x->head_sent ? "upstream_error" : status == 504 ? "timeout_error" : "upstream_error");
     if (x->head_sent) {
-        exchange_settle(x, 200, EV_PARTIAL, x->plan.model, 0, 0);
+        exchange_settle(x, 200, EV_PARTIAL, x->plan.model, 0, NULL, 0);
         jw_key(&w, "code"), jw_cstr(&w, "stream_interrupted");
         jw_close(&w, '}'), jw_close(&w, '}');
         buf_printf(&h, "data: %s\n\n", b.p);
         exchange_chunk(x, h.p, h.len);
         x_send(x, "0\r\n\r\n", 5); /* the chunked framing ends cleanly: the connection stays usable */
     } else {
-        exchange_settle(x, status, EV_FAILED, -1, 0, 0);
+        exchange_settle(x, status, EV_FAILED, -1, 0, NULL, 0);
         jw_key(&w, "param"), jw_null(&w);
         jw_key(&w, "code"), jw_cstr(&w, code);
         jw_key(&w, "attempts"), exchange_attempts_json(x, &w);
@@ -5434,7 +5438,7 @@ static void exchange_relay(exchange *x) {
         if (g && g->cache_ttl > 0)
             cache_put(x->cache_key, u->body.p, u->body.len, exchange_model(x)->alias, (uint32_t)x->in_tok, (uint32_t)x->out_tok, g->cache_ttl * 1000);
     }
-    int64_t cost = exchange_settle(x, status, ok ? EV_SUCCEEDED : EV_FAILED, ok ? x->plan.model : -1, 0, 1);
+    int64_t cost = exchange_settle(x, status, ok ? EV_SUCCEEDED : EV_FAILED, ok ? x->plan.model : -1, 0, u->body.p ? u->body.p : "", u->body.len);
     buf h = {0};
     exchange_headers(x, status, &h);
     buf_printf(&h, "x-ltg-cost: %.6f\r\n", cost > 0 ? (double)cost / MICRO : 0.0);
@@ -5621,7 +5625,7 @@ static void exchange_relay_stream(exchange *x) {
         if (!x->head_sent) { attempt_end(x, OUTCOME_INDETERMINATE, 200, 502, "the stream ended before its first event"); return; }
         if (u->body.len) exchange_chunk(x, u->body.p, u->body.len); /* no final blank line: pass the rest on */
         x_send(x, "0\r\n\r\n", 5);
-        exchange_settle(x, 200, EV_SUCCEEDED, x->plan.model, 0, !x->record_full);
+        exchange_settle(x, 200, EV_SUCCEEDED, x->plan.model, 0, x->record_full ? NULL : x->record.p ? x->record.p : "", x->record.len);
         exchange_end(x);
         return;
     }
@@ -5674,8 +5678,11 @@ static void exchange_abort(exchange *x) {
     x->c->x = NULL;
     x->c = NULL;
     if (x->idem) return;
-    if (x->head_sent) exchange_settle(x, 200, EV_PARTIAL, x->plan.model, 0, 0);
-    else exchange_settle(x, 499, EV_FAILED, -1, 0, 0); /* 499: nginx's "client closed the request" */
+    if (x->u && !x->head_sent && x->nlog < MAX_ATTEMPT_LOG) /* the running attempt, cut by the client */
+        x->log[x->nlog++] = (attempt_entry){x->plan.model, x->plan.attempt, x->u->have_head ? x->u->resp.status : 0,
+                                            OUTCOME_INDETERMINATE, (int)(S.now - x->attempt_started)};
+    if (x->head_sent) exchange_settle(x, 200, EV_PARTIAL, x->plan.model, 0, NULL, 0);
+    else exchange_settle(x, 499, EV_FAILED, -1, 0, NULL, 0); /* 499: nginx's "client closed the request" */
     exchange_free(x);
 }
 
@@ -5909,7 +5916,12 @@ static void inference_call(conn *c, const char *upstream_path, int can_stream) {
             x->in_tok = hit->in_tok, x->out_tok = hit->out_tok;
             for (int i = 0; i < x->nchain; i++)
                 if (strcmp(x->chain[i]->alias, hit->served) == 0) x->plan.model = i;
-            exchange_settle(x, 200, EV_SUCCEEDED, x->plan.model, 1, 0);
+            if (ik) { /* a replay record for the cached answer too: its retry must get this same answer */
+                x->idem = xcalloc(1, sizeof *x->idem);
+                memcpy(x->idem->key, idem_key, 32), memcpy(x->idem->body, body_hash, 32);
+                hmap_put(&INF_IDEM, x->idem);
+            }
+            exchange_settle(x, 200, EV_SUCCEEDED, x->plan.model, 1, hit->body, hit->len);
             buf h = {0};
             buf_printf(&h, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: 0\r\nx-ltg-served-model: %s\r\n"
                            "x-ltg-cache: hit\r\nx-ltg-cost: 0.000000\r\n", x->rid, x->rid, hit->served);
