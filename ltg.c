@@ -2279,8 +2279,8 @@ static void up_connect(upstream *u, const struct sockaddr_storage *addr) {
     if (u->p->tls && !(u->tls = tls_new(u->p, &why))) { up_fail(u, "%s", why); return; }
     if (connect(u->fd, (struct sockaddr *)&a, addr_len(&a)) == 0) {
         u->state = UP_SENDING;
-        if (u->tls) timer_set(&u->t, CONNECT_TIMEOUT_MS);
-        up_write(u);
+        if (u->tls) timer_set(&u->t, CONNECT_TIMEOUT_MS); /* the pump starts on POLLOUT */
+        else up_write(u);
     } else if (errno == EINPROGRESS) {
         u->state = UP_CONNECTING;
         timer_set(&u->t, CONNECT_TIMEOUT_MS);
@@ -2362,13 +2362,14 @@ static void up_tls(upstream *u) {
     if (r == PUMP_ERR) { up_fail(u, "TLS with %s: %s", u->p->host, why); return; }
     if (u->state == UP_SENDING && u->tls_ready && u->wrote == u->out.len) u->state = UP_READING;
     loop_events(u->fd, events);
-    if (u->in.len > had) {
+    int got = u->in.len > had;
+    if (got) {
         u->got_bytes = 1;
         up_parse(u);
         if (u->failed) return;
     }
-    if (r == PUMP_EOF && !u->complete && !up_eof(u)) return;
-    if (u->state == UP_READING && (u->in.len > had || u->complete)) {
+    if (r == PUMP_EOF && !got && !u->complete && !up_eof(u)) return; /* with new data, the EOF waits for the next turn */
+    if (u->state == UP_READING && (got || u->complete)) {
         if (u->complete) loop_events(u->fd, 0);
         exchange_upstream(u->x);
     }
@@ -2458,8 +2459,8 @@ static upstream *up_start(provider *p, exchange *x, const char *req, size_t n) {
     buf_append(&u->out, req, n);
     if (u->reused) {
         u->state = UP_SENDING;
-        loop_watch(u->fd, 0, up_io, u);
-        up_write(u);
+        loop_watch(u->fd, POLLOUT, up_io, u);
+        if (!u->tls) up_write(u); /* a TLS pump may read an answer: it runs from the loop, never inside up_start() */
         return u;
     }
     u->state = UP_RESOLVING;
