@@ -2190,6 +2190,7 @@ struct upstream {
     buf head;           /* the response head; `resp` points into it */
     http_response resp;
     int have_head, complete, failed, reused, got_bytes, paused, until_eof, leftover;
+    int eof_pending;    /* the provider closed, and data came with the close: handled next turn */
     chunk_decoder cd;
     long long body_left;
     buf body;           /* decoded body bytes the exchange has not taken yet */
@@ -2211,8 +2212,15 @@ static void up_free(upstream *u) {
     free(u);
 }
 
+static int up_eof(upstream *u);
+
 static void up_notify(void *ctx) {
     upstream *u = ctx;
+    if (u->eof_pending) { /* see up_tls() */
+        u->eof_pending = 0;
+        if (up_eof(u)) loop_events(u->fd, 0), exchange_upstream(u->x);
+        return; /* or up_eof() failed it: the failure is reported on the next turn */
+    }
     if (u->state == UP_IDLE) { /* the pool's idle timeout */
         provider *p = u->p;
         for (upstream **pp = &p->idle; *pp; pp = &(*pp)->link)
@@ -2368,7 +2376,8 @@ static void up_tls(upstream *u) {
         up_parse(u);
         if (u->failed) return;
     }
-    if (r == PUMP_EOF && !got && !u->complete && !up_eof(u)) return; /* with new data, the EOF waits for the next turn */
+    if (r == PUMP_EOF && !got && !u->complete && !up_eof(u)) return;
+    if (r == PUMP_EOF && got && !u->complete) u->eof_pending = 1, timer_set(&u->t, 0); /* the data first, the EOF next turn */
     if (u->state == UP_READING && (got || u->complete)) {
         if (u->complete) loop_events(u->fd, 0);
         exchange_upstream(u->x);
@@ -2447,7 +2456,7 @@ static upstream *up_start(provider *p, exchange *x, const char *req, size_t n) {
     if (u) {
         u->reused = 1;
         u->out.len = u->wrote = 0, u->in.len = u->scan = u->head.len = u->body.len = 0;
-        u->have_head = u->complete = u->failed = u->got_bytes = u->paused = u->until_eof = u->leftover = 0;
+        u->have_head = u->complete = u->failed = u->got_bytes = u->paused = u->until_eof = u->leftover = u->eof_pending = 0;
         u->cd = (chunk_decoder){0};
     } else {
         u = xcalloc(1, sizeof *u);
@@ -3680,10 +3689,10 @@ static void compact_step(void) {
  * IMPLEMENTATION NOTES
  * Every inference request that reached dispatch or the cache leaves one
  * spend event (API.md 3.4) in DATA/ledger.log, framed like the state log.
- * Events are appended as they happen and fsynced once per loop turn (the
- * loop calls store_tick() before it sleeps): a power cut can lose only the
- * last few milliseconds of events, and a torn one is cut off at start-up
- * like any torn record. The ledger is never rewritten.
+ * Events are appended as they happen and fsynced in batches, at most
+ * LEDGER_SYNC_MS after the first unsynced one: a power cut can lose only
+ * the last few milliseconds of events, and a torn one is cut off at
+ * start-up like any torn record. The ledger is never rewritten.
  *
  * Queries never load the ledger. An in-memory index keeps 64 bytes per
  * event -- time, file offset, interned key, group and model, tokens, cost,
@@ -3836,6 +3845,14 @@ static int ledger_apply(const char *p, size_t n, off_t at, char *err, size_t err
 }
 
 /* Append an event (its JSON in `event`) to the file and the index. */
+/* The ledger is fsynced LEDGER_SYNC_MS after the first unsynced event, not
+ * per event: an fsync costs milliseconds, and the loop does nothing else
+ * meanwhile. A power cut can lose the events of those last milliseconds
+ * (never corrupt one: a torn record is cut off at start-up). */
+#define LEDGER_SYNC_MS 20
+static void ledger_sync(void *ctx) { (void)ctx, log_sync(&LG.f); }
+static timer ledger_sync_timer = {.slot = -1, .fire = ledger_sync};
+
 static void ledger_append(const ledger_entry *e, const char *event, size_t n, const char *replay) {
     buf p = {0};
     buf_printf(&p, "{\"t\":%lld,\"c\":%lld,\"e\":", (long long)e->at, (long long)e->charged);
@@ -3847,6 +3864,7 @@ static void ledger_append(const ledger_entry *e, const char *event, size_t n, co
     x.off = (uint64_t)LG.f.size + 8, x.len = (uint32_t)p.len;
     if (log_append(&LG.f, p.p, p.len, 0, &why) < 0) ltg_log("a spend event was not recorded: %s", why); /* the answer is already on its way */
     else ledger_index(&x);
+    if (ledger_sync_timer.slot < 0) timer_set(&ledger_sync_timer, LEDGER_SYNC_MS);
     buf_free(&p);
 }
 
@@ -4004,11 +4022,11 @@ static inf_idem *inf_idem_restore(const char *p, const json_tok *t, int r, int64
     return rec;
 }
 
-/* Called by the loop before it sleeps; returns 1 while work remains (the
- * loop then polls without waiting). */
+/* Called by the loop before it sleeps: expired idempotency records leave
+ * once a minute, and a compaction takes its next step. Returns 1 while a
+ * compaction remains (the loop then polls without waiting). */
 static int store_tick(void) {
     static int64_t purged;
-    log_sync(&LG.f); /* the spend events of this turn, in one fsync */
     if (S.now - purged > 60000 && !ST.frozen) { /* expired idempotency records leave the live state */
         purged = S.now;
         int64_t now = wall_ms();
@@ -6213,6 +6231,7 @@ int main(int argc, char **argv) {
             S.cat->nprov, S.cat->nmodels);
 
     loop_run();
+    log_sync(&LG.f);
     if (TLS.full + TLS.resumed)
         ltg_log("TLS handshakes: %llu full, %llu resumed", (unsigned long long)TLS.full, (unsigned long long)TLS.resumed);
     ltg_log("stopped");
