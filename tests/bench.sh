@@ -745,6 +745,65 @@ t4=$(( ${REPLAY_MS:-99999} < 1000 ? 1 : 0 ))
 echo "- replay of 100,000 groups+keys under 1 s: $(verdict "$t4")"
 echo
 
+# ---------------------------------------------------------------- the ledger at scale
+# Targets (issue 5): at most 64 bytes of memory per spend event, and a page of
+# /spend/events over 1,000,000 events in under 10 ms. The ledger is written in
+# ltg's own format (as ledger_append writes it), spread over 30 days and 100
+# groups; ltg replays it at start-up; then pages are timed with curl (the time
+# of the whole HTTP exchange on loopback, so an upper bound of the query).
+LEDGER_N=${BENCH_LEDGER_EVENTS:-1000000}
+if [ "$LEDGER_N" -gt 0 ]; then
+mkdir -p "$T/ledger"
+GID=$(python3 - "$T/ledger/ledger.log" "$LEDGER_N" <<'PY'
+import json, struct, sys, uuid, zlib, datetime
+path, n = sys.argv[1], int(sys.argv[2])
+end = int(datetime.datetime.now(datetime.timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0).timestamp() * 1000)
+start = end - 30 * 86400000
+groups = [str(uuid.uuid4()) for _ in range(100)]
+keys = [str(uuid.uuid4()) for _ in range(100)]
+with open(path, "wb") as out:
+    out.write(b"LTGLED1\n")
+    for i in range(n):
+        t = start + i * (30 * 86400000) // n
+        iso = datetime.datetime.fromtimestamp(t / 1000, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+        g = i % 100
+        e = {"id": "%032x" % i, "record_type": "spend_event", "request_id": "req_%024x" % i, "created_at": iso,
+             "token_key_id": keys[g], "token_group_id": groups[g], "requested_model": "Bench-Model", "model": "Bench-Model",
+             "attempts": 1, "status": "succeeded", "http_status": 200, "cache_hit": False, "input_tokens": 20,
+             "output_tokens": 3, "cost": 0.00002, "usage_status": "reported", "latency_ms": 1,
+             "attempt_log": [{"model": "Bench-Model", "attempt": 1, "status": 200, "outcome": "ok", "ms": 1}]}
+        p = b'{"t":%d,"c":20,"e":%s}' % (t, json.dumps(e, separators=(",", ":")).encode())
+        out.write(struct.pack("<II", len(p), zlib.crc32(p)) + p)
+print(groups[7])
+PY
+)
+LP=$(free_port) LA=$(free_port)
+"$ROOT/ltg" --config "$T/ltg.json" --data "$T/ledger" --listen "127.0.0.1:$LP" --admin-listen "127.0.0.1:$LA" 2>"$T/ledger-ltg.log" &
+LEDGER_PID=$!
+PIDS+=("$LEDGER_PID")
+for _ in $(seq 600); do grep -q "listening on" "$T/ledger-ltg.log" && break; sleep 0.1; done
+RSS_KB=$(awk '/^VmRSS:/ {print $2}' "/proc/$LEDGER_PID/status")
+A="http://127.0.0.1:$LA/v2/llm_token_gateway"
+D0=$(date -u -d '-30 days' +%F) D1=$(date -u -d '-1 day' +%F) D2=$(date -u +%F) DM=$(date -u -d '-15 days' +%F)
+for q in "start_date=$D0&end_date=$D2&page%5Bsize%5D=50" "start_date=$D0&end_date=$D2&page%5Bsize%5D=50&page%5Bnumber%5D=20000" \
+         "start_date=$DM&end_date=$D2&page%5Bsize%5D=1000&page%5Bnumber%5D=300" "start_date=$D0&end_date=$D2&token_group_id=$GID&page%5Bsize%5D=100" \
+         "start_date=$D0&end_date=$D2&token_group_id=$GID&page%5Bsize%5D=100&page%5Bnumber%5D=99" "start_date=$D1&end_date=$D2&page%5Bsize%5D=1000"; do
+    ms=$(curl -s -o /dev/null -w '%{time_total}' "$A/spend/events?$q" -H "Authorization: Bearer $LTG_BENCH_ADMIN_KEY" | awk '{printf "%.1f", $1 * 1000}')
+    echo "  page query ($q): $ms ms"
+done > "$T/ledger-pages.txt"
+SUM_MS=$(curl -s -o /dev/null -w '%{time_total}' "$A/usage/summary?start_date=$D0&end_date=$D2" -H "Authorization: Bearer $LTG_BENCH_ADMIN_KEY" | awk '{printf "%.1f", $1 * 1000}')
+kill "$LEDGER_PID" 2>/dev/null; wait "$LEDGER_PID" 2>/dev/null
+worst=$(sed -n 's/.*: \([0-9.]*\) ms$/\1/p' "$T/ledger-pages.txt" | sort -g | tail -n 1)
+echo "### the ledger at scale"
+echo
+echo "- $(sed -n 's/.*ledger.log: replayed \([0-9]*\) records in \([0-9]*\) ms.*/\1 events replayed at start-up in \2 ms/p' "$T/ledger-ltg.log"); RSS then $RSS_KB kB: about $(( RSS_KB * 1024 / LEDGER_N )) bytes per event in all (the index itself: 64 bytes per event)"
+cat "$T/ledger-pages.txt"
+echo "  /usage/summary over 30 days of them: $SUM_MS ms"
+t6=$(awk -v w="${worst:-999}" 'BEGIN {print (w < 10) ? 1 : 0}')
+echo "- a page of /spend/events over $LEDGER_N events under 10 ms: $(verdict "$t6") (slowest: $worst ms)"
+echo
+fi
+
 if grep -v 'listening on' "$T/ltg.log" | grep -q .; then
     echo
     echo "ltg logged during the benchmark (last 10 lines):"
