@@ -2,6 +2,7 @@
 #   make            the static, stripped gateway ./ltg
 #   make test       ./test.sh: unit + integration tests, then again under ASan+UBSan
 #   make bench      tests/bench.sh: ltg against nginx, same upstream, same run
+#   make fuzz       tests/fuzz.c under libFuzzer+ASan+UBSan, FUZZ_SECONDS (10) per target
 CC ?= cc
 CFLAGS ?= -O2
 WARN = -std=c11 -Wall -Wextra -Wshadow
@@ -50,7 +51,56 @@ demo: ltg tests/mock
 bench: ltg tests/mock
 	tests/bench.sh
 
+# Fuzzing: one libFuzzer target of tests/fuzz.c per name, built with clang
+# (ASan+UBSan) as tests/fuzz-<name>, run for FUZZ_SECONDS over a scratch
+# copy of its seeds in tests/fuzz/<name>/ (new inputs never land in the
+# repo). Fails if any target crashes; the crashing input is kept in the
+# scratch directory it names. libFuzzer comes with libclang-rt-14-dev:
+# installed when we can (root with apt), otherwise we say what to run.
+FUZZ_SECONDS ?= 10
+FUZZ_TARGETS = http_request http_response json config log_replay dns group tls_anchors
+FUZZ_CC ?= clang
+FUZZ_FLAGS = -O1 -g -fsanitize=fuzzer,address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
+
+fuzz: | deps
+	@if ! echo 'int LLVMFuzzerTestOneInput(const char *d, long n) { return 0; }' | \
+	    $(FUZZ_CC) -fsanitize=fuzzer -x c -o /dev/null - >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    pkgs=libclang-rt-14-dev; command -v $(FUZZ_CC) >/dev/null || pkgs="clang $$pkgs"; \
+	    echo "installing $$pkgs"; \
+	    (apt-get install -y -qq $$pkgs >/dev/null 2>&1 || \
+	     (apt-get update -qq >/dev/null && apt-get install -y -qq $$pkgs >/dev/null)) || exit 1; \
+	  else \
+	    echo "make fuzz needs clang's libFuzzer: run  sudo apt-get install clang libclang-rt-14-dev"; exit 1; \
+	  fi; \
+	fi
+	@$(MAKE) --no-print-directory $(FUZZ_TARGETS:%=tests/fuzz-%)
+	@fail=0; \
+	for t in $(FUZZ_TARGETS); do \
+	  work=$$(mktemp -d "$${TMPDIR:-/tmp}/ltg-fuzz-$$t.XXXXXX") || exit 1; \
+	  mkdir "$$work/corpus" && cp tests/fuzz/$$t/* "$$work/corpus/" || exit 1; \
+	  scratch=$$(mktemp -d /dev/shm/ltg-fuzz-$$t.XXXXXX 2>/dev/null || mktemp -d "$$work/scratch.XXXXXX") || exit 1; \
+	  if LTG_FUZZ_TMP="$$scratch" UBSAN_OPTIONS=$${UBSAN_OPTIONS:-print_stacktrace=1} tests/fuzz-$$t -max_total_time=$(FUZZ_SECONDS) -timeout=10 -close_fd_mask=2 -print_final_stats=1 \
+	       -artifact_prefix="$$work/" "$$work/corpus" >"$$work/fuzz.log" 2>&1; then \
+	    rm -rf "$$scratch"; \
+	    echo "fuzz $$t: $$(grep -h 'stat::number_of_executed_units' "$$work/fuzz.log" | awk '{print $$2}') inputs in $(FUZZ_SECONDS) s, no crash"; \
+	    rm -rf "$$work"; \
+	  else \
+	    rm -rf "$$scratch"; fail=1; \
+	    input=$$(ls "$$work"/crash-* "$$work"/leak-* "$$work"/timeout-* "$$work"/oom-* 2>/dev/null | head -n 1); \
+	    for s in tests/fuzz/$$t/*; do cmp -s "$$s" "$$input" && input="$$input (= the seed $$s)"; done; \
+	    echo "fuzz $$t: FAILED; the input: $$input"; \
+	    echo "  the log: $$work/fuzz.log; replay: tests/fuzz-$$t INPUT"; \
+	    grep -h -m 1 -E 'ERROR: |check failed|runtime error' "$$work/fuzz.log" | sed 's/^/  /'; \
+	  fi; \
+	done; \
+	exit $$fail
+
+# tests/fuzz-<name>: the target FUZZ_<NAME> of tests/fuzz.c.
+tests/fuzz-%: tests/fuzz.c ltg.c ltg.h | deps
+	$(FUZZ_CC) $(FUZZ_FLAGS) $(WARN) -Wno-unused-function $(CFLAGS_EXTRA) -DFUZZ_$$(echo $* | tr a-z A-Z) -o $@ tests/fuzz.c $(BEARSSL) -lm
+
 clean:
 	rm -f ltg ltg-asan tests/unit tests/unit-asan tests/mock
 
-.PHONY: all deps test demo bench clean
+.PHONY: all deps test demo bench fuzz clean

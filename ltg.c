@@ -764,7 +764,7 @@ void jw_int(jwriter *w, long long v) { jw_sep(w); buf_printf(w->out, "%lld", v);
 void jw_num(jwriter *w, double v) {
     jw_sep(w);
     if (!isfinite(v)) { buf_puts(w->out, "null"); return; }
-    buf_printf(w->out, "%.10g", v);
+    buf_printf(w->out, "%.17g", v); /* 17 digits: the same double reads back */
 }
 void jw_bool(jwriter *w, int v) { jw_sep(w); buf_puts(w->out, v ? "true" : "false"); }
 void jw_null(jwriter *w) { jw_sep(w); buf_puts(w->out, "null"); }
@@ -773,8 +773,9 @@ void jw_raw(jwriter *w, const char *json, size_t n) { jw_sep(w); buf_append(w->o
 /* Money: micro-USD written as a plain decimal, "0.000096" (never 9.6e-05). */
 static void jw_usd(jwriter *w, int64_t micro) {
     jw_sep(w);
-    if (micro < 0) buf_puts(w->out, "-"), micro = -micro;
-    buf_printf(w->out, "%lld.%06lld", (long long)(micro / 1000000), (long long)(micro % 1000000));
+    uint64_t u = micro < 0 ? 0 - (uint64_t)micro : (uint64_t)micro; /* no overflow, even at INT64_MIN */
+    if (micro < 0) buf_puts(w->out, "-");
+    buf_printf(w->out, "%llu.%06llu", (unsigned long long)(u / 1000000), (unsigned long long)(u % 1000000));
 }
 
 /* ===== 4. HTTP/1.1 messages: heads, chunked coding, SSE =====
@@ -1949,6 +1950,7 @@ static int tls_load_anchors(const char *path, char *err, size_t errlen) {
             case BR_PEM_ERROR:
                 snprintf(err, errlen, "%s: not a valid PEM file (near byte %zu)", path, off);
                 buf_free(&f), buf_free(&der);
+                while (TLS.nta > before) free(TLS.ta[--TLS.nta].dn.data); /* all or nothing */
                 return LTG_ERR;
             }
         }
@@ -2870,6 +2872,15 @@ static int no_duplicate_keys(const char *s, const json_tok *t, int obj, const ch
     return LTG_ERR;
 }
 
+/* Is string token i a plain id: 36 characters of hex digits and '-' (no
+ * escape that would make its bytes differ from its value)? */
+static int is_uuid(const char *s, const json_tok *t, int i) {
+    if (i < 0 || t[i].type != JSON_STRING || t[i].end - t[i].start != 36) return 0;
+    for (uint32_t k = t[i].start; k < t[i].end; k++)
+        if (!isxdigit((unsigned char)s[k]) && s[k] != '-') return 0;
+    return 1;
+}
+
 /* ---- groups ---- */
 
 static void group_free(group *g) {
@@ -3003,7 +3014,7 @@ static int group_parse(const char *s, const json_tok *t, int obj, group *g, int 
         snprintf(key, sizeof key, "%.*s", (int)(t[i].end - t[i].start < 100 ? t[i].end - t[i].start : 100), s + t[i].start);
         long long n;
         double d;
-        if (mode == PARSE_LOG && json_eq(s, t, i, "id") && t[v].type == JSON_STRING && t[v].end - t[v].start == 36) {
+        if (mode == PARSE_LOG && json_eq(s, t, i, "id") && is_uuid(s, t, v)) {
             memcpy(g->id, s + t[v].start, 36), g->id[36] = 0;
         } else if (mode == PARSE_LOG && json_eq(s, t, i, "version") && json_int(s, t, v, &n) == 0) {
             g->version = n;
@@ -3036,7 +3047,8 @@ static int group_parse(const char *s, const json_tok *t, int obj, group *g, int 
             if (parse_retries(s, t, v, g, e) < 0) return LTG_ERR;
         } else if (json_eq(s, t, i, "max_budget")) {
             if (t[v].type == JSON_NULL) g->has_budget = 0;
-            else if (json_number(s, t, v, &d) < 0) return verr_at(e, "max_budget", NULL, "must be a number of USD (or null for no cap)");
+            else if (json_number(s, t, v, &d) < 0 || (mode == PARSE_LOG && (d < 0 || d > 1e9)))
+                return verr_at(e, "max_budget", NULL, "must be a number of USD (or null for no cap)");
             else g->has_budget = 1, g->max_budget = d;
         } else if (json_eq(s, t, i, "budget_duration")) {
             if (t[v].type == JSON_NULL) g->budget_days = 0;
@@ -3366,7 +3378,7 @@ static int store_apply(const char *p, size_t n, off_t at, char *err, size_t errl
             int id = json_get(p, t, v, "id"), gid = json_get(p, t, v, "token_group_id"), nm = json_get(p, t, v, "name"),
                 sh = json_get(p, t, v, "sha256");
             long long ver, c, u;
-            if (id < 0 || gid < 0 || nm < 0 || sh < 0 || t[id].end - t[id].start != 36 || t[gid].end - t[gid].start != 36 ||
+            if (!is_uuid(p, t, id) || !is_uuid(p, t, gid) || nm < 0 || t[nm].type != JSON_STRING || sh < 0 || t[sh].type != JSON_STRING ||
                 t[sh].end - t[sh].start != 64 || json_int(p, t, json_get(p, t, v, "version"), &ver) < 0 ||
                 json_int(p, t, json_get(p, t, v, "created_at"), &c) < 0 || json_int(p, t, json_get(p, t, v, "updated_at"), &u) < 0) {
                 snprintf(err, errlen, "bad token key");
@@ -3378,11 +3390,11 @@ static int store_apply(const char *p, size_t n, off_t at, char *err, size_t errl
             key->version = ver, key->created_at = c, key->updated_at = u;
             if (hex_decode(p + t[sh].start, 64, key->hash) < 0) { tkey_free(key); snprintf(err, errlen, "bad token key hash"); goto done; }
             store_put_key(key, n + 8);
-        } else if ((v = json_get(p, t, o, "del_group")) >= 0 && t[v].type == JSON_STRING && t[v].end - t[v].start == 36) {
+        } else if ((v = json_get(p, t, o, "del_group")) >= 0 && is_uuid(p, t, v)) {
             char id[37];
             memcpy(id, p + t[v].start, 36), id[36] = 0;
             store_del_group(id);
-        } else if ((v = json_get(p, t, o, "del_key")) >= 0 && t[v].type == JSON_STRING && t[v].end - t[v].start == 36) {
+        } else if ((v = json_get(p, t, o, "del_key")) >= 0 && is_uuid(p, t, v)) {
             char id[37];
             memcpy(id, p + t[v].start, 36), id[36] = 0;
             store_del_key(id);
@@ -3822,12 +3834,15 @@ static int ledger_apply(const char *p, size_t n, off_t at, char *err, size_t err
         snprintf(err, errlen, "not a spend event");
         return LTG_ERR;
     }
+    int ki = json_get(p, t, e, "token_key_id"), gi = json_get(p, t, e, "token_group_id"), mv = json_get(p, t, e, "model");
+    if (mv < 0 || t[mv].type != JSON_STRING) mv = json_get(p, t, e, "requested_model");
+    if (!is_uuid(p, t, ki) || !is_uuid(p, t, gi) || mv < 0 || t[mv].type != JSON_STRING) {
+        snprintf(err, errlen, "a spend event without its key, group or model");
+        return LTG_ERR;
+    }
     ledger_entry x = {0};
     x.at = when, x.off = (uint64_t)at, x.len = (uint32_t)n, x.charged = charged;
-    char *key = json_strdup(p, t, json_get(p, t, e, "token_key_id")), *grp = json_strdup(p, t, json_get(p, t, e, "token_group_id"));
-    int mv = json_get(p, t, e, "model");
-    if (mv < 0 || t[mv].type != JSON_STRING) mv = json_get(p, t, e, "requested_model");
-    char *mod = json_strdup(p, t, mv);
+    char *key = json_strdup(p, t, ki), *grp = json_strdup(p, t, gi), *mod = json_strdup(p, t, mv);
     x.key = intern(key, 1), x.group = intern(grp, 1), x.model = intern(mod, 1);
     free(key), free(grp), free(mod);
     json_int(p, t, json_get(p, t, e, "input_tokens"), &in), json_int(p, t, json_get(p, t, e, "output_tokens"), &out);
@@ -5826,7 +5841,8 @@ static int usage_edit(const char *body, const json_tok *t, int so, body_edit *e,
     }
     int iu = json_get(o, st, 0, "include_usage");
     if (iu >= 0 && st[iu].type == JSON_TRUE) { *e = (body_edit){0, 0, NULL}, *hide = 0; return 0; }
-    if (iu >= 0) *e = (body_edit){t[so].start + st[iu].start, t[so].start + st[iu].end, xstrdup("true")}; /* ltg meters every stream */
+    int q = iu >= 0 && st[iu].type == JSON_STRING; /* a string's token excludes its quotes */
+    if (iu >= 0) *e = (body_edit){t[so].start + st[iu].start - q, t[so].start + st[iu].end + q, xstrdup("true")}; /* ltg meters every stream */
     else *e = (body_edit){t[so].start + 1, t[so].start + 1, xstrdup(st[0].size ? "\"include_usage\":true," : "\"include_usage\":true")};
     return 0;
 }
