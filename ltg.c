@@ -3470,8 +3470,9 @@ done:
 typedef struct {
     char path[256], dir[256];
     int fd;
-    off_t size;
-    int dirty;                /* appended since the last fsync (see log_sync) */
+    off_t size;               /* with the pending records */
+    buf pending;              /* records appended but not yet written (see log_sync) */
+    int dirty;                /* written since the last fsync */
     char broken[512];         /* sticky: set once, every later append refuses */
 } logfile;
 
@@ -3517,9 +3518,25 @@ static int fsync_dir(const char *dir) {
 
 static void compact_abandon(const char *why);
 
-/* fdatasync what was appended. A failed fsync leaves the file in doubt:
- * the log refuses every later append until ltg restarts. */
+/* Write the pending records. A failed write is cut back off the file (the
+ * log is whole again) and those records are lost: the caller is told. */
+static int log_write(logfile *l) {
+    if (!l->pending.len) return 0;
+    off_t base = l->size - (off_t)l->pending.len;
+    int rc = write_all(l->fd, l->pending.p, l->pending.len);
+    if (rc < 0) {
+        ltg_log("writing %s failed: %s", l->path, strerror(errno));
+        if (ftruncate(l->fd, base) < 0) snprintf(l->broken, sizeof l->broken, "%s could not be written nor cut back: changes are refused until ltg restarts", l->path);
+        l->size = base;
+    } else l->dirty = 1;
+    l->pending.len = 0;
+    return rc;
+}
+
+/* Write what is pending and fdatasync it. A failed fsync leaves the file
+ * in doubt: the log refuses every later append until ltg restarts. */
 static int log_sync(logfile *l) {
+    if (log_write(l) < 0) return LTG_ERR;
     if (!l->dirty || l->broken[0]) return l->broken[0] ? LTG_ERR : 0;
     l->dirty = 0;
     if (fdatasync(l->fd) == 0) return 0;
@@ -3528,28 +3545,17 @@ static int log_sync(logfile *l) {
     return LTG_ERR;
 }
 
-/* Append one record to l; with `sync`, make it durable before returning
- * (otherwise log_sync() does, once per loop turn). Returns 0, or LTG_ERR
- * with the reason in *why. */
+/* Append one record to l; with `sync`, make it durable before returning,
+ * otherwise it waits in memory for log_sync() (the ledger batches its
+ * events so: one write and one fsync for many). Returns 0, or LTG_ERR with
+ * the reason in *why. */
 static int log_append(logfile *l, const char *payload, size_t n, int sync, const char **why) {
     if (l->broken[0]) { *why = l->broken; return LTG_ERR; }
     if (n > LOG_MAX_RECORD) { *why = "the record is too large to log"; return LTG_ERR; }
-    buf rec = {0};
-    log_frame(&rec, payload, n);
-    int rc = 0;
-    if (write_all(l->fd, rec.p, rec.len) < 0) {
-        snprintf(l->broken, sizeof l->broken, "writing %s failed: %s", l->path, strerror(errno));
-        ltg_log("%s", l->broken);
-        if (ftruncate(l->fd, l->size) == 0) l->broken[0] = 0; /* cut back: the log is whole again */
-        *why = "a log could not be written (see ltg's log)";
-        rc = LTG_ERR;
-    } else {
-        l->size += (off_t)rec.len;
-        l->dirty = 1;
-        if (sync && log_sync(l) < 0) { *why = l->broken; rc = LTG_ERR; }
-    }
-    buf_free(&rec);
-    return rc;
+    log_frame(&l->pending, payload, n);
+    l->size += (off_t)(n + 8);
+    if (sync && log_sync(l) < 0) { *why = l->broken[0] ? l->broken : "a log could not be written (see ltg's log)"; return LTG_ERR; }
+    return 0;
 }
 
 /* A change to the state log: durable before it is acknowledged, and kept
@@ -3701,8 +3707,8 @@ static void compact_step(void) {
  * IMPLEMENTATION NOTES
  * Every inference request that reached dispatch or the cache leaves one
  * spend event (API.md 3.4) in DATA/ledger.log, framed like the state log.
- * Events are appended as they happen and fsynced in batches, at most
- * LEDGER_SYNC_MS after the first unsynced one: a power cut can lose only
+ * Events are kept in memory as they happen and written and fsynced in
+ * batches, at most LEDGER_SYNC_MS after the first of a batch: a power cut can lose only
  * the last few milliseconds of events, and a torn one is cut off at
  * start-up like any torn record. The ledger is never rewritten.
  *
@@ -3860,12 +3866,15 @@ static int ledger_apply(const char *p, size_t n, off_t at, char *err, size_t err
 }
 
 /* Append an event (its JSON in `event`) to the file and the index. */
-/* The ledger is fsynced LEDGER_SYNC_MS after the first unsynced event, not
- * per event: an fsync costs milliseconds, and the loop does nothing else
- * meanwhile. A power cut can lose the events of those last milliseconds
+/* The ledger is written and fsynced LEDGER_SYNC_MS after the first
+ * unsynced event, not per event: a write is a system call per request, an
+ * fsync costs milliseconds, and the loop does nothing else meanwhile. A power cut can lose the events of those last milliseconds
  * (never corrupt one: a torn record is cut off at start-up). */
 #define LEDGER_SYNC_MS 20
-static void ledger_sync(void *ctx) { (void)ctx, log_sync(&LG.f); }
+static void ledger_sync(void *ctx) {
+    (void)ctx;
+    if (log_sync(&LG.f) < 0) ltg_log("spend events since the last sync may be lost: %s", LG.f.broken[0] ? LG.f.broken : "a write failed");
+}
 static timer ledger_sync_timer = {.slot = -1, .fire = ledger_sync};
 
 static void ledger_append(const ledger_entry *e, const char *event, size_t n, const char *replay) {
@@ -4998,6 +5007,7 @@ static void spend_events(conn *c) {
         if (h != fh) { admin_error(c, 409, "snapshot_mismatch", NULL, 0, "the filters changed since this snapshot was taken: start again from page 1 without page[snapshot]"); return; }
         limit = n;
     }
+    log_write(&LG.f); /* the events still in memory, so that pread finds them */
     buf b = {0}, rec = {0};
     jwriter w;
     jw_init(&w, &b), jw_open(&w, '{'), jw_key(&w, "data"), jw_open(&w, '[');

@@ -504,7 +504,7 @@ static void store_clear(void) {
     store_init();
     if (LOG.f.fd >= 0) close(LOG.f.fd);
     if (LOG.tmp_fd >= 0) close(LOG.tmp_fd);
-    buf_free(&LOG.tail);
+    buf_free(&LOG.tail), buf_free(&LOG.f.pending);
     memset(&LOG, 0, sizeof LOG);
     LOG.f.fd = LOG.tmp_fd = -1;
 }
