@@ -38,7 +38,7 @@
  *   3. JSON reader and writer
  *   4. HTTP/1.1 messages: heads, chunked coding, SSE
  *   5. The event loop: fds, timers, deferred close
- *   6. Name resolution: /etc/hosts and a DNS stub resolver
+ *   6. Name resolution: /etc/hosts and a DNS client of its own
  *   7. Catalog config
  *   8. TLS: trust anchors and the pump
  *   9. Upstream connections and the pool
@@ -333,7 +333,7 @@ static void os_random(void *p, size_t n) {
     }
 }
 
-/* A random (version 4) UUID: "xxxxxxxx-xxxx-4xxx-yxxx-xxxxxxxxxxxx". */
+/* A random (version 4) UUID: 8-4-4-4-12 hex digits, the version nibble 4. */
 static void uuid_new(char out[37]) {
     uint8_t b[16];
     char h[33];
@@ -1178,7 +1178,7 @@ static void loop_run(void) {
     }
 }
 
-/* ===== 6. Name resolution: /etc/hosts and a DNS stub resolver =====
+/* ===== 6. Name resolution: /etc/hosts and a DNS client of its own =====
  *
  * IMPLEMENTATION NOTES
  * getaddrinfo() blocks, and in a static binary it would drag in NSS, so ltg
@@ -4215,7 +4215,6 @@ static const char *http_reason(int status) {
     case 429: return "Too Many Requests";
     case 431: return "Request Header Fields Too Large";
     case 500: return "Internal Server Error";
-    case 501: return "Not Implemented";
     case 502: return "Bad Gateway";
     case 503: return "Service Unavailable";
     case 504: return "Gateway Timeout";
