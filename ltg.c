@@ -3712,12 +3712,14 @@ static void compact_step(void) {
  * the last few milliseconds of events, and a torn one is cut off at
  * start-up like any torn record. The ledger is never rewritten.
  *
- * Queries never load the ledger. An in-memory index keeps 64 bytes per
- * event -- time, file offset, interned key, group and model, tokens, cost,
- * status -- in file order, which is time order (created_at never goes
- * back: a clock stepping backwards is clamped). A date range is two binary
- * searches; a page of events is a few pread()s; usage summaries are sums
- * over the index. A page's snapshot is just the index length when the
+ * Queries never load the ledger. An in-memory index keeps 56 bytes per
+ * event -- time, file offset, interned key, group and model, tokens,
+ * charge, status -- in file order, which is time order (created_at never goes
+ * back: a clock stepping backwards is clamped); each key and group id also
+ * lists the positions of its events (4 bytes each, so 64 bytes per event
+ * in all). A date range is two binary searches, in the index or in an id's
+ * list; a page of events is a few pread()s; usage summaries are sums over
+ * the index. A page's snapshot is just the index length when the
  * first page was read, so later pages see exactly those events however
  * many arrive meanwhile.
  *
@@ -3748,12 +3750,12 @@ typedef struct {
     uint32_t model;         /* interned alias: the served model, else the requested one */
     uint8_t status;         /* EV_* */
     uint8_t cache_hit;
-    int64_t cost;           /* micro-USD; -1: usage never arrived */
-    int64_t charged;        /* micro-USD charged to the group's budget */
+    int64_t charged;        /* micro-USD charged to the group's budget (the cost is in the record) */
 } ledger_entry;
 
 typedef struct {
     uint32_t idx;
+    uint32_t *pos, npos, cap; /* for a key or group id: its events' index positions, in order */
     char s[];
 } interned;
 
@@ -3779,7 +3781,7 @@ static uint32_t intern(const char *s, int add) {
     if (it) return it->idx;
     if (!add) return UINT32_MAX;
     size_t n = strlen(s);
-    it = xmalloc(sizeof *it + n + 1);
+    it = xcalloc(1, sizeof *it + n + 1);
     memcpy(it->s, s, n + 1);
     it->idx = LG.nnames;
     if (LG.nnames == LG.names_cap) LG.names_cap = LG.names_cap ? LG.names_cap * 2 : 256, LG.names = xrealloc(LG.names, LG.names_cap * sizeof *LG.names);
@@ -3788,8 +3790,14 @@ static uint32_t intern(const char *s, int add) {
     return it->idx;
 }
 
+static void posting_add(interned *it, uint32_t at) {
+    if (it->npos == it->cap) it->cap = it->cap ? it->cap * 2 : 16, it->pos = xrealloc(it->pos, it->cap * sizeof *it->pos);
+    it->pos[it->npos++] = at;
+}
+
 static void ledger_index(const ledger_entry *e) {
     if (LG.n == LG.cap) LG.cap = LG.cap ? LG.cap * 2 : 4096, LG.ix = xrealloc(LG.ix, LG.cap * sizeof *LG.ix);
+    posting_add(LG.names[e->key], (uint32_t)LG.n), posting_add(LG.names[e->group], (uint32_t)LG.n); /* filters need no scan */
     LG.ix[LG.n++] = *e;
 }
 
@@ -3853,8 +3861,6 @@ static int ledger_apply(const char *p, size_t n, off_t at, char *err, size_t err
     free(key), free(grp), free(mod);
     json_int(p, t, json_get(p, t, e, "input_tokens"), &in), json_int(p, t, json_get(p, t, e, "output_tokens"), &out);
     x.in_tok = (uint32_t)in, x.out_tok = (uint32_t)out;
-    double cost;
-    x.cost = json_number(p, t, json_get(p, t, e, "cost"), &cost) == 0 ? usd_to_micro(cost) : -1;
     int st = json_get(p, t, e, "status");
     x.status = json_eq(p, t, st, "failed") ? EV_FAILED : json_eq(p, t, st, "partial") ? EV_PARTIAL : EV_SUCCEEDED;
     int hit = json_get(p, t, e, "cache_hit");
@@ -4969,6 +4975,17 @@ static uint32_t id_filter(conn *c, const char *name, char *out, size_t cap) {
     return intern(out, 0);
 }
 
+/* The first position in it's posting list at or after index position `at`. */
+static size_t posting_lower(const interned *it, size_t at) {
+    size_t lo = 0, hi = it->npos;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (it->pos[mid] < at) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
 static int entry_matches(const ledger_entry *e, uint32_t key, uint32_t grp) {
     return (key == NO_FILTER || e->key == key) && (grp == NO_FILTER || e->group == grp);
 }
@@ -5015,12 +5032,15 @@ static void spend_events(conn *c) {
     if (kf == NO_FILTER && gf == NO_FILTER) { /* no filter: the page is a slice of the index */
         total = hi - lo;
         for (size_t i = lo + skip; i < hi && i < lo + skip + (size_t)size; i++) spend_event_json(&w, &LG.ix[i], &rec);
-    } else {
-        for (size_t i = lo; i < hi; i++) {
-            if (!entry_matches(&LG.ix[i], kf, gf)) continue;
-            if (total++ >= skip && total <= skip + (size_t)size) spend_event_json(&w, &LG.ix[i], &rec);
+    } else if (kf != UINT32_MAX && gf != UINT32_MAX) { /* walk the events of the key (or of the group) */
+        const interned *it = LG.names[kf != NO_FILTER ? kf : gf];
+        size_t from = posting_lower(it, lo), to = posting_lower(it, hi);
+        for (size_t k = from; k < to; k++) {
+            const ledger_entry *e = &LG.ix[it->pos[k]];
+            if (!entry_matches(e, kf, gf)) continue;
+            if (total++ >= skip && total <= skip + (size_t)size) spend_event_json(&w, e, &rec);
         }
-    }
+    } /* else an id never seen: no events */
     jw_close(&w, ']');
     page_meta(&w, number, size, (int)total);
     b.len--; /* reopen meta to add the snapshot */
@@ -5063,9 +5083,11 @@ static void usage_summary(conn *c) {
     int days = (int)((end - start) / 86400000);
     usage_row total = {0}, by_day[31] = {{0}};
     usage_row *by_model = xcalloc(LG.nnames ? LG.nnames : 1, sizeof *by_model);
-    for (size_t i = ledger_lower(start, LG.n); i < LG.n && LG.ix[i].at < end; i++) {
-        const ledger_entry *e = &LG.ix[i];
-        if (!entry_matches(e, NO_FILTER, gf)) continue;
+    size_t lo = ledger_lower(start, LG.n), hi = ledger_lower(end, LG.n);
+    const interned *it = gf != NO_FILTER && gf != UINT32_MAX ? LG.names[gf] : NULL;
+    size_t from = it ? posting_lower(it, lo) : lo, to = it ? posting_lower(it, hi) : gf == UINT32_MAX ? lo : hi;
+    for (size_t k = from; k < to; k++) { /* every event of the range, or of the group in it */
+        const ledger_entry *e = &LG.ix[it ? it->pos[k] : k];
         usage_add(&total, e);
         usage_add(&by_day[(e->at - start) / 86400000], e);
         usage_add(&by_model[e->model], e);
@@ -5426,7 +5448,7 @@ static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int 
     ledger_entry le = {.at = now, .key = intern(x->key_id, 1), .group = intern(x->group_id, 1),
                        .in_tok = (uint32_t)x->in_tok, .out_tok = (uint32_t)x->out_tok,
                        .model = intern(m ? m->alias : x->chain[0]->alias, 1), .status = (uint8_t)ev_status,
-                       .cache_hit = (uint8_t)cache_hit, .cost = cost, .charged = charged};
+                       .cache_hit = (uint8_t)cache_hit, .charged = charged};
     /* An idempotent request keeps a whole answer (a success, or the
      * provider's own refusal) for its retries; a failure is not kept, so a
      * retry tries afresh. */

@@ -506,7 +506,7 @@ static void store_clear(void) {
 
     if (LG.f.fd >= 0) close(LG.f.fd);
     free(LG.ix);
-    for (uint32_t i = 0; i < LG.nnames; i++) free(LG.names[i]);
+    for (uint32_t i = 0; i < LG.nnames; i++) free(LG.names[i]->pos), free(LG.names[i]);
     free(LG.names), free(LG.by_name.slot);
     memset(&LG, 0, sizeof LG);
     LG.f.fd = -1, LG.by_name.key = interned_key;
