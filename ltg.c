@@ -707,6 +707,22 @@ int json_number(const char *s, const json_tok *t, int i, double *out) {
     return isfinite(*out) ? 0 : LTG_ERR;
 }
 
+/* String token i unescaped, in a new NUL-terminated allocation. */
+static char *json_strdup(const char *s, const json_tok *t, int i) {
+    buf b = {0};
+    json_unescape(s, t, i, &b);
+    if (!b.p) buf_reserve(&b, 0);
+    return b.p;
+}
+
+/* A whole number in token i; LTG_ERR when it is not one. */
+static int json_int(const char *s, const json_tok *t, int i, long long *out) {
+    double d;
+    if (json_number(s, t, i, &d) < 0 || d != floor(d) || fabs(d) > 1e15) return LTG_ERR;
+    *out = (long long)d;
+    return 0;
+}
+
 /* see ltg.h */
 void jw_init(jwriter *w, buf *out) { w->out = out, w->depth = 0, w->need_comma = 0; }
 
@@ -1647,13 +1663,6 @@ static int cfg_only(cfg *c, int obj, const char *where, const char *const *allow
     return 0;
 }
 
-static char *cfg_string(cfg *c, int v) {
-    buf b = {0};
-    json_unescape(c->s, c->t, v, &b);
-    if (!b.p) buf_reserve(&b, 0);
-    return b.p;
-}
-
 static int cfg_price(cfg *c, int obj, const char *key, const char *where, int required, double *out) {
     int v = json_get(c->s, c->t, obj, key);
     char f[300];
@@ -1669,12 +1678,10 @@ static int cfg_price(cfg *c, int obj, const char *key, const char *where, int re
 static int cfg_int(cfg *c, int obj, const char *key, const char *where, long long min, long long *out) {
     int v = json_get(c->s, c->t, obj, key);
     if (v < 0) return 0;
-    double d;
     char f[300];
     snprintf(f, sizeof f, "%s.%s", where, key);
-    if (json_number(c->s, c->t, v, &d) < 0 || d != floor(d) || d < (double)min || d > 1e12)
+    if (json_int(c->s, c->t, v, out) < 0 || *out < min || *out > 1000000000000LL)
         return cfg_fail(c, f, "must be a whole number >= %lld", min);
-    *out = (long long)d;
     return 0;
 }
 
@@ -1686,7 +1693,7 @@ static int cfg_providers(cfg *c, catalog *cat, int obj) {
     int i = obj + 1;
     for (int m = 0; m < c->t[obj].size; m++, i = c->t[i + 1].next) {
         provider *p = &cat->prov[cat->nprov++];
-        p->name = cfg_string(c, i);
+        p->name = json_strdup(c->s, c->t, i);
         p->tls_verify = 1;
         p->cat = cat;
         char where[300], f[400];
@@ -1697,7 +1704,7 @@ static int cfg_providers(cfg *c, catalog *cat, int obj) {
         int u = json_get(c->s, c->t, v, "base_url");
         snprintf(f, sizeof f, "%s.base_url", where);
         if (u < 0 || c->t[u].type != JSON_STRING) return cfg_fail(c, f, "missing (a string like \"http://127.0.0.1:9000/v1\")");
-        char *url = cfg_string(c, u);
+        char *url = json_strdup(c->s, c->t, u);
         const char *why;
         int r = url_parse(url, p, &why);
         free(url);
@@ -1706,7 +1713,7 @@ static int cfg_providers(cfg *c, catalog *cat, int obj) {
         if (k >= 0) {
             snprintf(f, sizeof f, "%s.api_key_env", where);
             if (c->t[k].type != JSON_STRING) return cfg_fail(c, f, "must be the name of an environment variable");
-            char *name = cfg_string(c, k);
+            char *name = json_strdup(c->s, c->t, k);
             const char *val = getenv(name);
             if (!val || !*val) {
                 cfg_fail(c, f, "environment variable %s is not set", name);
@@ -1735,7 +1742,7 @@ static int cfg_models(cfg *c, catalog *cat, int obj) {
     int i = obj + 1;
     for (int m = 0; m < c->t[obj].size; m++, i = c->t[i + 1].next) {
         model *md = &cat->models[cat->nmodels++];
-        md->alias = cfg_string(c, i);
+        md->alias = json_strdup(c->s, c->t, i);
         md->max_output_tokens = 4096;
         char where[300], f[400];
         snprintf(where, sizeof where, "models.%s", md->alias);
@@ -1753,7 +1760,7 @@ static int cfg_models(cfg *c, catalog *cat, int obj) {
         snprintf(f, sizeof f, "%s.upstream_model", where);
         if (uv < 0 || c->t[uv].type != JSON_STRING || c->t[uv].end == c->t[uv].start)
             return cfg_fail(c, f, "missing (the provider's name for the model)");
-        md->upstream = cfg_string(c, uv);
+        md->upstream = json_strdup(c->s, c->t, uv);
         if (cfg_price(c, v, "input_usd_per_mtok", where, 1, &md->in_price) < 0 ||
             cfg_price(c, v, "output_usd_per_mtok", where, 1, &md->out_price) < 0 ||
             cfg_int(c, v, "context_window", where, 1, &md->context_window) < 0 ||
@@ -1782,7 +1789,7 @@ static int cfg_admin_keys(cfg *c, catalog *cat, int arr) {
         if (ke >= 0) {
             snprintf(f, sizeof f, "%s.key_env", where);
             if (c->t[ke].type != JSON_STRING) return cfg_fail(c, f, "must be the name of an environment variable");
-            char *name = cfg_string(c, ke);
+            char *name = json_strdup(c->s, c->t, ke);
             const char *val = getenv(name);
             if (!val || !*val) { cfg_fail(c, f, "environment variable %s is not set", name); free(name); return LTG_ERR; }
             free(name);
@@ -2789,12 +2796,6 @@ static void vec_squeeze(vec *v) {
     v->n = k;
 }
 
-static char *json_strdup(const char *s, const json_tok *t, int i) {
-    buf b = {0};
-    json_unescape(s, t, i, &b);
-    if (!b.p) buf_reserve(&b, 0);
-    return b.p;
-}
 
 /* A string token usable as a name: 1..max bytes once unescaped, and no
  * NUL (ltg's strings end at one, so it would silently cut the name). */
@@ -2807,14 +2808,6 @@ static int name_ok(const char *s, const json_tok *t, int i, size_t max) {
     return ok;
 }
 
-
-/* A whole number in token i; LTG_ERR when it is not one. */
-static int json_int(const char *s, const json_tok *t, int i, long long *out) {
-    double d;
-    if (json_number(s, t, i, &d) < 0 || d != floor(d) || fabs(d) > 1e15) return LTG_ERR;
-    *out = (long long)d;
-    return 0;
-}
 
 /* ---- validation errors ---- */
 
@@ -2883,19 +2876,6 @@ static int is_uuid(const char *s, const json_tok *t, int i) {
 
 /* ---- groups ---- */
 
-static void group_free(group *g) {
-    if (!g) return;
-    free(g->name);
-    for (int i = 0; i < g->nallowed; i++) free(g->allowed[i]);
-    free(g->allowed);
-    for (int i = 0; i < g->nfb; i++) {
-        free(g->fb[i].model);
-        for (int k = 0; k < g->fb[i].n; k++) free(g->fb[i].to[k]);
-    }
-    free(g->fb);
-    free(g);
-}
-
 static void group_clear_fallbacks(group *g) {
     for (int i = 0; i < g->nfb; i++) {
         free(g->fb[i].model);
@@ -2903,6 +2883,15 @@ static void group_clear_fallbacks(group *g) {
     }
     free(g->fb);
     g->fb = NULL, g->nfb = 0;
+}
+
+static void group_free(group *g) {
+    if (!g) return;
+    free(g->name);
+    for (int i = 0; i < g->nallowed; i++) free(g->allowed[i]);
+    free(g->allowed);
+    group_clear_fallbacks(g);
+    free(g);
 }
 
 static group *group_new(void) {
@@ -5259,7 +5248,7 @@ static void admin_route(conn *c) {
 #define MAX_ATTEMPT_LOG (MAX_CHAIN * 5)
 #define REPLAY_MAX_BYTES (8 << 20) /* the largest answer kept for an idempotent replay */
 
-enum { CACHE_NONE, CACHE_MISS, CACHE_BYPASS };
+enum { CACHE_NONE, CACHE_MISS, CACHE_BYPASS, CACHE_HIT };
 
 typedef struct {
     uint32_t at, end;     /* the bytes of the client's body it replaces */
@@ -5351,6 +5340,15 @@ static void exchange_headers(exchange *x, int status, buf *h) {
     if (status >= 200 && status < 300) buf_printf(h, "x-ltg-served-model: %s\r\n", exchange_model(x)->alias);
     if (x->cache_mode == CACHE_MISS) buf_puts(h, "x-ltg-cache: miss\r\n");
     if (x->cache_mode == CACHE_BYPASS) buf_puts(h, "x-ltg-cache: bypass\r\n");
+    if (x->cache_mode == CACHE_HIT) buf_puts(h, "x-ltg-cache: hit\r\n");
+}
+
+/* What a non-streaming answer cost, and what the group has left (API.md 4.1). */
+static void exchange_cost_headers(exchange *x, int64_t cost, buf *h) {
+    buf_printf(h, "x-ltg-cost: %.6f\r\n", cost > 0 ? (double)cost / MICRO : 0.0);
+    group *g = group_find(x->group_id);
+    double left = g ? budget_remaining(g) : -1;
+    if (left >= 0) buf_printf(h, "x-ltg-budget-remaining: %.6f\r\n", left);
 }
 
 /* The attempt log as JSON (the shape of the ledger's attempt_log). */
@@ -5515,10 +5513,7 @@ static void exchange_relay(exchange *x) {
     int64_t cost = exchange_settle(x, status, ok ? EV_SUCCEEDED : EV_FAILED, ok ? x->plan.model : -1, 0, u->body.p ? u->body.p : "", u->body.len);
     buf h = {0};
     exchange_headers(x, status, &h);
-    buf_printf(&h, "x-ltg-cost: %.6f\r\n", cost > 0 ? (double)cost / MICRO : 0.0);
-    group *g = group_find(x->group_id);
-    double left = g ? budget_remaining(g) : -1;
-    if (left >= 0) buf_printf(&h, "x-ltg-budget-remaining: %.6f\r\n", left);
+    exchange_cost_headers(x, cost, &h);
     x_head(x, status, ctype, (long long)u->body.len, h.p);
     x_send(x, u->body.p, u->body.len);
     buf_free(&h);
@@ -5987,31 +5982,24 @@ static void inference_call(conn *c, const char *upstream_path, int can_stream) {
         if (g->cache_ttl > 0) x->cache_mode = stream || bypass ? CACHE_BYPASS : CACHE_MISS;
         if (x->cache_mode == CACHE_MISS) cache_keyof(g->id, name.p, body, c->body.len, x->cache_key);
         cache_entry *hit = x->cache_mode == CACHE_MISS ? cache_get(x->cache_key) : NULL;
+        if (ik) { /* the replay record this request fills (a cached answer too: its retry gets the same) */
+            x->idem = xcalloc(1, sizeof *x->idem);
+            memcpy(x->idem->key, idem_key, 32), memcpy(x->idem->body, body_hash, 32);
+            hmap_put(&INF_IDEM, x->idem);
+        }
         if (hit) { /* every policy check passed first: a cached answer never bypasses them */
-            x->in_tok = hit->in_tok, x->out_tok = hit->out_tok;
+            x->in_tok = hit->in_tok, x->out_tok = hit->out_tok, x->cache_mode = CACHE_HIT;
             for (int i = 0; i < x->nchain; i++)
                 if (strcmp(x->chain[i]->alias, hit->served) == 0) x->plan.model = i;
-            if (ik) { /* a replay record for the cached answer too: its retry must get this same answer */
-                x->idem = xcalloc(1, sizeof *x->idem);
-                memcpy(x->idem->key, idem_key, 32), memcpy(x->idem->body, body_hash, 32);
-                hmap_put(&INF_IDEM, x->idem);
-            }
-            exchange_settle(x, 200, EV_SUCCEEDED, x->plan.model, 1, hit->body, hit->len);
+            int64_t cost = exchange_settle(x, 200, EV_SUCCEEDED, x->plan.model, 1, hit->body, hit->len);
             buf h = {0};
-            buf_printf(&h, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: 0\r\nx-ltg-served-model: %s\r\n"
-                           "x-ltg-cache: hit\r\nx-ltg-cost: 0.000000\r\n", x->rid, x->rid, hit->served);
-            double left = budget_remaining(g);
-            if (left >= 0) buf_printf(&h, "x-ltg-budget-remaining: %.6f\r\n", left);
+            exchange_headers(x, 200, &h);
+            exchange_cost_headers(x, cost, &h);
             x->c = NULL;
             exchange_free(x);
             conn_reply(c, 200, "application/json", h.p, hit->body, hit->len);
             buf_free(&h);
         } else {
-            if (ik) {
-                x->idem = xcalloc(1, sizeof *x->idem);
-                memcpy(x->idem->key, idem_key, 32), memcpy(x->idem->body, body_hash, 32);
-                hmap_put(&INF_IDEM, x->idem);
-            }
             timer_set(&x->deadline, deadline_ms);
             c->x = x;
             exchange_attempt(x);
