@@ -136,6 +136,7 @@ static struct {
     const char *config_path, *data_dir, *resolv_conf;
     char listen_addr[64], admin_addr[64];
     int max_conns, drain_seconds;
+    int max_stream_s;         /* a started stream is cut after this long */
     long long max_body;
     int head_timeout_ms, idle_timeout_ms;
     long long cache_mb;
@@ -1049,6 +1050,24 @@ size_t sse_event_len(const char *s, size_t n) {
         line_empty = 1, i = e;
     }
     return 0;
+}
+
+/* see ltg.h */
+int sse_event_data(const char *ev, size_t n, buf *out) {
+    int any = 0;
+    out->len = 0;
+    for (size_t i = 0; i < n;) {
+        size_t e = i;
+        while (e < n && ev[e] != '\n' && ev[e] != '\r') e++;
+        if (e - i >= 5 && memcmp(ev + i, "data:", 5) == 0) {
+            size_t s = i + 5 + (e > i + 5 && ev[i + 5] == ' ');
+            if (any) buf_append(out, "\n", 1);
+            buf_append(out, ev + s, e - s);
+            any = 1;
+        }
+        i = e + (e + 1 < n && ev[e] == '\r' && ev[e + 1] == '\n') + 1;
+    }
+    return any;
 }
 
 /* ===== 5. The event loop: fds, timers, deferred close =====
@@ -2504,6 +2523,7 @@ static void up_release(upstream *u) {
     if (u->state == UP_RESOLVING) dns_cancel(u);
     int reusable = u->complete && !u->failed && !u->leftover && u->resp.keep_alive && !u->until_eof &&
                    p->cat == S.cat && p->nidle < POOL_MAX_IDLE && !S.draining;
+    if (u->leftover) ltg_log("%s sent bytes after its answer: connection closed, not pooled", p->host);
     if (!reusable) { up_free(u); return; }
     u->state = UP_IDLE;
     u->x = NULL;
@@ -3860,16 +3880,20 @@ static int ledger_apply(const char *p, size_t n, off_t at, char *err, size_t err
     return 0;
 }
 
-/* Append an event (its JSON in `event`) to the file and the index. */
-/* The ledger is written and fsynced LEDGER_SYNC_MS after the first
- * unsynced event, not per event: a write is a system call per request, an
- * fsync costs milliseconds, and the loop does nothing else meanwhile. A power cut can lose the events of those last milliseconds
- * (never corrupt one: a torn record is cut off at start-up). */
+/* The ledger's events are batched, not written one by one: a write is a
+ * system call, an fsync costs milliseconds, and the loop does nothing else
+ * meanwhile. The events of a loop turn are written together at its end
+ * (store_tick), so a crash of ltg loses at most the turn it dies in; they
+ * are fsynced LEDGER_SYNC_MS after the first unsynced one, so a power cut
+ * loses at most those milliseconds (and never corrupts an event: a torn
+ * record is cut off at start-up). */
 #define LEDGER_SYNC_MS 20
 static void ledger_sync(void *ctx) {
     (void)ctx;
     if (log_sync(&LG.f) < 0) ltg_log("spend events since the last sync may be lost: %s", LG.f.broken[0] ? LG.f.broken : "a write failed");
 }
+
+/* Append an event (its JSON in `event`) to the file and the index. */
 static timer ledger_sync_timer = {.slot = -1, .fire = ledger_sync};
 
 static void ledger_append(const ledger_entry *e, const char *event, size_t n, const char *replay) {
@@ -4041,11 +4065,13 @@ static inf_idem *inf_idem_restore(const char *p, const json_tok *t, int r, int64
     return rec;
 }
 
-/* Called by the loop before it sleeps: expired idempotency records leave
- * once a minute, and a compaction takes its next step. Returns 1 while a
- * compaction remains (the loop then polls without waiting). */
+/* Called by the loop before it sleeps: the turn's spend events are
+ * written, expired idempotency records leave once a minute, and a
+ * compaction takes its next step. Returns 1 while a compaction remains (the
+ * loop then polls without waiting). */
 static int store_tick(void) {
     static int64_t purged;
+    if (LG.f.pending.len && log_write(&LG.f) < 0) ltg_log("spend events of this turn are lost: %s", LG.f.broken[0] ? LG.f.broken : "a write failed");
     if (S.now - purged > 60000 && !ST.frozen) { /* expired idempotency records leave the live state */
         purged = S.now;
         int64_t now = wall_ms();
@@ -5261,6 +5287,7 @@ typedef struct {
     int status;           /* upstream HTTP status, 0 when none came */
     attempt_outcome outcome;
     int ms;
+    char error[100];      /* why it did not succeed, "" for a success */
 } attempt_entry;
 
 struct exchange {
@@ -5362,9 +5389,20 @@ static void exchange_attempts_json(exchange *x, jwriter *w) {
         jw_key(w, "status"), jw_int(w, e->status);
         jw_key(w, "outcome"), jw_cstr(w, outcome_name(e->outcome));
         jw_key(w, "ms"), jw_int(w, e->ms);
+        if (e->error[0]) jw_key(w, "error"), jw_cstr(w, e->error);
         jw_close(w, '}');
     }
     jw_close(w, ']');
+}
+
+/* Log the current attempt: its upstream status (0 when none came), its
+ * outcome, and why it failed (NULL for a success). */
+static void attempt_log(exchange *x, int status, attempt_outcome o, const char *why) {
+    if (x->nlog == MAX_ATTEMPT_LOG) return;
+    int ms = o == OUTCOME_CIRCUIT_OPEN ? 0 : (int)(S.now - x->attempt_started);
+    attempt_entry *e = &x->log[x->nlog++];
+    *e = (attempt_entry){x->plan.model, x->plan.attempt, status, o, ms, ""};
+    if (why) snprintf(e->error, sizeof e->error, "%s", why);
 }
 
 /* Send one piece of the stream as an HTTP chunk (and keep it for a replay). */
@@ -5378,16 +5416,27 @@ static void exchange_chunk(exchange *x, const char *p, size_t n) {
     else if (x->idem) x->record_full = 1;
 }
 
-/* The usage object of a JSON answer or event (s[0..n)), if it has one. */
-static int usage_read(const char *s, size_t n, long long *in, long long *out) {
+/* Read a provider's JSON answer or stream event s[0..n). Returns LTG_ERR
+ * when it is not JSON; else 1 when it has a usage object (its token counts
+ * in *in and *out), 0 when not. *no_choices: it has no "choices", or an
+ * empty one (a stream's usage-only chunk). Only the top level is stored,
+ * then the usage object is parsed on its own: an answer's size does not
+ * matter, be it a thousand embeddings. */
+static int usage_read(const char *s, size_t n, long long *in, long long *out, int *no_choices) {
     json_tok t[128];
     json_result res;
-    if (json_parse(s, n, t, 128, 2, &res) < 0) return 0;
+    *no_choices = 1;
+    if (json_parse(s, n, t, 128, 1, &res) < 0) /* not JSON, or too many members to store */
+        return json_parse(s, n, t, 1, 0, &res) < 0 ? LTG_ERR : 0;
+    int ch = json_get(s, t, 0, "choices");
+    *no_choices = ch < 0 || (t[ch].type == JSON_ARRAY && t[ch].size == 0);
     int u = json_get(s, t, 0, "usage");
     if (u < 0 || t[u].type != JSON_OBJECT) return 0;
+    const char *us = s + t[u].start;
+    if (json_parse(us, t[u].end - t[u].start, t, 128, 1, &res) < 0) return 0;
     *in = 0, *out = 0;
-    json_int(s, t, json_get(s, t, u, "prompt_tokens"), in);
-    json_int(s, t, json_get(s, t, u, "completion_tokens"), out);
+    json_int(us, t, json_get(us, t, 0, "prompt_tokens"), in);
+    json_int(us, t, json_get(us, t, 0, "completion_tokens"), out);
     return 1;
 }
 
@@ -5500,7 +5549,6 @@ static void exchange_fail(exchange *x, int status, const char *code, const char 
 static void exchange_relay(exchange *x) {
     upstream *u = x->u;
     int status = u->resp.status, ok = status >= 200 && status < 300;
-    if (ok) x->usage_known = usage_read(u->body.p, u->body.len, &x->in_tok, &x->out_tok);
     size_t n;
     const char *ct = http_header_get(u->head.p, u->resp.h, u->resp.nh, "content-type", &n);
     char ctype[128];
@@ -5528,8 +5576,7 @@ static void exchange_attempt(exchange *x);
  * timeout, 502 for a connection failure. */
 static void attempt_end(exchange *x, attempt_outcome o, int status, int fail_status, const char *reason) {
     model *m = exchange_model(x);
-    if (x->nlog < MAX_ATTEMPT_LOG)
-        x->log[x->nlog++] = (attempt_entry){x->plan.model, x->plan.attempt, status, o, (int)(S.now - x->attempt_started)};
+    attempt_log(x, status, o, o == OUTCOME_OK ? NULL : reason);
     breaker_record(m, o, x->probe, S.now);
     x->probe = 0;
     timer_stop(&x->t);
@@ -5600,7 +5647,7 @@ static void exchange_attempt(exchange *x) {
     for (;;) {
         model *m = exchange_model(x);
         if (breaker_allows(m, S.now, &x->probe)) break;
-        if (x->nlog < MAX_ATTEMPT_LOG) x->log[x->nlog++] = (attempt_entry){x->plan.model, x->plan.attempt, 0, OUTCOME_CIRCUIT_OPEN, 0};
+        attempt_log(x, 0, OUTCOME_CIRCUIT_OPEN, "skipped: the circuit breaker is open");
         if (plan_next(&x->plan, OUTCOME_CIRCUIT_OPEN) == PLAN_GIVE_UP) {
             if (!x->attempts) { exchange_fail(x, 503, "circuit_open", "every model of this request is failing (circuit breaker open): retry in a few seconds"); return; }
             char msg[320];
@@ -5633,37 +5680,35 @@ static void exchange_timer(void *ctx) {
     }
 }
 
-/* The deadline passed before the answer started: cut the running attempt. */
+/* The deadline passed before the answer started: cut the running attempt.
+ * Or a started stream ran for --max-stream-seconds: cut it. */
 static void exchange_deadline(void *ctx) {
     exchange *x = ctx;
-    if (x->head_sent) return; /* a flowing stream is bounded by inactivity instead */
-    if (x->u && x->nlog < MAX_ATTEMPT_LOG)
-        x->log[x->nlog++] = (attempt_entry){x->plan.model, x->plan.attempt, x->u->have_head ? x->u->resp.status : 0,
-                                            OUTCOME_INDETERMINATE, (int)(S.now - x->attempt_started)};
-    if (x->u) breaker_record(exchange_model(x), OUTCOME_INDETERMINATE, x->probe, S.now), x->probe = 0;
     char msg[160];
+    if (x->head_sent) {
+        snprintf(msg, sizeof msg, "the stream from %s ran past the limit of %d s (--max-stream-seconds)", exchange_model(x)->alias, S.max_stream_s);
+        exchange_fail(x, 504, "stream_interrupted", msg);
+        return;
+    }
     snprintf(msg, sizeof msg, "no answer within the deadline of %lld ms", x->deadline_ms);
+    if (x->u) {
+        attempt_log(x, x->u->have_head ? x->u->resp.status : 0, OUTCOME_INDETERMINATE, msg);
+        breaker_record(exchange_model(x), OUTCOME_INDETERMINATE, x->probe, S.now), x->probe = 0;
+    }
     exchange_fail(x, 504, "deadline_exceeded", msg);
 }
 
-/* One SSE event of a metered stream: read its usage, and say whether it is
- * the usage chunk ltg asked for on its own (to be kept from the client). */
-static int stream_event_usage(exchange *x, const char *ev, size_t n) {
-    if (!memmem(ev, n, "\"usage\"", 7)) return 0;
-    const char *data = memmem(ev, n, "data:", 5);
-    if (!data) return 0;
-    data += 5;
-    const char *end = memchr(data, '\n', (size_t)(ev + n - data));
-    size_t len = (size_t)((end ? end : ev + n) - data);
+/* One SSE event of a stream: LTG_ERR when its data is neither JSON nor
+ * [DONE]; 1 when it is the usage chunk ltg asked for on its own (kept from
+ * the client); else 0. Its usage, if any, is noted. */
+static int stream_event(exchange *x, const char *ev, size_t n) {
+    static buf data;
+    if (!sse_event_data(ev, n, &data) || (data.len == 6 && memcmp(data.p, "[DONE]", 6) == 0)) return 0;
     long long in, out;
-    if (!usage_read(data, len, &in, &out)) return 0;
+    int no_choices, r = usage_read(data.p ? data.p : "", data.len, &in, &out, &no_choices);
+    if (r <= 0) return r;
     x->in_tok = in, x->out_tok = out, x->usage_known = 1;
-    if (!x->hide_usage) return 0;
-    json_tok t[128];
-    json_result res;
-    if (json_parse(data, len, t, 128, 1, &res) < 0) return 0;
-    int ch = json_get(data, t, 0, "choices");
-    return ch < 0 || (t[ch].type == JSON_ARRAY && t[ch].size == 0);
+    return x->hide_usage && no_choices;
 }
 
 /* Relay the stream's complete events; end it when the provider's body ends. */
@@ -5673,10 +5718,15 @@ static void exchange_relay_stream(exchange *x) {
     while ((n = sse_event_len(u->body.p + off, u->body.len - off)) > 0) {
         const char *ev = u->body.p + off;
         off += n;
-        if (stream_event_usage(x, ev, n)) continue;
+        int r = stream_event(x, ev, n);
+        if (r < 0) {
+            if (x->head_sent) exchange_fail(x, 502, "stream_interrupted", "the provider sent an SSE event whose data is not JSON");
+            else attempt_end(x, OUTCOME_INDETERMINATE, 200, 502, "an SSE event whose data is not JSON");
+            return;
+        }
+        if (r) continue;
         if (!x->head_sent) { /* the first event: the answer starts, the attempt has succeeded */
-            if (x->nlog < MAX_ATTEMPT_LOG)
-                x->log[x->nlog++] = (attempt_entry){x->plan.model, x->plan.attempt, 200, OUTCOME_OK, (int)(S.now - x->attempt_started)};
+            attempt_log(x, 200, OUTCOME_OK, NULL);
             breaker_record(exchange_model(x), OUTCOME_OK, x->probe, S.now);
             x->probe = 0;
             buf h = {0};
@@ -5685,6 +5735,7 @@ static void exchange_relay_stream(exchange *x) {
             x_head(x, 200, "text/event-stream", -1, h.p);
             buf_free(&h);
             x->head_sent = 1;
+            timer_set(&x->deadline, (int64_t)S.max_stream_s * 1000); /* from now on the deadline is the stream's limit */
         }
         exchange_chunk(x, ev, n);
     }
@@ -5731,10 +5782,22 @@ static void exchange_upstream(exchange *x) {
     int sse = ct && n >= 17 && ascii_casecmp_n(ct, 17, "text/event-stream") == 0;
     if (x->stream && status == 200 && sse) { exchange_relay_stream(x); return; }
     timer_stop(&x->t); /* the head came: the attempt's timeout is met; the deadline bounds the body */
-    if (u->body.len > UP_MAX_BODY_BYTES) { attempt_end(x, OUTCOME_INDETERMINATE, status, 502, "an answer larger than 64 MiB"); return; }
+    if (u->body.len > UP_MAX_BODY_BYTES || u->resp.content_length > UP_MAX_BODY_BYTES) {
+        attempt_end(x, OUTCOME_INDETERMINATE, status, 502, "an answer larger than 64 MiB");
+        return;
+    }
     if (!u->complete) return;
     attempt_outcome o = attempt_classify(status, 1);
     char reason[200];
+    if (o == OUTCOME_OK) { /* a success must be JSON, and says what it cost */
+        int no_choices, r = usage_read(u->body.p ? u->body.p : "", u->body.len, &x->in_tok, &x->out_tok, &no_choices);
+        if (r < 0) {
+            snprintf(reason, sizeof reason, "answered %d with a body that is not JSON", status);
+            attempt_end(x, OUTCOME_INDETERMINATE, status, 502, reason);
+            return;
+        }
+        x->usage_known = r;
+    }
     if (attempt_context_length(status, u->body.p, u->body.len)) snprintf(reason, sizeof reason, "context length exceeded (%d)", status);
     else snprintf(reason, sizeof reason, "answered %d", status);
     attempt_end(x, o, status, status, reason);
@@ -5747,9 +5810,8 @@ static void exchange_abort(exchange *x) {
     x->c->x = NULL;
     x->c = NULL;
     if (x->idem) return;
-    if (x->u && !x->head_sent && x->nlog < MAX_ATTEMPT_LOG) /* the running attempt, cut by the client */
-        x->log[x->nlog++] = (attempt_entry){x->plan.model, x->plan.attempt, x->u->have_head ? x->u->resp.status : 0,
-                                            OUTCOME_INDETERMINATE, (int)(S.now - x->attempt_started)};
+    if (x->u && !x->head_sent) /* the running attempt, cut by the client */
+        attempt_log(x, x->u->have_head ? x->u->resp.status : 0, OUTCOME_INDETERMINATE, "the client closed the connection");
     if (x->head_sent) exchange_settle(x, 200, EV_PARTIAL, x->plan.model, 0, NULL, 0);
     else exchange_settle(x, 499, EV_FAILED, -1, 0, NULL, 0); /* 499: nginx's "client closed the request" */
     exchange_free(x);
@@ -6178,7 +6240,7 @@ static void usage(void) {
     fprintf(stderr,
             "usage: ltg --config FILE [--data DIR] [--listen ADDR:PORT] [--admin-listen ADDR:PORT]\n"
             "           [--max-conns N] [--drain-seconds N] [--max-body-mb N] [--head-timeout S] [--idle-timeout S]\n"
-            "           [--cache-mb N] [--ca-file FILE] [--resolv-conf FILE]\n");
+            "           [--max-stream-seconds S] [--cache-mb N] [--ca-file FILE] [--resolv-conf FILE]\n");
     exit(2);
 }
 
@@ -6187,12 +6249,12 @@ int main(int argc, char **argv) {
     snprintf(S.listen_addr, sizeof S.listen_addr, "127.0.0.1:8080");
     snprintf(S.admin_addr, sizeof S.admin_addr, "127.0.0.1:8081");
     S.max_conns = 1024, S.drain_seconds = 10, S.max_body = 8LL << 20;
-    S.head_timeout_ms = 10000, S.idle_timeout_ms = 60000, S.cache_mb = 64;
+    S.head_timeout_ms = 10000, S.idle_timeout_ms = 60000, S.cache_mb = 64, S.max_stream_s = 600;
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         long long n = 0;
         int numeric = strcmp(o, "--max-conns") == 0 || strcmp(o, "--drain-seconds") == 0 || strcmp(o, "--max-body-mb") == 0 || strcmp(o, "--cache-mb") == 0 ||
-                      strcmp(o, "--head-timeout") == 0 || strcmp(o, "--idle-timeout") == 0;
+                      strcmp(o, "--head-timeout") == 0 || strcmp(o, "--idle-timeout") == 0 || strcmp(o, "--max-stream-seconds") == 0;
         if (!v) usage();
         if (numeric && (parse_ll(v, strlen(v), 1000000, &n) < 0 || n < 1)) {
             fprintf(stderr, "ltg: %s needs a whole number >= 1, not \"%s\"\n", o, v);
@@ -6210,6 +6272,7 @@ int main(int argc, char **argv) {
         else if (strcmp(o, "--cache-mb") == 0) S.cache_mb = n;
         else if (strcmp(o, "--head-timeout") == 0) S.head_timeout_ms = (int)n * 1000;
         else if (strcmp(o, "--idle-timeout") == 0) S.idle_timeout_ms = (int)n * 1000;
+        else if (strcmp(o, "--max-stream-seconds") == 0) S.max_stream_s = (int)n;
         else usage();
         i++;
     }

@@ -176,6 +176,11 @@ long chunk_decode(chunk_decoder *d, const char *in, size_t n, buf *out);
  * including its blank line ("\n\n", "\r\n\r\n" or mixed), or 0 if none yet. */
 size_t sse_event_len(const char *s, size_t n);
 
+/* The data of one SSE event ev[0..n): its "data:" field values (one leading
+ * space dropped), joined by newlines, into `out` (emptied first). Returns
+ * 0 when the event has no data line (a comment, an "event:" alone). */
+int sse_event_data(const char *ev, size_t n, buf *out);
+
 /* ===== The attempt planner =====
  * For a requested model M the plan is [M] + fallbacks[M], each model with up
  * to max_attempts attempts. Every attempt ends in one outcome; the outcome

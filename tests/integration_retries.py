@@ -303,8 +303,12 @@ def check_attempt_list(att, expect, what):
              for b, w in zip(brief, want)] + brief[len(want):]
     check(brief == want, "%s: %r, want %r" % (what, brief, want))
     for x, w in zip(att, expect):
-        check(set(x) == {"model", "attempt", "status", "outcome", "ms"},
-              "%s: entry %r: fields must be exactly model, attempt, status, outcome, ms" % (what, x))
+        # "error" (why the attempt did not succeed) is ltg's addition to the API.md shape: on every
+        # failed attempt, never on a success.
+        fields = {"model", "attempt", "status", "outcome", "ms"} | ({"error"} if x.get("outcome") != "ok" else set())
+        check(set(x) == fields, "%s: entry %r: fields must be exactly %s" % (what, x, ", ".join(sorted(fields))))
+        check(x.get("outcome") == "ok" or (isinstance(x["error"], str) and x["error"]),
+              "%s: entry %r: error must say why" % (what, x))
         check(isinstance(x["ms"], int) and x["ms"] >= 0, "%s: entry %r: ms is not a whole number >= 0" % (what, x))
         if x["outcome"] == "circuit_open":
             check(x["status"] == 0 and x["ms"] == 0, "%s: a circuit_open entry has status 0 and ms 0: %r" % (what, x))

@@ -268,6 +268,15 @@ static void test_sse(void) {
     CHECK(sse_event_len("data: a\n\ndata: b\n\n", 18) == 9, "LF");
     CHECK(sse_event_len("data: a\r\n\r\nrest", 15) == 11, "CRLF");
     CHECK(sse_event_len("data: a\r\rx", 10) == 9, "CR");
+
+    /* The data of an event: "data:" lines joined, one leading space dropped. */
+    buf d = {0};
+    CHECK(sse_event_data("data: {}\n\n", 10, &d) && d.len == 2 && memcmp(d.p, "{}", 2) == 0, "one data line");
+    CHECK(sse_event_data("event: x\r\ndata:a\r\ndata:  b\r\n\r\n", 30, &d) && d.len == 4 && memcmp(d.p, "a\n b", 4) == 0, "two lines, CRLF");
+    CHECK(!sse_event_data(": ping\n\n", 8, &d) && d.len == 0, "a comment has no data");
+    CHECK(sse_event_data("data:\n\n", 7, &d) && d.len == 0, "empty data");
+    CHECK(sse_event_data("data: x", 7, &d) && d.len == 1 && d.p[0] == 'x', "no line end");
+    buf_free(&d);
     CHECK(sse_event_len("data: a\ndata: b\n\n", 17) == 17, "two lines");
     CHECK(sse_event_len("data: a\n", 8) == 0, "incomplete");
     CHECK(sse_event_len("data: a\r\n\r", 10) == 0, "CR at the end waits");
@@ -782,10 +791,27 @@ static void test_ledger_pieces(void) {
 
     /* Usage from an answer or an event. */
     long long in, out;
-    const char *ans = "{\"id\":\"x\",\"usage\":{\"prompt_tokens\":12,\"completion_tokens\":5,\"total_tokens\":17}}";
-    CHECK(usage_read(ans, strlen(ans), &in, &out) && in == 12 && out == 5, "usage");
+    int no_choices;
+    const char *ans = "{\"id\":\"x\",\"choices\":[{}],\"usage\":{\"prompt_tokens\":12,\"completion_tokens\":5,\"total_tokens\":17}}";
+    CHECK(usage_read(ans, strlen(ans), &in, &out, &no_choices) == 1 && in == 12 && out == 5 && !no_choices, "usage");
     const char *none = "{\"usage\":null}";
-    CHECK(!usage_read(none, strlen(none), &in, &out), "null usage");
+    CHECK(usage_read(none, strlen(none), &in, &out, &no_choices) == 0 && no_choices, "null usage");
+    const char *chunk = "{\"choices\":[],\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":2}}";
+    CHECK(usage_read(chunk, strlen(chunk), &in, &out, &no_choices) == 1 && no_choices && out == 2, "a usage-only chunk");
+    CHECK(usage_read("<html>", 6, &in, &out, &no_choices) == LTG_ERR, "not JSON");
+    CHECK(usage_read("{\"usage\":{}", 12, &in, &out, &no_choices) == LTG_ERR, "cut JSON");
+    /* A thousand embeddings, then the usage: the answer's size does not matter. */
+    buf big = {0};
+    buf_puts(&big, "{\"data\":[");
+    for (int i = 0; i < 1000; i++) buf_printf(&big, "%s{\"embedding\":[0.1,0.2],\"index\":%d}", i ? "," : "", i);
+    buf_puts(&big, "],\"usage\":{\"prompt_tokens\":7,\"total_tokens\":7}}");
+    CHECK(usage_read(big.p, big.len, &in, &out, &no_choices) == 1 && in == 7 && out == 0, "usage after 1000 embeddings");
+    big.len = 0;
+    buf_puts(&big, "{");
+    for (int i = 0; i < 200; i++) buf_printf(&big, "\"k%d\":%d,", i, i);
+    buf_puts(&big, "\"z\":0}");
+    CHECK(usage_read(big.p, big.len, &in, &out, &no_choices) == 0, "200 members: still JSON, no usage looked for");
+    buf_free(&big);
 
     /* Asking a stream for its usage: the body edits. */
     static const struct { const char *body, *want; int hide; } edits[] = {
