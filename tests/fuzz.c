@@ -5,7 +5,7 @@
  *                  http_parse_request on the head and chunk_decode on the rest
  *   HTTP_RESPONSE  http_parse_response on the head (Retry-After read), then
  *                  chunk_decode over the rest, then sse_event_len event by
- *                  event over what it decoded (each event's usage read)
+ *                  event over what it decoded (each event's data and usage read)
  *   JSON           json_parse at several depths and token limits, every
  *                  string unescaped and written back, every object checked
  *                  for duplicate keys, every number read; jw_str round trip
@@ -278,7 +278,7 @@ static void sse_walk(const char *s, size_t n, uint64_t h) {
         free(prefix);
         REQUIRE(kp == 0 || kp == k, "sse: the first event is %zu bytes, in a prefix of %zu bytes %zu", k, m, kp);
         char *ev = copy(c + off, k);
-        stream_event_usage(&x, ev, k);
+        stream_event(&x, ev, k);
         free(ev);
         off += k;
         h = h * 6364136223846793005ULL + 1442695040888963407ULL;
@@ -322,8 +322,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) {
     sse_walk(out.p, out.len, h);
     sse_walk(b + body, n - body, h >> 7); /* a body without chunked coding */
     long long in, ot;
+    int no_choices;
     char *dec = copy(out.p, out.len);
-    usage_read(dec, out.len, &in, &ot);
+    usage_read(dec, out.len, &in, &ot, &no_choices);
     attempt_context_length(status == 413 ? 413 : 400, dec, out.len);
     free(dec);
     buf_free(&out);
