@@ -4131,6 +4131,7 @@ struct conn {
     buf body;                 /* the current request's decoded body */
     buf out;                  /* answer bytes not yet written */
     size_t out_off;
+    uint64_t written, written_mark; /* bytes sent in all; at the timer's start */
     int keep_alive;           /* the current answer keeps the connection */
     int close_after;          /* close once `out` is written */
     int processing, closing, pending, want_out, read_paused;
@@ -4187,7 +4188,7 @@ static void conn_process(conn *c);
 static void conn_flush(conn *c) {
     while (c->out_off < c->out.len) {
         ssize_t n = send(c->fd, c->out.p + c->out_off, c->out.len - c->out_off, MSG_NOSIGNAL);
-        if (n > 0) { c->out_off += (size_t)n; continue; }
+        if (n > 0) { c->out_off += (size_t)n, c->written += (uint64_t)n; continue; }
         if (n < 0 && errno == EINTR) continue;
         if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
             if (c->out_off > 65536) buf_consume(&c->out, c->out_off), c->out_off = 0;
@@ -4345,8 +4346,12 @@ static void conn_fail(conn *c, int status, const char *code, const char *msg) {
 
 static void conn_timer(void *ctx) {
     conn *c = ctx;
-    if (conn_unsent(c)) { timer_set(&c->t, S.idle_timeout_ms); return; } /* still writing: not idle */
-    if (c->timer_kind == TK_IDLE) { conn_close(c); return; }
+    if (conn_unsent(c) && c->written != c->written_mark) { /* still writing: not idle */
+        c->written_mark = c->written;
+        timer_set(&c->t, S.idle_timeout_ms);
+        return;
+    }
+    if (c->timer_kind == TK_IDLE || conn_unsent(c)) { conn_close(c); return; } /* idle, or not reading what it asked for */
     conn_fail(c, 408, "request_timeout", c->timer_kind == TK_HEAD ? "the request head did not arrive in time"
                                                                   : "the request body stopped arriving");
 }
@@ -4356,6 +4361,7 @@ static void conn_arm_timer(conn *c) {
     int kind = c->state == CONN_BUSY ? TK_NONE : c->state == CONN_BODY ? TK_BODY : c->in.len ? TK_HEAD : TK_IDLE;
     if (kind == c->timer_kind && kind != TK_BODY) return; /* a head's limit counts from its first byte */
     c->timer_kind = kind;
+    c->written_mark = c->written;
     if (kind == TK_NONE) timer_stop(&c->t);
     else timer_set(&c->t, kind == TK_HEAD ? S.head_timeout_ms : S.idle_timeout_ms);
 }
@@ -5669,7 +5675,8 @@ static void exchange_timer(void *ctx) {
     exchange *x = ctx;
     char msg[160];
     if (x->head_sent) {
-        snprintf(msg, sizeof msg, "the stream from %s stalled for %d s", exchange_model(x)->alias, STREAM_IDLE_MS / 1000);
+        if (x->u && x->u->paused) snprintf(msg, sizeof msg, "the client read nothing for %d s", STREAM_IDLE_MS / 1000);
+        else snprintf(msg, sizeof msg, "the stream from %s stalled for %d s", exchange_model(x)->alias, STREAM_IDLE_MS / 1000);
         exchange_fail(x, 504, "stream_interrupted", msg);
     } else if (!x->u) {
         exchange_attempt(x);
