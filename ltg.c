@@ -6155,25 +6155,32 @@ static timer accept_pause, drain_timer;
 
 static void listener_accept(void *ctx, int revents);
 
-static void accept_resume(void *ctx) {
-    (void)ctx;
-    if (S.listen_fd >= 0) loop_events(S.listen_fd, POLLIN);
-    if (S.admin_fd >= 0) loop_events(S.admin_fd, POLLIN);
+static void listeners_watch(short events) {
+    if (S.listen_fd >= 0) loop_events(S.listen_fd, events);
+    if (S.admin_fd >= 0) loop_events(S.admin_fd, events);
 }
 
+static void accept_resume(void *ctx) { (void)ctx, listeners_watch(POLLIN); }
+
+/* Out of fds (or kernel memory), accept() fails and the listener stays
+ * readable: rather than spin, stop watching it for 100 ms, and say so once
+ * per episode. The connections wait in the kernel's backlog meanwhile. */
 static void listener_accept(void *ctx, int revents) {
+    static int shedding;
     (void)revents;
     int lfd = *(int *)ctx, admin = ctx == &S.admin_fd;
     for (int i = 0; i < 64; i++) {
         int fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) {
             if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
-                ltg_log("accept: %s: pausing new connections for 100 ms", strerror(errno));
-                loop_events(S.listen_fd, 0), loop_events(S.admin_fd, 0);
+                if (!shedding) ltg_log("accept: %s: new connections wait (retried every 100 ms)", strerror(errno));
+                shedding = 1;
+                listeners_watch(0);
                 timer_set(&accept_pause, 100);
             }
             return;
         }
+        if (shedding) ltg_log("accepting connections again"), shedding = 0;
         if (S.nconns >= S.max_conns || fd >= S.nfds_cap) { close(fd); continue; } /* over the cap: closed at once */
         conn_new(fd, admin);
     }
