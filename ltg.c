@@ -1661,6 +1661,24 @@ static int cfg_fail(cfg *c, const char *field, const char *fmt, ...) {
     return LTG_ERR;
 }
 
+/* The value of the environment variable that string token k names, or
+ * NULL after cfg_fail. A name that does not look like one (A-Z, 0-9, _)
+ * may be a key pasted where its name belongs: it is not repeated. */
+static const char *cfg_env(cfg *c, int k, const char *field) {
+    if (c->t[k].type != JSON_STRING) { cfg_fail(c, field, "must be the name of an environment variable"); return NULL; }
+    char *name = json_strdup(c->s, c->t, k);
+    const char *val = getenv(name);
+    size_t n = strlen(name);
+    if (!val || !*val) {
+        if (n && n <= 64 && strspn(name, "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_") == n) cfg_fail(c, field, "environment variable %s is not set", name);
+        else cfg_fail(c, field, "no environment variable of that name is set (the value is not shown: it does not look like "
+                                "a variable name such as OPENAI_API_KEY; give the variable's name here, never the key)");
+        val = NULL;
+    }
+    free(name);
+    return val;
+}
+
 /* The field name of member key token k, for messages. */
 static const char *cfg_key(cfg *c, int k, char *out, size_t cap) {
     snprintf(out, cap, "%.*s", (int)(c->t[k].end - c->t[k].start), c->s + c->t[k].start);
@@ -1731,15 +1749,8 @@ static int cfg_providers(cfg *c, catalog *cat, int obj) {
         int k = json_get(c->s, c->t, v, "api_key_env");
         if (k >= 0) {
             snprintf(f, sizeof f, "%s.api_key_env", where);
-            if (c->t[k].type != JSON_STRING) return cfg_fail(c, f, "must be the name of an environment variable");
-            char *name = json_strdup(c->s, c->t, k);
-            const char *val = getenv(name);
-            if (!val || !*val) {
-                cfg_fail(c, f, "environment variable %s is not set", name);
-                free(name);
-                return LTG_ERR;
-            }
-            free(name);
+            const char *val = cfg_env(c, k, f);
+            if (!val) return LTG_ERR;
             p->api_key = xstrndup(val, strlen(val));
         }
         int tv = json_get(c->s, c->t, v, "tls_verify");
@@ -1807,11 +1818,8 @@ static int cfg_admin_keys(cfg *c, catalog *cat, int arr) {
         if ((ke < 0) == (ks < 0)) return cfg_fail(c, where, "give exactly one of key_env and key_sha256 (never the key itself)");
         if (ke >= 0) {
             snprintf(f, sizeof f, "%s.key_env", where);
-            if (c->t[ke].type != JSON_STRING) return cfg_fail(c, f, "must be the name of an environment variable");
-            char *name = json_strdup(c->s, c->t, ke);
-            const char *val = getenv(name);
-            if (!val || !*val) { cfg_fail(c, f, "environment variable %s is not set", name); free(name); return LTG_ERR; }
-            free(name);
+            const char *val = cfg_env(c, ke, f);
+            if (!val) return LTG_ERR;
             sha256(val, strlen(val), a->sha);
         } else {
             snprintf(f, sizeof f, "%s.key_sha256", where);
@@ -5550,11 +5558,21 @@ static void exchange_fail(exchange *x, int status, const char *code, const char 
     exchange_end(x);
 }
 
+/* A provider that quotes the key it was sent (an error message may) must
+ * not pass it on to the client, the cache or the ledger: it is masked in
+ * place, byte for byte, so lengths and JSON stay what they were. */
+static void mask_provider_key(const provider *p, char *s, size_t n) {
+    size_t k = p->api_key ? strlen(p->api_key) : 0;
+    if (!k || !s) return;
+    for (char *q = s; (q = memmem(q, n - (size_t)(q - s), p->api_key, k)); q += k) memset(q, '*', k);
+}
+
 /* Relay the provider's whole answer (a success, or a terminal error), with
  * what it cost. */
 static void exchange_relay(exchange *x) {
     upstream *u = x->u;
     int status = u->resp.status, ok = status >= 200 && status < 300;
+    mask_provider_key(exchange_model(x)->p, u->body.p, u->body.len);
     size_t n;
     const char *ct = http_header_get(u->head.p, u->resp.h, u->resp.nh, "content-type", &n);
     char ctype[128];
@@ -5723,8 +5741,9 @@ static void exchange_relay_stream(exchange *x) {
     upstream *u = x->u;
     size_t off = 0, n;
     while ((n = sse_event_len(u->body.p + off, u->body.len - off)) > 0) {
-        const char *ev = u->body.p + off;
+        char *ev = u->body.p + off;
         off += n;
+        mask_provider_key(exchange_model(x)->p, ev, n);
         int r = stream_event(x, ev, n);
         if (r < 0) {
             if (x->head_sent) exchange_fail(x, 502, "stream_interrupted", "the provider sent an SSE event whose data is not JSON");
@@ -5750,7 +5769,10 @@ static void exchange_relay_stream(exchange *x) {
     if (x->head_sent) timer_set(&x->t, STREAM_IDLE_MS);
     if (u->complete) {
         if (!x->head_sent) { attempt_end(x, OUTCOME_INDETERMINATE, 200, 502, "the stream ended before its first event"); return; }
-        if (u->body.len) exchange_chunk(x, u->body.p, u->body.len); /* no final blank line: pass the rest on */
+        if (u->body.len) { /* no final blank line: pass the rest on */
+            mask_provider_key(exchange_model(x)->p, u->body.p, u->body.len);
+            exchange_chunk(x, u->body.p, u->body.len);
+        }
         x_send(x, "0\r\n\r\n", 5);
         exchange_settle(x, 200, EV_SUCCEEDED, x->plan.model, 0, x->record_full ? NULL : x->record.p ? x->record.p : "", x->record.len);
         exchange_end(x);

@@ -328,6 +328,8 @@ static void test_config(void) {
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x:99999\"}},\"models\":{}}", "providers.p.base_url: has an invalid port"},
         {"{\"providers\":{\"p\":{\"base_url\":\"https://x\",\"tls_verify\":\"no\"}},\"models\":{}}", "providers.p.tls_verify: must be true or false"},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\",\"api_key_env\":\"UNIT_UNSET\"}},\"models\":{}}", "providers.p.api_key_env: environment variable UNIT_UNSET is not set"},
+        /* a key pasted where the variable's name belongs is not repeated */
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\",\"api_key_env\":\"sk-unit-0123456789\"}},\"models\":{}}", "providers.p.api_key_env: no environment variable of that name is set (the value is not shown"},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\",\"bogus\":1}},\"models\":{}}", "providers.p.bogus: unknown field"},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{}}", "models: must be an object with at least one"},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"nope\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}", "models.M.provider: no provider named \"nope\""},
@@ -812,6 +814,17 @@ static void test_ledger_pieces(void) {
     buf_puts(&big, "\"z\":0}");
     CHECK(usage_read(big.p, big.len, &in, &out, &no_choices) == 0, "200 members: still JSON, no usage looked for");
     buf_free(&big);
+
+    /* A provider's key quoted back by the provider is masked, byte for byte. */
+    {
+        provider p = {.api_key = "sk-prov-1234"};
+        char body[] = "{\"error\":\"bad key sk-prov-1234, sk-prov-1234!\"}";
+        mask_provider_key(&p, body, strlen(body));
+        CHECK(strcmp(body, "{\"error\":\"bad key ************, ************!\"}") == 0, "masked: %s", body);
+        p.api_key = NULL;
+        mask_provider_key(&p, body, strlen(body));
+        mask_provider_key(&p, NULL, 0);
+    }
 
     /* Asking a stream for its usage: the body edits. */
     static const struct { const char *body, *want; int hide; } edits[] = {
