@@ -92,6 +92,7 @@
 #define MAX_HEAD_BYTES (16 * 1024)       /* request head; 431 beyond */
 #define UP_MAX_HEAD_BYTES (64 * 1024)    /* provider response head */
 #define UP_MAX_BODY_BYTES (64 * 1024 * 1024) /* non-streaming provider answer */
+#define ADMIN_MAX_CONNS 64               /* control-plane connections (at most --max-conns), counted apart */
 #define MAX_BODY_FIELDS 512              /* top-level JSON tokens of a request body */
 #define READ_CHUNK 16384
 #define OUT_HIGH_WATER (256 * 1024)      /* stop reading upstream above this */
@@ -157,6 +158,8 @@ static struct {
     int listen_fd, admin_fd;
     int nconns;
     int nexchanges;           /* inference requests in flight, with or without their client */
+    int ndetached;            /* of those, idempotent ones whose client left: at most max_conns */
+    int nadmin, max_admin;    /* control-plane connections, counted apart: an inference flood cannot lock the operator out */
     int draining;
     int64_t drain_until;
 
@@ -909,6 +912,7 @@ static int http_framing(const char *b, const http_header *h, int nh, int minor, 
         }
     }
     if (te && *cl >= 0) { *err = "both Content-Length and Transfer-Encoding"; return LTG_ERR; }
+    if (te && minor == 0) *keep_alive = 0; /* RFC 9112 6.1: its framing is not to be trusted for a next message */
     return 0;
 }
 
@@ -942,7 +946,10 @@ int http_parse_request(const char *b, size_t len, http_request *r) {
         if (ascii_casecmp_n(v, n, "100-continue") != 0) { r->err = "unsupported Expect"; r->status = 417; return LTG_ERR; }
         r->expect_continue = r->minor >= 1;
     }
-    if (r->minor >= 1 && !http_header_get(b, r->h, r->nh, "host", &n)) { r->err = "missing Host header"; return LTG_ERR; }
+    int hosts = 0;
+    for (int k = 0; k < r->nh; k++) hosts += ascii_casecmp_n(b + r->h[k].name.off, r->h[k].name.len, "host") == 0;
+    if (r->minor >= 1 && !hosts) { r->err = "missing Host header"; return LTG_ERR; }
+    if (hosts > 1) { r->err = "more than one Host header"; return LTG_ERR; }
     return (int)len;
 }
 
@@ -982,15 +989,19 @@ long chunk_decode(chunk_decoder *d, const char *in, size_t n, buf *out) {
             int h = hexval((unsigned char)c);
             if (h >= 0 && d->digits < 15) { d->left = d->left * 16 + (uint64_t)h, d->digits++, i++; break; }
             if (h >= 0 || !d->digits) goto bad;
-            if (c == ';' || c == ' ' || c == '\t') d->state = CHUNK_EXT, d->line = 0;
+            d->state = CHUNK_SIZE_WS; /* the size is over: the same byte, looked at in that state */
+            break;
+        }
+        case CHUNK_SIZE_WS: /* white space after the size: then ";" and an extension, or the line's end */
+            if (c == ';') d->state = CHUNK_EXT, d->line = 0;
+            else if (c == ' ' || c == '\t') d->state = CHUNK_SIZE_WS;
             else if (c == '\r') d->state = CHUNK_SIZE_LF;
             else goto bad;
             i++;
             break;
-        }
         case CHUNK_EXT: /* chunk extensions are allowed and ignored */
             if (c == '\r') d->state = CHUNK_SIZE_LF;
-            else if (c == '\n' || c == 0 || ++d->line > 1024) goto bad;
+            else if (((unsigned char)c < 32 && c != '\t') || c == 127 || ++d->line > 1024) goto bad;
             i++;
             break;
         case CHUNK_SIZE_LF:
@@ -2227,6 +2238,7 @@ struct upstream {
     http_response resp;
     int have_head, complete, failed, reused, got_bytes, paused, until_eof, leftover;
     int eof_pending;    /* the provider closed, and data came with the close: handled next turn */
+    int local;          /* the failure was ltg's own (out of fds): the provider is not to blame */
     chunk_decoder cd;
     long long body_left;
     buf body;           /* decoded body bytes the exchange has not taken yet */
@@ -2309,11 +2321,10 @@ static void up_connect(upstream *u, const struct sockaddr_storage *addr) {
     struct sockaddr_storage a = *addr;
     addr_set_port(&a, u->p->port);
     u->fd = socket(a.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (u->fd < 0) { up_fail(u, "socket: %s", strerror(errno)); return; }
-    if (u->fd >= S.nfds_cap) {
-        close(u->fd);
-        u->fd = -1;
-        up_fail(u, "out of file descriptors for upstream connections");
+    if (u->fd < 0 || u->fd >= S.nfds_cap) {
+        if (u->fd >= 0) close(u->fd), u->fd = -1, errno = EMFILE;
+        u->local = 1;
+        up_fail(u, "no socket for %s: %s", u->p->host, strerror(errno));
         return;
     }
     int one = 1;
@@ -4173,7 +4184,7 @@ static void conn_close(conn *c) {
     else conns = c->next;
     if (c->next) c->next->prev = c->prev;
     c->next_closing = S.closing, S.closing = c;
-    S.nconns--;
+    S.nconns--, S.nadmin -= c->admin;
 }
 
 static void conn_reap(void) {
@@ -4245,6 +4256,7 @@ static const char *http_reason(int status) {
     case 429: return "Too Many Requests";
     case 431: return "Request Header Fields Too Large";
     case 500: return "Internal Server Error";
+    case 501: return "Not Implemented";
     case 502: return "Bad Gateway";
     case 503: return "Service Unavailable";
     case 504: return "Gateway Timeout";
@@ -4385,7 +4397,8 @@ static void conn_process(conn *c) {
             if (n == LTG_AGAIN || n > MAX_HEAD_BYTES) { conn_fail(c, 431, "headers_too_large", "the request head is larger than 16 KiB"); break; }
             c->head_len = (size_t)n;
             if (http_parse_request(c->in.p, (size_t)n, &c->req) < 0) {
-                conn_fail(c, c->req.status, c->req.status == 431 ? "headers_too_large" : "bad_request", c->req.err);
+                int st = c->req.status;
+                conn_fail(c, st, st == 431 ? "headers_too_large" : st == 501 ? "not_implemented" : st == 417 ? "expectation_failed" : "bad_request", c->req.err);
                 break;
             }
             if (c->req.content_length > S.max_body) {
@@ -4455,7 +4468,7 @@ static void conn_new(int fd, int admin) {
     c->next = conns;
     if (conns) conns->prev = c;
     conns = c;
-    S.nconns++;
+    S.nconns++, S.nadmin += admin;
     loop_watch(fd, POLLIN, conn_io, c);
     conn_arm_timer(c);
 }
@@ -5327,6 +5340,7 @@ struct exchange {
     buf req;
     int head_sent;        /* the client has the answer's head: no failover after this */
     int probe;            /* the current attempt is its model's breaker probe */
+    int detached;         /* idempotent, its client gone: it runs on alone */
     int64_t started, attempt_started;
     timer deadline, t;
     int last_status;      /* of the last failure: what the client gets when all fail */
@@ -5354,6 +5368,7 @@ static void exchange_free(exchange *x) {
     group *g = group_find(x->group_id);
     if (g) g->inflight--;
     if (x->probe) breaker_forget_probe(exchange_model(x));
+    S.ndetached -= x->detached;
     if (x->idem && !x->idem->done) { /* no answer to keep: a retry may try afresh */
         hmap_del(&INF_IDEM, x->idem->key, 32);
         inf_idem_free(x->idem);
@@ -5601,7 +5616,9 @@ static void exchange_attempt(exchange *x);
 static void attempt_end(exchange *x, attempt_outcome o, int status, int fail_status, const char *reason) {
     model *m = exchange_model(x);
     attempt_log(x, status, o, o == OUTCOME_OK ? NULL : reason);
-    breaker_record(m, o, x->probe, S.now);
+    if (x->u && x->u->local) { /* ltg's own shortage says nothing about the model */
+        if (x->probe) breaker_forget_probe(m);
+    } else breaker_record(m, o, x->probe, S.now);
     x->probe = 0;
     timer_stop(&x->t);
     if (o == OUTCOME_OK || o == OUTCOME_TERMINAL) { exchange_relay(x); return; }
@@ -5838,7 +5855,7 @@ static void exchange_upstream(exchange *x) {
 static void exchange_abort(exchange *x) {
     x->c->x = NULL;
     x->c = NULL;
-    if (x->idem) return;
+    if (x->idem && S.ndetached < S.max_conns) { x->detached = 1, S.ndetached++; return; } /* bounded: each holds an fd */
     if (x->u && !x->head_sent) /* the running attempt, cut by the client */
         attempt_log(x, x->u->have_head ? x->u->resp.status : 0, OUTCOME_INDETERMINATE, "the client closed the connection");
     if (x->head_sent) exchange_settle(x, 200, EV_PARTIAL, x->plan.model, 0, NULL, 0);
@@ -6203,7 +6220,8 @@ static void listener_accept(void *ctx, int revents) {
             return;
         }
         if (shedding) ltg_log("accepting connections again"), shedding = 0;
-        if (S.nconns >= S.max_conns || fd >= S.nfds_cap) { close(fd); continue; } /* over the cap: closed at once */
+        int full = admin ? S.nadmin >= S.max_admin : S.nconns - S.nadmin >= S.max_conns;
+        if (full || fd >= S.nfds_cap) { close(fd); continue; } /* over the cap: closed at once */
         conn_new(fd, admin);
     }
 }
@@ -6338,10 +6356,12 @@ int main(int argc, char **argv) {
     CACHE.limit = (size_t)S.cache_mb << 20;
     ltg_log("state: %d token group(s), %d token key(s); ledger: %zu spend event(s)", ST.gv.live, ST.kv.live, LG.n);
 
-    /* Room for every client, one upstream connection each, and a margin. */
+    /* Room for every client with one upstream connection, as many idempotent
+     * requests whose clients left, the control plane, and a margin. */
     struct rlimit rl;
     getrlimit(RLIMIT_NOFILE, &rl);
-    rlim_t want = (rlim_t)S.max_conns * 2 + 64;
+    S.max_admin = S.max_conns < ADMIN_MAX_CONNS ? S.max_conns : ADMIN_MAX_CONNS;
+    rlim_t want = (rlim_t)S.max_conns * 3 + (rlim_t)S.max_admin + 64;
     if (rl.rlim_cur < want) {
         rl.rlim_cur = want < rl.rlim_max ? want : rl.rlim_max;
         setrlimit(RLIMIT_NOFILE, &rl);
@@ -6349,7 +6369,9 @@ int main(int argc, char **argv) {
     }
     S.nfds_cap = (int)(rl.rlim_cur < want ? rl.rlim_cur : want);
     if ((rlim_t)S.nfds_cap < want) {
-        S.max_conns = (S.nfds_cap - 64) / 2 > 1 ? (S.nfds_cap - 64) / 2 : 1;
+        int fit = (S.nfds_cap - 64) / 4;
+        S.max_conns = fit > 1 ? fit : 1;
+        if (S.max_admin > S.max_conns) S.max_admin = S.max_conns;
         ltg_log("the fd limit (ulimit -n %d) caps connections at %d", S.nfds_cap, S.max_conns);
     }
     S.fds = xcalloc((size_t)S.nfds_cap, sizeof *S.fds);

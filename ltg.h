@@ -156,7 +156,7 @@ int http_parse_response(const char *buf, size_t len, http_response *r);
 const char *http_header_get(const char *buf, const http_header *h, int nh, const char *name, size_t *n);
 
 /* Chunked transfer coding, decoded incrementally. */
-typedef enum { CHUNK_SIZE, CHUNK_EXT, CHUNK_SIZE_LF, CHUNK_DATA, CHUNK_DATA_CR, CHUNK_DATA_LF,
+typedef enum { CHUNK_SIZE, CHUNK_SIZE_WS, CHUNK_EXT, CHUNK_SIZE_LF, CHUNK_DATA, CHUNK_DATA_CR, CHUNK_DATA_LF,
                CHUNK_TRAILER, CHUNK_TRAILER_LF, CHUNK_DONE, CHUNK_ERROR } chunk_state;
 
 typedef struct {

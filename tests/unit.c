@@ -190,11 +190,15 @@ static void test_http_request(void) {
         {"GET / HTTP/1.1\r\n\r\n", 400},
         {"GET / HTTP/1.1\r\nHost: a\r\nExpect: magic\r\n\r\n", 417},
         {"G@T / HTTP/1.1\r\nHost: a\r\n\r\n", 400},
+        {"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400},
     };
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
         int res = parse_req(bad[i].req, &r);
         CHECK(res == LTG_ERR && r.status == bad[i].status && r.err, "bad request %zu: got %d status %d", i, res, r.status);
     }
+    /* HTTP/1.0 with Transfer-Encoding: never kept alive (RFC 9112 6.1). */
+    CHECK(parse_req("POST / HTTP/1.0\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n", &r) > 0 && !r.keep_alive && r.chunked,
+          "HTTP/1.0 with Transfer-Encoding closes");
     /* A NUL inside a header value. */
     const char nul[] = "GET / HTTP/1.1\r\nHost: a\r\nX: a\0b\r\n\r\n";
     CHECK(http_parse_request(guarded(nul, sizeof nul - 1), sizeof nul - 1, &r) == LTG_ERR, "NUL refused");
@@ -257,6 +261,10 @@ static void test_chunked(void) {
     check_chunked("5\nhello\r\n0\r\n\r\n", NULL, 0);
     check_chunked("fffffffffffffffff\r\n", NULL, 0);
     check_chunked("\r\n", NULL, 0);
+    check_chunked("5 \t;a=b \r\nhello\r\n0\r\n\r\n", "hello", 0); /* white space, then an extension */
+    check_chunked("5 xyz\r\nhello\r\n0\r\n\r\n", NULL, 0);       /* after white space only ";" or the line's end */
+    check_chunked("5 5\r\nhello\r\n0\r\n\r\n", NULL, 0);
+    check_chunked("5;a\001b\r\nhello\r\n0\r\n\r\n", NULL, 0);    /* a control byte in an extension */
     /* Errors are sticky. */
     chunk_decoder d = {0};
     buf out = {0};

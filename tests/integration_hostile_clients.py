@@ -1,0 +1,683 @@
+"""Integration tests: hostile clients (issue #7, point 2; API.md 5 "Limits and bad input").
+
+tests/integration.py imports this file at start-up and runs its tests with the others; to run only
+these:
+
+    python3 tests/integration.py --ltg ./ltg --mock tests/mock -k "hostile client"
+
+What they cover, one test each:
+
+1. Request smuggling and malformed framing, on both listeners: Content-Length with
+   Transfer-Encoding, conflicting or malformed Content-Lengths, transfer codings other than
+   "chunked", obsolete line folding, bare LF, bare CR, NUL bytes, a space before the colon, bad
+   chunk sizes. Each answer must be 400 (501 for an unsupported transfer coding) with
+   "Connection: close", the connection must be closed, and the request pipelined behind it (a chat
+   call, or a token-group create on the control plane) must not run: the mock's request count and
+   the number of token groups are unchanged at the end. The cases of tests/integration.py
+   ("malformed request line", "header without colon / bad framing") are not repeated.
+   Two narrower RFC 9112 rules have a test of their own: an HTTP/1.0 request with
+   Transfer-Encoding must not keep its connection (6.1), two Host headers are a 400 (3.2).
+2. Slowloris: 300 connections trickle a request head that never ends while a normal client makes
+   20 calls; each call is answered promptly, and every slow connection gets 408 and is closed
+   --head-timeout after its first byte (trickling does not extend it).
+3. The connection cap: (a) --max-conns with a burst of extra connections on each listener: the
+   control plane has a cap of its own (min(64, --max-conns)), so a full inference listener does not
+   lock the operator out; the held connections keep working, freed slots are served, and the count
+   is exact afterwards (no slot leaked by the refused ones); (b) a low `ulimit -n` (an ltg of its
+   own, started with RLIMIT_NOFILE 128): ltg logs the cap it derives, survives a flood of more
+   connections than it has fds, then a flood of idempotent calls whose clients leave (each that
+   runs on keeps an upstream connection: ltg lets at most --max-conns do so and budgets fds for
+   them, so the fds never run out and a new client is served meanwhile), and exits 0 on SIGTERM.
+4. A client that never reads a ~55 MB stream (small SO_RCVBUF): ltg's RSS stays bounded and the
+   mock is held back (what its sockets took, read with ss(8), stops growing far below the stream's
+   size); then the client reads it all and gets every event.
+
+Timing bounds are wide (a 2-core machine, busy, and the ASan build); lower bounds are only used
+where ltg must wait (the 408).
+"""
+
+import __main__ as it
+
+import json
+import os
+import re
+import resource
+import selectors
+import shutil
+import socket
+import subprocess
+import threading
+import time
+
+check = it.check
+
+
+# ===== helpers ====================================================================================
+
+def raise_fd_limit(need):
+    """This process will hold `need` sockets: raise the soft RLIMIT_NOFILE (up to the hard one)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        if new < need:
+            raise it.TestSkip("needs %d open files, the hard limit is %d" % (need, hard))
+
+
+def raw_exchange(port, raw, timeout=10.0):
+    """Send raw bytes on a new connection: (the first answer or None if closed without one,
+    closed within 5 s after it, bytes received after that answer)."""
+    with it.Conn(port, timeout=timeout) as c:
+        try:
+            c.send(raw)
+        except OSError:
+            pass                        # ltg may close before reading everything
+        try:
+            r = c.read_final_response(timeout)
+        except EOFError:
+            return None, True, c.buf
+        closed = c.wait_closed(5)
+        return r, closed, c.buf
+
+
+def open_conns(port, n):
+    """n connected sockets (non-blocking), opened as fast as possible."""
+    out = []
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.setblocking(False)
+        out.append(s)
+    return out
+
+
+def closed_by_peer(socks, timeout):
+    """Wait until the peer closes each socket (EOF or reset): {socket: bytes received} of those
+    that closed within timeout."""
+    sel = selectors.DefaultSelector()
+    got = {}
+    for s in socks:
+        sel.register(s, selectors.EVENT_READ)
+        got[s] = b""
+    closed = {}
+    deadline = time.monotonic() + timeout
+    while got and time.monotonic() < deadline:
+        for key, _ in sel.select(max(0.0, min(0.5, deadline - time.monotonic()))):
+            s = key.fileobj
+            try:
+                data = s.recv(65536)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if data:
+                got[s] += data
+                continue
+            sel.unregister(s)
+            closed[s] = got.pop(s)
+    sel.close()
+    return closed
+
+
+def close_all(socks):
+    for s in socks:
+        try:
+            s.close()
+        except OSError:
+            pass
+
+
+def healthz_ok(port, timeout=5.0):
+    """GET /healthz with Connection: close, read until ltg closes: when this returns, the connection
+    no longer counts against --max-conns."""
+    try:
+        with it.Conn(port, timeout=timeout) as c:
+            c.send(it.http_request("GET", "/healthz", auth=None, headers={"Connection": "close"}))
+            r = c.read_final_response(timeout)
+            c.wait_closed(timeout)
+        return r.status == 200
+    except (OSError, EOFError, it.TestFailure):
+        return False
+
+
+def chat_ok(port, token=it.TOKEN, timeout=10.0):
+    try:
+        return it.one_request(port, "POST", "/v1/chat/completions", it.chat_body(), auth=token,
+                              timeout=timeout).status == 200
+    except (OSError, EOFError, it.TestFailure):
+        return False
+
+
+def wait_until(what, fn, timeout, step=0.2):
+    """Poll fn() until true, within timeout; fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if fn():
+            return
+        time.sleep(step)
+    raise it.TestFailure("%s: not within %.0f s" % (what, timeout))
+
+
+def check_serves(port, admin_port, token=it.TOKEN, what=""):
+    """A chat call and /healthz on both listeners succeed on new connections."""
+    for p, name in ((port, "inference"), (admin_port, "admin")):
+        check(healthz_ok(p), "%sGET /healthz on the %s listener failed" % (what, name))
+    r = it.one_request(port, "POST", "/v1/chat/completions", it.chat_body(), auth=token)
+    check(r.status == 200, "%sa chat call: %s" % (what, r.brief()))
+
+
+def mock_requests():
+    return it.H.mock_stats()["requests"]
+
+
+def rss_kib(pid):
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise it.TestFailure("no VmRSS for pid %d" % pid)
+
+
+def open_fds(pid):
+    try:
+        return len(os.listdir("/proc/%d/fd" % pid))
+    except OSError:
+        return 0
+
+
+def mock_socket_bytes():
+    """What the mock has handed to the kernel on its connections so far: for each socket whose local
+    port is the mock's, the bytes the peer acknowledged plus those still queued (ss -ti). None
+    without ss(8)."""
+    if not shutil.which("ss"):
+        return None
+    out = subprocess.run(["ss", "-tinH", "state", "established", "( sport = :%d )" % it.H.mock_port],
+                         capture_output=True, text=True, timeout=10).stdout
+    total = 0
+    for line in out.splitlines():
+        cols = line.split()
+        if len(cols) >= 4 and cols[0].isdigit() and cols[1].isdigit():
+            total += int(cols[1])                       # Send-Q: queued, not yet acknowledged
+        m = re.search(r"\bbytes_acked:(\d+)", line)
+        if m:
+            total += int(m.group(1))
+    return total
+
+
+# ===== 1. request smuggling and malformed framing =================================================
+
+def framing_cases(start, body):
+    """(what, raw request, expected status): malformed framings of one POST. `start` is the request
+    line and the headers every case shares (each ending in CRLF); `body` its JSON body."""
+    n = b"%d" % len(body)
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    c = b"%d" % len(chunked)
+    crlf = b"\r\n"
+
+    def cl(v):
+        return b"Content-Length: " + v + crlf
+
+    def te(v):
+        return b"Transfer-Encoding: " + v + crlf
+
+    def bad_chunk(size_line):
+        return start + te(b"chunked") + crlf + size_line + body + b"\r\n0\r\n\r\n"
+
+    return [
+        # Two framings at once: the classic CL.TE / TE.CL smuggling shapes.
+        ("Content-Length and Transfer-Encoding: chunked", start + cl(c) + te(b"chunked") + crlf + chunked, 400),
+        ("Transfer-Encoding: chunked, then Content-Length", start + te(b"chunked") + cl(c) + crlf + chunked, 400),
+        ("Content-Length: 0 and Transfer-Encoding: chunked", start + cl(b"0") + te(b"chunked") + crlf + chunked, 400),
+        ("two different Content-Length lines (N, then 0)", start + cl(n) + cl(b"0") + crlf + body, 400),
+        ("Content-Length: N, 0 (a list)", start + cl(n + b", 0") + crlf + body, 400),
+        ("Content-Length: +N", start + cl(b"+" + n) + crlf + body, 400),
+        ("Content-Length in hex", start + cl(b"0x%x" % len(body)) + crlf + body, 400),
+        # Transfer codings ltg does not implement: 501 (RFC 9112 6.1), and close.
+        ("Transfer-Encoding: gzip, chunked", start + te(b"gzip, chunked") + crlf + chunked, 501),
+        ("Transfer-Encoding: chunked, chunked", start + te(b"chunked, chunked") + crlf + chunked, 501),
+        ("two Transfer-Encoding: chunked lines", start + te(b"chunked") + te(b"chunked") + crlf + chunked, 501),
+        ("Transfer-Encoding: identity with Content-Length", start + cl(n) + te(b"identity") + crlf + body, 501),
+        # Line syntax that parsers read differently.
+        ("obsolete line folding", start + b"X-Folded: a\r\n b\r\n" + cl(n) + crlf + body, 400),
+        ("Transfer-Encoding folded onto a continuation line", start + b"Transfer-Encoding:\r\n chunked\r\n" + crlf + chunked, 400),
+        ("Content-Length folded onto a continuation line", start + b"Content-Length:\r\n\t" + n + crlf + crlf + body, 400),
+        ("bare LF line endings throughout", (start + cl(n) + crlf).replace(b"\r\n", b"\n") + body, 400),
+        ("a header line ending in a bare LF (then Transfer-Encoding)", start + b"X-A: b\n" + te(b"chunked") + crlf + chunked, 400),
+        ("bare CR inside a header value (then Transfer-Encoding)", start + b"X-A: b\r" + te(b"chunked") + crlf + chunked, 400),
+        ("bare CR in a header name", start + b"X-\rA: b\r\n" + cl(n) + crlf + body, 400),
+        ("NUL in the request target", start.replace(b" HTTP/1.1", b"\x00 HTTP/1.1", 1) + cl(n) + crlf + body, 400),
+        ("NUL in a header name", start + b"X-\x00A: b\r\n" + cl(n) + crlf + body, 400),
+        ("NUL in a header value", start + b"X-A: a\x00b\r\n" + cl(n) + crlf + body, 400),
+        ("Content-Length with a space before the colon", start + b"Content-Length : " + n + crlf + crlf + body, 400),
+        ("Transfer-Encoding with a space before the colon", start + b"Transfer-Encoding : chunked\r\n" + crlf + chunked, 400),
+        ("Transfer-Encoding with a tab before the colon", start + b"Transfer-Encoding\t: chunked\r\n" + crlf + chunked, 400),
+        # Chunk sizes (the body's framing, refused after the head).
+        ("chunk size -N", bad_chunk(b"-%x\r\n" % len(body)), 400),
+        ("chunk size 0xN", bad_chunk(b"0x%x\r\n" % len(body)), 400),
+        ("chunk size of 17 hex digits", bad_chunk(b"1" + b"0" * 16 + b"\r\n"), 400),
+        ("chunk size line ending in a bare LF", bad_chunk(b"%x\n" % len(body)), 400),
+        ("empty chunk size line", bad_chunk(b"\r\n%x\r\n" % len(body)), 400),
+        ("NUL in a chunk extension", bad_chunk(b"%x;a=\x00\r\n" % len(body)), 400),
+        ("chunk data not followed by CRLF", start + te(b"chunked") + crlf + b"%x\r\n%sXX0\r\n\r\n" % (len(body), body), 400),
+    ]
+
+
+def check_refused(port, what, raw, status):
+    """raw is refused with `status`, Connection: close, the connection closed, nothing after."""
+    r, closed, rest = raw_exchange(port, raw)
+    check(r is not None, "%s: the connection was closed without an answer" % what)
+    check(r.status == status, "%s: expected %d, got %s" % (what, status, r.brief()))
+    check((r.header("connection") or "").lower() == "close", "%s: the %d answer lacks Connection: close (headers %r)"
+          % (what, status, r.headers))
+    check(closed, "%s: the connection was still open 5 s after the %d answer" % (what, status))
+    check(rest == b"", "%s: bytes after the %d answer (the pipelined request was served?): %r" % (what, status, rest[:200]))
+
+
+@it.test("hostile client: request smuggling and malformed framing -> 400/501 and close; the pipelined "
+         "request never runs (both listeners)")
+def t_smuggling():
+    H = it.H
+    requests0, groups0 = mock_requests(), it.group_total()
+    # The inference plane: a chat call, with a chat call pipelined behind it.
+    chat = json.dumps(it.chat_body(model="GLM-5.3-Flash", content="smuggled")).encode()
+    start = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer %s\r\n"
+             b"Content-Type: application/json\r\n" % H.token.encode())
+    smuggled = it.http_request("POST", "/v1/chat/completions", chat)
+    for what, raw, status in framing_cases(start, chat):
+        check_refused(H.port, "inference: " + what, raw + smuggled, status)
+    # The control plane: a token-group create, with another one pipelined behind it.
+    start = (b"POST %s/token_groups HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer %s\r\n"
+             b"Content-Type: application/json\r\nIdempotency-Key: %s\r\n"
+             % (it.API.encode(), it.ADMIN_KEY.encode(), it.new_idem("smuggle").encode()))
+    group = json.dumps({"name": "smuggled-outer", "allowed_models": ["Kimi-K3"]}).encode()
+    smuggled = it.http_request("POST", it.API + "/token_groups", {"name": "smuggled-inner", "allowed_models": ["Kimi-K3"]},
+                               {"Idempotency-Key": it.new_idem("smuggle")}, auth=it.ADMIN_KEY)
+    for what, raw, status in framing_cases(start, group):
+        check_refused(H.admin_port, "admin: " + what, raw + smuggled, status)
+    check(H.ltg_alive(), "ltg died")
+    check(mock_requests() == requests0, "the mock received %d request(s) during the refused ones (a smuggled "
+          "request reached the provider)" % (mock_requests() - requests0))
+    check(it.group_total() == groups0, "token groups went from %d to %d: a refused or smuggled create ran"
+          % (groups0, it.group_total()))
+    check_serves(H.port, H.admin_port, what="after the malformed requests: ")
+    # The control: the same two calls, well framed, are both answered and both reach the mock.
+    requests0 = mock_requests()
+    with it.Conn(H.port) as c:
+        c.send(it.http_request("POST", "/v1/chat/completions", chat) + it.http_request("POST", "/v1/chat/completions", chat))
+        for i in range(2):
+            r = c.read_final_response()
+            check(r.status == 200, "well-framed pipelined call %d: %s" % (i + 1, r.brief()))
+    check(mock_requests() == requests0 + 2, "two well-framed calls: the mock counted %d" % (mock_requests() - requests0))
+
+
+@it.test("hostile client: an HTTP/1.0 request with Transfer-Encoding is not kept alive (RFC 9112 6.1)")
+def t_http10_transfer_encoding():
+    # RFC 9112 6.1: a server that receives an HTTP/1.0 message with Transfer-Encoding MUST treat its
+    # framing as faulty and close the connection after processing it, even with keep-alive: an
+    # HTTP/1.0 front end does not know chunked and reads the body as the next request.
+    requests0 = mock_requests()
+    body = json.dumps(it.chat_body(content="http/1.0 chunked")).encode()
+    raw = (b"POST /v1/chat/completions HTTP/1.0\r\nHost: 127.0.0.1\r\nAuthorization: Bearer %s\r\n"
+           b"Content-Type: application/json\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n"
+           b"%x\r\n%s\r\n0\r\n\r\n" % (it.H.token.encode(), len(body), body))
+    raw += it.http_request("POST", "/v1/chat/completions", it.chat_body(content="smuggled"))
+    r, closed, rest = raw_exchange(it.H.port, raw)
+    check(r is not None, "the connection was closed without an answer")
+    check(r.status in (200, 400), "status %s" % r.brief())
+    check(rest == b"", "the request pipelined behind it was answered too (%r): the connection was kept"
+          % rest[:60])
+    check(closed, "the connection was still open 5 s after the answer")
+    ran = mock_requests() - requests0
+    check(ran <= (1 if r.status == 200 else 0), "%d call(s) reached the mock: the pipelined one ran" % ran)
+
+
+@it.test("hostile client: two Host headers -> 400 and close (RFC 9112 3.2)")
+def t_two_hosts():
+    raw = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: evil.example\r\n\r\n"
+    for port, what in ((it.H.port, "inference"), (it.H.admin_port, "admin")):
+        check_refused(port, "%s: two Host headers" % what, raw, 400)
+
+
+# ===== 2. slowloris ===============================================================================
+
+SLOW_CONNS = 300
+HEAD_TIMEOUT = 4
+
+
+@it.test("hostile client: slowloris: 300 connections trickling a head; 20 calls served promptly, each slow "
+         "one gets 408 and is closed after --head-timeout", ltg_args=("--head-timeout", str(HEAD_TIMEOUT)))
+def t_slowloris():
+    H = it.H
+    raise_fd_limit(SLOW_CONNS + 256)
+    slow = []                   # [socket, time of its first byte, bytes trickled]
+    state = {"answers": {}, "stop": False}
+
+    def trickle():
+        """Every 0.5 s: read what the slow connections got, and send one more byte of a header that
+        never ends to those not answered yet. Stops when all are closed or told to."""
+        answers = state["answers"]
+        sel = selectors.DefaultSelector()
+        for i, (s, _, _) in enumerate(slow):
+            sel.register(s, selectors.EVENT_READ, i)
+        got = [b""] * len(slow)
+        deadline = time.monotonic() + HEAD_TIMEOUT + 40
+        next_send = time.monotonic()
+        while len(answers) < len(slow) and not state["stop"] and time.monotonic() < deadline:
+            for key, _ in sel.select(0.1):
+                i = key.data
+                try:
+                    data = slow[i][0].recv(65536)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                got[i] += data
+                if not data:
+                    sel.unregister(slow[i][0])
+                    answers[i] = (time.monotonic(), got[i])
+            if time.monotonic() >= next_send:
+                next_send += 0.5
+                for i, entry in enumerate(slow):
+                    if i not in answers and not got[i]:
+                        try:
+                            entry[0].send(b"a")
+                            entry[2] += 1
+                        except OSError:
+                            pass
+        sel.close()
+
+    try:
+        for s in open_conns(H.port, SLOW_CONNS):
+            s.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+            slow.append([s, time.monotonic(), 0])
+        opened = time.monotonic()
+        th = threading.Thread(target=trickle, name="slowloris", daemon=True)
+        th.start()
+        # The normal client: 20 calls, each on a new connection, spread over the first 2 s while the
+        # slow ones trickle.
+        for i in range(20):
+            time.sleep(0.1)
+            t0 = time.monotonic()
+            r = it.one_request(H.port, "POST", "/v1/chat/completions", it.chat_body(content="normal %d" % i), timeout=10)
+            dt = time.monotonic() - t0
+            check(r.status == 200, "normal call %d among %d slow connections: %s" % (i, SLOW_CONNS, r.brief()))
+            check(dt < 5, "normal call %d took %.1f s among %d slow connections" % (i, dt, SLOW_CONNS))
+        it.log("20 calls in %.2f s; %d slow connection(s) answered so far"
+               % (time.monotonic() - opened, len(state["answers"])))
+        check(healthz_ok(H.admin_port), "the admin listener did not answer among the slow connections")
+        th.join(HEAD_TIMEOUT + 45)
+        state["stop"] = True
+        answers = state["answers"]
+        check(len(answers) == len(slow), "%d of %d slow connections still open %d s after their first byte "
+              "(--head-timeout %d)" % (len(slow) - len(answers), len(slow), HEAD_TIMEOUT + 40, HEAD_TIMEOUT))
+        for i, (s, t_first, trickled) in enumerate(slow):
+            t_end, data = answers[i]
+            dt = t_end - t_first
+            check(data.startswith(b"HTTP/1.1 408 "), "slow connection %d: closed with %r instead of a 408"
+                  % (i, data[:80]))
+            check(dt >= HEAD_TIMEOUT - 0.5, "slow connection %d: closed %.2f s after its first byte, before "
+                  "--head-timeout %d" % (i, dt, HEAD_TIMEOUT))
+            check(dt <= HEAD_TIMEOUT + 20, "slow connection %d: closed only %.1f s after its first byte "
+                  "(--head-timeout %d)" % (i, dt, HEAD_TIMEOUT))
+        most = sorted(t for _, _, t in slow)[len(slow) // 2]
+        check(most >= 2, "the slow connections trickled only %d byte(s) each (median): the test did not "
+              "test trickling" % most)
+    finally:
+        state["stop"] = True
+        close_all(s for s, _, _ in slow)
+    check_serves(H.port, H.admin_port, what="after the slowloris: ")
+
+
+# ===== 3. the connection cap and fd exhaustion ====================================================
+
+MAX_CONNS = 8
+
+
+def held_conns(port, n):
+    """n connections ltg has accepted (each answered one GET /healthz), kept open."""
+    out = []
+    for _ in range(n):
+        c = it.Conn(port)
+        out.append(c)
+        c.send(it.http_request("GET", "/healthz", auth=None))
+        r = c.read_final_response()
+        check(r.status == 200, "a connection within the cap: %s" % r.brief())
+    return out
+
+
+def check_burst_refused(port, n, what):
+    """n new connections at once: each closed by ltg within 5 s, with no answer or a 503."""
+    socks = open_conns(port, n)
+    try:
+        closed = closed_by_peer(socks, 5)
+        check(len(closed) == n, "%s: %d of %d connections over the cap were still open after 5 s"
+              % (what, n - len(closed), n))
+        for data in closed.values():
+            check(not data or data.startswith(b"HTTP/1.1 503"), "%s: a connection over the cap got %r"
+                  % (what, data[:100]))
+    finally:
+        close_all(socks)
+
+
+@it.test("hostile client: --max-conns 8: bursts of extra connections are closed at once; the control plane "
+         "has a cap of its own, so an inference flood never locks it out", ltg_args=("--max-conns", str(MAX_CONNS)))
+def t_max_conns_burst():
+    H = it.H
+    raise_fd_limit(512)
+    # The inference listener takes --max-conns connections; the control plane min(64, --max-conns) more.
+    held, admin = held_conns(H.port, MAX_CONNS), []
+    try:
+        check_burst_refused(H.port, 150, "inference burst")
+        check(healthz_ok(H.admin_port), "the control plane refused a connection while the inference listener was full")
+        admin = held_conns(H.admin_port, MAX_CONNS)
+        check_burst_refused(H.admin_port, 30, "admin burst")
+        for c in held:
+            c.send(it.http_request("POST", "/v1/chat/completions", it.chat_body()))
+            r = c.read_final_response()
+            check(r.status == 200, "a held connection after the bursts: %s" % r.brief())
+        for c in admin:
+            c.send(it.http_request("GET", it.API + "/token_groups?page[size]=1", auth=it.ADMIN_KEY))
+            r = c.read_final_response()
+            check(r.status == 200, "a held admin connection after the bursts: %s" % r.brief())
+        # Free a slot on each listener: new connections are served again.
+        held.pop().close()
+        admin.pop().close()
+        wait_until("a freed slot serving the inference listener", lambda: healthz_ok(H.port, 3), 10)
+        wait_until("a freed slot serving the admin listener", lambda: healthz_ok(H.admin_port, 3), 10)
+    finally:
+        close_all(held + admin)
+    # All free: exactly MAX_CONNS are served at once again, and the next one is closed.
+    again = []
+    try:
+        wait_until("all slots free after the bursts", lambda: healthz_ok(H.port, 3), 10)
+        again = held_conns(H.port, MAX_CONNS)
+        check_burst_refused(H.port, 1, "connection %d after the bursts" % (MAX_CONNS + 1))
+    finally:
+        close_all(again)
+
+
+NOFILE = 128                     # ltg caps itself at (128 - 64) / 4 = 16 connections per listener
+
+
+class LimitedLtg(it.Aux):
+    """The harness's Aux, started with RLIMIT_NOFILE (soft and hard) set to `nofile`."""
+
+    def __init__(self, tag, nofile):
+        super().__init__(tag)
+        self.nofile = nofile
+
+    def spawn(self):
+        self.log.write(b"\n==== starting ltg (RLIMIT_NOFILE %d)\n" % self.nofile)
+        self.log.flush()
+        self.started_at = os.path.getsize(self.log_path)
+        limit = (self.nofile, self.nofile)
+        self.proc = subprocess.Popen([it.H.ltg_bin, "--config", self.config_path, "--data", self.data_dir,
+                                      "--listen", "127.0.0.1:%d" % self.port,
+                                      "--admin-listen", "127.0.0.1:%d" % self.admin_port],
+                                     stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, env=it.H.env,
+                                     preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, limit))
+
+
+def orphan_calls(port, token, n, tag):
+    """n idempotent calls to a mock that never answers (deadline 6 s), each client leaving at once:
+    ltg keeps serving each without its client, so each keeps an upstream connection open until its
+    deadline."""
+    body = it.chat_body(directive="hang", content="orphan")
+    sent = 0
+    for i in range(n):
+        try:
+            with it.Conn(port, timeout=2) as c:
+                c.send(it.http_request("POST", "/v1/chat/completions", body, auth=token,
+                                       headers={"Idempotency-Key": "%s-%d" % (tag, i), "x-ltg-deadline": "6000"}))
+                sent += 1
+        except OSError:
+            pass
+        time.sleep(0.01)        # paced: a burst would mostly meet the connection cap, not make orphans
+    return sent
+
+
+@it.test("hostile client: ulimit -n 128: floods of connections and of calls whose clients leave stay within "
+         "the fds ltg budgets; it serves throughout and exits 0")
+def t_fd_exhaustion():
+    raise_fd_limit(1024)
+    aux = LimitedLtg("nofile", NOFILE)
+    try:
+        aux.start()
+        pid = aux.proc.pid
+        cap = (NOFILE - 64) // 4
+        check("caps connections at %d" % cap in aux.text_since_start(),
+              "ltg did not log the connection cap it derives from ulimit -n %d: %s" % (NOFILE, aux.text_since_start()[-400:]))
+        gid = it.create_group(port=aux.admin_port)["id"]
+        token = it.create_key(gid, port=aux.admin_port)[1]
+        check_serves(aux.port, aux.admin_port, token, "before the floods: ")
+        # (1) 350 connections at once, more than ltg has fds: at most `cap` stay open on each listener.
+        flood = open_conns(aux.port, 300) + open_conns(aux.admin_port, 50)
+        try:
+            closed = closed_by_peer(flood, 5)
+            kept = len(flood) - len(closed)
+            check(aux.proc.poll() is None, "ltg exited with %r during the connection flood" % aux.proc.returncode)
+            check(kept <= 2 * cap, "%d connections kept open with a cap of %d per listener" % (kept, cap))
+            check(kept >= cap // 2, "only %d connections of the flood were kept, the cap is %d" % (kept, cap))
+            it.log("connection flood: %d kept, ltg holds %d fds (limit %d)" % (kept, open_fds(pid), NOFILE))
+        finally:
+            close_all(flood)
+        wait_until("serving after the connection flood", lambda: healthz_ok(aux.port, 3), 10)
+        check_serves(aux.port, aux.admin_port, token, "after the connection flood: ")
+        # (2) Idempotent calls whose clients leave run on without them, each holding an upstream
+        # connection; ltg lets at most --max-conns do so (the others are cancelled), and budgets fds
+        # for them, so the fds never run out and new clients are served meanwhile.
+        log_at = len(aux.text_since_start())
+        base, peak = open_fds(pid), [0]
+
+        def watch():
+            end = time.monotonic() + 10
+            while time.monotonic() < end and aux.proc and aux.proc.poll() is None:
+                peak[0] = max(peak[0], open_fds(pid))
+                time.sleep(0.05)
+        w = threading.Thread(target=watch, daemon=True)
+        w.start()
+        sent = orphan_calls(aux.port, token, 150, it.new_idem("orphan"))
+        check(chat_ok(aux.port, token), "a chat call while calls whose clients left were running was not answered 200")
+        w.join(12)
+        check(aux.proc.poll() is None, "ltg exited with %r during the flood of calls" % aux.proc.returncode)
+        it.log("call flood: %d sent, peak %d fds of %d" % (sent, peak[0], NOFILE))
+        check(peak[0] >= base + cap // 2, "the calls whose clients left never held %d upstream connections (fds: %d before, "
+              "peak %d): the test did not test what it says" % (cap // 2, base, peak[0]))
+        check(peak[0] < NOFILE, "ltg's fds reached the limit: %d of %d" % (peak[0], NOFILE))
+        logged = aux.text_since_start()[log_at:]
+        check("Too many open files" not in logged, "ltg ran out of fds: %r" % logged[-400:])
+        wait_until("the calls whose clients left ended", lambda: open_fds(pid) < NOFILE // 2, 30, step=0.5)
+        # (The hanging calls that ran on time out at their deadline: Kimi-K3's breaker may be open 5 s.)
+        wait_until("a chat call answered 200 after the flood of calls", lambda: chat_ok(aux.port, token), 30, step=0.5)
+        check_serves(aux.port, aux.admin_port, token, "after the flood of calls: ")
+        aux.stop()                              # SIGTERM: exit 0 within 15 s (checked by Aux)
+    finally:
+        aux.close()                             # kills it if still running; fails on a sanitizer report
+
+
+# ===== 4. a client that never reads its stream ====================================================
+
+STREAM_EVENTS = 300000
+STREAM_BYTES = STREAM_EVENTS * 170  # about 170 bytes an event on the wire: ~50 MB
+RSS_SLACK_KIB = 16 * 1024
+
+
+def count_stream(sock, timeout):
+    """Read a chunked SSE answer to its end: (status line, number of "data: " lines, its last bytes)."""
+    sock.settimeout(timeout)
+    deadline = time.monotonic() + timeout
+    head = b""
+    while b"\r\n\r\n" not in head:
+        data = sock.recv(65536)
+        check(data, "closed before the answer's head")
+        head += data
+    head, buf = head.split(b"\r\n\r\n", 1)
+    n, tail, last = 0, b"", b""
+    while True:
+        window = tail + buf             # tail is shorter than "data: ": no line is counted twice
+        n += window.count(b"data: ")
+        tail = window[-5:]
+        last = (last + buf)[-64:]
+        if last.endswith(b"\r\n0\r\n\r\n"):
+            return head.split(b"\r\n", 1)[0], n, last
+        check(time.monotonic() < deadline, "the stream did not end within %.0f s" % timeout)
+        buf = sock.recv(1 << 20)
+        check(buf, "the stream was closed before its end (%d events read)" % n)
+
+
+def wait_mock_stall(pid, rss0, sent0, timeout=30):
+    """Sample what the mock's sockets took every 0.5 s until it stays the same for 1.5 s, past what
+    must pass before any stall (sent0 + ltg's 256 KiB high-water mark): that value, or None without
+    ss(8) (then just wait 5 s). Fails if ltg's RSS passes the bound meanwhile."""
+    samples = []
+    deadline = time.monotonic() + (timeout if shutil.which("ss") else 5)
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        grown = rss_kib(pid) - rss0
+        check(grown < RSS_SLACK_KIB, "ltg's RSS grew by %d KiB while its client read nothing" % grown)
+        samples.append(mock_socket_bytes())
+        if samples[-1] is not None and len(samples) >= 4 and samples[-1] == samples[-4] > sent0 + (256 << 10):
+            return samples[-1]
+    if samples and samples[-1] is not None:
+        raise it.TestFailure("the mock kept sending for %d s to a client that read nothing (%d bytes taken)"
+                             % (timeout, samples[-1]))
+    return None
+
+
+@it.test("hostile client: a client that never reads a 55 MB stream: ltg's memory stays bounded, the "
+         "provider is held back, the stream is whole when read")
+def t_never_reads():
+    H = it.H
+    pid = H.ltg_proc.pid
+    it.read_stream(it.chat_body(stream=True, directive="events=2000 event_delay_ms=0"))  # warm up
+    rss0 = rss_kib(pid)
+    sent0 = mock_socket_bytes()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", H.port))
+    try:
+        s.sendall(it.http_request("POST", "/v1/chat/completions",
+                                  it.chat_body(stream=True, directive="events=%d event_delay_ms=0" % STREAM_EVENTS)))
+        stalled = wait_mock_stall(pid, rss0, sent0)
+        time.sleep(2)
+        grown = rss_kib(pid) - rss0
+        it.log("never-reading client: RSS +%d KiB; the mock's sockets took %s bytes"
+               % (grown, None if stalled is None else stalled - sent0))
+        check(grown < RSS_SLACK_KIB, "ltg's RSS grew by %d KiB while its client read nothing (bound %d KiB)"
+              % (grown, RSS_SLACK_KIB))
+        if stalled is None:
+            it.log("no ss(8): the provider's back-pressure is not checked")
+        else:
+            check(mock_socket_bytes() == stalled, "the mock sent more 2 s after it had stalled")
+            check(stalled - sent0 < STREAM_BYTES // 2, "the mock sent %d bytes of the %d of the stream to a client "
+                  "that read nothing" % (stalled - sent0, STREAM_BYTES))
+        # Now read it all: every event, then [DONE] and the last chunk.
+        status, n, last = count_stream(s, 120)
+        check(status.startswith(b"HTTP/1.1 200"), "status line %r" % status)
+        check(n == STREAM_EVENTS + 2, "%d data lines, want %d (%d events, the finish event, [DONE])"
+              % (n, STREAM_EVENTS + 2, STREAM_EVENTS))
+        check(last.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), "the stream does not end with [DONE]: %r" % last)
+    finally:
+        s.close()
+    grown = rss_kib(pid) - rss0
+    check(grown < RSS_SLACK_KIB, "ltg's RSS grew by %d KiB after the stream" % grown)
+    check_serves(H.port, H.admin_port, what="after the never-reading client: ")
