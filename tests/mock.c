@@ -28,6 +28,30 @@
  *     hang                 never answer; wait until the peer closes
  *     ok                   a normal answer
  *
+ * and hostile answers, each bounded, each ended as soon as the peer leaves:
+ *
+ *     body_mb=N            a 200 whose body is N MiB of filler (not JSON),
+ *                          framed as framing= says: length declares all N MiB
+ *                          up front; "filler_bytes" in the stats counts it
+ *     head_kb=N, head_lines=N   one extra header of N KiB, or N header lines
+ *     garble=KIND          break the answer (a stream: after garble_after=N
+ *                          good content events, default 0): chunk_size (a
+ *                          chunk-size line that is not hex), chunk_long (a
+ *                          chunk longer than its size), html (the body or
+ *                          one event's data is "<html>oops</html>"), truncated
+ *                          (the JSON cut in half, framed right), huge (2 MiB
+ *                          of event data with no blank line; a body: 2 MiB
+ *                          of filler)
+ *     trickle_ms=N         send the head of a non-stream answer (even to a
+ *                          stream request), then its body one byte every N ms,
+ *                          all but the last byte
+ *     junk_after_ms=N      after a whole answer, junk on the same connection
+ *                          N ms later (0: in the same write); nothing more
+ *
+ * After broken framing, a trickle or junk the mock answers nothing more on
+ * that connection and waits (at most a minute) for the peer to close. A
+ * stream that never ends is events=N with event_delay_ms=M.
+ *
  * Control endpoints: POST /_mock/script, GET /_mock/stats, GET /_mock/last,
  * POST /_mock/reset. Connections whose first request is a control request are
  * left out of "connections" and "open_connections" (and, over TLS, out of
@@ -56,6 +80,7 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -68,6 +93,10 @@
 #define MODEL_MAX     128
 #define DIRECTIVE_MAX 512
 #define LOG_MAX       1000
+#define HOSTILE_WAIT_MS 60000            /* the longest wait for the peer after a hostile answer */
+#define FILLER_PIECE  65536
+
+static char filler[FILLER_PIECE];        /* 'x' bytes: body_mb and garble=huge send them */
 
 /* ===== 1. Small utilities ===== */
 
@@ -279,6 +308,9 @@ static int json_is_true(const char *body, const char *end, const char *key)
 /* ===== 3. Directives ===== */
 
 enum framing { FRAMING_LENGTH, FRAMING_CHUNKED, FRAMING_EOF };
+enum garble { GARBLE_NONE, GARBLE_CHUNK_SIZE, GARBLE_CHUNK_LONG, GARBLE_HTML, GARBLE_TRUNCATED, GARBLE_HUGE };
+
+static const char *const garble_names[] = { "", "chunk_size", "chunk_long", "html", "truncated", "huge" };
 
 struct directive {
     long status;                 /* 0: a normal answer */
@@ -288,13 +320,17 @@ struct directive {
     long cut_after;              /* -1: never cut */
     long context_length, reset, close, hang;    /* flags */
     enum framing framing;
+    long body_mb, head_kb, head_lines;          /* hostile answers: 0 is off */
+    enum garble garble;
+    long garble_after, trickle_ms;
+    long junk_after_ms;          /* -1: no junk */
 };
 
 static const struct directive directive_ok = {
-    .retry_after = -1, .events = 3, .cut_after = -1, .framing = FRAMING_LENGTH,
+    .retry_after = -1, .events = 3, .cut_after = -1, .framing = FRAMING_LENGTH, .junk_after_ms = -1,
 };
 
-/* Every token but "ok" and "framing=" sets one field: a flag to 1, a number to its value. */
+/* Every token but "ok", "framing=" and "garble=" sets one field: a flag to 1, a number to its value. */
 static const struct { const char *name; size_t offset; int number; } directive_tokens[] = {
     { "status", offsetof(struct directive, status), 1 },
     { "retry_after", offsetof(struct directive, retry_after), 1 },
@@ -307,6 +343,12 @@ static const struct { const char *name; size_t offset; int number; } directive_t
     { "reset", offsetof(struct directive, reset), 0 },
     { "close", offsetof(struct directive, close), 0 },
     { "hang", offsetof(struct directive, hang), 0 },
+    { "body_mb", offsetof(struct directive, body_mb), 1 },
+    { "head_kb", offsetof(struct directive, head_kb), 1 },
+    { "head_lines", offsetof(struct directive, head_lines), 1 },
+    { "garble_after", offsetof(struct directive, garble_after), 1 },
+    { "trickle_ms", offsetof(struct directive, trickle_ms), 1 },
+    { "junk_after_ms", offsetof(struct directive, junk_after_ms), 1 },
 };
 
 /* Parses text into *d. On a bad token returns -1 with a message in why. */
@@ -328,6 +370,15 @@ static int directive_parse(const char *text, struct directive *d, char *why, siz
             else goto bad;
             continue;
         }
+        if (value && !strcmp(tok, "garble")) {
+            size_t g = 1, ng = sizeof garble_names / sizeof *garble_names;
+            while (g < ng && strcmp(value, garble_names[g]))
+                g++;
+            if (g == ng)
+                goto bad;
+            d->garble = (enum garble)g;
+            continue;
+        }
         size_t i = 0, n = sizeof directive_tokens / sizeof *directive_tokens;
         while (i < n && strcmp(tok, directive_tokens[i].name))
             i++;
@@ -340,6 +391,10 @@ static int directive_parse(const char *text, struct directive *d, char *why, siz
     }
     if (d->status && (d->status < 400 || d->status > 599)) {
         snprintf(why, why_cap, "mock directive status=%ld is not an error status (400..599)", d->status);
+        return -1;
+    }
+    if (d->head_kb > 16384 || d->head_lines > 100000) {
+        snprintf(why, why_cap, "mock directive head_kb (at most 16384) or head_lines (at most 100000) too large");
         return -1;
     }
     if (d->context_length && !d->status)
@@ -355,6 +410,7 @@ bad:
 struct model {                   /* what the mock knows about one upstream model */
     char name[MODEL_MAX];
     long calls;
+    long long filler_bytes;      /* body_mb: the filler sent for it */
     char **steps;                /* the scripted directives, a FIFO: steps[first..count) */
     size_t first, count, cap;
 };
@@ -706,6 +762,22 @@ static int conn_wait(struct conn *c, long ms)
     }
 }
 
+/* Has the peer closed or reset the connection? Does not wait. */
+static int conn_gone(struct conn *c)
+{
+    struct pollfd pfd = { .fd = c->fd, .events = POLLRDHUP };
+    return poll(&pfd, 1, 0) > 0;
+}
+
+/* After a hostile answer: send nothing more, wait (bounded) for the peer to
+ * leave, and end the connection without a TLS close_notify. Returns 0. */
+static int conn_linger(struct conn *c)
+{
+    conn_wait(c, HOSTILE_WAIT_MS);
+    c->abrupt = 1;
+    return 0;
+}
+
 /* Reads until c->in holds a whole request. Returns its length or an HTTP_ code. */
 static long conn_read_request(struct conn *c, struct request *r)
 {
@@ -774,26 +846,97 @@ static void put_head(struct conn *c, long status, const char *content_type,
         buf_printf(&c->out, "Retry-After: %ld\r\n", d->retry_after);
     if (!keep)
         buf_puts(&c->out, "Connection: close\r\n");
+    if (d->head_kb) {
+        buf_puts(&c->out, "X-Mock-Filler: ");
+        buf_reserve(&c->out, (size_t)d->head_kb * 1024);
+        memset(c->out.data + c->out.len, 'h', (size_t)d->head_kb * 1024);
+        c->out.len += (size_t)d->head_kb * 1024;
+        buf_puts(&c->out, "\r\n");
+    }
+    for (long i = 0; i < d->head_lines; i++)
+        buf_printf(&c->out, "X-Mock-Line-%ld: %ld\r\n", i, i);
 }
 
+static const char junk[] = "junk after the answer: not HTTP\r\n";
+
 /* Sends c->json as a whole answer in one write, framed as d says.
- * Returns 1 to keep the connection open, 0 to close it. */
+ * Returns 1 to keep the connection open, 0 to close it. garble=chunk_size
+ * and chunk_long break the chunked framing; junk_after_ms sends junk after
+ * the answer. Both then linger without answering. */
 static int send_answer(struct conn *c, const struct request *r, const struct directive *d, long status)
 {
-    int keep = !r->want_close && !d->close && d->framing != FRAMING_EOF;
+    int bad_chunk = d->garble == GARBLE_CHUNK_SIZE || d->garble == GARBLE_CHUNK_LONG;
+    enum framing framing = bad_chunk ? FRAMING_CHUNKED : d->framing;
+    int keep = !r->want_close && !d->close && framing != FRAMING_EOF;
     put_head(c, status, "application/json", d, keep);
-    if (d->framing == FRAMING_LENGTH)
+    if (framing == FRAMING_LENGTH)
         buf_printf(&c->out, "Content-Length: %zu\r\n\r\n", c->json.len);
-    else if (d->framing == FRAMING_CHUNKED)
-        buf_printf(&c->out, "Transfer-Encoding: chunked\r\n\r\n%zx\r\n", c->json.len);
+    else if (d->garble == GARBLE_CHUNK_SIZE)
+        buf_puts(&c->out, "Transfer-Encoding: chunked\r\n\r\nzz\r\n");
+    else if (framing == FRAMING_CHUNKED)                /* chunk_long: the size says half */
+        buf_printf(&c->out, "Transfer-Encoding: chunked\r\n\r\n%zx\r\n", bad_chunk ? c->json.len / 2 : c->json.len);
     else
         buf_puts(&c->out, "\r\n");
     buf_append(&c->out, c->json.data, c->json.len);
-    if (d->framing == FRAMING_CHUNKED)
+    if (framing == FRAMING_CHUNKED)
         buf_puts(&c->out, "\r\n0\r\n\r\n");       /* the body is never empty */
+    if (d->junk_after_ms == 0)
+        buf_puts(&c->out, junk);
     if (conn_send(c, c->out.data, c->out.len) < 0)
         return 0;
+    if (d->junk_after_ms > 0 && conn_wait(c, d->junk_after_ms) == 0)
+        conn_send(c, junk, sizeof junk - 1);
+    if (bad_chunk || d->junk_after_ms >= 0)
+        return conn_linger(c);
     return keep;
+}
+
+/* body_mb=N: a 200 head, then N MiB of filler as fast as the peer reads,
+ * in pieces; stops at once when the peer leaves. */
+static int send_filler(struct conn *c, const struct request *r, const struct directive *d, const char *model)
+{
+    long long total = (long long)d->body_mb << 20;
+    int keep = !r->want_close && !d->close && d->framing != FRAMING_EOF;
+    put_head(c, 200, "application/json", d, keep);
+    if (d->framing == FRAMING_LENGTH)
+        buf_printf(&c->out, "Content-Length: %lld\r\n\r\n", total);
+    else if (d->framing == FRAMING_CHUNKED)
+        buf_puts(&c->out, "Transfer-Encoding: chunked\r\n\r\n");
+    else
+        buf_puts(&c->out, "\r\n");
+    if (conn_send(c, c->out.data, c->out.len) < 0)
+        return 0;
+    for (long long sent = 0; sent < total; sent += FILLER_PIECE) {
+        char size_line[32];
+        int n = snprintf(size_line, sizeof size_line, "%x\r\n", FILLER_PIECE);
+        if (conn_gone(c)
+            || (d->framing == FRAMING_CHUNKED && conn_send(c, size_line, (size_t)n) < 0)
+            || conn_send(c, filler, FILLER_PIECE) < 0
+            || (d->framing == FRAMING_CHUNKED && conn_send(c, "\r\n", 2) < 0)) {
+            c->abrupt = 1;
+            return 0;
+        }
+        pthread_mutex_lock(&mock.lock);
+        mock_model(model)->filler_bytes += FILLER_PIECE;
+        pthread_mutex_unlock(&mock.lock);
+    }
+    if (d->framing == FRAMING_CHUNKED && conn_send(c, "0\r\n\r\n", 5) < 0)
+        return 0;
+    return keep;
+}
+
+/* trickle_ms=N: the head with the body's true Content-Length, then the body
+ * one byte every N ms, never its last byte. */
+static int send_trickle(struct conn *c, const struct request *r, const struct directive *d)
+{
+    put_head(c, 200, "application/json", d, !r->want_close);
+    buf_printf(&c->out, "Content-Length: %zu\r\n\r\n", c->json.len);
+    if (conn_send(c, c->out.data, c->out.len) < 0)
+        return 0;
+    for (size_t i = 0; i + 1 < c->json.len; i++)
+        if (conn_wait(c, d->trickle_ms) < 0 || conn_send(c, c->json.data + i, 1) < 0)
+            return 0;
+    return conn_linger(c);
 }
 
 /* An OpenAI-shaped error answer. */
@@ -851,6 +994,48 @@ static void chunk_begin(struct conn *c, const struct chat *ch)
     buf_puts(&c->json, ",\"choices\":");
 }
 
+/* garble=KIND in a stream: the event that breaks it, as its n-th event.
+ * Returns 0 to go on with the stream, -1 when the connection is done. */
+static int stream_garble(struct conn *c, const struct directive *d, const struct chat *ch, int n)
+{
+    chunk_begin(c, ch);
+    buf_puts(&c->json, "[{\"index\":0,\"delta\":{\"content\":\"word \"},\"finish_reason\":null}]}");
+    if (d->garble == GARBLE_HTML || d->garble == GARBLE_TRUNCATED) {
+        if (d->garble == GARBLE_HTML) {
+            c->json.len = 0;
+            buf_puts(&c->json, "<html>oops</html>");
+        } else {
+            c->json.len /= 2;
+        }
+        return stream_event(c, d, n);
+    }
+    if (n > 0 && d->event_delay_ms && conn_wait(c, d->event_delay_ms) < 0)
+        return -1;
+    c->out.len = 0;
+    if (d->garble == GARBLE_HUGE) {              /* "data: " and 2 MiB, no blank line */
+        if (conn_send(c, "6\r\ndata: \r\n", 11) < 0)
+            return -1;
+        buf_printf(&c->out, "%x\r\n", FILLER_PIECE);
+        for (int i = 0; i < (2 << 20) / FILLER_PIECE; i++)
+            if (conn_gone(c) || conn_send(c, c->out.data, c->out.len) < 0
+                || conn_send(c, filler, FILLER_PIECE) < 0 || conn_send(c, "\r\n", 2) < 0) {
+                c->abrupt = 1;
+                return -1;
+            }
+        return conn_send(c, "2\r\n\n\n\r\n", 7);
+    }
+    if (d->garble == GARBLE_CHUNK_SIZE)
+        buf_puts(&c->out, "zz\r\n");
+    else                                         /* chunk_long: the size says half */
+        buf_printf(&c->out, "%zx\r\n", (c->json.len + 8) / 2);
+    buf_puts(&c->out, "data: ");
+    buf_append(&c->out, c->json.data, c->json.len);
+    buf_puts(&c->out, "\n\n\r\n");
+    conn_send(c, c->out.data, c->out.len);
+    conn_linger(c);
+    return -1;
+}
+
 static int send_stream(struct conn *c, const struct request *r, const struct directive *d,
                        const struct chat *ch, int include_usage)
 {
@@ -867,6 +1052,8 @@ static int send_stream(struct conn *c, const struct request *r, const struct dir
             c->abrupt = 1;
             return 0;
         }
+        if (d->garble && i == d->garble_after && stream_garble(c, d, ch, n++) < 0)
+            return 0;
         chunk_begin(c, ch);
         buf_puts(&c->json, "[{\"index\":0,\"delta\":{\"content\":\"word \"},\"finish_reason\":null}]}");
         if (stream_event(c, d, n++) < 0)
@@ -876,6 +1063,8 @@ static int send_stream(struct conn *c, const struct request *r, const struct dir
         c->abrupt = 1;
         return 0;
     }
+    if (d->garble && d->garble_after >= d->events && stream_garble(c, d, ch, n++) < 0)
+        return 0;
     chunk_begin(c, ch);
     buf_puts(&c->json, "[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}");
     if (stream_event(c, d, n++) < 0)
@@ -922,9 +1111,15 @@ static int serve_inference(struct conn *c, const struct request *r, int embeddin
         conn_wait(c, -1);
         return 0;
     }
+    if (d.body_mb || d.head_kb || d.head_lines || d.garble || d.trickle_ms || d.junk_after_ms >= 0) {
+        struct timeval tv = { .tv_sec = HOSTILE_WAIT_MS / 1000 };  /* a peer that stops reading */
+        setsockopt(c->fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    }
     if (d.status)
         return send_directed_error(c, r, &d);
-    if (stream)
+    if (d.body_mb)
+        return send_filler(c, r, &d, ch.model);
+    if (stream && !d.trickle_ms)
         return send_stream(c, r, &d, &ch, include_usage);
 
     c->json.len = 0;
@@ -946,6 +1141,19 @@ static int serve_inference(struct conn *c, const struct request *r, int embeddin
                    "\"completion_tokens\":%ld,\"total_tokens\":%ld}}",
                    ch.prompt_tokens, d.events, ch.prompt_tokens + d.events);
     }
+    if (d.garble == GARBLE_HTML) {
+        c->json.len = 0;
+        buf_puts(&c->json, "<html>oops</html>");
+    } else if (d.garble == GARBLE_TRUNCATED) {
+        c->json.len /= 2;
+    } else if (d.garble == GARBLE_HUGE) {
+        c->json.len = 0;
+        buf_reserve(&c->json, 2 << 20);
+        memset(c->json.data, 'x', 2 << 20);
+        c->json.len = 2 << 20;
+    }
+    if (d.trickle_ms)
+        return send_trickle(c, r, &d);
     return send_answer(c, r, &d, 200);
 }
 
@@ -1011,6 +1219,13 @@ static int control_stats(struct conn *c, const struct request *r)
             buf_puts(&c->json, n++ ? "," : "");
             buf_json_string(&c->json, mock.models[i].name, strlen(mock.models[i].name));
             buf_printf(&c->json, ":%ld", mock.models[i].calls);
+        }
+    buf_puts(&c->json, "},\"filler_bytes\":{");
+    for (size_t i = 0, n = 0; i < mock.nmodels; i++)
+        if (mock.models[i].filler_bytes) {
+            buf_puts(&c->json, n++ ? "," : "");
+            buf_json_string(&c->json, mock.models[i].name, strlen(mock.models[i].name));
+            buf_printf(&c->json, ":%lld", mock.models[i].filler_bytes);
         }
     buf_puts(&c->json, "},\"log\":[");
     for (size_t i = 0; i < mock.log_len; i++) {
@@ -1482,6 +1697,7 @@ int main(int argc, char **argv)
     if (cert)
         tls_load(cert, key);
     signal(SIGPIPE, SIG_IGN);
+    memset(filler, 'x', sizeof filler);
     mock.start_ms = now_ms();
 
     int one = 1, lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
