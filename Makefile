@@ -3,6 +3,8 @@
 #   make test       ./test.sh: unit + integration tests, then again under ASan+UBSan
 #   make bench      tests/bench.sh: ltg against nginx, same upstream, same run
 #   make fuzz       tests/fuzz.c under libFuzzer+ASan+UBSan, FUZZ_SECONDS (10) per target
+#   make valgrind   the integration suite with every ltg under valgrind's memcheck
+#   make soak       tests/soak.sh: SOAK_SECONDS (180) of mixed load; RSS and fds stable
 CC ?= cc
 CFLAGS ?= -O2
 WARN = -std=c11 -Wall -Wextra -Wshadow
@@ -31,6 +33,10 @@ ltg: ltg.c ltg.h | deps
 ltg-asan: ltg.c ltg.h | deps
 	$(CC) $(SAN) $(WARN) $(CFLAGS_EXTRA) -o $@ ltg.c $(BEARSSL) -lm
 
+# For valgrind: dynamic (memcheck cannot replace a static glibc's malloc), -O1 -g.
+ltg-valgrind: ltg.c ltg.h | deps
+	$(CC) -O1 -g $(WARN) $(CFLAGS_EXTRA) -o $@ ltg.c $(BEARSSL) -lm
+
 # The unit tests include ltg.c without its main(), so the start-up helpers
 # that only main() calls are unused there: hence -Wno-unused-function.
 tests/unit: tests/unit.c ltg.c ltg.h | deps
@@ -50,6 +56,31 @@ demo: ltg tests/mock
 
 bench: ltg tests/mock
 	tests/bench.sh
+
+# The whole integration suite with every ltg it starts run under memcheck:
+# any invalid access, use of uninitialised memory or leak (definite, indirect
+# or possible, reported when ltg exits on SIGTERM) fails the test it happened
+# in, or the closing "clean exits" check (--vgdb=no: an ltg a test kills
+# leaves no FIFO in /tmp). valgrind is installed when we can.
+VALGRIND = valgrind --leak-check=full --show-leak-kinds=definite,indirect,possible \
+  --errors-for-leak-kinds=definite,indirect,possible --error-exitcode=99 --track-fds=no -q --vgdb=no
+
+valgrind: ltg-valgrind tests/mock
+	@if ! command -v valgrind >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing valgrind"; \
+	    (apt-get install -y -qq valgrind >/dev/null 2>&1 || \
+	     (apt-get update -qq >/dev/null && apt-get install -y -qq valgrind >/dev/null)) || exit 1; \
+	  else \
+	    echo "make valgrind needs valgrind: run  sudo apt-get install valgrind"; exit 1; \
+	  fi; \
+	fi
+	python3 tests/integration.py --ltg ./ltg-valgrind --mock ./tests/mock --wrap "$(VALGRIND)"
+
+# SOAK_SECONDS (180) of mixed load with failure injection against ./ltg;
+# checks that its RSS and open fds stay flat after the warm-up.
+soak: ltg tests/mock
+	tests/soak.sh
 
 # Fuzzing: one libFuzzer target of tests/fuzz.c per name, built with clang
 # (ASan+UBSan) as tests/fuzz-<name>, run for FUZZ_SECONDS over a scratch
@@ -101,6 +132,6 @@ tests/fuzz-%: tests/fuzz.c ltg.c ltg.h | deps
 	$(FUZZ_CC) $(FUZZ_FLAGS) $(WARN) -Wno-unused-function $(CFLAGS_EXTRA) -DFUZZ_$$(echo $* | tr a-z A-Z) -o $@ tests/fuzz.c $(BEARSSL) -lm
 
 clean:
-	rm -f ltg ltg-asan tests/unit tests/unit-asan tests/mock
+	rm -f ltg ltg-asan ltg-valgrind tests/unit tests/unit-asan tests/mock
 
-.PHONY: all deps test demo bench fuzz clean
+.PHONY: all deps test demo bench fuzz valgrind soak clean

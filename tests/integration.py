@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Integration tests for ltg: the real binary against the mock provider, over loopback sockets.
 
-    python3 tests/integration.py --ltg ./ltg --mock tests/mock [-k SUBSTRING] [-v]
+    python3 tests/integration.py --ltg ./ltg --mock tests/mock [-k SUBSTRING] [-v] [--wrap CMD [--slow N]]
 
 It picks free loopback ports, writes a catalog config into a temporary directory, starts the mock
 provider and ltg, waits for both /healthz, runs every test and stops what it started (also when a
@@ -21,6 +21,12 @@ ltg, reload its catalog or run the README's walkthrough start their own ltg (Aux
 own ports, --data and log) so that the main one is not disturbed. When ltg cannot start on the main
 --data (a replay that crashes), that data dir is set aside and the next tests start on an empty one,
 so that one bug fails one test rather than all that follow.
+
+--wrap "valgrind ..." puts that command before every ltg the harness starts (`make valgrind`); the
+harness's start-up and shutdown waits are then multiplied by --slow (default 5 with --wrap). A
+valgrind report in an ltg's log fails the test during which it was written, as a sanitizer's does;
+leaks are reported when ltg exits, so at the end every ltg still running is stopped with SIGTERM
+and its log checked ("clean exits").
 
 The DNS tests run a fake DNS server on UDP port 53 of another loopback address (127.0.0.2) and
 start ltg with --resolv-conf naming it; binding port 53 needs root, so without it they are
@@ -43,6 +49,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -93,6 +100,8 @@ class _TokenKey:
 TOKEN = _TokenKey()
 
 VERBOSE = False
+WRAP = []       # --wrap: a command prefix for every ltg started (e.g. valgrind and its options)
+SLOW = 1.0      # --slow: the factor for the harness's start-up and shutdown waits
 
 
 class TestFailure(Exception):
@@ -385,6 +394,30 @@ def check_openai_error(r, status, code=None):
 
 # ===== the harness: ports, config, processes ======================================================
 
+# The first line of a report: a sanitizer's, or valgrind's ("==PID== Invalid read of size 8", "... are
+# definitely lost in loss record ...", "ERROR SUMMARY: 3 errors ...").
+VALGRIND_REPORT = re.compile(r"^==\d+== (Invalid (read|write|free)|Mismatched free|Conditional jump|Use of uninit"
+                             r"|Syscall param|Source and destination overlap|Process terminating"
+                             r"|.* (definitely|indirectly|possibly) lost in loss record|ERROR SUMMARY: [1-9])")
+
+
+def sanitizer_line(text):
+    """The first line of a sanitizer or valgrind report in text (with valgrind's first frames), or None."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if "runtime error:" in line or "AddressSanitizer" in line or "LeakSanitizer" in line:
+            return line.strip()
+        if VALGRIND_REPORT.match(line):
+            frames = [l.split("== ", 1)[1].strip() for l in lines[i + 1:i + 5] if re.match(r"^==\d+== +(at|by) ", l)]
+            return " | ".join([line.strip()] + frames)
+    return None
+
+
+def ltg_argv(argv):
+    """An ltg command line, with the --wrap prefix."""
+    return WRAP + argv
+
+
 def free_port():
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -543,9 +576,9 @@ class Harness:
     def ltg_cmd(self, extra):
         # "{tmp}" in a test's flags stands for the temporary directory (unknown when tests are
         # declared).
-        return [self.ltg_bin, "--config", self.config_path, "--data", self.data_dir,
-                "--listen", "127.0.0.1:%d" % self.port,
-                "--admin-listen", "127.0.0.1:%d" % self.admin_port] + [a.replace("{tmp}", self.tmp) for a in extra]
+        return ltg_argv([self.ltg_bin, "--config", self.config_path, "--data", self.data_dir,
+                         "--listen", "127.0.0.1:%d" % self.port,
+                         "--admin-listen", "127.0.0.1:%d" % self.admin_port] + [a.replace("{tmp}", self.tmp) for a in extra])
 
     def start_ltg(self, extra=()):
         self.stop_ltg()
@@ -557,7 +590,7 @@ class Harness:
                                          stdout=self.ltg_log, stderr=self.ltg_log, env=self.env)
         self.ltg_args = tuple(extra)
         self.ltg_starts += 1
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 10 * SLOW
         ready = set()
         while time.monotonic() < deadline:
             if self.ltg_proc.poll() is not None:
@@ -589,7 +622,7 @@ class Harness:
                 self.provision()
                 return
             time.sleep(0.05)
-        raise RuntimeError("ltg not ready (GET /healthz on both listeners) within 10 s:\n"
+        raise RuntimeError("ltg not ready (GET /healthz on both listeners) within %g s:\n" % (10 * SLOW)
                            + tail(self.ltg_log_path))
 
     def _admin_closing(self, method, path, body=None, headers=None):
@@ -636,12 +669,13 @@ class Harness:
         if p.poll() is None:
             try:
                 p.send_signal(signal.SIGTERM)
-                rc = p.wait(timeout=12)
+                rc = p.wait(timeout=12 * SLOW)
                 if rc != 0:
                     self.exit_problems.append("ltg %s exited with code %r after SIGTERM"
                                               % (" ".join(self.ltg_args or ()), rc))
             except subprocess.TimeoutExpired:
-                self.exit_problems.append("ltg %s still running 12 s after SIGTERM" % " ".join(self.ltg_args or ()))
+                self.exit_problems.append("ltg %s still running %g s after SIGTERM"
+                                          % (" ".join(self.ltg_args or ()), 12 * SLOW))
                 p.kill()
                 p.wait()
         self.ltg_proc = None
@@ -665,10 +699,7 @@ class Harness:
                 text = f.read().decode("utf-8", "replace")
         except OSError:
             return None
-        for line in text.splitlines():
-            if "runtime error:" in line or "AddressSanitizer" in line or "LeakSanitizer" in line:
-                return line.strip()
-        return None
+        return sanitizer_line(text)
 
     def shutdown(self):
         for p in (self.ltg_proc, self.mock_proc):
@@ -3241,6 +3272,8 @@ def free_ports(n):
 class Aux:
     """Another ltg: the catalog of the harness (or `config`), its own --data, ports and log."""
 
+    every = []      # every Aux made: those still running are stopped and checked at the end
+
     def __init__(self, tag, ports=None, config=None):
         self.tag = tag
         self.data_dir = os.path.join(H.tmp, "data-" + tag)
@@ -3250,18 +3283,20 @@ class Aux:
         self.log = open(self.log_path, "ab")
         self.proc = None
         self.started_at = 0          # log offset at the last start
+        Aux.every.append(self)
 
     def spawn(self):
         self.log.write(b"\n==== starting ltg\n")
         self.log.flush()
         self.started_at = os.path.getsize(self.log_path)
-        self.proc = subprocess.Popen([H.ltg_bin, "--config", self.config_path, "--data", self.data_dir,
-                                      "--listen", "127.0.0.1:%d" % self.port,
-                                      "--admin-listen", "127.0.0.1:%d" % self.admin_port],
+        self.proc = subprocess.Popen(ltg_argv([H.ltg_bin, "--config", self.config_path, "--data", self.data_dir,
+                                               "--listen", "127.0.0.1:%d" % self.port,
+                                               "--admin-listen", "127.0.0.1:%d" % self.admin_port]),
                                      stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, env=H.env)
 
     def start(self, timeout=20):
         self.spawn()
+        timeout *= SLOW
         deadline = time.monotonic() + timeout
         ready = set()
         while time.monotonic() < deadline:
@@ -3283,6 +3318,7 @@ class Aux:
     def start_fails(self, timeout=20):
         """Start ltg and expect it to exit at start-up: (exit code, what it logged)."""
         self.spawn()
+        timeout *= SLOW
         try:
             rc = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -3303,11 +3339,11 @@ class Aux:
         p, self.proc = self.proc, None
         p.send_signal(signal.SIGTERM)
         try:
-            rc = p.wait(timeout=15)
+            rc = p.wait(timeout=15 * SLOW)
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-            raise TestFailure("ltg (%s) still running 15 s after SIGTERM" % self.tag)
+            raise TestFailure("ltg (%s) still running %g s after SIGTERM" % (self.tag, 15 * SLOW))
         check(rc == 0, "ltg (%s) exited with %r after SIGTERM: %s" % (self.tag, rc, self.text_since_start()[-400:]))
 
     def kill(self):
@@ -3322,9 +3358,9 @@ class Aux:
         self.log.close()
         with open(self.log_path, "rb") as f:
             text = f.read().decode("utf-8", "replace")
-        for line in text.splitlines():
-            if "runtime error:" in line or "AddressSanitizer" in line or "LeakSanitizer" in line:
-                raise TestFailure("sanitizer report in the log of ltg (%s): %s" % (self.tag, line.strip()))
+        san = sanitizer_line(text)
+        if san:
+            raise TestFailure("sanitizer report in the log of ltg (%s): %s" % (self.tag, san))
 
     def admin(self, method, path, body=None, **kw):
         return admin(method, path, body, port=self.admin_port, **kw)
@@ -3731,14 +3767,18 @@ def t_sdk():
 # ===== runner =====================================================================================
 
 def main():
-    global H, VERBOSE
+    global H, VERBOSE, WRAP, SLOW
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ltg", required=True)
     ap.add_argument("--mock", required=True)
     ap.add_argument("-k", action="append", default=[], help="run only tests whose name contains this")
     ap.add_argument("-v", action="store_true", help="show ltg's log tail on failures")
+    ap.add_argument("--wrap", default="", help="a command put before every ltg started, e.g. \"valgrind -q\"")
+    ap.add_argument("--slow", type=float, help="the factor for start-up and shutdown waits (5 with --wrap)")
     args = ap.parse_args()
     VERBOSE = args.v
+    WRAP = shlex.split(args.wrap)
+    SLOW = args.slow or (5.0 if WRAP else 1.0)
     for what, path in (("ltg", args.ltg), ("mock", args.mock)):
         if not os.access(path, os.X_OK):
             print("FAIL - setup: %s binary %s is missing or not executable" % (what, path))
@@ -3835,11 +3875,22 @@ def main():
             san = H.sanitizer_report(0)
             if san:
                 problems.append("sanitizer report in ltg's log: %s" % san)
+            others = [a for a in Aux.every if not a.log.closed]    # not closed by a test: integration_*.py's
+            for a in others:
+                try:
+                    a.stop()
+                except TestFailure as e:
+                    problems.append(str(e))
+                a.log.flush()
+                with open(a.log_path, "rb") as f:
+                    san = sanitizer_line(f.read().decode("utf-8", "replace"))
+                if san:
+                    problems.append("sanitizer report in the log of ltg (%s): %s" % (a.tag, san))
             if problems:
                 print("FAIL - clean exits: %s" % "; ".join(problems), flush=True)
                 failed += 1
             else:
-                print("ok - clean exits (SIGTERM -> exit 0, no sanitizer report)", flush=True)
+                print("ok - clean exits (SIGTERM -> exit 0, no sanitizer report; and %d other ltgs)" % len(others), flush=True)
                 passed += 1
     except KeyboardInterrupt:
         print("FAIL - interrupted")
