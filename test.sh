@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # test.sh -- runs every test of ltg: the unit tests and the integration
 # suite, first against the release build, then again under AddressSanitizer
-# and UndefinedBehaviorSanitizer. `make test` builds what it needs and calls
-# this. The last line is "N passed, M failed"; the exit status is 0 only
-# when nothing failed.
+# and UndefinedBehaviorSanitizer, then a short pass of each fuzz target.
+# `make test` builds what it needs and calls this. The last line is
+# "N passed, M failed"; the exit status is 0 only when nothing failed.
 set -u
 cd "$(dirname "$0")"
 
@@ -43,6 +43,9 @@ run "unit" ./tests/unit
 run "unit (asan+ubsan)" ./tests/unit-asan
 run "integration" python3 tests/integration.py --ltg ./ltg --mock ./tests/mock
 run "integration (asan+ubsan)" python3 tests/integration.py --ltg ./ltg-asan --mock ./tests/mock
+# A short pass of every fuzz target over its seeds (the crashes found so far among them);
+# `make fuzz` installs clang's libFuzzer when it can, or says what to install.
+run "fuzz (5 s per target)" make --no-print-directory fuzz FUZZ_SECONDS=5
 
 echo "$pass passed, $fail failed"
 [ "$fail" = 0 ]
