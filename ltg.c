@@ -4128,7 +4128,9 @@ static int store_tick(void) {
  * One timer per connection means one of three things, by state: the idle
  * keep-alive limit (no bytes of a next request), the head limit (counted
  * from the first byte of a head, not re-armed by a slow trickle: that is
- * what stops slowloris), or the body's inactivity limit.
+ * what stops slowloris), or the body's inactivity limit. While an answer
+ * waits to be written, it fires only if the client took nothing since it
+ * started: a client that stops reading is closed, not kept for ever.
  *
  * While a request is served, the connection keeps reading, so a client
  * that goes away is noticed at once and its upstream request is cancelled;
