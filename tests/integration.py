@@ -3270,15 +3270,20 @@ def free_ports(n):
 
 
 class Aux:
-    """Another ltg: the catalog of the harness (or `config`), its own --data, ports and log."""
+    """Another ltg: the catalog of the harness (or `config`), its own --data, ports and log; `args`
+    are more flags, `env` replaces the harness's environment, `preexec` runs in the child before ltg
+    (or the --wrap command) starts."""
 
     every = []      # every Aux made: those still running are stopped and checked at the end
 
-    def __init__(self, tag, ports=None, config=None):
+    def __init__(self, tag, ports=None, config=None, args=(), env=None, preexec=None):
         self.tag = tag
         self.data_dir = os.path.join(H.tmp, "data-" + tag)
         self.config_path = config or H.config_path
         self.port, self.admin_port = ports or free_ports(2)
+        self.args = list(args)
+        self.env = env
+        self.preexec = preexec
         self.log_path = os.path.join(H.tmp, "ltg-%s.log" % tag)
         self.log = open(self.log_path, "ab")
         self.proc = None
@@ -3286,13 +3291,14 @@ class Aux:
         Aux.every.append(self)
 
     def spawn(self):
-        self.log.write(b"\n==== starting ltg\n")
+        self.log.write((" ".join(["\n==== starting ltg"] + self.args) + "\n").encode())
         self.log.flush()
         self.started_at = os.path.getsize(self.log_path)
         self.proc = subprocess.Popen(ltg_argv([H.ltg_bin, "--config", self.config_path, "--data", self.data_dir,
                                                "--listen", "127.0.0.1:%d" % self.port,
-                                               "--admin-listen", "127.0.0.1:%d" % self.admin_port]),
-                                     stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, env=H.env)
+                                               "--admin-listen", "127.0.0.1:%d" % self.admin_port] + self.args),
+                                     stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
+                                     env=self.env or H.env, preexec_fn=self.preexec)
 
     def start(self, timeout=20):
         self.spawn()
@@ -3328,10 +3334,20 @@ class Aux:
         return rc, self.text_since_start()
 
     def text_since_start(self):
-        self.log.flush()
+        return self.text_since(self.started_at)
+
+    def text_since(self, at):
+        """Its log from offset `at` (an earlier log_size())."""
         with open(self.log_path, "rb") as f:
-            f.seek(self.started_at)
+            f.seek(at)
             return f.read().decode("utf-8", "replace")
+
+    def log_size(self):
+        return os.path.getsize(self.log_path)
+
+    def report_since(self, at):
+        """The first line of a sanitizer or valgrind report in its log after offset `at`, or None."""
+        return sanitizer_line(self.text_since(at))
 
     def stop(self):
         if self.proc is None:
@@ -3356,14 +3372,75 @@ class Aux:
         """Kill it if it runs; fail on a sanitizer report in its log."""
         self.kill()
         self.log.close()
-        with open(self.log_path, "rb") as f:
-            text = f.read().decode("utf-8", "replace")
-        san = sanitizer_line(text)
+        san = self.report_since(0)
         if san:
             raise TestFailure("sanitizer report in the log of ltg (%s): %s" % (self.tag, san))
 
     def admin(self, method, path, body=None, **kw):
         return admin(method, path, body, port=self.admin_port, **kw)
+
+
+class AuxSlot:
+    """The ltg of the tests of one integration_*.py file: make(n) makes the n-th Aux; get() starts
+    one on first use, and a new one if the last died."""
+
+    def __init__(self, make):
+        self.make = make
+        self.aux = None
+        self.n = 0
+
+    def get(self):
+        a = self.aux
+        if a is not None and a.proc is not None and a.proc.poll() is None:
+            return a
+        if a is not None:
+            try:
+                a.close()
+            except Exception:
+                pass        # its sanitizer report, if any, failed the test during which it died
+        self.n += 1
+        self.aux = self.make(self.n)
+        self.aux.start()
+        return self.aux
+
+    def test(self, name, what):
+        """A decorator: register test `name`, which runs fn(the Aux) with run()."""
+        def deco(fn):
+            test(name)(lambda: self.run(fn, what))
+            return fn
+        return deco
+
+    def run(self, fn, what):
+        """fn(the Aux); then fail on a sanitizer report written meanwhile to its log, or on its death
+        (`what` names it in the messages)."""
+        a = self.get()
+        at = a.log_size()
+        err = None
+        try:
+            fn(a)
+        except Exception as e:
+            err = e
+        san = a.report_since(at)
+        if san:
+            raise TestFailure("sanitizer report in the log of %s: %s%s" % (what, san, " (and: %s)" % err if err else ""))
+        if a.proc is None or a.proc.poll() is not None:
+            rc = a.proc.returncode if a.proc is not None else None
+            raise TestFailure("%s exited with code %r during the test%s; its log: %s"
+                              % (what, rc, " (%s)" % err if err else "", a.text_since_start()[-500:]))
+        if err:
+            raise err
+
+    def stop(self, none_ran):
+        """The last test of the file: the Aux exits 0 on SIGTERM and its log holds no sanitizer
+        report; TestSkip(none_ran) if there is none."""
+        a, self.aux = self.aux, None
+        if a is None:
+            raise TestSkip(none_ran)
+        try:
+            if a.proc is not None:
+                a.stop()
+        finally:
+            a.close()
 
 
 @test("state log: a torn tail is truncated with a warning; damage and a bad magic stop start-up")
@@ -3881,9 +3958,7 @@ def main():
                     a.stop()
                 except TestFailure as e:
                     problems.append(str(e))
-                a.log.flush()
-                with open(a.log_path, "rb") as f:
-                    san = sanitizer_line(f.read().decode("utf-8", "replace"))
+                san = a.report_since(0)
                 if san:
                     problems.append("sanitizer report in the log of ltg (%s): %s" % (a.tag, san))
             if problems:
@@ -3896,6 +3971,8 @@ def main():
         print("FAIL - interrupted")
         failed += 1
     finally:
+        for a in Aux.every:     # those still running (-k, an interrupt, a test that failed)
+            a.kill()
         H.shutdown()
         if failed == 0:
             shutil.rmtree(H.tmp, ignore_errors=True)

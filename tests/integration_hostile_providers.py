@@ -37,11 +37,9 @@ ltg with --max-stream-seconds 2.
 
 import __main__ as it
 
-import atexit
 import datetime
 import json
 import os
-import subprocess
 import time
 
 NPOOL = 80           # HP-01..HP-80 on the mock
@@ -49,12 +47,10 @@ NSOLO = 4            # HPS-1..HPS-4, one provider each
 MIB = 1 << 20
 RSS_SLACK_MIB = 100  # ltg's RSS may grow by at most this much over its RSS at start (ASan: see rss_slack_kib)
 
-_S = {"aux": None, "n": 0, "next": 0, "config": None}
+_S = {"next": 0, "config": None}
 
 
-def check(cond, msg):
-    if not cond:
-        raise it.TestFailure(msg)
+check = it.check
 
 
 # ===== the dedicated ltg ==========================================================================
@@ -78,44 +74,15 @@ def _config_path():
 
 
 class Ltg(it.Aux):
-    """it.Aux with extra command-line flags."""
+    """it.Aux on this file's catalog and environment, with extra command-line flags."""
 
     def __init__(self, tag, args=()):
-        it.Aux.__init__(self, tag, config=_config_path())
-        self.args = list(args)
+        it.Aux.__init__(self, tag, config=_config_path(), args=args, env=_env())
         self.rss0 = None             # VmRSS (KiB) once started
-
-    def spawn(self):
-        self.log.write(b"\n==== starting ltg %s\n" % " ".join(self.args).encode())
-        self.log.flush()
-        self.started_at = os.path.getsize(self.log_path)
-        self.proc = subprocess.Popen([it.H.ltg_bin, "--config", self.config_path, "--data", self.data_dir,
-                                      "--listen", "127.0.0.1:%d" % self.port,
-                                      "--admin-listen", "127.0.0.1:%d" % self.admin_port] + self.args,
-                                     stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, env=_env())
 
     def start(self, timeout=20):
         it.Aux.start(self, timeout)
         self.rss0 = rss_kib(self)
-
-    def log_size(self):
-        try:
-            self.log.flush()
-            return os.path.getsize(self.log_path)
-        except OSError:
-            return 0
-
-    def sanitizer_since(self, at):
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(at)
-                text = f.read().decode("utf-8", "replace")
-        except OSError:
-            return None
-        for line in text.splitlines():
-            if "runtime error:" in line or "AddressSanitizer" in line or "LeakSanitizer" in line:
-                return line.strip()
-        return None
 
 
 def _env():
@@ -126,34 +93,7 @@ def _env():
     return env
 
 
-def _kill_aux():
-    a = _S["aux"]
-    if a is not None and a.proc is not None:
-        try:
-            a.proc.kill()
-            a.proc.wait(5)
-        except Exception:
-            pass
-
-
-atexit.register(_kill_aux)
-
-
-def aux():
-    """The ltg these tests run on (started on first use, and again if it died)."""
-    a = _S["aux"]
-    if a is not None and a.proc is not None and a.proc.poll() is None:
-        return a
-    if a is not None:
-        try:
-            a.close()
-        except Exception:
-            pass        # its sanitizer report, if any, failed the test during which it died
-    _S["n"] += 1
-    a = Ltg("hostile-%d" % _S["n"])
-    _S["aux"] = a
-    a.start()
-    return a
+_LTG = it.AuxSlot(lambda n: Ltg("hostile-%d" % n))
 
 
 def proc_status_kib(a, field):
@@ -197,28 +137,11 @@ def hptest(name):
     """Register a test ("hostile provider: " + name) that gets the dedicated ltg as its argument;
     afterwards ltg must be alive, healthy, within its RSS bound and free of sanitizer reports."""
     def deco(fn):
-        def run():
-            a = aux()
-            at = a.log_size()
-            err = None
-            try:
-                fn(a)
-                check_rss(a, "after the test")
-                check_healthy(a, "after the test")
-            except Exception as e:
-                err = e
-            san = a.sanitizer_since(at)
-            if san:
-                raise it.TestFailure("sanitizer report in the log of the hostile-provider ltg: %s%s"
-                                     % (san, " (and: %s)" % err if err else ""))
-            if a.proc is None or a.proc.poll() is not None:
-                rc = a.proc.returncode if a.proc is not None else None
-                raise it.TestFailure("the hostile-provider ltg exited with code %r during the test%s; its log: %s"
-                                     % (rc, " (%s)" % err if err else "", a.text_since_start()[-500:]))
-            if err:
-                raise err
-        run.__name__ = fn.__name__
-        it.test("hostile provider: " + name)(run)
+        def checked(a):
+            fn(a)
+            check_rss(a, "after the test")
+            check_healthy(a, "after the test")
+        _LTG.test("hostile provider: " + name, "the hostile-provider ltg")(checked)
         return fn
     return deco
 
@@ -564,7 +487,7 @@ def t_hp_endless_stream(a):
         check_event(b, g, r, "partial", 200, A, [(A, 1, 200, "ok")], "endless stream")
         check_rss(b, "endless stream")
         check_healthy(b, "endless stream")
-        san = b.sanitizer_since(at)
+        san = b.report_since(at)
         check(not san, "sanitizer report in the log of ltg --max-stream-seconds 2: %s" % san)
         b.stop()
     finally:
@@ -620,12 +543,4 @@ junk_test(2, 200)
 
 @it.test("hostile provider: its ltg exits 0 on SIGTERM, no sanitizer report in its log")
 def t_hp_zz_stop():
-    a = _S["aux"]
-    if a is None:
-        raise it.TestSkip("no hostile-provider test ran")
-    _S["aux"] = None
-    try:
-        if a.proc is not None:
-            a.stop()
-    finally:
-        a.close()
+    _LTG.stop("no hostile-provider test ran")

@@ -32,7 +32,6 @@ the sanitizer build does not make them flaky.
 
 import __main__ as it
 
-import atexit
 import datetime
 import json
 import os
@@ -44,12 +43,10 @@ import time
 NPOOL = 240          # RT-001..RT-240 on the mock
 NDOWN = 12           # RD-01..RD-12 on the refusing port
 
-_S = {"aux": None, "n": 0, "next": 0, "next_down": 0, "config": None}
+_S = {"next": 0, "next_down": 0, "config": None}
 
 
-def check(cond, msg):
-    if not cond:
-        raise it.TestFailure(msg)
+check = it.check
 
 
 # ===== the dedicated ltg ==========================================================================
@@ -107,82 +104,12 @@ def _blackhole_works():
         c.close()
 
 
-def _kill_aux():
-    a = _S["aux"]
-    if a is not None and a.proc is not None:
-        try:
-            a.proc.kill()
-            a.proc.wait(5)
-        except Exception:
-            pass
-
-
-atexit.register(_kill_aux)
-
-
-def aux():
-    """The ltg these tests run on (started on first use, and again if it died)."""
-    a = _S["aux"]
-    if a is not None and a.proc is not None and a.proc.poll() is None:
-        return a
-    if a is not None:
-        try:
-            a.close()
-        except Exception:
-            pass        # its sanitizer report, if any, failed the test during which it died
-    _S["n"] += 1
-    a = it.Aux("retries-%d" % _S["n"], config=_config_path())
-    _S["aux"] = a
-    a.start()
-    return a
-
-
-def _aux_log_size(a):
-    try:
-        a.log.flush()
-        return os.path.getsize(a.log_path)
-    except OSError:
-        return 0
-
-
-def _aux_sanitizer(a, since):
-    try:
-        with open(a.log_path, "rb") as f:
-            f.seek(since)
-            text = f.read().decode("utf-8", "replace")
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if "runtime error:" in line or "AddressSanitizer" in line or "LeakSanitizer" in line:
-            return line.strip()
-    return None
+_LTG = it.AuxSlot(lambda n: it.Aux("retries-%d" % n, config=_config_path()))
 
 
 def rtest(name):
     """Register a test ("retries: " + name) that gets the dedicated ltg as its argument."""
-    def deco(fn):
-        def run():
-            a = aux()
-            at = _aux_log_size(a)
-            err = None
-            try:
-                fn(a)
-            except Exception as e:
-                err = e
-            san = _aux_sanitizer(a, at)
-            if san:
-                raise it.TestFailure("sanitizer report in the log of the retries ltg: %s%s"
-                                     % (san, " (and: %s)" % err if err else ""))
-            if a.proc is None or a.proc.poll() is not None:
-                rc = a.proc.returncode if a.proc is not None else None
-                raise it.TestFailure("the retries ltg exited with code %r during the test%s; its log: %s"
-                                     % (rc, " (%s)" % err if err else "", a.text_since_start()[-500:]))
-            if err:
-                raise err
-        run.__name__ = fn.__name__
-        it.test("retries: " + name)(run)
-        return fn
-    return deco
+    return _LTG.test("retries: " + name, "the retries ltg")
 
 
 # ===== models, groups, calls ======================================================================
@@ -1242,12 +1169,4 @@ def t_rt_headers(a):
 
 @it.test("retries: the retries ltg exits 0 on SIGTERM, no sanitizer report in its log")
 def t_rt_zz_stop():
-    a = _S["aux"]
-    if a is None:
-        raise it.TestSkip("no retries test ran")
-    _S["aux"] = None
-    try:
-        if a.proc is not None:
-            a.stop()
-    finally:
-        a.close()
+    _LTG.stop("no retries test ran")

@@ -75,7 +75,7 @@ SHA_PERMS = ["llm_token_gateway.token_groups.read", "llm_token_gateway.token_key
 INJECTED = ("set-cookie", "x-injected")
 
 _S = {
-    "aux": None,            # the SecAux of every test but the misconfiguration and echo ones
+    "aux": None,            # the Aux of every test but the misconfiguration and echo ones
     "hostile": None,        # the Hostile provider
     "config": None,         # path of the good catalog
     "secrets": {            # name -> secret: the three above, then every token key issued (add_token)
@@ -85,8 +85,6 @@ _S = {
     },
     "seen": [],             # every answer: {"label", "raw", "allow": set of secrets allowed in it}
     "main": None,           # (group id, token) of the group that allows every model
-    "misconfig": None,      # the Aux of the misconfiguration test
-    "echo": None,           # the Aux of the echoing-provider test
     "target": None,         # the Aux that call() talks to when not the main one (talking_to)
 }
 
@@ -301,16 +299,9 @@ def new_token(gid, label, idem=None):
 
 # ===== the ltg of these tests =====================================================================
 
-class SecAux(it.Aux):
+def sec_aux(tag, config):
     """it.Aux with the secrets of this file in its environment."""
-
-    def spawn(self):
-        saved = it.H.env
-        it.H.env = dict(saved, **ENV)
-        try:
-            super().spawn()
-        finally:
-            it.H.env = saved
+    return it.Aux(tag, config=config, env=dict(it.H.env, **ENV))
 
 
 def catalog():
@@ -354,7 +345,7 @@ def aux():
     """The Aux, started if it is not running (a death since the last call is a failure)."""
     a = _S["aux"]
     if a is None:
-        a = _S["aux"] = SecAux("secrets", config=config_path())
+        a = _S["aux"] = sec_aux("secrets", config_path())
     if a.proc is not None and a.proc.poll() is not None:
         rc = a.proc.returncode
         a.proc = None
@@ -376,14 +367,6 @@ def main():
 
 
 def _cleanup():
-    for k in ("aux", "misconfig", "echo"):
-        a = _S.get(k)
-        if a is not None and a.proc is not None:
-            try:
-                a.proc.kill()
-                a.proc.wait(5)
-            except Exception:
-                pass
     if _S["hostile"] is not None:
         _S["hostile"].stop()
 
@@ -797,7 +780,7 @@ def t_secrets_provider_echo():
     # this one does not mask it) puts it in the answer that ltg relays, and an idempotent request
     # keeps that answer in ledger.log for its replays. Its own ltg (and --data), and its answers
     # recorded with the provider key allowed, so that the sweep reports this case here only.
-    a = _S["echo"] = SecAux("secrets-echo", config=config_path())
+    a = sec_aux("secrets-echo", config_path())
     problems = []
     try:
         a.start()
@@ -819,7 +802,6 @@ def t_secrets_provider_echo():
                     problems.append("the provider key is in --data file %s" % os.path.basename(path))
     finally:
         a.close()
-        _S["echo"] = None
     check(not problems, "; ".join(problems))
 
 
@@ -948,7 +930,7 @@ def t_secrets_misconfig():
     c = json.loads(json.dumps(good))
     c["admin_keys"][1]["key_sha256"] = SHA_ADMIN_KEY
     slips.append(("the admin key in key_sha256", c))
-    a = _S["misconfig"] = SecAux("secrets-misconfig", config=path)
+    a = sec_aux("secrets-misconfig", path)
     problems = []
     try:
         for what, cfg in slips:
@@ -971,7 +953,6 @@ def t_secrets_misconfig():
         a.stop()
     finally:
         a.close()
-        _S["misconfig"] = None
     check(not problems, "; ".join(problems))
 
 

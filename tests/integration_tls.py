@@ -107,9 +107,7 @@ STOP_LINE_RE = re.compile(r"TLS handshakes: (\d+) full, (\d+) resumed")
 _S = {"certs": None, "certs_error": None, "mocks": {}, "config": None, "auxes": {}, "tokens": {}, "n": 0}
 
 
-def check(cond, msg):
-    if not cond:
-        raise it.TestFailure(msg)
+check = it.check
 
 
 # ===== certificates and the TLS mocks =============================================================
@@ -254,34 +252,9 @@ def config_path():
     return _S["config"]
 
 
-class TlsAux(it.Aux):
+def tls_aux(tag, extra, config=None):
     """An Aux with extra command-line flags ("{certs}" in them stands for the certs dir)."""
-
-    def __init__(self, tag, extra, config=None):
-        it.Aux.__init__(self, tag, config=config or config_path())
-        self.extra = [a.replace("{certs}", certs()) for a in extra]
-
-    def spawn(self):
-        self.log.write(("\n==== starting ltg %s\n" % " ".join(self.extra)).encode())
-        self.log.flush()
-        self.started_at = os.path.getsize(self.log_path)
-        self.proc = subprocess.Popen([it.H.ltg_bin, "--config", self.config_path, "--data", self.data_dir,
-                                      "--listen", "127.0.0.1:%d" % self.port,
-                                      "--admin-listen", "127.0.0.1:%d" % self.admin_port] + self.extra,
-                                     stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, env=it.H.env)
-
-    def log_size(self):
-        try:
-            self.log.flush()
-            return os.path.getsize(self.log_path)
-        except (OSError, ValueError):
-            return 0
-
-    def text_from(self, at):
-        self.log.flush()
-        with open(self.log_path, "rb") as f:
-            f.seek(at)
-            return f.read().decode("utf-8", "replace")
+    return it.Aux(tag, config=config or config_path(), args=[a.replace("{certs}", certs()) for a in extra])
 
 
 AUX_FLAGS = {
@@ -299,7 +272,7 @@ def aux(name):
         return a
     if a is None:
         _S["n"] += 1
-        a = _S["auxes"][name] = TlsAux("tls-%s-%d" % (name, _S["n"]), AUX_FLAGS[name])
+        a = _S["auxes"][name] = tls_aux("tls-%s-%d" % (name, _S["n"]), AUX_FLAGS[name])
     a.start()
     return a
 
@@ -325,12 +298,7 @@ def token(a, fallbacks=None, retries=None):
     return secret
 
 
-def _kill_all():
-    for a in list(_S["auxes"].values()):
-        try:
-            a.kill()
-        except Exception:
-            pass
+def _kill_mocks():
     for m in list(_S["mocks"].values()):
         try:
             m.stop()
@@ -338,14 +306,7 @@ def _kill_all():
             pass
 
 
-atexit.register(_kill_all)
-
-
-def _sanitizer_line(text):
-    for line in text.splitlines():
-        if "runtime error:" in line or "AddressSanitizer" in line or "LeakSanitizer" in line:
-            return line.strip()
-    return None
+atexit.register(_kill_mocks)
 
 
 def ttest(name):
@@ -363,7 +324,7 @@ def ttest(name):
                 err = e
             for n, a in _S["auxes"].items():
                 at = before[n][1] if n in before else 0
-                san = _sanitizer_line(a.text_from(at))
+                san = a.report_since(at)
                 if san:
                     raise it.TestFailure("sanitizer report in the log of ltg (%s): %s%s"
                                          % (a.tag, san, " (and: %s)" % err if err else ""))
@@ -587,7 +548,7 @@ def t_tls_resume():
     # The stop line of this ltg, which made no other TLS connection.
     at = a.started_at
     a.stop()
-    full, resumed = stop_line(a, a.text_from(at))
+    full, resumed = stop_line(a, a.text_since(at))
     check(full == 1, "ltg's stop line says %d full handshakes, want 1" % full)
     check(resumed == st.get("tls_resumed"), "ltg's stop line says %d resumed, the mock %r" % (resumed, st.get("tls_resumed")))
 
@@ -626,7 +587,7 @@ def t_tls_wrong_ca_fallback():
 def t_tls_noverify():
     a = aux("otherca")
     tok = token(a)
-    text = a.text_from(0)
+    text = a.text_since(0)
     check(re.search(r"tls-noverify.*tls_verify is false", text), "no start-up warning about tls_verify false: %s"
           % text[-600:])
     m = mock("good")
@@ -813,7 +774,7 @@ def t_tls_ca_file_bad():
     for path, what in ((missing, "a missing file"), (nocert, "a PEM file with only a private key"),
                        (empty, "an empty file"), (text_file, "a text file")):
         _S["n"] += 1
-        a = TlsAux("tls-badca-%d" % _S["n"], ["--ca-file", path])
+        a = tls_aux("tls-badca-%d" % _S["n"], ["--ca-file", path])
         try:
             rc, text = a.start_fails(timeout=20)
             check(rc != 0, "%s: ltg exited %r" % (what, rc))
@@ -823,7 +784,7 @@ def t_tls_ca_file_bad():
             a.close()
     # Without an https provider the file is not read: start-up goes on.
     _S["n"] += 1
-    a = TlsAux("tls-badca-%d" % _S["n"], ["--ca-file", missing], config=it.H.config_path)
+    a = tls_aux("tls-badca-%d" % _S["n"], ["--ca-file", missing], config=it.H.config_path)
     try:
         a.start()
         a.stop()
@@ -844,7 +805,7 @@ def t_tls_reload():
         path = os.path.join(it.H.tmp, "catalog-tls-reload-%d.json" % _S["n"])
         with open(path, "w") as f:
             json.dump(plain, f)
-        a = TlsAux("tls-reload-%d" % _S["n"], ["--ca-file", ca], config=path)
+        a = tls_aux("tls-reload-%d" % _S["n"], ["--ca-file", ca], config=path)
         try:
             a.start()
             gid = it.create_group(it.group_body(name="tls-reload", allowed_models=["Kimi-K3"]), port=a.admin_port)["id"]
@@ -854,9 +815,9 @@ def t_tls_reload():
             at = a.log_size()
             a.proc.send_signal(signal.SIGHUP)
             deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and "SIGHUP" not in a.text_from(at):
+            while time.monotonic() < deadline and "SIGHUP" not in a.text_since(at):
                 time.sleep(0.05)
-            text = a.text_from(at)
+            text = a.text_since(at)
             if taken:
                 check("config taken" in text, "the reload adding an https provider: %r" % text[-400:])
                 it.check_admin_ok(a.admin("PATCH", "/token_groups/" + gid, {"allowed_models": ["Kimi-K3", "TLS-Good"]},
