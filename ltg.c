@@ -3462,7 +3462,8 @@ done:
  * records; here) and DATA/ledger.log (spend events; section 13). Every
  * acknowledged change is one record in state.log, written and fsynced
  * before the answer leaves (Redis's appendfsync always); the ledger is
- * fsynced once per loop turn instead. A file opens with an 8-byte magic
+ * written at the end of each loop turn and fsynced within 20 ms (Redis's
+ * everysec, tighter). A file opens with an 8-byte magic
  * of its kind; a record is
  *
  *     [length: 4 bytes LE][CRC-32 of the payload: 4 bytes LE][payload]
@@ -3907,9 +3908,19 @@ static int ledger_apply(const char *p, size_t n, off_t at, char *err, size_t err
  * loses at most those milliseconds (and never corrupts an event: a torn
  * record is cut off at start-up). */
 #define LEDGER_SYNC_MS 20
+
+/* A failed write or fsync of the ledger. Its events are already in the
+ * index, pointing at file offsets later events would reuse: so the ledger
+ * refuses every later event until a restart rebuilds the index from disk. */
+static void ledger_failed(void) {
+    static int told;
+    if (!LG.f.broken[0]) snprintf(LG.f.broken, sizeof LG.f.broken, "the ledger %s could not be written: spend events are not recorded until ltg restarts", LG.f.path);
+    if (!told++) ltg_log("%s", LG.f.broken);
+}
+
 static void ledger_sync(void *ctx) {
     (void)ctx;
-    if (log_sync(&LG.f) < 0) ltg_log("spend events since the last sync may be lost: %s", LG.f.broken[0] ? LG.f.broken : "a write failed");
+    if (log_sync(&LG.f) < 0) ledger_failed();
 }
 
 /* Append an event (its JSON in `event`) to the file and the index. */
@@ -3924,9 +3935,11 @@ static void ledger_append(const ledger_entry *e, const char *event, size_t n, co
     const char *why;
     ledger_entry x = *e;
     x.off = (uint64_t)LG.f.size + 8, x.len = (uint32_t)p.len;
-    if (log_append(&LG.f, p.p, p.len, 0, &why) < 0) ltg_log("a spend event was not recorded: %s", why); /* the answer is already on its way */
-    else ledger_index(&x);
-    if (ledger_sync_timer.slot < 0) timer_set(&ledger_sync_timer, LEDGER_SYNC_MS);
+    if (log_append(&LG.f, p.p, p.len, 0, &why) < 0) ledger_failed(); /* the answer is already on its way */
+    else {
+        ledger_index(&x);
+        if (ledger_sync_timer.slot < 0) timer_set(&ledger_sync_timer, LEDGER_SYNC_MS);
+    }
     buf_free(&p);
 }
 
@@ -4090,7 +4103,7 @@ static inf_idem *inf_idem_restore(const char *p, const json_tok *t, int r, int64
  * loop then polls without waiting). */
 static int store_tick(void) {
     static int64_t purged;
-    if (LG.f.pending.len && log_write(&LG.f) < 0) ltg_log("spend events of this turn are lost: %s", LG.f.broken[0] ? LG.f.broken : "a write failed");
+    if (LG.f.pending.len && log_write(&LG.f) < 0) ledger_failed();
     if (S.now - purged > 60000 && !ST.frozen) { /* expired idempotency records leave the live state */
         purged = S.now;
         int64_t now = wall_ms();
@@ -4299,6 +4312,8 @@ static void conn_done(conn *c) {
     if (!c->keep_alive) {
         c->close_after = 1;
         conn_send(c, "", 0); /* joins the pending list: closes after the flush */
+        c->timer_kind = TK_IDLE, c->written_mark = c->written; /* and not later than a client that takes nothing allows */
+        timer_set(&c->t, S.idle_timeout_ms);
         return;
     }
     conn_process(c);
@@ -5712,7 +5727,7 @@ static void exchange_timer(void *ctx) {
     exchange *x = ctx;
     char msg[160];
     if (x->head_sent) {
-        if (x->u && x->u->paused) snprintf(msg, sizeof msg, "the client read nothing for %d s", STREAM_IDLE_MS / 1000);
+        if (x->u && x->u->paused) snprintf(msg, sizeof msg, "the client did not take the stream for %d s", STREAM_IDLE_MS / 1000);
         else snprintf(msg, sizeof msg, "the stream from %s stalled for %d s", exchange_model(x)->alias, STREAM_IDLE_MS / 1000);
         exchange_fail(x, 504, "stream_interrupted", msg);
     } else if (!x->u) {
@@ -5743,16 +5758,29 @@ static void exchange_deadline(void *ctx) {
 }
 
 /* One SSE event of a stream: LTG_ERR when its data is neither JSON nor
- * [DONE]; 1 when it is the usage chunk ltg asked for on its own (kept from
- * the client); else 0. Its usage, if any, is noted. */
+ * [DONE]; SSE_EMPTY when it has none (a comment, a keep-alive); SSE_HIDE
+ * for the usage chunk ltg asked for on its own (kept from the client);
+ * else SSE_RELAY. Its usage, if any, is noted. */
+enum { SSE_RELAY, SSE_EMPTY, SSE_HIDE };
 static int stream_event(exchange *x, const char *ev, size_t n) {
     static buf data;
-    if (!sse_event_data(ev, n, &data) || (data.len == 6 && memcmp(data.p, "[DONE]", 6) == 0)) return 0;
+    if (!sse_event_data(ev, n, &data) || !data.len) return SSE_EMPTY;
+    if (data.len == 6 && memcmp(data.p, "[DONE]", 6) == 0) return SSE_RELAY;
     long long in, out;
-    int no_choices, r = usage_read(data.p ? data.p : "", data.len, &in, &out, &no_choices);
-    if (r <= 0) return r;
+    int no_choices, r = usage_read(data.p, data.len, &in, &out, &no_choices);
+    if (r <= 0) return r < 0 ? LTG_ERR : SSE_RELAY;
     x->in_tok = in, x->out_tok = out, x->usage_known = 1;
-    return x->hide_usage && no_choices;
+    return x->hide_usage && no_choices ? SSE_HIDE : SSE_RELAY;
+}
+
+/* The provider's stream broke: while the client has seen nothing the
+ * attempt fails over; after that the client's stream ends with the error
+ * event. */
+static void stream_broken(exchange *x, const char *why) {
+    if (!x->head_sent) { attempt_end(x, OUTCOME_INDETERMINATE, 200, 502, why); return; }
+    char msg[256];
+    snprintf(msg, sizeof msg, "%s: %s", exchange_model(x)->alias, why);
+    exchange_fail(x, 502, "stream_interrupted", msg);
 }
 
 /* Relay the stream's complete events; end it when the provider's body ends. */
@@ -5764,12 +5792,8 @@ static void exchange_relay_stream(exchange *x) {
         off += n;
         mask_provider_key(exchange_model(x)->p, ev, n);
         int r = stream_event(x, ev, n);
-        if (r < 0) {
-            if (x->head_sent) exchange_fail(x, 502, "stream_interrupted", "the provider sent an SSE event whose data is not JSON");
-            else attempt_end(x, OUTCOME_INDETERMINATE, 200, 502, "an SSE event whose data is not JSON");
-            return;
-        }
-        if (r) continue;
+        if (r < 0) { stream_broken(x, "an SSE event whose data is not JSON"); return; }
+        if (r == SSE_HIDE || (r == SSE_EMPTY && !x->head_sent)) continue; /* a comment is not the answer's start */
         if (!x->head_sent) { /* the first event: the answer starts, the attempt has succeeded */
             attempt_log(x, 200, OUTCOME_OK, NULL);
             breaker_record(exchange_model(x), OUTCOME_OK, x->probe, S.now);
@@ -5787,7 +5811,7 @@ static void exchange_relay_stream(exchange *x) {
     buf_consume(&u->body, off);
     if (x->head_sent) timer_set(&x->t, STREAM_IDLE_MS);
     if (u->complete) {
-        if (!x->head_sent) { attempt_end(x, OUTCOME_INDETERMINATE, 200, 502, "the stream ended before its first event"); return; }
+        if (!x->head_sent) { stream_broken(x, "the stream ended before its first event"); return; }
         if (u->body.len) { /* no final blank line: pass the rest on */
             mask_provider_key(exchange_model(x)->p, u->body.p, u->body.len);
             exchange_chunk(x, u->body.p, u->body.len);
@@ -5797,11 +5821,7 @@ static void exchange_relay_stream(exchange *x) {
         exchange_end(x);
         return;
     }
-    if (u->body.len > 1024 * 1024) {
-        if (x->head_sent) exchange_fail(x, 502, "upstream_error", "an SSE event from the provider is larger than 1 MiB");
-        else attempt_end(x, OUTCOME_INDETERMINATE, 200, 502, "an SSE event larger than 1 MiB");
-        return;
-    }
+    if (u->body.len > 1024 * 1024) { stream_broken(x, "an SSE event larger than 1 MiB"); return; }
     if (x->c && conn_unsent(x->c) > OUT_HIGH_WATER) up_pause(u, 1);
 }
 
@@ -5814,12 +5834,7 @@ static void exchange_drained(exchange *x) {
 static void exchange_upstream(exchange *x) {
     upstream *u = x->u;
     if (u->failed) {
-        if (x->head_sent) { /* the stream had started: no failover now */
-            char msg[256];
-            snprintf(msg, sizeof msg, "%s: %s", exchange_model(x)->alias, u->err);
-            exchange_fail(x, 502, "stream_interrupted", msg);
-            return;
-        }
+        if (x->head_sent) { stream_broken(x, u->err); return; } /* the stream had started: no failover now */
         attempt_end(x, attempt_classify(0, u->wrote > 0 || u->have_head), u->have_head ? u->resp.status : 0, 502, u->err);
         return;
     }
@@ -5857,7 +5872,11 @@ static void exchange_upstream(exchange *x) {
 static void exchange_abort(exchange *x) {
     x->c->x = NULL;
     x->c = NULL;
-    if (x->idem && S.ndetached < S.max_conns) { x->detached = 1, S.ndetached++; return; } /* bounded: each holds an fd */
+    if (x->idem && S.ndetached < S.max_conns) { /* it runs on alone (bounded: each holds an fd) */
+        x->detached = 1, S.ndetached++;
+        if (x->u && x->u->paused) up_pause(x->u, 0); /* nobody to wait for now */
+        return;
+    }
     if (x->u && !x->head_sent) /* the running attempt, cut by the client */
         attempt_log(x, x->u->have_head ? x->u->resp.status : 0, OUTCOME_INDETERMINATE, "the client closed the connection");
     if (x->head_sent) exchange_settle(x, 200, EV_PARTIAL, x->plan.model, 0, NULL, 0);

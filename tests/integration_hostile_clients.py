@@ -31,6 +31,9 @@ What they cover, one test each:
 4. A client that never reads a ~55 MB stream (small SO_RCVBUF): ltg's RSS stays bounded and the
    mock is held back (what its sockets took, read with ss(8), stops growing far below the stream's
    size); then the client reads it all and gets every event.
+5. A client that stops reading a 12 MiB answer (keep-alive, and with Connection: close) is closed
+   after --idle-timeout without progress; an idempotent stream whose client stopped reading and
+   then left runs to its end without it (no longer held back), and the retry gets it replayed.
 
 Timing bounds are wide (a 2-core machine, busy, and the ASan build); lower bounds are only used
 where ltg must wait (the 408).
@@ -666,3 +669,70 @@ def t_never_reads():
     grown = rss_kib(pid) - rss0
     check(grown < RSS_SLACK_KIB, "ltg's RSS grew by %d KiB after the stream" % grown)
     check_serves(H.port, H.admin_port, what="after the never-reading client: ")
+
+
+ANSWER_KB = 12 * 1024            # a non-stream answer larger than the kernel's socket buffers
+
+
+def drain(sock, timeout):
+    """Read until EOF (True) or `timeout` seconds pass (False); returns (eof, bytes read)."""
+    sock.settimeout(0.5)
+    got, deadline = 0, time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            data = sock.recv(1 << 20)
+        except socket.timeout:
+            continue
+        except ConnectionResetError:
+            return True, got
+        if not data:
+            return True, got
+        got += len(data)
+    return False, got
+
+
+@it.test("hostile client: a client that stops reading a 12 MiB answer (keep-alive, or Connection: close) "
+         "is closed after --idle-timeout without progress", ltg_args=("--idle-timeout", "2"))
+def t_stops_reading_answer():
+    H = it.H
+    for headers in ({}, {"Connection": "close"}):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", H.port))
+        try:
+            s.sendall(it.http_request("POST", "/v1/chat/completions",
+                                      it.chat_body(directive="content_kb=%d" % ANSWER_KB), headers=headers))
+            time.sleep(8)       # --idle-timeout 2 without a byte taken, with a wide margin
+            eof, got = drain(s, 10)
+            check(eof, "%s: the connection was still open after the client read nothing for 8 s" % (headers or "keep-alive"))
+            check(got < ANSWER_KB << 10, "%s: the whole answer (%d bytes) arrived: the test did not test what it says"
+                  % (headers or "keep-alive", got))
+        finally:
+            s.close()
+    check_serves(H.port, H.admin_port, what="after the clients that stopped reading: ")
+
+
+@it.test("hostile client: an idempotent stream whose client stopped reading, then left, runs to its end; "
+         "the retry gets it replayed")
+def t_detached_paused_stream():
+    H = it.H
+    body = it.chat_body(stream=True, directive="events=20000 event_delay_ms=0")
+    key = it.new_idem("paused-detached")
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", H.port))
+    try:
+        s.sendall(it.http_request("POST", "/v1/chat/completions", body, headers={"Idempotency-Key": key}))
+        time.sleep(2)           # ltg holds the stream back: its client reads nothing
+    finally:
+        s.close()
+    deadline = time.monotonic() + 30
+    while True:
+        r = it.one_request(H.port, "POST", "/v1/chat/completions", body, headers={"Idempotency-Key": key}, timeout=30)
+        if r.status != 409 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)         # still running without its client
+    check(r.status == 200 and r.header("x-ltg-replayed") == "true",
+          "the retry: %s, x-ltg-replayed %r (the stream did not run to its end)" % (r.brief(), r.header("x-ltg-replayed")))
+    check(r.body.count(b"data: ") == 20000 + 2, "the replay holds %d data lines, want %d"
+          % (r.body.count(b"data: "), 20000 + 2))

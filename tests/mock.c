@@ -47,6 +47,7 @@
  *                          all but the last byte
  *     junk_after_ms=N      after a whole answer, junk on the same connection
  *                          N ms later (0: in the same write); nothing more
+ *     content_kb=N         a chat answer whose content is N KiB of "x"
  *
  * After broken framing, a trickle or junk the mock answers nothing more on
  * that connection and waits (at most a minute) for the peer to close. A
@@ -324,6 +325,7 @@ struct directive {
     enum garble garble;
     long garble_after, trickle_ms;
     long junk_after_ms;          /* -1: no junk */
+    long content_kb;             /* a chat answer's content: N KiB of "x" (0: the usual greeting) */
 };
 
 static const struct directive directive_ok = {
@@ -349,6 +351,7 @@ static const struct { const char *name; size_t offset; int number; } directive_t
     { "garble_after", offsetof(struct directive, garble_after), 1 },
     { "trickle_ms", offsetof(struct directive, trickle_ms), 1 },
     { "junk_after_ms", offsetof(struct directive, junk_after_ms), 1 },
+    { "content_kb", offsetof(struct directive, content_kb), 1 },
 };
 
 /* Parses text into *d. On a bad token returns -1 with a message in why. */
@@ -1130,13 +1133,21 @@ static int serve_inference(struct conn *c, const struct request *r, int embeddin
         buf_printf(&c->json, ",\"usage\":{\"prompt_tokens\":%ld,\"total_tokens\":%ld}}",
                    ch.prompt_tokens, ch.prompt_tokens);
     } else {
-        char content[MODEL_MAX + 16];
-        snprintf(content, sizeof content, "Hello from %s.", ch.model);
+        char greeting[MODEL_MAX + 16], *content = greeting;
+        size_t n = (size_t)snprintf(greeting, sizeof greeting, "Hello from %s.", ch.model);
+        if (d.content_kb > 0) {
+            n = (size_t)d.content_kb << 10;
+            if (!(content = malloc(n)))
+                die("malloc");
+            memset(content, 'x', n);
+        }
         buf_printf(&c->json, "{\"id\":\"chatcmpl-mock-%lu\",\"object\":\"chat.completion\",\"created\":%ld,\"model\":",
                    ch.id, ch.created);
         buf_json_string(&c->json, ch.model, strlen(ch.model));
         buf_puts(&c->json, ",\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":");
-        buf_json_string(&c->json, content, strlen(content));
+        buf_json_string(&c->json, content, n);
+        if (content != greeting)
+            free(content);
         buf_printf(&c->json, "},\"finish_reason\":\"stop\"}],\"usage\":{\"prompt_tokens\":%ld,"
                    "\"completion_tokens\":%ld,\"total_tokens\":%ld}}",
                    ch.prompt_tokens, d.events, ch.prompt_tokens + d.events);

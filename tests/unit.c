@@ -823,6 +823,21 @@ static void test_ledger_pieces(void) {
     CHECK(usage_read(big.p, big.len, &in, &out, &no_choices) == 0, "200 members: still JSON, no usage looked for");
     buf_free(&big);
 
+    /* A stream's events: comments and empty data are not the answer; data must be JSON or [DONE]. */
+    {
+        exchange x;
+        memset(&x, 0, sizeof x);
+        x.hide_usage = 1;
+        CHECK(stream_event(&x, ": ping\n\n", 8) == SSE_EMPTY, "a comment");
+        CHECK(stream_event(&x, "data:\n\n", 7) == SSE_EMPTY, "empty data");
+        CHECK(stream_event(&x, "data: [DONE]\n\n", 14) == SSE_RELAY, "[DONE]");
+        CHECK(stream_event(&x, "data: <html>\n\n", 14) == LTG_ERR, "not JSON");
+        const char *ev = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":4}}\n\n";
+        CHECK(stream_event(&x, ev, strlen(ev)) == SSE_HIDE && x.usage_known && x.out_tok == 4, "the usage chunk ltg asked for");
+        x.hide_usage = 0;
+        CHECK(stream_event(&x, ev, strlen(ev)) == SSE_RELAY, "the usage chunk the client asked for");
+    }
+
     /* A provider's key quoted back by the provider is masked, byte for byte. */
     {
         provider p = {.api_key = "sk-prov-1234"};
