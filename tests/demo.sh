@@ -86,7 +86,7 @@ for e in json.load(sys.stdin)["data"]:
         print("request %s: requested %s -> served %s, %d attempts, status %s, cost %.6f USD" % (
             rid, e["requested_model"], e["model"], e["attempts"], e["status"], e["cost"]))
         for a in e["attempt_log"]:
-            print("  attempt_log: %-14s attempt %d  status %3d  %-13s %5d ms" % (a["model"], a["attempt"], a["status"], a["outcome"], a["ms"]))' "$REQ_ID"
+            print("  attempt_log: %-14s attempt %d  status %3d  %-13s %5d ms  %s" % (a["model"], a["attempt"], a["status"], a["outcome"], a["ms"], a.get("error", "")))' "$REQ_ID"
 echo
 echo "the usage summary of the group today:"
 admin "$ADMIN/usage/summary?token_group_id=$GROUP&start_date=$TODAY&end_date=$TOMORROW" | python3 -c '
