@@ -3254,6 +3254,41 @@ def t_inf_models():
 
 
 # --- 18. other ltg processes: the state log, crashes, a catalog reload, the README ---
+
+# Catalogs and calls for the test files that run an ltg of their own.
+
+def catalog_copy():
+    """A deep copy of the harness's catalog, for a test file to extend."""
+    return json.loads(json.dumps(H.config))
+
+
+def catalog_model(provider, upstream, in_usd=0.50, out_usd=1.00):
+    """A model entry of a catalog."""
+    return {"provider": provider, "upstream_model": upstream, "input_usd_per_mtok": in_usd, "output_usd_per_mtok": out_usd}
+
+
+def write_catalog(cfg, name):
+    """Write catalog `cfg` as {tmp}/catalog-NAME.json; returns its path."""
+    path = os.path.join(H.tmp, "catalog-%s.json" % name)
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=1)
+    return path
+
+
+def timed_call(port, token, model, stream=False, headers=None, timeout=60.0, path="/v1/chat/completions", body=None,
+               **extra):
+    """One inference request on a connection of its own; the Response has .t0 (when it was sent)
+    and .elapsed (s)."""
+    if body is None:
+        body = chat_body(model=model, stream=stream, **extra)
+    t0 = time.monotonic()
+    with Conn(port, timeout=timeout) as c:
+        c.send(http_request("POST", path, body, headers, auth=token))
+        r = c.read_final_response(timeout)
+    r.t0, r.elapsed = t0, time.monotonic() - t0
+    return r
+
+
 # These run their own ltg (same catalog, own ports and --data), so that they can damage its log,
 # kill it, or use the README's ports, without touching the main one.
 

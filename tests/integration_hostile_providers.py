@@ -57,19 +57,14 @@ check = it.check
 
 def _config_path():
     if _S["config"] is None:
-        cfg = json.loads(json.dumps(it.H.config))
+        cfg = it.catalog_copy()
         for i in range(1, NPOOL + 1):
-            cfg["models"]["HP-%02d" % i] = {"provider": "mock", "upstream_model": "hp-%02d" % i,
-                                            "input_usd_per_mtok": 0.50, "output_usd_per_mtok": 1.00}
+            cfg["models"]["HP-%02d" % i] = it.catalog_model("mock", "hp-%02d" % i)
         for i in range(1, NSOLO + 1):
             cfg["providers"]["hp-solo-%d" % i] = {"base_url": "http://127.0.0.1:%d/v1" % it.H.mock_port,
                                                   "api_key_env": "MOCK_KEY"}
-            cfg["models"]["HPS-%d" % i] = {"provider": "hp-solo-%d" % i, "upstream_model": "hps-%d" % i,
-                                           "input_usd_per_mtok": 0.50, "output_usd_per_mtok": 1.00}
-        path = os.path.join(it.H.tmp, "catalog-hostile.json")
-        with open(path, "w") as f:
-            json.dump(cfg, f, indent=1)
-        _S["config"] = path
+            cfg["models"]["HPS-%d" % i] = it.catalog_model("hp-solo-%d" % i, "hps-%d" % i)
+        _S["config"] = it.write_catalog(cfg, "hostile")
     return _S["config"]
 
 

@@ -303,16 +303,13 @@ def check_event(ev, what, **want):
 
 def aux_config(tag):
     """The harness's catalog plus a free model and two admin keys with one permission each."""
-    cfg = json.loads(json.dumps(it.H.config))
+    cfg = it.catalog_copy()
     cfg["models"]["Free-Model"] = dict(FREE_MODEL)
     cfg["admin_keys"] = list(cfg["admin_keys"]) + [
         {"key_sha256": hashlib.sha256(SPEND_ONLY_KEY.encode()).hexdigest(), "permissions": [it.P_SPEND_READ]},
         {"key_sha256": hashlib.sha256(USAGE_ONLY_KEY.encode()).hexdigest(), "permissions": [it.P_USAGE_READ]},
     ]
-    path = os.path.join(it.H.tmp, "catalog-%s.json" % tag)
-    with open(path, "w") as f:
-        json.dump(cfg, f, indent=2)
-    return path
+    return it.write_catalog(cfg, tag)
 
 
 def stream_parts(r, what):

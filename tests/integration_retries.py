@@ -53,21 +53,16 @@ check = it.check
 
 def _config_path():
     if _S["config"] is None:
-        cfg = json.loads(json.dumps(it.H.config))
+        cfg = it.catalog_copy()
         for i in range(1, NPOOL + 1):
-            cfg["models"]["RT-%03d" % i] = {"provider": "mock", "upstream_model": "rt-%03d" % i,
-                                            "input_usd_per_mtok": 0.50, "output_usd_per_mtok": 1.00}
+            cfg["models"]["RT-%03d" % i] = it.catalog_model("mock", "rt-%03d" % i)
         for i in range(1, NDOWN + 1):
-            cfg["models"]["RD-%02d" % i] = {"provider": "down", "upstream_model": "rd-%02d" % i,
-                                            "input_usd_per_mtok": 0.50, "output_usd_per_mtok": 1.00}
+            cfg["models"]["RD-%02d" % i] = it.catalog_model("down", "rd-%02d" % i)
         cfg["providers"]["rt-blackhole"] = {"base_url": "http://127.0.0.1:%d/v1" % _blackhole_port(),
                                             "api_key_env": "MOCK_KEY"}
         for i in range(1, 4):
-            cfg["models"]["RB-%d" % i] = {"provider": "rt-blackhole", "upstream_model": "rb-%d" % i,
-                                          "input_usd_per_mtok": 0.50, "output_usd_per_mtok": 1.00}
-        path = os.path.join(it.H.tmp, "catalog-retries.json")
-        with open(path, "w") as f:
-            json.dump(cfg, f, indent=1)
+            cfg["models"]["RB-%d" % i] = it.catalog_model("rt-blackhole", "rb-%d" % i)
+        path = it.write_catalog(cfg, "retries")
         _S["config"] = path
     return _S["config"]
 
@@ -181,17 +176,9 @@ def gaps(alias):
     return [b - a for a, b in zip(t, t[1:])]
 
 
-def call(a, g, model, stream=False, headers=None, timeout=60.0, path="/v1/chat/completions", body=None, **extra):
-    """One inference request; the Response has .elapsed (s)."""
-    token = g.token if isinstance(g, Group) else g
-    if body is None:
-        body = it.chat_body(model=model, stream=stream, **extra)
-    t0 = time.monotonic()
-    with it.Conn(a.port, timeout=timeout) as c:
-        c.send(it.http_request("POST", path, body, headers, auth=token))
-        r = c.read_final_response(timeout)
-    r.elapsed = time.monotonic() - t0
-    return r
+def call(a, g, model, **kw):
+    """One inference request to ltg `a` with group g's key (or a token); see it.timed_call."""
+    return it.timed_call(a.port, g.token if isinstance(g, Group) else g, model, **kw)
 
 
 def check_headers(r, status, attempts, served=None, what="the answer"):

@@ -237,18 +237,14 @@ def config_path():
     if _S["config"] is None:
         for role in MOCK_ROLES:
             mock(role)
-        cfg = json.loads(json.dumps(it.H.config))
+        cfg = it.catalog_copy()
         for name, role in PROVIDER_MOCK.items():
             cfg["providers"][name] = {"base_url": "https://localhost:%d/v1" % _S["mocks"][role].port,
                                       "api_key_env": "MOCK_KEY"}
         cfg["providers"]["tls-noverify"]["tls_verify"] = False
         for alias, (prov, up) in TLS_MODELS.items():
-            cfg["models"][alias] = {"provider": prov, "upstream_model": up,
-                                    "input_usd_per_mtok": 0.50, "output_usd_per_mtok": 1.00}
-        path = os.path.join(it.H.tmp, "catalog-tls.json")
-        with open(path, "w") as f:
-            json.dump(cfg, f, indent=1)
-        _S["config"] = path
+            cfg["models"][alias] = it.catalog_model(prov, up)
+        _S["config"] = it.write_catalog(cfg, "tls")
     return _S["config"]
 
 
@@ -344,18 +340,9 @@ def ttest(name):
 
 # ===== calls ======================================================================================
 
-def call(a, tok, model, stream=False, headers=None, timeout=60.0, path="/v1/chat/completions", body=None,
-         conn_setup=None, **extra):
-    """One inference request to ltg `a`; the Response has .elapsed (s)."""
-    if body is None:
-        body = it.chat_body(model=model, stream=stream, **extra)
-    t0 = time.monotonic()
-    with it.Conn(a.port, timeout=timeout) as c:
-        c.send(it.http_request("POST", path, body, headers, auth=tok))
-        r = c.read_final_response(timeout)
-    r.elapsed = time.monotonic() - t0
-    r.t0 = t0
-    return r
+def call(a, tok, model, **kw):
+    """One inference request to ltg `a`; see it.timed_call."""
+    return it.timed_call(a.port, tok, model, **kw)
 
 
 def check_ok(r, served, upstream, what):
@@ -794,17 +781,14 @@ def t_tls_ca_file_bad():
 
 @ttest("SIGHUP adding the first https provider loads --ca-file then (refused while it is missing)")
 def t_tls_reload():
-    plain = json.loads(json.dumps(it.H.config))
-    with_tls = json.loads(json.dumps(plain))
+    plain = it.catalog_copy()
+    with_tls = it.catalog_copy()
     with_tls["providers"]["tls-good"] = {"base_url": "https://localhost:%d/v1" % mock("good").port,
                                          "api_key_env": "MOCK_KEY"}
-    with_tls["models"]["TLS-Good"] = {"provider": "tls-good", "upstream_model": "tls-good",
-                                      "input_usd_per_mtok": 0.5, "output_usd_per_mtok": 1.0}
+    with_tls["models"]["TLS-Good"] = it.catalog_model("tls-good", "tls-good")
     for ca, taken in (("{certs}/ca.pem", True), ("{certs}/no-such-ca.pem", False)):
         _S["n"] += 1
-        path = os.path.join(it.H.tmp, "catalog-tls-reload-%d.json" % _S["n"])
-        with open(path, "w") as f:
-            json.dump(plain, f)
+        path = it.write_catalog(plain, "tls-reload-%d" % _S["n"])
         a = tls_aux("tls-reload-%d" % _S["n"], ["--ca-file", ca], config=path)
         try:
             a.start()
