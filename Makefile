@@ -45,6 +45,10 @@ tests/unit: tests/unit.c ltg.c ltg.h | deps
 tests/unit-asan: tests/unit.c ltg.c ltg.h | deps
 	$(CC) $(SAN) $(WARN) -Wno-unused-function $(CFLAGS_EXTRA) -o $@ tests/unit.c $(BEARSSL) -lm
 
+# The benchmark's history: spend events written through ltg's own ledger code.
+tests/ledger-gen: tests/ledger-gen.c ltg.c ltg.h | deps
+	$(CC) -O2 $(WARN) -Wno-unused-function $(CFLAGS_EXTRA) -o $@ tests/ledger-gen.c $(BEARSSL) -lm
+
 tests/mock: tests/mock.c | deps
 	$(CC) -O2 -std=c11 -Wall -Wextra $(CFLAGS_EXTRA) -pthread -o $@ tests/mock.c $(BEARSSL)
 
@@ -54,7 +58,7 @@ test: ltg ltg-asan tests/unit tests/unit-asan tests/mock
 demo: ltg tests/mock
 	tests/demo.sh
 
-bench: ltg tests/mock
+bench: ltg tests/mock tests/ledger-gen
 	tests/bench.sh
 
 # The whole integration suite with every ltg it starts run under memcheck:
@@ -133,6 +137,6 @@ tests/fuzz-%: tests/fuzz.c ltg.c ltg.h | deps
 	$(FUZZ_CC) $(FUZZ_FLAGS) $(WARN) -Wno-unused-function $(CFLAGS_EXTRA) -DFUZZ_$$(echo $* | tr a-z A-Z) -o $@ tests/fuzz.c $(BEARSSL) -lm
 
 clean:
-	rm -f ltg ltg-asan ltg-valgrind tests/unit tests/unit-asan tests/mock
+	rm -f ltg ltg-asan ltg-valgrind tests/unit tests/unit-asan tests/mock tests/ledger-gen tests/fuzz-*
 
 .PHONY: all deps test demo bench fuzz valgrind soak clean

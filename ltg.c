@@ -7,8 +7,10 @@
  * control plane (admin keys) manages token groups -- the policy -- and
  * issues token keys; the inference plane speaks the OpenAI API and accepts
  * only token keys. Changes to groups and keys are fsynced to an append-only
- * log before they are acknowledged; every request leaves a spend event in a
- * second log, the ledger; both are replayed at start-up.
+ * log before they are acknowledged; every request leaves a spend event in the
+ * ledger, one log per UTC day, each sealed at midnight with an index file
+ * beside it and deleted after --ledger-days. Memory, disk and start-up time
+ * depend on what ltg holds now, never on how much it has served.
  *
  * One process, one thread, one poll() loop. Every socket is non-blocking;
  * every wait (a timeout, a backoff, a DNS answer, a slow client) is a timer
@@ -18,19 +20,22 @@
  *
  * The life of one chat request:
  *   1. conn_read() gathers bytes; http_head_end()/http_parse_request() find
- *      and parse the head, the body arrives (Content-Length or chunked).
- *   2. route() sends it to inference_call(): the token key resolves to its
- *      group, the body's model must be allowed, the worst-case cost must fit
- *      the budget; a cached answer or an idempotent replay may answer here.
+ *      and parse the head, the body arrives (Content-Length or chunked) (15).
+ *   2. route() (18) sends it to inference_call() (17): the token key
+ *      resolves to its group, the body's model must be allowed, the ledger
+ *      must be writable, the worst case must fit the budget (14); a cached
+ *      answer or an idempotent replay may answer here.
  *   3. exchange_attempt() rewrites "model" for the current model of the
- *      chain [M] + fallbacks[M], and up_start() borrows a pooled upstream
- *      connection or opens one (resolving the host without blocking).
+ *      chain [M] + fallbacks[M], and up_start() (9) borrows a pooled
+ *      upstream connection or opens one (resolving the host without
+ *      blocking, 6).
  *   4. exchange_upstream() classifies the answer: a success is relayed
- *      (a stream event by event), a failure goes to plan_next(), which
+ *      (a stream event by event), a failure goes to plan_next() (10), which
  *      retries the same model, moves to the next one, or gives up.
- *   5. exchange_settle() replaces the reservation by the real cost and
- *      writes the spend event; the upstream connection returns to the pool
- *      and the client connection waits for its next request.
+ *   5. exchange_settle() replaces the reservation by the real cost and adds
+ *      the spend event to today's segment (13); the upstream connection
+ *      returns to the pool and the client connection waits for its next
+ *      request.
  *
  * Sections (banners below carry the same names):
  *   1. Limits and global state
@@ -45,12 +50,13 @@
  *  10. The attempt plan: retry, fallback, circuit breaker
  *  11. The store: token groups, token keys, idempotency records
  *  12. The append-only log
- *  13. The ledger, budgets and the cache
- *  14. Client connections: the HTTP/1.1 server
- *  15. The control plane
- *  16. Inference: the proxy path
- *  17. Routing
- *  18. main
+ *  13. The ledger: daily segments, index files, retention
+ *  14. Budgets, the cache, idempotent inference
+ *  15. Client connections: the HTTP/1.1 server
+ *  16. The control plane
+ *  17. Inference: the proxy path
+ *  18. Routing
+ *  19. main
  *
  * Read ltg.h first: it holds the contracts of the parsers and buffers.
  */
@@ -59,6 +65,7 @@
 
 #include <arpa/inet.h>
 #include <ctype.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -86,16 +93,21 @@
  *
  * IMPLEMENTATION NOTES
  * The limits of API.md section 5 live here as defaults; the command line
- * may change the operator-facing ones. Everything the process owns hangs off
- * one global struct, `S`, so a reader can see the whole state in one place.
+ * may change the operator-facing ones. The process-wide state -- options,
+ * the loop, the listeners -- is one global struct, `S`; each later section
+ * keeps its own state in one struct of its own beside its code (ST, LOG,
+ * LG, CACHE...), so a reader finds it where it is used.
  */
 #define MAX_HEAD_BYTES (16 * 1024)       /* request head; 431 beyond */
 #define UP_MAX_HEAD_BYTES (64 * 1024)    /* provider response head */
 #define UP_MAX_BODY_BYTES (64 * 1024 * 1024) /* non-streaming provider answer */
 #define ADMIN_MAX_CONNS 64               /* control-plane connections (at most --max-conns), counted apart */
 #define MAX_BODY_FIELDS 512              /* top-level JSON tokens of a request body */
+#define ALIAS_MAX 128                    /* bytes of a model alias */
 #define READ_CHUNK 16384
-#define OUT_HIGH_WATER (256 * 1024)      /* stop reading upstream above this */
+#define OUT_HIGH_WATER (256 * 1024)      /* unsent output past this: stop reading the upstream, or the client */
+#define BODY_MIN_RATE 4096               /* bytes/s a request body must keep up, after --head-timeout */
+#define EPISODE_QUIET_MS 10000           /* an episode of refused connections ends after this long without one */
 #define POOL_IDLE_MS 30000               /* idle pooled upstream connection lifetime */
 #define POOL_MAX_IDLE 64                 /* idle connections kept per provider */
 #define CONNECT_TIMEOUT_MS 10000
@@ -137,7 +149,9 @@ static struct {
     const char *config_path, *data_dir, *resolv_conf;
     char listen_addr[64], admin_addr[64];
     int max_conns, drain_seconds;
+    int max_per_ip;           /* inference connections from one client address */
     int max_stream_s;         /* a started stream is cut after this long */
+    int ledger_days;          /* days of spend events kept (section 13) */
     long long max_body;
     int head_timeout_ms, idle_timeout_ms;
     long long cache_mb;
@@ -321,6 +335,19 @@ static void iso_time(int64_t ms, char out[64]) {
              tm.tm_min, tm.tm_sec, (int)(ms % 1000));
 }
 
+/* "YYYY-MM-DD" as the wall ms of its midnight UTC; LTG_ERR when it is not a date. */
+static int parse_day(const char *s, int64_t *ms) {
+    if (strlen(s) != 10 || s[4] != '-' || s[7] != '-') return LTG_ERR;
+    for (int i = 0; i < 10; i++)
+        if (i != 4 && i != 7 && !isdigit((unsigned char)s[i])) return LTG_ERR;
+    int y = atoi(s), m = atoi(s + 5), d = atoi(s + 8);
+    struct tm tm = {.tm_year = y - 1900, .tm_mon = m - 1, .tm_mday = d};
+    time_t t = timegm(&tm);
+    if (tm.tm_year != y - 1900 || tm.tm_mon != m - 1 || tm.tm_mday != d) return LTG_ERR; /* 2026-02-30 */
+    *ms = (int64_t)t * 1000;
+    return 0;
+}
+
 static void hex_encode(const uint8_t *p, size_t n, char *out) {
     static const char digits[] = "0123456789abcdef";
     for (size_t i = 0; i < n; i++) out[2 * i] = digits[p[i] >> 4], out[2 * i + 1] = digits[p[i] & 15];
@@ -347,19 +374,36 @@ static void uuid_new(char out[37]) {
     snprintf(out, 37, "%.8s-%.4s-%.4s-%.4s-%.12s", h, h + 8, h + 12, h + 16, h + 20);
 }
 
-/* CRC-32 (IEEE 802.3), the checksum of every log record. */
-static uint32_t crc32(const void *data, size_t n) {
-    static uint32_t table[256];
-    if (!table[1])
+static void put_le32(uint8_t *p, uint32_t v) { p[0] = (uint8_t)v, p[1] = (uint8_t)(v >> 8), p[2] = (uint8_t)(v >> 16), p[3] = (uint8_t)(v >> 24); }
+static uint32_t get_le32(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
+
+/* CRC-32 (IEEE 802.3), the checksum of every log record and index file,
+ * continued from `crc` (0 to start). Eight bytes a step ("slicing by 8"):
+ * start-up reads every byte it trusts through this, so it is worth the
+ * 8 KiB table, about five times the speed of a byte at a time. */
+static uint32_t crc32_more(uint32_t crc, const void *data, size_t n) {
+    static uint32_t t[8][256];
+    if (!t[0][1])
         for (uint32_t i = 0; i < 256; i++) {
             uint32_t c = i;
             for (int k = 0; k < 8; k++) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-            table[i] = c;
+            t[0][i] = c;
         }
-    uint32_t c = 0xFFFFFFFFu;
-    for (size_t i = 0; i < n; i++) c = table[(c ^ ((const uint8_t *)data)[i]) & 0xFF] ^ (c >> 8);
-    return c ^ 0xFFFFFFFFu;
+    if (!t[7][1])
+        for (int k = 1; k < 8; k++)
+            for (int i = 0; i < 256; i++) t[k][i] = t[0][t[k - 1][i] & 0xFF] ^ (t[k - 1][i] >> 8);
+    const uint8_t *p = data;
+    uint32_t c = ~crc;
+    for (; n >= 8; p += 8, n -= 8) {
+        uint32_t lo = c ^ get_le32(p), hi = get_le32(p + 4);
+        c = t[7][lo & 0xFF] ^ t[6][lo >> 8 & 0xFF] ^ t[5][lo >> 16 & 0xFF] ^ t[4][lo >> 24] ^
+            t[3][hi & 0xFF] ^ t[2][hi >> 8 & 0xFF] ^ t[1][hi >> 16 & 0xFF] ^ t[0][hi >> 24];
+    }
+    while (n--) c = t[0][(c ^ *p++) & 0xFF] ^ (c >> 8);
+    return ~c;
 }
+
+static uint32_t crc32(const void *data, size_t n) { return crc32_more(0, data, n); }
 
 /* A hash table of pointers to items that carry their own key (open
  * addressing, linear probing). `key` returns an item's key bytes. Used for
@@ -2764,6 +2808,8 @@ typedef struct {
     int blocked;
     long long version;
     int64_t created_at, updated_at, budget_anchor; /* wall ms; budget_anchor 0 = no budget */
+    int64_t carry, carry_start, carry_to; /* spent in days retention deleted (section 13): in the period from
+                                             carry_start, by events before carry_to; carry_to 0: none */
     /* Runtime, not logged (rebuilt from the ledger at start-up): */
     int inflight;             /* requests in flight */
     int64_t spend, reserved;  /* micro-USD: charged in the current period; held by requests in flight */
@@ -2800,6 +2846,7 @@ static struct {
     vec gv, kv, iv;
     int frozen;               /* a compaction walks the vectors: positions must stay */
     size_t live_bytes;        /* what a snapshot of the live state would take */
+    int expired;              /* idempotency records expired since the last compaction: still in the log */
 } ST;
 
 static const void *group_key(const void *it, size_t *n) { *n = 36; return ((const group *)it)->id; }
@@ -3052,6 +3099,11 @@ static int group_parse(const char *s, const json_tok *t, int obj, group *g, int 
             g->updated_at = n;
         } else if (mode == PARSE_LOG && json_eq(s, t, i, "budget_anchor") && json_int(s, t, v, &n) == 0) {
             g->budget_anchor = n;
+        } else if (mode == PARSE_LOG && json_eq(s, t, i, "carried") && t[v].type == JSON_ARRAY && t[v].size == 3) {
+            long long c[3];
+            for (int k = 0, x = v + 1; k < 3; k++, x = t[x].next)
+                if (json_int(s, t, x, &c[k]) < 0) return verr_at(e, "carried", NULL, "must be three whole numbers");
+            g->carry = c[0], g->carry_start = c[1], g->carry_to = c[2];
         } else if (json_eq(s, t, i, "name")) {
             if (t[v].type != JSON_STRING) return verr_at(e, "name", NULL, "must be a string (it cannot be null)");
             if (!name_ok(s, t, v, NAME_MAX_LEN)) return verr_at(e, "name", NULL, "must be 1 to %d bytes, without NUL", NAME_MAX_LEN);
@@ -3172,6 +3224,9 @@ static int group_validate(const group *g, const catalog *cat, verr *e) {
     }
     if (g->has_budget && (g->max_budget < 0 || g->max_budget > 1e9 || !usd_ok(g->max_budget)))
         return verr_at(e, "max_budget", NULL, "must be between 0 and 1000000000 USD with at most six decimal places (0 denies every paid request, null is uncapped)");
+    if (g->budget_days > S.ledger_days)
+        return verr_at(e, "budget_duration", NULL, "a %d-day period is longer than the %d days of spend events this gateway keeps (--ledger-days): choose a shorter period, or have the operator keep more days",
+                       g->budget_days, S.ledger_days);
     if (g->cache_ttl != UNSET && (g->cache_ttl < 0 || g->cache_ttl > 30 * 86400))
         return verr_at(e, "cache_ttl", NULL, "must be between 0 and 2592000 seconds (or null)");
     if (g->max_parallel != UNSET && (g->max_parallel < 1 || g->max_parallel > 100000))
@@ -3189,6 +3244,10 @@ static void group_period(const group *g, int64_t now, int64_t *start, int64_t *e
     if (now > g->budget_anchor) *start = g->budget_anchor + (now - g->budget_anchor) / len * len;
     *end = *start + len;
 }
+
+/* What g carries into the period that starts at `start` from days the
+ * ledger deleted (section 13). */
+static int64_t group_carried(const group *g, int64_t start) { return g->carry_to && g->carry_start == start ? g->carry : 0; }
 
 /* A group as JSON: the API's shape, or the log's (exact integers, only
  * what cannot be derived). */
@@ -3238,6 +3297,11 @@ static void group_json(jwriter *w, const group *g, int for_log) {
         jw_key(w, "created_at"), jw_int(w, g->created_at);
         jw_key(w, "updated_at"), jw_int(w, g->updated_at);
         jw_key(w, "budget_anchor"), jw_int(w, g->budget_anchor);
+        if (g->carry_to) {
+            jw_key(w, "carried"), jw_open(w, '[');
+            jw_int(w, g->carry), jw_int(w, g->carry_start), jw_int(w, g->carry_to);
+            jw_close(w, ']');
+        }
     } else {
         int64_t start, end;
         group_period(g, wall_ms(), &start, &end);
@@ -3291,7 +3355,7 @@ static void store_put_group(group *g, size_t rec_bytes) {
     group *old = hmap_get(&ST.groups, g->id, 36);
     hmap_put(&ST.groups, g); /* replaces old: before old is freed, since the table compares ids */
     if (old) {
-        g->inflight = old->inflight, g->spend = old->spend, g->reserved = old->reserved, g->period_start = old->period_start;
+        g->inflight = old->inflight, g->reserved = old->reserved; /* spend comes with g: see group_commit */
         g->e.vi = old->e.vi;
         ST.gv.p[g->e.vi] = g;
         ST.live_bytes -= old->e.rec_bytes;
@@ -3346,12 +3410,13 @@ static void store_put_idem(idem *r, size_t rec_bytes) {
 }
 
 /* The idempotency record for `key`, or NULL (an expired one is dropped). */
-static idem *idem_find(const uint8_t key[32]) {
+static idem *idem_find(const uint8_t key[32], int64_t now) {
     idem *r = hmap_get(&ST.idems, key, 32);
-    if (r && r->expires <= wall_ms()) {
+    if (r && r->expires <= now) {
         hmap_del(&ST.idems, key, 32);
         vec_del(&ST.iv, r);
         ST.live_bytes -= r->e.rec_bytes;
+        ST.expired++;
         idem_free(r);
         return NULL;
     }
@@ -3381,8 +3446,8 @@ static int hex_decode(const char *s, size_t n, uint8_t *out) {
 
 /* Apply one log record's payload (section 12 calls this for every record
  * at start-up). Returns 0, or LTG_ERR with a reason in err. */
-static int store_apply(const char *p, size_t n, off_t at, char *err, size_t errlen) {
-    (void)at;
+static int store_apply(void *ctx, const char *p, size_t n, off_t at, char *err, size_t errlen) {
+    (void)ctx, (void)at;
     int max = (int)(n / 2 + 4);
     json_tok *t = xcalloc((size_t)max, sizeof *t);
     json_result res;
@@ -3447,7 +3512,7 @@ static int store_apply(const char *p, size_t n, off_t at, char *err, size_t errl
             rec->status = (int)st, rec->version = ver, rec->expires = x;
             rec->response = json_strdup(p, t, r);
             store_put_idem(rec, n + 8);
-        }
+        } else ST.expired++;
     }
     rc = 0;
 done:
@@ -3458,51 +3523,67 @@ done:
 /* ===== 12. The append-only log =====
  *
  * IMPLEMENTATION NOTES
- * Two files share this code: DATA/state.log (groups, keys, idempotency
- * records; here) and DATA/ledger.log (spend events; section 13). Every
- * acknowledged change is one record in state.log, written and fsynced
- * before the answer leaves (Redis's appendfsync always); the ledger is
- * written at the end of each loop turn and fsynced within 20 ms (Redis's
- * everysec, tighter). A file opens with an 8-byte magic
- * of its kind; a record is
+ * Two kinds of file share this code: DATA/state.log (groups, keys,
+ * idempotency records; here) and the ledger's daily segments
+ * (DATA/ledger/YYYY-MM-DD.log, section 13). Every acknowledged change is
+ * one record in state.log, written and fsynced before the answer leaves
+ * (Redis's appendfsync always); spend events are written at the end of
+ * each loop turn and fsynced within 20 ms (Redis's everysec, tighter). A
+ * file opens with an 8-byte magic of its kind; a record is
  *
  *     [length: 4 bytes LE][CRC-32 of the payload: 4 bytes LE][payload]
  *
- * and the payload is JSON: in state.log {"ops":[...], "idem":{...}}
- * (store_apply), in the ledger {"t":..., "c":..., "e":{event}} (ledger_apply).
+ * and the payload is JSON in state.log ({"ops":[...], "idem":{...}},
+ * store_apply) and a small binary head plus JSON in the ledger (section 13).
  *
- * Replay at start-up applies every record in order. A crash mid-write can
- * only damage the end of the file, so a last record that is cut short or
- * fails its checksum is a torn write: the file is truncated back to the
- * last whole record, with a warning. A bad record with whole records after
- * it is not a torn write but damage, and start-up stops with the file and
- * offset: ltg will not guess which of your changes to drop.
+ * Replay at start-up streams the file through a buffer that holds one
+ * record at a time (a mebibyte, more for a larger record): no file is ever
+ * read whole, so replaying costs the memory of the state it rebuilds, not
+ * of the file. A crash mid-write can only damage the end of the file, so a
+ * last record that is cut short or fails its checksum is a torn write: the
+ * file is truncated back to the last whole record, with a warning. A bad
+ * record with whole records after it is not a torn write but damage, and
+ * start-up stops with the file and offset: ltg will not guess which of your
+ * changes to drop.
  *
- * A failed write is cut back off the file (ftruncate to the old size) and
- * the change is refused; a failed fsync leaves the file in doubt, so the
- * log refuses every later change until a restart replays what is really
- * on disk. Errors are sticky, as in BearSSL.
+ * Records stay in memory (`pending`) until they are fsynced. A failed write
+ * or fsync (a full disk, an I/O error) cuts the file back to what is known
+ * to be on disk and keeps the records: the next log_sync() writes them
+ * again, so when space returns nothing is lost and nothing needs a restart.
+ * After a failed fsync the kernel may have dropped the dirty pages
+ * (PostgreSQL's "fsyncgate"), which is why the retry rewrites from ltg's own
+ * copy rather than fsyncing again. A synchronous append (the state log's)
+ * that fails is refused and leaves memory with its record: the change was
+ * never made. While a file is failing, its owner refuses what it cannot
+ * record (503 storage_unavailable).
  *
  * Compaction: when the file grows past twice what the live state needs (and
- * past 1 MiB), a snapshot is written to state.log.tmp a few hundred items
- * per loop turn, so the loop never stops for long. Changes made meanwhile
- * go to the old file as usual and are also kept aside; when the snapshot is
- * complete they are appended to it, the new file is fsynced and renamed
- * over the old one, and the directory is fsynced. A crash at any point
- * leaves either the old file or the new one, each complete.
+ * past 1 MiB), or when it holds idempotency records that expired and the
+ * last compaction is an hour old, a snapshot is written to state.log.tmp a
+ * few hundred items per loop turn, so the loop never stops for long.
+ * Changes made meanwhile go to the old file as usual and are also kept
+ * aside; when the snapshot is complete they are appended to it, the new
+ * file is fsynced and renamed over the old one, and the directory is
+ * fsynced. A crash at any point leaves either the old file or the new one,
+ * each complete.
  */
 #define LOG_MAGIC "LTGLOG1\n"
 #define LOG_MAX_RECORD (64u << 20)
+#define LOG_READ_CHUNK (1 << 20)          /* replay reads this much at a time */
 #define COMPACT_MIN_BYTES (1 << 20)
-#define COMPACT_STEP 500 /* items per loop turn */
+#define COMPACT_STEP 500                  /* items per loop turn */
+#define COMPACT_EXPIRED_MS (3600 * 1000)  /* expired idempotency records wait at most this long */
 
 typedef struct {
     char path[256], dir[256];
-    int fd;
-    off_t size;               /* with the pending records */
-    buf pending;              /* records appended but not yet written (see log_sync) */
-    int dirty;                /* written since the last fsync */
-    char broken[512];         /* sticky: set once, every later append refuses */
+    const char *magic;        /* the file's first 8 bytes */
+    int fd;                   /* -1 until the file is open (log_write creates it) */
+    off_t durable;            /* bytes written and fsynced */
+    off_t size;               /* durable + pending: where the next record lands */
+    buf pending;              /* records not yet fsynced, kept until they are */
+    size_t written;           /* of those, bytes already written */
+    int failing;              /* the last write or fsync failed: log_sync() tries again */
+    char why[320];            /* what failed, for the operator and for a 503 */
 } logfile;
 
 static struct {
@@ -3514,10 +3595,8 @@ static struct {
     int gi, gend, ki, kend, ii, iend;
     buf tail;                 /* records appended while the snapshot is written */
     off_t retry_at;           /* after a failed compaction: not before the log reaches this */
+    int64_t last_compaction;  /* wall ms: the last one's end, or start-up */
 } LOG = {.f.fd = -1, .tmp_fd = -1};
-
-static void put_le32(uint8_t *p, uint32_t v) { p[0] = (uint8_t)v, p[1] = (uint8_t)(v >> 8), p[2] = (uint8_t)(v >> 16), p[3] = (uint8_t)(v >> 24); }
-static uint32_t get_le32(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
 
 /* Frame a payload as a record at the end of `out`. */
 static void log_frame(buf *out, const char *payload, size_t n) {
@@ -3545,46 +3624,85 @@ static int fsync_dir(const char *dir) {
     return r;
 }
 
-static void compact_abandon(const char *why);
-
-/* Write the pending records. A failed write is cut back off the file (the
- * log is whole again) and those records are lost: the caller is told. */
-static int log_write(logfile *l) {
-    if (!l->pending.len) return 0;
-    off_t base = l->size - (off_t)l->pending.len;
-    int rc = write_all(l->fd, l->pending.p, l->pending.len);
-    if (rc < 0) {
-        ltg_log("writing %s failed: %s", l->path, strerror(errno));
-        if (ftruncate(l->fd, base) < 0) snprintf(l->broken, sizeof l->broken, "%s could not be written nor cut back: changes are refused until ltg restarts", l->path);
-        l->size = base;
-    } else l->dirty = 1;
-    l->pending.len = 0;
-    return rc;
+/* A logfile for DIR/NAME, not open yet: the first write creates it. */
+static void log_init(logfile *l, const char *dir, const char *name, const char *magic) {
+    buf_free(&l->pending);
+    *l = (logfile){.fd = -1, .magic = magic, .durable = 8, .size = 8};
+    snprintf(l->dir, sizeof l->dir, "%.200s", dir);
+    snprintf(l->path, sizeof l->path, "%.200s/%.40s", dir, name);
 }
 
-/* Write what is pending and fdatasync it. A failed fsync leaves the file
- * in doubt: the log refuses every later append until ltg restarts. */
-static int log_sync(logfile *l) {
-    if (log_write(l) < 0) return LTG_ERR;
-    if (!l->dirty || l->broken[0]) return l->broken[0] ? LTG_ERR : 0;
-    l->dirty = 0;
-    if (fdatasync(l->fd) == 0) return 0;
-    snprintf(l->broken, sizeof l->broken, "fsync of %s failed (%s): changes are refused until ltg restarts", l->path, strerror(errno));
-    ltg_log("%s", l->broken);
+/* A write or fsync failed (errno `e`): say so once per episode. */
+static int log_failed(logfile *l, const char *what, int e) {
+    snprintf(l->why, sizeof l->why, "%s %s failed: %s", what, l->path, strerror(e));
+    if (!l->failing) ltg_log("%s (retried; what cannot be recorded meanwhile is refused with 503)", l->why);
+    l->failing = 1;
     return LTG_ERR;
 }
 
-/* Append one record to l; with `sync`, make it durable before returning,
- * otherwise it waits in memory for log_sync() (the ledger batches its
- * events so: one write and one fsync for many). Returns 0, or LTG_ERR with
- * the reason in *why. */
+/* Create the file with its magic, durably (file and directory fsynced). */
+static int log_create(logfile *l) {
+    int fd = open(l->path, O_RDWR | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0600);
+    if (fd < 0) return log_failed(l, "creating", errno);
+    if (write_all(fd, l->magic, 8) < 0 || fsync(fd) < 0 || fsync_dir(l->dir) < 0) {
+        int e = errno;
+        close(fd);
+        unlink(l->path);
+        return log_failed(l, "creating", e);
+    }
+    l->fd = fd, l->durable = 8;
+    return 0;
+}
+
+/* Write the pending records that are not written yet. After a failure the
+ * file is first cut back to what was written before it. */
+static int log_write(logfile *l) {
+    if (l->written == l->pending.len && !l->failing) return 0;
+    if (l->fd < 0 && log_create(l) < 0) return LTG_ERR;
+    if (l->failing && ftruncate(l->fd, l->durable + (off_t)l->written) < 0) return log_failed(l, "cutting back", errno);
+    if (write_all(l->fd, l->pending.p + l->written, l->pending.len - l->written) < 0) {
+        int e = errno;
+        if (ftruncate(l->fd, l->durable + (off_t)l->written) < 0) { /* cut back again on the next try */ }
+        return log_failed(l, "writing", e);
+    }
+    l->written = l->pending.len;
+    return 0;
+}
+
+/* Make the pending records durable: write them, fdatasync, and only then
+ * let them go. A failed fsync cuts the file back to what is durable; the
+ * records stay for the next try. */
+static int log_sync(logfile *l) {
+    if (log_write(l) < 0) return LTG_ERR;
+    if (!l->pending.len) return 0;
+    if (fdatasync(l->fd) < 0) {
+        int e = errno;
+        l->written = 0;
+        if (ftruncate(l->fd, l->durable) < 0) { /* log_write cuts back first */ }
+        return log_failed(l, "fsync of", e);
+    }
+    l->durable = l->size;
+    l->pending.len = l->written = 0;
+    if (l->pending.cap > (1 << 20)) buf_free(&l->pending); /* a backlog's memory is not kept */
+    if (l->failing) ltg_log("%s is written again", l->path);
+    l->failing = 0;
+    return 0;
+}
+
+/* Append one record to l; with `sync`, make it durable before returning
+ * (refused, it leaves memory too), otherwise it waits for log_sync() (the
+ * ledger batches its events so: one write and one fsync for many). Returns
+ * 0, or LTG_ERR with the reason in *why. */
 static int log_append(logfile *l, const char *payload, size_t n, int sync, const char **why) {
-    if (l->broken[0]) { *why = l->broken; return LTG_ERR; }
     if (n > LOG_MAX_RECORD) { *why = "the record is too large to log"; return LTG_ERR; }
     log_frame(&l->pending, payload, n);
     l->size += (off_t)(n + 8);
-    if (sync && log_sync(l) < 0) { *why = l->broken[0] ? l->broken : "a log could not be written (see ltg's log)"; return LTG_ERR; }
-    return 0;
+    if (!sync || log_sync(l) == 0) return 0;
+    l->pending.len -= n + 8, l->size -= (off_t)(n + 8); /* a synchronous log has no other pending record */
+    l->written = 0;
+    *why = l->why;
+    if (l->fd >= 0 && ftruncate(l->fd, l->durable) == 0) l->failing = 0; /* cut back: whole again, the next change tries afresh */
+    return LTG_ERR;
 }
 
 /* A change to the state log: durable before it is acknowledged, and kept
@@ -3595,63 +3713,79 @@ static int state_append(const char *payload, size_t n, const char **why) {
     return 0;
 }
 
-/* Open (or create) DIR/NAME and replay it: apply() gets every record's
- * payload and its offset in the file. Returns 0, or LTG_ERR with a message
- * for the operator in err. */
-static int log_open(logfile *l, const char *dir, const char *name, const char *magic,
-                    int (*apply)(const char *p, size_t n, off_t at, char *why, size_t whylen), char *err, size_t errlen) {
-    if (strlen(dir) > 200) { snprintf(err, errlen, "--data: the path is longer than 200 bytes"); return LTG_ERR; }
-    snprintf(l->dir, sizeof l->dir, "%s", dir);
-    snprintf(l->path, sizeof l->path, "%.200s/%.40s", dir, name);
-    l->fd = open(l->path, O_RDWR | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
-    if (l->fd < 0) { snprintf(err, errlen, "%s: %s", l->path, strerror(errno)); return LTG_ERR; }
-    buf b = {0};
-    if (read_file(l->path, &b) < 0) { snprintf(err, errlen, "%s: %s", l->path, strerror(errno)); buf_free(&b); return LTG_ERR; }
-    int64_t t0 = clock_ms();
-    size_t off = 8, records = 0;
-    if (b.len < 8) { /* new, or a crash while it was being created */
-        if (ftruncate(l->fd, 0) < 0 || write_all(l->fd, magic, 8) < 0 || fsync(l->fd) < 0 || fsync_dir(dir) < 0) {
-            snprintf(err, errlen, "%s: cannot initialise: %s", l->path, strerror(errno));
-            buf_free(&b);
-            return LTG_ERR;
+typedef int log_apply_fn(void *ctx, const char *p, size_t n, off_t at, char *why, size_t whylen);
+
+/* The bytes [at, at + n) of fd in b (whose first byte is file offset
+ * *base), reading on when they are not there yet: NULL on a read error. */
+static const uint8_t *log_bytes(int fd, buf *b, off_t *base, off_t at, size_t n) {
+    if (at < *base || at + (off_t)n > *base + (off_t)b->len) {
+        if (at >= *base && at <= *base + (off_t)b->len) buf_consume(b, (size_t)(at - *base));
+        else b->len = 0;
+        *base = at;
+        while (b->len < n) {
+            size_t want = n - b->len > LOG_READ_CHUNK ? n - b->len : LOG_READ_CHUNK;
+            buf_reserve(b, want);
+            ssize_t r = pread(fd, b->p + b->len, want, *base + (off_t)b->len);
+            if (r < 0 && errno == EINTR) continue;
+            if (r <= 0) return NULL;
+            b->len += (size_t)r;
         }
-        l->size = 8;
-        buf_free(&b);
+    }
+    return (const uint8_t *)b->p + (at - *base);
+}
+
+/* Open (or create) DIR/NAME and replay it: apply(ctx, ...) gets every
+ * record's payload and its offset in the file. Returns 0, or LTG_ERR with
+ * a message for the operator in err. */
+static int log_open(logfile *l, const char *dir, const char *name, const char *magic, log_apply_fn *apply, void *ctx, char *err, size_t errlen) {
+    if (strlen(dir) > 200) { snprintf(err, errlen, "--data: the path is longer than 200 bytes"); return LTG_ERR; }
+    log_init(l, dir, name, magic);
+    int fd = open(l->path, O_RDWR | O_APPEND | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0 && errno != ENOENT) { snprintf(err, errlen, "%s: %s", l->path, strerror(errno)); return LTG_ERR; }
+    if (fd < 0 || (fstat(fd, &st) == 0 && st.st_size < 8)) { /* new, or a crash while it was being created */
+        if (fd >= 0) close(fd);
+        if (log_create(l) < 0) { snprintf(err, errlen, "cannot initialise: %.300s", l->why); return LTG_ERR; }
         return 0;
     }
-    if (memcmp(b.p, magic, 8) != 0) {
-        snprintf(err, errlen, "%s: not an ltg %s (bad magic at offset 0)", l->path, name);
-        buf_free(&b);
-        return LTG_ERR;
+    l->fd = fd;
+    int64_t t0 = clock_ms();
+    off_t end = st.st_size, off = 8, base = 0;
+    size_t records = 0;
+    buf b = {0};
+    const uint8_t *h = log_bytes(fd, &b, &base, 0, 8);
+    int rc = LTG_ERR;
+    if (!h || memcmp(h, magic, 8) != 0) {
+        snprintf(err, errlen, h ? "%s: not an ltg %s (bad magic at offset 0)" : "%s: %s", l->path, h ? name : strerror(errno));
+        goto done;
     }
-    while (off < b.len) {
-        const uint8_t *h = (const uint8_t *)b.p + off;
-        size_t left = b.len - off;
-        uint32_t len = left >= 8 ? get_le32(h) : 0;
-        int torn = left < 8 || len > LOG_MAX_RECORD || (size_t)len > left - 8;
-        int bad_sum = !torn && crc32(h + 8, len) != get_le32(h + 4);
-        if (torn || (bad_sum && off + 8 + len == b.len)) {
-            ltg_log("warning: %s: the last record (offset %zu) is torn, a crash mid-write: truncating to %zu bytes", l->path, off, off);
-            if (ftruncate(l->fd, (off_t)off) < 0 || fsync(l->fd) < 0) {
-                snprintf(err, errlen, "%s: cannot truncate the torn record: %s", l->path, strerror(errno));
-                buf_free(&b);
-                return LTG_ERR;
-            }
+    while (off < end) {
+        off_t left = end - off;
+        h = left >= 8 ? log_bytes(fd, &b, &base, off, 8) : NULL;
+        uint32_t len = h ? get_le32(h) : 0;
+        int torn = left < 8 || len > LOG_MAX_RECORD || (off_t)len > left - 8;
+        const uint8_t *rec = torn ? NULL : log_bytes(fd, &b, &base, off, 8 + (size_t)len);
+        if (!torn && !rec) { snprintf(err, errlen, "%s: %s", l->path, strerror(errno)); goto done; }
+        int bad_sum = !torn && crc32(rec + 8, len) != get_le32(rec + 4);
+        if (torn || (bad_sum && off + 8 + len == end)) {
+            ltg_log("warning: %s: the last record (offset %lld) is torn, a crash mid-write: truncating to %lld bytes", l->path, (long long)off, (long long)off);
+            if (ftruncate(fd, off) < 0 || fsync(fd) < 0) { snprintf(err, errlen, "%s: cannot truncate the torn record: %s", l->path, strerror(errno)); goto done; }
             break;
         }
         char why[200];
-        if (bad_sum || apply((const char *)h + 8, len, (off_t)(off + 8), why, sizeof why) < 0) {
-            snprintf(err, errlen, "%s: damaged record at offset %zu (%.100s) with whole records after it: not a torn write, so ltg will not drop it; restore the file from a backup", l->path, off,
+        if (bad_sum || apply(ctx, (const char *)rec + 8, len, off + 8, why, sizeof why) < 0) {
+            snprintf(err, errlen, "%s: damaged record at offset %lld (%.100s) with whole records after it: not a torn write, so ltg will not drop it; restore the file from a backup", l->path, (long long)off,
                      bad_sum ? "checksum mismatch" : why);
-            buf_free(&b);
-            return LTG_ERR;
+            goto done;
         }
-        off += 8 + len, records++;
+        off += 8 + (off_t)len, records++;
     }
-    l->size = (off_t)(off < b.len ? off : b.len);
-    buf_free(&b);
+    l->durable = l->size = off;
+    rc = 0;
     ltg_log("%s: replayed %zu records in %lld ms", l->path, records, (long long)(clock_ms() - t0));
-    return 0;
+done:
+    buf_free(&b);
+    return rc;
 }
 
 /* The record that recreates one stored item, for the snapshot. */
@@ -3684,9 +3818,10 @@ static void compact_abandon(const char *why) {
     LOG.retry_at = LOG.f.size * 2;
 }
 
-static int compact_due(void) {
-    return !LOG.compacting && LOG.f.fd >= 0 && !LOG.f.broken[0] && LOG.f.size > COMPACT_MIN_BYTES &&
-           (size_t)LOG.f.size > 2 * ST.live_bytes && LOG.f.size >= LOG.retry_at;
+/* Garbage past the live state, or expired idempotency records an hour old. */
+static int compact_due(int64_t now) {
+    if (LOG.compacting || LOG.f.fd < 0 || LOG.f.failing || LOG.f.size <= COMPACT_MIN_BYTES || LOG.f.size < LOG.retry_at) return 0;
+    return (size_t)LOG.f.size > 2 * ST.live_bytes || (ST.expired && now - LOG.last_compaction >= COMPACT_EXPIRED_MS);
 }
 
 static void compact_start(void) {
@@ -3701,10 +3836,9 @@ static void compact_start(void) {
 }
 
 /* One step of a compaction: a few hundred items, or the switch-over. */
-static void compact_step(void) {
+static void compact_step(int64_t now) {
     buf out = {0};
     int budget = COMPACT_STEP;
-    int64_t now = wall_ms();
     for (; LOG.gi < LOG.gend && budget; LOG.gi++)
         if (ST.gv.p[LOG.gi]) snapshot_item(&out, "put_group", ST.gv.p[LOG.gi]), budget--;
     for (; LOG.gi == LOG.gend && LOG.ki < LOG.kend && budget; LOG.ki++)
@@ -3724,154 +3858,807 @@ static void compact_step(void) {
     off_t before = LOG.f.size;
     close(LOG.f.fd);
     LOG.f.fd = LOG.tmp_fd, LOG.tmp_fd = -1;
-    LOG.f.size = LOG.tmp_size + (off_t)LOG.tail.len;
+    LOG.f.durable = LOG.f.size = LOG.tmp_size + (off_t)LOG.tail.len;
     buf_free(&LOG.tail);
     LOG.compacting = ST.frozen = 0, LOG.retry_at = 0;
+    LOG.last_compaction = now, ST.expired = 0;
     vec_squeeze(&ST.gv), vec_squeeze(&ST.kv), vec_squeeze(&ST.iv);
     ltg_log("compacted %s: %lld -> %lld bytes", LOG.f.path, (long long)before, (long long)LOG.f.size);
 }
 
-/* ===== 13. The ledger, budgets and the cache =====
+/* ===== 13. The ledger: daily segments, index files, retention =====
  *
  * IMPLEMENTATION NOTES
  * Every inference request that reached dispatch or the cache leaves one
- * spend event (API.md 3.4) in DATA/ledger.log, framed like the state log.
- * Events are kept in memory as they happen and written and fsynced in
- * batches, at most LEDGER_SYNC_MS after the first of a batch: a power cut can lose only
- * the last few milliseconds of events, and a torn one is cut off at
- * start-up like any torn record. The ledger is never rewritten.
+ * spend event (API.md 3.4). The ledger keeps them in one file per UTC day,
+ * DATA/ledger/YYYY-MM-DD.log, framed like the state log (section 12). The
+ * day's file is the open segment; when the day ends it is sealed, never to
+ * be written again, and an index file is written beside it,
+ * YYYY-MM-DD.idx, from the day's index in memory. So memory holds the
+ * index of one day whatever the history, and older days are read from
+ * disk with pread(): a few small reads for each day a query touches.
  *
- * Queries never load the ledger. An in-memory index keeps 56 bytes per
- * event -- time, file offset, interned key, group and model, tokens,
- * charge, status -- in file order, which is time order (created_at never goes
- * back: a clock stepping backwards is clamped); each key and group id also
- * lists the positions of its events (4 bytes each, so 64 bytes per event
- * in all). A date range is two binary searches, in the index or in an id's
- * list; a page of events is a few pread()s; usage summaries are sums over
- * the index. A page's snapshot is just the index length when the
- * first page was read, so later pages see exactly those events however
- * many arrive meanwhile.
+ *   OPEN --(the day ends)--> SEALING --(its index file written)--> SEALED
  *
- * Budgets. A group's spend in its current period is the sum of what its
- * events charged since the period began; it lives in the group (rebuilt
- * from the ledger at start-up) with `reserved`, the worst cases of the
- * requests in flight. A request is admitted only if spend + reserved + its
- * own worst case fits the budget, and the loop is single-threaded, so
- * concurrent requests cannot together pass it. When the request ends its
- * reservation is replaced by its real cost.
+ * A record's payload is a fixed binary head -- what the index needs: time,
+ * charge, tokens, status, key, group, model -- then the event's JSON as
+ * the API shows it, then, for an idempotent request, its replay record.
+ * Replaying a day reads the heads and never parses the JSON.
  *
- * The cache holds whole non-streaming 200 answers by (group, requested
- * model, body), for the group's cache_ttl, least recently used out first
- * within --cache-mb.
+ * The index in memory (ledger_mem) keeps 56 bytes per event in file order,
+ * which is time order (created_at never goes back: a clock stepping
+ * backwards is clamped), and for each key and group the positions of its
+ * events (4 bytes each). An index file holds the same, laid out to be
+ * read in place:
+ *
+ *   head       counts, each section's place, the log's size, the CRCs
+ *   offsets    each event's record in the log (and one past the last)
+ *   names      the day's keys, groups and models, sorted (binary search)
+ *   positions  a key's events; a group's events with their time and the
+ *              running sum of their charges (a budget period that starts
+ *              mid-day needs what was spent after its start)
+ *   rows       the day's rollups: usage per (group, model), and per model
+ *   replays    the events that carry an idempotent answer
+ *
+ * It is written in the host's byte order (the head says which; another is
+ * rebuilt), checked whole against its CRC when ltg starts, and rebuilt from
+ * its log when it is missing, damaged, or describes a log of another size.
+ * It is never fsynced: it can always be made again, and a crash leaves no
+ * file or one whose CRC fails. Every read from it is bounds-checked and
+ * every event read back is checked against its own record's CRC, so a file
+ * damaged while ltg runs gives wrong answers at worst, never a crash.
+ *
+ * Retention: a sealed day older than --ledger-days is deleted (log and
+ * index, logged with size and count). A budget period may not be longer
+ * than the retention (group_validate), so deleting a day never takes
+ * events of a current period -- but for a lifetime budget (or a retention
+ * lowered under a period): what the group spent in that day is first
+ * carried into its record in the state log (`carried`, the period it
+ * belongs to, and the day it runs to), so a group's spend never shrinks.
+ *
+ * A failed write or fsync keeps the events in memory (section 12) and
+ * ledger_writable() says so: inference then refuses new requests with 503
+ * before dispatch, since nothing may be served that cannot be metered, and
+ * a timer retries every second until the disk takes them.
  */
-#define LEDGER_MAGIC "LTGLED1\n"
-#define MICRO 1000000.0
+#define SEG_MAGIC "LTGSEG1\n"
+#define IDX_MAGIC "LTGIDX1\n"
+#define LEDGER_V1_MAGIC "LTGLED1\n"      /* DATA/ledger.log of earlier versions, migrated once */
+#define DAY_MS 86400000LL
+#define LEDGER_SYNC_MS 20
+#define LEDGER_RETRY_MS 1000             /* a failing ledger is retried this often */
+#define IDX_RETRY_MS 10000               /* an index file that could not be written */
+#define REC_HEAD 104
+#define REC_MAX_CHARGE 1000000000000LL   /* micro-USD: a million USD for one request is not a spend event */
+#define IDX_ENDIAN 0x01020304u
 
 enum { EV_SUCCEEDED, EV_FAILED, EV_PARTIAL };
 static const char *const ev_status_names[] = {"succeeded", "failed", "partial"};
+enum { EVF_CACHE_HIT = 1, EVF_REPLAY = 2 };
+
+static void put_le64(uint8_t *p, uint64_t v) { put_le32(p, (uint32_t)v), put_le32(p + 4, (uint32_t)(v >> 32)); }
+static uint64_t get_le64(const uint8_t *p) { return get_le32(p) | (uint64_t)get_le32(p + 4) << 32; }
+
+/* ---- records ---- */
+
+/* A spend event's record, decoded: pointers into its payload, which is
+ *   [0] version 1   [1] status (EV_*)   [2] flags (EVF_*)   [3] model length
+ *   [4] input tokens   [8] output tokens   [12] event JSON length   (u32 LE)
+ *   [16] created_at, wall ms   [24] charged, micro-USD              (i64 LE)
+ *   [32] key id   [68] group id   (36 bytes each)
+ *   [104] the model alias, the event's JSON, the replay record's JSON */
+typedef struct {
+    int64_t at, charged;
+    uint32_t in_tok, out_tok;
+    uint8_t status, flags;
+    const char *key, *group, *model, *event, *replay;
+    size_t model_len, event_len, replay_len;
+} rec_view;
+
+static void rec_encode(buf *out, const rec_view *v) {
+    uint8_t h[32] = {1, v->status, v->flags, (uint8_t)v->model_len};
+    put_le32(h + 4, v->in_tok), put_le32(h + 8, v->out_tok), put_le32(h + 12, (uint32_t)v->event_len);
+    put_le64(h + 16, (uint64_t)v->at), put_le64(h + 24, (uint64_t)v->charged);
+    buf_append(out, h, 32);
+    buf_append(out, v->key, 36), buf_append(out, v->group, 36);
+    buf_append(out, v->model, v->model_len);
+    buf_append(out, v->event, v->event_len);
+    buf_append(out, v->replay, v->replay_len);
+}
+
+static int rec_decode(const char *p, size_t n, rec_view *v) {
+    const uint8_t *h = (const uint8_t *)p;
+    if (n < REC_HEAD || h[0] != 1 || h[1] > EV_PARTIAL || h[2] > (EVF_CACHE_HIT | EVF_REPLAY)) return LTG_ERR;
+    *v = (rec_view){.at = (int64_t)get_le64(h + 16), .charged = (int64_t)get_le64(h + 24), .in_tok = get_le32(h + 4),
+                    .out_tok = get_le32(h + 8), .status = h[1], .flags = h[2]};
+    v->model_len = h[3], v->event_len = get_le32(h + 12);
+    if (REC_HEAD + v->model_len + v->event_len > n) return LTG_ERR;
+    v->key = p + 32, v->group = p + 68, v->model = p + REC_HEAD;
+    v->event = v->model + v->model_len, v->replay = v->event + v->event_len;
+    v->replay_len = n - REC_HEAD - v->model_len - v->event_len;
+    for (int i = 32; i < 104; i++) /* two ids: hex digits and dashes */
+        if (!isxdigit(h[i]) && h[i] != '-') return LTG_ERR;
+    if (!v->model_len || memchr(v->model, 0, v->model_len) || v->charged < 0 || v->charged > REC_MAX_CHARGE) return LTG_ERR;
+    return (v->flags & EVF_REPLAY) && !v->replay_len ? LTG_ERR : 0;
+}
+
+/* ---- a day's index in memory ---- */
 
 typedef struct {
-    int64_t at;             /* created_at, wall ms */
-    uint64_t off;           /* the record's payload in ledger.log */
+    int64_t at;                 /* created_at, wall ms */
+    uint64_t off;               /* the record's payload in its segment's log */
     uint32_t len;
-    uint32_t key, group;    /* interned ids */
+    uint32_t key, group, model; /* in the day's name table */
     uint32_t in_tok, out_tok;
-    uint32_t model;         /* interned alias: the served model, else the requested one */
-    uint8_t status;         /* EV_* */
-    uint8_t cache_hit;
-    int64_t charged;        /* micro-USD charged to the group's budget (the cost is in the record) */
+    uint8_t status, flags;      /* EV_*, EVF_* */
+    int64_t charged;            /* micro-USD charged to the group's budget (the cost is in the event) */
 } ledger_entry;
 
 typedef struct {
     uint32_t idx;
-    uint32_t *pos, npos, cap; /* for a key or group id: its events' index positions, in order */
-    char s[];
-} interned;
+    uint32_t *pos, npos, cap;   /* a key's or group's events: their positions, in order */
+    char s[];                   /* 'k' key, 'g' group or 'm' model, then the id or alias */
+} lname;
 
-static const void *interned_key(const void *it, size_t *n) {
-    *n = strlen(((const interned *)it)->s);
-    return ((const interned *)it)->s;
+static const void *lname_key(const void *it, size_t *n) {
+    *n = strlen(((const lname *)it)->s);
+    return ((const lname *)it)->s;
 }
 
-static struct {
-    logfile f;
+typedef struct {
     ledger_entry *ix;
     size_t n, cap;
-    interned **names;       /* by index */
+    lname **names;
     uint32_t nnames, names_cap;
     hmap by_name;
-} LG = {.f.fd = -1, .by_name.key = interned_key};
+} ledger_mem;
 
-/* The index of string s in the intern table, adding it when `add`;
- * UINT32_MAX when absent. Ids and aliases repeat in every event: the index
- * holds each once. */
-static uint32_t intern(const char *s, int add) {
-    interned *it = hmap_get(&LG.by_name, s, strlen(s));
+/* The index of name kind+s[0..n) in m, added when `add`; UINT32_MAX when absent. */
+static uint32_t mem_name(ledger_mem *m, char kind, const char *s, size_t n, int add) {
+    char k[ALIAS_MAX + 2];
+    if (n > ALIAS_MAX) n = ALIAS_MAX;
+    k[0] = kind, memcpy(k + 1, s, n), k[n + 1] = 0;
+    lname *it = hmap_get(&m->by_name, k, n + 1);
     if (it) return it->idx;
     if (!add) return UINT32_MAX;
-    size_t n = strlen(s);
-    it = xcalloc(1, sizeof *it + n + 1);
-    memcpy(it->s, s, n + 1);
-    it->idx = LG.nnames;
-    if (LG.nnames == LG.names_cap) LG.names_cap = LG.names_cap ? LG.names_cap * 2 : 256, LG.names = xrealloc(LG.names, LG.names_cap * sizeof *LG.names);
-    LG.names[LG.nnames++] = it;
-    hmap_put(&LG.by_name, it);
+    it = xcalloc(1, sizeof *it + n + 2);
+    memcpy(it->s, k, n + 2);
+    it->idx = m->nnames;
+    if (m->nnames == m->names_cap) m->names_cap = m->names_cap ? m->names_cap * 2 : 256, m->names = xrealloc(m->names, m->names_cap * sizeof *m->names);
+    m->names[m->nnames++] = it;
+    hmap_put(&m->by_name, it);
     return it->idx;
 }
 
-static void posting_add(interned *it, uint32_t at) {
+static void posting_add(lname *it, uint32_t at) {
     if (it->npos == it->cap) it->cap = it->cap ? it->cap * 2 : 16, it->pos = xrealloc(it->pos, it->cap * sizeof *it->pos);
     it->pos[it->npos++] = at;
 }
 
-static void ledger_index(const ledger_entry *e) {
-    if (LG.n == LG.cap) LG.cap = LG.cap ? LG.cap * 2 : 4096, LG.ix = xrealloc(LG.ix, LG.cap * sizeof *LG.ix);
-    posting_add(LG.names[e->key], (uint32_t)LG.n), posting_add(LG.names[e->group], (uint32_t)LG.n); /* filters need no scan */
-    LG.ix[LG.n++] = *e;
+/* Index one record (its payload at file offset `off`). */
+static void mem_add(ledger_mem *m, const rec_view *v, uint64_t off, uint32_t len) {
+    ledger_entry e = {v->at, off, len, mem_name(m, 'k', v->key, 36, 1), mem_name(m, 'g', v->group, 36, 1),
+                      mem_name(m, 'm', v->model, v->model_len, 1), v->in_tok, v->out_tok, v->status, v->flags, v->charged};
+    if (m->n == m->cap) m->cap = m->cap ? m->cap * 2 : 4096, m->ix = xrealloc(m->ix, m->cap * sizeof *m->ix);
+    posting_add(m->names[e.key], (uint32_t)m->n), posting_add(m->names[e.group], (uint32_t)m->n); /* filters need no scan */
+    m->ix[m->n++] = e;
 }
 
-/* ---- budgets ---- */
-
-static int64_t usd_to_micro(double usd) { return (int64_t)llround(usd * MICRO); }
-
-/* Bring g's period up to date: a new period starts with nothing spent. */
-static void budget_refresh(group *g, int64_t now) {
-    int64_t start, end;
-    group_period(g, now, &start, &end);
-    if (start != g->period_start) g->period_start = start, g->spend = 0;
+static void mem_free(ledger_mem *m) {
+    for (uint32_t i = 0; i < m->nnames; i++) free(m->names[i]->pos), free(m->names[i]);
+    free(m->ix), free(m->names), free(m->by_name.slot);
+    *m = (ledger_mem){.by_name.key = lname_key};
 }
 
-/* USD left in g's current period, or -1 when uncapped. */
-static double budget_remaining(group *g) {
-    if (!g->has_budget) return -1;
-    budget_refresh(g, wall_ms());
-    int64_t left = usd_to_micro(g->max_budget) - g->spend - g->reserved;
-    return (double)(left > 0 ? left : 0) / MICRO;
-}
-
-/* The ledger at start-up: each group's spend in its current period. */
-static void budget_rebuild(void) {
-    int64_t now = wall_ms();
-    for (int i = 0; i < ST.gv.n; i++)
-        if (ST.gv.p[i]) budget_refresh(ST.gv.p[i], now);
-    for (size_t i = 0; i < LG.n; i++) {
-        const ledger_entry *e = &LG.ix[i];
-        group *g = group_find(LG.names[e->group]->s);
-        if (g && e->at >= g->period_start) g->spend += e->charged; /* uncapped groups show their lifetime spend */
+/* The first position in a name's list at or after index position `at`. */
+static size_t posting_lower(const lname *it, size_t at) {
+    size_t lo = 0, hi = it->npos;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (it->pos[mid] < at) lo = mid + 1;
+        else hi = mid;
     }
+    return lo;
 }
 
-/* ---- the ledger file ---- */
+/* ---- segments and their index files ---- */
 
-static struct inf_idem *inf_idem_restore(const char *p, const json_tok *t, int r, int64_t expires);
+typedef enum { SEG_OPEN, SEG_SEALING, SEG_SEALED } seg_state;
 
-/* Replay one ledger record into the index (and an idempotent answer it
- * carries into the replay table). */
-static int ledger_apply(const char *p, size_t n, off_t at, char *err, size_t errlen) {
+enum { SEC_OFFSETS, SEC_NAMES, SEC_STRINGS, SEC_KEYPOS, SEC_GROUPPOS, SEC_ROWS, SEC_MODELROWS, SEC_REPLAYS, NSEC };
+
+typedef struct {
+    long long requests, succeeded, failed, partial, cache_hits, in_tok, out_tok;
+    int64_t spend, reserved;
+} usage_row;
+
+typedef struct { uint32_t str, len, first, n; } idx_name;     /* a name; its positions in KEYPOS or GROUPPOS */
+typedef struct { uint32_t pos, ms; int64_t cum; } idx_gpos;   /* ms after midnight; charged up to this one */
+typedef struct { char group[36]; uint32_t model; usage_row u; } idx_row; /* model: in NAMES; "" group: all */
+
+static const size_t sec_elem[NSEC] = {8, sizeof(idx_name), 1, 4, sizeof(idx_gpos), sizeof(idx_row), sizeof(idx_row), 4};
+
+typedef struct {
+    char magic[8];
+    uint32_t endian, nevents;
+    int64_t day, last_at;
+    uint64_t log_size;          /* the log it describes */
+    uint64_t sec[NSEC][2];      /* each section's offset and length */
+    uint32_t crc;               /* of every byte after the head */
+    uint32_t head_crc;          /* of the head before this field */
+} idx_header;
+
+typedef struct {
+    int64_t day;                /* its midnight, UTC wall ms */
+    seg_state state;
+    logfile f;                  /* OPEN, SEALING: its log, and the events not yet fsynced */
+    ledger_mem mem;             /* OPEN, SEALING: its index */
+    idx_header h;               /* SEALED: the head of its index file */
+    int64_t retry_at;           /* SEALING: when to try its index file again (S.now) */
+} segment;
+
+static struct {
+    char dir[256];              /* DATA/ledger */
+    segment **seg;              /* the retained days, oldest first: the open one is last */
+    int nseg, cap;
+    int64_t last_at;            /* the latest event's created_at: the ledger's time never goes back */
+    int idx_told;               /* an index file could not be written: said once */
+} LG;
+
+static int64_t day_of(int64_t ms) { return ms - ((ms % DAY_MS) + DAY_MS) % DAY_MS; }
+
+/* DIR/YYYY-MM-DD<ext>, or the bare name when dir is NULL. */
+static void seg_path(int64_t day, const char *ext, const char *dir, char *out, size_t cap) {
+    char d[64];
+    iso_time(day, d);
+    if (dir) snprintf(out, cap, "%.200s/%.10s%.8s", dir, d, ext);
+    else snprintf(out, cap, "%.10s%.8s", d, ext);
+}
+
+static segment *seg_new(int64_t day) {
+    segment *s = xcalloc(1, sizeof *s);
+    char name[32];
+    s->day = day, s->state = SEG_OPEN, s->mem.by_name.key = lname_key;
+    seg_path(day, ".log", NULL, name, sizeof name);
+    log_init(&s->f, LG.dir, name, SEG_MAGIC);
+    int i = LG.nseg;
+    if (LG.nseg == LG.cap) LG.cap = LG.cap ? LG.cap * 2 : 32, LG.seg = xrealloc(LG.seg, (size_t)LG.cap * sizeof *LG.seg);
+    while (i > 0 && LG.seg[i - 1]->day > day) LG.seg[i] = LG.seg[i - 1], i--;
+    LG.seg[i] = s, LG.nseg++;
+    return s;
+}
+
+static segment *seg_open(void) {
+    segment *s = LG.nseg ? LG.seg[LG.nseg - 1] : NULL;
+    return s && s->state == SEG_OPEN ? s : NULL;
+}
+
+static uint32_t seg_count(const segment *s) { return s->state == SEG_SEALED ? s->h.nevents : (uint32_t)s->mem.n; }
+
+/* Replay one record of a segment into its index (log_open's callback).
+ * Its time is kept within the day and after the event before it, as it
+ * was written: the index relies on both. */
+static int seg_apply(void *ctx, const char *p, size_t n, off_t at, char *why, size_t whylen) {
+    segment *s = ctx;
+    rec_view v;
+    if (rec_decode(p, n, &v) < 0) { snprintf(why, whylen, "not a spend event record"); return LTG_ERR; }
+    int64_t first = s->mem.n ? s->mem.ix[s->mem.n - 1].at : s->day;
+    v.at = v.at < first ? first : v.at >= s->day + DAY_MS ? s->day + DAY_MS - 1 : v.at;
+    mem_add(&s->mem, &v, (uint64_t)at, (uint32_t)n);
+    return 0;
+}
+
+/* Element i (count of them) of section `sec` of an index file open as fd:
+ * 0, or LTG_ERR when out of bounds or unreadable. */
+static int idx_read(const segment *s, int fd, int sec, uint64_t i, size_t count, void *out) {
+    uint64_t n = s->h.sec[sec][1] / sec_elem[sec], bytes = count * sec_elem[sec];
+    if (i > n || count > n - i) return LTG_ERR;
+    return pread(fd, out, bytes, (off_t)(s->h.sec[sec][0] + i * sec_elem[sec])) == (ssize_t)bytes ? 0 : LTG_ERR;
+}
+
+/* Writes an index file through a buffer, summing its CRC. */
+typedef struct {
+    int fd, err;
+    buf b;
+    uint64_t off;
+    uint32_t crc;
+} idx_out;
+
+static void io_put(idx_out *o, const void *p, size_t n) {
+    o->crc = crc32_more(o->crc, p, n);
+    buf_append(&o->b, p, n);
+    o->off += n;
+    if (o->b.len < (1 << 20)) return;
+    if (!o->err && write_all(o->fd, o->b.p, o->b.len) < 0) o->err = errno;
+    o->b.len = 0;
+}
+
+static void io_begin(idx_out *o, idx_header *h, int sec) { h->sec[sec][0] = o->off; }
+static void io_end(idx_out *o, idx_header *h, int sec) { h->sec[sec][1] = o->off - h->sec[sec][0]; }
+
+static const ledger_mem *sort_mem; /* for the comparators: qsort has no context */
+
+static int name_cmp(const void *a, const void *b) {
+    return strcmp(sort_mem->names[*(const uint32_t *)a]->s, sort_mem->names[*(const uint32_t *)b]->s);
+}
+
+static int row_cmp(const void *a, const void *b) {
+    const idx_row *x = a, *y = b;
+    int c = memcmp(x->group, y->group, 36);
+    return c ? c : (x->model > y->model) - (x->model < y->model);
+}
+
+static void usage_add(usage_row *r, const ledger_entry *e) {
+    r->requests++;
+    r->succeeded += e->status == EV_SUCCEEDED, r->failed += e->status == EV_FAILED, r->partial += e->status == EV_PARTIAL;
+    r->cache_hits += (e->flags & EVF_CACHE_HIT) != 0;
+    r->in_tok += e->in_tok, r->out_tok += e->out_tok;
+    r->spend += e->charged;
+}
+
+static void usage_sum(usage_row *r, const usage_row *x) {
+    r->requests += x->requests, r->succeeded += x->succeeded, r->failed += x->failed, r->partial += x->partial;
+    r->cache_hits += x->cache_hits, r->in_tok += x->in_tok, r->out_tok += x->out_tok, r->spend += x->spend;
+}
+
+/* The rollups of a day: one row per (group, model) in `rows`, sorted,
+ * and one per model (group "") in `models`. Models are named by their
+ * rank in the sorted name table. A group's events are its position list,
+ * so the rows are made group by group, a model's row found through
+ * last[model]: the row it had in the group being walked, if any. */
+static void idx_rollups(const ledger_mem *m, const uint32_t *rank, buf *rows, buf *models) {
+    usage_row *per_model = xcalloc(m->nnames, sizeof *per_model);
+    size_t *last = xcalloc(m->nnames, sizeof *last); /* row index + 1 */
+    for (uint32_t g = 0; g < m->nnames; g++) {
+        const lname *gn = m->names[g];
+        size_t first = rows->len / sizeof(idx_row);
+        for (uint32_t k = 0; gn->s[0] == 'g' && k < gn->npos; k++) {
+            const ledger_entry *e = &m->ix[gn->pos[k]];
+            if (last[e->model] <= first) { /* the model's first event in this group: a new row */
+                idx_row r = {{0}, rank[e->model], {0}};
+                memcpy(r.group, gn->s + 1, 36);
+                buf_append(rows, &r, sizeof r);
+                last[e->model] = rows->len / sizeof(idx_row);
+            }
+            usage_add(&((idx_row *)(void *)rows->p)[last[e->model] - 1].u, e);
+            usage_add(&per_model[e->model], e);
+        }
+    }
+    if (rows->len) qsort(rows->p, rows->len / sizeof(idx_row), sizeof(idx_row), row_cmp);
+    for (uint32_t k = 0; k < m->nnames; k++)
+        if (per_model[k].requests) {
+            idx_row r = {{0}, rank[k], per_model[k]};
+            buf_append(models, &r, sizeof r);
+        }
+    free(per_model), free(last);
+}
+
+/* The names of a day, sorted (order: their indexes in sorted order, rank:
+ * the inverse), their strings, and the positions of each key's and
+ * group's events. */
+static void idx_names(idx_out *o, idx_header *h, const segment *s, uint32_t *order, uint32_t *rank) {
+    const ledger_mem *m = &s->mem;
+    for (uint32_t i = 0; i < m->nnames; i++) order[i] = i;
+    sort_mem = m;
+    if (m->nnames) qsort(order, m->nnames, sizeof *order, name_cmp);
+    for (uint32_t r = 0; r < m->nnames; r++) rank[order[r]] = r;
+    uint32_t str = 0, kfirst = 0, gfirst = 0;
+    io_begin(o, h, SEC_NAMES);
+    for (uint32_t r = 0; r < m->nnames; r++) {
+        const lname *nm = m->names[order[r]];
+        idx_name d = {str, (uint32_t)strlen(nm->s), nm->s[0] == 'k' ? kfirst : gfirst, nm->npos};
+        if (nm->s[0] == 'k') kfirst += nm->npos;
+        else if (nm->s[0] == 'g') gfirst += nm->npos;
+        str += d.len;
+        io_put(o, &d, sizeof d);
+    }
+    io_end(o, h, SEC_NAMES);
+    io_begin(o, h, SEC_STRINGS);
+    for (uint32_t r = 0; r < m->nnames; r++) io_put(o, m->names[order[r]]->s, strlen(m->names[order[r]]->s));
+    io_end(o, h, SEC_STRINGS);
+    io_begin(o, h, SEC_KEYPOS);
+    for (uint32_t r = 0; r < m->nnames; r++)
+        if (m->names[order[r]]->s[0] == 'k') io_put(o, m->names[order[r]]->pos, m->names[order[r]]->npos * 4);
+    io_end(o, h, SEC_KEYPOS);
+    io_begin(o, h, SEC_GROUPPOS);
+    for (uint32_t r = 0; r < m->nnames; r++) {
+        const lname *nm = m->names[order[r]];
+        int64_t cum = 0;
+        for (uint32_t k = 0; nm->s[0] == 'g' && k < nm->npos; k++) {
+            const ledger_entry *e = &m->ix[nm->pos[k]];
+            int64_t ms = e->at - s->day;
+            idx_gpos g = {nm->pos[k], (uint32_t)(ms < 0 ? 0 : ms > DAY_MS ? DAY_MS : ms), cum += e->charged};
+            io_put(o, &g, sizeof g);
+        }
+    }
+    io_end(o, h, SEC_GROUPPOS);
+}
+
+/* Write s's index file from its index in memory (see the notes above).
+ * 0, or LTG_ERR with errno set. */
+static int idx_write(segment *s) {
+    const ledger_mem *m = &s->mem;
+    char path[300], tmp[310];
+    seg_path(s->day, ".idx", LG.dir, path, sizeof path);
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    idx_out o = {.fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600)};
+    if (o.fd < 0) return LTG_ERR;
+    idx_header h = {.endian = IDX_ENDIAN, .nevents = (uint32_t)m->n, .day = s->day, .log_size = (uint64_t)s->f.size};
+    memcpy(h.magic, IDX_MAGIC, 8);
+    h.last_at = m->n ? m->ix[m->n - 1].at : s->day;
+    o.off = sizeof h;
+    if (lseek(o.fd, (off_t)sizeof h, SEEK_SET) < 0) o.err = errno;
+    io_begin(&o, &h, SEC_OFFSETS);
+    for (size_t i = 0; i <= m->n; i++) {
+        uint64_t off = i < m->n ? m->ix[i].off : h.log_size + 8; /* one past the last: every record's length is a difference */
+        io_put(&o, &off, 8);
+    }
+    io_end(&o, &h, SEC_OFFSETS);
+    uint32_t *order = xcalloc(m->nnames, sizeof *order), *rank = xcalloc(m->nnames, sizeof *rank);
+    idx_names(&o, &h, s, order, rank);
+    buf rows = {0}, models = {0};
+    idx_rollups(m, rank, &rows, &models);
+    io_begin(&o, &h, SEC_ROWS), io_put(&o, rows.p, rows.len), io_end(&o, &h, SEC_ROWS);
+    io_begin(&o, &h, SEC_MODELROWS), io_put(&o, models.p, models.len), io_end(&o, &h, SEC_MODELROWS);
+    buf_free(&rows), buf_free(&models), free(order), free(rank);
+    io_begin(&o, &h, SEC_REPLAYS);
+    for (uint32_t i = 0; i < m->n; i++)
+        if (m->ix[i].flags & EVF_REPLAY) io_put(&o, &i, 4);
+    io_end(&o, &h, SEC_REPLAYS);
+    if (!o.err && write_all(o.fd, o.b.p, o.b.len) < 0) o.err = errno;
+    buf_free(&o.b);
+    h.crc = o.crc;
+    h.head_crc = crc32(&h, offsetof(idx_header, head_crc));
+    if (!o.err && pwrite(o.fd, &h, sizeof h, 0) != (ssize_t)sizeof h) o.err = errno ? errno : EIO;
+    if (close(o.fd) < 0 && !o.err) o.err = errno;
+    if (!o.err && rename(tmp, path) < 0) o.err = errno;
+    if (o.err) { unlink(tmp); errno = o.err; return LTG_ERR; }
+    s->h = h;
+    return 0;
+}
+
+/* Is s's index file whole and about its log (of `log_size` bytes)? Fills s->h. */
+static int idx_check(segment *s, off_t log_size) {
+    char path[300];
+    seg_path(s->day, ".idx", LG.dir, path, sizeof path);
+    int fd = open(path, O_RDONLY | O_CLOEXEC), ok = 0;
+    struct stat st;
+    idx_header *h = &s->h;
+    if (fd < 0 || fstat(fd, &st) < 0 || pread(fd, h, sizeof *h, 0) != (ssize_t)sizeof *h) goto done;
+    if (memcmp(h->magic, IDX_MAGIC, 8) || h->endian != IDX_ENDIAN || h->head_crc != crc32(h, offsetof(idx_header, head_crc)) ||
+        h->day != s->day || h->log_size != (uint64_t)log_size || h->sec[SEC_OFFSETS][1] != ((uint64_t)h->nevents + 1) * 8)
+        goto done;
+    for (int i = 0; i < NSEC; i++)
+        if (h->sec[i][0] < sizeof *h || h->sec[i][0] > (uint64_t)st.st_size || h->sec[i][1] > (uint64_t)st.st_size - h->sec[i][0] ||
+            h->sec[i][1] % sec_elem[i])
+            goto done;
+    uint32_t crc = 0;
+    char *chunk = xmalloc(LOG_READ_CHUNK);
+    off_t at = sizeof *h;
+    ssize_t r = 1;
+    while (at < st.st_size && (r = pread(fd, chunk, LOG_READ_CHUNK, at)) > 0) crc = crc32_more(crc, chunk, (size_t)r), at += r;
+    free(chunk);
+    ok = r > 0 && crc == h->crc;
+done:
+    if (fd >= 0) close(fd);
+    return ok;
+}
+
+/* s's index is on disk: let its memory and its log go. */
+static void seg_sealed(segment *s) {
+    if (s->f.fd >= 0) close(s->f.fd);
+    buf_free(&s->f.pending);
+    s->f.fd = -1;
+    mem_free(&s->mem);
+    s->state = SEG_SEALED;
+}
+
+/* Write a sealing segment's index file once its events are durable. */
+static void seg_seal_step(segment *s) {
+    if (s->state != SEG_SEALING || s->f.pending.len || s->f.failing || S.now < s->retry_at) return;
+    if (idx_write(s) == 0) {
+        if (LG.idx_told) ltg_log("ledger: the index of %s is written", s->f.path), LG.idx_told = 0;
+        seg_sealed(s);
+        return;
+    }
+    if (!LG.idx_told++) ltg_log("ledger: the index of %s cannot be written (%s): the day stays in memory, retried every %d s", s->f.path, strerror(errno), IDX_RETRY_MS / 1000);
+    s->retry_at = S.now + IDX_RETRY_MS;
+}
+
+/* ---- what a query sees of one day ---- */
+
+typedef struct {
+    segment *s;
+    int fd, log_fd;             /* SEALED: its index and its log, open for the query */
+    uint32_t limit;             /* the events it may see: a snapshot's bound */
+    char kind;                  /* 0: every event; 'k' or 'g': those of one key or group */
+    const lname *nm;            /* in memory: that name, or NULL */
+    idx_name dn;                /* on disk: that name (n = 0 when absent) */
+} seg_view;
+
+/* The name kind+id in a sealed day's table: 1 found, 0 absent, LTG_ERR. */
+static int idx_find(seg_view *v, char kind, const char *id, idx_name *out) {
+    char want[ALIAS_MAX + 2], got[ALIAS_MAX + 2];
+    size_t wn = (size_t)snprintf(want, sizeof want, "%c%s", kind, id);
+    uint64_t lo = 0, hi = v->s->h.sec[SEC_NAMES][1] / sizeof(idx_name);
+    while (lo < hi) {
+        uint64_t mid = lo + (hi - lo) / 2;
+        idx_name nm;
+        if (idx_read(v->s, v->fd, SEC_NAMES, mid, 1, &nm) < 0 || nm.len > ALIAS_MAX + 1 || idx_read(v->s, v->fd, SEC_STRINGS, nm.str, nm.len, got) < 0)
+            return LTG_ERR;
+        int c = memcmp(got, want, nm.len < wn ? nm.len : wn);
+        if (!c) c = (nm.len > wn) - (nm.len < wn);
+        if (!c) { *out = nm; return 1; }
+        if (c < 0) lo = mid + 1;
+        else hi = mid;
+    }
+    return 0;
+}
+
+/* The position of the rank-th event the view shows: 0, or LTG_ERR. */
+static int view_pos(const seg_view *v, uint64_t rank, uint32_t *pos) {
+    if (!v->kind) { *pos = (uint32_t)rank; return 0; }
+    if (v->s->state != SEG_SEALED) { *pos = v->nm->pos[rank]; return 0; }
+    if (v->kind == 'k') return idx_read(v->s, v->fd, SEC_KEYPOS, v->dn.first + rank, 1, pos);
+    idx_gpos g;
+    if (idx_read(v->s, v->fd, SEC_GROUPPOS, v->dn.first + rank, 1, &g) < 0) return LTG_ERR;
+    *pos = g.pos;
+    return 0;
+}
+
+/* How many events the view shows (those before its limit), or LTG_ERR. */
+static int64_t view_count(const seg_view *v) {
+    uint32_t all = seg_count(v->s);
+    if (!v->kind) return v->limit < all ? v->limit : all;
+    if (v->s->state != SEG_SEALED) return v->nm ? (int64_t)posting_lower(v->nm, v->limit) : 0;
+    uint64_t lo = 0, hi = v->dn.n;
+    if (v->limit >= all) return hi;
+    while (lo < hi) { /* the first of its events at or after the limit */
+        uint64_t mid = lo + (hi - lo) / 2;
+        uint32_t pos;
+        if (view_pos(v, mid, &pos) < 0) return LTG_ERR;
+        if (pos < v->limit) lo = mid + 1;
+        else hi = mid;
+    }
+    return (int64_t)lo;
+}
+
+/* Open the view of s: every event, or those of kind+id. Returns how many
+ * it shows, or LTG_ERR (a file that cannot be read; logged). */
+static int64_t view_open(seg_view *v, segment *s, char kind, const char *id, uint32_t limit) {
+    *v = (seg_view){.s = s, .fd = -1, .log_fd = -1, .limit = limit, .kind = kind};
+    if (s->state != SEG_SEALED) {
+        uint32_t k = kind ? mem_name(&s->mem, kind, id, strlen(id), 0) : 0;
+        if (kind && k != UINT32_MAX) v->nm = s->mem.names[k];
+        return view_count(v);
+    }
+    char path[300];
+    seg_path(s->day, ".idx", LG.dir, path, sizeof path);
+    v->fd = open(path, O_RDONLY | O_CLOEXEC);
+    seg_path(s->day, ".log", LG.dir, path, sizeof path);
+    v->log_fd = open(path, O_RDONLY | O_CLOEXEC);
+    int found = v->fd < 0 || v->log_fd < 0 ? LTG_ERR : kind ? idx_find(v, kind, id, &v->dn) : 1;
+    int64_t n = found < 0 ? LTG_ERR : found ? view_count(v) : 0;
+    if (n < 0) ltg_log("ledger: cannot read %s or its index: %s", path, strerror(errno));
+    return n;
+}
+
+static void view_close(seg_view *v) {
+    if (v->fd >= 0) close(v->fd);
+    if (v->log_fd >= 0) close(v->log_fd);
+    v->fd = v->log_fd = -1;
+}
+
+/* Bytes [off, off + n) of a segment's log: from the file, or, for what is
+ * not durable yet, from the events waiting in memory. */
+static int seg_read(const seg_view *v, uint64_t off, size_t n, char *out) {
+    const logfile *f = &v->s->f;
+    if (v->s->state != SEG_SEALED && off >= (uint64_t)f->durable) {
+        if (off + n > (uint64_t)f->size) return LTG_ERR;
+        memcpy(out, f->pending.p + (off - (uint64_t)f->durable), n);
+        return 0;
+    }
+    int fd = v->s->state == SEG_SEALED ? v->log_fd : f->fd;
+    return pread(fd, out, n, (off_t)off) == (ssize_t)n ? 0 : LTG_ERR;
+}
+
+/* Where the record at index position `pos` is: its payload's offset and length. */
+static int view_loc(const seg_view *v, uint32_t pos, uint64_t *off, uint32_t *len) {
+    if (v->s->state != SEG_SEALED) {
+        if (pos >= v->s->mem.n) return LTG_ERR;
+        *off = v->s->mem.ix[pos].off, *len = v->s->mem.ix[pos].len;
+        return 0;
+    }
+    uint64_t o[2];
+    if (idx_read(v->s, v->fd, SEC_OFFSETS, pos, 2, o) < 0 || o[0] < 16 || o[1] < o[0] + 8 || o[1] - o[0] - 8 > LOG_MAX_RECORD) return LTG_ERR;
+    *off = o[0], *len = (uint32_t)(o[1] - o[0] - 8);
+    return 0;
+}
+
+/* The record whose payload is [off, off + len) of v's log, read into
+ * rec, checked against its CRC, and decoded into *rv: 0, or LTG_ERR. */
+static int seg_record_at(const seg_view *v, uint64_t off, uint32_t len, buf *rec, rec_view *rv) {
+    rec->len = 0;
+    if (off < 16 || len > LOG_MAX_RECORD) return LTG_ERR;
+    buf_reserve(rec, (size_t)len + 8);
+    if (seg_read(v, off - 8, (size_t)len + 8, rec->p) < 0 || get_le32((uint8_t *)rec->p) != len ||
+        get_le32((uint8_t *)rec->p + 4) != crc32(rec->p + 8, len) || rec_decode(rec->p + 8, len, rv) < 0)
+        return LTG_ERR;
+    rec->len = (size_t)len + 8;
+    return 0;
+}
+
+/* The record at index position `pos` (see seg_record_at): 0, or LTG_ERR (logged). */
+static int view_record(const seg_view *v, uint32_t pos, buf *rec, rec_view *rv) {
+    uint64_t off;
+    uint32_t len;
+    if (view_loc(v, pos, &off, &len) == 0 && seg_record_at(v, off, len, rec, rv) == 0) return 0;
+    ltg_log("ledger: %s: the event at position %u cannot be read back (a damaged index file is rebuilt at the next start)", v->s->f.path, pos);
+    return LTG_ERR;
+}
+
+/* What group `gid` spent in s at or after `since` (wall ms). */
+static int64_t seg_group_since(segment *s, const char *gid, int64_t since) {
+    seg_view v;
+    int64_t n = view_open(&v, s, 'g', gid, UINT32_MAX), sum = 0;
+    if (n > 0 && s->state != SEG_SEALED) {
+        for (uint32_t k = 0; k < v.nm->npos; k++)
+            if (s->mem.ix[v.nm->pos[k]].at >= since) sum += s->mem.ix[v.nm->pos[k]].charged;
+    } else if (n > 0) { /* the running sums: all of it, less what came before `since` */
+        int64_t ms = since - s->day;
+        uint64_t lo = 0, hi = (uint64_t)n;
+        idx_gpos g, last;
+        if (idx_read(s, v.fd, SEC_GROUPPOS, v.dn.first + n - 1, 1, &last) == 0) {
+            sum = last.cum;
+            while (lo < hi) { /* the first event at or after `since` */
+                uint64_t mid = lo + (hi - lo) / 2;
+                if (idx_read(s, v.fd, SEC_GROUPPOS, v.dn.first + mid, 1, &g) < 0) break;
+                if ((int64_t)g.ms < ms) lo = mid + 1;
+                else hi = mid;
+            }
+            if (lo > 0 && idx_read(s, v.fd, SEC_GROUPPOS, v.dn.first + lo - 1, 1, &g) == 0) sum -= g.cum;
+        }
+    }
+    view_close(&v);
+    return sum;
+}
+
+/* ---- writing ---- */
+
+/* Write and fsync every day whose events wait in memory; while one fails,
+ * try again every second. */
+static void ledger_sync(void *ctx);
+static timer ledger_sync_timer = {.slot = -1, .fire = ledger_sync};
+
+static void ledger_sync(void *ctx) {
+    (void)ctx;
+    int failing = 0;
+    for (int i = 0; i < LG.nseg; i++) {
+        segment *s = LG.seg[i];
+        if (s->state != SEG_SEALED && (s->f.pending.len || s->f.failing)) failing |= log_sync(&s->f) < 0;
+    }
+    if (failing) timer_set(&ledger_sync_timer, LEDGER_RETRY_MS);
+}
+
+/* May events be recorded now? Not while a day's log fails to take them. */
+static int ledger_writable(const char **why) {
+    for (int i = 0; i < LG.nseg; i++)
+        if (LG.seg[i]->state != SEG_SEALED && LG.seg[i]->f.failing) { *why = LG.seg[i]->f.why; return 0; }
+    return 1;
+}
+
+/* Append one event (v, whose time is set here: `now`, or the last event's
+ * if the clock went back). Returns where its record went, for a replay. */
+static int ledger_add(rec_view *v, int64_t now, int64_t *day, uint64_t *off, uint32_t *len) {
+    v->at = now > LG.last_at ? now : LG.last_at;
+    LG.last_at = v->at;
+    segment *s = seg_open();
+    if (!s || s->day < day_of(v->at)) {
+        if (s) s->state = SEG_SEALING; /* the day is over */
+        s = seg_new(day_of(v->at));
+    }
+    buf p = {0};
+    rec_encode(&p, v);
+    const char *why;
+    *day = s->day, *off = (uint64_t)s->f.size + 8, *len = (uint32_t)p.len;
+    int rc = log_append(&s->f, p.p, p.len, 0, &why);
+    if (rc < 0) ltg_log("ledger: an event was not recorded: %s", why);
+    else {
+        mem_add(&s->mem, v, *off, *len);
+        if (ledger_sync_timer.slot < 0) timer_set(&ledger_sync_timer, LEDGER_SYNC_MS);
+    }
+    buf_free(&p);
+    return rc;
+}
+
+/* ---- retention ---- */
+
+/* Delete the oldest day, a sealed one. What a group with a budget spent in
+ * it within its current period (a lifetime budget's) is first carried into
+ * the group's record in the state log; a group without a budget shows the
+ * spend of the days kept, so it loses the day's. Its rows name the groups. */
+static int ledger_retire(segment *s, int64_t now) {
+    typedef struct { group *g; int64_t carry, start, to; } carry_change;
+    carry_change *ch = NULL;
+    int nch = 0;
+    seg_view v;
+    idx_row row;
+    int64_t n = view_open(&v, s, 0, NULL, UINT32_MAX);
+    uint64_t nrows = s->h.sec[SEC_ROWS][1] / sizeof(idx_row);
+    char prev[36] = {0};
+    buf ops = {0};
+    jwriter w;
+    jw_init(&w, &ops), jw_open(&w, '[');
+    for (uint64_t r = 0; n > 0 && r < nrows && idx_read(s, v.fd, SEC_ROWS, r, 1, &row) == 0; r++) {
+        if (memcmp(row.group, prev, 36) == 0) continue; /* a group's rows are together: one look per group */
+        memcpy(prev, row.group, 36);
+        char id[37];
+        memcpy(id, row.group, 36), id[36] = 0;
+        group *g = group_find(id);
+        int64_t start, end;
+        if (!g || !g->has_budget) continue;
+        group_period(g, now, &start, &end);
+        if (start >= s->day + DAY_MS || (g->carry_to > s->day && g->carry_start == start)) continue; /* not its period, or carried already */
+        ch = xrealloc(ch, (size_t)(nch + 1) * sizeof *ch);
+        ch[nch++] = (carry_change){g, g->carry, g->carry_start, g->carry_to};
+        g->carry = group_carried(g, start) + seg_group_since(s, id, start), g->carry_start = start, g->carry_to = s->day + DAY_MS;
+        jw_open(&w, '{'), jw_key(&w, "put_group"), group_json(&w, g, 1), jw_close(&w, '}');
+    }
+    jw_close(&w, ']');
+    const char *why = "";
+    buf rec = {0};
+    buf_printf(&rec, "{\"ops\":%s}", ops.p);
+    int rc = nch ? state_append(rec.p, rec.len, &why) : 0;
+    for (int i = 0; rc < 0 && i < nch; i++) ch[i].g->carry = ch[i].carry, ch[i].g->carry_start = ch[i].start, ch[i].g->carry_to = ch[i].to;
+    buf_free(&ops), buf_free(&rec), free(ch);
+    char path[300];
+    seg_path(s->day, ".log", LG.dir, path, sizeof path);
+    if (rc < 0) ltg_log("ledger: %s not deleted yet: the state log refused what it carries (%s)", path, why);
+    else if (unlink(path) < 0 && errno != ENOENT) ltg_log("ledger: cannot delete %s: %s", path, strerror(errno)), rc = LTG_ERR;
+    for (uint64_t r = 0; rc == 0 && n > 0 && r < nrows && idx_read(s, v.fd, SEC_ROWS, r, 1, &row) == 0; r++) {
+        char id[37]; /* a group without a budget shows what its kept days spent: this one's goes */
+        memcpy(id, row.group, 36), id[36] = 0;
+        group *g = group_find(id);
+        if (g && !g->has_budget) g->spend -= row.u.spend;
+    }
+    view_close(&v);
+    if (rc < 0) return LTG_ERR;
+    seg_path(s->day, ".idx", LG.dir, path, sizeof path);
+    unlink(path);
+    fsync_dir(LG.dir);
+    ltg_log("ledger: deleted %s (%llu bytes, %u events): older than --ledger-days %d%s", s->f.path, (unsigned long long)s->h.log_size,
+            seg_count(s), S.ledger_days, nch ? "; what lifetime budgets spent in it is carried in their groups" : "");
+    memmove(LG.seg, LG.seg + 1, (size_t)--LG.nseg * sizeof *LG.seg);
+    free(s);
+    return 0;
+}
+
+/* The first day the ledger keeps (UTC midnight, wall ms). */
+static int64_t ledger_retained_from(int64_t now) { return day_of(now) - (int64_t)S.ledger_days * DAY_MS; }
+
+/* Called each loop turn: the turn's events are written, a day that ended
+ * is sealed, a sealed day's index file written, one expired day deleted. */
+static void ledger_tick(int64_t now) {
+    for (int i = 0; i < LG.nseg; i++) {
+        segment *s = LG.seg[i];
+        if (s->state != SEG_SEALED && !s->f.failing && s->f.written < s->f.pending.len && log_write(&s->f) < 0)
+            timer_set(&ledger_sync_timer, LEDGER_RETRY_MS);
+        if (s->state == SEG_OPEN && s->day < day_of(now)) s->state = SEG_SEALING;
+        seg_seal_step(s);
+    }
+    if (LG.nseg && LG.seg[0]->state == SEG_SEALED && LG.seg[0]->day < ledger_retained_from(now)) ledger_retire(LG.seg[0], now);
+}
+
+/* ---- start-up ---- */
+
+/* One event of a version-1 ledger.log, rewritten into the day's segment. */
+static int ledger_migrate_apply(void *ctx, const char *p, size_t n, off_t at, char *err, size_t errlen) {
+    (void)at;
+    segment **cur = ctx;
     json_tok t[96];
     json_result res;
     if (json_parse(p, n, t, 96, 2, &res) < 0) { snprintf(err, errlen, "not JSON: %s at byte %zu", res.err, res.err_offset); return LTG_ERR; }
-    int e = json_get(p, t, 0, "e");
+    int e = json_get(p, t, 0, "e"), r = json_get(p, t, 0, "r");
     long long when, charged, in = 0, out = 0;
     if (e < 0 || json_int(p, t, json_get(p, t, 0, "t"), &when) < 0 || json_int(p, t, json_get(p, t, 0, "c"), &charged) < 0) {
         snprintf(err, errlen, "not a spend event");
@@ -3879,79 +4666,354 @@ static int ledger_apply(const char *p, size_t n, off_t at, char *err, size_t err
     }
     int ki = json_get(p, t, e, "token_key_id"), gi = json_get(p, t, e, "token_group_id"), mv = json_get(p, t, e, "model");
     if (mv < 0 || t[mv].type != JSON_STRING) mv = json_get(p, t, e, "requested_model");
-    if (!is_uuid(p, t, ki) || !is_uuid(p, t, gi) || mv < 0 || t[mv].type != JSON_STRING) {
+    if (!is_uuid(p, t, ki) || !is_uuid(p, t, gi) || mv < 0 || t[mv].type != JSON_STRING || t[mv].end - t[mv].start > ALIAS_MAX) {
         snprintf(err, errlen, "a spend event without its key, group or model");
         return LTG_ERR;
     }
-    ledger_entry x = {0};
-    x.at = when, x.off = (uint64_t)at, x.len = (uint32_t)n, x.charged = charged;
-    char *key = json_strdup(p, t, ki), *grp = json_strdup(p, t, gi), *mod = json_strdup(p, t, mv);
-    x.key = intern(key, 1), x.group = intern(grp, 1), x.model = intern(mod, 1);
-    free(key), free(grp), free(mod);
     json_int(p, t, json_get(p, t, e, "input_tokens"), &in), json_int(p, t, json_get(p, t, e, "output_tokens"), &out);
-    x.in_tok = (uint32_t)in, x.out_tok = (uint32_t)out;
-    int st = json_get(p, t, e, "status");
-    x.status = json_eq(p, t, st, "failed") ? EV_FAILED : json_eq(p, t, st, "partial") ? EV_PARTIAL : EV_SUCCEEDED;
-    int hit = json_get(p, t, e, "cache_hit");
-    x.cache_hit = hit >= 0 && t[hit].type == JSON_TRUE;
-    ledger_index(&x);
-    int r = json_get(p, t, 0, "r");
-    if (r >= 0 && when + IDEM_TTL_MS > wall_ms()) inf_idem_restore(p, t, r, when + IDEM_TTL_MS);
+    int st = json_get(p, t, e, "status"), hit = json_get(p, t, e, "cache_hit");
+    rec_view v = {.at = when, .charged = charged, .in_tok = (uint32_t)in, .out_tok = (uint32_t)out,
+                  .status = (uint8_t)(json_eq(p, t, st, "failed") ? EV_FAILED : json_eq(p, t, st, "partial") ? EV_PARTIAL : EV_SUCCEEDED),
+                  .flags = (uint8_t)((hit >= 0 && t[hit].type == JSON_TRUE ? EVF_CACHE_HIT : 0) | (r >= 0 ? EVF_REPLAY : 0)),
+                  .key = p + t[ki].start, .group = p + t[gi].start, .model = p + t[mv].start, .model_len = t[mv].end - t[mv].start,
+                  .event = p + t[e].start, .event_len = t[e].end - t[e].start, .replay = r >= 0 ? p + t[r].start : "",
+                  .replay_len = r >= 0 ? t[r].end - t[r].start : 0};
+    if (v.at < LG.last_at) v.at = LG.last_at;
+    LG.last_at = v.at;
+    if (!*cur || (*cur)->day < day_of(v.at)) {
+        if (*cur && (log_sync(&(*cur)->f) < 0 || close((*cur)->f.fd) < 0)) { snprintf(err, errlen, "%s", (*cur)->f.why); return LTG_ERR; }
+        if (*cur) (*cur)->f.fd = -1;
+        *cur = seg_new(day_of(v.at));
+    }
+    buf rec = {0};
+    rec_encode(&rec, &v);
+    const char *why;
+    int rc = log_append(&(*cur)->f, rec.p, rec.len, 0, &why);
+    if (rc == 0 && (*cur)->f.pending.len > (4 << 20)) rc = log_sync(&(*cur)->f);
+    buf_free(&rec);
+    if (rc < 0) snprintf(err, errlen, "%s", (*cur)->f.why);
+    return rc;
+}
+
+/* An earlier version kept one DATA/ledger.log: split it into daily
+ * segments, once. They are written to DATA/ledger.new, which is renamed
+ * to DATA/ledger only when whole; the old file goes last. A crash at any
+ * point leaves the old file (the migration starts again) or the new
+ * directory (and the old file is dropped). */
+static int ledger_migrate(const char *data, char *err, size_t errlen) {
+    char old[300], tmpdir[240], path[320];
+    snprintf(old, sizeof old, "%.200s/ledger.log", data);
+    snprintf(tmpdir, sizeof tmpdir, "%.200s/ledger.new", data);
+    struct stat st;
+    if (stat(old, &st) < 0) return 0;
+    if (stat(LG.dir, &st) == 0) { unlink(old); return 0; } /* the crash came after the switch */
+    DIR *d = opendir(tmpdir);
+    for (struct dirent *de; d && (de = readdir(d));)
+        if (de->d_name[0] != '.') snprintf(path, sizeof path, "%s/%.60s", tmpdir, de->d_name), unlink(path);
+    if (d) closedir(d);
+    if (mkdir(tmpdir, 0700) < 0 && errno != EEXIST) { snprintf(err, errlen, "%s: %s", tmpdir, strerror(errno)); return LTG_ERR; }
+    char dir[256];
+    memcpy(dir, LG.dir, sizeof dir);
+    snprintf(LG.dir, sizeof LG.dir, "%.240s", tmpdir);
+    segment *cur = NULL;
+    logfile f = {.fd = -1};
+    ltg_log("ledger: migrating %s into daily segments under %s", old, dir);
+    int rc = log_open(&f, data, "ledger.log", LEDGER_V1_MAGIC, ledger_migrate_apply, &cur, err, errlen);
+    if (f.fd >= 0) close(f.fd);
+    if (rc == 0 && cur && (log_sync(&cur->f) < 0 || close(cur->f.fd) < 0)) rc = LTG_ERR, snprintf(err, errlen, "%s", cur->f.why);
+    int nseg = LG.nseg;
+    while (LG.nseg) buf_free(&LG.seg[LG.nseg - 1]->f.pending), free(LG.seg[--LG.nseg]); /* start-up opens them again */
+    memcpy(LG.dir, dir, sizeof dir);
+    LG.last_at = 0;
+    if (rc < 0) return LTG_ERR;
+    if (fsync_dir(tmpdir) < 0 || rename(tmpdir, LG.dir) < 0 || fsync_dir(data) < 0 || unlink(old) < 0 || fsync_dir(data) < 0) {
+        snprintf(err, errlen, "migrating the ledger into %s: %s", LG.dir, strerror(errno));
+        return LTG_ERR;
+    }
+    ltg_log("ledger: migrated %s into %d daily segment(s); it is removed", old, nseg);
     return 0;
 }
 
-/* The ledger's events are batched, not written one by one: a write is a
- * system call, an fsync costs milliseconds, and the loop does nothing else
- * meanwhile. The events of a loop turn are written together at its end
- * (store_tick), so a crash of ltg loses at most the turn it dies in; they
- * are fsynced LEDGER_SYNC_MS after the first unsynced one, so a power cut
- * loses at most those milliseconds (and never corrupts an event: a torn
- * record is cut off at start-up). */
-#define LEDGER_SYNC_MS 20
+static int day_cmp(const void *a, const void *b) { return (*(const int64_t *)a > *(const int64_t *)b) - (*(const int64_t *)a < *(const int64_t *)b); }
 
-/* A failed write or fsync of the ledger. Its events are already in the
- * index, pointing at file offsets later events would reuse: so the ledger
- * refuses every later event until a restart rebuilds the index from disk. */
-static void ledger_failed(void) {
-    static int told;
-    if (!LG.f.broken[0]) snprintf(LG.f.broken, sizeof LG.f.broken, "the ledger %s could not be written: spend events are not recorded until ltg restarts", LG.f.path);
-    if (!told++) ltg_log("%s", LG.f.broken);
-}
-
-static void ledger_sync(void *ctx) {
-    (void)ctx;
-    if (log_sync(&LG.f) < 0) ledger_failed();
-}
-
-/* Append an event (its JSON in `event`) to the file and the index. */
-static timer ledger_sync_timer = {.slot = -1, .fire = ledger_sync};
-
-static void ledger_append(const ledger_entry *e, const char *event, size_t n, const char *replay) {
-    buf p = {0};
-    buf_printf(&p, "{\"t\":%lld,\"c\":%lld,\"e\":", (long long)e->at, (long long)e->charged);
-    buf_append(&p, event, n);
-    if (replay) buf_printf(&p, ",\"r\":%s", replay);
-    buf_puts(&p, "}");
-    const char *why;
-    ledger_entry x = *e;
-    x.off = (uint64_t)LG.f.size + 8, x.len = (uint32_t)p.len;
-    if (log_append(&LG.f, p.p, p.len, 0, &why) < 0) ledger_failed(); /* the answer is already on its way */
-    else {
-        ledger_index(&x);
-        if (ledger_sync_timer.slot < 0) timer_set(&ledger_sync_timer, LEDGER_SYNC_MS);
+/* Open DATA/ledger at start-up: migrate an old ledger.log, check every
+ * sealed day's index file (or rebuild it from its log, one day in memory
+ * at a time), replay the open day, and delete what is past retention.
+ * 0, or LTG_ERR with a message in err. */
+static int ledger_open(const char *data, int64_t now, char *err, size_t errlen) {
+    snprintf(LG.dir, sizeof LG.dir, "%.200s/ledger", data);
+    if (ledger_migrate(data, err, errlen) < 0) return LTG_ERR;
+    if (mkdir(LG.dir, 0700) < 0 && errno != EEXIST) { snprintf(err, errlen, "%s: %s", LG.dir, strerror(errno)); return LTG_ERR; }
+    DIR *d = opendir(LG.dir);
+    if (!d) { snprintf(err, errlen, "%s: %s", LG.dir, strerror(errno)); return LTG_ERR; }
+    int64_t *days = NULL;
+    size_t ndays = 0;
+    for (struct dirent *de; (de = readdir(d));) {
+        char day[16], path[320];
+        size_t n = strlen(de->d_name);
+        int64_t ms;
+        if (n > 4 && strcmp(de->d_name + n - 4, ".tmp") == 0) snprintf(path, sizeof path, "%s/%.60s", LG.dir, de->d_name), unlink(path);
+        if (n != 14 || strcmp(de->d_name + 10, ".log") != 0) continue;
+        snprintf(day, sizeof day, "%.10s", de->d_name);
+        if (parse_day(day, &ms) < 0) continue;
+        days = xrealloc(days, (ndays + 1) * sizeof *days), days[ndays++] = ms;
     }
-    buf_free(&p);
+    closedir(d);
+    if (ndays) qsort(days, ndays, sizeof *days, day_cmp);
+    int rc = 0;
+    for (size_t i = 0; i < ndays && rc == 0; i++) {
+        segment *s = seg_new(days[i]);
+        struct stat st;
+        int open_day = i == ndays - 1 && days[i] >= day_of(now);
+        if (!open_day && stat(s->f.path, &st) == 0 && idx_check(s, st.st_size)) { s->state = SEG_SEALED; continue; }
+        char name[32];
+        seg_path(s->day, ".log", NULL, name, sizeof name);
+        if (!open_day) ltg_log("ledger: rebuilding the index of %s from its log", s->f.path);
+        rc = log_open(&s->f, LG.dir, name, SEG_MAGIC, seg_apply, s, err, errlen);
+        if (!open_day && rc == 0) s->state = SEG_SEALING, seg_seal_step(s);
+    }
+    free(days);
+    if (rc < 0) return LTG_ERR;
+    for (int i = 0; i < LG.nseg; i++) {
+        segment *s = LG.seg[i];
+        int64_t last = s->state == SEG_SEALED ? s->h.last_at : s->mem.n ? s->mem.ix[s->mem.n - 1].at : 0;
+        if (last > LG.last_at) LG.last_at = last;
+    }
+    while (LG.nseg && LG.seg[0]->state == SEG_SEALED && LG.seg[0]->day < ledger_retained_from(now) && ledger_retire(LG.seg[0], now) == 0) {}
+    return 0;
 }
 
-/* The first index position at or after time `at`. */
-static size_t ledger_lower(int64_t at, size_t n) {
-    size_t lo = 0, hi = n;
-    while (lo < hi) {
-        size_t mid = lo + (hi - lo) / 2;
-        if (LG.ix[mid].at < at) lo = mid + 1;
-        else hi = mid;
+/* ---- queries ---- */
+
+typedef struct {
+    int64_t start, end;         /* [start, end): whole UTC days */
+    const char *key, *group;    /* filters, NULL for none */
+    int64_t snap_day;           /* a snapshot: the events of days before snap_day, */
+    uint32_t snap_n;            /* and the first snap_n of that day */
+} ledger_query;
+
+/* The events of q, from the skip-th on, at most `size` of them, into w;
+ * returns how many q has in all. */
+static size_t ledger_page(const ledger_query *q, size_t skip, size_t size, jwriter *w) {
+    size_t total = 0;
+    buf rec = {0};
+    for (int i = 0; i < LG.nseg; i++) {
+        segment *s = LG.seg[i];
+        if (s->day < q->start || s->day >= q->end || s->day > q->snap_day) continue;
+        seg_view v;
+        rec_view rv;
+        uint32_t pos;
+        int64_t n = view_open(&v, s, q->key ? 'k' : q->group ? 'g' : 0, q->key ? q->key : q->group, s->day == q->snap_day ? q->snap_n : UINT32_MAX);
+        /* A key belongs to one group for life: with both filters, the key's first event says whether any match. */
+        if (n > 0 && q->key && q->group && (view_pos(&v, 0, &pos) < 0 || view_record(&v, pos, &rec, &rv) < 0 || memcmp(rv.group, q->group, 36) != 0))
+            n = 0;
+        for (int64_t r = skip > total ? (int64_t)(skip - total) : 0; n > 0 && r < n && total + (size_t)r < skip + size; r++)
+            if (view_pos(&v, (uint64_t)r, &pos) == 0 && view_record(&v, pos, &rec, &rv) == 0) jw_raw(w, rv.event, rv.event_len);
+        if (n > 0) total += (size_t)n;
+        view_close(&v);
     }
-    return lo;
+    buf_free(&rec);
+    return total;
+}
+
+/* A model's usage in a summary. */
+typedef struct {
+    char alias[ALIAS_MAX + 1];
+    usage_row u;
+} model_usage;
+
+static void model_usage_add(model_usage **mu, int *n, const char *alias, size_t len, const usage_row *u) {
+    int i = 0;
+    while (i < *n && (strlen((*mu)[i].alias) != len || memcmp((*mu)[i].alias, alias, len) != 0)) i++;
+    if (i == *n) {
+        *mu = xrealloc(*mu, (size_t)(*n + 1) * sizeof **mu);
+        memset(&(*mu)[i], 0, sizeof **mu);
+        memcpy((*mu)[i].alias, alias, len < ALIAS_MAX ? len : ALIAS_MAX);
+        (*n)++;
+    }
+    usage_sum(&(*mu)[i].u, u);
+}
+
+/* Usage of the days [start, start + days), of one group or all: per day
+ * (by_day[days]), per model (*mu, *nmu) and in all (total). */
+static void ledger_usage(int64_t start, int days, const char *gid, usage_row *by_day, usage_row *total, model_usage **mu, int *nmu) {
+    for (int i = 0; i < LG.nseg; i++) {
+        segment *s = LG.seg[i];
+        if (s->day < start || s->day >= start + days * DAY_MS) continue;
+        usage_row *day = &by_day[(s->day - start) / DAY_MS];
+        seg_view v;
+        if (view_open(&v, s, gid ? 'g' : 0, gid, UINT32_MAX) <= 0) { view_close(&v); continue; }
+        if (s->state != SEG_SEALED) { /* today: sum the events */
+            usage_row *per = xcalloc(s->mem.nnames, sizeof *per);
+            size_t n = gid ? v.nm->npos : s->mem.n;
+            for (size_t k = 0; k < n; k++) usage_add(&per[s->mem.ix[gid ? v.nm->pos[k] : k].model], &s->mem.ix[gid ? v.nm->pos[k] : k]);
+            for (uint32_t k = 0; k < s->mem.nnames; k++)
+                if (per[k].requests) usage_sum(day, &per[k]), model_usage_add(mu, nmu, s->mem.names[k]->s + 1, strlen(s->mem.names[k]->s + 1), &per[k]);
+            free(per);
+        } else { /* a sealed day: its rollups, the group's rows or the per-model ones */
+            int sec = gid ? SEC_ROWS : SEC_MODELROWS;
+            uint64_t nrows = s->h.sec[sec][1] / sizeof(idx_row), lo = 0, hi = nrows;
+            idx_row row;
+            char want[36];
+            memcpy(want, gid ? gid : "", gid ? 36 : 0);
+            while (gid && lo < hi) { /* the group's first row */
+                uint64_t mid = lo + (hi - lo) / 2;
+                if (idx_read(s, v.fd, sec, mid, 1, &row) < 0) break;
+                if (memcmp(row.group, want, 36) < 0) lo = mid + 1;
+                else hi = mid;
+            }
+            for (uint64_t r = lo; r < nrows && idx_read(s, v.fd, sec, r, 1, &row) == 0 && (!gid || memcmp(row.group, want, 36) == 0); r++) {
+                idx_name nm;
+                char alias[ALIAS_MAX + 2];
+                if (idx_read(s, v.fd, SEC_NAMES, row.model, 1, &nm) < 0 || nm.len < 2 || nm.len > ALIAS_MAX + 1 ||
+                    idx_read(s, v.fd, SEC_STRINGS, nm.str, nm.len, alias) < 0)
+                    continue;
+                usage_sum(day, &row.u), model_usage_add(mu, nmu, alias + 1, nm.len - 1, &row.u);
+            }
+        }
+        usage_sum(total, day);
+        view_close(&v);
+    }
+}
+
+/* Every spend event since `since` that carries an idempotent answer:
+ * fn(its record, where it is). */
+static void ledger_replays(int64_t since, void (*fn)(const rec_view *rv, int64_t day, uint64_t off, uint32_t len)) {
+    buf rec = {0};
+    for (int i = 0; i < LG.nseg; i++) {
+        segment *s = LG.seg[i];
+        if (s->day + DAY_MS <= since) continue;
+        seg_view v;
+        rec_view rv;
+        uint32_t n = view_open(&v, s, 0, NULL, UINT32_MAX) > 0 ? (uint32_t)(s->state == SEG_SEALED ? s->h.sec[SEC_REPLAYS][1] / 4 : s->mem.n) : 0;
+        for (uint32_t k = 0; k < n; k++) {
+            uint32_t pos = k;
+            if (s->state == SEG_SEALED ? idx_read(s, v.fd, SEC_REPLAYS, k, 1, &pos) < 0 : !(s->mem.ix[k].flags & EVF_REPLAY)) continue;
+            uint64_t off;
+            uint32_t len;
+            if (view_record(&v, pos, &rec, &rv) == 0 && rv.at >= since && view_loc(&v, pos, &off, &len) == 0) fn(&rv, s->day, off, len);
+        }
+        view_close(&v);
+    }
+    buf_free(&rec);
+}
+
+/* ===== 14. Budgets, the cache, idempotent inference =====
+ *
+ * IMPLEMENTATION NOTES
+ * Budgets. A group's spend in its current period is the sum of what its
+ * events charged since the period began; it lives in the group with
+ * `reserved`, the worst cases of the requests in flight. Three functions
+ * own that state: budget_reserve() admits a request only if spend +
+ * reserved + its own worst case fits the budget (the loop is
+ * single-threaded, so concurrent requests cannot together pass it),
+ * budget_settle() replaces a reservation by what the request was charged,
+ * and budget_recount() sums a group's spend again from the ledger. At
+ * start-up budget_rebuild() does that for every group from the days'
+ * rollups (and, for the day a period starts in, the running sums of its
+ * events), plus what retention carried: no sealed log is read.
+ *
+ * The cache holds whole non-streaming 200 answers by (group, requested
+ * model, body), for the group's cache_ttl, least recently used out first
+ * within --cache-mb.
+ *
+ * Idempotent inference (API.md 4.4): the first answer to a request with an
+ * Idempotency-Key is kept in that request's spend event, on disk; memory
+ * keeps only where it is (about 200 bytes a request, for 24 hours), and a
+ * replay reads it back.
+ */
+#define MICRO 1000000.0
+
+static int64_t usd_to_micro(double usd) { return (int64_t)llround(usd * MICRO); }
+
+/* Bring g's period up to date: a new period starts with nothing spent. */
+static void budget_refresh(group *g, int64_t now) {
+    int64_t start, end;
+    group_period(g, now, &start, &end);
+    if (start != g->period_start) g->period_start = start, g->spend = group_carried(g, start);
+}
+
+/* USD left in g's current period, or -1 when uncapped (g's period must be
+ * up to date: budget_refresh). */
+static double budget_remaining(const group *g) {
+    if (!g->has_budget) return -1;
+    int64_t left = usd_to_micro(g->max_budget) - g->spend - g->reserved;
+    return (double)(left > 0 ? left : 0) / MICRO;
+}
+
+/* Hold `worst` micro-USD of g's budget for a request: 0, or LTG_ERR when
+ * it does not fit (nothing is held then). */
+static int budget_reserve(group *g, int64_t worst, int64_t now) {
+    budget_refresh(g, now);
+    if (g->has_budget && g->spend + g->reserved + worst > usd_to_micro(g->max_budget)) return LTG_ERR;
+    g->reserved += worst;
+    return 0;
+}
+
+/* A request ends: its reservation goes, what it was charged is spent. */
+static void budget_settle(group *g, int64_t reserved, int64_t charged, int64_t now) {
+    budget_refresh(g, now);
+    g->reserved -= reserved;
+    g->spend += charged;
+}
+
+/* Does the carried spend of g cover day s (it was counted before s was deleted)? */
+static int carried_covers(const group *g, const segment *s) { return g->carry_to > s->day && g->carry_start == g->period_start; }
+
+/* g's spend in its current period, summed again from the ledger (after a
+ * change that moved the period's start). */
+static void budget_recount(group *g, int64_t now) {
+    int64_t start, end;
+    group_period(g, now, &start, &end);
+    g->period_start = start, g->spend = group_carried(g, start);
+    for (int i = 0; i < LG.nseg; i++)
+        if (LG.seg[i]->day + DAY_MS > start && !carried_covers(g, LG.seg[i])) g->spend += seg_group_since(LG.seg[i], g->id, start);
+}
+
+/* Add what the groups spent in sealed day s, from its rollups: a group's
+ * rows are together, and a period that starts within the day takes the
+ * running sum of its events after its start. */
+static void budget_rebuild_day(segment *s) {
+    seg_view v;
+    idx_row row;
+    uint64_t nrows = s->h.sec[SEC_ROWS][1] / sizeof(idx_row);
+    if (view_open(&v, s, 0, NULL, UINT32_MAX) <= 0) { view_close(&v); return; }
+    for (uint64_t r = 0; r < nrows && idx_read(s, v.fd, SEC_ROWS, r, 1, &row) == 0;) {
+        char id[37];
+        int64_t sum = 0;
+        memcpy(id, row.group, 36), id[36] = 0;
+        do sum += row.u.spend;
+        while (++r < nrows && idx_read(s, v.fd, SEC_ROWS, r, 1, &row) == 0 && memcmp(row.group, id, 36) == 0);
+        group *g = group_find(id);
+        if (!g || s->day + DAY_MS <= g->period_start || carried_covers(g, s)) continue;
+        g->spend += s->day >= g->period_start ? sum : seg_group_since(s, id, g->period_start);
+    }
+    view_close(&v);
+}
+
+/* Every group's spend at start-up (see the notes above). */
+static void budget_rebuild(int64_t now) {
+    for (int i = 0; i < ST.gv.n; i++) {
+        group *g = ST.gv.p[i];
+        if (!g) continue;
+        g->period_start = -1; /* no period yet: budget_refresh starts the current one */
+        budget_refresh(g, now);
+    }
+    for (int i = 0; i < LG.nseg; i++) {
+        segment *s = LG.seg[i];
+        if (s->state == SEG_SEALED) { budget_rebuild_day(s); continue; }
+        for (uint32_t k = 0; k < s->mem.nnames; k++) { /* a day in memory: its groups' events */
+            const lname *nm = s->mem.names[k];
+            group *g = nm->s[0] == 'g' ? group_find(nm->s + 1) : NULL;
+            for (uint32_t p = 0; g && !carried_covers(g, s) && p < nm->npos; p++)
+                if (s->mem.ix[nm->pos[p]].at >= g->period_start) g->spend += s->mem.ix[nm->pos[p]].charged;
+        }
+    }
+    for (int i = 0; i < ST.gv.n; i++) {
+        group *g = ST.gv.p[i];
+        if (g && g->has_budget && g->budget_days > S.ledger_days)
+            ltg_log("warning: token group %s has a budget period of %d days, longer than --ledger-days %d: what retention deletes of it is carried", g->id, g->budget_days, S.ledger_days);
+    }
 }
 
 /* ---- the cache ---- */
@@ -3961,7 +5023,7 @@ typedef struct cache_entry {
     struct cache_entry *prev, *next; /* LRU: head is the most recent */
     char *body;
     size_t len;
-    char served[64];      /* the alias that answered */
+    char served[ALIAS_MAX + 1]; /* the alias that answered */
     uint32_t in_tok, out_tok;
     int64_t expires;      /* S.now ms */
 } cache_entry;
@@ -4036,31 +5098,28 @@ typedef struct inf_idem {
     uint8_t body[32];     /* SHA-256 of the request body */
     int done;             /* 0: the first request is still in flight */
     int status, stream;
-    char served[64];
-    char *answer;         /* the first answer's body (a stream: its events) */
-    size_t len;
+    char served[ALIAS_MAX + 1];
+    int64_t day;          /* where the first answer is: its spend event's record */
+    uint64_t off;
+    uint32_t len;
     int64_t expires;      /* wall ms */
 } inf_idem;
 
 static const void *inf_idem_key(const void *it, size_t *n) { *n = 32; return ((const inf_idem *)it)->key; }
 static hmap INF_IDEM = {.key = inf_idem_key};
 
-static void inf_idem_free(inf_idem *r) {
-    if (r) free(r->answer), free(r);
-}
-
-static inf_idem *inf_idem_find(const uint8_t key[32]) {
+static inf_idem *inf_idem_find(const uint8_t key[32], int64_t now) {
     inf_idem *r = hmap_get(&INF_IDEM, key, 32);
-    if (r && r->done && r->expires <= wall_ms()) {
+    if (r && r->done && r->expires <= now) {
         hmap_del(&INF_IDEM, key, 32);
-        inf_idem_free(r);
+        free(r);
         return NULL;
     }
     return r;
 }
 
-/* The replay record written with a spend event. */
-static void inf_idem_json(buf *out, const inf_idem *r) {
+/* The replay record written with a spend event: the first answer itself. */
+static void inf_idem_json(buf *out, const inf_idem *r, const char *answer, size_t n) {
     char hex[65];
     jwriter w;
     jw_init(&w, out);
@@ -4070,62 +5129,86 @@ static void inf_idem_json(buf *out, const inf_idem *r) {
     jw_key(&w, "s"), jw_int(&w, r->status);
     jw_key(&w, "st"), jw_bool(&w, r->stream);
     jw_key(&w, "m"), jw_cstr(&w, r->served);
-    jw_key(&w, "a"), jw_str(&w, r->answer ? r->answer : "", r->len);
+    jw_key(&w, "a"), jw_str(&w, answer, n);
     jw_close(&w, '}');
 }
 
-static inf_idem *inf_idem_restore(const char *p, const json_tok *t, int r, int64_t expires) {
-    int k = json_get(p, t, r, "k"), b = json_get(p, t, r, "b"), a = json_get(p, t, r, "a"), m = json_get(p, t, r, "m");
+/* The replay record of an event found at start-up (ledger_replays). */
+static void inf_idem_restore(const rec_view *rv, int64_t day, uint64_t off, uint32_t len) {
+    const char *p = rv->replay;
+    json_tok t[16];
+    json_result res;
     long long st;
-    if (k < 0 || b < 0 || a < 0 || m < 0 || t[k].end - t[k].start != 64 || t[b].end - t[b].start != 64 ||
-        json_int(p, t, json_get(p, t, r, "s"), &st) < 0)
-        return NULL;
+    if (json_parse(p, rv->replay_len, t, 16, 1, &res) < 0) return;
+    int k = json_get(p, t, 0, "k"), b = json_get(p, t, 0, "b"), m = json_get(p, t, 0, "m"), str = json_get(p, t, 0, "st");
+    if (k < 0 || b < 0 || m < 0 || t[k].end - t[k].start != 64 || t[b].end - t[b].start != 64 || json_int(p, t, json_get(p, t, 0, "s"), &st) < 0)
+        return;
     inf_idem *rec = xcalloc(1, sizeof *rec);
     hex_decode(p + t[k].start, 64, rec->key), hex_decode(p + t[b].start, 64, rec->body);
-    rec->done = 1, rec->status = (int)st, rec->expires = expires;
-    int str = json_get(p, t, r, "st");
-    rec->stream = str >= 0 && t[str].type == JSON_TRUE;
-    buf ab = {0};
-    json_unescape(p, t, a, &ab);
-    rec->answer = ab.p, rec->len = ab.len;
-    char *served = json_strdup(p, t, m);
-    snprintf(rec->served, sizeof rec->served, "%s", served);
-    free(served);
-    inf_idem *old = hmap_get(&INF_IDEM, rec->key, 32);
-    if (old) hmap_del(&INF_IDEM, rec->key, 32), inf_idem_free(old);
+    rec->done = 1, rec->status = (int)st, rec->stream = str >= 0 && t[str].type == JSON_TRUE;
+    rec->day = day, rec->off = off, rec->len = len, rec->expires = rv->at + IDEM_TTL_MS;
+    snprintf(rec->served, sizeof rec->served, "%.*s", (int)(t[m].end - t[m].start), p + t[m].start);
+    free(hmap_get(&INF_IDEM, rec->key, 32)); /* a later answer for the same key wins */
     hmap_put(&INF_IDEM, rec);
-    return rec;
 }
 
-/* Called by the loop before it sleeps: the turn's spend events are
- * written, expired idempotency records leave once a minute, and a
+/* The first answer of r, read back from its spend event into out: 0, or
+ * LTG_ERR when the day is gone or the record cannot be read. */
+static int inf_idem_answer(const inf_idem *r, buf *out) {
+    segment *s = NULL;
+    for (int i = 0; i < LG.nseg && !s; i++)
+        if (LG.seg[i]->day == r->day) s = LG.seg[i];
+    seg_view v;
+    rec_view rv;
+    buf rec = {0};
+    json_tok t[16];
+    json_result res;
+    int rc = LTG_ERR, a;
+    if (s && view_open(&v, s, 0, NULL, UINT32_MAX) >= 0) {
+        if (seg_record_at(&v, r->off, r->len, &rec, &rv) == 0 && json_parse(rv.replay, rv.replay_len, t, 16, 1, &res) == 0 &&
+            (a = json_get(rv.replay, t, 0, "a")) >= 0 && t[a].type == JSON_STRING) {
+            out->len = 0;
+            json_unescape(rv.replay, t, a, out);
+            if (!out->p) buf_reserve(out, 0);
+            rc = 0;
+        }
+        view_close(&v);
+    }
+    buf_free(&rec);
+    return rc;
+}
+
+/* Expired idempotency records leave memory (and so the live state). */
+static void store_purge(int64_t now) {
+    ST.frozen = 1; /* no squeeze under the walk */
+    for (int i = 0; i < ST.iv.n; i++) {
+        idem *r = ST.iv.p[i];
+        if (r && r->expires <= now) idem_find(r->key, now);
+    }
+    ST.frozen = 0;
+    vec_squeeze(&ST.iv);
+    for (size_t i = 0; i < INF_IDEM.cap; i++) { /* and the replay records of inference */
+        inf_idem *r = INF_IDEM.slot[i];
+        if (r && r != HMAP_TOMB && r->done && r->expires <= now) hmap_del(&INF_IDEM, r->key, 32), free(r);
+    }
+}
+
+/* Called by the loop before it sleeps: the ledger's turn (section 13),
+ * expired idempotency records leave memory once a minute, and a
  * compaction takes its next step. Returns 1 while a compaction remains (the
  * loop then polls without waiting). */
 static int store_tick(void) {
     static int64_t purged;
-    if (LG.f.pending.len && log_write(&LG.f) < 0) ledger_failed();
-    if (S.now - purged > 60000 && !ST.frozen) { /* expired idempotency records leave the live state */
-        purged = S.now;
-        int64_t now = wall_ms();
-        ST.frozen = 1; /* no squeeze under the walk */
-        for (int i = 0; i < ST.iv.n; i++) {
-            idem *r = ST.iv.p[i];
-            if (r && r->expires <= now) idem_find(r->key);
-        }
-        ST.frozen = 0;
-        vec_squeeze(&ST.iv);
-        for (size_t i = 0; i < INF_IDEM.cap; i++) { /* and the replay records of inference */
-            inf_idem *r = INF_IDEM.slot[i];
-            if (r && r != HMAP_TOMB && r->done && r->expires <= now) hmap_del(&INF_IDEM, r->key, 32), inf_idem_free(r);
-        }
-    }
-    if (compact_due()) compact_start();
+    int64_t now = wall_ms();
+    ledger_tick(now);
+    if (S.now - purged > 60000 && !ST.frozen) purged = S.now, store_purge(now);
+    if (compact_due(now)) compact_start();
     if (!LOG.compacting) return 0;
-    compact_step();
+    compact_step(now);
     return LOG.compacting;
 }
 
-/* ===== 14. Client connections: the HTTP/1.1 server =====
+/* ===== 15. Client connections: the HTTP/1.1 server =====
  *
  * IMPLEMENTATION NOTES
  * A client connection is a small state machine:
@@ -4147,8 +5230,19 @@ static int store_tick(void) {
  *
  * While a request is served, the connection keeps reading, so a client
  * that goes away is noticed at once and its upstream request is cancelled;
- * but it stops reading when more than a few pipelined requests wait, and
- * stops serving them while the client does not read its answers.
+ * but it stops reading when more than 64 KiB of pipelined requests wait,
+ * or when more than OUT_HIGH_WATER of answers wait for the client to read
+ * them (whatever it is waiting for): a client that pipelines and never
+ * reads holds at most that much, then TCP pushes back on it.
+ *
+ * Against one client holding every slot (slowloris, slow bodies, slow
+ * reads): a head must be complete within --head-timeout of its first byte,
+ * a body must keep up BODY_MIN_RATE after that; one client address may
+ * hold --max-conns-per-ip inference connections (its next are closed); and
+ * when a listener's table is full, the connection waiting longest without
+ * a request in service -- idle first, then the slowest head or body -- is
+ * closed to make room, so the newcomer is refused only when every
+ * connection is being served. Each episode is logged once.
  */
 typedef enum { CONN_HEAD, CONN_BODY, CONN_BUSY } conn_state;
 enum { TK_NONE, TK_IDLE, TK_HEAD, TK_BODY };
@@ -4171,12 +5265,48 @@ struct conn {
     int processing, closing, pending, want_out, read_paused;
     int timer_kind;
     timer t;
+    int64_t state_at;         /* S.now: when its state began (shedding takes the oldest) */
+    uint64_t served;          /* requests answered: one that had none yet is new, not idle */
+    struct peer *peer;        /* its client address, counted (inference connections) */
     exchange *x;              /* the inference request being served */
     char rid[32];             /* the current request's id */
     conn *next_pending, *next_closing;
 };
 
 static conn *conns; /* all open client connections */
+
+/* A client address and how many inference connections it holds. */
+typedef struct peer {
+    uint8_t addr[16];         /* IPv6, or IPv4 mapped into it */
+    int n;
+} peer;
+
+static const void *peer_key(const void *it, size_t *n) { *n = 16; return ((const peer *)it)->addr; }
+static hmap PEERS = {.key = peer_key};
+
+static void peer_drop(peer *p) {
+    if (p && !p->n) free(hmap_del(&PEERS, p->addr, 16));
+}
+
+/* Something that refuses clients, said once when it starts and once when
+ * it has been quiet for EPISODE_QUIET_MS (with how many it refused). */
+typedef struct {
+    const char *what;
+    long n;
+    timer t;
+} episode;
+
+static void episode_end(void *ctx) {
+    episode *e = ctx;
+    ltg_log("%s: over, %ld connection(s) in all", e->what, e->n);
+    e->n = 0;
+}
+
+static void episode_note(episode *e) {
+    if (!e->n++) ltg_log("%s", e->what);
+    if (!e->t.fire) timer_init(&e->t, episode_end, e);
+    timer_set(&e->t, EPISODE_QUIET_MS);
+}
 
 static void admin_error(conn *c, int status, const char *code, const char *pointer, long long current_version, const char *detail);
 
@@ -4200,6 +5330,11 @@ static void conn_close(conn *c) {
     if (c->next) c->next->prev = c->prev;
     c->next_closing = S.closing, S.closing = c;
     S.nconns--, S.nadmin -= c->admin;
+    if (c->peer) {
+        c->peer->n--;
+        peer_drop(c->peer);
+    }
+    c->peer = NULL;
 }
 
 static void conn_reap(void) {
@@ -4307,8 +5442,9 @@ static void conn_done(conn *c) {
         c->in = rest;
     }
     c->cd = (chunk_decoder){0};
-    c->state = CONN_HEAD;
+    c->state = CONN_HEAD, c->state_at = S.now;
     c->rid[0] = 0;
+    c->served++;
     if (!c->keep_alive) {
         c->close_after = 1;
         conn_send(c, "", 0); /* joins the pending list: closes after the flush */
@@ -4390,7 +5526,7 @@ static void conn_timer(void *ctx) {
     }
     if (c->timer_kind == TK_IDLE || conn_unsent(c)) { conn_close(c); return; } /* idle, or not reading what it asked for */
     conn_fail(c, 408, "request_timeout", c->timer_kind == TK_HEAD ? "the request head did not arrive in time"
-                                                                  : "the request body stopped arriving");
+                                                                  : "the request body arrived too slowly (it must keep up 4 KiB/s)");
 }
 
 static void conn_arm_timer(conn *c) {
@@ -4399,7 +5535,9 @@ static void conn_arm_timer(conn *c) {
     if (kind == c->timer_kind && kind != TK_BODY) return; /* a head's limit counts from its first byte */
     c->timer_kind = kind;
     c->written_mark = c->written;
+    int64_t body = (int64_t)(c->in.len - c->head_len); /* a body has --head-timeout, and a second more per BODY_MIN_RATE bytes */
     if (kind == TK_NONE) timer_stop(&c->t);
+    else if (kind == TK_BODY) timer_set(&c->t, c->state_at + S.head_timeout_ms + body * 1000 / BODY_MIN_RATE - S.now);
     else timer_set(&c->t, kind == TK_HEAD ? S.head_timeout_ms : S.idle_timeout_ms);
 }
 
@@ -4424,7 +5562,7 @@ static void conn_process(conn *c) {
                 conn_fail(c, 413, "body_too_large", m);
                 break;
             }
-            c->state = CONN_BODY;
+            c->state = CONN_BODY, c->state_at = S.now;
             int has_body = c->req.chunked || c->req.content_length > 0;
             if (has_body && c->req.expect_continue && c->in.len == c->head_len) conn_send(c, "HTTP/1.1 100 Continue\r\n\r\n", 25);
         }
@@ -4441,13 +5579,13 @@ static void conn_process(conn *c) {
             c->body_raw = cl;
         }
         if (!c->body.p) buf_reserve(&c->body, 0);
-        c->state = CONN_BUSY;
+        c->state = CONN_BUSY, c->state_at = S.now;
         route(c);
     }
     c->processing = 0;
     if (c->closing) return;
-    /* Stop reading while a request is served and more than 64 KiB of the next ones wait. */
-    int paused = c->state == CONN_BUSY && c->in.len > c->head_len + c->body_raw + 65536;
+    /* Stop reading while answers wait past the high-water mark, or a request is served and 64 KiB of the next ones wait. */
+    int paused = conn_unsent(c) >= OUT_HIGH_WATER || (c->state == CONN_BUSY && c->in.len > c->head_len + c->body_raw + 65536);
     if (paused != c->read_paused) c->read_paused = paused, conn_watch(c);
     conn_arm_timer(c);
 }
@@ -4476,9 +5614,10 @@ static void conn_io(void *ctx, int revents) {
     if (!c->closing && (revents & (POLLIN | POLLHUP | POLLERR))) conn_read(c);
 }
 
-static void conn_new(int fd, int admin) {
+static void conn_new(int fd, int admin, peer *p) {
     conn *c = xcalloc(1, sizeof *c);
-    c->fd = fd, c->admin = admin;
+    c->fd = fd, c->admin = admin, c->peer = p, c->state_at = S.now;
+    if (p) p->n++;
     timer_init(&c->t, conn_timer, c);
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -4489,6 +5628,43 @@ static void conn_new(int fd, int admin) {
     loop_watch(fd, POLLIN, conn_io, c);
     conn_arm_timer(c);
 }
+
+/* A listener's table is full: close the connection that has waited
+ * longest without a request in service, idle ones first. 0 when every
+ * connection is being served. */
+static int conn_shed(int admin) {
+    conn *victim = NULL;
+    int victim_idle = 0;
+    for (conn *c = conns; c; c = c->next) {
+        int idle = c->state == CONN_HEAD && c->served && !c->in.len && !conn_unsent(c); /* a keep-alive waiting */
+        if (c->admin != admin || c->state == CONN_BUSY || c->closing) continue;
+        if (!victim || idle > victim_idle || (idle == victim_idle && c->state_at <= victim->state_at)) { /* ties: the older (the list is newest first) */
+            victim = c;
+            victim_idle = idle;
+        }
+    }
+    if (victim) conn_close(victim);
+    return victim != NULL;
+}
+
+/* The client address of a new connection (for --max-conns-per-ip): the
+ * entry that counts its connections, made if it has none (a refused
+ * newcomer's new entry, left at 0, goes with peer_drop). */
+static peer *peer_of(const struct sockaddr_storage *sa) {
+    uint8_t a[16] = {0};
+    if (sa->ss_family == AF_INET6) memcpy(a, &((const struct sockaddr_in6 *)sa)->sin6_addr, 16);
+    else {
+        a[10] = a[11] = 0xff;
+        memcpy(a + 12, &((const struct sockaddr_in *)sa)->sin_addr, 4);
+    }
+    peer *p = hmap_get(&PEERS, a, 16);
+    if (p) return p;
+    p = xcalloc(1, sizeof *p);
+    memcpy(p->addr, a, 16);
+    hmap_put(&PEERS, p);
+    return p;
+}
+
 
 /* Request helpers shared by the control plane and the inference plane. */
 static int path_is(conn *c, const char *path) {
@@ -4511,7 +5687,7 @@ static const char *request_bearer(conn *c, size_t *n) {
     return *n ? v : NULL;
 }
 
-/* ===== 15. The control plane =====
+/* ===== 16. The control plane =====
  *
  * IMPLEMENTATION NOTES
  * /v2/llm_token_gateway on the admin listener (API.md 3). Every request
@@ -4662,6 +5838,7 @@ static int page_params(conn *c, int *number, int *size) {
     return 0;
 }
 
+/* "meta" of a list, left open for what the caller adds. */
 static void page_meta(jwriter *w, int number, int size, int total) {
     int pages = (total + size - 1) / size;
     jw_key(w, "meta"), jw_open(w, '{');
@@ -4670,7 +5847,6 @@ static void page_meta(jwriter *w, int number, int size, int total) {
     jw_key(w, "total_results"), jw_int(w, total);
     jw_key(w, "total_pages"), jw_int(w, pages);
     jw_key(w, "has_more"), jw_bool(w, number < pages);
-    jw_close(w, '}');
 }
 
 /* If-Match against `version`: 1 when it matches, 0 after answering 428/412/400. */
@@ -4716,7 +5892,7 @@ static int idem_begin(conn *c, const admin_who *who, idem_ticket *tk) {
     br_sha256_update(&h, v, n);
     br_sha256_out(&h, tk->key);
     sha256(c->body.p, c->body.len, tk->body);
-    idem *r = idem_find(tk->key);
+    idem *r = idem_find(tk->key, wall_ms());
     if (!r) return 1;
     if (memcmp(r->body, tk->body, 32) != 0) {
         admin_error(c, 409, "idempotency_conflict", NULL, 0, "this Idempotency-Key was used for a different request body: use a new key for a new change");
@@ -4776,6 +5952,9 @@ static void data_open(jwriter *w, buf *b) { jw_init(w, b), jw_open(w, '{'), jw_k
 /* Step 4 for a group: log its new state with the answer, then swap it in
  * (or drop it when the log refused). */
 static void group_commit(conn *c, const idem_ticket *tk, group *g, int status) {
+    int64_t start, end, now = wall_ms();
+    group_period(g, now, &start, &end);
+    if (start != g->period_start) budget_recount(g, now); /* the change moved the period: what it spent is summed again */
     buf ops = {0}, body = {0};
     jwriter w;
     jw_init(&w, &ops), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, "put_group"), group_json(&w, g, 1), jw_close(&w, '}'), jw_close(&w, ']');
@@ -4805,6 +5984,8 @@ static void groups_create(conn *c, const admin_who *who) {
     g->version = 1;
     g->created_at = g->updated_at = wall_ms();
     if (g->has_budget) g->budget_anchor = g->created_at;
+    int64_t end;
+    group_period(g, g->created_at, &g->period_start, &end); /* a new group has spent nothing */
     group_commit(c, &tk, g, 201);
 }
 
@@ -4887,7 +6068,7 @@ static void groups_list(conn *c) {
     }
     jw_close(&w, ']');
     page_meta(&w, number, size, ST.gv.live);
-    jw_close(&w, '}');
+    jw_close(&w, '}'), jw_close(&w, '}');
     admin_reply(c, 200, 0, 0, b.p, b.len);
     buf_free(&b);
 }
@@ -4987,22 +6168,9 @@ static void keys_list(conn *c) {
     }
     jw_close(&w, ']');
     page_meta(&w, number, size, total);
-    jw_close(&w, '}');
+    jw_close(&w, '}'), jw_close(&w, '}');
     admin_reply(c, 200, 0, 0, b.p, b.len);
     buf_free(&b);
-}
-
-/* "YYYY-MM-DD" as the wall ms of its midnight UTC; LTG_ERR when it is not a date. */
-static int parse_day(const char *s, int64_t *ms) {
-    if (strlen(s) != 10 || s[4] != '-' || s[7] != '-') return LTG_ERR;
-    for (int i = 0; i < 10; i++)
-        if (i != 4 && i != 7 && !isdigit((unsigned char)s[i])) return LTG_ERR;
-    int y = atoi(s), m = atoi(s + 5), d = atoi(s + 8);
-    struct tm tm = {.tm_year = y - 1900, .tm_mon = m - 1, .tm_mday = d};
-    time_t t = timegm(&tm);
-    if (tm.tm_year != y - 1900 || tm.tm_mon != m - 1 || tm.tm_mday != d) return LTG_ERR; /* 2026-02-30 */
-    *ms = (int64_t)t * 1000;
-    return 0;
 }
 
 /* The half-open UTC date range [start_date, end_date) of a ledger query:
@@ -5026,99 +6194,52 @@ static int range_params(conn *c, int64_t *start, int64_t *end) {
     return 0;
 }
 
-/* A query's filter on an interned id: UINT32_MAX - 1 for "none", or the id's
- * index (UINT32_MAX when the id was never seen: nothing matches). */
-#define NO_FILTER (UINT32_MAX - 1)
-static uint32_t id_filter(conn *c, const char *name, char *out, size_t cap) {
-    if (!query_get(c, name, NULL, out, cap)) { out[0] = 0; return NO_FILTER; }
-    return intern(out, 0);
+/* meta.retained_from: the range reaches before the first day kept. */
+static void retained_from_meta(jwriter *w, int64_t start) {
+    int64_t from = ledger_retained_from(wall_ms());
+    char d[64];
+    if (start >= from) return;
+    iso_time(from, d), d[10] = 0;
+    jw_key(w, "retained_from"), jw_cstr(w, d);
 }
 
-/* The first position in it's posting list at or after index position `at`. */
-static size_t posting_lower(const interned *it, size_t at) {
-    size_t lo = 0, hi = it->npos;
-    while (lo < hi) {
-        size_t mid = lo + (hi - lo) / 2;
-        if (it->pos[mid] < at) lo = mid + 1;
-        else hi = mid;
-    }
-    return lo;
-}
-
-static int entry_matches(const ledger_entry *e, uint32_t key, uint32_t grp) {
-    return (key == NO_FILTER || e->key == key) && (grp == NO_FILTER || e->group == grp);
-}
-
-/* One event of the index as the API shows it: its record, read back. */
-static void spend_event_json(jwriter *w, const ledger_entry *e, buf *rec) {
-    rec->len = 0;
-    buf_reserve(rec, e->len);
-    json_tok t[16];
-    json_result res;
-    int ev;
-    if (pread(LG.f.fd, rec->p, e->len, (off_t)e->off) != (ssize_t)e->len || json_parse(rec->p, e->len, t, 16, 1, &res) < 0 ||
-        (ev = json_get(rec->p, t, 0, "e")) < 0) {
-        ltg_log("%s: cannot read the event at offset %llu", LG.f.path, (unsigned long long)e->off);
-        return;
-    }
-    jw_raw(w, rec->p + t[ev].start, t[ev].end - t[ev].start);
-}
-
-/* GET /spend/events (API.md 3.4). */
+/* GET /spend/events (API.md 3.4). A snapshot is the ledger's last day and
+ * how many events it had: later pages see the days before it and that
+ * many of its events, however many arrive meanwhile. */
 static void spend_events(conn *c) {
     int64_t start, end;
     int number, size;
     if (range_params(c, &start, &end) < 0 || page_params(c, &number, &size) < 0) return;
-    char kid[64], gid[64], snap[64];
-    uint32_t kf = id_filter(c, "token_key_id", kid, sizeof kid), gf = id_filter(c, "token_group_id", gid, sizeof gid);
-    char filters[256];
-    snprintf(filters, sizeof filters, "%lld|%lld|%s|%s", (long long)start, (long long)end, kid, gid);
-    unsigned long long fh = (unsigned long long)hash_bytes(filters, strlen(filters));
-    size_t limit = LG.n;
+    char kid[64], gid[64], snap[64], filters[256];
+    ledger_query q = {start, end, query_get(c, "token_key_id", NULL, kid, sizeof kid), query_get(c, "token_group_id", NULL, gid, sizeof gid), 0, 0};
+    snprintf(filters, sizeof filters, "%lld|%lld|%s|%s", (long long)start, (long long)end, q.key ? kid : "", q.group ? gid : "");
+    unsigned long long fh = (unsigned long long)hash_bytes(filters, strlen(filters)), h;
+    const segment *last = LG.nseg ? LG.seg[LG.nseg - 1] : NULL;
+    long long day = last ? last->day / DAY_MS : 0;
+    unsigned n = last ? seg_count(last) : 0;
     if (query_get(c, "page[snapshot]", "snapshot", snap, sizeof snap)) {
-        size_t n;
-        unsigned long long h;
-        if (sscanf(snap, "%zu-%16llx", &n, &h) != 2 || n > LG.n) { admin_error(c, 400, "invalid_request", NULL, 0, "page[snapshot] is not a snapshot this ledger gave out"); return; }
+        const segment *at = NULL;
+        if (sscanf(snap, "%lld-%u-%16llx", &day, &n, &h) == 3)
+            for (int i = 0; i < LG.nseg; i++) at = LG.seg[i]->day == day * DAY_MS ? LG.seg[i] : at;
+        if (sscanf(snap, "%lld-%u-%16llx", &day, &n, &h) != 3 || (last && day > last->day / DAY_MS) || (at && n > seg_count(at))) {
+            admin_error(c, 400, "invalid_request", NULL, 0, "page[snapshot] is not a snapshot this ledger gave out");
+            return;
+        }
         if (h != fh) { admin_error(c, 409, "snapshot_mismatch", NULL, 0, "the filters changed since this snapshot was taken: start again from page 1 without page[snapshot]"); return; }
-        limit = n;
     }
-    log_write(&LG.f); /* the events still in memory, so that pread finds them */
-    buf b = {0}, rec = {0};
+    q.snap_day = day * DAY_MS, q.snap_n = n;
+    buf b = {0}, snap_out = {0};
     jwriter w;
     jw_init(&w, &b), jw_open(&w, '{'), jw_key(&w, "data"), jw_open(&w, '[');
-    size_t skip = (size_t)(number - 1) * (size_t)size, total = 0;
-    size_t lo = ledger_lower(start, limit), hi = ledger_lower(end, limit);
-    if (kf == NO_FILTER && gf == NO_FILTER) { /* no filter: the page is a slice of the index */
-        total = hi - lo;
-        for (size_t i = lo + skip; i < hi && i < lo + skip + (size_t)size; i++) spend_event_json(&w, &LG.ix[i], &rec);
-    } else if (kf != UINT32_MAX && gf != UINT32_MAX) { /* walk the events of the key (or of the group) */
-        const interned *it = LG.names[kf != NO_FILTER ? kf : gf];
-        size_t from = posting_lower(it, lo), to = posting_lower(it, hi);
-        for (size_t k = from; k < to; k++) {
-            const ledger_entry *e = &LG.ix[it->pos[k]];
-            if (!entry_matches(e, kf, gf)) continue;
-            if (total++ >= skip && total <= skip + (size_t)size) spend_event_json(&w, e, &rec);
-        }
-    } /* else an id never seen: no events */
+    size_t total = ledger_page(&q, (size_t)(number - 1) * (size_t)size, (size_t)size, &w);
     jw_close(&w, ']');
     page_meta(&w, number, size, (int)total);
-    b.len--; /* reopen meta to add the snapshot */
-    buf_printf(&b, ",\"snapshot\":\"%zu-%016llx\"}}", limit, fh);
+    buf_printf(&snap_out, "%lld-%u-%016llx", day, n, fh);
+    jw_key(&w, "snapshot"), jw_cstr(&w, snap_out.p);
+    retained_from_meta(&w, start);
+    jw_close(&w, '}'), jw_close(&w, '}');
     admin_reply(c, 200, 0, 0, b.p, b.len);
-    buf_free(&b), buf_free(&rec);
-}
-
-typedef struct {
-    long long requests, succeeded, failed, partial, cache_hits, in_tok, out_tok;
-    int64_t spend, reserved;
-} usage_row;
-
-static void usage_add(usage_row *r, const ledger_entry *e) {
-    r->requests++;
-    r->succeeded += e->status == EV_SUCCEEDED, r->failed += e->status == EV_FAILED, r->partial += e->status == EV_PARTIAL;
-    r->cache_hits += e->cache_hit;
-    r->in_tok += e->in_tok, r->out_tok += e->out_tok;
-    r->spend += e->charged;
+    buf_free(&b), buf_free(&snap_out);
 }
 
 static void usage_json(jwriter *w, const usage_row *r) {
@@ -5133,53 +6254,47 @@ static void usage_json(jwriter *w, const usage_row *r) {
     jw_key(w, "reserved_spend"), jw_usd(w, r->reserved);
 }
 
-/* GET /usage/summary (API.md 3.4): totals, every day of the range, each model. */
+/* GET /usage/summary (API.md 3.4): totals, every day of the range, each
+ * model -- from the days' rollups, and today's events. */
 static void usage_summary(conn *c) {
     int64_t start, end;
     if (range_params(c, &start, &end) < 0) return;
     char gid[64];
-    uint32_t gf = id_filter(c, "token_group_id", gid, sizeof gid);
-    int days = (int)((end - start) / 86400000);
+    const char *gf = query_get(c, "token_group_id", NULL, gid, sizeof gid);
+    int days = (int)((end - start) / DAY_MS), nmu = 0;
     usage_row total = {0}, by_day[31] = {{0}};
-    usage_row *by_model = xcalloc(LG.nnames ? LG.nnames : 1, sizeof *by_model);
-    size_t lo = ledger_lower(start, LG.n), hi = ledger_lower(end, LG.n);
-    const interned *it = gf != NO_FILTER && gf != UINT32_MAX ? LG.names[gf] : NULL;
-    size_t from = it ? posting_lower(it, lo) : lo, to = it ? posting_lower(it, hi) : gf == UINT32_MAX ? lo : hi;
-    for (size_t k = from; k < to; k++) { /* every event of the range, or of the group in it */
-        const ledger_entry *e = &LG.ix[it ? it->pos[k] : k];
-        usage_add(&total, e);
-        usage_add(&by_day[(e->at - start) / 86400000], e);
-        usage_add(&by_model[e->model], e);
-    }
+    model_usage *mu = NULL;
+    ledger_usage(start, days, gf, by_day, &total, &mu, &nmu);
     int64_t now = wall_ms();
     if (now >= start && now < end) /* what requests in flight hold now belongs to today */
         for (int i = 0; i < ST.gv.n; i++) {
             group *g = ST.gv.p[i];
-            if (g && (gf == NO_FILTER || strcmp(gid, g->id) == 0))
-                total.reserved += g->reserved, by_day[(now - start) / 86400000].reserved += g->reserved;
+            if (g && (!gf || strcmp(gid, g->id) == 0))
+                total.reserved += g->reserved, by_day[(now - start) / DAY_MS].reserved += g->reserved;
         }
     buf b = {0};
     jwriter w;
     char date[64];
     jw_init(&w, &b), jw_open(&w, '{'), jw_key(&w, "data"), jw_open(&w, '{');
-    jw_key(&w, "token_group_id"), jw_cstr(&w, gid[0] ? gid : NULL);
+    jw_key(&w, "token_group_id"), jw_cstr(&w, gf ? gid : NULL);
     iso_time(start, date), date[10] = 0, jw_key(&w, "start_date"), jw_cstr(&w, date);
     iso_time(end, date), date[10] = 0, jw_key(&w, "end_date"), jw_cstr(&w, date);
     jw_key(&w, "totals"), jw_open(&w, '{'), usage_json(&w, &total), jw_close(&w, '}');
     jw_key(&w, "by_day"), jw_open(&w, '[');
     for (int d = 0; d < days; d++) {
-        iso_time(start + (int64_t)d * 86400000, date), date[10] = 0;
+        iso_time(start + (int64_t)d * DAY_MS, date), date[10] = 0;
         jw_open(&w, '{'), jw_key(&w, "date"), jw_cstr(&w, date), usage_json(&w, &by_day[d]), jw_close(&w, '}');
     }
     jw_close(&w, ']');
     jw_key(&w, "by_model"), jw_open(&w, '[');
-    for (uint32_t k = 0; k < LG.nnames; k++)
-        if (by_model[k].requests) jw_open(&w, '{'), jw_key(&w, "model"), jw_cstr(&w, LG.names[k]->s), usage_json(&w, &by_model[k]), jw_close(&w, '}');
+    for (int k = 0; k < nmu; k++) jw_open(&w, '{'), jw_key(&w, "model"), jw_cstr(&w, mu[k].alias), usage_json(&w, &mu[k].u), jw_close(&w, '}');
     jw_close(&w, ']');
-    jw_close(&w, '}'), jw_close(&w, '}');
+    jw_close(&w, '}');
+    if (start < ledger_retained_from(now)) jw_key(&w, "meta"), jw_open(&w, '{'), retained_from_meta(&w, start), jw_close(&w, '}');
+    jw_close(&w, '}');
     admin_reply(c, 200, 0, 0, b.p, b.len);
     buf_free(&b);
-    free(by_model);
+    free(mu);
 }
 
 /* Everything under /v2/llm_token_gateway. */
@@ -5265,7 +6380,7 @@ static void admin_route(conn *c) {
     } else keys_delete(c, &who, k);
 }
 
-/* ===== 16. Inference: the proxy path =====
+/* ===== 17. Inference: the proxy path =====
  *
  * IMPLEMENTATION NOTES
  * An exchange is one inference request on its way through ltg. It owns a
@@ -5388,7 +6503,7 @@ static void exchange_free(exchange *x) {
     S.ndetached -= x->detached;
     if (x->idem && !x->idem->done) { /* no answer to keep: a retry may try afresh */
         hmap_del(&INF_IDEM, x->idem->key, 32);
-        inf_idem_free(x->idem);
+        free(x->idem);
     }
     timer_stop(&x->deadline), timer_stop(&x->t);
     if (x->u) up_release(x->u);
@@ -5420,6 +6535,7 @@ static void exchange_headers(exchange *x, int status, buf *h) {
 static void exchange_cost_headers(exchange *x, int64_t cost, buf *h) {
     buf_printf(h, "x-ltg-cost: %.6f\r\n", cost > 0 ? (double)cost / MICRO : 0.0);
     group *g = group_find(x->group_id);
+    if (g) budget_refresh(g, wall_ms());
     double left = g ? budget_remaining(g) : -1;
     if (left >= 0) buf_printf(h, "x-ltg-budget-remaining: %.6f\r\n", left);
 }
@@ -5497,13 +6613,8 @@ static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int 
     if (cost >= 0) charged = cost;
     else if (ev_status != EV_FAILED) charged = x->reserved; /* an answer whose usage never came: the worst case */
     group *g = group_find(x->group_id);
-    int64_t now = wall_ms();
-    if (LG.n && now < LG.ix[LG.n - 1].at) now = LG.ix[LG.n - 1].at; /* the ledger never goes back in time */
-    if (g) {
-        budget_refresh(g, now);
-        g->reserved -= x->reserved;
-        g->spend += charged;
-    }
+    int64_t now = wall_ms() > LG.last_at ? wall_ms() : LG.last_at; /* the ledger never goes back in time */
+    if (g) budget_settle(g, x->reserved, charged, now);
     x->reserved = 0;
     /* The spend event, in the shape of API.md 3.4. */
     char id[37], ts[64];
@@ -5538,23 +6649,25 @@ static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int 
     jw_key(&w, "latency_ms"), jw_int(&w, S.now - x->started);
     jw_key(&w, "attempt_log"), exchange_attempts_json(x, &w);
     jw_close(&w, '}');
-    ledger_entry le = {.at = now, .key = intern(x->key_id, 1), .group = intern(x->group_id, 1),
-                       .in_tok = (uint32_t)x->in_tok, .out_tok = (uint32_t)x->out_tok,
-                       .model = intern(m ? m->alias : x->chain[0]->alias, 1), .status = (uint8_t)ev_status,
-                       .cache_hit = (uint8_t)cache_hit, .charged = charged};
     /* An idempotent request keeps a whole answer (a success, or the
-     * provider's own refusal) for its retries; a failure is not kept, so a
-     * retry tries afresh. */
+     * provider's own refusal) in its event for its retries; a failure, or
+     * an answer too large to keep, is not kept, so a retry tries afresh. */
     buf replay = {0};
     inf_idem *r = x->idem;
-    if (r && keep) {
-        r->done = 1, r->status = http_status, r->stream = x->stream && x->head_sent;
-        r->expires = now + IDEM_TTL_MS;
+    if (r && keep && keep_len <= REPLAY_MAX_BYTES) {
+        r->status = http_status, r->stream = x->stream && x->head_sent;
         snprintf(r->served, sizeof r->served, "%s", m ? m->alias : "");
-        r->answer = xmalloc(keep_len + 1), memcpy(r->answer, keep, keep_len), r->len = keep_len;
-        inf_idem_json(&replay, r);
+        inf_idem_json(&replay, r, keep, keep_len);
     }
-    ledger_append(&le, e.p, e.len, replay.p);
+    const char *model_name = m ? m->alias : x->chain[0]->alias;
+    rec_view v = {.at = now, .charged = charged, .in_tok = (uint32_t)x->in_tok, .out_tok = (uint32_t)x->out_tok, .status = (uint8_t)ev_status,
+                  .flags = (uint8_t)((cache_hit ? EVF_CACHE_HIT : 0) | (replay.len ? EVF_REPLAY : 0)), .key = x->key_id, .group = x->group_id,
+                  .model = model_name, .model_len = strlen(model_name), .event = e.p, .event_len = e.len,
+                  .replay = replay.len ? replay.p : "", .replay_len = replay.len};
+    int64_t day;
+    uint64_t off;
+    uint32_t len;
+    if (ledger_add(&v, now, &day, &off, &len) == 0 && replay.len) r->done = 1, r->expires = now + IDEM_TTL_MS, r->day = day, r->off = off, r->len = len;
     buf_free(&e), buf_free(&replay);
     return cost;
 }
@@ -5950,20 +7063,25 @@ static int inference_policy(conn *c, const group *g, retry_policy *rp, long long
     return 0;
 }
 
-/* An idempotent request's first answer, again (API.md 4.4). */
+/* An idempotent request's first answer, again (API.md 4.4), read back
+ * from its spend event. */
 static void inference_replay(conn *c, const inf_idem *r) {
-    buf h = {0};
+    buf h = {0}, answer = {0};
+    if (inf_idem_answer(r, &answer) < 0) {
+        conn_error(c, 503, "storage_unavailable", "the first answer to this Idempotency-Key cannot be read back from the ledger (see ltg's log)");
+        return;
+    }
     buf_printf(&h, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: 0\r\nx-ltg-replayed: true\r\n", c->rid, c->rid);
     if (r->status >= 200 && r->status < 300) buf_printf(&h, "x-ltg-served-model: %s\r\n", r->served);
     if (r->stream) {
         char size[32];
-        int k = snprintf(size, sizeof size, "%zx\r\n", r->len);
+        int k = snprintf(size, sizeof size, "%zx\r\n", answer.len);
         conn_head(c, r->status, "text/event-stream", -1, h.p);
-        if (r->len) conn_send(c, size, (size_t)k), conn_send(c, r->answer, r->len), conn_send(c, "\r\n", 2);
+        if (answer.len) conn_send(c, size, (size_t)k), conn_send(c, answer.p, answer.len), conn_send(c, "\r\n", 2);
         conn_send(c, "0\r\n\r\n", 5);
         conn_done(c);
-    } else conn_reply(c, r->status, "application/json", h.p, r->answer, r->len);
-    buf_free(&h);
+    } else conn_reply(c, r->status, "application/json", h.p, answer.p, answer.len);
+    buf_free(&h), buf_free(&answer);
 }
 
 /* The worst case of a request (API.md 4.5), in micro-USD: the body's bytes
@@ -6046,7 +7164,7 @@ static void inference_call(conn *c, const char *upstream_path, int can_stream) {
         br_sha256_update(&h, ik, ikn);
         br_sha256_out(&h, idem_key);
         sha256(body, c->body.len, body_hash);
-        replay = inf_idem_find(idem_key);
+        replay = inf_idem_find(idem_key, wall_ms());
     }
     /* The chain: [M] + fallbacks[M], as far as the catalog still has them. */
     model *chain[MAX_CHAIN] = {m};
@@ -6082,8 +7200,9 @@ static void inference_call(conn *c, const char *upstream_path, int can_stream) {
     else if (g->max_parallel > 0 && g->inflight >= g->max_parallel)
         conn_error_h(c, 429, "too_many_parallel_requests", "Retry-After: 1\r\n",
                      "this key's group allows %lld requests at a time and all are in flight: retry shortly", g->max_parallel);
-    else if (budget_refresh(g, wall_ms()), worst = worst_case(chain, nchain, c->body.len, max_tokens),
-             g->has_budget && g->spend + g->reserved + worst > usd_to_micro(g->max_budget))
+    else if (!ledger_writable(&why)) /* nothing is served that cannot be metered */
+        conn_error_h(c, 503, "storage_unavailable", "Retry-After: 1\r\n", "spend events cannot be recorded now (%s): nothing is sent upstream until they can", why);
+    else if (budget_reserve(g, worst = worst_case(chain, nchain, c->body.len, max_tokens), wall_ms()) < 0)
         conn_error(c, 403, "budget_exceeded", "this group's budget of %.6f USD%s has %.6f USD left, and this request may cost up to %.6f USD",
                    g->max_budget, g->budget_days ? " per period" : "", budget_remaining(g), (double)worst / MICRO);
     else {
@@ -6104,8 +7223,8 @@ static void inference_call(conn *c, const char *upstream_path, int can_stream) {
         x->rp = rp, x->deadline_ms = deadline_ms;
         x->plan = plan_start(nchain, rp.max_attempts);
         x->started = S.now;
-        x->reserved = worst;
-        g->inflight++, g->reserved += worst;
+        x->reserved = worst; /* held by budget_reserve */
+        g->inflight++;
         timer_init(&x->deadline, exchange_deadline, x);
         timer_init(&x->t, exchange_timer, x);
         if (g->cache_ttl > 0) x->cache_mode = stream || bypass ? CACHE_BYPASS : CACHE_MISS;
@@ -6164,7 +7283,7 @@ static void inference_models(conn *c) {
     buf_free(&b), buf_free(&h);
 }
 
-/* ===== 17. Routing =====
+/* ===== 18. Routing =====
  *
  * IMPLEMENTATION NOTES
  * Both listeners share the HTTP server; `conn.admin` says which one a
@@ -6172,15 +7291,34 @@ static void inference_models(conn *c) {
  * gets: the control plane (section 15) on the admin listener, the OpenAI
  * API (section 16) on the inference listener, /healthz on both.
  */
+/* GET (or HEAD: some load balancers probe with it) /healthz, the liveness
+ * check, always 200; /readyz, 503 while draining or while a log cannot be
+ * written (section 12: what cannot be recorded is refused), with why. */
+static void probe_reply(conn *c, int ready) {
+    int head = method_is(c, "HEAD");
+    if (!head && !method_is(c, "GET")) { conn_error(c, 405, "method_not_allowed", "use GET for %s", ready ? "/readyz" : "/healthz"); return; }
+    const char *status = ready ? "ready" : "ok", *why = NULL;
+    if (ready && S.draining) status = "draining";
+    else if (ready && !ledger_writable(&why)) status = "storage_unavailable";
+    else if (ready && LOG.f.failing) {
+        status = "storage_unavailable";
+        why = LOG.f.why;
+    }
+    buf b = {0};
+    jwriter w;
+    jw_init(&w, &b), jw_open(&w, '{'), jw_key(&w, "status"), jw_cstr(&w, status);
+    if (why) jw_key(&w, "detail"), jw_cstr(&w, why);
+    jw_close(&w, '}');
+    conn_head(c, ready && strcmp(status, "ready") ? 503 : 200, "application/json", (long long)b.len, "Cache-Control: no-store\r\n");
+    if (!head) conn_send(c, b.p, b.len);
+    conn_done(c);
+    buf_free(&b);
+}
+
 static void route(conn *c) {
     snprintf(c->rid, sizeof c->rid, "req_%016llx%08llx", (unsigned long long)rng_next(), (unsigned long long)(++S.request_seq & 0xffffffff));
-    if (path_is(c, "/healthz")) { /* HEAD too: some load balancers probe with it */
-        int head = method_is(c, "HEAD");
-        if (!head && !method_is(c, "GET")) { conn_error(c, 405, "method_not_allowed", "use GET for /healthz"); return; }
-        static const char ok[] = "{\"status\":\"ok\"}";
-        conn_head(c, 200, "application/json", sizeof ok - 1, "Cache-Control: no-store\r\n");
-        if (!head) conn_send(c, ok, sizeof ok - 1);
-        conn_done(c);
+    if (path_is(c, "/healthz") || path_is(c, "/readyz")) {
+        probe_reply(c, path_is(c, "/readyz"));
         return;
     }
     if (c->admin) {
@@ -6202,11 +7340,14 @@ static void route(conn *c) {
     conn_error(c, 404, "not_found", "no such endpoint (ltg serves /v1/chat/completions, /v1/embeddings and /v1/models)");
 }
 
-/* ===== 18. main =====
+/* ===== 19. main =====
  *
  * IMPLEMENTATION NOTES
- * Start-up: options, the catalog, the fd table sized from the connection
- * cap, signals, resolver, listeners; then the loop. SIGTERM/SIGINT start a
+ * Start-up: options, the catalog, the data directory and its lock, the
+ * state log replayed, the ledger opened (its days checked, today's
+ * replayed, old ones retired) and the budgets summed from it, the fd table
+ * sized from the connection cap, signals, resolver, listeners; then the
+ * loop. SIGTERM/SIGINT start a
  * drain: the listeners close (a new connection is refused), idle
  * connections close, requests in flight finish (at most --drain-seconds),
  * and ltg exits 0. SIGHUP reloads the catalog.
@@ -6225,12 +7366,18 @@ static void accept_resume(void *ctx) { (void)ctx, listeners_watch(POLLIN); }
 /* Out of fds (or kernel memory), accept() fails and the listener stays
  * readable: rather than spin, stop watching it for 100 ms, and say so once
  * per episode. The connections wait in the kernel's backlog meanwhile. */
+static episode ep_per_ip = {.what = "connections: a client address holds --max-conns-per-ip inference connections; its next ones are closed at once"},
+               ep_shed = {.what = "connections: a listener is full; the connections waiting longest without a request in service are closed to make room"},
+               ep_full = {.what = "connections: every connection of a listener is being served; new ones are closed at once"};
+
 static void listener_accept(void *ctx, int revents) {
     static int shedding;
     (void)revents;
     int lfd = *(int *)ctx, admin = ctx == &S.admin_fd;
     for (int i = 0; i < 64; i++) {
-        int fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        struct sockaddr_storage sa = {0};
+        socklen_t sl = sizeof sa;
+        int fd = accept4(lfd, (struct sockaddr *)&sa, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) {
             if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
                 if (!shedding) ltg_log("accept: %s: new connections wait (retried every 100 ms)", strerror(errno));
@@ -6241,9 +7388,17 @@ static void listener_accept(void *ctx, int revents) {
             return;
         }
         if (shedding) ltg_log("accepting connections again"), shedding = 0;
+        peer *p = admin ? NULL : peer_of(&sa);
         int full = admin ? S.nadmin >= S.max_admin : S.nconns - S.nadmin >= S.max_conns;
-        if (full || fd >= S.nfds_cap) { close(fd); continue; } /* over the cap: closed at once */
-        conn_new(fd, admin);
+        if (p && p->n >= S.max_per_ip) episode_note(&ep_per_ip);
+        else if (full && !conn_shed(admin)) episode_note(&ep_full);
+        else if (fd < S.nfds_cap) {
+            if (full) episode_note(&ep_shed);
+            conn_new(fd, admin, p);
+            continue;
+        }
+        close(fd); /* refused: closed at once */
+        peer_drop(p);
     }
 }
 
@@ -6314,8 +7469,8 @@ static void drain_expired(void *ctx) { (void)ctx; } /* it only wakes the loop: l
 static void usage(void) {
     fprintf(stderr,
             "usage: ltg --config FILE [--data DIR] [--listen ADDR:PORT] [--admin-listen ADDR:PORT]\n"
-            "           [--max-conns N] [--drain-seconds N] [--max-body-mb N] [--head-timeout S] [--idle-timeout S]\n"
-            "           [--max-stream-seconds S] [--cache-mb N] [--ca-file FILE] [--resolv-conf FILE]\n");
+            "           [--max-conns N] [--max-conns-per-ip N] [--drain-seconds N] [--max-body-mb N] [--head-timeout S] [--idle-timeout S]\n"
+            "           [--max-stream-seconds S] [--cache-mb N] [--ledger-days N] [--ca-file FILE] [--resolv-conf FILE]\n");
     exit(2);
 }
 
@@ -6324,12 +7479,13 @@ int main(int argc, char **argv) {
     snprintf(S.listen_addr, sizeof S.listen_addr, "127.0.0.1:8080");
     snprintf(S.admin_addr, sizeof S.admin_addr, "127.0.0.1:8081");
     S.max_conns = 1024, S.drain_seconds = 10, S.max_body = 8LL << 20;
-    S.head_timeout_ms = 10000, S.idle_timeout_ms = 60000, S.cache_mb = 64, S.max_stream_s = 600;
+    S.head_timeout_ms = 10000, S.idle_timeout_ms = 60000, S.cache_mb = 64, S.max_stream_s = 600, S.ledger_days = 90;
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         long long n = 0;
         int numeric = strcmp(o, "--max-conns") == 0 || strcmp(o, "--drain-seconds") == 0 || strcmp(o, "--max-body-mb") == 0 || strcmp(o, "--cache-mb") == 0 ||
-                      strcmp(o, "--head-timeout") == 0 || strcmp(o, "--idle-timeout") == 0 || strcmp(o, "--max-stream-seconds") == 0;
+                      strcmp(o, "--head-timeout") == 0 || strcmp(o, "--idle-timeout") == 0 || strcmp(o, "--max-stream-seconds") == 0 ||
+                      strcmp(o, "--ledger-days") == 0 || strcmp(o, "--max-conns-per-ip") == 0;
         if (!v) usage();
         if (numeric && (parse_ll(v, strlen(v), 1000000, &n) < 0 || n < 1)) {
             fprintf(stderr, "ltg: %s needs a whole number >= 1, not \"%s\"\n", o, v);
@@ -6342,12 +7498,15 @@ int main(int argc, char **argv) {
         else if (strcmp(o, "--listen") == 0) snprintf(S.listen_addr, sizeof S.listen_addr, "%s", v);
         else if (strcmp(o, "--admin-listen") == 0) snprintf(S.admin_addr, sizeof S.admin_addr, "%s", v);
         else if (strcmp(o, "--max-conns") == 0) S.max_conns = (int)n;
+        else if (strcmp(o, "--max-conns-per-ip") == 0) S.max_per_ip = (int)n;
         else if (strcmp(o, "--drain-seconds") == 0) S.drain_seconds = (int)n;
         else if (strcmp(o, "--max-body-mb") == 0) S.max_body = n << 20;
         else if (strcmp(o, "--cache-mb") == 0) S.cache_mb = n;
         else if (strcmp(o, "--head-timeout") == 0) S.head_timeout_ms = (int)n * 1000;
         else if (strcmp(o, "--idle-timeout") == 0) S.idle_timeout_ms = (int)n * 1000;
         else if (strcmp(o, "--max-stream-seconds") == 0) S.max_stream_s = (int)n;
+        else if (strcmp(o, "--ledger-days") == 0 && n <= 3650) S.ledger_days = (int)n;
+        else if (strcmp(o, "--ledger-days") == 0) { fprintf(stderr, "ltg: --ledger-days is at most 3650 (ten years), not %s\n", v); return 2; }
         else usage();
         i++;
     }
@@ -6371,11 +7530,16 @@ int main(int argc, char **argv) {
     store_init();
     snprintf(LOG.tmp, sizeof LOG.tmp, "%.200s/state.log.tmp", S.data_dir);
     unlink(LOG.tmp); /* a compaction that a crash interrupted: the old file is whole */
-    if (log_open(&LOG.f, S.data_dir, "state.log", LOG_MAGIC, store_apply, err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
-    if (log_open(&LG.f, S.data_dir, "ledger.log", LEDGER_MAGIC, ledger_apply, err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
-    budget_rebuild();
+    if (log_open(&LOG.f, S.data_dir, "state.log", LOG_MAGIC, store_apply, NULL, err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
+    int64_t now = wall_ms();
+    LOG.last_compaction = now;
+    if (ledger_open(S.data_dir, now, err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
+    budget_rebuild(now);
+    ledger_replays(now - IDEM_TTL_MS, inf_idem_restore);
     CACHE.limit = (size_t)S.cache_mb << 20;
-    ltg_log("state: %d token group(s), %d token key(s); ledger: %zu spend event(s)", ST.gv.live, ST.kv.live, LG.n);
+    long long events = 0;
+    for (int i = 0; i < LG.nseg; i++) events += seg_count(LG.seg[i]);
+    ltg_log("state: %d token group(s), %d token key(s); ledger: %lld spend event(s) in %d day(s), kept %d days", ST.gv.live, ST.kv.live, events, LG.nseg, S.ledger_days);
 
     /* Room for every client with one upstream connection, as many idempotent
      * requests whose clients left, the control plane, and a margin. */
@@ -6395,6 +7559,8 @@ int main(int argc, char **argv) {
         if (S.max_admin > S.max_conns) S.max_admin = S.max_conns;
         ltg_log("the fd limit (ulimit -n %d) caps connections at %d", S.nfds_cap, S.max_conns);
     }
+    if (!S.max_per_ip) S.max_per_ip = S.max_conns / 4 > 0 ? S.max_conns / 4 : 1; /* one address, a quarter of the table */
+    if (S.max_per_ip > S.max_conns) S.max_per_ip = S.max_conns;
     S.fds = xcalloc((size_t)S.nfds_cap, sizeof *S.fds);
     S.pfds = xcalloc((size_t)S.nfds_cap, sizeof *S.pfds);
 
@@ -6417,7 +7583,9 @@ int main(int argc, char **argv) {
             S.cat->nprov, S.cat->nmodels);
 
     loop_run();
-    log_sync(&LG.f);
+    ledger_sync(NULL);
+    const char *lost;
+    if (!ledger_writable(&lost)) ltg_log("stopping with spend events that could not be written (%s): they are lost", lost);
     if (TLS.full + TLS.resumed)
         ltg_log("TLS handshakes: %llu full, %llu resumed", (unsigned long long)TLS.full, (unsigned long long)TLS.resumed);
     ltg_log("stopped");

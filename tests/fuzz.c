@@ -10,8 +10,12 @@
  *                  string unescaped and written back, every object checked
  *                  for duplicate keys, every number read; jw_str round trip
  *   CONFIG         catalog_load of the input as text
- *   LOG_REPLAY     the input as DATA/state.log (or, when it starts with the
- *                  ledger's magic, DATA/ledger.log), replayed by log_open
+ *   LOG_REPLAY     the input as DATA/state.log replayed by log_open; or, when
+ *                  it starts with a ledger segment's magic, as a day of the
+ *                  ledger, opened as today, then as a sealed day (its index
+ *                  rebuilt), then from that index: the answers must agree;
+ *                  or, with the magic of an earlier version's ledger.log,
+ *                  migrated into days
  *   DNS            dns_parse_answer, and dns_build_query on a name from the
  *                  input, whose answer must then parse
  *   GROUP          group_parse (create, patch, log) and group_validate
@@ -104,12 +108,23 @@ static void write_input(const char *path, const void *p, size_t n) {
  * after the run, whatever happened), else on tmpfs when there is one. Removed
  * at exit and when a check fails; a sanitizer's report leaves it behind. */
 static char scratch[256];
+/* Remove what the targets leave in the scratch directory (and, with
+ * `self`, the directory): files, and the files of its subdirectories. */
+static void scratch_empty(const char *dir, int self) {
+    DIR *d = opendir(dir);
+    char path[600];
+    for (struct dirent *de; d && (de = readdir(d));) {
+        if (de->d_name[0] == '.') continue;
+        snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
+        if (unlink(path) < 0) scratch_empty(path, 1);
+    }
+    if (d) closedir(d);
+    if (self) rmdir(dir);
+}
+static void scratch_clean(void) { scratch_empty(scratch, 0); }
 static void scratch_remove(void) {
-    static const char *const files[] = {"state.log", "state.log.tmp", "ledger.log", "ca.pem", NULL};
-    char path[300];
     if (!scratch[0]) return;
-    for (const char *const *f = files; *f; f++) snprintf(path, sizeof path, "%s/%s", scratch, *f), unlink(path);
-    rmdir(scratch);
+    scratch_empty(scratch, 1);
     scratch[0] = 0;
 }
 static void scratch_make(void) {
@@ -489,38 +504,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) {
 /* ---- log_replay ---- */
 
 #ifdef FUZZ_LOG_REPLAY
-/* tests/unit.c's store_clear(), and the same for the ledger's index and
- * the idempotent inference answers it restores. */
-static void store_clear(void) {
-    for (int i = 0; i < ST.gv.n; i++) group_free(ST.gv.p[i]);
-    for (int i = 0; i < ST.kv.n; i++) tkey_free(ST.kv.p[i]);
-    for (int i = 0; i < ST.iv.n; i++) idem_free(ST.iv.p[i]);
-    free(ST.gv.p), free(ST.kv.p), free(ST.iv.p);
-    free(ST.groups.slot), free(ST.keys.slot), free(ST.keys_by_hash.slot), free(ST.idems.slot);
-    memset(&ST, 0, sizeof ST);
-    store_init();
-    if (LOG.f.fd >= 0) close(LOG.f.fd);
-    if (LOG.tmp_fd >= 0) close(LOG.tmp_fd);
-    buf_free(&LOG.tail);
-    memset(&LOG, 0, sizeof LOG);
-    LOG.f.fd = LOG.tmp_fd = -1;
-
-    if (LG.f.fd >= 0) close(LG.f.fd);
-    free(LG.ix);
-    for (uint32_t i = 0; i < LG.nnames; i++) free(LG.names[i]->pos), free(LG.names[i]);
-    free(LG.names), free(LG.by_name.slot);
-    memset(&LG, 0, sizeof LG);
-    LG.f.fd = -1, LG.by_name.key = interned_key;
-    for (size_t i = 0; i < INF_IDEM.cap; i++)
-        if (INF_IDEM.slot[i] && INF_IDEM.slot[i] != HMAP_TOMB) inf_idem_free(INF_IDEM.slot[i]);
-    free(INF_IDEM.slot);
-    memset(&INF_IDEM, 0, sizeof INF_IDEM);
-    INF_IDEM.key = inf_idem_key;
-}
+#include "reset.h"
 
 static void target_init(void) {
     scratch_make();
-    store_clear();
+    S.ledger_days = 90;
+    store_reset();
 }
 
 /* A group as the log has it, parsed back as replay would, gives the same
@@ -546,7 +535,7 @@ static void group_round_trip(const group *g) {
 }
 
 /* What the server does with replayed state: write it out (the API, a
- * compaction), and rebuild the budgets from the ledger. */
+ * compaction). */
 static void use_state(void) {
     buf out = {0};
     jwriter w;
@@ -566,21 +555,83 @@ static void use_state(void) {
     }
     for (int i = 0; i < ST.iv.n; i++)
         if (ST.iv.p[i]) out.len = 0, jw_init(&w, &out), idem_json(&w, ST.iv.p[i]);
-    budget_rebuild();
-    for (size_t i = 0; i < INF_IDEM.cap; i++)
-        if (INF_IDEM.slot[i] && INF_IDEM.slot[i] != HMAP_TOMB) out.len = 0, inf_idem_json(&out, INF_IDEM.slot[i]);
-    if (LG.n) ledger_lower(LG.ix[LG.n / 2].at, LG.n);
     buf_free(&out);
 }
 
-static int replay(int ledger, char *err, size_t errlen) {
-    if (ledger) return log_open(&LG.f, scratch, "ledger.log", LEDGER_MAGIC, ledger_apply, err, errlen);
-    snprintf(LOG.tmp, sizeof LOG.tmp, "%.200s/state.log.tmp", scratch);
-    return log_open(&LOG.f, scratch, "state.log", LOG_MAGIC, store_apply, err, errlen);
+#define FUZZ_DAY 1795910400000LL /* 2026-11-29, the day a segment input is */
+
+/* What the ledger answers about its days: every event, those of the first
+ * event's key and group, usage, budgets and the replays. */
+static void ledger_answers(buf *out) {
+    ledger_query q = {FUZZ_DAY - DAY_MS, FUZZ_DAY + 2 * DAY_MS, NULL, NULL, INT64_MAX, UINT32_MAX};
+    jwriter w;
+    jw_init(&w, out), jw_open(&w, '[');
+    size_t total = ledger_page(&q, 0, 1000, &w);
+    char key[37] = "", grp[37] = "";
+    if (LG.nseg && seg_count(LG.seg[0])) {
+        seg_view v;
+        buf rec = {0};
+        rec_view rv;
+        if (view_open(&v, LG.seg[0], 0, NULL, UINT32_MAX) > 0 && view_record(&v, 0, &rec, &rv) == 0)
+            memcpy(key, rv.key, 36), memcpy(grp, rv.group, 36), key[36] = grp[36] = 0;
+        view_close(&v), buf_free(&rec);
+    }
+    q.key = key, total += ledger_page(&q, 0, 7, &w);
+    q.group = grp, total += ledger_page(&q, 1, 3, &w);
+    q.key = NULL, total += ledger_page(&q, 0, 1000, &w);
+    jw_close(&w, ']');
+    buf_printf(out, " %zu", total);
+    usage_row by_day[3] = {{0}}, all = {0};
+    model_usage *mu = NULL;
+    int nmu = 0;
+    ledger_usage(FUZZ_DAY - DAY_MS, 3, NULL, by_day, &all, &mu, &nmu);
+    ledger_usage(FUZZ_DAY - DAY_MS, 3, grp, by_day, &all, &mu, &nmu);
+    for (int i = 0; i < 3; i++) buf_printf(out, " %lld/%lld", by_day[i].requests, (long long)by_day[i].spend);
+    for (int i = 0; i < nmu; i++) buf_printf(out, " %s:%lld", mu[i].alias, mu[i].u.requests);
+    free(mu);
+    buf_printf(out, " since %lld", (long long)(LG.nseg ? seg_group_since(LG.seg[0], grp, FUZZ_DAY + DAY_MS / 2) : 0));
+}
+
+static int replays_seen;
+static void count_replay(const rec_view *rv, int64_t day, uint64_t off, uint32_t len) {
+    (void)rv, (void)day, (void)off, (void)len;
+    replays_seen++;
+}
+
+/* A day's answers must not depend on how it was read: replayed into memory
+ * (the open day), rebuilt into an index file, or read from that file. */
+static void fuzz_ledger(const char *path, const uint8_t *f, size_t n) {
+    char err[512];
+    buf open_day = {0}, rebuilt = {0}, indexed = {0};
+    for (int pass = 0; pass < 3; pass++) {
+        if (pass < 2) write_input(path, f, n);
+        char idx[300];
+        snprintf(idx, sizeof idx, "%s/ledger/2026-11-29.idx", scratch);
+        if (pass < 2) unlink(idx);
+        store_reset();
+        err[0] = 0;
+        int64_t now = pass == 0 ? FUZZ_DAY + 1000 : FUZZ_DAY + DAY_MS + 1000; /* the same day, then the next */
+        if (ledger_open(scratch, now, err, sizeof err) < 0) {
+            REQUIRE(err[0], "a refused ledger without a message");
+            REQUIRE(pass == 0, "a ledger that opened as the open day is refused as a sealed one: %s", err);
+            break;
+        }
+        budget_rebuild(now);
+        replays_seen = 0;
+        ledger_replays(0, count_replay);
+        ledger_answers(pass == 0 ? &open_day : pass == 1 ? &rebuilt : &indexed);
+        buf_printf(pass == 0 ? &open_day : pass == 1 ? &rebuilt : &indexed, " replays %d", replays_seen);
+        if (pass == 1) REQUIRE(LG.nseg != 1 || LG.seg[0]->state == SEG_SEALED, "a sealed day's index file was not written");
+    }
+    if (rebuilt.len) {
+        REQUIRE(open_day.len == rebuilt.len && memcmp(open_day.p, rebuilt.p, open_day.len) == 0, "the open day and the rebuilt one differ:\n%s\n%s", open_day.p, rebuilt.p);
+        REQUIRE(indexed.len == rebuilt.len && memcmp(indexed.p, rebuilt.p, rebuilt.len) == 0, "the day from its index differs:\n%s\n%s", rebuilt.p, indexed.p);
+    }
+    buf_free(&open_day), buf_free(&rebuilt), buf_free(&indexed);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) {
-    int ledger = n >= 8 && memcmp(d, LEDGER_MAGIC, 8) == 0;
+    int segment_in = n >= 8 && memcmp(d, SEG_MAGIC, 8) == 0, v1 = n >= 8 && memcmp(d, LEDGER_V1_MAGIC, 8) == 0;
     /* Checksums are put right (a checksum field of ffffffff is left wrong),
      * so that mutated payloads reach the apply functions. */
     uint8_t *f = (uint8_t *)copy(d, n);
@@ -591,25 +642,41 @@ int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) {
         off += 8 + (size_t)len;
     }
     char path[300], err[512];
-    snprintf(path, sizeof path, "%s/%s", scratch, ledger ? "ledger.log" : "state.log");
-    write_input(path, f, n);
-    free(f);
-    err[0] = 0;
-    logfile *l = ledger ? &LG.f : &LOG.f;
-    if (replay(ledger, err, sizeof err) == 0) {
-        struct stat st;
-        REQUIRE(stat(path, &st) == 0 && st.st_size == l->size, "after replay the file has %lld bytes, the log says %lld",
-                (long long)st.st_size, (long long)l->size);
-        use_state();
-        if ((size_t)l->size != n) { /* a torn tail was cut (or the file made): it now replays whole */
-            store_clear();
-            REQUIRE(replay(ledger, err, sizeof err) == 0, "a log cut back to its last whole record does not replay: %s", err);
-            REQUIRE(stat(path, &st) == 0 && st.st_size == l->size, "a second replay changed the file");
-        }
+    snprintf(path, sizeof path, "%s/ledger", scratch);
+    mkdir(path, 0700);
+    if (segment_in) {
+        snprintf(path, sizeof path, "%s/ledger/2026-11-29.log", scratch);
+        fuzz_ledger(path, f, n);
+    } else if (v1) { /* an earlier version's ledger.log: migrated into days */
+        scratch_clean();
+        snprintf(path, sizeof path, "%s/ledger.log", scratch);
+        write_input(path, f, n);
+        err[0] = 0;
+        if (ledger_open(scratch, FUZZ_DAY + 40 * DAY_MS, err, sizeof err) == 0) {
+            REQUIRE(access(path, F_OK) != 0, "ledger.log is still there after its migration");
+            budget_rebuild(FUZZ_DAY);
+        } else REQUIRE(err[0] && access(path, F_OK) == 0, "a refused migration without a message, or without its ledger.log");
     } else {
-        REQUIRE(err[0], "a refused log without a message");
+        snprintf(path, sizeof path, "%s/state.log", scratch);
+        write_input(path, f, n);
+        err[0] = 0;
+        snprintf(LOG.tmp, sizeof LOG.tmp, "%.200s/state.log.tmp", scratch);
+        if (log_open(&LOG.f, scratch, "state.log", LOG_MAGIC, store_apply, NULL, err, sizeof err) == 0) {
+            struct stat st;
+            REQUIRE(stat(path, &st) == 0 && st.st_size == LOG.f.size, "after replay the file has %lld bytes, the log says %lld",
+                    (long long)st.st_size, (long long)LOG.f.size);
+            use_state();
+            if ((size_t)LOG.f.size != n) { /* a torn tail was cut (or the file made): it now replays whole */
+                store_reset();
+                REQUIRE(log_open(&LOG.f, scratch, "state.log", LOG_MAGIC, store_apply, NULL, err, sizeof err) == 0,
+                        "a log cut back to its last whole record does not replay: %s", err);
+                REQUIRE(stat(path, &st) == 0 && st.st_size == LOG.f.size, "a second replay changed the file");
+            }
+        } else REQUIRE(err[0], "a refused log without a message");
     }
-    store_clear();
+    free(f);
+    store_reset();
+    scratch_clean();
     return 0;
 }
 #endif
@@ -685,6 +752,7 @@ static void group_log_json(const group *g, buf *out) {
 
 static void target_init(void) {
     char err[512];
+    S.ledger_days = 90; /* main()'s default: a 30d period fits */
     cat = catalog_load("t.json", "{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{"
                                  "\"A\":{\"provider\":\"p\",\"upstream_model\":\"a\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1},"
                                  "\"B\":{\"provider\":\"p\",\"upstream_model\":\"b\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1},"

@@ -157,8 +157,10 @@ class Response:
 class Conn:
     """One client TCP connection with a receive buffer."""
 
-    def __init__(self, port, timeout=10.0, nodelay=False):
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    def __init__(self, port, timeout=10.0, nodelay=False, source=None):
+        # source: a loopback address of its own (127.0.0.2...), for the limits per client address
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout,
+                                             source_address=(source, 0) if source else None)
         if nodelay:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.buf = b""
@@ -1515,47 +1517,41 @@ def t_malformed_header():
     check(H.ltg_alive(), "ltg died")
 
 
-@test("--max-conns 2: the third connection is closed at once", ltg_args=("--max-conns", "2"))
+@test("--max-conns 2: a third connection takes the place of the one idle longest; while both serve, it is closed at once",
+      ltg_args=("--max-conns", "2", "--max-conns-per-ip", "2"))
 def t_max_conns():
     a = Conn(H.port)
     b = Conn(H.port)
+    c = None
     try:
-        # Make sure ltg has accepted both before the third arrives.
-        for c in (a, b):
-            c.send(http_request("GET", "/healthz", auth=None))
-            r = c.read_final_response()
+        for x in (a, b):        # a, then b: a has been idle longest
+            x.send(http_request("GET", "/healthz", auth=None))
+            r = x.read_final_response()
             check(r.status == 200, "one of the first two connections: %s" % r.brief())
-        with Conn(H.port) as third:
-            t0 = time.monotonic()
-            closed = third.wait_closed(4)
-            check(closed, "the third connection was not closed (waited 4 s)")
-            check(not third.buf or third.buf.startswith(b"HTTP/1.1 503"),
-                  "the third connection got unexpected bytes %r" % third.buf[:200])
-        for c in (a, b):
-            c.send(http_request("POST", "/v1/chat/completions", chat_body()))
-            r = c.read_final_response()
-            check(r.status == 200, "the first two still work: %s" % r.brief())
+        with Conn(H.port, source="127.0.0.2") as third:   # another address: this one is at --max-conns-per-ip
+            third.send(http_request("GET", "/healthz", auth=None, headers={"Connection": "close"}))
+            r = third.read_final_response(5)
+            check(r.status == 200, "the third connection: %s" % r.brief())
+            check(third.wait_closed(5), "ltg did not close the third after its answer (Connection: close)")
+        check(a.wait_closed(4), "the connection idle longest was not closed to make room")
+        # Both serving a slow call: nothing to shed, the next connection is closed at once.
+        c = Conn(H.port)
+        c.send(http_request("GET", "/healthz", auth=None))
+        check(c.read_final_response(3).status == 200, "a connection after the third left")
+        slow = chat_body(directive="head_delay_ms=3000")
+        for x in (b, c):
+            x.send(http_request("POST", "/v1/chat/completions", slow))
+        time.sleep(0.5)
+        with Conn(H.port, source="127.0.0.2") as late:
+            check(late.wait_closed(4), "a connection while both were serving was not closed")
+            check(not late.buf or late.buf.startswith(b"HTTP/1.1 503"), "it got unexpected bytes %r" % late.buf[:200])
+        for x in (b, c):
+            r = x.read_final_response(15)
+            check(r.status == 200, "the calls in service: %s" % r.brief())
     finally:
-        a.close()
-    try:
-        # With one slot free again, a new connection is served.
-        deadline = time.monotonic() + 5
-        last = None
-        while time.monotonic() < deadline:
-            try:
-                with Conn(H.port) as c:
-                    c.send(http_request("GET", "/healthz", auth=None))
-                    r = c.read_final_response(3)
-                    if r.status == 200:
-                        break
-                    last = r.brief()
-            except (EOFError, OSError, TestFailure) as e:
-                last = repr(e)
-            time.sleep(0.2)
-        else:
-            raise TestFailure("after a connection closed, a new one was still refused: %s" % last)
-    finally:
-        b.close()
+        for x in (a, b, c):
+            if x:
+                x.close()
 
 
 @test("idle keep-alive connection closed after --idle-timeout", ltg_args=("--idle-timeout", "1"))

@@ -129,11 +129,11 @@ def close_all(socks):
             pass
 
 
-def healthz_ok(port, timeout=5.0):
+def healthz_ok(port, timeout=5.0, source=None):
     """GET /healthz with Connection: close, read until ltg closes: when this returns, the connection
-    no longer counts against --max-conns."""
+    no longer counts against --max-conns. `source`: another loopback address to call from."""
     try:
-        with it.Conn(port, timeout=timeout) as c:
+        with it.Conn(port, timeout=timeout, source=source) as c:
             c.send(it.http_request("GET", "/healthz", auth=None, headers={"Connection": "close"}))
             r = c.read_final_response(timeout)
             c.wait_closed(timeout)
@@ -347,7 +347,8 @@ HEAD_TIMEOUT = 4
 
 
 @it.test("hostile client: slowloris: 300 connections trickling a head; 20 calls served promptly, each slow "
-         "one gets 408 and is closed after --head-timeout", ltg_args=("--head-timeout", str(HEAD_TIMEOUT)))
+         "one gets 408 and is closed after --head-timeout",
+         ltg_args=("--head-timeout", str(HEAD_TIMEOUT), "--max-conns-per-ip", str(SLOW_CONNS + 50)))
 def t_slowloris():
     H = it.H
     raise_fd_limit(SLOW_CONNS + 256)
@@ -461,41 +462,47 @@ def check_burst_refused(port, n, what):
         close_all(socks)
 
 
-@it.test("hostile client: --max-conns 8: bursts of extra connections are closed at once; the control plane "
-         "has a cap of its own, so an inference flood never locks it out", ltg_args=("--max-conns", str(MAX_CONNS)))
+@it.test("hostile client: --max-conns 8: while every connection serves, bursts of extra ones are closed at once; "
+         "then idle ones make room; the control plane has a cap of its own, so an inference flood never locks it out",
+         ltg_args=("--max-conns", str(MAX_CONNS), "--max-conns-per-ip", str(MAX_CONNS)))
 def t_max_conns_burst():
     H = it.H
     raise_fd_limit(512)
-    # The inference listener takes --max-conns connections; the control plane min(64, --max-conns) more.
-    held, admin = held_conns(H.port, MAX_CONNS), []
+    busy, admin, burst = [], [], []
     try:
-        check_burst_refused(H.port, 150, "inference burst")
+        # Every inference slot serving a slow call: nothing can be shed.
+        for i in range(MAX_CONNS):
+            c = it.Conn(H.port, timeout=30)
+            busy.append(c)
+            c.send(it.http_request("POST", "/v1/chat/completions", it.chat_body(directive="head_delay_ms=6000", content="busy %d" % i)))
+        time.sleep(1)
+        check_burst_refused(H.port, 150, "inference burst while every connection serves")
         check(healthz_ok(H.admin_port), "the control plane refused a connection while the inference listener was full")
-        admin = held_conns(H.admin_port, MAX_CONNS)
-        check_burst_refused(H.admin_port, 30, "admin burst")
-        for c in held:
+        for c in busy:
+            r = c.read_final_response(30)
+            check(r.status == 200, "a call in service during the burst: %s" % r.brief())
+        # All idle now: a newcomer takes the place of the one idle longest; the others keep working.
+        check(healthz_ok(H.port, source="127.0.0.2"), "a newcomer (another address) while every connection was idle")
+        shed = closed_by_peer([c.sock for c in busy], 3)
+        check(len(shed) == 1, "%d held connections closed to make room for one newcomer" % len(shed))
+        for c in busy:
+            if c.sock in shed:
+                continue
             c.send(it.http_request("POST", "/v1/chat/completions", it.chat_body()))
             r = c.read_final_response()
-            check(r.status == 200, "a held connection after the bursts: %s" % r.brief())
-        for c in admin:
-            c.send(it.http_request("GET", it.API + "/token_groups?page[size]=1", auth=it.ADMIN_KEY))
-            r = c.read_final_response()
-            check(r.status == 200, "a held admin connection after the bursts: %s" % r.brief())
-        # Free a slot on each listener: new connections are served again.
-        held.pop().close()
-        admin.pop().close()
-        wait_until("a freed slot serving the inference listener", lambda: healthz_ok(H.port, 3), 10)
-        wait_until("a freed slot serving the admin listener", lambda: healthz_ok(H.admin_port, 3), 10)
+            check(r.status == 200, "a held connection after the newcomer: %s" % r.brief())
+        # The control plane, min(64, --max-conns) slots: a burst of idle connections takes the places
+        # of the held idle ones, and the operator still gets in.
+        admin = held_conns(H.admin_port, MAX_CONNS)
+        burst = open_conns(H.admin_port, 30)
+        time.sleep(1)
+        check(healthz_ok(H.admin_port), "the control plane after a burst of idle connections")
+        r = it.admin("GET", "/token_groups?page[size]=1")
+        check(r.status == 200, "an admin call after the burst: %s" % r.brief())
+        check(len(closed_by_peer([c.sock for c in admin], 5)) == MAX_CONNS, "the held idle admin connections were not "
+              "closed to make room for newer ones")
     finally:
-        close_all(held + admin)
-    # All free: exactly MAX_CONNS are served at once again, and the next one is closed.
-    again = []
-    try:
-        wait_until("all slots free after the bursts", lambda: healthz_ok(H.port, 3), 10)
-        again = held_conns(H.port, MAX_CONNS)
-        check_burst_refused(H.port, 1, "connection %d after the bursts" % (MAX_CONNS + 1))
-    finally:
-        close_all(again)
+        close_all([c.sock for c in busy + admin] + burst)
 
 
 # ltg caps itself at (128 - 64) / 4 = 16 connections per listener; under valgrind, which keeps some

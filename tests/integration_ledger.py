@@ -1323,16 +1323,17 @@ def t_ledger_torn():
         g0 = it.get_group(gid, port=p)[0]
         check(len(evs) == 3, "events %r" % evs)
         a.stop()
-        path = os.path.join(a.data_dir, "ledger.log")
+        days = sorted(n for n in os.listdir(os.path.join(a.data_dir, "ledger")) if n.endswith(".log"))
+        path = os.path.join(a.data_dir, "ledger", days[-1])   # the open day (today, unless midnight passed)
         size = os.path.getsize(path)
-        payload = b'{"t":1,"c":5,"e":{"id":"torn"'
+        payload = b'\x01\x00\x00\x01' + b'\x00' * 26
         with open(path, "ab") as f:
             f.write(struct.pack("<II", 400, 0x12345678) + payload)   # says 400 bytes, has 30
         a.start()
         text = a.text_since_start()
-        check(any("warning" in l and "ledger.log" in l for l in text.splitlines()),
-              "no warning about the torn record of ledger.log in the log: %r" % text[-500:])
-        check(os.path.getsize(path) == size, "ledger.log is %d bytes after recovery, want %d (cut back to the last "
+        check(any("warning" in l and path in l for l in text.splitlines()),
+              "no warning about the torn record of %s in the log: %r" % (path, text[-500:]))
+        check(os.path.getsize(path) == size, "the day's log is %d bytes after recovery, want %d (cut back to the last "
               "whole record)" % (os.path.getsize(path), size))
         check(events_of(gid, port=p) == evs, "the events changed after recovery")
         g1 = it.get_group(gid, port=p)[0]
@@ -1356,7 +1357,7 @@ def t_ledger_torn():
             f.write(bytes(data))
         rc, text = a.start_fails()
         check(rc != 0, "ltg started on a ledger damaged in the middle")
-        check("ledger.log" in text, "the refusal does not name ledger.log: %r" % text[-400:])
+        check(path in text, "the refusal does not name %s: %r" % (path, text[-400:]))
         with open(path, "wb") as f:
             f.write(backup)
         a.start()

@@ -7,6 +7,7 @@
  */
 #define LTG_NO_MAIN
 #include "../ltg.c"
+#include "reset.h"
 
 #include <sys/mman.h>
 
@@ -513,19 +514,18 @@ static void test_group_validation(void) {
 
 static char unit_dir[256];
 
-static void store_clear(void) {
-    for (int i = 0; i < ST.gv.n; i++) group_free(ST.gv.p[i]);
-    for (int i = 0; i < ST.kv.n; i++) tkey_free(ST.kv.p[i]);
-    for (int i = 0; i < ST.iv.n; i++) idem_free(ST.iv.p[i]);
-    free(ST.gv.p), free(ST.kv.p), free(ST.iv.p);
-    free(ST.groups.slot), free(ST.keys.slot), free(ST.keys_by_hash.slot), free(ST.idems.slot);
-    memset(&ST, 0, sizeof ST);
-    store_init();
-    if (LOG.f.fd >= 0) close(LOG.f.fd);
-    if (LOG.tmp_fd >= 0) close(LOG.tmp_fd);
-    buf_free(&LOG.tail), buf_free(&LOG.f.pending);
-    memset(&LOG, 0, sizeof LOG);
-    LOG.f.fd = LOG.tmp_fd = -1;
+/* Log g as the handlers do (one record), then put it in memory. */
+static group *log_put_group(group *g) {
+    buf p = {0};
+    jwriter w;
+    jw_init(&w, &p);
+    jw_open(&w, '{'), jw_key(&w, "ops"), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, "put_group"), group_json(&w, g, 1);
+    jw_close(&w, '}'), jw_close(&w, ']'), jw_close(&w, '}');
+    const char *why;
+    CHECK(state_append(p.p, p.len, &why) == 0, "append a group");
+    store_put_group(g, p.len + 8);
+    buf_free(&p);
+    return g;
 }
 
 /* Log and apply a group as the handlers do: one record, then memory. */
@@ -537,17 +537,7 @@ static group *log_group(const char *name, int i) {
     g->name = xstrdup(nm);
     g->allowed = xcalloc(1, sizeof *g->allowed), g->allowed[0] = xstrdup("A"), g->nallowed = 1;
     g->version = 1, g->created_at = g->updated_at = 1700000000000LL + i;
-    buf p = {0};
-    jwriter w;
-    jw_init(&w, &p);
-    jw_open(&w, '{'), jw_key(&w, "ops"), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, "put_group"), group_json(&w, g, 1);
-    jw_close(&w, '}'), jw_close(&w, ']'), jw_close(&w, '}');
-    const char *why;
-    int rc = state_append(p.p, p.len, &why);
-    CHECK(rc == 0, "append");
-    store_put_group(g, p.len + 8);
-    buf_free(&p);
-    return g;
+    return log_put_group(g);
 }
 
 static void log_delete_group(const char *id) {
@@ -579,9 +569,9 @@ static void store_fingerprint(buf *out) {
 }
 
 static int reopen(char *err) {
-    store_clear();
+    store_reset();
     snprintf(LOG.tmp, sizeof LOG.tmp, "%.200s/state.log.tmp", unit_dir);
-    return log_open(&LOG.f, unit_dir, "state.log", LOG_MAGIC, store_apply, err, 512);
+    return log_open(&LOG.f, unit_dir, "state.log", LOG_MAGIC, store_apply, NULL, err, 512);
 }
 
 static off_t file_size(const char *path) {
@@ -595,7 +585,7 @@ static void test_log(void) {
     if (!mkdtemp(unit_dir)) { CHECK(0, "mkdtemp"); return; }
     char err[512], path[300];
     snprintf(path, sizeof path, "%s/state.log", unit_dir);
-    store_clear();
+    store_reset();
     CHECK(reopen(err) == 0 && file_size(path) == 8, "new log: %s", err);
     group *g1 = log_group("a", 1);
     char id1[37];
@@ -656,7 +646,7 @@ static void test_log(void) {
     for (int i = 0; i < 4000; i++) memcpy(ids[i], log_group("g", i)->id, 37);
     for (int i = 0; i < 2000; i++) log_delete_group(ids[i]); /* 2000 live groups, 6000 records */
     off_t grown = LOG.f.size;
-    CHECK(compact_due(), "compaction due: log %lld, live %zu", (long long)LOG.f.size, ST.live_bytes);
+    CHECK(compact_due(wall_ms()), "compaction due: log %lld, live %zu", (long long)LOG.f.size, ST.live_bytes);
     int steps = 0, during = 0;
     while (store_tick()) { /* changes arrive between the steps */
         steps++;
@@ -674,10 +664,386 @@ static void test_log(void) {
     store_fingerprint(&after);
     CHECK(before.len == after.len && memcmp(before.p, after.p, before.len) == 0, "compaction keeps the state");
     buf_free(&before), buf_free(&after);
-    store_clear();
-    char cmd[400];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", unit_dir);
-    CHECK(system(cmd) == 0, "cleanup");
+    store_reset();
+}
+
+/* ---- the ledger's days, with an injected clock ---- */
+
+#define UDAY 1795910400000LL /* 2026-11-29T00:00:00Z */
+
+static char ledger_data[300];
+static int unit_nevents;
+
+static const char *unit_id(char kind, int i) { /* a 36-byte id, distinct per (kind, i) */
+    static char ids[4][64][37];
+    char *s = ids[kind == 'k' ? 0 : kind == 'g' ? 1 : 2][i];
+    snprintf(s, 37, "%c%07d-0000-4000-8000-000000000000", kind == 'k' ? 'a' : 'b', i); /* hex: a key 'a...', a group 'b...' */
+    return s;
+}
+
+/* One event, as exchange_settle writes it; its JSON names its number. */
+static void unit_event(int64_t at, int key, int grp, const char *alias, int64_t charged, int status) {
+    char ev[128];
+    snprintf(ev, sizeof ev, "{\"n\":%d,\"token_group_id\":\"%s\"}", unit_nevents++, unit_id('g', grp));
+    rec_view v = {.charged = charged, .in_tok = 10, .out_tok = 3, .status = (uint8_t)status, .key = unit_id('k', key),
+                  .group = unit_id('g', grp), .model = alias, .model_len = strlen(alias), .event = ev, .event_len = strlen(ev), .replay = ""};
+    int64_t day;
+    uint64_t off;
+    uint32_t len;
+    CHECK(ledger_add(&v, at, &day, &off, &len) == 0 && day == day_of(at > LG.last_at ? at : LG.last_at), "event at %lld", (long long)at);
+}
+
+/* The numbers of the events a query shows, as "0,1,2". */
+static void unit_page(const ledger_query *q, size_t skip, size_t size, char *out, size_t cap, size_t *total) {
+    buf b = {0};
+    jwriter w;
+    jw_init(&w, &b), jw_open(&w, '[');
+    *total = ledger_page(q, skip, size, &w);
+    jw_close(&w, ']');
+    out[0] = 0;
+    for (const char *p = b.p; (p = strstr(p, "\"n\":")); p += 4) snprintf(out + strlen(out), cap - strlen(out), "%s%d", out[0] ? "," : "", atoi(p + 4));
+    buf_free(&b);
+}
+
+static ledger_query unit_query(int64_t start, int days) { return (ledger_query){start, start + days * DAY_MS, NULL, NULL, INT64_MAX, UINT32_MAX}; }
+
+/* Seal what the clock says has ended: sync the events, then a tick. */
+static void unit_tick(int64_t now) {
+    ledger_sync(NULL);
+    S.now += IDX_RETRY_MS + 1;
+    ledger_tick(now);
+    ledger_sync(NULL);
+    ledger_tick(now);
+}
+
+static int unit_reopen_ledger(int64_t now, char *err) {
+    store_reset();
+    snprintf(LOG.tmp, sizeof LOG.tmp, "%.200s/state.log.tmp", ledger_data);
+    if (log_open(&LOG.f, ledger_data, "state.log", LOG_MAGIC, store_apply, NULL, err, 512) < 0) return LTG_ERR;
+    if (ledger_open(ledger_data, now, err, 512) < 0) return LTG_ERR;
+    budget_rebuild(now);
+    return 0;
+}
+
+static group *unit_group(int i, int budget_days, int64_t anchor) {
+    group *g = group_new();
+    memcpy(g->id, unit_id('g', i), 37);
+    g->name = xstrdup("u"), g->allowed = xcalloc(1, sizeof *g->allowed), g->nallowed = 0;
+    g->version = 1, g->created_at = g->updated_at = anchor;
+    g->has_budget = 1, g->max_budget = 1000, g->budget_days = budget_days, g->budget_anchor = anchor;
+    return log_put_group(g);
+}
+
+static void test_ledger_days(void) {
+    char err[512], cmd[1400], path[400], got[256];
+    size_t total;
+    snprintf(ledger_data, sizeof ledger_data, "%s/ledger-days", unit_dir);
+    snprintf(cmd, sizeof cmd, "rm -rf %s && mkdir -p %s", ledger_data, ledger_data);
+    CHECK(system(cmd) == 0, "mkdir");
+    S.ledger_days = 90, S.now = 1000000;
+    CHECK(unit_reopen_ledger(UDAY + DAY_MS - 1000, err) == 0 && LG.nseg == 0, "an empty ledger: %s", err);
+
+    /* Roll-over mid-traffic: three events on the 29th, two on the 30th. */
+    unit_event(UDAY + DAY_MS - 900, 0, 0, "A", 5, EV_SUCCEEDED);
+    unit_event(UDAY + DAY_MS - 800, 1, 0, "B", 7, EV_FAILED);
+    unit_event(UDAY + DAY_MS - 700, 2, 1, "A", 11, EV_SUCCEEDED);
+    unit_event(UDAY + DAY_MS + 100, 0, 0, "A", 13, EV_PARTIAL);
+    unit_event(UDAY + DAY_MS + 200, 2, 1, "B", 17, EV_SUCCEEDED);
+    CHECK(LG.nseg == 2 && LG.seg[0]->state == SEG_SEALING && LG.seg[1]->state == SEG_OPEN && LG.seg[1]->day == UDAY + DAY_MS,
+          "the day ended: the 29th is sealing, the 30th open");
+    ledger_query q = unit_query(UDAY, 2);
+    unit_page(&q, 0, 50, got, sizeof got, &total);
+    CHECK(total == 5 && strcmp(got, "0,1,2,3,4") == 0, "before the seal: %s", got);
+    unit_tick(UDAY + DAY_MS + 300);
+    seg_path(UDAY, ".idx", LG.dir, path, sizeof path);
+    CHECK(LG.seg[0]->state == SEG_SEALED && access(path, F_OK) == 0 && LG.seg[0]->h.nevents == 3, "sealed, with its index file");
+    CHECK(LG.seg[0]->f.fd < 0 && LG.seg[0]->mem.n == 0, "a sealed day holds no memory and no fd");
+
+    /* Queries across the two days: pages, filters, snapshots, usage. */
+    for (int pass = 0; pass < 2; pass++) {
+        unit_page(&q, 0, 50, got, sizeof got, &total);
+        CHECK(total == 5 && strcmp(got, "0,1,2,3,4") == 0, "every event, in order (pass %d): %s", pass, got);
+        unit_page(&q, 2, 2, got, sizeof got, &total);
+        CHECK(total == 5 && strcmp(got, "2,3") == 0, "a page across the days: %s", got);
+        q.key = unit_id('k', 0);
+        unit_page(&q, 0, 50, got, sizeof got, &total);
+        CHECK(total == 2 && strcmp(got, "0,3") == 0, "by key: %s", got);
+        q.group = unit_id('g', 0);
+        unit_page(&q, 1, 50, got, sizeof got, &total);
+        CHECK(total == 2 && strcmp(got, "3") == 0, "by key and its group, page 2: %s", got);
+        q.group = unit_id('g', 1);
+        unit_page(&q, 0, 50, got, sizeof got, &total);
+        CHECK(total == 0 && !got[0], "by key and another group: none");
+        q.key = NULL;
+        unit_page(&q, 0, 50, got, sizeof got, &total);
+        CHECK(total == 2 && strcmp(got, "2,4") == 0, "by group: %s", got);
+        q.group = NULL, q.snap_day = UDAY + DAY_MS, q.snap_n = 1;
+        unit_page(&q, 0, 50, got, sizeof got, &total);
+        CHECK(total == 4 && strcmp(got, "0,1,2,3") == 0, "a snapshot taken at the 30th's first event: %s", got);
+        q.snap_day = UDAY, q.snap_n = 2;
+        unit_page(&q, 0, 50, got, sizeof got, &total);
+        CHECK(total == 2 && strcmp(got, "0,1") == 0, "a snapshot of the 29th: %s", got);
+        q = unit_query(UDAY + DAY_MS, 1);
+        unit_page(&q, 0, 50, got, sizeof got, &total);
+        CHECK(total == 2 && strcmp(got, "3,4") == 0, "one day: %s", got);
+        q = unit_query(UDAY, 2);
+        usage_row by_day[2] = {{0}}, all = {0};
+        model_usage *mu = NULL;
+        int nmu = 0;
+        ledger_usage(UDAY, 2, NULL, by_day, &all, &mu, &nmu);
+        CHECK(all.requests == 5 && by_day[0].requests == 3 && by_day[1].requests == 2 && all.spend == 53 && by_day[0].failed == 1 &&
+              by_day[1].partial == 1 && all.in_tok == 50, "usage by day");
+        CHECK(nmu == 2 && strcmp(mu[0].alias, "A") == 0 && mu[0].u.requests == 3 && mu[0].u.spend == 29 && mu[1].u.spend == 24, "usage by model");
+        free(mu), mu = NULL, nmu = 0;
+        memset(by_day, 0, sizeof by_day), memset(&all, 0, sizeof all);
+        ledger_usage(UDAY, 2, unit_id('g', 1), by_day, &all, &mu, &nmu);
+        CHECK(all.requests == 2 && all.spend == 28 && by_day[0].spend == 11 && nmu == 2, "usage of one group");
+        free(mu);
+        CHECK(seg_group_since(LG.seg[0], unit_id('g', 0), UDAY + DAY_MS - 850) == 7 && seg_group_since(LG.seg[0], unit_id('g', 0), 0) == 12 &&
+              seg_group_since(LG.seg[0], unit_id('g', 0), UDAY + DAY_MS) == 0, "a group's spend since a time, from the running sums");
+        CHECK(unit_reopen_ledger(UDAY + DAY_MS + 400, err) == 0 && LG.nseg == 2 && LG.seg[0]->state == SEG_SEALED &&
+              LG.seg[1]->state == SEG_OPEN && LG.seg[1]->mem.n == 2, "start-up: the sealed day from its index, the open one replayed: %s", err);
+    }
+
+    /* A damaged index file, and a missing one, are rebuilt from the log. */
+    int fd = open(path, O_RDWR);
+    char c = 0;
+    CHECK(fd >= 0 && pread(fd, &c, 1, 200) == 1, "read");
+    c ^= 1;
+    CHECK(pwrite(fd, &c, 1, 200) == 1, "flip a byte");
+    close(fd);
+    CHECK(unit_reopen_ledger(UDAY + DAY_MS + 400, err) == 0 && LG.seg[0]->state == SEG_SEALED && idx_check(LG.seg[0], LG.seg[0]->h.log_size),
+          "a damaged index file is rebuilt");
+    unit_page(&q, 0, 50, got, sizeof got, &total);
+    CHECK(total == 5 && strcmp(got, "0,1,2,3,4") == 0, "the same events after the rebuild: %s", got);
+    unlink(path);
+    CHECK(unit_reopen_ledger(UDAY + DAY_MS + 400, err) == 0 && access(path, F_OK) == 0 && LG.seg[0]->state == SEG_SEALED, "a missing one too");
+
+    /* Retention: --ledger-days 1 keeps yesterday and today. */
+    S.ledger_days = 1;
+    unit_tick(UDAY + DAY_MS + 500);
+    CHECK(LG.nseg == 2, "on the 30th both days are kept");
+    unit_tick(UDAY + 2 * DAY_MS + 10);
+    seg_path(UDAY, ".log", LG.dir, path, sizeof path);
+    CHECK(LG.nseg == 1 && LG.seg[0]->day == UDAY + DAY_MS && LG.seg[0]->state == SEG_SEALED && access(path, F_OK) != 0,
+          "on the 1st the 30th is sealed and the 29th deleted");
+    CHECK(ledger_retained_from(UDAY + 2 * DAY_MS + 10) == UDAY + DAY_MS, "retained_from");
+    unit_tick(UDAY + 3 * DAY_MS);
+    CHECK(LG.nseg == 0, "and on the 2nd the 30th");
+    S.ledger_days = 90;
+    store_reset();
+}
+
+/* Rollups against a full recount, and budgets through restarts, retention
+ * and a crash between a carried spend and the deletion it precedes. */
+static void test_ledger_budgets(void) {
+    char err[512], cmd[1400];
+    snprintf(ledger_data, sizeof ledger_data, "%s/ledger-budgets", unit_dir);
+    snprintf(cmd, sizeof cmd, "rm -rf %s && mkdir -p %s", ledger_data, ledger_data);
+    CHECK(system(cmd) == 0, "mkdir");
+    S.ledger_days = 30, S.now = 1000000;
+    CHECK(unit_reopen_ledger(UDAY, err) == 0, "open: %s", err);
+    unit_group(0, 0, UDAY - 5 * DAY_MS); /* a lifetime budget */
+    unit_group(1, 1, UDAY + DAY_MS / 2); /* a daily one, anchored at noon */
+    unit_group(2, 7, UDAY + 3600000);    /* a weekly one */
+    /* Four days of events from 6 keys of 3 groups over 3 models, and the recount they must match. */
+    static const char *models[] = {"A", "B", "C"};
+    usage_row want[4][3][3] = {{{{0}}}};
+    int64_t spent[3][4] = {{0}}, at = UDAY;
+    uint64_t rnd = 12345;
+    for (int i = 0; i < 3000; i++) {
+        rnd = rnd * 6364136223846793005ULL + 1442695040888963407ULL;
+        at += (int64_t)((rnd >> 33) % 200000);
+        int key = (int)((rnd >> 20) % 6), grp = key / 2, m = (int)((rnd >> 40) % 3), st = (int)((rnd >> 50) % 3);
+        int64_t charged = (int64_t)((rnd >> 44) % 1000);
+        int d = (int)((at - UDAY) / DAY_MS);
+        if (at >= UDAY + 3 * DAY_MS + DAY_MS / 3) break;
+        unit_event(at, key, grp, models[m], charged, st);
+        ledger_entry e = {.in_tok = 10, .out_tok = 3, .status = (uint8_t)st, .charged = charged};
+        usage_add(&want[d][grp][m], &e);
+        spent[grp][d] += charged;
+        if (i % 500 == 0) unit_tick(at);
+    }
+    int64_t now = UDAY + 3 * DAY_MS + DAY_MS / 3;
+    unit_tick(now);
+    CHECK(LG.nseg == 4 && LG.seg[2]->state == SEG_SEALED && LG.seg[3]->state == SEG_OPEN, "three sealed days and an open one");
+    for (int pass = 0; pass < 2; pass++) {
+        for (int grp = -1; grp < 3; grp++) {
+            usage_row by_day[4] = {{0}}, all = {0};
+            model_usage *mu = NULL;
+            int nmu = 0, same = 1;
+            ledger_usage(UDAY, 4, grp < 0 ? NULL : unit_id('g', grp), by_day, &all, &mu, &nmu);
+            for (int d = 0; d < 4; d++) {
+                usage_row w = {0};
+                for (int g = 0; g < 3; g++)
+                    for (int m = 0; m < 3; m++)
+                        if (grp < 0 || g == grp) usage_sum(&w, &want[d][g][m]);
+                same &= memcmp(&w, &by_day[d], sizeof w) == 0;
+            }
+            for (int k = 0; k < nmu; k++) {
+                usage_row w = {0};
+                for (int d = 0; d < 4; d++)
+                    for (int g = 0; g < 3; g++)
+                        if (grp < 0 || g == grp) usage_sum(&w, &want[d][g][mu[k].alias[0] - 'A']);
+                same &= memcmp(&w, &mu[k].u, sizeof w) == 0;
+            }
+            CHECK(same && nmu == 3, "the rollups equal a full recount (group %d, pass %d)", grp, pass);
+            free(mu);
+        }
+        CHECK(unit_reopen_ledger(now, err) == 0, "reopen: %s", err);
+    }
+    /* Budgets: the lifetime one counts all four days, the daily one since its anchor's hour yesterday, the weekly one since its anchor. */
+    group *g0 = group_find(unit_id('g', 0)), *g1 = group_find(unit_id('g', 1)), *g2 = group_find(unit_id('g', 2));
+    int64_t life_want = spent[0][0] + spent[0][1] + spent[0][2] + spent[0][3], daily_want = 0, weekly_want = 0;
+    for (int i = 0; i < LG.nseg; i++) {
+        segment *s = LG.seg[i];
+        seg_view v;
+        buf rec = {0};
+        rec_view rv;
+        int64_t n = view_open(&v, s, 0, NULL, UINT32_MAX);
+        for (int64_t k = 0; k < n; k++)
+            if (view_record(&v, (uint32_t)k, &rec, &rv) == 0) {
+                if (memcmp(rv.group, unit_id('g', 1), 36) == 0 && rv.at >= UDAY + 2 * DAY_MS + DAY_MS / 2) daily_want += rv.charged;
+                if (memcmp(rv.group, unit_id('g', 2), 36) == 0 && rv.at >= UDAY + 3600000) weekly_want += rv.charged;
+            }
+        view_close(&v), buf_free(&rec);
+    }
+    CHECK(g0->spend == life_want && g1->spend == daily_want && g2->spend == weekly_want && daily_want > 0,
+          "budgets from rollups and running sums: %lld/%lld %lld/%lld %lld/%lld", (long long)g0->spend, (long long)life_want,
+          (long long)g1->spend, (long long)daily_want, (long long)g2->spend, (long long)weekly_want);
+    /* Retention takes the 29th: the lifetime budget carries it, through a restart. */
+    S.ledger_days = 2;
+    verr e = {0};
+    group *g;
+    char saved[1400];
+    snprintf(cmd, sizeof cmd, "cp %s/ledger/2026-11-29.log %s/saved.log && cp %s/ledger/2026-11-29.idx %s/saved.idx", ledger_data, ledger_data, ledger_data, ledger_data);
+    CHECK(system(cmd) == 0, "save the 29th");
+    unit_tick(now);
+    CHECK(LG.nseg == 3 && LG.seg[0]->day == UDAY + DAY_MS, "the 29th deleted");
+    CHECK(g0->spend == life_want && g0->carry == spent[0][0] && g0->carry_to == UDAY + DAY_MS, "carried: %lld of %lld",
+          (long long)g0->carry, (long long)spent[0][0]);
+    CHECK(unit_reopen_ledger(now, err) == 0, "reopen: %s", err);
+    g0 = group_find(unit_id('g', 0));
+    g2 = group_find(unit_id('g', 2));
+    CHECK(g0 && g0->spend == life_want, "after a restart the lifetime spend is the same: %lld", g0 ? (long long)g0->spend : -1LL);
+    CHECK(g2 && g2->spend == weekly_want, "and so is a weekly one's, under a retention lowered to 2 days: %lld", g2 ? (long long)g2->spend : -1LL);
+    /* A crash after the carried spend was logged but before the day was deleted: not counted twice. */
+    snprintf(saved, sizeof saved, "cp %s/saved.log %s/ledger/2026-11-29.log && cp %s/saved.idx %s/ledger/2026-11-29.idx", ledger_data, ledger_data, ledger_data, ledger_data);
+    CHECK(system(saved) == 0, "put the 29th back");
+    S.ledger_days = 30;
+    CHECK(unit_reopen_ledger(now, err) == 0 && LG.nseg == 4, "reopen with the day back: %s", err);
+    g0 = group_find(unit_id('g', 0));
+    CHECK(g0 && g0->spend == life_want, "the carried day is not counted twice: %lld", g0 ? (long long)g0->spend : -1LL);
+    /* A budget period longer than the retention is refused. */
+    S.ledger_days = 5;
+    g = group_new();
+    g->name = xstrdup("x"), g->allowed = xcalloc(1, sizeof *g->allowed), g->has_budget = 1, g->max_budget = 1, g->budget_days = 7;
+    CHECK(group_validate(g, NULL, &e) < 0 && strcmp(e.pointer, "/budget_duration") == 0 && strstr(e.detail, "--ledger-days"), "7d over 5 days kept: %s", e.detail);
+    g->budget_days = 1;
+    CHECK(group_validate(g, NULL, &e) == 0, "1d is fine");
+    group_free(g);
+    S.ledger_days = 90;
+    store_reset();
+}
+
+/* A ledger.log of an earlier version is split into days, once. */
+static void test_ledger_migration(void) {
+    char err[512], cmd[1400], path[400], got[256];
+    size_t total;
+    snprintf(ledger_data, sizeof ledger_data, "%s/ledger-migrate", unit_dir);
+    snprintf(cmd, sizeof cmd, "rm -rf %s && mkdir -p %s", ledger_data, ledger_data);
+    CHECK(system(cmd) == 0, "mkdir");
+    snprintf(path, sizeof path, "%s/ledger.log", ledger_data);
+    buf f = {0};
+    buf_append(&f, LEDGER_V1_MAGIC, 8);
+    for (int i = 0; i < 5; i++) {
+        char p[512];
+        int64_t at = UDAY + (i < 3 ? 1000 * i : DAY_MS + 1000 * i);
+        snprintf(p, sizeof p, "{\"t\":%lld,\"c\":%d,\"e\":{\"n\":%d,\"token_key_id\":\"%s\",\"token_group_id\":\"%s\",\"model\":%s,\"requested_model\":\"R\","
+                 "\"status\":\"%s\",\"cache_hit\":%s,\"input_tokens\":4,\"output_tokens\":2}%s}",
+                 (long long)at, 10 * i, i, unit_id('k', i % 2), unit_id('g', 0), i == 1 ? "null" : "\"M\"", i == 2 ? "failed" : "succeeded",
+                 i == 3 ? "true" : "false", i == 4 ? ",\"r\":{\"k\":\"00\"}" : "");
+        log_frame(&f, p, strlen(p));
+    }
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    CHECK(fd >= 0 && write(fd, f.p, f.len) == (ssize_t)f.len, "write ledger.log");
+    close(fd);
+    buf_free(&f);
+    S.ledger_days = 90, S.now = 1000000;
+    CHECK(unit_reopen_ledger(UDAY + 2 * DAY_MS, err) == 0 && access(path, F_OK) != 0, "migrated, ledger.log removed: %s", err);
+    CHECK(LG.nseg == 2 && LG.seg[0]->state == SEG_SEALED && LG.seg[1]->state == SEG_SEALED, "into two sealed days");
+    ledger_query q = unit_query(UDAY, 2);
+    unit_page(&q, 0, 50, got, sizeof got, &total);
+    CHECK(total == 5 && strcmp(got, "0,1,2,3,4") == 0, "every event kept: %s", got);
+    usage_row by_day[2] = {{0}}, all = {0};
+    model_usage *mu = NULL;
+    int nmu = 0;
+    ledger_usage(UDAY, 2, NULL, by_day, &all, &mu, &nmu);
+    CHECK(all.requests == 5 && all.failed == 1 && all.cache_hits == 1 && all.spend == 100 && nmu == 2 && strcmp(mu[1].alias, "R") == 0,
+          "their fields: the requested model where none served");
+    free(mu);
+    CHECK(unit_reopen_ledger(UDAY + 2 * DAY_MS, err) == 0 && LG.nseg == 2, "a second start migrates nothing");
+    store_reset();
+}
+
+/* A log whose disk fails keeps its records and writes them when it can. */
+static void test_log_failures(void) {
+    char path[400];
+    snprintf(path, sizeof path, "%s/fail.log", unit_dir);
+    unlink(path);
+    logfile l = {.fd = -1};
+    log_init(&l, unit_dir, "fail.log", LOG_MAGIC);
+    const char *why;
+    CHECK(log_append(&l, "one", 3, 1, &why) == 0 && file_size(path) == 8 + 11, "a synchronous append");
+    int real = l.fd;
+    l.fd = open("/dev/full", O_WRONLY);
+    CHECK(l.fd >= 0, "/dev/full");
+    CHECK(log_append(&l, "two", 3, 1, &why) < 0 && strstr(why, "No space") && l.pending.len == 0 && l.size == 19, "refused: %s", why);
+    CHECK(log_append(&l, "three", 5, 0, &why) == 0 && log_append(&l, "four", 4, 0, &why) == 0, "batched appends wait");
+    CHECK(log_sync(&l) < 0 && l.failing && l.pending.len == 8 + 5 + 8 + 4, "a failed write keeps them");
+    close(l.fd);
+    l.fd = real; /* space returns */
+    CHECK(log_sync(&l) == 0 && !l.failing && l.pending.len == 0 && file_size(path) == 19 + 13 + 12 && l.durable == l.size, "written again");
+    buf b = {0};
+    read_file(path, &b);
+    CHECK(b.len == 44 && memcmp(b.p + 19 + 8, "three", 5) == 0 && memcmp(b.p + 19 + 13 + 8, "four", 4) == 0, "nothing lost, nothing twice");
+    buf_free(&b), buf_free(&l.pending);
+    close(l.fd);
+}
+
+/* Expired idempotency records leave the state log within the hour, even
+ * when they are too few to pass the live state. */
+static void test_compaction_on_time(void) {
+    char err[512];
+    snprintf(ledger_data, sizeof ledger_data, "%s", unit_dir);
+    char path[400];
+    snprintf(path, sizeof path, "%s/state.log", unit_dir);
+    unlink(path);
+    CHECK(reopen(err) == 0, "fresh: %s", err);
+    for (int i = 0; i < 5000; i++) log_group("live", i);
+    int64_t now = wall_ms();
+    for (int i = 0; i < 50; i++) {
+        idem *r = xcalloc(1, sizeof *r);
+        r->key[0] = (uint8_t)i, r->key[1] = 7, r->status = 200, r->response = xstrdup("{}"), r->expires = now + 1000;
+        buf p = {0};
+        jwriter w;
+        jw_init(&w, &p);
+        jw_open(&w, '{'), jw_key(&w, "ops"), jw_open(&w, '['), jw_close(&w, ']'), jw_key(&w, "idem"), idem_json(&w, r), jw_close(&w, '}');
+        const char *why;
+        CHECK(state_append(p.p, p.len, &why) == 0, "idem record");
+        store_put_idem(r, p.len + 8);
+        buf_free(&p);
+    }
+    LOG.last_compaction = now;
+    CHECK(!compact_due(now + 2000), "nothing expired yet: not due");
+    store_purge(now + 2000);
+    CHECK(ST.expired == 50 && ST.iv.live == 0, "50 expired");
+    CHECK(!compact_due(now + 2000 + COMPACT_EXPIRED_MS / 2), "within the hour: not yet (garbage %lld < live %zu)", (long long)LOG.f.size, ST.live_bytes);
+    CHECK(compact_due(now + COMPACT_EXPIRED_MS), "after an hour: due");
+    compact_start();
+    while (LOG.compacting) compact_step(now + COMPACT_EXPIRED_MS);
+    CHECK(ST.expired == 0 && reopen(err) == 0 && ST.iv.live == 0 && ST.expired == 0 && ST.gv.live == 5000, "compacted: no idempotency record left in the file");
+    store_reset();
 }
 
 /* ---- the attempt plan ---- */
@@ -909,6 +1275,8 @@ static void test_timers(void) {
 }
 
 int main(void) {
+    setvbuf(stdout, NULL, _IOLBF, 0); /* a crash keeps the lines before it */
+    S.ledger_days = 90;                /* main()'s default */
     test_json_reader();
     test_json_writer();
     test_http_request();
@@ -922,6 +1290,14 @@ int main(void) {
     test_group_validation();
     test_ledger_pieces();
     test_log();
+    test_log_failures();
+    test_compaction_on_time();
+    test_ledger_days();
+    test_ledger_budgets();
+    test_ledger_migration();
+    char cmd[400];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", unit_dir);
+    CHECK(system(cmd) == 0, "cleanup");
     printf("unit: %d passed, %d failed\n", passed, failed);
     return failed != 0;
 }

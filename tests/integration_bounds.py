@@ -1,0 +1,225 @@
+"""Integration tests: every byte and every slot has a bound, against hostile clients too (issue #11,
+point 6).
+
+tests/integration.py imports this file at start-up and runs its tests with the others; to run only
+these:
+
+    python3 tests/integration.py --ltg ./ltg --mock tests/mock -k bounds
+
+1. A client that pipelines 48 MiB of requests and never reads an answer: ltg stops reading from it
+   once its unsent answers pass the high-water mark, so its memory grows by little, and the
+   connection is closed after --idle-timeout without progress.
+2. --max-conns-per-ip: one client address holds at most that many inference connections, another
+   address is served meanwhile, and the episode is logged once.
+3. A request body must keep up 4 KiB/s after --head-timeout: a trickled body gets 408 in time, a
+   slow but steady one is served.
+4. slowhttptest (Debian's package, installed when we can: skipped with the reason otherwise) from
+   one address: slowloris, slow body and slow read, 1000 connections each, on each listener, while a
+   client on another loopback address (127.0.0.2) calls once a second: every one of its calls
+   succeeds.
+
+Each test runs an ltg of its own (it.Aux) with short timeouts.
+"""
+
+import __main__ as it
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+
+import integration_hostile_clients as HC
+
+check = it.check
+OTHER = "127.0.0.2"      # a second client address (all of 127/8 is loopback on Linux)
+
+
+def other_call(port, method, path, body=None, auth=it.TOKEN, timeout=10.0):
+    """One request from the other address, on a connection of its own."""
+    with it.Conn(port, timeout=timeout, source=OTHER) as c:
+        c.send(it.http_request(method, path, body, {"Connection": "close"}, auth=auth))
+        return c.read_final_response(timeout)
+
+
+def provisioned(a):
+    gid = it.create_group(port=a.admin_port)["id"]
+    return it.create_key(gid, port=a.admin_port)[1]
+
+
+@it.test("bounds: a client that pipelines 48 MiB of requests and never reads: ltg stops reading it, its memory "
+         "grows by little, and the connection is closed after --idle-timeout")
+def t_bounds_pipelining():
+    # Under AddressSanitizer every freed buffer waits in a quarantine (256 MiB by default), which
+    # is RSS the release build does not have: a small one keeps the measure about ltg.
+    env = dict(it.H.env)
+    env["ASAN_OPTIONS"] = (env.get("ASAN_OPTIONS", "") + ":quarantine_size_mb=1").lstrip(":")
+    a = it.Aux("bounds-pipe-" + os.urandom(3).hex(), args=["--idle-timeout", "3", "--head-timeout", "3"], env=env)
+    try:
+        a.start()
+        pid = a.proc.pid
+        rss0 = HC.rss_kib(pid)
+        s = socket.create_connection(("127.0.0.1", a.port), timeout=5)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        one = it.http_request("GET", "/healthz", auth=None)
+        chunk = one * ((1 << 20) // len(one))
+        sent, stop = [0], [False]
+
+        def push():
+            s.settimeout(2)
+            try:
+                while not stop[0] and sent[0] < 48 << 20:
+                    sent[0] += s.send(chunk)
+            except OSError:
+                pass                                # blocked (TCP pushes back), or closed by ltg
+        th = threading.Thread(target=push, daemon=True)
+        th.start()
+        th.join(30)
+        stop[0] = True
+        grown = HC.rss_kib(pid) - rss0
+        it.log("pipelined %d bytes before TCP pushed back; ltg's RSS grew by %d KiB" % (sent[0], grown))
+        check(grown < 8 * 1024, "ltg's RSS grew by %d KiB for a client that never reads (it sent %d bytes)" % (grown, sent[0]))
+        check(sent[0] < 48 << 20, "all 48 MiB went in: ltg kept reading from a client that does not read")
+        closed = HC.closed_by_peer([s], 30)
+        check(s in closed, "the connection that takes nothing was not closed within 30 s")
+        s.close()
+        check(HC.healthz_ok(a.port), "ltg serves others after it")
+        a.stop()
+    finally:
+        a.close()
+
+
+@it.test("bounds: --max-conns-per-ip 4: a fifth connection from one address is closed at once, another address is "
+         "served; logged once per episode")
+def t_bounds_per_ip():
+    a = it.Aux("bounds-ip-" + os.urandom(3).hex(), args=["--max-conns", "32", "--max-conns-per-ip", "4"])
+    held = []
+    try:
+        a.start()
+        token = provisioned(a)
+        held = HC.held_conns(a.port, 4)
+        for i in range(3):
+            with it.Conn(a.port) as fifth:
+                check(fifth.wait_closed(4), "connection %d over the cap of one address was not closed" % (5 + i))
+                check(not fifth.buf, "it got %r" % fifth.buf[:100])
+        r = other_call(a.port, "POST", "/v1/chat/completions", it.chat_body(), auth=token)
+        check(r.status == 200, "another address, while the first is at its cap: %s" % r.brief())
+        check(HC.healthz_ok(a.admin_port), "the control plane is not counted against the address")
+        text = a.text_since_start()
+        starts = [l for l in text.splitlines() if "holds --max-conns-per-ip" in l and ": over," not in l]
+        check(len(starts) == 1, "the episode is not logged once: %r" % text[-600:])
+        held.pop().close()
+        HC.wait_until("a new connection from the address after one of its four closed", lambda: HC.healthz_ok(a.port, 3), 10)
+        a.stop()
+    finally:
+        HC.close_all([c.sock for c in held])
+        a.close()
+
+
+@it.test("bounds: a request body must keep up 4 KiB/s after --head-timeout: a trickled one gets 408, a steady one is served")
+def t_bounds_slow_body():
+    a = it.Aux("bounds-body-" + os.urandom(3).hex(), args=["--head-timeout", "2"])
+    try:
+        a.start()
+        token = provisioned(a)
+        head = ("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+                "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n" % token).encode()
+        with it.Conn(a.port, timeout=30) as c:
+            c.send(head)
+            t0, status = time.monotonic(), None
+            while status is None and time.monotonic() - t0 < 20:
+                try:
+                    c.send(b" ")
+                except OSError:
+                    pass                            # ltg has answered and may have closed
+                try:
+                    status = c.read_final_response(0.5).status
+                except it.TestFailure:
+                    continue                        # nothing yet: trickle on
+                except EOFError:
+                    break
+            dt = time.monotonic() - t0
+            check(status == 408, "a body trickled a byte per half second: %r after %.1f s" % (status, dt))
+            check(1.5 <= dt <= 8, "the trickled body was refused after %.1f s (--head-timeout 2)" % dt)
+        body = json.dumps(it.chat_body(content="x" * 40000)).encode()
+        head = ("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+                "Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (token, len(body))).encode()
+        with it.Conn(a.port, timeout=30) as c:
+            c.send(head)
+            for i in range(0, len(body), 4096):     # 40 KB over about 5 s: 8 KiB/s, above the floor
+                c.send(body[i:i + 4096])
+                time.sleep(0.5)
+            r = c.read_final_response(20)
+            check(r.status == 200, "a body that keeps up 8 KiB/s for 5 s: %s" % r.brief())
+        a.stop()
+    finally:
+        a.close()
+
+
+def need_slowhttptest():
+    if shutil.which("slowhttptest"):
+        return
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        it.log("installing slowhttptest (Debian package)")
+        for cmd in (["apt-get", "install", "-y", "-qq", "slowhttptest"], ["apt-get", "update", "-qq"],
+                    ["apt-get", "install", "-y", "-qq", "slowhttptest"]):
+            subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
+            if shutil.which("slowhttptest"):
+                return
+    raise it.TestSkip("slowhttptest is not installed and cannot be: sudo apt-get install slowhttptest")
+
+
+ATTACKS = [
+    ("slowloris", ["-H", "-i", "2", "-x", "24"]),
+    ("slow body", ["-B", "-i", "2", "-s", "1000000", "-x", "10"]),
+    ("slow read", ["-X", "-k", "200", "-n", "2", "-w", "1", "-y", "8", "-z", "1"]),
+]
+
+
+@it.test("bounds: slowhttptest from one address (slowloris, slow body, slow read; 1000 connections) on both "
+         "listeners: every call from another address succeeds meanwhile")
+def t_bounds_slowhttptest():
+    need_slowhttptest()
+    HC.raise_fd_limit(4096)
+    a = it.Aux("bounds-slowhttp-" + os.urandom(3).hex(), args=["--head-timeout", "10"])
+    try:
+        a.start()
+        token = provisioned(a)
+        for plane, port in (("inference", a.port), ("admin", a.admin_port)):
+            for name, flags in ATTACKS:
+                path = "/healthz" if name == "slow read" else ("/v1/chat/completions" if plane == "inference" else it.API + "/token_groups")
+                cmd = ["slowhttptest", "-c", "1000", "-r", "250", "-l", "14", "-p", "3", "-u", "http://127.0.0.1:%d%s" % (port, path)] + flags
+                proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                fails, done = [], 0
+                try:
+                    time.sleep(5)                   # the attack has its connections
+                    for i in range(8):
+                        t0 = time.monotonic()
+                        try:
+                            if plane == "inference":
+                                r = other_call(port, "POST", "/v1/chat/completions", it.chat_body(content="legit %d" % i), auth=token)
+                            else:
+                                r = other_call(port, "GET", it.API + "/token_groups?page[size]=1", auth=it.ADMIN_KEY)
+                            if r.status != 200:
+                                fails.append(r.brief())
+                        except (OSError, EOFError, it.TestFailure) as e:
+                            fails.append(repr(e))
+                        done += 1
+                        time.sleep(max(0, 1 - (time.monotonic() - t0)))
+                finally:
+                    proc.terminate()
+                    try:
+                        proc.wait(10)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                check(not fails, "%s on the %s listener: %d of %d calls from another address failed: %r"
+                      % (name, plane, len(fails), done, fails[:3]))
+                check(a.proc.poll() is None, "ltg exited during the %s on the %s listener" % (name, plane))
+                HC.wait_until("the attack's connections gone", lambda: HC.healthz_ok(port, 3), 30)
+        text = a.text_since_start()
+        check("holds --max-conns-per-ip" in text, "no word of the address over its cap in the log: %r" % text[-500:])
+        a.stop()
+    finally:
+        a.close()

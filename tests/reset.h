@@ -1,0 +1,33 @@
+/* tests/reset.h -- forget everything ltg's store, logs, ledger and caches
+ * hold, as if it had just started: tests/unit.c and tests/fuzz.c include
+ * this after ../ltg.c, so one test's state never leaks into the next. */
+static void store_reset(void) {
+    for (int i = 0; i < ST.gv.n; i++) group_free(ST.gv.p[i]);
+    for (int i = 0; i < ST.kv.n; i++) tkey_free(ST.kv.p[i]);
+    for (int i = 0; i < ST.iv.n; i++) idem_free(ST.iv.p[i]);
+    free(ST.gv.p), free(ST.kv.p), free(ST.iv.p);
+    free(ST.groups.slot), free(ST.keys.slot), free(ST.keys_by_hash.slot), free(ST.idems.slot);
+    memset(&ST, 0, sizeof ST);
+    store_init();
+    if (LOG.f.fd >= 0) close(LOG.f.fd);
+    if (LOG.tmp_fd >= 0) close(LOG.tmp_fd);
+    buf_free(&LOG.tail), buf_free(&LOG.f.pending);
+    memset(&LOG, 0, sizeof LOG);
+    LOG.f.fd = LOG.tmp_fd = -1;
+    while (LG.nseg) {
+        segment *s = LG.seg[--LG.nseg];
+        if (s->f.fd >= 0) close(s->f.fd);
+        buf_free(&s->f.pending);
+        mem_free(&s->mem);
+        free(s);
+    }
+    free(LG.seg);
+    memset(&LG, 0, sizeof LG);
+    timer_stop(&ledger_sync_timer);
+    for (size_t i = 0; i < INF_IDEM.cap; i++)
+        if (INF_IDEM.slot[i] && INF_IDEM.slot[i] != HMAP_TOMB) free(INF_IDEM.slot[i]);
+    free(INF_IDEM.slot);
+    memset(&INF_IDEM, 0, sizeof INF_IDEM);
+    INF_IDEM.key = inf_idem_key;
+    while (CACHE.head) cache_drop(CACHE.head);
+}
