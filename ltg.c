@@ -1832,7 +1832,8 @@ static int cfg_models(cfg *c, catalog *cat, int obj) {
         char where[300], f[400];
         snprintf(where, sizeof where, "models.%s", md->alias);
         int v = i + 1;
-        if (!*md->alias) return cfg_fail(c, "models", "an alias may not be empty");
+        if (!*md->alias || strlen(md->alias) > ALIAS_MAX)
+            return cfg_fail(c, "models", "an alias must be 1 to %d bytes (\"%.40s...\" is not)", ALIAS_MAX, md->alias);
         if (c->t[v].type != JSON_OBJECT) return cfg_fail(c, where, "must be an object");
         if (cfg_only(c, v, where, fields) < 0) return LTG_ERR;
         int pv = json_get(c->s, c->t, v, "provider");
@@ -4267,7 +4268,8 @@ static void idx_names(idx_out *o, idx_header *h, const segment *s, uint32_t *ord
         for (uint32_t k = 0; nm->s[0] == 'g' && k < nm->npos; k++) {
             const ledger_entry *e = &m->ix[nm->pos[k]];
             int64_t ms = e->at - s->day;
-            idx_gpos g = {nm->pos[k], (uint32_t)(ms < 0 ? 0 : ms > DAY_MS ? DAY_MS : ms), cum += e->charged};
+            cum += e->charged;
+            idx_gpos g = {nm->pos[k], (uint32_t)(ms < 0 ? 0 : ms > DAY_MS ? DAY_MS : ms), cum};
             io_put(o, &g, sizeof g);
         }
     }
@@ -4601,7 +4603,8 @@ static int ledger_retire(segment *s, int64_t now) {
         if (start >= s->day + DAY_MS || (g->carry_to > s->day && g->carry_start == start)) continue; /* not its period, or carried already */
         ch = xrealloc(ch, (size_t)(nch + 1) * sizeof *ch);
         ch[nch++] = (carry_change){g, g->carry, g->carry_start, g->carry_to};
-        g->carry = group_carried(g, start) + seg_group_since(s, id, start), g->carry_start = start, g->carry_to = s->day + DAY_MS;
+        g->carry = group_carried(g, start) + seg_group_since(s, id, start);
+        g->carry_start = start, g->carry_to = s->day + DAY_MS;
         jw_open(&w, '{'), jw_key(&w, "put_group"), group_json(&w, g, 1), jw_close(&w, '}');
     }
     jw_close(&w, ']');
@@ -4614,7 +4617,10 @@ static int ledger_retire(segment *s, int64_t now) {
     char path[300];
     seg_path(s->day, ".log", LG.dir, path, sizeof path);
     if (rc < 0) ltg_log("ledger: %s not deleted yet: the state log refused what it carries (%s)", path, why);
-    else if (unlink(path) < 0 && errno != ENOENT) ltg_log("ledger: cannot delete %s: %s", path, strerror(errno)), rc = LTG_ERR;
+    else if (unlink(path) < 0 && errno != ENOENT) {
+        ltg_log("ledger: cannot delete %s: %s", path, strerror(errno));
+        rc = LTG_ERR;
+    }
     for (uint64_t r = 0; rc == 0 && n > 0 && r < nrows && idx_read(s, v.fd, SEC_ROWS, r, 1, &row) == 0; r++) {
         char id[37]; /* a group without a budget shows what its kept days spent: this one's goes */
         memcpy(id, row.group, 36), id[36] = 0;
@@ -6210,7 +6216,7 @@ static void spend_events(conn *c) {
     int64_t start, end;
     int number, size;
     if (range_params(c, &start, &end) < 0 || page_params(c, &number, &size) < 0) return;
-    char kid[64], gid[64], snap[64], filters[256];
+    char kid[64] = "", gid[64] = "", snap[64], filters[256]; /* zeroed: an id is compared as 36 bytes */
     ledger_query q = {start, end, query_get(c, "token_key_id", NULL, kid, sizeof kid), query_get(c, "token_group_id", NULL, gid, sizeof gid), 0, 0};
     snprintf(filters, sizeof filters, "%lld|%lld|%s|%s", (long long)start, (long long)end, q.key ? kid : "", q.group ? gid : "");
     unsigned long long fh = (unsigned long long)hash_bytes(filters, strlen(filters)), h;
@@ -6259,7 +6265,7 @@ static void usage_json(jwriter *w, const usage_row *r) {
 static void usage_summary(conn *c) {
     int64_t start, end;
     if (range_params(c, &start, &end) < 0) return;
-    char gid[64];
+    char gid[64] = "";
     const char *gf = query_get(c, "token_group_id", NULL, gid, sizeof gid);
     int days = (int)((end - start) / DAY_MS), nmu = 0;
     usage_row total = {0}, by_day[31] = {{0}};

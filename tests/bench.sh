@@ -767,7 +767,7 @@ HIST_N=${BENCH_HISTORY_EVENTS:-10000000}
 BASE=${BENCH_BASE-2a946e7}
 BASE_N=${BENCH_BASE_EVENTS:-1000000}
 if [ "$HIST_N" -gt 0 ]; then
-kb() { awk -v k="/^$2:/" '$0 ~ k {print $2}' "/proc/$1/status" 2>/dev/null; }
+kb() { awk -v k="$2:" '$1 == k {print $2}' "/proc/$1/status" 2>/dev/null; }
 now_ms() { date +%s%3N; }
 # time_query PATH...: best of 5, in ms
 time_query() {

@@ -80,7 +80,8 @@ def t_bounds_pipelining():
         stop[0] = True
         grown = HC.rss_kib(pid) - rss0
         it.log("pipelined %d bytes before TCP pushed back; ltg's RSS grew by %d KiB" % (sent[0], grown))
-        check(grown < 8 * 1024, "ltg's RSS grew by %d KiB for a client that never reads (it sent %d bytes)" % (grown, sent[0]))
+        bound = (64 if it.WRAP else 8) * 1024       # under valgrind the process measured is valgrind, shadow memory and all
+        check(grown < bound, "ltg's RSS grew by %d KiB for a client that never reads (it sent %d bytes)" % (grown, sent[0]))
         check(sent[0] < 48 << 20, "all 48 MiB went in: ltg kept reading from a client that does not read")
         closed = HC.closed_by_peer([s], 30)
         check(s in closed, "the connection that takes nothing was not closed within 30 s")

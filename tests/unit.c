@@ -333,6 +333,8 @@ static void test_config(void) {
         {"{", "not valid JSON: expected a string key at byte offset 1"},
         {"[]", "must be a JSON object"},
         {"{\"providers\":{},\"models\":{}}", "providers: must be an object"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\":{}}}",
+         "models: an alias must be 1 to 128 bytes"},
         {"{\"providers\":{\"p\":{\"base_url\":\"ftp://x\"}},\"models\":{}}", "providers.p.base_url: must start with http"},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x:99999\"}},\"models\":{}}", "providers.p.base_url: has an invalid port"},
         {"{\"providers\":{\"p\":{\"base_url\":\"https://x\",\"tls_verify\":\"no\"}},\"models\":{}}", "providers.p.tls_verify: must be true or false"},
