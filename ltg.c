@@ -108,6 +108,7 @@
 #define OUT_HIGH_WATER (256 * 1024)      /* unsent output past this: stop reading the upstream, or the client */
 #define BODY_MIN_RATE 4096               /* bytes/s a request body must keep up, after --head-timeout */
 #define EPISODE_QUIET_MS 10000           /* an episode of refused connections ends after this long without one */
+#define LINGER_MS 2000                   /* after an answer that closes, what the client still sends is read and dropped this long */
 #define POOL_IDLE_MS 30000               /* idle pooled upstream connection lifetime */
 #define POOL_MAX_IDLE 64                 /* idle connections kept per provider */
 #define CONNECT_TIMEOUT_MS 10000
@@ -973,6 +974,14 @@ int http_parse_request(const char *b, size_t len, http_request *r) {
     while (i < len && (unsigned char)b[i] > 32 && (unsigned char)b[i] < 127) i++;
     if (i == s || i >= len || b[i] != ' ') { r->err = "malformed request target"; return LTG_ERR; }
     r->target = (slice){(uint32_t)s, (uint32_t)(i - s)};
+    if (b[s] != '/' && b[s] != '*') { /* absolute-form (RFC 9112 3.2.2): served as its path and query */
+        size_t k = s;
+        while (k < i && (isalnum((unsigned char)b[k]) || b[k] == '+' || b[k] == '-' || b[k] == '.')) k++;
+        if (k == s || i - k < 3 || memcmp(b + k, "://", 3) != 0) { r->err = "malformed request target"; return LTG_ERR; }
+        k += 3;
+        while (k < i && b[k] != '/' && b[k] != '?') k++;
+        r->target = (slice){(uint32_t)k, (uint32_t)(i - k)}; /* "http://h?q" is "?q": no path, no endpoint */
+    }
     i++;
     if (len - i < 10 || memcmp(b + i, "HTTP/1.", 7) != 0 || !isdigit((unsigned char)b[i + 7]) || b[i + 8] != '\r' || b[i + 9] != '\n') {
         r->err = "malformed HTTP version (HTTP/1.0 or HTTP/1.1 expected)";
@@ -5268,6 +5277,8 @@ struct conn {
     uint64_t written, written_mark; /* bytes sent in all; at the timer's start */
     int keep_alive;           /* the current answer keeps the connection */
     int close_after;          /* close once `out` is written */
+    int linger;               /* ... and first read and drop what the client still sends (conn_fail) */
+    int lingering;            /* doing that: our side is shut down */
     int processing, closing, pending, want_out, read_paused;
     int timer_kind;
     timer t;
@@ -5360,6 +5371,19 @@ static void conn_send(conn *c, const void *p, size_t n) {
 
 static void conn_process(conn *c);
 
+/* An answer that closes the connection is written: rather than close at
+ * once -- a client still sending its refused body would get a reset, and
+ * its kernel would drop our answer with it -- shut our side down and read
+ * and drop what still comes, for LINGER_MS at most (nginx's
+ * lingering_close): time bounds it, the bytes are not kept. */
+static void conn_linger(conn *c) {
+    c->lingering = 1;
+    shutdown(c->fd, SHUT_WR);
+    c->read_paused = 0;
+    conn_watch(c);
+    timer_set(&c->t, LINGER_MS);
+}
+
 static void conn_flush(conn *c) {
     while (c->out_off < c->out.len) {
         ssize_t n = send(c->fd, c->out.p + c->out_off, c->out.len - c->out_off, MSG_NOSIGNAL);
@@ -5376,6 +5400,7 @@ static void conn_flush(conn *c) {
     }
     c->out.len = c->out_off = 0;
     c->want_out = 0;
+    if (c->close_after && c->linger && !c->lingering) { conn_linger(c); return; }
     if (c->close_after) { conn_close(c); return; }
     conn_watch(c);
     if (c->x) exchange_drained(c->x);
@@ -5430,9 +5455,22 @@ static void conn_head(conn *c, int status, const char *ctype, long long length, 
     else buf_puts(&h, "Transfer-Encoding: chunked\r\n");
     if (extra) buf_puts(&h, extra);
     if (!c->keep_alive) buf_puts(&h, "Connection: close\r\n");
+    else if (c->req.minor == 0) buf_puts(&h, "Connection: keep-alive\r\n"); /* HTTP/1.0 closes unless told */
     buf_puts(&h, "\r\n");
     conn_send(c, h.p, h.len);
     buf_free(&h);
+}
+
+/* Request helpers shared by the control plane and the inference plane. */
+static int path_is(conn *c, const char *path) {
+    const char *t = c->in.p + c->req.target.off;
+    size_t n = c->req.target.len, q = 0;
+    while (q < n && t[q] != '?') q++;
+    return q == strlen(path) && memcmp(t, path, q) == 0;
+}
+
+static int method_is(conn *c, const char *m) {
+    return c->req.method.len == strlen(m) && memcmp(c->in.p + c->req.method.off, m, c->req.method.len) == 0;
 }
 
 /* The current request is answered: make room for the next one. */
@@ -5464,7 +5502,7 @@ static void conn_done(conn *c) {
 /* A whole answer with a body. */
 static void conn_reply(conn *c, int status, const char *ctype, const char *extra, const char *body, size_t n) {
     conn_head(c, status, ctype, (long long)n, extra);
-    conn_send(c, body, n);
+    if (!method_is(c, "HEAD")) conn_send(c, body, n); /* RFC 9110 9.3.2: a HEAD answer has the head alone */
     conn_done(c);
 }
 
@@ -5518,13 +5556,15 @@ static void conn_error_h(conn *c, int status, const char *code, const char *head
 /* Errors of the HTTP layer itself: the request's framing cannot be trusted,
  * so the answer closes the connection. */
 static void conn_fail(conn *c, int status, const char *code, const char *msg) {
-    c->close_after = 1;
+    c->close_after = c->linger = 1;
     c->req.keep_alive = 0;
+    c->req.method = (slice){0, 0}; /* maybe not this request's: its head did not parse (a HEAD gets the body, then the close) */
     conn_error(c, status, code, "%s", msg);
 }
 
 static void conn_timer(void *ctx) {
     conn *c = ctx;
+    if (c->lingering) { conn_close(c); return; }
     if (conn_unsent(c) && c->written != c->written_mark) { /* still writing: not idle */
         c->written_mark = c->written;
         timer_set(&c->t, S.idle_timeout_ms);
@@ -5536,7 +5576,7 @@ static void conn_timer(void *ctx) {
 }
 
 static void conn_arm_timer(conn *c) {
-    if (c->closing) return;
+    if (c->closing || c->lingering) return;
     int kind = c->state == CONN_BUSY ? TK_NONE : c->state == CONN_BODY ? TK_BODY : c->in.len ? TK_HEAD : TK_IDLE;
     if (kind == c->timer_kind && kind != TK_BODY) return; /* a head's limit counts from its first byte */
     c->timer_kind = kind;
@@ -5597,6 +5637,16 @@ static void conn_process(conn *c) {
 }
 
 static void conn_read(conn *c) {
+    while (c->lingering) { /* dropped: the answer is out, the connection closes */
+        char drop[READ_CHUNK];
+        ssize_t n = recv(c->fd, drop, sizeof drop, 0);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+        if (n <= 0) {
+            conn_close(c);
+            return;
+        }
+    }
     for (int rounds = 0; rounds < 4; rounds++) {
         buf_reserve(&c->in, READ_CHUNK);
         ssize_t n = recv(c->fd, c->in.p + c->in.len, READ_CHUNK, 0);
@@ -5671,18 +5721,6 @@ static peer *peer_of(const struct sockaddr_storage *sa) {
     return p;
 }
 
-
-/* Request helpers shared by the control plane and the inference plane. */
-static int path_is(conn *c, const char *path) {
-    const char *t = c->in.p + c->req.target.off;
-    size_t n = c->req.target.len, q = 0;
-    while (q < n && t[q] != '?') q++;
-    return q == strlen(path) && memcmp(t, path, q) == 0;
-}
-
-static int method_is(conn *c, const char *m) {
-    return c->req.method.len == strlen(m) && memcmp(c->in.p + c->req.method.off, m, c->req.method.len) == 0;
-}
 
 /* The bearer token of the request, or NULL. */
 static const char *request_bearer(conn *c, size_t *n) {
@@ -6695,12 +6733,13 @@ static void exchange_fail(exchange *x, int status, const char *code, const char 
         exchange_chunk(x, h.p, h.len);
         x_send(x, "0\r\n\r\n", 5); /* the chunked framing ends cleanly: the connection stays usable */
     } else {
-        exchange_settle(x, status, EV_FAILED, -1, 0, NULL, 0);
+        int64_t cost = exchange_settle(x, status, EV_FAILED, -1, 0, NULL, 0);
         jw_key(&w, "param"), jw_null(&w);
         jw_key(&w, "code"), jw_cstr(&w, code);
         jw_key(&w, "attempts"), exchange_attempts_json(x, &w);
         jw_close(&w, '}'), jw_close(&w, '}');
         exchange_headers(x, status, &h);
+        exchange_cost_headers(x, cost, &h);
         if (status == 503 || status == 429) buf_puts(&h, "Retry-After: 1\r\n");
         x_head(x, status, "application/json", (long long)b.len, h.p);
         x_send(x, b.p, b.len);
@@ -7003,72 +7042,6 @@ static void exchange_abort(exchange *x) {
     exchange_free(x);
 }
 
-/* The request's token key and its group, or NULL after answering 401/403.
- * Only the SHA-256 of the presented secret is looked up. */
-static tkey *inference_auth(conn *c, group **gp) {
-    size_t n;
-    const char *key = request_bearer(c, &n);
-    if (!key) {
-        conn_error(c, 401, "invalid_api_key", "missing API key: send the header Authorization: Bearer ltg_sk_...");
-        return NULL;
-    }
-    uint8_t h[32];
-    sha256(key, n, h);
-    tkey *k = hmap_get(&ST.keys_by_hash, h, 32);
-    group *g = k ? group_find(k->group_id) : NULL;
-    if (!k || !g || !secret_eq(k->hash, 32, h, 32)) {
-        conn_error(c, 401, "invalid_api_key", "invalid API key: unknown or revoked (admin keys are not accepted here)");
-        return NULL;
-    }
-    if (g->blocked) {
-        conn_error(c, 403, "group_blocked", "this key's token group is blocked");
-        return NULL;
-    }
-    *gp = g;
-    return k;
-}
-
-/* A per-request override header (API.md 4.2): 0 absent, 1 read, LTG_ERR
- * after answering 400. */
-static int override_int(conn *c, const char *name, long long lo, long long hi, long long *out) {
-    size_t n;
-    const char *v = http_header_get(c->in.p, c->req.h, c->req.nh, name, &n);
-    if (!v) return 0;
-    if (parse_ll(v, n, LLONG_MAX / 2, out) < 0 || *out < lo || *out > hi) {
-        conn_error(c, 400, "invalid_request", "the header %s must be a whole number from %lld to %lld", name, lo, hi);
-        return LTG_ERR;
-    }
-    return 1;
-}
-
-/* The group's retry policy with the request's x-ltg-* overrides; LTG_ERR after a 400. */
-static int inference_policy(conn *c, const group *g, retry_policy *rp, long long *deadline_ms, int *bypass) {
-    *rp = g->has_retries ? g->retries : retry_defaults();
-    *deadline_ms = DEFAULT_DEADLINE_MS;
-    long long v;
-    int r;
-    if ((r = override_int(c, "x-ltg-max-attempts", 1, 5, &v)) < 0) return LTG_ERR;
-    if (r) rp->max_attempts = (int)v;
-    if ((r = override_int(c, "x-ltg-retry-delay", 0, 60000, &v)) < 0) return LTG_ERR;
-    if (r) rp->retry_delay_ms = (int)v;
-    if ((r = override_int(c, "x-ltg-request-timeout", 100, 600000, &v)) < 0) return LTG_ERR;
-    if (r) rp->request_timeout_ms = (int)v;
-    if ((r = override_int(c, "x-ltg-deadline", 100, 600000, &v)) < 0) return LTG_ERR;
-    if (r) *deadline_ms = v;
-    size_t n;
-    const char *b = http_header_get(c->in.p, c->req.h, c->req.nh, "x-ltg-backoff", &n);
-    if (b) {
-        int k = 0;
-        while (backoff_names[k] && ascii_casecmp_n(b, n, backoff_names[k]) != 0) k++;
-        if (!backoff_names[k]) { conn_error(c, 400, "invalid_request", "the header x-ltg-backoff must be constant, linear or exponential"); return LTG_ERR; }
-        rp->backoff = k;
-    }
-    const char *cb = http_header_get(c->in.p, c->req.h, c->req.nh, "x-ltg-cache", &n);
-    *bypass = cb != NULL;
-    if (cb && ascii_casecmp_n(cb, n, "bypass") != 0) { conn_error(c, 400, "invalid_request", "the header x-ltg-cache takes one value: bypass"); return LTG_ERR; }
-    return 0;
-}
-
 /* An idempotent request's first answer, again (API.md 4.4), read back
  * from its spend event. */
 static void inference_replay(conn *c, const inf_idem *r) {
@@ -7126,147 +7099,286 @@ static int usage_edit(const char *body, const json_tok *t, int so, body_edit *e,
     return 0;
 }
 
-/* POST /v1/chat/completions and /v1/embeddings: every check, then the
- * replay, the cache or the exchange. */
-static void inference_call(conn *c, const char *upstream_path, int can_stream) {
+/* ---- admission: parse, a list of checks, start ---- */
+
+/* What admission learns of an inference request, check by check. */
+typedef struct {
+    conn *c;
+    int can_stream;           /* the endpoint streams (chat does, embeddings do not) */
+    tkey *key;
     group *g;
-    tkey *key = inference_auth(c, &g);
-    if (!key) return;
-    const char *body = c->body.p;
-    json_tok t[MAX_BODY_FIELDS];
-    json_result res;
-    if (json_parse(body, c->body.len, t, MAX_BODY_FIELDS, 1, &res) < 0) {
-        conn_error(c, 400, "invalid_json", "the request body is not valid JSON: %s at byte offset %zu", res.err, res.err_offset);
-        return;
-    }
-    if (t[0].type != JSON_OBJECT) { conn_error(c, 400, "invalid_request", "the request body must be a JSON object"); return; }
-    int dup = json_duplicate_key(body, t, 0);
-    if (dup >= 0) { /* providers disagree on which duplicate wins: a second "model" could smuggle another model past the checks */
-        conn_error(c, 400, "invalid_request", "the request body has the key \"%.*s\" twice: send each top-level key once",
-                   (int)(t[dup].end - t[dup].start > 100 ? 100 : t[dup].end - t[dup].start), body + t[dup].start);
-        return;
-    }
-    int mv = json_get(body, t, 0, "model");
-    if (mv < 0 || t[mv].type != JSON_STRING) { conn_error(c, 400, "invalid_request", "the request needs a \"model\": one of the gateway's model aliases (GET /v1/models)"); return; }
-    buf name = {0};
-    json_unescape(body, t, mv, &name);
-    if (!name.p) buf_reserve(&name, 0);
-    model *m = catalog_model(S.cat, name.p, name.len);
-    int sv = json_get(body, t, 0, "stream"), mt = json_get(body, t, 0, "max_tokens");
-    if (mt < 0) mt = json_get(body, t, 0, "max_completion_tokens");
-    int stream = sv >= 0 && t[sv].type == JSON_TRUE, bypass = 0, hide = 0;
-    long long max_tokens = 0, deadline_ms = 0;
+    const char *body;
+    json_tok *t;              /* its top-level tokens (MAX_BODY_FIELDS) */
+    int mv;                   /* the "model" token */
+    buf name;                 /* the alias asked for */
+    model *chain[MAX_CHAIN];  /* [M] + fallbacks[M], as far as the catalog still has them */
+    int nchain;
+    int stream, bypass, hide; /* hide: ltg asks for the usage chunk itself */
+    long long max_tokens, deadline_ms;
     retry_policy rp;
-    body_edit usage = {0, 0, NULL};
-    const char *why = NULL;
-    inf_idem *replay = NULL;
-    uint8_t idem_key[32], body_hash[32];
+    body_edit usage;          /* a stream's request for its usage */
+    const char *ik;           /* Idempotency-Key, or NULL */
     size_t ikn;
-    const char *ik = http_header_get(c->in.p, c->req.h, c->req.nh, "idempotency-key", &ikn);
-    if (ik) { /* keyed by the token key: one client's keys never meet another's */
-        br_sha256_context h;
-        br_sha256_init(&h);
-        br_sha256_update(&h, key->id, 36);
-        br_sha256_update(&h, ik, ikn);
-        br_sha256_out(&h, idem_key);
-        sha256(body, c->body.len, body_hash);
-        replay = inf_idem_find(idem_key, wall_ms());
+    uint8_t idem_key[32], body_hash[32];
+    inf_idem *replay;         /* an earlier request with the same key */
+    int64_t worst;            /* the reservation, once held */
+} admission;
+
+/* A refusal: status, code, message, and header lines (each ending in CRLF). */
+typedef struct {
+    int status;
+    const char *code, *headers;
+    char msg[400];
+} refusal;
+
+enum { ADMIT, REFUSE, REPLAY };
+
+static int refuse(refusal *r, int status, const char *code, const char *headers, const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+static int refuse(refusal *r, int status, const char *code, const char *headers, const char *fmt, ...) {
+    va_list ap;
+    *r = (refusal){status, code, headers, ""};
+    va_start(ap, fmt);
+    vsnprintf(r->msg, sizeof r->msg, fmt, ap);
+    va_end(ap);
+    return REFUSE;
+}
+
+/* The token key and its group. Only the SHA-256 of the presented secret is looked up. */
+static int admit_key(admission *a, refusal *r) {
+    size_t n;
+    uint8_t h[32];
+    const char *secret = request_bearer(a->c, &n);
+    if (!secret) return refuse(r, 401, "invalid_api_key", NULL, "missing API key: send the header Authorization: Bearer ltg_sk_...");
+    sha256(secret, n, h);
+    a->key = hmap_get(&ST.keys_by_hash, h, 32);
+    a->g = a->key ? group_find(a->key->group_id) : NULL;
+    if (!a->g || !secret_eq(a->key->hash, 32, h, 32)) {
+        a->g = NULL;
+        return refuse(r, 401, "invalid_api_key", NULL, "invalid API key: unknown or revoked (admin keys are not accepted here)");
     }
-    /* The chain: [M] + fallbacks[M], as far as the catalog still has them. */
-    model *chain[MAX_CHAIN] = {m};
-    int nchain = 1;
-    for (int i = 0; m && i < g->nfb; i++)
-        if (strcmp(g->fb[i].model, name.p) == 0)
-            for (int k = 0; k < g->fb[i].n; k++) {
-                model *f = catalog_model(S.cat, g->fb[i].to[k], strlen(g->fb[i].to[k]));
-                if (f && nchain < MAX_CHAIN) chain[nchain++] = f;
-            }
-    int64_t worst = 0;
-    if (!group_allows(g, name.p))
-        conn_error(c, 403, "model_not_allowed", "this key may not call \"%.200s\" (GET /v1/models lists the models it may call)", name.p);
-    else if (!m)
-        conn_error(c, 404, "model_not_found", "the model \"%.200s\" is no longer in this gateway's catalog", name.p);
-    else if (sv >= 0 && t[sv].type != JSON_TRUE && t[sv].type != JSON_FALSE && t[sv].type != JSON_NULL)
-        conn_error(c, 400, "invalid_request", "\"stream\" must be true or false");
-    else if (stream && !can_stream)
-        conn_error(c, 400, "invalid_request", "this endpoint does not stream: remove \"stream\"");
-    else if (mt >= 0 && (json_int(body, t, mt, &max_tokens) < 0 || max_tokens < 1))
-        conn_error(c, 400, "invalid_request", "\"max_tokens\" must be a whole number >= 1");
-    else if (stream && usage_edit(body, t, json_get(body, t, 0, "stream_options"), &usage, &hide, &why) < 0)
-        conn_error(c, 400, "invalid_request", "%s", why);
-    else if (ik && (ikn == 0 || ikn > 255))
-        conn_error(c, 400, "invalid_request", "Idempotency-Key must be 1 to 255 characters");
-    else if (inference_policy(c, g, &rp, &deadline_ms, &bypass) < 0) { /* answered */ }
-    else if (replay && memcmp(replay->body, body_hash, 32) != 0)
-        conn_error(c, 409, "idempotency_conflict", "this Idempotency-Key was used with a different request body: use a new key for a new request");
-    else if (replay && !replay->done)
-        conn_error_h(c, 409, "idempotency_in_flight", "Retry-After: 1\r\n", "the first request with this Idempotency-Key is still in flight: retry shortly to get its answer");
-    else if (replay)
-        inference_replay(c, replay);
-    else if (g->max_parallel > 0 && g->inflight >= g->max_parallel)
-        conn_error_h(c, 429, "too_many_parallel_requests", "Retry-After: 1\r\n",
-                     "this key's group allows %lld requests at a time and all are in flight: retry shortly", g->max_parallel);
-    else if (!ledger_writable(&why)) /* nothing is served that cannot be metered */
-        conn_error_h(c, 503, "storage_unavailable", "Retry-After: 1\r\n", "spend events cannot be recorded now (%s): nothing is sent upstream until they can", why);
-    else if (budget_reserve(g, worst = worst_case(chain, nchain, c->body.len, max_tokens), wall_ms()) < 0)
-        conn_error(c, 403, "budget_exceeded", "this group's budget of %.6f USD%s has %.6f USD left, and this request may cost up to %.6f USD",
-                   g->max_budget, g->budget_days ? " per period" : "", budget_remaining(g), (double)worst / MICRO);
-    else {
-        exchange *x = xcalloc(1, sizeof *x);
-        x->c = c, x->cat = S.cat, x->stream = stream, x->path = upstream_path, x->hide_usage = hide;
-        x->cat->refs++;
-        S.nexchanges++;
-        memcpy(x->rid, c->rid, sizeof x->rid);
-        memcpy(x->group_id, g->id, 37), memcpy(x->key_id, key->id, 37);
-        memcpy(x->chain, chain, sizeof chain), x->nchain = nchain;
-        buf_append(&x->body, body, c->body.len);
-        x->edit[x->nedit++] = (body_edit){t[mv].start - 1, t[mv].end + 1, NULL}; /* "model": see exchange_build */
-        if (usage.text) x->edit[x->nedit++] = usage, usage.text = NULL;
-        if (x->nedit == 2 && x->edit[1].at < x->edit[0].at) { /* in body order */
-            body_edit e = x->edit[0];
-            x->edit[0] = x->edit[1], x->edit[1] = e;
+    return a->g->blocked ? refuse(r, 403, "group_blocked", NULL, "this key's token group is blocked") : ADMIT;
+}
+
+/* A JSON object, each top-level key once, with a "model". */
+static int admit_body(admission *a, refusal *r) {
+    json_result res;
+    a->body = a->c->body.p;
+    if (json_parse(a->body, a->c->body.len, a->t, MAX_BODY_FIELDS, 1, &res) < 0)
+        return refuse(r, 400, "invalid_json", NULL, "the request body is not valid JSON: %s at byte offset %zu", res.err, res.err_offset);
+    if (a->t[0].type != JSON_OBJECT) return refuse(r, 400, "invalid_request", NULL, "the request body must be a JSON object");
+    int dup = json_duplicate_key(a->body, a->t, 0); /* providers disagree on which wins: a second "model" could pass the checks */
+    if (dup >= 0)
+        return refuse(r, 400, "invalid_request", NULL, "the request body has the key \"%.*s\" twice: send each top-level key once",
+                      (int)(a->t[dup].end - a->t[dup].start > 100 ? 100 : a->t[dup].end - a->t[dup].start), a->body + a->t[dup].start);
+    a->mv = json_get(a->body, a->t, 0, "model");
+    if (a->mv < 0 || a->t[a->mv].type != JSON_STRING)
+        return refuse(r, 400, "invalid_request", NULL, "the request needs a \"model\": one of the gateway's model aliases (GET /v1/models)");
+    json_unescape(a->body, a->t, a->mv, &a->name);
+    if (!a->name.p) buf_reserve(&a->name, 0);
+    return ADMIT;
+}
+
+/* A model the group allows and the catalog has; the chain of its fallbacks. */
+static int admit_model(admission *a, refusal *r) {
+    const group *g = a->g;
+    model *m = catalog_model(S.cat, a->name.p, a->name.len);
+    if (!group_allows(g, a->name.p))
+        return refuse(r, 403, "model_not_allowed", NULL, "this key may not call \"%.200s\" (GET /v1/models lists the models it may call)", a->name.p);
+    if (!m) return refuse(r, 404, "model_not_found", NULL, "the model \"%.200s\" is no longer in this gateway's catalog", a->name.p);
+    a->chain[a->nchain++] = m;
+    for (int i = 0; i < g->nfb; i++)
+        for (int k = 0; strcmp(g->fb[i].model, a->name.p) == 0 && k < g->fb[i].n; k++) {
+            model *f = catalog_model(S.cat, g->fb[i].to[k], strlen(g->fb[i].to[k]));
+            if (f && a->nchain < MAX_CHAIN) a->chain[a->nchain++] = f;
         }
-        x->rp = rp, x->deadline_ms = deadline_ms;
-        x->plan = plan_start(nchain, rp.max_attempts);
-        x->started = S.now;
-        x->reserved = worst; /* held by budget_reserve */
-        g->inflight++;
-        timer_init(&x->deadline, exchange_deadline, x);
-        timer_init(&x->t, exchange_timer, x);
-        if (g->cache_ttl > 0) x->cache_mode = stream || bypass ? CACHE_BYPASS : CACHE_MISS;
-        if (x->cache_mode == CACHE_MISS) cache_keyof(g->id, name.p, body, c->body.len, x->cache_key);
-        cache_entry *hit = x->cache_mode == CACHE_MISS ? cache_get(x->cache_key) : NULL;
-        if (ik) { /* the replay record this request fills (a cached answer too: its retry gets the same) */
-            x->idem = xcalloc(1, sizeof *x->idem);
-            memcpy(x->idem->key, idem_key, 32), memcpy(x->idem->body, body_hash, 32);
-            hmap_put(&INF_IDEM, x->idem);
-        }
-        if (hit) { /* every policy check passed first: a cached answer never bypasses them */
-            x->in_tok = hit->in_tok, x->out_tok = hit->out_tok, x->cache_mode = CACHE_HIT;
-            for (int i = 0; i < x->nchain; i++)
-                if (strcmp(x->chain[i]->alias, hit->served) == 0) x->plan.model = i;
-            int64_t cost = exchange_settle(x, 200, EV_SUCCEEDED, x->plan.model, 1, hit->body, hit->len);
-            buf h = {0};
-            exchange_headers(x, 200, &h);
-            exchange_cost_headers(x, cost, &h);
-            x->c = NULL;
-            exchange_free(x);
-            conn_reply(c, 200, "application/json", h.p, hit->body, hit->len);
-            buf_free(&h);
-        } else {
-            timer_set(&x->deadline, deadline_ms);
-            c->x = x;
-            exchange_attempt(x);
-        }
+    return ADMIT;
+}
+
+/* "stream", "max_tokens" (or "max_completion_tokens"), a stream's usage request. */
+static int admit_options(admission *a, refusal *r) {
+    const json_tok *t = a->t;
+    const char *why;
+    int sv = json_get(a->body, t, 0, "stream"), mt = json_get(a->body, t, 0, "max_tokens");
+    if (mt < 0) mt = json_get(a->body, t, 0, "max_completion_tokens");
+    a->stream = sv >= 0 && t[sv].type == JSON_TRUE;
+    if (sv >= 0 && t[sv].type != JSON_TRUE && t[sv].type != JSON_FALSE && t[sv].type != JSON_NULL)
+        return refuse(r, 400, "invalid_request", NULL, "\"stream\" must be true or false");
+    if (a->stream && !a->can_stream) return refuse(r, 400, "invalid_request", NULL, "this endpoint does not stream: remove \"stream\"");
+    if (mt >= 0 && (json_int(a->body, t, mt, &a->max_tokens) < 0 || a->max_tokens < 1))
+        return refuse(r, 400, "invalid_request", NULL, "\"max_tokens\" must be a whole number >= 1");
+    if (a->stream && usage_edit(a->body, t, json_get(a->body, t, 0, "stream_options"), &a->usage, &a->hide, &why) < 0)
+        return refuse(r, 400, "invalid_request", NULL, "%s", why);
+    return ADMIT;
+}
+
+/* The group's retry policy with the request's x-ltg-* overrides (API.md 4.2). */
+static int admit_overrides(admission *a, refusal *r) {
+    static const struct { const char *name; long long lo, hi; } ov[] = {
+        {"x-ltg-max-attempts", 1, 5}, {"x-ltg-retry-delay", 0, 60000}, {"x-ltg-request-timeout", 100, 600000}, {"x-ltg-deadline", 100, 600000}};
+    const http_request *q = &a->c->req;
+    a->rp = a->g->has_retries ? a->g->retries : retry_defaults();
+    long long v[4] = {a->rp.max_attempts, a->rp.retry_delay_ms, a->rp.request_timeout_ms, DEFAULT_DEADLINE_MS};
+    size_t n;
+    for (int i = 0; i < 4; i++) {
+        const char *h = http_header_get(a->c->in.p, q->h, q->nh, ov[i].name, &n);
+        if (h && (parse_ll(h, n, LLONG_MAX / 2, &v[i]) < 0 || v[i] < ov[i].lo || v[i] > ov[i].hi))
+            return refuse(r, 400, "invalid_request", NULL, "the header %s must be a whole number from %lld to %lld", ov[i].name, ov[i].lo, ov[i].hi);
     }
-    free(usage.text);
-    buf_free(&name);
+    a->rp.max_attempts = (int)v[0], a->rp.retry_delay_ms = (int)v[1], a->rp.request_timeout_ms = (int)v[2], a->deadline_ms = v[3];
+    const char *b = http_header_get(a->c->in.p, q->h, q->nh, "x-ltg-backoff", &n);
+    int k = 0;
+    while (b && backoff_names[k] && ascii_casecmp_n(b, n, backoff_names[k]) != 0) k++;
+    if (b && !backoff_names[k]) return refuse(r, 400, "invalid_request", NULL, "the header x-ltg-backoff must be constant, linear or exponential");
+    if (b) a->rp.backoff = k;
+    const char *cb = http_header_get(a->c->in.p, q->h, q->nh, "x-ltg-cache", &n);
+    a->bypass = cb != NULL;
+    if (cb && ascii_casecmp_n(cb, n, "bypass") != 0) return refuse(r, 400, "invalid_request", NULL, "the header x-ltg-cache takes one value: bypass");
+    return ADMIT;
+}
+
+/* Idempotency-Key (API.md 4.4), keyed by the token key: one client's keys
+ * never meet another's. A finished first request is replayed. */
+static int admit_idempotency(admission *a, refusal *r) {
+    a->ik = http_header_get(a->c->in.p, a->c->req.h, a->c->req.nh, "idempotency-key", &a->ikn);
+    if (!a->ik) return ADMIT;
+    if (a->ikn == 0 || a->ikn > 255) return refuse(r, 400, "invalid_request", NULL, "Idempotency-Key must be 1 to 255 characters");
+    br_sha256_context h;
+    br_sha256_init(&h);
+    br_sha256_update(&h, a->key->id, 36);
+    br_sha256_update(&h, a->ik, a->ikn);
+    br_sha256_out(&h, a->idem_key);
+    sha256(a->body, a->c->body.len, a->body_hash);
+    a->replay = inf_idem_find(a->idem_key, wall_ms());
+    if (!a->replay) return ADMIT;
+    if (memcmp(a->replay->body, a->body_hash, 32) != 0)
+        return refuse(r, 409, "idempotency_conflict", NULL, "this Idempotency-Key was used with a different request body: use a new key for a new request");
+    if (!a->replay->done)
+        return refuse(r, 409, "idempotency_in_flight", "Retry-After: 1\r\n", "the first request with this Idempotency-Key is still in flight: retry shortly to get its answer");
+    return REPLAY;
+}
+
+static int admit_parallel(admission *a, refusal *r) {
+    const group *g = a->g;
+    if (g->max_parallel <= 0 || g->inflight < g->max_parallel) return ADMIT;
+    return refuse(r, 429, "too_many_parallel_requests", "Retry-After: 1\r\n",
+                  "this key's group allows %lld requests at a time and all are in flight: retry shortly", g->max_parallel);
+}
+
+/* Nothing is served that cannot be metered (section 13). */
+static int admit_storage(admission *a, refusal *r) {
+    const char *why;
+    (void)a;
+    if (ledger_writable(&why)) return ADMIT;
+    return refuse(r, 503, "storage_unavailable", "Retry-After: 1\r\n", "spend events cannot be recorded now (%.300s): nothing is sent upstream until they can", why);
+}
+
+/* The worst case is held against the budget (section 14): the last check,
+ * so that a request refused by another never holds any. */
+static int admit_budget(admission *a, refusal *r) {
+    group *g = a->g;
+    int64_t worst = worst_case(a->chain, a->nchain, a->c->body.len, a->max_tokens);
+    if (budget_reserve(g, worst, wall_ms()) == 0) {
+        a->worst = worst;
+        return ADMIT;
+    }
+    return refuse(r, 403, "budget_exceeded", NULL, "this group's budget of %.6f USD%s has %.6f USD left, and this request may cost up to %.6f USD",
+                  g->max_budget, g->budget_days ? " per period" : "", budget_remaining(g), (double)worst / MICRO);
+}
+
+/* The checks, in order: the first that does not admit decides. */
+static int (*const admission_checks[])(admission *, refusal *) = {
+    admit_key, admit_body, admit_model, admit_options, admit_overrides, admit_idempotency, admit_parallel, admit_storage, admit_budget,
+};
+
+/* A refused request's answer: the error, and what it cost (nothing) and
+ * what the group has left (API.md 4.1). */
+static void inference_refuse(admission *a, const refusal *r) {
+    buf h = {0};
+    if (r->headers) buf_puts(&h, r->headers);
+    buf_puts(&h, "x-ltg-cost: 0.000000\r\n");
+    if (a->g) budget_refresh(a->g, wall_ms());
+    if (a->g && a->g->has_budget) buf_printf(&h, "x-ltg-budget-remaining: %.6f\r\n", budget_remaining(a->g));
+    conn_error_h(a->c, r->status, r->code, h.p, "%s", r->msg);
+    buf_free(&h);
+}
+
+/* Admitted: the exchange, with the body's rewrites in body order. */
+static exchange *exchange_new(admission *a, const char *upstream_path) {
+    exchange *x = xcalloc(1, sizeof *x);
+    x->c = a->c, x->cat = S.cat, x->stream = a->stream, x->path = upstream_path, x->hide_usage = a->hide;
+    x->cat->refs++;
+    S.nexchanges++;
+    memcpy(x->rid, a->c->rid, sizeof x->rid);
+    memcpy(x->group_id, a->g->id, 37), memcpy(x->key_id, a->key->id, 37);
+    memcpy(x->chain, a->chain, sizeof x->chain), x->nchain = a->nchain;
+    buf_append(&x->body, a->body, a->c->body.len);
+    x->edit[x->nedit++] = (body_edit){a->t[a->mv].start - 1, a->t[a->mv].end + 1, NULL}; /* "model": see exchange_build */
+    if (a->usage.text) x->edit[x->nedit++] = a->usage, a->usage.text = NULL;
+    if (x->nedit == 2 && x->edit[1].at < x->edit[0].at) {
+        body_edit e = x->edit[0];
+        x->edit[0] = x->edit[1], x->edit[1] = e;
+    }
+    x->rp = a->rp, x->deadline_ms = a->deadline_ms;
+    x->plan = plan_start(a->nchain, a->rp.max_attempts);
+    x->started = S.now;
+    x->reserved = a->worst; /* held by budget_reserve */
+    a->g->inflight++;
+    timer_init(&x->deadline, exchange_deadline, x);
+    timer_init(&x->t, exchange_timer, x);
+    if (a->g->cache_ttl > 0) x->cache_mode = a->stream || a->bypass ? CACHE_BYPASS : CACHE_MISS;
+    if (x->cache_mode == CACHE_MISS) cache_keyof(a->g->id, a->name.p, a->body, a->c->body.len, x->cache_key);
+    if (a->ik) { /* the replay record this request fills (a cached answer too: its retry gets the same) */
+        x->idem = xcalloc(1, sizeof *x->idem);
+        memcpy(x->idem->key, a->idem_key, 32), memcpy(x->idem->body, a->body_hash, 32);
+        hmap_put(&INF_IDEM, x->idem);
+    }
+    return x;
+}
+
+/* Admitted: a cached answer, or the first attempt. Every check ran
+ * first: a cached answer never bypasses policy. */
+static void inference_start(admission *a, const char *upstream_path) {
+    exchange *x = exchange_new(a, upstream_path);
+    cache_entry *hit = x->cache_mode == CACHE_MISS ? cache_get(x->cache_key) : NULL;
+    if (!hit) {
+        timer_set(&x->deadline, a->deadline_ms);
+        a->c->x = x;
+        exchange_attempt(x);
+        return;
+    }
+    x->in_tok = hit->in_tok, x->out_tok = hit->out_tok, x->cache_mode = CACHE_HIT;
+    for (int i = 0; i < x->nchain; i++)
+        if (strcmp(x->chain[i]->alias, hit->served) == 0) x->plan.model = i;
+    int64_t cost = exchange_settle(x, 200, EV_SUCCEEDED, x->plan.model, 1, hit->body, hit->len);
+    buf h = {0};
+    exchange_headers(x, 200, &h);
+    exchange_cost_headers(x, cost, &h);
+    x->c = NULL;
+    exchange_free(x);
+    conn_reply(a->c, 200, "application/json", h.p, hit->body, hit->len);
+    buf_free(&h);
+}
+
+/* POST /v1/chat/completions and /v1/embeddings: parse, admit, start. */
+static void inference_call(conn *c, const char *upstream_path, int can_stream) {
+    json_tok t[MAX_BODY_FIELDS];
+    admission a = {.c = c, .can_stream = can_stream, .t = t};
+    refusal r;
+    int v = ADMIT;
+    for (size_t i = 0; v == ADMIT && i < sizeof admission_checks / sizeof *admission_checks; i++) v = admission_checks[i](&a, &r);
+    if (v == REFUSE) inference_refuse(&a, &r);
+    else if (v == REPLAY) inference_replay(c, a.replay);
+    else inference_start(&a, upstream_path);
+    free(a.usage.text);
+    buf_free(&a.name);
 }
 
 /* GET /v1/models: the aliases this key may call, in OpenAI's list shape. */
 static void inference_models(conn *c) {
-    group *g;
-    if (!inference_auth(c, &g)) return;
+    admission a = {.c = c};
+    refusal r;
+    if (admit_key(&a, &r) != ADMIT) { inference_refuse(&a, &r); return; }
+    const group *g = a.g;
     buf b = {0}, h = {0};
     jwriter w;
     jw_init(&w, &b);
@@ -7301,8 +7413,7 @@ static void inference_models(conn *c) {
  * check, always 200; /readyz, 503 while draining or while a log cannot be
  * written (section 12: what cannot be recorded is refused), with why. */
 static void probe_reply(conn *c, int ready) {
-    int head = method_is(c, "HEAD");
-    if (!head && !method_is(c, "GET")) { conn_error(c, 405, "method_not_allowed", "use GET for %s", ready ? "/readyz" : "/healthz"); return; }
+    if (!method_is(c, "HEAD") && !method_is(c, "GET")) { conn_error(c, 405, "method_not_allowed", "use GET for %s", ready ? "/readyz" : "/healthz"); return; }
     const char *status = ready ? "ready" : "ok", *why = NULL;
     if (ready && S.draining) status = "draining";
     else if (ready && !ledger_writable(&why)) status = "storage_unavailable";
@@ -7315,9 +7426,7 @@ static void probe_reply(conn *c, int ready) {
     jw_init(&w, &b), jw_open(&w, '{'), jw_key(&w, "status"), jw_cstr(&w, status);
     if (why) jw_key(&w, "detail"), jw_cstr(&w, why);
     jw_close(&w, '}');
-    conn_head(c, ready && strcmp(status, "ready") ? 503 : 200, "application/json", (long long)b.len, "Cache-Control: no-store\r\n");
-    if (!head) conn_send(c, b.p, b.len);
-    conn_done(c);
+    conn_reply(c, ready && strcmp(status, "ready") ? 503 : 200, "application/json", "Cache-Control: no-store\r\n", b.p, b.len);
     buf_free(&b);
 }
 
@@ -7471,6 +7580,19 @@ static void sig_pipe_read(void *ctx, int revents) {
 
 static void drain_expired(void *ctx) { (void)ctx; } /* it only wakes the loop: loop_should_exit() decides */
 
+/* mkdir -p: DIR and the parents it lacks (0700). */
+static int mkdir_p(const char *dir) {
+    char p[PATH_MAX];
+    if (snprintf(p, sizeof p, "%s", dir) >= (int)sizeof p) { errno = ENAMETOOLONG; return LTG_ERR; }
+    for (char *q = p + 1; *q; q++)
+        if (*q == '/') {
+            *q = 0;
+            if (mkdir(p, 0700) < 0 && errno != EEXIST) return LTG_ERR;
+            *q = '/';
+        }
+    return mkdir(p, 0700) < 0 && errno != EEXIST ? LTG_ERR : 0;
+}
+
 #ifndef LTG_NO_MAIN
 static void usage(void) {
     fprintf(stderr,
@@ -7525,7 +7647,10 @@ int main(int argc, char **argv) {
     S.cat = catalog_load(S.config_path, NULL, err, sizeof err);
     if (!S.cat || tls_prepare(S.cat, err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
     if (!S.data_dir) { fprintf(stderr, "ltg: --data DIR is required: the directory that keeps token groups, keys and the ledger\n"); return 2; }
-    if (mkdir(S.data_dir, 0700) < 0 && errno != EEXIST) { fprintf(stderr, "ltg: --data %s: %s\n", S.data_dir, strerror(errno)); return 1; }
+    if (mkdir_p(S.data_dir) < 0) {
+        fprintf(stderr, "ltg: --data %s: cannot create it: %s (create it, or give a directory ltg may write)\n", S.data_dir, strerror(errno));
+        return 1;
+    }
     char lock[PATH_MAX];
     snprintf(lock, sizeof lock, "%s/lock", S.data_dir);
     int lock_fd = open(lock, O_RDWR | O_CREAT | O_CLOEXEC, 0600);

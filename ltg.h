@@ -123,7 +123,7 @@ typedef struct {
 } http_header;
 
 typedef struct {
-    slice method, target;
+    slice method, target;   /* target: origin-form; of an absolute-form one, the path and query */
     int minor;              /* HTTP/1.<minor> */
     http_header h[HTTP_MAX_HEADERS];
     int nh;
