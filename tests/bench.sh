@@ -400,11 +400,11 @@ fi
 [ "$CHECK_FAIL" = 0 ] || die "correctness check failed; nothing measured"
 
 # ---------------------------------------------------------------- wrk
-write_lua() { # FILE TOKEN
+write_lua() { # FILE TOKEN [BODY]
 cat >"$1" <<EOF
 wrk.method = "POST"
 wrk.path = "/v1/chat/completions"
-wrk.body = '$BODY'
+wrk.body = '${3:-$BODY}'
 wrk.headers["Content-Type"] = "application/json"
 wrk.headers["Authorization"] = "Bearer $2"
 
@@ -674,6 +674,34 @@ if [ "$TLS" = 1 ]; then
     echo
 fi
 
+# ---------------------------------------------------------------- short streams
+# The same request with "stream": true: the mock answers 3 content events, the
+# finish event and [DONE] (and, to ltg, which asks for it, the usage chunk,
+# which ltg keeps from the client). At 64 connections, nginx (its default
+# proxy_buffering) against ltg, which relays every event as it comes.
+STREAM_BODY='{"model":"'$ALIAS'","messages":[{"role":"user","content":"hi"}],"stream":true}'
+write_lua "$T/stream.lua" "$TOKEN_KEY" "$STREAM_BODY"
+LUA=$T/stream.lua
+curl -s -m 5 -X POST "http://127.0.0.1:$LTG_PORT/v1/chat/completions" -H "Authorization: Bearer $TOKEN_KEY" \
+    -d "$STREAM_BODY" >"$T/stream-check.txt"
+[ "$(grep -c '"content":"word' "$T/stream-check.txt")" = 3 ] && grep -q '^data: \[DONE\]' "$T/stream-check.txt" ||
+    die "ltg's stream answer is not the mock's 3 events and [DONE]: $(head -c 300 "$T/stream-check.txt")"
+declare -A PID_OF_S=([nginx]=$NGINX_PID [ltg]=$LTG_PID)
+for n in nginx ltg; do
+    warm_up "$n"
+    echo "bench: $n, short streams, 64 connections, ${SECS} s" >&2
+    run_wrk "$n-stream" "${URL[$n]}" "${PID_OF_S[$n]}" 2 64 c64
+done
+LUA=$T/post.lua
+echo "### short streams (5 SSE events each), 64 connections"
+echo
+echo "| metric | nginx | ltg | ltg/nginx |"
+echo "| --- | ---: | ---: | ---: |"
+for m in rps p50 p99 cpu; do
+    echo "| $m | ${R[nginx-stream,c64,$m]} | ${R[ltg-stream,c64,$m]} | $(ratio "${R[ltg-stream,c64,$m]}" "${R[nginx-stream,c64,$m]}") |"
+done
+echo
+
 # ---------------------------------------------------------------- targets
 MISSED=0
 verdict() { if [ "$1" = 1 ]; then echo "MET"; else echo "NOT MET"; MISSED=1; fi; }
@@ -691,6 +719,8 @@ t3=$(( R[ltg,hwm] <= LIMIT_KB ? 1 : 0 ))
 echo "### targets"
 echo
 echo "- ltg requests/s at 64 conns >= 0.8x nginx: $(verdict "$t1") ($(ratio "${R[ltg,c64,rps]}" "${R[nginx,c64,rps]}"))"
+t7=$(awk -v l="${R[ltg-stream,c64,rps]}" -v n="${R[nginx-stream,c64,rps]}" 'BEGIN {print (l >= 0.8 * n) ? 1 : 0}')
+echo "- ltg short streams/s at 64 conns >= 0.8x nginx: $(verdict "$t7") ($(ratio "${R[ltg-stream,c64,rps]}" "${R[nginx-stream,c64,rps]}"))"
 echo "- ltg added p50 at 1 conn within 2x nginx's added p50: $(verdict "$t2") ($t2_note)"
 echo "- ltg peak RSS <= 15 MiB ($LIMIT_KB kB): $(verdict "$t3") (${R[ltg,hwm]} kB)"
 echo "- ltg errors under load (non-2xx, socket errors): $( [ "$ERRORS_SEEN" = 0 ] && echo none || echo "SEEN: 1 conn: ${R[ltg,c1,errs]}; 64 conns: ${R[ltg,c64,errs]}")"
