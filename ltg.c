@@ -227,17 +227,18 @@ static int64_t clock_ms(void) {
 
 static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
 
-static uint64_t rng_next(void) {
-    uint64_t *s = S.rng, result = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
-    s[2] ^= s[0], s[3] ^= s[1], s[1] ^= s[2], s[0] ^= s[3], s[2] ^= t, s[3] = rotl(s[3], 45);
-    return result;
-}
-
 static void rng_seed(void) {
     if (getrandom(S.rng, sizeof S.rng, 0) != sizeof S.rng) {
         S.rng[0] = (uint64_t)clock_ms() ^ (uint64_t)getpid() << 32; /* kernel without getrandom: weak but usable for ids */
         S.rng[1] = 0x9e3779b97f4a7c15ULL, S.rng[2] = 0xbf58476d1ce4e5b9ULL, S.rng[3] = 0x94d049bb133111ebULL;
     }
+}
+
+static uint64_t rng_next(void) {
+    if (!(S.rng[0] | S.rng[1] | S.rng[2] | S.rng[3])) rng_seed(); /* never from an all-zero state: it stays zero */
+    uint64_t *s = S.rng, result = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    s[2] ^= s[0], s[3] ^= s[1], s[1] ^= s[2], s[0] ^= s[3], s[2] ^= t, s[3] = rotl(s[3], 45);
+    return result;
 }
 
 static void *xmalloc(size_t n) {
@@ -2633,9 +2634,10 @@ static void up_release(upstream *u) {
  * model is a fresh chance; a context-length error is a property of the
  * request, and every other 4xx says the request itself is wrong.
  *
- * plan_next() is that table, line for line. The timing around it (backoff,
- * Retry-After, the deadline) is the exchange's (section 16); both use the
- * pure helpers here, which the unit tests drive without sockets.
+ * plan_next() is that table, line for line, and attempt_end() (section 17)
+ * acts on each of its answers. The timing around it (backoff, Retry-After,
+ * the deadline) is the exchange's; both use the pure helpers here, which
+ * the unit tests drive without sockets.
  *
  * The circuit breaker, per model alias: after 5 consecutive no_work or
  * indeterminate outcomes the model is skipped for 5 s (outcome
@@ -2700,7 +2702,7 @@ int attempt_context_length(int status, const char *body, size_t n) {
 /* see ltg.h */
 const char *outcome_name(attempt_outcome o) {
     static const char *const names[] = {"ok", "no_work", "indeterminate", "terminal", "unknown_model", "circuit_open"};
-    return (unsigned)o < 6 ? names[o] : "?";
+    return (unsigned)o < sizeof names / sizeof *names ? names[o] : "?";
 }
 
 /* see ltg.h */
@@ -6437,14 +6439,26 @@ static void admin_route(conn *c) {
  * turns the current attempt's timeout, the backoff before the next
  * attempt, and (once a stream flows) its idle limit.
  *
- *   inference_call(): auth, model, overrides, replay?, parallel, budget, cache?
- *        |
+ *   inference_call(): the admission checks, each a refusal or nothing --
+ *     key, body, model, options, overrides, idempotency (a replay answers
+ *     here), parallel, storage, budget (it holds the reservation) -- then
+ *     a cached answer, or the exchange:
+ *
  *   exchange_attempt() -> up_start() ... exchange_upstream() -> attempt_end()
  *        ^                                                          |
- *        +------------- plan_next(): retry / next model <-----------+
- *        |
+ *        +--- PLAN_NEXT_MODEL, PLAN_RETRY_SAME (after the backoff) --+
+ *             PLAN_ANSWER: the answer is relayed, or the stream starts
+ *             PLAN_GIVE_UP (or past the deadline): the error
+ *
  *   exchange_settle(): the real cost replaces the reservation, the spend
  *   event is written, the replay record and the cache are filled
+ *
+ * attempt_end() is the one place where an attempt's result (its status,
+ * why it failed otherwise, whether a byte reached the provider) becomes an
+ * outcome: it is classified, logged, told to the breaker, and plan_next()
+ * says what follows; the exchange's state (x_state) says what its timer
+ * means meanwhile. A client that leaves cuts the attempt without an
+ * outcome: nothing follows from it.
  *
  * The client sees one of two shapes:
  *   - a whole answer (non-streaming, or any error): ltg waits for the
@@ -6482,6 +6496,12 @@ static void admin_route(conn *c) {
 
 enum { CACHE_NONE, CACHE_MISS, CACHE_BYPASS, CACHE_HIT };
 
+/* An exchange is attempting (an upstream request in flight), waiting the
+ * backoff before its next attempt, or relaying a stream that has started;
+ * its timer `t` means the request timeout, the backoff, or the stream's
+ * idle limit accordingly. */
+typedef enum { X_ATTEMPTING, X_BACKOFF, X_RELAYING } x_state;
+
 typedef struct {
     uint32_t at, end;     /* the bytes of the client's body it replaces */
     char *text;           /* what replaces them */
@@ -6517,7 +6537,7 @@ struct exchange {
     int attempts;         /* upstream attempts made: x-ltg-attempts */
     upstream *u;          /* the current attempt's connection */
     buf req;
-    int head_sent;        /* the client has the answer's head: no failover after this */
+    x_state state;        /* X_RELAYING: the client has the answer's head, no failover after this */
     int probe;            /* the current attempt is its model's breaker probe */
     int detached;         /* idempotent, its client gone: it runs on alone */
     int64_t started, attempt_started;
@@ -6702,7 +6722,7 @@ static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int 
     buf replay = {0};
     inf_idem *r = x->idem;
     if (r && keep && keep_len <= REPLAY_MAX_BYTES) {
-        r->status = http_status, r->stream = x->stream && x->head_sent;
+        r->status = http_status, r->stream = x->state == X_RELAYING;
         snprintf(r->served, sizeof r->served, "%s", m ? m->alias : "");
         inf_idem_json(&replay, r, keep, keep_len);
     }
@@ -6727,8 +6747,8 @@ static void exchange_fail(exchange *x, int status, const char *code, const char 
     jw_init(&w, &b);
     jw_open(&w, '{'), jw_key(&w, "error"), jw_open(&w, '{');
     jw_key(&w, "message"), jw_cstr(&w, msg);
-    jw_key(&w, "type"), jw_cstr(&w, x->head_sent ? "upstream_error" : status == 504 ? "timeout_error" : "upstream_error");
-    if (x->head_sent) {
+    jw_key(&w, "type"), jw_cstr(&w, x->state != X_RELAYING && status == 504 ? "timeout_error" : "upstream_error");
+    if (x->state == X_RELAYING) {
         exchange_settle(x, 200, EV_PARTIAL, x->plan.model, 0, NULL, 0);
         jw_key(&w, "code"), jw_cstr(&w, "stream_interrupted");
         jw_close(&w, '}'), jw_close(&w, '}');
@@ -6787,48 +6807,93 @@ static void exchange_relay(exchange *x) {
 
 static void exchange_attempt(exchange *x);
 
-/* The current attempt ended with outcome o (status: the upstream's, or 0).
- * Log it, tell the breaker, and follow the plan. `fail_status` is what the
- * client gets if this failure is the last: the upstream's status, 504 for a
- * timeout, 502 for a connection failure. */
-static void attempt_end(exchange *x, attempt_outcome o, int status, int fail_status, const char *reason) {
+/* How an attempt ended, as the exchange saw it. */
+typedef struct {
+    int status;           /* the upstream's HTTP status, 0 when none came */
+    int reached;          /* a byte of the request was handed to the provider */
+    const char *error;    /* why it failed otherwise than by its status (NULL: the status says) */
+    int timeout;          /* the error is a timeout: as the last failure, 504 (else 502) */
+    int skipped;          /* no call made: the model's breaker is open */
+} attempt_result;
+
+/* Is the upstream's answer a stream (200, text/event-stream)? */
+static int up_is_stream(const upstream *u) {
+    size_t n;
+    const char *ct = u->have_head ? http_header_get(u->head.p, u->resp.h, u->resp.nh, "content-type", &n) : NULL;
+    return u->resp.status == 200 && ct && n >= 17 && ascii_casecmp_n(ct, 17, "text/event-stream") == 0;
+}
+
+/* PLAN_ANSWER: a whole answer is relayed (a success, or a terminal
+ * refusal); a stream's first event starts the client's stream. */
+static void exchange_answer(exchange *x) {
+    if (!x->stream || !up_is_stream(x->u)) { exchange_relay(x); return; }
+    buf h = {0};
+    exchange_headers(x, 200, &h);
+    buf_puts(&h, "Cache-Control: no-cache\r\n");
+    x_head(x, 200, "text/event-stream", -1, h.p);
+    buf_free(&h);
+    x->state = X_RELAYING;
+    timer_set(&x->deadline, (int64_t)S.max_stream_s * 1000); /* from now on the deadline is the stream's limit */
+}
+
+/* PLAN_RETRY_SAME: wait the backoff (or Retry-After), unless the retry
+ * could not start before the deadline: then the next model, which may. */
+static plan_action exchange_backoff(exchange *x, long retry_after) {
+    long delay = retry_after >= 0 ? retry_after : backoff_ms(x->rp.backoff, x->rp.retry_delay_ms, x->plan.attempt, (unsigned)(rng_next() % 201));
+    if (S.now + delay >= x->started + x->deadline_ms) return plan_next_model(&x->plan);
+    x->state = X_BACKOFF;
+    timer_set(&x->t, delay); /* exchange_timer starts the attempt when it fires */
+    return PLAN_RETRY_SAME;
+}
+
+/* PLAN_GIVE_UP (or no attempt can start before the deadline): the error
+ * with every attempt. */
+static void exchange_give_up(exchange *x, int late) {
+    char msg[400];
+    if (late || S.now >= x->started + x->deadline_ms) {
+        snprintf(msg, sizeof msg, "no answer within the deadline of %lld ms; the last failure: %s", x->deadline_ms, x->last_reason);
+        exchange_fail(x, 504, "deadline_exceeded", msg);
+    } else if (!x->attempts) {
+        exchange_fail(x, 503, "circuit_open", "every model of this request is failing (circuit breaker open): retry in a few seconds");
+    } else {
+        snprintf(msg, sizeof msg, "every attempt failed; the last: %s", x->last_reason);
+        exchange_fail(x, x->last_status, "upstream_error", msg);
+    }
+}
+
+/* An attempt ended: the one place where that is classified (API.md 4.3),
+ * logged, told to the breaker, and acted on as plan_next() says. */
+static void attempt_end(exchange *x, const attempt_result *r) {
     model *m = exchange_model(x);
-    attempt_log(x, status, o, o == OUTCOME_OK ? NULL : reason);
-    if (x->u && x->u->local) { /* ltg's own shortage says nothing about the model */
-        if (x->probe) breaker_forget_probe(m);
-    } else breaker_record(m, o, x->probe, S.now);
+    upstream *u = x->u;
+    attempt_outcome o = r->skipped ? OUTCOME_CIRCUIT_OPEN : r->error ? attempt_classify(0, r->reached) : attempt_classify(r->status, 1);
+    char why[200];
+    if (r->error) snprintf(why, sizeof why, "%s", r->error); /* before the release: it may be u->err */
+    else if (u && attempt_context_length(r->status, u->body.p, u->body.len)) snprintf(why, sizeof why, "context length exceeded (%d)", r->status);
+    else snprintf(why, sizeof why, "answered %d", r->status);
+    attempt_log(x, r->status, o, o == OUTCOME_OK ? NULL : why);
+    if (u && u->local && x->probe) breaker_forget_probe(m); /* ltg's own shortage says nothing about the model */
+    else if (!u || !u->local) breaker_record(m, o, x->probe, S.now);
     x->probe = 0;
     timer_stop(&x->t);
-    if (o == OUTCOME_OK || o == OUTCOME_TERMINAL) { exchange_relay(x); return; }
-    long retry_after = -1;
-    if (x->u && x->u->have_head) {
-        size_t n;
-        const char *v = http_header_get(x->u->head.p, x->u->resp.h, x->u->resp.nh, "retry-after", &n);
-        if (v) retry_after = retry_after_ms(v, n, (long long)(wall_ms() / 1000));
-    }
-    x->last_status = fail_status;
-    snprintf(x->last_reason, sizeof x->last_reason, "%s: %s", m->alias, reason); /* before the release: reason may be u->err */
-    if (x->u) up_release(x->u), x->u = NULL;
     plan_action next = plan_next(&x->plan, o);
-    if (next == PLAN_RETRY_SAME) {
-        long delay = retry_after >= 0 ? retry_after
-                                      : backoff_ms(x->rp.backoff, x->rp.retry_delay_ms, x->plan.attempt, (unsigned)(rng_next() % 201));
-        if (S.now + delay < x->started + x->deadline_ms) {
-            timer_set(&x->t, delay); /* exchange_timer starts the attempt when it fires */
-            return;
-        }
-        next = plan_next_model(&x->plan); /* the retry could not start before the deadline */
-        if (next == PLAN_GIVE_UP) {
-            char msg[320];
-            snprintf(msg, sizeof msg, "the next attempt could not start within the deadline of %lld ms; the last failure: %s", x->deadline_ms, x->last_reason);
-            exchange_fail(x, 504, "deadline_exceeded", msg);
-            return;
-        }
+    if (next == PLAN_ANSWER) { exchange_answer(x); return; }
+    if (!r->skipped) {
+        x->last_status = r->error ? (r->timeout ? 504 : 502) : r->status;
+        snprintf(x->last_reason, sizeof x->last_reason, "%.60s: %.130s", m->alias, why);
     }
-    if (next == PLAN_NEXT_MODEL) { exchange_attempt(x); return; }
-    char msg[320];
-    snprintf(msg, sizeof msg, "every attempt failed; the last: %s", x->last_reason);
-    exchange_fail(x, x->last_status, "upstream_error", msg);
+    long retry_after = -1;
+    size_t n;
+    const char *v = u && u->have_head ? http_header_get(u->head.p, u->resp.h, u->resp.nh, "retry-after", &n) : NULL;
+    if (v) retry_after = retry_after_ms(v, n, (long long)(wall_ms() / 1000));
+    if (u) up_release(u), x->u = NULL;
+    int late = 0;
+    if (next == PLAN_RETRY_SAME) {
+        next = exchange_backoff(x, retry_after);
+        late = next != PLAN_RETRY_SAME;
+    }
+    if (next == PLAN_NEXT_MODEL) exchange_attempt(x);
+    else if (next == PLAN_GIVE_UP) exchange_give_up(x, late);
 }
 
 /* Build the request for the current model: the client's body with its
@@ -6860,20 +6925,14 @@ static void exchange_build(exchange *x) {
     buf_free(&name), buf_free(&body);
 }
 
-/* Start the attempt the plan points at, skipping models whose breaker is
- * open. */
+/* Start the attempt the plan points at: none after the deadline, and a
+ * model whose breaker is open is skipped (an attempt_end of its own). */
 static void exchange_attempt(exchange *x) {
-    for (;;) {
-        model *m = exchange_model(x);
-        if (breaker_allows(m, S.now, &x->probe)) break;
-        attempt_log(x, 0, OUTCOME_CIRCUIT_OPEN, "skipped: the circuit breaker is open");
-        if (plan_next(&x->plan, OUTCOME_CIRCUIT_OPEN) == PLAN_GIVE_UP) {
-            if (!x->attempts) { exchange_fail(x, 503, "circuit_open", "every model of this request is failing (circuit breaker open): retry in a few seconds"); return; }
-            char msg[320];
-            snprintf(msg, sizeof msg, "every attempt failed; the last: %s", x->last_reason);
-            exchange_fail(x, x->last_status, "upstream_error", msg);
-            return;
-        }
+    x->state = X_ATTEMPTING;
+    if (S.now >= x->started + x->deadline_ms) { exchange_give_up(x, 1); return; }
+    if (!breaker_allows(exchange_model(x), S.now, &x->probe)) {
+        attempt_end(x, &(attempt_result){.error = "skipped: the circuit breaker is open", .skipped = 1});
+        return;
     }
     exchange_build(x);
     x->attempts++;
@@ -6882,40 +6941,43 @@ static void exchange_attempt(exchange *x) {
     x->u = up_start(exchange_model(x)->p, x, x->req.p, x->req.len);
 }
 
-/* `t` fired: the backoff before the next attempt is over, the current
- * attempt timed out, or a started stream went quiet. */
+/* `t` fired: what it means is the exchange's state. */
 static void exchange_timer(void *ctx) {
     exchange *x = ctx;
     char msg[160];
-    if (x->head_sent) {
-        if (x->u && x->u->paused) snprintf(msg, sizeof msg, "the client did not take the stream for %d s", STREAM_IDLE_MS / 1000);
-        else snprintf(msg, sizeof msg, "the stream from %s stalled for %d s", exchange_model(x)->alias, STREAM_IDLE_MS / 1000);
-        exchange_fail(x, 504, "stream_interrupted", msg);
-    } else if (!x->u) {
+    upstream *u = x->u;
+    switch (x->state) {
+    case X_BACKOFF: /* the wait before the next attempt is over */
         exchange_attempt(x);
-    } else {
+        return;
+    case X_ATTEMPTING: /* the attempt's request timeout */
         snprintf(msg, sizeof msg, "no %s within the request timeout of %d ms", x->stream ? "first event" : "answer", x->rp.request_timeout_ms);
-        upstream *u = x->u;
-        attempt_end(x, u->wrote ? OUTCOME_INDETERMINATE : OUTCOME_NO_WORK, u->have_head ? u->resp.status : 0, 504, msg);
-    }
-}
-
-/* The deadline passed before the answer started: cut the running attempt.
- * Or a started stream ran for --max-stream-seconds: cut it. */
-static void exchange_deadline(void *ctx) {
-    exchange *x = ctx;
-    char msg[160];
-    if (x->head_sent) {
-        snprintf(msg, sizeof msg, "the stream from %s ran past the limit of %d s (--max-stream-seconds)", exchange_model(x)->alias, S.max_stream_s);
+        attempt_end(x, &(attempt_result){u->have_head ? u->resp.status : 0, u->wrote > 0, msg, 1, 0});
+        return;
+    case X_RELAYING: /* a started stream went quiet */
+        if (u && u->paused) snprintf(msg, sizeof msg, "the client did not take the stream for %d s", STREAM_IDLE_MS / 1000);
+        else snprintf(msg, sizeof msg, "the stream from %s stalled for %d s", exchange_model(x)->alias, STREAM_IDLE_MS / 1000);
         exchange_fail(x, 504, "stream_interrupted", msg);
         return;
     }
-    snprintf(msg, sizeof msg, "no answer within the deadline of %lld ms", x->deadline_ms);
-    if (x->u) {
-        attempt_log(x, x->u->have_head ? x->u->resp.status : 0, OUTCOME_INDETERMINATE, msg);
-        breaker_record(exchange_model(x), OUTCOME_INDETERMINATE, x->probe, S.now), x->probe = 0;
+}
+
+/* The deadline passed before the answer started: the running attempt is
+ * cut (and nothing starts after it). Or a started stream ran for
+ * --max-stream-seconds: it is cut. */
+static void exchange_deadline(void *ctx) {
+    exchange *x = ctx;
+    char msg[160];
+    upstream *u = x->u;
+    if (x->state == X_RELAYING) {
+        snprintf(msg, sizeof msg, "the stream from %s ran past the limit of %d s (--max-stream-seconds)", exchange_model(x)->alias, S.max_stream_s);
+        exchange_fail(x, 504, "stream_interrupted", msg);
+    } else if (x->state == X_BACKOFF) {
+        exchange_give_up(x, 1);
+    } else {
+        snprintf(msg, sizeof msg, "no answer within the deadline of %lld ms", x->deadline_ms);
+        attempt_end(x, &(attempt_result){u->have_head ? u->resp.status : 0, u->wrote > 0 || u->have_head, msg, 1, 0});
     }
-    exchange_fail(x, 504, "deadline_exceeded", msg);
 }
 
 /* One SSE event of a stream: LTG_ERR when its data is neither JSON nor
@@ -6938,7 +7000,7 @@ static int stream_event(exchange *x, const char *ev, size_t n) {
  * attempt fails over; after that the client's stream ends with the error
  * event. */
 static void stream_broken(exchange *x, const char *why) {
-    if (!x->head_sent) { attempt_end(x, OUTCOME_INDETERMINATE, 200, 502, why); return; }
+    if (x->state != X_RELAYING) { attempt_end(x, &(attempt_result){200, 1, why, 0, 0}); return; }
     char msg[256];
     snprintf(msg, sizeof msg, "%s: %s", exchange_model(x)->alias, why);
     exchange_fail(x, 502, "stream_interrupted", msg);
@@ -6954,25 +7016,14 @@ static void exchange_relay_stream(exchange *x) {
         mask_provider_key(exchange_model(x)->p, ev, n);
         int r = stream_event(x, ev, n);
         if (r < 0) { stream_broken(x, "an SSE event whose data is not JSON"); return; }
-        if (r == SSE_HIDE || (r == SSE_EMPTY && !x->head_sent)) continue; /* a comment is not the answer's start */
-        if (!x->head_sent) { /* the first event: the answer starts, the attempt has succeeded */
-            attempt_log(x, 200, OUTCOME_OK, NULL);
-            breaker_record(exchange_model(x), OUTCOME_OK, x->probe, S.now);
-            x->probe = 0;
-            buf h = {0};
-            exchange_headers(x, 200, &h);
-            buf_puts(&h, "Cache-Control: no-cache\r\n");
-            x_head(x, 200, "text/event-stream", -1, h.p);
-            buf_free(&h);
-            x->head_sent = 1;
-            timer_set(&x->deadline, (int64_t)S.max_stream_s * 1000); /* from now on the deadline is the stream's limit */
-        }
+        if (r == SSE_HIDE || (r == SSE_EMPTY && x->state != X_RELAYING)) continue; /* a comment is not the answer's start */
+        if (x->state != X_RELAYING) attempt_end(x, &(attempt_result){200, 1, NULL, 0, 0}); /* the first event: a success */
         exchange_chunk(x, ev, n);
     }
     buf_consume(&u->body, off);
-    if (x->head_sent) timer_set(&x->t, STREAM_IDLE_MS);
+    if (x->state == X_RELAYING) timer_set(&x->t, STREAM_IDLE_MS);
     if (u->complete) {
-        if (!x->head_sent) { stream_broken(x, "the stream ended before its first event"); return; }
+        if (x->state != X_RELAYING) { stream_broken(x, "the stream ended before its first event"); return; }
         if (u->body.len) { /* no final blank line: pass the rest on */
             mask_provider_key(exchange_model(x)->p, u->body.p, u->body.len);
             exchange_chunk(x, u->body.p, u->body.len);
@@ -6991,45 +7042,32 @@ static void exchange_drained(exchange *x) {
     if (x->u && x->u->paused) up_pause(x->u, 0);
 }
 
-/* News from the upstream connection (section 9): classify and act. */
+/* News from the upstream connection (section 9): an attempt's result, or
+ * more of a stream. */
 static void exchange_upstream(exchange *x) {
     upstream *u = x->u;
-    if (u->failed) {
-        if (x->head_sent) { stream_broken(x, u->err); return; } /* the stream had started: no failover now */
-        attempt_end(x, attempt_classify(0, u->wrote > 0 || u->have_head), u->have_head ? u->resp.status : 0, 502, u->err);
-        return;
-    }
+    if (u->failed && x->state == X_RELAYING) { stream_broken(x, u->err); return; } /* no failover once it started */
+    if (u->failed) { attempt_end(x, &(attempt_result){u->have_head ? u->resp.status : 0, u->wrote > 0 || u->have_head, u->err, 0, 0}); return; }
     if (!u->have_head) return;
     int status = u->resp.status;
-    size_t n;
-    const char *ct = http_header_get(u->head.p, u->resp.h, u->resp.nh, "content-type", &n);
-    int sse = ct && n >= 17 && ascii_casecmp_n(ct, 17, "text/event-stream") == 0;
-    if (x->stream && status == 200 && sse) { exchange_relay_stream(x); return; }
+    if (x->stream && up_is_stream(u)) { exchange_relay_stream(x); return; }
     timer_stop(&x->t); /* the head came: the attempt's timeout is met; the deadline bounds the body */
     if (u->body.len > UP_MAX_BODY_BYTES || u->resp.content_length > UP_MAX_BODY_BYTES) {
-        attempt_end(x, OUTCOME_INDETERMINATE, status, 502, "an answer larger than 64 MiB");
+        attempt_end(x, &(attempt_result){status, 1, "an answer larger than 64 MiB", 0, 0});
         return;
     }
     if (!u->complete) return;
-    attempt_outcome o = attempt_classify(status, 1);
-    char reason[200];
-    if (o == OUTCOME_OK) { /* a success must be JSON, and says what it cost */
-        int no_choices, r = usage_read(u->body.p ? u->body.p : "", u->body.len, &x->in_tok, &x->out_tok, &no_choices);
-        if (r < 0) {
-            snprintf(reason, sizeof reason, "answered %d with a body that is not JSON", status);
-            attempt_end(x, OUTCOME_INDETERMINATE, status, 502, reason);
-            return;
-        }
-        x->usage_known = r;
-    }
-    if (attempt_context_length(status, u->body.p, u->body.len)) snprintf(reason, sizeof reason, "context length exceeded (%d)", status);
-    else snprintf(reason, sizeof reason, "answered %d", status);
-    attempt_end(x, o, status, status, reason);
+    int no_choices, r = status >= 200 && status < 300 ? usage_read(u->body.p ? u->body.p : "", u->body.len, &x->in_tok, &x->out_tok, &no_choices) : 0;
+    char reason[100];
+    snprintf(reason, sizeof reason, "answered %d with a body that is not JSON", status); /* a success must be JSON */
+    x->usage_known = r > 0;
+    attempt_end(x, &(attempt_result){status, 1, r < 0 ? reason : NULL, 0, 0});
 }
 
 /* The client went away (see conn_close). Without an Idempotency-Key the
- * request is cancelled; with one it runs on, and its answer waits for the
- * client's retry. */
+ * request is cancelled -- the running attempt is logged as cut, not ended:
+ * nothing follows from it -- with one it runs on, and its answer waits for
+ * the client's retry. */
 static void exchange_abort(exchange *x) {
     x->c->x = NULL;
     x->c = NULL;
@@ -7038,9 +7076,9 @@ static void exchange_abort(exchange *x) {
         if (x->u && x->u->paused) up_pause(x->u, 0); /* nobody to wait for now */
         return;
     }
-    if (x->u && !x->head_sent) /* the running attempt, cut by the client */
+    if (x->u && x->state == X_ATTEMPTING)
         attempt_log(x, x->u->have_head ? x->u->resp.status : 0, OUTCOME_INDETERMINATE, "the client closed the connection");
-    if (x->head_sent) exchange_settle(x, 200, EV_PARTIAL, x->plan.model, 0, NULL, 0);
+    if (x->state == X_RELAYING) exchange_settle(x, 200, EV_PARTIAL, x->plan.model, 0, NULL, 0);
     else exchange_settle(x, 499, EV_FAILED, -1, 0, NULL, 0); /* 499: nginx's "client closed the request" */
     exchange_free(x);
 }
