@@ -148,7 +148,7 @@ typedef struct {
 static struct {
     /* options */
     const char *config_path, *data_dir, *resolv_conf;
-    char listen_addr[64], admin_addr[64];
+    const char *listen_addr, *admin_addr;
     int max_conns, drain_seconds;
     int max_per_ip;           /* inference connections from one client address */
     int max_stream_s;         /* a started stream is cut after this long */
@@ -3088,6 +3088,31 @@ static int parse_fallbacks(const char *s, const json_tok *t, int v, group *g, ve
     return 0;
 }
 
+/* A member (key token i) that only the log holds: id, version, times,
+ * the budget's anchor, the spend carried from deleted days. 1 when it was
+ * one (and well formed). */
+static int group_parse_log(const char *s, const json_tok *t, int i, group *g) {
+    int v = i + 1;
+    long long n, c[3];
+    if (json_eq(s, t, i, "id") && is_uuid(s, t, v)) {
+        memcpy(g->id, s + t[v].start, 36), g->id[36] = 0;
+        return 1;
+    }
+    if (json_eq(s, t, i, "carried") && t[v].type == JSON_ARRAY && t[v].size == 3) {
+        int x = v + 1;
+        for (int k = 0; k < 3; k++, x = t[x].next)
+            if (json_int(s, t, x, &c[k]) < 0) return 0;
+        g->carry = c[0], g->carry_start = c[1], g->carry_to = c[2];
+        return 1;
+    }
+    int64_t *field = json_eq(s, t, i, "created_at") ? &g->created_at : json_eq(s, t, i, "updated_at") ? &g->updated_at
+                   : json_eq(s, t, i, "budget_anchor") ? &g->budget_anchor : NULL;
+    if (json_eq(s, t, i, "version") && json_int(s, t, v, &n) == 0) g->version = n;
+    else if (field && json_int(s, t, v, &n) == 0) *field = n;
+    else return 0;
+    return 1;
+}
+
 /* Lay the members of JSON object `obj` over g. PARSE_CREATE and PARSE_PATCH
  * take the API's writable fields; PARSE_LOG also takes what only the log
  * knows (id, version, timestamps). Checks types and field names only: the
@@ -3104,21 +3129,8 @@ static int group_parse(const char *s, const json_tok *t, int obj, group *g, int 
         snprintf(key, sizeof key, "%.*s", (int)(t[i].end - t[i].start < 100 ? t[i].end - t[i].start : 100), s + t[i].start);
         long long n;
         double d;
-        if (mode == PARSE_LOG && json_eq(s, t, i, "id") && is_uuid(s, t, v)) {
-            memcpy(g->id, s + t[v].start, 36), g->id[36] = 0;
-        } else if (mode == PARSE_LOG && json_eq(s, t, i, "version") && json_int(s, t, v, &n) == 0) {
-            g->version = n;
-        } else if (mode == PARSE_LOG && json_eq(s, t, i, "created_at") && json_int(s, t, v, &n) == 0) {
-            g->created_at = n;
-        } else if (mode == PARSE_LOG && json_eq(s, t, i, "updated_at") && json_int(s, t, v, &n) == 0) {
-            g->updated_at = n;
-        } else if (mode == PARSE_LOG && json_eq(s, t, i, "budget_anchor") && json_int(s, t, v, &n) == 0) {
-            g->budget_anchor = n;
-        } else if (mode == PARSE_LOG && json_eq(s, t, i, "carried") && t[v].type == JSON_ARRAY && t[v].size == 3) {
-            long long c[3];
-            for (int k = 0, x = v + 1; k < 3; k++, x = t[x].next)
-                if (json_int(s, t, x, &c[k]) < 0) return verr_at(e, "carried", NULL, "must be three whole numbers");
-            g->carry = c[0], g->carry_start = c[1], g->carry_to = c[2];
+        if (mode == PARSE_LOG && group_parse_log(s, t, i, g)) {
+            /* what only the log knows */
         } else if (json_eq(s, t, i, "name")) {
             if (t[v].type != JSON_STRING) return verr_at(e, "name", NULL, "must be a string (it cannot be null)");
             if (!name_ok(s, t, v, NAME_MAX_LEN)) return verr_at(e, "name", NULL, "must be 1 to %d bytes, without NUL", NAME_MAX_LEN);
@@ -3459,22 +3471,56 @@ static int hex_decode(const char *s, size_t n, uint8_t *out) {
     return 0;
 }
 
+/* A token key from the log: 0, or LTG_ERR. */
+static int store_apply_key(const char *p, const json_tok *t, int v, size_t n) {
+    int id = json_get(p, t, v, "id"), gid = json_get(p, t, v, "token_group_id"), nm = json_get(p, t, v, "name"), sh = json_get(p, t, v, "sha256");
+    long long ver, c, u;
+    uint8_t hash[32];
+    if (!is_uuid(p, t, id) || !is_uuid(p, t, gid) || nm < 0 || t[nm].type != JSON_STRING || sh < 0 || t[sh].type != JSON_STRING ||
+        t[sh].end - t[sh].start != 64 || hex_decode(p + t[sh].start, 64, hash) < 0 || json_int(p, t, json_get(p, t, v, "version"), &ver) < 0 ||
+        json_int(p, t, json_get(p, t, v, "created_at"), &c) < 0 || json_int(p, t, json_get(p, t, v, "updated_at"), &u) < 0)
+        return LTG_ERR;
+    tkey *key = xcalloc(1, sizeof *key);
+    memcpy(key->id, p + t[id].start, 36), memcpy(key->group_id, p + t[gid].start, 36), memcpy(key->hash, hash, 32);
+    key->name = json_strdup(p, t, nm);
+    key->version = ver, key->created_at = c, key->updated_at = u;
+    store_put_key(key, n + 8);
+    return 0;
+}
+
+/* The idempotency record of a change, unless it has expired: 0, or LTG_ERR. */
+static int store_apply_idem(const char *p, const json_tok *t, int iv, size_t n) {
+    int k = json_get(p, t, iv, "k"), b = json_get(p, t, iv, "b"), r = json_get(p, t, iv, "r");
+    long long st, ver, x;
+    if (k < 0 || b < 0 || r < 0 || t[k].end - t[k].start != 64 || t[b].end - t[b].start != 64 || json_int(p, t, json_get(p, t, iv, "s"), &st) < 0 ||
+        json_int(p, t, json_get(p, t, iv, "v"), &ver) < 0 || json_int(p, t, json_get(p, t, iv, "x"), &x) < 0)
+        return LTG_ERR;
+    if (x <= wall_ms()) { ST.expired++; return 0; } /* garbage the next compaction leaves out */
+    idem *rec = xcalloc(1, sizeof *rec);
+    hex_decode(p + t[k].start, 64, rec->key), hex_decode(p + t[b].start, 64, rec->body);
+    rec->status = (int)st, rec->version = ver, rec->expires = x;
+    rec->response = json_strdup(p, t, r);
+    store_put_idem(rec, n + 8);
+    return 0;
+}
+
 /* Apply one log record's payload (section 12 calls this for every record
- * at start-up). Returns 0, or LTG_ERR with a reason in err. */
+ * at start-up): {"ops":[{op: value}...], "idem": {...}}. Returns 0, or
+ * LTG_ERR with a reason in err. */
 static int store_apply(void *ctx, const char *p, size_t n, off_t at, char *err, size_t errlen) {
     (void)ctx, (void)at;
-    int max = (int)(n / 2 + 4);
+    int max = (int)(n / 2 + 4), rc = LTG_ERR;
     json_tok *t = xcalloc((size_t)max, sizeof *t);
     json_result res;
-    int rc = LTG_ERR;
     verr e = {0};
     if (json_parse(p, n, t, max, -1, &res) < 0) { snprintf(err, errlen, "not JSON: %s at byte %zu", res.err, res.err_offset); goto done; }
-    int ops = json_get(p, t, 0, "ops");
+    int ops = json_get(p, t, 0, "ops"), iv = json_get(p, t, 0, "idem"), o = ops + 1;
     if (ops < 0 || t[ops].type != JSON_ARRAY) { snprintf(err, errlen, "no \"ops\" list"); goto done; }
-    int o = ops + 1;
     for (int k = 0; k < t[ops].size; k++, o = t[o].next) {
-        int v;
-        if ((v = json_get(p, t, o, "put_group")) >= 0) {
+        int name = o + 1, v = o + 2; /* an op is an object of one member */
+        char id[37];
+        if (t[o].type != JSON_OBJECT || t[o].size != 1) { snprintf(err, errlen, "unknown operation"); goto done; }
+        if (json_eq(p, t, name, "put_group")) {
             group *g = group_new();
             if (group_parse(p, t, v, g, PARSE_LOG, &e) < 0 || !g->id[0]) {
                 snprintf(err, errlen, "bad group: %.60s %.100s", e.pointer, e.detail);
@@ -3482,53 +3528,18 @@ static int store_apply(void *ctx, const char *p, size_t n, off_t at, char *err, 
                 goto done;
             }
             store_put_group(g, n + 8);
-        } else if ((v = json_get(p, t, o, "put_key")) >= 0) {
-            int id = json_get(p, t, v, "id"), gid = json_get(p, t, v, "token_group_id"), nm = json_get(p, t, v, "name"),
-                sh = json_get(p, t, v, "sha256");
-            long long ver, c, u;
-            if (!is_uuid(p, t, id) || !is_uuid(p, t, gid) || nm < 0 || t[nm].type != JSON_STRING || sh < 0 || t[sh].type != JSON_STRING ||
-                t[sh].end - t[sh].start != 64 || json_int(p, t, json_get(p, t, v, "version"), &ver) < 0 ||
-                json_int(p, t, json_get(p, t, v, "created_at"), &c) < 0 || json_int(p, t, json_get(p, t, v, "updated_at"), &u) < 0) {
-                snprintf(err, errlen, "bad token key");
-                goto done;
-            }
-            tkey *key = xcalloc(1, sizeof *key);
-            memcpy(key->id, p + t[id].start, 36), memcpy(key->group_id, p + t[gid].start, 36);
-            key->name = json_strdup(p, t, nm);
-            key->version = ver, key->created_at = c, key->updated_at = u;
-            if (hex_decode(p + t[sh].start, 64, key->hash) < 0) { tkey_free(key); snprintf(err, errlen, "bad token key hash"); goto done; }
-            store_put_key(key, n + 8);
-        } else if ((v = json_get(p, t, o, "del_group")) >= 0 && is_uuid(p, t, v)) {
-            char id[37];
+        } else if (json_eq(p, t, name, "put_key")) {
+            if (store_apply_key(p, t, v, n) < 0) { snprintf(err, errlen, "bad token key"); goto done; }
+        } else if ((json_eq(p, t, name, "del_group") || json_eq(p, t, name, "del_key")) && is_uuid(p, t, v)) {
             memcpy(id, p + t[v].start, 36), id[36] = 0;
-            store_del_group(id);
-        } else if ((v = json_get(p, t, o, "del_key")) >= 0 && is_uuid(p, t, v)) {
-            char id[37];
-            memcpy(id, p + t[v].start, 36), id[36] = 0;
-            store_del_key(id);
+            if (json_eq(p, t, name, "del_group")) store_del_group(id);
+            else store_del_key(id);
         } else {
             snprintf(err, errlen, "unknown operation");
             goto done;
         }
     }
-    int iv = json_get(p, t, 0, "idem");
-    if (iv >= 0) {
-        int k = json_get(p, t, iv, "k"), b = json_get(p, t, iv, "b"), r = json_get(p, t, iv, "r");
-        long long st, ver, x;
-        if (k < 0 || b < 0 || r < 0 || t[k].end - t[k].start != 64 || t[b].end - t[b].start != 64 ||
-            json_int(p, t, json_get(p, t, iv, "s"), &st) < 0 || json_int(p, t, json_get(p, t, iv, "v"), &ver) < 0 ||
-            json_int(p, t, json_get(p, t, iv, "x"), &x) < 0) {
-            snprintf(err, errlen, "bad idempotency record");
-            goto done;
-        }
-        if (x > wall_ms()) {
-            idem *rec = xcalloc(1, sizeof *rec);
-            hex_decode(p + t[k].start, 64, rec->key), hex_decode(p + t[b].start, 64, rec->body);
-            rec->status = (int)st, rec->version = ver, rec->expires = x;
-            rec->response = json_strdup(p, t, r);
-            store_put_idem(rec, n + 8);
-        } else ST.expired++;
-    }
+    if (iv >= 0 && store_apply_idem(p, t, iv, n) < 0) { snprintf(err, errlen, "bad idempotency record"); goto done; }
     rc = 0;
 done:
     free(t);
@@ -5951,34 +5962,70 @@ static int idem_begin(conn *c, const admin_who *who, idem_ticket *tk) {
     return 0;
 }
 
-/* Step 4: log the change (`ops`, a JSON array) with its idempotency record,
- * then remember the record. Returns 0, or LTG_ERR after answering 503. The
- * caller applies the change to memory only after 0. */
-static int admin_commit(conn *c, const idem_ticket *tk, const char *ops, int status, long long version, const char *response, size_t *rec_bytes) {
+/* What a change does to memory once its record is on disk, and how its
+ * item is let go when the log refused it. */
+typedef struct {
+    void (*apply)(void *item, size_t rec_bytes);
+    void (*drop)(void *item);
+} change_kind;
+
+/* Step 4 of every change: log `ops` (a JSON array) with the idempotency
+ * record of its answer -- `stored` (a body) with `stored_status` and
+ * `version` -- fsync, and only then apply it to memory and answer `reply`
+ * with `status`. (They differ for a key's creation alone: its answer shows
+ * the secret once, a replay of it does not.) When the log refuses: 503,
+ * nothing applied, the item dropped. */
+static void admin_change(conn *c, const idem_ticket *tk, const buf *ops, const change_kind *kind, void *item, int status, long long version,
+                         const buf *reply, int stored_status, const buf *stored) {
     idem *r = xcalloc(1, sizeof *r);
     memcpy(r->key, tk->key, 32), memcpy(r->body, tk->body, 32);
-    r->status = status, r->version = version, r->response = xstrdup(response);
+    r->status = stored_status, r->version = version, r->response = xstrdup(stored->p);
     r->expires = wall_ms() + IDEM_TTL_MS;
     buf p = {0};
     jwriter w;
     jw_init(&w, &p);
     jw_open(&w, '{');
-    jw_key(&w, "ops"), jw_raw(&w, ops, strlen(ops));
+    jw_key(&w, "ops"), jw_raw(&w, ops->p, ops->len);
     jw_key(&w, "idem"), idem_json(&w, r);
     jw_close(&w, '}');
     const char *why;
     int rc = state_append(p.p, p.len, &why);
-    *rec_bytes = strlen(ops) + 8; /* what the change alone would take in a snapshot */
-    size_t idem_bytes = p.len - strlen(ops);
+    size_t idem_bytes = p.len - ops->len;
     buf_free(&p);
     if (rc < 0) {
         idem_free(r);
+        if (kind->drop) kind->drop(item);
         admin_error(c, 503, "storage_unavailable", NULL, 0, why);
-        return LTG_ERR;
+        return;
     }
     store_put_idem(r, idem_bytes);
-    return 0;
+    kind->apply(item, ops->len + 8); /* what the change alone would take in a snapshot */
+    admin_reply(c, status, version, 0, reply->p, reply->len);
 }
+
+static void put_group_apply(void *g, size_t rec) { store_put_group(g, rec); }
+static void group_drop(void *g) { group_free(g); }
+static void put_key_apply(void *k, size_t rec) { store_put_key(k, rec); }
+static void key_drop(void *k) { tkey_free(k); }
+static void del_key_apply(void *k, size_t rec) { (void)rec, store_del_key(((tkey *)k)->id); }
+
+/* A group's deletion revokes its keys in the same record. */
+static void del_group_apply(void *item, size_t rec) {
+    group *g = item;
+    int frozen = ST.frozen;
+    (void)rec;
+    ST.frozen = 1; /* the walk below must not have the vector squeezed under it */
+    for (int i = 0; i < ST.kv.n; i++) {
+        tkey *k = ST.kv.p[i];
+        if (k && strcmp(k->group_id, g->id) == 0) store_del_key(k->id);
+    }
+    ST.frozen = frozen;
+    vec_squeeze(&ST.kv);
+    store_del_group(g->id);
+}
+
+static const change_kind PUT_GROUP = {put_group_apply, group_drop}, DEL_GROUP = {del_group_apply, NULL},
+                         PUT_KEY = {put_key_apply, key_drop}, DEL_KEY = {del_key_apply, NULL};
 
 /* Parse an admin request body; 0, or LTG_ERR after a 400 invalid_json. */
 static int admin_body(conn *c, json_tok **t) {
@@ -5998,6 +6045,37 @@ static int admin_body(conn *c, json_tok **t) {
 
 static void data_open(jwriter *w, buf *b) { jw_init(w, b), jw_open(w, '{'), jw_key(w, "data"); }
 
+/* The {id} of a path names nothing: 404 -- unless it is a change whose
+ * Idempotency-Key has a kept answer (the retry of a DELETE that did
+ * succeed): that answer, again. */
+static void admin_missing(conn *c, const admin_who *who, const char *what) {
+    idem_ticket tk;
+    size_t n;
+    if (!method_is(c, "GET") && http_header_get(c->in.p, c->req.h, c->req.nh, "idempotency-key", &n) && !idem_begin(c, who, &tk)) return;
+    admin_error(c, 404, "not_found", NULL, 0, what);
+}
+
+/* GET /token_groups/{id}, GET /token_keys/{id} */
+static void groups_get(conn *c, const admin_who *who, const char *id) {
+    group *g = group_find(id);
+    if (!g) { admin_missing(c, who, "no token group has this id"); return; }
+    buf b = {0};
+    jwriter w;
+    data_open(&w, &b), group_json(&w, g, 0), jw_close(&w, '}');
+    admin_reply(c, 200, g->version, 0, b.p, b.len);
+    buf_free(&b);
+}
+
+static void keys_get(conn *c, const admin_who *who, const char *id) {
+    tkey *k = tkey_find(id);
+    if (!k) { admin_missing(c, who, "no token key has this id"); return; }
+    buf b = {0};
+    jwriter w;
+    data_open(&w, &b), tkey_json(&w, k, 0), jw_close(&w, '}');
+    admin_reply(c, 200, k->version, 0, b.p, b.len);
+    buf_free(&b);
+}
+
 /* Step 4 for a group: log its new state with the answer, then swap it in
  * (or drop it when the log refused). */
 static void group_commit(conn *c, const idem_ticket *tk, group *g, int status) {
@@ -6008,16 +6086,13 @@ static void group_commit(conn *c, const idem_ticket *tk, group *g, int status) {
     jwriter w;
     jw_init(&w, &ops), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, "put_group"), group_json(&w, g, 1), jw_close(&w, '}'), jw_close(&w, ']');
     data_open(&w, &body), group_json(&w, g, 0), jw_close(&w, '}');
-    size_t rec;
-    if (admin_commit(c, tk, ops.p, status, g->version, body.p, &rec) == 0) {
-        store_put_group(g, rec);
-        admin_reply(c, status, g->version, 0, body.p, body.len);
-    } else group_free(g);
+    admin_change(c, tk, &ops, &PUT_GROUP, g, status, g->version, &body, status, &body);
     buf_free(&ops), buf_free(&body);
 }
 
 /* POST /token_groups */
-static void groups_create(conn *c, const admin_who *who) {
+static void groups_create(conn *c, const admin_who *who, const char *id) {
+    (void)id;
     idem_ticket tk;
     json_tok *t;
     if (!idem_begin(c, who, &tk) || admin_body(c, &t) < 0) return;
@@ -6039,7 +6114,9 @@ static void groups_create(conn *c, const admin_who *who) {
 }
 
 /* PATCH /token_groups/{id} */
-static void groups_update(conn *c, const admin_who *who, group *cur) {
+static void groups_update(conn *c, const admin_who *who, const char *id) {
+    group *cur = group_find(id);
+    if (!cur) { admin_missing(c, who, "no token group has this id"); return; }
     idem_ticket tk;
     json_tok *t;
     if (!idem_begin(c, who, &tk) || !if_match(c, cur->version) || admin_body(c, &t) < 0) return;
@@ -6074,7 +6151,9 @@ static void groups_update(conn *c, const admin_who *who, group *cur) {
 }
 
 /* DELETE /token_groups/{id}: the group and all its keys, in one record. */
-static void groups_delete(conn *c, const admin_who *who, group *g) {
+static void groups_delete(conn *c, const admin_who *who, const char *id) {
+    group *g = group_find(id);
+    if (!g) { admin_missing(c, who, "no token group has this id"); return; }
     idem_ticket tk;
     if (!idem_begin(c, who, &tk) || !if_match(c, g->version)) return;
     buf ops = {0}, body = {0};
@@ -6087,23 +6166,12 @@ static void groups_delete(conn *c, const admin_who *who, group *g) {
     }
     jw_close(&w, ']');
     data_open(&w, &body), group_json(&w, g, 0), jw_close(&w, '}');
-    size_t rec;
-    if (admin_commit(c, &tk, ops.p, 200, 0, body.p, &rec) == 0) {
-        int frozen = ST.frozen;
-        ST.frozen = 1; /* the walk below must not have the vector squeezed under it */
-        for (int i = 0; i < ST.kv.n; i++) {
-            tkey *k = ST.kv.p[i];
-            if (k && strcmp(k->group_id, g->id) == 0) store_del_key(k->id);
-        }
-        ST.frozen = frozen;
-        vec_squeeze(&ST.kv);
-        store_del_group(g->id);
-        admin_reply(c, 200, 0, 0, body.p, body.len);
-    }
+    admin_change(c, &tk, &ops, &DEL_GROUP, g, 200, 0, &body, 200, &body);
     buf_free(&ops), buf_free(&body);
 }
 
-static void groups_list(conn *c) {
+static void groups_list(conn *c, const admin_who *who, const char *id) {
+    (void)who, (void)id;
     int number, size;
     if (page_params(c, &number, &size) < 0) return;
     buf b = {0};
@@ -6123,7 +6191,8 @@ static void groups_list(conn *c) {
 }
 
 /* POST /token_keys: the secret is shown in this answer and never again. */
-static void keys_create(conn *c, const admin_who *who) {
+static void keys_create(conn *c, const admin_who *who, const char *id) {
+    (void)id;
     idem_ticket tk;
     json_tok *t;
     if (!idem_begin(c, who, &tk) || admin_body(c, &t) < 0) return;
@@ -6174,32 +6243,27 @@ static void keys_create(conn *c, const admin_who *who) {
     buf_append(&body, replay.p, replay.len - 2);
     buf_printf(&body, ",\"token\":\"%s\"}}", secret);
     memset(secret, 0, sizeof secret);
-    size_t rec;
-    if (admin_commit(c, &tk, ops.p, 200, 1, replay.p, &rec) == 0) {
-        store_put_key(k, rec);
-        admin_reply(c, 201, 1, 0, body.p, body.len);
-    } else tkey_free(k);
+    admin_change(c, &tk, &ops, &PUT_KEY, k, 201, 1, &body, 200, &replay);
     memset(body.p, 0, body.len);
     buf_free(&ops), buf_free(&body), buf_free(&replay);
 }
 
 /* DELETE /token_keys/{id}: from now on the key gets 401. */
-static void keys_delete(conn *c, const admin_who *who, tkey *k) {
+static void keys_delete(conn *c, const admin_who *who, const char *id) {
+    tkey *k = tkey_find(id);
+    if (!k) { admin_missing(c, who, "no token key has this id"); return; }
     idem_ticket tk;
     if (!idem_begin(c, who, &tk) || !if_match(c, k->version)) return;
     buf ops = {0}, body = {0};
     jwriter w;
     jw_init(&w, &ops), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, "del_key"), jw_cstr(&w, k->id), jw_close(&w, '}'), jw_close(&w, ']');
     data_open(&w, &body), tkey_json(&w, k, 0), jw_close(&w, '}');
-    size_t rec;
-    if (admin_commit(c, &tk, ops.p, 200, 0, body.p, &rec) == 0) {
-        store_del_key(k->id);
-        admin_reply(c, 200, 0, 0, body.p, body.len);
-    }
+    admin_change(c, &tk, &ops, &DEL_KEY, k, 200, 0, &body, 200, &body);
     buf_free(&ops), buf_free(&body);
 }
 
-static void keys_list(conn *c) {
+static void keys_list(conn *c, const admin_who *who, const char *id) {
+    (void)who, (void)id;
     int number, size;
     if (page_params(c, &number, &size) < 0) return;
     char gid[64];
@@ -6255,7 +6319,8 @@ static void retained_from_meta(jwriter *w, int64_t start) {
 /* GET /spend/events (API.md 3.4). A snapshot is the ledger's last day and
  * how many events it had: later pages see the days before it and that
  * many of its events, however many arrive meanwhile. */
-static void spend_events(conn *c) {
+static void spend_events(conn *c, const admin_who *who, const char *id) {
+    (void)who, (void)id;
     int64_t start, end;
     int number, size;
     if (range_params(c, &start, &end) < 0 || page_params(c, &number, &size) < 0) return;
@@ -6305,7 +6370,8 @@ static void usage_json(jwriter *w, const usage_row *r) {
 
 /* GET /usage/summary (API.md 3.4): totals, every day of the range, each
  * model -- from the days' rollups, and today's events. */
-static void usage_summary(conn *c) {
+static void usage_summary(conn *c, const admin_who *who, const char *id) {
+    (void)who, (void)id;
     int64_t start, end;
     if (range_params(c, &start, &end) < 0) return;
     char gid[64] = "";
@@ -6346,7 +6412,40 @@ static void usage_summary(conn *c) {
     free(mu);
 }
 
-/* Everything under /v2/llm_token_gateway. */
+/* The control plane's endpoints: a path under API_PREFIX ("{id}" is one
+ * segment), a method, the permission it needs, and its handler. */
+typedef struct {
+    const char *method, *path;
+    int perm;
+    void (*serve)(conn *c, const admin_who *who, const char *id);
+} admin_endpoint;
+
+static const admin_endpoint admin_endpoints[] = {
+    {"GET", "/token_groups", PERM_GROUPS_READ, groups_list},
+    {"POST", "/token_groups", PERM_GROUPS_WRITE, groups_create},
+    {"GET", "/token_groups/{id}", PERM_GROUPS_READ, groups_get},
+    {"PATCH", "/token_groups/{id}", PERM_GROUPS_WRITE, groups_update},
+    {"DELETE", "/token_groups/{id}", PERM_GROUPS_WRITE, groups_delete},
+    {"GET", "/token_keys", PERM_KEYS_READ, keys_list},
+    {"POST", "/token_keys", PERM_KEYS_WRITE, keys_create},
+    {"GET", "/token_keys/{id}", PERM_KEYS_READ, keys_get},
+    {"DELETE", "/token_keys/{id}", PERM_KEYS_WRITE, keys_delete},
+    {"GET", "/spend/events", PERM_SPEND_READ, spend_events},
+    {"GET", "/usage/summary", PERM_USAGE_READ, usage_summary},
+};
+
+/* Does `path` match `pattern`? The {id} segment goes to id. */
+static int route_match(const char *pattern, const char *path, char *id, size_t cap) {
+    const char *brace = strstr(pattern, "{id}");
+    size_t pre = brace ? (size_t)(brace - pattern) : strlen(pattern);
+    if (strncmp(pattern, path, pre) != 0) return 0;
+    if (!brace) return path[pre] == 0;
+    if (!path[pre] || strchr(path + pre, '/')) return 0;
+    snprintf(id, cap, "%s", path + pre);
+    return 1;
+}
+
+/* Everything under /v2/llm_token_gateway: the key, then the table. */
 static void admin_route(conn *c) {
     const char *t = c->in.p + c->req.target.off;
     size_t n = c->req.target.len, plen = strlen(API_PREFIX);
@@ -6356,77 +6455,26 @@ static void admin_route(conn *c) {
         admin_error(c, 404, "not_found", NULL, 0, "no such endpoint: the control plane is under " API_PREFIX);
         return;
     }
-    char path[256];
+    char path[256], id[64] = "", allow[64] = "";
     snprintf(path, sizeof path, "%.*s", (int)(n - plen < 200 ? n - plen : 200), t + plen);
     admin_who who;
     if (admin_auth(c, &who) < 0) return;
-    int get = method_is(c, "GET"), post = method_is(c, "POST"), patch = method_is(c, "PATCH"), del = method_is(c, "DELETE");
-    if (strcmp(path, "/spend/events") == 0 || strcmp(path, "/usage/summary") == 0) {
-        int spend = path[1] == 's';
-        if (!get) admin_error(c, 405, "method_not_allowed", NULL, 0, "use GET");
-        else if (admin_allowed(c, &who, spend ? PERM_SPEND_READ : PERM_USAGE_READ)) spend ? spend_events(c) : usage_summary(c);
-        return;
+    const admin_endpoint *hit = NULL;
+    for (size_t i = 0; i < sizeof admin_endpoints / sizeof *admin_endpoints; i++) {
+        const admin_endpoint *e = &admin_endpoints[i];
+        if (!route_match(e->path, path, id, sizeof id)) continue;
+        snprintf(allow + strlen(allow), sizeof allow - strlen(allow), "%s%s", allow[0] ? ", " : "", e->method);
+        if (method_is(c, e->method)) hit = e;
     }
-    char id[64] = "";
-    int is_groups = strncmp(path, "/token_groups", 13) == 0, is_keys = strncmp(path, "/token_keys", 11) == 0;
-    const char *rest = is_groups ? path + 13 : is_keys ? path + 11 : NULL;
-    if (!rest || (*rest && (*rest != '/' || !rest[1] || strchr(rest + 1, '/')))) {
+    char msg[160];
+    if (!allow[0]) {
         admin_error(c, 404, "not_found", NULL, 0, "no such endpoint (the control plane has /token_groups, /token_keys, /spend/events and /usage/summary)");
-        return;
+    } else if (!hit) {
+        snprintf(msg, sizeof msg, "use %s on %.100s", allow, path);
+        admin_error(c, 405, "method_not_allowed", NULL, 0, msg);
+    } else if (admin_allowed(c, &who, hit->perm)) {
+        hit->serve(c, &who, id);
     }
-    if (*rest) snprintf(id, sizeof id, "%s", rest + 1);
-    if (is_groups) {
-        int read = PERM_GROUPS_READ, write = PERM_GROUPS_WRITE;
-        if (!*id) {
-            if (get) { if (admin_allowed(c, &who, read)) groups_list(c); }
-            else if (post) { if (admin_allowed(c, &who, write)) groups_create(c, &who); }
-            else admin_error(c, 405, "method_not_allowed", NULL, 0, "use GET or POST on /token_groups");
-            return;
-        }
-        if (!get && !patch && !del) { admin_error(c, 405, "method_not_allowed", NULL, 0, "use GET, PATCH or DELETE on /token_groups/{id}"); return; }
-        if (!admin_allowed(c, &who, get ? read : write)) return;
-        group *g = group_find(id);
-        if (!g) { /* a deleted group's DELETE may be a retry: its idempotency record answers */
-            idem_ticket tk;
-            size_t kn;
-            if (!get && http_header_get(c->in.p, c->req.h, c->req.nh, "idempotency-key", &kn) && !idem_begin(c, &who, &tk)) return;
-            admin_error(c, 404, "not_found", NULL, 0, "no token group has this id");
-            return;
-        }
-        if (get) {
-            buf b = {0};
-            jwriter w;
-            data_open(&w, &b), group_json(&w, g, 0), jw_close(&w, '}');
-            admin_reply(c, 200, g->version, 0, b.p, b.len);
-            buf_free(&b);
-        } else if (patch) groups_update(c, &who, g);
-        else groups_delete(c, &who, g);
-        return;
-    }
-    int read = PERM_KEYS_READ, write = PERM_KEYS_WRITE;
-    if (!*id) {
-        if (get) { if (admin_allowed(c, &who, read)) keys_list(c); }
-        else if (post) { if (admin_allowed(c, &who, write)) keys_create(c, &who); }
-        else admin_error(c, 405, "method_not_allowed", NULL, 0, "use GET or POST on /token_keys");
-        return;
-    }
-    if (!get && !del) { admin_error(c, 405, "method_not_allowed", NULL, 0, "use GET or DELETE on /token_keys/{id}"); return; }
-    if (!admin_allowed(c, &who, get ? read : write)) return;
-    tkey *k = tkey_find(id);
-    if (!k) {
-        idem_ticket tk;
-        size_t kn;
-        if (del && http_header_get(c->in.p, c->req.h, c->req.nh, "idempotency-key", &kn) && !idem_begin(c, &who, &tk)) return;
-        admin_error(c, 404, "not_found", NULL, 0, "no token key has this id");
-        return;
-    }
-    if (get) {
-        buf b = {0};
-        jwriter w;
-        data_open(&w, &b), tkey_json(&w, k, 0), jw_close(&w, '}');
-        admin_reply(c, 200, k->version, 0, b.p, b.len);
-        buf_free(&b);
-    } else keys_delete(c, &who, k);
 }
 
 /* ===== 17. Inference: the proxy path =====
@@ -7499,10 +7547,11 @@ static void route(conn *c) {
 /* ===== 19. main =====
  *
  * IMPLEMENTATION NOTES
- * Start-up: options, the catalog, the data directory and its lock, the
- * state log replayed, the ledger opened (its days checked, today's
- * replayed, old ones retired) and the budgets summed from it, the fd table
- * sized from the connection cap, signals, resolver, listeners; then the
+ * Start-up: options (a table), the catalog, the listeners bound (a busy
+ * port stops ltg before it touches --data), the data directory and its
+ * lock, the state log replayed, the ledger opened (its days checked,
+ * today's replayed, old ones retired) and the budgets summed from it, the
+ * fd table sized from the connection cap, signals, resolver; then the
  * loop. SIGTERM/SIGINT start a
  * drain: the listeners close (a new connection is refused), idle
  * connections close, requests in flight finish (at most --drain-seconds),
@@ -7643,78 +7692,87 @@ static void usage(void) {
     exit(2);
 }
 
-int main(int argc, char **argv) {
-    S.config_path = NULL, S.resolv_conf = "/etc/resolv.conf";
-    snprintf(S.listen_addr, sizeof S.listen_addr, "127.0.0.1:8080");
-    snprintf(S.admin_addr, sizeof S.admin_addr, "127.0.0.1:8081");
+/* The command line: each option a string, or a whole number in a range
+ * that is scaled into its field (seconds to ms, MiB to bytes). */
+typedef struct {
+    const char *name;
+    const char **str;         /* a string option, or a number into one of: */
+    int *i;
+    long long *ll;
+    long long min, max, scale;
+} option;
+
+static const option options[] = {
+    {"--config", .str = &S.config_path}, {"--data", .str = &S.data_dir}, {"--listen", .str = &S.listen_addr},
+    {"--admin-listen", .str = &S.admin_addr}, {"--resolv-conf", .str = &S.resolv_conf}, {"--ca-file", .str = &TLS.ca_file},
+    {"--max-conns", NULL, &S.max_conns, NULL, 1, 1000000, 1},
+    {"--max-conns-per-ip", NULL, &S.max_per_ip, NULL, 1, 1000000, 1},
+    {"--drain-seconds", NULL, &S.drain_seconds, NULL, 1, 1000000, 1},
+    {"--max-body-mb", NULL, NULL, &S.max_body, 1, 1000000, 1 << 20},
+    {"--cache-mb", NULL, NULL, &S.cache_mb, 1, 1000000, 1},
+    {"--head-timeout", NULL, &S.head_timeout_ms, NULL, 1, 1000000, 1000},
+    {"--idle-timeout", NULL, &S.idle_timeout_ms, NULL, 1, 1000000, 1000},
+    {"--max-stream-seconds", NULL, &S.max_stream_s, NULL, 1, 1000000, 1},
+    {"--ledger-days", NULL, &S.ledger_days, NULL, 1, 3650, 1},
+};
+
+/* The defaults, then the command line over them; exits 2 on a bad one. */
+static void options_parse(int argc, char **argv) {
+    S.resolv_conf = "/etc/resolv.conf", S.listen_addr = "127.0.0.1:8080", S.admin_addr = "127.0.0.1:8081";
     S.max_conns = 1024, S.drain_seconds = 10, S.max_body = 8LL << 20;
     S.head_timeout_ms = 10000, S.idle_timeout_ms = 60000, S.cache_mb = 64, S.max_stream_s = 600, S.ledger_days = 90;
-    for (int i = 1; i < argc; i++) {
-        const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        long long n = 0;
-        int numeric = strcmp(o, "--max-conns") == 0 || strcmp(o, "--drain-seconds") == 0 || strcmp(o, "--max-body-mb") == 0 || strcmp(o, "--cache-mb") == 0 ||
-                      strcmp(o, "--head-timeout") == 0 || strcmp(o, "--idle-timeout") == 0 || strcmp(o, "--max-stream-seconds") == 0 ||
-                      strcmp(o, "--ledger-days") == 0 || strcmp(o, "--max-conns-per-ip") == 0;
-        if (!v) usage();
-        if (numeric && (parse_ll(v, strlen(v), 1000000, &n) < 0 || n < 1)) {
-            fprintf(stderr, "ltg: %s needs a whole number >= 1, not \"%s\"\n", o, v);
-            return 2;
+    for (int i = 1; i < argc; i += 2) {
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        size_t k = 0;
+        while (k < sizeof options / sizeof *options && strcmp(options[k].name, argv[i]) != 0) k++;
+        if (k == sizeof options / sizeof *options || !v) usage();
+        const option *o = &options[k];
+        long long n;
+        if (o->str) { *o->str = v; continue; }
+        if (parse_ll(v, strlen(v), o->max, &n) < 0 || n < o->min) {
+            fprintf(stderr, "ltg: %s needs a whole number from %lld to %lld, not \"%s\"\n", o->name, o->min, o->max, v);
+            exit(2);
         }
-        if (strcmp(o, "--config") == 0) S.config_path = v;
-        else if (strcmp(o, "--data") == 0) S.data_dir = v;
-        else if (strcmp(o, "--resolv-conf") == 0) S.resolv_conf = v;
-        else if (strcmp(o, "--ca-file") == 0) TLS.ca_file = v;
-        else if (strcmp(o, "--listen") == 0) snprintf(S.listen_addr, sizeof S.listen_addr, "%s", v);
-        else if (strcmp(o, "--admin-listen") == 0) snprintf(S.admin_addr, sizeof S.admin_addr, "%s", v);
-        else if (strcmp(o, "--max-conns") == 0) S.max_conns = (int)n;
-        else if (strcmp(o, "--max-conns-per-ip") == 0) S.max_per_ip = (int)n;
-        else if (strcmp(o, "--drain-seconds") == 0) S.drain_seconds = (int)n;
-        else if (strcmp(o, "--max-body-mb") == 0) S.max_body = n << 20;
-        else if (strcmp(o, "--cache-mb") == 0) S.cache_mb = n;
-        else if (strcmp(o, "--head-timeout") == 0) S.head_timeout_ms = (int)n * 1000;
-        else if (strcmp(o, "--idle-timeout") == 0) S.idle_timeout_ms = (int)n * 1000;
-        else if (strcmp(o, "--max-stream-seconds") == 0) S.max_stream_s = (int)n;
-        else if (strcmp(o, "--ledger-days") == 0 && n <= 3650) S.ledger_days = (int)n;
-        else if (strcmp(o, "--ledger-days") == 0) { fprintf(stderr, "ltg: --ledger-days is at most 3650 (ten years), not %s\n", v); return 2; }
-        else usage();
-        i++;
+        if (o->i) *o->i = (int)(n * o->scale);
+        else *o->ll = n * o->scale;
     }
-    if (!S.config_path) usage();
-    signal(SIGPIPE, SIG_IGN);
-    rng_seed();
-    S.now = clock_ms();
+}
 
-    char err[512];
-    S.cat = catalog_load(S.config_path, NULL, err, sizeof err);
-    if (!S.cat || tls_prepare(S.cat, err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
-    if (!S.data_dir) { fprintf(stderr, "ltg: --data DIR is required: the directory that keeps token groups, keys and the ledger\n"); return 2; }
-    if (mkdir_p(S.data_dir) < 0) {
-        fprintf(stderr, "ltg: --data %s: cannot create it: %s (create it, or give a directory ltg may write)\n", S.data_dir, strerror(errno));
-        return 1;
-    }
+/* --data: made if missing, locked against a second ltg, the state log
+ * replayed, the ledger opened (section 13) and the budgets summed from
+ * it. 0, or LTG_ERR with a message for the operator. */
+static int state_open(char *err, size_t errlen) {
     char lock[PATH_MAX];
+    if (mkdir_p(S.data_dir) < 0) {
+        snprintf(err, errlen, "--data %s: cannot create it: %s (create it, or give a directory ltg may write)", S.data_dir, strerror(errno));
+        return LTG_ERR;
+    }
     snprintf(lock, sizeof lock, "%s/lock", S.data_dir);
-    int lock_fd = open(lock, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    int lock_fd = open(lock, O_RDWR | O_CREAT | O_CLOEXEC, 0600); /* held until ltg exits */
     if (lock_fd < 0 || flock(lock_fd, LOCK_EX | LOCK_NB) < 0) { /* two writers would interleave their records */
-        fprintf(stderr, "ltg: --data %s: %s\n", S.data_dir, lock_fd < 0 ? strerror(errno) : "another ltg is using this directory");
-        return 1;
+        snprintf(err, errlen, "--data %s: %s", S.data_dir, lock_fd < 0 ? strerror(errno) : "another ltg is using this directory");
+        return LTG_ERR;
     }
     store_init();
     snprintf(LOG.tmp, sizeof LOG.tmp, "%.200s/state.log.tmp", S.data_dir);
     unlink(LOG.tmp); /* a compaction that a crash interrupted: the old file is whole */
-    if (log_open(&LOG.f, S.data_dir, "state.log", LOG_MAGIC, store_apply, NULL, err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
+    if (log_open(&LOG.f, S.data_dir, "state.log", LOG_MAGIC, store_apply, NULL, err, errlen) < 0) return LTG_ERR;
     int64_t now = wall_ms();
     LOG.last_compaction = now;
-    if (ledger_open(S.data_dir, now, err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
+    if (ledger_open(S.data_dir, now, err, errlen) < 0) return LTG_ERR;
     budget_rebuild(now);
     ledger_replays(now - IDEM_TTL_MS, inf_idem_restore);
     CACHE.limit = (size_t)S.cache_mb << 20;
     long long events = 0;
     for (int i = 0; i < LG.nseg; i++) events += seg_count(LG.seg[i]);
     ltg_log("state: %d token group(s), %d token key(s); ledger: %lld spend event(s) in %d day(s), kept %d days", ST.gv.live, ST.kv.live, events, LG.nseg, S.ledger_days);
+    return 0;
+}
 
-    /* Room for every client with one upstream connection, as many idempotent
-     * requests whose clients left, the control plane, and a margin. */
+/* The fd table: room for every client with one upstream connection, as
+ * many idempotent requests whose clients left, the control plane, and a
+ * margin; a lower hard limit lowers the caps to fit. */
+static void fds_budget(void) {
     struct rlimit rl;
     getrlimit(RLIMIT_NOFILE, &rl);
     S.max_admin = S.max_conns < ADMIN_MAX_CONNS ? S.max_conns : ADMIN_MAX_CONNS;
@@ -7735,7 +7793,24 @@ int main(int argc, char **argv) {
     if (S.max_per_ip > S.max_conns) S.max_per_ip = S.max_conns;
     S.fds = xcalloc((size_t)S.nfds_cap, sizeof *S.fds);
     S.pfds = xcalloc((size_t)S.nfds_cap, sizeof *S.pfds);
+}
 
+int main(int argc, char **argv) {
+    char err[512];
+    const char *why;
+    options_parse(argc, argv);
+    if (!S.config_path) usage();
+    if (!S.data_dir) { fprintf(stderr, "ltg: --data DIR is required: the directory that keeps token groups, keys and the ledger\n"); return 2; }
+    signal(SIGPIPE, SIG_IGN);
+    rng_seed();
+    S.now = clock_ms();
+    S.cat = catalog_load(S.config_path, NULL, err, sizeof err);
+    if (!S.cat || tls_prepare(S.cat, err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
+    /* The ports first: a busy one stops ltg before it touches --data. */
+    if ((S.listen_fd = listen_on(S.listen_addr, &why)) < 0) { fprintf(stderr, "ltg: --listen %s: %s\n", S.listen_addr, why); return 1; }
+    if ((S.admin_fd = listen_on(S.admin_addr, &why)) < 0) { fprintf(stderr, "ltg: --admin-listen %s: %s\n", S.admin_addr, why); return 1; }
+    if (state_open(err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
+    fds_budget();
     if (pipe2(S.sig_pipe, O_NONBLOCK | O_CLOEXEC) < 0) { perror("ltg: pipe"); return 1; }
     loop_watch(S.sig_pipe[0], POLLIN, sig_pipe_read, NULL);
     struct sigaction sa = {0};
@@ -7745,21 +7820,14 @@ int main(int argc, char **argv) {
     timer_init(&accept_pause, accept_resume, NULL);
     timer_init(&drain_timer, drain_expired, NULL);
     dns_init();
-
-    const char *why;
-    if ((S.listen_fd = listen_on(S.listen_addr, &why)) < 0) { fprintf(stderr, "ltg: --listen %s: %s\n", S.listen_addr, why); return 1; }
-    if ((S.admin_fd = listen_on(S.admin_addr, &why)) < 0) { fprintf(stderr, "ltg: --admin-listen %s: %s\n", S.admin_addr, why); return 1; }
     loop_watch(S.listen_fd, POLLIN, listener_accept, &S.listen_fd);
     loop_watch(S.admin_fd, POLLIN, listener_accept, &S.admin_fd);
-    ltg_log("listening on %s (inference) and %s (admin); %d provider(s), %d model(s)", S.listen_addr, S.admin_addr,
-            S.cat->nprov, S.cat->nmodels);
-
+    ltg_log("listening on %s (inference) and %s (admin); %d provider(s), %d model(s)", S.listen_addr, S.admin_addr, S.cat->nprov, S.cat->nmodels);
     loop_run();
     ledger_sync(NULL);
     const char *lost;
     if (!ledger_writable(&lost)) ltg_log("stopping with spend events that could not be written (%s): they are lost", lost);
-    if (TLS.full + TLS.resumed)
-        ltg_log("TLS handshakes: %llu full, %llu resumed", (unsigned long long)TLS.full, (unsigned long long)TLS.resumed);
+    if (TLS.full + TLS.resumed) ltg_log("TLS handshakes: %llu full, %llu resumed", (unsigned long long)TLS.full, (unsigned long long)TLS.resumed);
     ltg_log("stopped");
     return 0;
 }
