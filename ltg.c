@@ -64,6 +64,7 @@
 #include "ltg.h"
 
 #include <arpa/inet.h>
+#include <assert.h>
 #include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
@@ -120,8 +121,6 @@
 #define DNS_MAX_TTL_S 3600
 
 typedef struct timer timer;
-typedef struct conn conn;
-typedef struct upstream upstream;
 typedef struct exchange exchange;
 typedef struct provider provider;
 typedef struct model model;
@@ -158,6 +157,9 @@ static struct {
     long long cache_mb;
 
     /* the loop */
+    loop_hooks hooks;         /* what the loop calls (ltg.h): set by main */
+    server_serve *serve;      /* what the server hands each request to: route() */
+    upstream *(*up_open)(provider *p, void *owner, upstream_event *event, const char *req, size_t n); /* up_start(); a test's fake */
     int64_t now;              /* monotonic ms, cached once per loop turn */
     fd_watch *fds;            /* indexed by fd */
     int nfds_cap, fd_high;    /* table size; highest watched fd + 1 */
@@ -1159,6 +1161,11 @@ int sse_event_data(const char *ev, size_t n, buf *out) {
  * Timers live in a binary min-heap; each knows its slot, so stopping one is
  * O(log n). Signals reach the loop through a self-pipe, never by
  * interrupting it at an unknown point.
+ *
+ * The loop knows nothing of what it runs: each turn it calls the
+ * before-sleep hooks it was given (S.hooks, loop_hooks in ltg.h: the
+ * server's flush, then the store's turn), after each poll the `woke` hook
+ * (signals), and `done` says when to return.
  */
 static int *fds_to_close;
 static int nclose, close_cap;
@@ -1243,23 +1250,16 @@ static void on_signal(int sig) {
     errno = saved;
 }
 
-static void conn_flush_all(void);
-static void conn_reap(void);
-static int store_tick(void);
-static void loop_signals(void);
-static int loop_should_exit(void);
-
+/* The loop (see loop_hooks in ltg.h). */
 static void loop_run(void) {
     for (;;) {
         S.now = clock_ms();
         timers_run();
-        conn_flush_all();
-        conn_reap();
+        int busy = 0; /* work remains (a compaction): poll without sleeping */
+        for (int i = 0; i < 4 && S.hooks.before_sleep[i]; i++) busy |= S.hooks.before_sleep[i]();
         for (int i = 0; i < nclose; i++) close(fds_to_close[i]);
         nclose = 0;
-        if (loop_should_exit()) return;
-        int busy = store_tick(); /* a compaction in progress: poll without sleeping */
-
+        if (S.hooks.done && S.hooks.done()) return;
         int n = 0;
         for (int fd = 0; fd < S.fd_high; fd++) /* an fd that wants nothing is not polled at all: poll() costs per fd */
             if (S.fds[fd].handler && S.fds[fd].events) S.pfds[n++] = (struct pollfd){fd, S.fds[fd].events, 0};
@@ -1277,7 +1277,7 @@ static void loop_run(void) {
             fd_watch *w = &S.fds[S.pfds[i].fd];
             if (w->handler) w->handler(w->ctx, S.pfds[i].revents); /* NULL: unwatched earlier this turn */
         }
-        loop_signals();
+        if (S.hooks.woke) S.hooks.woke();
     }
 }
 
@@ -2259,15 +2259,16 @@ static int tls_pump(tls_conn *t, int fd, const char *out, size_t outlen, size_t 
  *
  *   RESOLVING -> CONNECTING -> SENDING -> READING -> (pool) IDLE -> SENDING ...
  *
- * It knows nothing of retries or clients. It reports to its exchange through
- * exchange_upstream(), which reads the connection's state: `have_head`, the
- * decoded body bytes in `body`, `complete`, or `failed` with `err`. Failures
+ * It knows nothing of retries or clients. It reports to its owner (an
+ * exchange) through the event hook it was started with (upstream_event,
+ * ltg.h), which reads the connection's state: `have_head`, the decoded body
+ * bytes in `body`, `complete`, or `failed` with `err`. Failures
  * are always reported on the next loop turn (through the connection's
  * timer), never from inside the call that caused them, so an exchange that
  * starts an attempt is never re-entered half-built.
  *
  * What a failure means for a retry depends on how far the request got, so
- * the connection records it: `wrote` (bytes of the request the kernel took)
+ * the connection records it: `wrote` (bytes of the request handed on)
  * and `got_bytes` (anything came back). Nothing written means nothing
  * reached the provider.
  *
@@ -2276,9 +2277,9 @@ static int tls_pump(tls_conn *t, int fd, const char *out, size_t outlen, size_t 
  * POOL_IDLE_MS. An idle connection is not polled: poll() costs time for
  * every fd on every turn, and a burst can leave dozens idle. Instead it is
  * checked with a non-blocking MSG_PEEK before reuse, so one the provider
- * closed in the meantime is dropped and never written to. (TLS, when it
- * comes, is a layer between this code and the socket: up_write and up_read
- * are where it slots in.)
+ * closed in the meantime is dropped and never written to. Over TLS
+ * (section 8) the engine sits between this code and the socket: up_write
+ * and up_read hand bytes to tls_pump() instead of the kernel.
  */
 typedef enum { UP_RESOLVING, UP_CONNECTING, UP_SENDING, UP_READING, UP_IDLE } up_state;
 
@@ -2287,9 +2288,10 @@ struct upstream {
     int fd;
     up_state state;
     provider *p;
-    exchange *x;        /* the request it serves; NULL while idle */
+    void *owner;        /* the request it serves (an exchange); NULL while idle */
+    upstream_event *event; /* how it tells the owner of news (ltg.h) */
     buf out;            /* the request */
-    size_t wrote;       /* bytes of `out` the kernel accepted */
+    size_t wrote;       /* bytes of `out` handed on: to the kernel, or over TLS to the engine */
     buf in;             /* bytes from the provider not yet parsed */
     size_t scan;        /* http_head_end's resume point */
     buf head;           /* the response head; `resp` points into it */
@@ -2306,7 +2308,6 @@ struct upstream {
     char err[200];
 };
 
-static void exchange_upstream(exchange *x);
 
 static upstream **up_wait_link(upstream *u) { return &u->link; }
 
@@ -2324,7 +2325,7 @@ static void up_notify(void *ctx) {
     upstream *u = ctx;
     if (u->eof_pending) { /* see up_tls() */
         u->eof_pending = 0;
-        if (up_eof(u)) loop_events(u->fd, 0), exchange_upstream(u->x);
+        if (up_eof(u)) loop_events(u->fd, 0), u->event(u->owner);
         return; /* or up_eof() failed it: the failure is reported on the next turn */
     }
     if (u->state == UP_IDLE) { /* the pool's idle timeout */
@@ -2341,7 +2342,7 @@ static void up_notify(void *ctx) {
         snprintf(u->err, sizeof u->err, "TLS handshake with %s timed out", u->p->host);
         u->failed = 1;
     }
-    exchange_upstream(u->x);
+    u->event(u->owner);
 }
 
 /* Record a failure; the exchange hears of it on the next loop turn. */
@@ -2485,7 +2486,7 @@ static void up_tls(upstream *u) {
     if (r == PUMP_EOF && got && !u->complete) u->eof_pending = 1, timer_set(&u->t, 0); /* the data first, the EOF next turn */
     if (u->state == UP_READING && (got || u->complete)) {
         if (u->complete) loop_events(u->fd, 0);
-        exchange_upstream(u->x);
+        u->event(u->owner);
     }
 }
 
@@ -2510,7 +2511,7 @@ static void up_read(upstream *u) {
         return;
     }
     if (u->complete) loop_events(u->fd, 0);
-    exchange_upstream(u->x);
+    u->event(u->owner);
 }
 
 static void up_io(void *ctx, int revents) {
@@ -2554,9 +2555,10 @@ static upstream *pool_take(provider *p) {
     return NULL;
 }
 
-/* Start sending `req` (n bytes) to provider p for exchange x. Never fails
- * synchronously: a failure is reported to x on the next turn. */
-static upstream *up_start(provider *p, exchange *x, const char *req, size_t n) {
+/* Start sending `req` (n bytes) to provider p for `owner`, told of news
+ * through event(owner). Never fails synchronously: a failure is reported
+ * on the next turn. */
+static upstream *up_start(provider *p, void *owner, upstream_event *event, const char *req, size_t n) {
     upstream *u = pool_take(p);
     if (u) {
         u->reused = 1;
@@ -2569,7 +2571,7 @@ static upstream *up_start(provider *p, exchange *x, const char *req, size_t n) {
         u->p = p;
         timer_init(&u->t, up_notify, u);
     }
-    u->x = x;
+    u->owner = owner, u->event = event;
     buf_append(&u->out, req, n);
     if (u->reused) {
         u->state = UP_SENDING;
@@ -2603,7 +2605,7 @@ static void up_release(upstream *u) {
     if (u->leftover) ltg_log("%s sent bytes after its answer: connection closed, not pooled", p->host);
     if (!reusable) { up_free(u); return; }
     u->state = UP_IDLE;
-    u->x = NULL;
+    u->owner = NULL;
     u->body.len = 0;
     loop_events(u->fd, 0);
     timer_set(&u->t, POOL_IDLE_MS);
@@ -5248,9 +5250,13 @@ static int store_tick(void) {
  *
  * The current request's head stays at the front of `in` while it is served
  * (the parsed header slices point into it); its body is decoded into
- * `body`. When the answer is complete, conn_done() drops those bytes, and
- * whatever follows in `in` is the next pipelined request. A request is
- * served only when the one before it is answered, so answers leave in order.
+ * `body`. The server hands it to S.serve (route, section 18); an answer
+ * given over several turns has an owner, told when the client goes or has
+ * read what waited (conn_owner, ltg.h). When the answer is complete,
+ * conn_done() drops the request's bytes, and whatever follows in `in` is
+ * the next pipelined request, parsed by conn_process()'s loop or after the
+ * next flush -- never from inside a reply. A request is served only when
+ * the one before it is answered, so answers leave in order.
  *
  * One timer per connection means one of three things, by state: the idle
  * keep-alive limit (no bytes of a next request), the head limit (counted
@@ -5301,7 +5307,8 @@ struct conn {
     int64_t state_at;         /* S.now: when its state began (shedding takes the oldest) */
     uint64_t served;          /* requests answered: one that had none yet is new, not idle */
     struct peer *peer;        /* its client address, counted (inference connections) */
-    exchange *x;              /* the inference request being served */
+    void *owner;              /* what serves the current request over several turns (an exchange), or NULL */
+    const conn_owner *owner_ops; /* and how it is told of the client (ltg.h) */
     char rid[32];             /* the current request's id */
     conn *next_pending, *next_closing;
 };
@@ -5343,9 +5350,6 @@ static void episode_note(episode *e) {
 
 static void admin_error(conn *c, int status, const char *code, const char *pointer, long long current_version, const char *detail);
 
-static void route(conn *c);
-static void exchange_abort(exchange *x);
-static void exchange_drained(exchange *x);
 
 static void conn_watch(conn *c) {
     if (!c->closing) loop_events(c->fd, (short)((c->read_paused ? 0 : POLLIN) | (c->want_out ? POLLOUT : 0)));
@@ -5355,8 +5359,8 @@ static void conn_close(conn *c) {
     if (c->closing) return;
     c->closing = 1;
     timer_stop(&c->t);
-    if (c->x) exchange_abort(c->x);
-    c->x = NULL;
+    if (c->owner) c->owner_ops->gone(c->owner); /* it lets go of c */
+    c->owner = NULL;
     loop_close(c->fd);
     if (c->prev) c->prev->next = c->next;
     else conns = c->next;
@@ -5419,7 +5423,7 @@ static void conn_flush(conn *c) {
     if (c->close_after && c->linger && !c->lingering) { conn_linger(c); return; }
     if (c->close_after) { conn_close(c); return; }
     conn_watch(c);
-    if (c->x) exchange_drained(c->x);
+    if (c->owner) c->owner_ops->drained(c->owner);
     else conn_process(c); /* serving may have stopped while the client did not read */
 }
 
@@ -5433,6 +5437,14 @@ static void conn_flush_all(void) {
 }
 
 static size_t conn_unsent(conn *c) { return c->out.len - c->out_off; }
+
+/* The server's step before the loop sleeps (loop_hooks): the turn's
+ * answers are written, closed connections freed. */
+static int conn_tick(void) {
+    conn_flush_all();
+    conn_reap();
+    return 0;
+}
 
 static const char *http_reason(int status) {
     switch (status) {
@@ -5489,6 +5501,8 @@ static int method_is(conn *c, const char *m) {
     return c->req.method.len == strlen(m) && memcmp(c->in.p + c->req.method.off, m, c->req.method.len) == 0;
 }
 
+static void conn_arm_timer(conn *c);
+
 /* The current request is answered: make room for the next one. */
 static void conn_done(conn *c) {
     buf_consume(&c->in, c->head_len + c->body_raw);
@@ -5512,7 +5526,8 @@ static void conn_done(conn *c) {
         timer_set(&c->t, S.idle_timeout_ms);
         return;
     }
-    conn_process(c);
+    conn_send(c, "", 0); /* the next request is parsed after the flush, on the server's own turn: a reply never re-enters the parser */
+    conn_arm_timer(c);   /* meanwhile: the idle limit, or a head's if one is in */
 }
 
 /* A whole answer with a body. */
@@ -5605,7 +5620,7 @@ static void conn_arm_timer(conn *c) {
 
 /* Parse and serve as many buffered requests as may be served now. */
 static void conn_process(conn *c) {
-    if (c->processing) return; /* a caller up the stack is already looping */
+    assert(!c->processing); /* see conn_done: nothing up the stack is parsing this connection */
     c->processing = 1;
     while (!c->closing && c->state != CONN_BUSY && !c->close_after && conn_unsent(c) < OUT_HIGH_WATER) {
         if (c->state == CONN_HEAD) {
@@ -5642,7 +5657,7 @@ static void conn_process(conn *c) {
         }
         if (!c->body.p) buf_reserve(&c->body, 0);
         c->state = CONN_BUSY, c->state_at = S.now;
-        route(c);
+        S.serve(c);
     }
     c->processing = 0;
     if (c->closing) return;
@@ -6634,7 +6649,10 @@ static void exchange_free(exchange *x) {
 static void exchange_end(exchange *x) {
     conn *c = x->c;
     exchange_free(x);
-    if (c) c->x = NULL, conn_done(c);
+    if (c) {
+        c->owner = NULL;
+        conn_done(c);
+    }
 }
 
 /* The x-ltg headers every chat and embeddings answer carries (API.md 4.1). */
@@ -6679,7 +6697,7 @@ static void attempt_log(exchange *x, int status, attempt_outcome o, const char *
     int ms = o == OUTCOME_CIRCUIT_OPEN ? 0 : (int)(S.now - x->attempt_started);
     attempt_entry *e = &x->log[x->nlog++];
     *e = (attempt_entry){x->plan.model, x->plan.attempt, status, o, ms, ""};
-    if (why) snprintf(e->error, sizeof e->error, "%s", why);
+    if (why) snprintf(e->error, sizeof e->error, "%.99s", why);
 }
 
 /* Send one piece of the stream as an HTTP chunk (and keep it for a replay). */
@@ -6854,6 +6872,7 @@ static void exchange_relay(exchange *x) {
 }
 
 static void exchange_attempt(exchange *x);
+static void exchange_upstream(void *owner);
 
 /* How an attempt ended, as the exchange saw it. */
 typedef struct {
@@ -6986,7 +7005,7 @@ static void exchange_attempt(exchange *x) {
     x->attempts++;
     x->attempt_started = S.now;
     if (x->rp.request_timeout_ms > 0) timer_set(&x->t, x->rp.request_timeout_ms);
-    x->u = up_start(exchange_model(x)->p, x, x->req.p, x->req.len);
+    x->u = S.up_open(exchange_model(x)->p, x, exchange_upstream, x->req.p, x->req.len);
 }
 
 /* `t` fired: what it means is the exchange's state. */
@@ -7086,13 +7105,15 @@ static void exchange_relay_stream(exchange *x) {
 }
 
 /* The client has read what was waiting: resume the provider. */
-static void exchange_drained(exchange *x) {
+static void exchange_drained(void *owner) {
+    exchange *x = owner;
     if (x->u && x->u->paused) up_pause(x->u, 0);
 }
 
 /* News from the upstream connection (section 9): an attempt's result, or
  * more of a stream. */
-static void exchange_upstream(exchange *x) {
+static void exchange_upstream(void *owner) {
+    exchange *x = owner;
     upstream *u = x->u;
     if (u->failed && x->state == X_RELAYING) { stream_broken(x, u->err); return; } /* no failover once it started */
     if (u->failed) { attempt_end(x, &(attempt_result){u->have_head ? u->resp.status : 0, u->wrote > 0 || u->have_head, u->err, 0, 0}); return; }
@@ -7116,8 +7137,9 @@ static void exchange_upstream(exchange *x) {
  * request is cancelled -- the running attempt is logged as cut, not ended:
  * nothing follows from it -- with one it runs on, and its answer waits for
  * the client's retry. */
-static void exchange_abort(exchange *x) {
-    x->c->x = NULL;
+static void exchange_abort(void *owner) {
+    exchange *x = owner;
+    x->c->owner = NULL;
     x->c = NULL;
     if (x->idem && S.ndetached < S.max_conns) { /* it runs on alone (bounded: each holds an fd) */
         x->detached = 1, S.ndetached++;
@@ -7130,6 +7152,9 @@ static void exchange_abort(exchange *x) {
     else exchange_settle(x, 499, EV_FAILED, -1, 0, NULL, 0); /* 499: nginx's "client closed the request" */
     exchange_free(x);
 }
+
+/* The exchange as its client connection's owner (ltg.h). */
+static const conn_owner exchange_owner = {exchange_abort, exchange_drained};
 
 /* An idempotent request's first answer, again (API.md 4.4), read back
  * from its spend event. */
@@ -7431,7 +7456,7 @@ static void inference_start(admission *a, const char *upstream_path) {
     cache_entry *hit = x->cache_mode == CACHE_MISS ? cache_get(x->cache_key) : NULL;
     if (!hit) {
         timer_set(&x->deadline, a->deadline_ms);
-        a->c->x = x;
+        a->c->owner = x, a->c->owner_ops = &exchange_owner;
         exchange_attempt(x);
         return;
     }
@@ -7811,6 +7836,8 @@ int main(int argc, char **argv) {
     if ((S.admin_fd = listen_on(S.admin_addr, &why)) < 0) { fprintf(stderr, "ltg: --admin-listen %s: %s\n", S.admin_addr, why); return 1; }
     if (state_open(err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
     fds_budget();
+    S.hooks = (loop_hooks){{conn_tick, store_tick}, loop_signals, loop_should_exit};
+    S.serve = route, S.up_open = up_start;
     if (pipe2(S.sig_pipe, O_NONBLOCK | O_CLOEXEC) < 0) { perror("ltg: pipe"); return 1; }
     loop_watch(S.sig_pipe[0], POLLIN, sig_pipe_read, NULL);
     struct sigaction sa = {0};

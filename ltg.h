@@ -10,8 +10,9 @@
  *     (offset + length) into the caller's buffer.
  *   - A parser returns the number of bytes it consumed (>= 0), LTG_AGAIN when
  *     it needs more input, or LTG_ERR when the input is invalid. After
- *     LTG_ERR the parser's state says why (a status or a message) and every
- *     later call keeps failing: errors are sticky.
+ *     LTG_ERR its state says why (a status or a message). The chunked
+ *     decoder's error is sticky (every later call fails); the head parsers
+ *     take a whole head each call and hold nothing between calls.
  */
 #ifndef LTG_H
 #define LTG_H
@@ -235,5 +236,43 @@ long backoff_ms(int backoff, int delay_ms, int n, unsigned jitter_permille);
 /* A Retry-After value (delta-seconds or an HTTP date) in ms from `now`
  * (seconds since the epoch); -1 when it is neither. */
 long retry_after_ms(const char *v, size_t n, long long now);
+
+/* ===== The engine's hooks =====
+ * ltg.c's engine -- the event loop (section 5), the HTTP/1.1 server (15)
+ * and the upstream client (9) -- knows nothing of groups, budgets or
+ * ledgers: it calls the gateway only through these, which the gateway sets
+ * once at start-up (Redis's aeSetBeforeSleepProc, not calls by name). */
+typedef struct conn conn;
+typedef struct upstream upstream;
+
+typedef struct {
+    /* Each turn, in order, before the loop sleeps in poll(): flush what is
+     * pending, write the turn's records... One returns 1 when work remains
+     * that should not wait for an event: the loop then polls without
+     * sleeping. */
+    int (*before_sleep[4])(void);
+    void (*woke)(void);  /* after each poll: act on the signals that came */
+    int (*done)(void);   /* 1: loop_run() returns */
+} loop_hooks;
+
+/* The server hands every request whose head and body are in to serve(c).
+ * It answers, now or from a later turn, with the server's reply functions,
+ * which end the request (conn_done): the server then parses the next
+ * pipelined request on its own turn -- replying never re-enters the
+ * parser. */
+typedef void server_serve(conn *c);
+
+/* A request served over several turns has an owner (the inference
+ * exchange); the server tells it: */
+typedef struct {
+    void (*gone)(void *owner);    /* the client left: let go of the connection, now */
+    void (*drained)(void *owner); /* the client has read all that waited for it */
+} conn_owner;
+
+/* An upstream connection tells its owner of news -- its answer's head,
+ * more of the body, the end, a failure -- by calling event(owner), which
+ * reads the connection's state. Never from inside the call that started or
+ * released it: a failure is reported on a later turn. */
+typedef void upstream_event(void *owner);
 
 #endif

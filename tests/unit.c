@@ -1048,6 +1048,117 @@ static void test_compaction_on_time(void) {
     store_reset();
 }
 
+/* ---- an exchange against a fake upstream (the seam of ltg.h) ---- */
+
+static upstream *fake_ups[8];
+static int nfake;
+
+static upstream *fake_open(provider *p, void *owner, upstream_event *event, const char *req, size_t n) {
+    upstream *u = xcalloc(1, sizeof *u);
+    u->fd = -1, u->p = p, u->owner = owner, u->event = event, u->state = UP_READING;
+    timer_init(&u->t, up_notify, u);
+    buf_append(&u->out, req, n);
+    if (nfake < 8) fake_ups[nfake] = u;
+    nfake++;
+    return u;
+}
+
+/* The fake's answer: a status and a whole body, then the news. */
+static void fake_answer(upstream *u, int status, const char *body) {
+    u->have_head = 1, u->resp.status = status, u->complete = 1, u->wrote = u->out.len;
+    buf_puts(&u->body, body);
+    u->event(u->owner);
+}
+
+static exchange *fake_exchange(catalog *cat, int max_attempts, long long deadline_ms) {
+    exchange *x = xcalloc(1, sizeof *x);
+    x->cat = cat, cat->refs++, S.nexchanges++;
+    snprintf(x->rid, sizeof x->rid, "req_unit");
+    memcpy(x->group_id, unit_id('g', 9), 37), memcpy(x->key_id, unit_id('k', 9), 37);
+    x->chain[0] = catalog_model(cat, "A", 1), x->chain[1] = catalog_model(cat, "B", 1), x->nchain = 2;
+    buf_puts(&x->body, "{\"model\":\"A\"}");
+    x->edit[x->nedit++] = (body_edit){9, 12, NULL};
+    x->rp = (retry_policy){max_attempts, 100, BACKOFF_CONSTANT, 0};
+    x->deadline_ms = deadline_ms, x->plan = plan_start(2, max_attempts), x->started = S.now;
+    timer_init(&x->deadline, exchange_deadline, x), timer_init(&x->t, exchange_timer, x);
+    timer_set(&x->deadline, deadline_ms);
+    return x;
+}
+
+/* The last spend event's JSON. */
+static void last_event(buf *out) {
+    segment *s = LG.seg[LG.nseg - 1];
+    seg_view v;
+    buf rec = {0};
+    rec_view rv;
+    out->len = 0;
+    if (view_open(&v, s, 0, NULL, UINT32_MAX) > 0 && view_record(&v, (uint32_t)s->mem.n - 1, &rec, &rv) == 0) buf_append(out, rv.event, rv.event_len);
+    view_close(&v), buf_free(&rec);
+}
+
+static void test_exchange_fake(void) {
+    char err[512], cmd[1400];
+    snprintf(ledger_data, sizeof ledger_data, "%s/exchange", unit_dir);
+    snprintf(cmd, sizeof cmd, "rm -rf %s && mkdir -p %s", ledger_data, ledger_data);
+    CHECK(system(cmd) == 0, "mkdir");
+    S.now = 5000000;
+    CHECK(unit_reopen_ledger(wall_ms(), err) == 0, "ledger: %s", err);
+    catalog *cat = load("{\"providers\":{\"p\":{\"base_url\":\"http://127.0.0.1:1/v1\"}},\"models\":{"
+                        "\"A\":{\"provider\":\"p\",\"upstream_model\":\"a\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1},"
+                        "\"B\":{\"provider\":\"p\",\"upstream_model\":\"b\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}", err);
+    CHECK(cat != NULL, "catalog: %s", err);
+    if (!cat) return;
+    S.cat = cat, S.up_open = fake_open;
+    buf ev = {0};
+    /* 503 on A (indeterminate): the next model at once; B answers. */
+    nfake = 0;
+    exchange *x = fake_exchange(cat, 2, 10000);
+    exchange_attempt(x);
+    CHECK(nfake == 1 && strstr(fake_ups[0]->out.p, "\"model\":\"a\""), "the first attempt goes to A, renamed");
+    fake_answer(fake_ups[0], 503, "{\"error\":{}}");
+    CHECK(nfake == 2 && strstr(fake_ups[1]->out.p, "\"model\":\"b\"") && x->state == X_ATTEMPTING, "503 is indeterminate: B at once");
+    fake_answer(fake_ups[1], 200, "{\"choices\":[{}],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":2}}");
+    last_event(&ev);
+    CHECK(strstr(ev.p, "\"attempts\":2") && strstr(ev.p, "\"outcome\":\"indeterminate\"") && strstr(ev.p, "\"model\":\"B\",\"attempt\":1,\"status\":200,\"outcome\":\"ok\"") &&
+          strstr(ev.p, "\"status\":\"succeeded\""), "the event: %s", ev.p);
+    /* 429 (no work): the same model after the backoff, on the timer. */
+    nfake = 0;
+    x = fake_exchange(cat, 2, 10000);
+    exchange_attempt(x);
+    fake_answer(fake_ups[0], 429, "{}");
+    CHECK(nfake == 1 && x->state == X_BACKOFF && x->t.slot >= 0, "429: waiting the backoff");
+    S.now += 200;
+    timers_run();
+    CHECK(nfake == 2 && x->state == X_ATTEMPTING && strstr(fake_ups[1]->out.p, "\"model\":\"a\""), "then A again");
+    fake_answer(fake_ups[1], 400, "{\"error\":{\"message\":\"bad\"}}");
+    last_event(&ev);
+    CHECK(strstr(ev.p, "\"outcome\":\"no_work\"") && strstr(ev.p, "\"outcome\":\"terminal\"") && strstr(ev.p, "\"status\":\"failed\"") &&
+          strstr(ev.p, "\"http_status\":400"), "429 then a terminal 400: %s", ev.p);
+    /* A provider that never answers: cut at the deadline, nothing after it. */
+    nfake = 0;
+    x = fake_exchange(cat, 1, 3000);
+    exchange_attempt(x);
+    fake_ups[0]->wrote = fake_ups[0]->out.len;
+    S.now += 3000;
+    timers_run();
+    last_event(&ev);
+    CHECK(nfake == 1 && strstr(ev.p, "\"http_status\":504") && strstr(ev.p, "no answer within the deadline"), "the deadline: %s", ev.p);
+    /* A 200 that is not JSON: indeterminate, not a success. */
+    nfake = 0;
+    x = fake_exchange(cat, 1, 10000);
+    exchange_attempt(x);
+    fake_answer(fake_ups[0], 200, "<html>");
+    CHECK(nfake == 2, "a 200 that is not JSON moves to B");
+    fake_answer(fake_ups[1], 502, "{}");
+    last_event(&ev);
+    CHECK(strstr(ev.p, "not JSON") && strstr(ev.p, "\"http_status\":502"), "then every attempt failed: %s", ev.p);
+    CHECK(S.nexchanges == 0, "every exchange freed");
+    buf_free(&ev);
+    S.up_open = NULL, S.cat = NULL;
+    catalog_free(cat);
+    store_reset();
+}
+
 /* ---- the attempt plan ---- */
 
 static void test_plan(void) {
@@ -1297,6 +1408,7 @@ int main(void) {
     test_ledger_days();
     test_ledger_budgets();
     test_ledger_migration();
+    test_exchange_fake();
     char cmd[400];
     snprintf(cmd, sizeof cmd, "rm -rf %s", unit_dir);
     CHECK(system(cmd) == 0, "cleanup");
