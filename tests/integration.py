@@ -1002,6 +1002,7 @@ def test(name, ltg_args=(), fresh=False, needs=None):
     needs outside ltg, or raises TestSkip."""
     def deco(fn):
         TESTS.append((name, fn, tuple(ltg_args), fresh, needs))
+        fn.test_module = fn.__module__      # main(only=...) runs one file's tests
         return fn
     return deco
 
@@ -3437,7 +3438,9 @@ class AuxSlot:
     def test(self, name, what):
         """A decorator: register test `name`, which runs fn(the Aux) with run()."""
         def deco(fn):
-            test(name)(lambda: self.run(fn, what))
+            runner = lambda: self.run(fn, what)
+            runner.__module__ = fn.__module__       # whose test it is, for main(only=...)
+            test(name)(runner)
             return fn
         return deco
 
@@ -3874,7 +3877,9 @@ def t_sdk():
 
 # ===== runner =====================================================================================
 
-def main():
+def main(only=None):
+    """Run every test (integration.py and each tests/integration_*.py), or only those of the
+    module `only` (a file run on its own: `python3 tests/integration_ledger.py --ltg ... --mock ...`)."""
     global H, VERBOSE, WRAP, SLOW
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ltg", required=True)
@@ -3894,11 +3899,13 @@ def main():
             return 1
 
     # More tests live in tests/integration_*.py (retries and fallback, the ledger...): they
-    # `import __main__` and register themselves with @test, sharing this harness.
+    # `import integration` (this file, the harness) and register themselves with @test. Run on
+    # its own, a file calls main(only=its module) and only its tests run.
     import glob
     import importlib
-    for path in sorted(glob.glob(os.path.join(HERE, "integration_*.py"))):
-        importlib.import_module(os.path.basename(path)[:-3])
+    if only is None:
+        for path in sorted(glob.glob(os.path.join(HERE, "integration_*.py"))):
+            importlib.import_module(os.path.basename(path)[:-3])
 
     passed = failed = skipped = 0
     prev_crashed = False     # the last test failed with ltg dead
@@ -3918,6 +3925,8 @@ def main():
             return 1
         for name, fn, ltg_args, fresh, needs in TESTS:
             if args.k and not any(k.lower() in name.lower() for k in args.k):
+                continue
+            if only is not None and fn.test_module != only:
                 continue
             try:
                 if needs:
@@ -3977,7 +3986,7 @@ def main():
                 failed += 1
         # Last: every ltg this run stopped (and the one still running) exited 0 on SIGTERM, and no
         # sanitizer complained (leaks are reported at exit).
-        if not args.k:
+        if not args.k and only is None:
             H.stop_ltg()
             problems = list(H.exit_problems)
             san = H.sanitizer_report(0)
@@ -4014,4 +4023,5 @@ def main():
 
 
 if __name__ == "__main__":
+    sys.modules["integration"] = sys.modules["__main__"]   # the files it loads `import integration`: this one, not a copy
     sys.exit(main())

@@ -21,7 +21,7 @@ these:
 Each test runs an ltg of its own (it.Aux) with short timeouts.
 """
 
-import __main__ as it
+import integration as it
 
 import json
 import os
@@ -224,3 +224,8 @@ def t_bounds_slowhttptest():
         a.stop()
     finally:
         a.close()
+
+
+if __name__ == "__main__":   # this file alone: python3 tests/integration_bounds.py --ltg ./ltg --mock tests/mock
+    import sys
+    sys.exit(it.main(only=__name__))

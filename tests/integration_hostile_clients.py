@@ -39,7 +39,7 @@ Timing bounds are wide (a 2-core machine, busy, and the ASan build); lower bound
 where ltg must wait (the 408).
 """
 
-import __main__ as it
+import integration as it
 
 import json
 import os
@@ -743,3 +743,8 @@ def t_detached_paused_stream():
           "the retry: %s, x-ltg-replayed %r (the stream did not run to its end)" % (r.brief(), r.header("x-ltg-replayed")))
     check(r.body.count(b"data: ") == 20000 + 2, "the replay holds %d data lines, want %d"
           % (r.body.count(b"data: "), 20000 + 2))
+
+
+if __name__ == "__main__":   # this file alone: python3 tests/integration_hostile_clients.py --ltg ./ltg --mock tests/mock
+    import sys
+    sys.exit(it.main(only=__name__))

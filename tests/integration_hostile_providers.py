@@ -35,7 +35,7 @@ name), whose connection pool only that one test uses. The stream-duration test s
 ltg with --max-stream-seconds 2.
 """
 
-import __main__ as it
+import integration as it
 
 import datetime
 import json
@@ -541,3 +541,8 @@ junk_test(2, 200)
 @it.test("hostile provider: its ltg exits 0 on SIGTERM, no sanitizer report in its log")
 def t_hp_zz_stop():
     _LTG.stop("no hostile-provider test ran")
+
+
+if __name__ == "__main__":   # this file alone: python3 tests/integration_hostile_providers.py --ltg ./ltg --mock tests/mock
+    import sys
+    sys.exit(it.main(only=__name__))

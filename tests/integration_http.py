@@ -16,7 +16,7 @@ these:
 6. --data whose parents do not exist is created.
 """
 
-import __main__ as it
+import integration as it
 
 import json
 import os
@@ -157,3 +157,8 @@ def t_http_data_parents():
         a.stop()
     finally:
         a.close()
+
+
+if __name__ == "__main__":   # this file alone: python3 tests/integration_http.py --ltg ./ltg --mock tests/mock
+    import sys
+    sys.exit(it.main(only=__name__))

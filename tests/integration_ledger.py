@@ -27,7 +27,7 @@ import struct
 import threading
 import time
 
-import __main__ as it
+import integration as it
 
 check = it.check
 
@@ -1365,3 +1365,8 @@ def t_ledger_torn():
         a.stop()
     finally:
         a.close()
+
+
+if __name__ == "__main__":   # this file alone: python3 tests/integration_ledger.py --ltg ./ltg --mock tests/mock
+    import sys
+    sys.exit(it.main(only=__name__))

@@ -30,7 +30,7 @@ upper bounds carry hundreds of ms of slack (jitter is at most +20 %), so that a 
 the sanitizer build does not make them flaky.
 """
 
-import __main__ as it
+import integration as it
 
 import datetime
 import json
@@ -309,34 +309,46 @@ def t_rt_healthy(a):
     check_attempt_list(e.get("attempt_log"), [(A, 1, 200, "ok")], "the ledger's attempt_log")
 
 
-@rtest("429 then ok: the same model again, x-ltg-attempts 2")
-def t_rt_429_then_ok(a):
-    A, B = fresh(2)
-    g = group(a, [A, B], {A: [B]}, {"max_attempts": 3, "retry_delay_ms": 50})
-    script(A, ["status=429", "ok"])
-    r = call(a, g, A)
-    check_headers(r, 200, 2, A)
-    check_served_body(r, A, "429 then ok")
-    check_calls({A: 2, B: 0}, "429 then ok")
-    e = ledger_event(a, g, r.header("x-ltg-request-id"))
-    check_attempt_list(e.get("attempt_log"), [(A, 1, 429, "no_work"), (A, 2, 200, "ok")], "the ledger's attempt_log")
+# The classic scenarios, one row each: the group's retries, what the mock answers A and B in turn,
+# the request's headers; then what the client must see (status, x-ltg-attempts, the model that
+# served), the attempt log (the ledger's), the calls each model got, and at most how long it took.
+SCENARIOS = [
+    ("429 then ok: the same model again, x-ltg-attempts 2", {"max_attempts": 3, "retry_delay_ms": 50},
+     {"A": ["status=429", "ok"]}, {}, 200, 2, "A", [("A", 1, 429, "no_work"), ("A", 2, 200, "ok")], {"A": 2, "B": 0}, None),
+    ("primary 503 with a healthy fallback: the primary called once, served by the fallback", {"max_attempts": 3, "retry_delay_ms": 0},
+     {"A": ["status=503", "ok", "ok"]}, {}, 200, 2, "B", [("A", 1, 503, "indeterminate"), ("B", 1, 200, "ok")], {"A": 1, "B": 1}, None),
+    ("unknown model (404 at the provider): the fallback serves", {"max_attempts": 3, "retry_delay_ms": 0},
+     {"A": ["status=404", "ok", "ok"]}, {}, 200, 2, "B", [("A", 1, 404, "unknown_model"), ("B", 1, 200, "ok")], {"A": 1, "B": 1}, None),
+    ("slow primary, tight x-ltg-request-timeout: the fallback serves, the primary is not retried",
+     {"max_attempts": 3, "retry_delay_ms": 0}, {"A": ["head_delay_ms=5000", "ok", "ok"]}, {"x-ltg-request-timeout": "500"},
+     200, 2, "B", [("A", 1, 0, "indeterminate", (400, 4000)), ("B", 1, 200, "ok")], {"A": 1, "B": 1}, 4.0),
+]
 
 
-@rtest("primary 503 with a healthy fallback: the primary called once, served by the fallback")
-def t_rt_503_fallback(a):
-    A, B = fresh(2)
-    g = group(a, [A, B], {A: [B]}, {"max_attempts": 3, "retry_delay_ms": 0})
-    script(A, ["status=503", "ok", "ok"])      # a retry of A would succeed: it must not be made
-    r = call(a, g, A)
-    check_headers(r, 200, 2, B)
-    check_served_body(r, B, "503 then fallback")
-    check_calls({A: 1, B: 1}, "503 then fallback")
-    e = ledger_event(a, g, r.header("x-ltg-request-id"))
-    check_attempt_list(e.get("attempt_log"), [(A, 1, 503, "indeterminate"), (B, 1, 200, "ok")],
-                       "the ledger's attempt_log")
-    check(e.get("model") == B and e.get("requested_model") == A and e.get("attempts") == 2,
-          "the spend event: model %r requested_model %r attempts %r" % (e.get("model"), e.get("requested_model"),
-                                                                       e.get("attempts")))
+def scenario(row):
+    name, policy, scripts, headers, status, attempts, served, want_log, want_calls, max_s = row
+
+    @rtest(name)
+    def run(a):
+        A, B = fresh(2)
+        names = {"A": A, "B": B}
+        g = group(a, [A, B], {A: [B]}, policy)
+        for k, steps in scripts.items():
+            script(names[k], steps)       # a later step would succeed: a call the plan forbids shows
+        r = call(a, g, A, headers=headers)
+        check_headers(r, status, attempts, names.get(served))
+        if served:
+            check_served_body(r, names[served], name)
+        check(max_s is None or r.elapsed < max_s, "%s: the answer took %.1f s (at most %.1f)" % (name, r.elapsed, max_s or 0))
+        check_calls({names[k]: n for k, n in want_calls.items()}, name)
+        e = ledger_event(a, g, r.header("x-ltg-request-id"))
+        check_attempt_list(e.get("attempt_log"), [(names[x[0]],) + tuple(x[1:]) for x in want_log], "the ledger's attempt_log")
+        check(e.get("model") == names.get(served) and e.get("requested_model") == A and e.get("attempts") == attempts,
+              "the spend event: model %r requested_model %r attempts %r" % (e.get("model"), e.get("requested_model"), e.get("attempts")))
+
+
+for _row in SCENARIOS:
+    scenario(_row)
 
 
 @rtest("every model down: the status of the last failure, error.attempts lists every attempt")
@@ -390,35 +402,6 @@ def t_rt_401(a):
     check(e["message"] == "mock error 401" and "attempts" not in e,
           "a terminal answer is the provider's own, relayed as it is: %r" % r.body[:300])
     check_calls({A: 1, B: 0}, "upstream 401")
-
-
-@rtest("unknown model (404 at the provider): the fallback serves")
-def t_rt_404_fallback(a):
-    A, B = fresh(2)
-    g = group(a, [A, B], {A: [B]}, {"max_attempts": 3, "retry_delay_ms": 0})
-    script(A, ["status=404", "ok", "ok"])
-    r = call(a, g, A)
-    check_headers(r, 200, 2, B)
-    check_served_body(r, B, "404 then fallback")
-    check_calls({A: 1, B: 1}, "404 then fallback")
-    e = ledger_event(a, g, r.header("x-ltg-request-id"))
-    check_attempt_list(e.get("attempt_log"), [(A, 1, 404, "unknown_model"), (B, 1, 200, "ok")],
-                       "the ledger's attempt_log")
-
-
-@rtest("slow primary, tight x-ltg-request-timeout: the fallback serves, the primary is not retried")
-def t_rt_slow_primary(a):
-    A, B = fresh(2)
-    g = group(a, [A, B], {A: [B]}, {"max_attempts": 3, "retry_delay_ms": 0})
-    script(A, ["head_delay_ms=5000", "ok", "ok"])
-    r = call(a, g, A, headers={"x-ltg-request-timeout": "500"})
-    check_headers(r, 200, 2, B)
-    check_served_body(r, B, "slow primary")
-    check(r.elapsed < 4.0, "the answer took %.1f s: the timeout (0.5 s) did not cut the slow primary (5 s)" % r.elapsed)
-    check_calls({A: 1, B: 1}, "slow primary")
-    e = ledger_event(a, g, r.header("x-ltg-request-id"))
-    check_attempt_list(e.get("attempt_log"), [(A, 1, 0, "indeterminate", (400, 4000)), (B, 1, 200, "ok")],
-                       "the ledger's attempt_log")
 
 
 # ===== every row of the outcome table =============================================================
@@ -1157,3 +1140,8 @@ def t_rt_headers(a):
 @it.test("retries: the retries ltg exits 0 on SIGTERM, no sanitizer report in its log")
 def t_rt_zz_stop():
     _LTG.stop("no retries test ran")
+
+
+if __name__ == "__main__":   # this file alone: python3 tests/integration_retries.py --ltg ./ltg --mock tests/mock
+    import sys
+    sys.exit(it.main(only=__name__))

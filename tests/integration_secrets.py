@@ -58,7 +58,7 @@ import socket
 import threading
 import time
 
-import __main__ as it
+import integration as it
 
 check = it.check
 
@@ -974,3 +974,8 @@ def t_secrets_sweep():
     _S["aux"] = None
     _S["main"] = None
     a.close()                     # fails on a sanitizer report in its log
+
+
+if __name__ == "__main__":   # this file alone: python3 tests/integration_secrets.py --ltg ./ltg --mock tests/mock
+    import sys
+    sys.exit(it.main(only=__name__))

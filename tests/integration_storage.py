@@ -14,7 +14,7 @@ record (framing and CRC-32 as ltg writes them). The disk-full test mounts a 4 Mi
 (root only: skipped with the reason otherwise), fills it, and frees it again.
 """
 
-import __main__ as it
+import integration as it
 
 import datetime
 import json
@@ -346,3 +346,8 @@ def t_storage_disk_full():
         a.close()
         subprocess.run(["umount", "-l", mnt])
         os.rmdir(mnt)
+
+
+if __name__ == "__main__":   # this file alone: python3 tests/integration_storage.py --ltg ./ltg --mock tests/mock
+    import sys
+    sys.exit(it.main(only=__name__))

@@ -51,7 +51,7 @@ Timing: the handshake deadline is ltg's connect deadline (10 s, CONNECT_TIMEOUT_
 x-ltg-deadline, whichever comes first; the checks have seconds of slack above and 0.5 s below.
 """
 
-import __main__ as it
+import integration as it
 
 import atexit
 import http.client
@@ -540,21 +540,37 @@ def t_tls_resume():
     check(resumed == st.get("tls_resumed"), "ltg's stop line says %d resumed, the mock %r" % (resumed, st.get("tls_resumed")))
 
 
-@ttest("wrong CA (--ca-file other-ca.pem): 502 \"not trusted\", outcome no_work, the provider never reached")
-def t_tls_wrong_ca():
-    a = aux("otherca")
-    tok = token(a)
-    m = mock("good")
-    st0 = m.stats()
-    r = call(a, tok, "TLS-Trust-A")
-    check_tls_failure(r, 502, "TLS-Trust-A", "not trusted", "the call", attempts=2)
-    st1 = settled_stats(m, lambda st: st.get("tls_failed", 0) - st0.get("tls_failed", 0) >= 2)
-    check(calls_of(st1, "tls-good") == calls_of(st0, "tls-good"), "the request reached the mock: %r" % st1.get("calls"))
-    check(st1.get("tls_failed", 0) - st0.get("tls_failed", 0) == 2,
-          "the mock counted %d failed handshakes, want 2 (one per attempt)" % (st1.get("tls_failed", 0) - st0.get("tls_failed", 0)))
-    # A stream fails the same way, before its head: an ordinary error answer.
-    r = call(a, tok, "TLS-Trust-A", stream=True)
-    check_tls_failure(r, 502, "TLS-Trust-A", "not trusted", "the stream", attempts=2)
+# A certificate ltg must refuse, one row each: the ltg (its --ca-file), the alias, the mock that
+# presents the chain, and the words ltg's error says. Every row: 502, each attempt no_work, one failed
+# handshake per attempt at the mock and no request; a stream fails the same way, before its head.
+CERT_FAILURES = [
+    ("wrong CA (--ca-file other-ca.pem)", "otherca", "TLS-Trust-A", "good", "not trusted"),
+    ("a certificate for another name (DNS:wrong.example)", "tls", "TLS-Wrong", "wrong", "name mismatch"),
+    ("an expired certificate", "tls", "TLS-Expired", "expired", "expired"),
+]
+
+
+def cert_failure(row):
+    what, aux_name, alias, role, words = row
+
+    @ttest('%s: 502 "%s", outcome no_work, the provider never reached; a stream too' % (what, words))
+    def run():
+        a = aux(aux_name)
+        tok = token(a)
+        m = mock(role)
+        for how, kw in (("the call", {}), ("the stream", {"stream": True})):
+            st0 = m.stats()
+            r = call(a, tok, alias, **kw)
+            check_tls_failure(r, 502, alias, words, "%s, %s" % (what, how), attempts=2)
+            st1 = settled_stats(m, lambda st: st.get("tls_failed", 0) - st0.get("tls_failed", 0) >= 2)
+            failed = st1.get("tls_failed", 0) - st0.get("tls_failed", 0)
+            check(st1.get("requests") == st0.get("requests") and failed == 2,
+                  "%s, %s: the mock saw %d requests and %d failed handshakes, want none and 2 (one per attempt)"
+                  % (what, how, st1.get("requests", 0) - st0.get("requests", 0), failed))
+
+
+for _row in CERT_FAILURES:
+    cert_failure(_row)
 
 
 @ttest("wrong CA: a fallback on a good provider answers")
@@ -588,32 +604,11 @@ def t_tls_noverify():
     check_tls_failure(r, 502, "TLS-Trust-C", "not trusted", "the verified provider on the same mock")
 
 
-@ttest("a certificate for another name (DNS:wrong.example): 502 \"name mismatch\", no_work")
-def t_tls_wrong_name():
+@ttest("an expired certificate with a fallback on a good https provider: the fallback serves")
+def t_tls_expired_fallback():
     a = aux("tls")
-    tok = token(a)
-    m = mock("wrong")
-    m.reset()
-    r = call(a, tok, "TLS-Wrong")
-    check_tls_failure(r, 502, "TLS-Wrong", "name mismatch", "the call", attempts=2)
-    st = settled_stats(m, lambda st: st.get("tls_failed", 0) >= 2)
-    check(st.get("requests") == 0 and st.get("tls_failed") == 2 and st.get("tls_handshakes") == 0,
-          "the mock: %r (want no request, 2 failed handshakes)" % st)
-
-
-@ttest("an expired certificate: 502 \"expired\", no_work")
-def t_tls_expired():
-    a = aux("tls")
-    tok = token(a)
-    m = mock("expired")
-    m.reset()
+    tok = token(a, fallbacks={"TLS-Expired": ["TLS-Good"]}, retries={"max_attempts": 1, "retry_delay_ms": 0})
     r = call(a, tok, "TLS-Expired")
-    check_tls_failure(r, 502, "TLS-Expired", "expired", "the call", attempts=2)
-    st = settled_stats(m, lambda st: st.get("tls_failed", 0) >= 2)
-    check(st.get("requests") == 0 and st.get("tls_failed") == 2, "the mock: %r (want no request, 2 failed handshakes)" % st)
-    # With a fallback on a good https provider the call is served.
-    tok2 = token(a, fallbacks={"TLS-Expired": ["TLS-Good"]}, retries={"max_attempts": 1, "retry_delay_ms": 0})
-    r = call(a, tok2, "TLS-Expired")
     check_ok(r, "TLS-Good", "tls-good", "the fallback after an expired certificate")
 
 
@@ -844,3 +839,8 @@ def t_tls_zz_stop():
         for m in _S["mocks"].values():
             m.stop()
     check(not problems, "; ".join(problems))
+
+
+if __name__ == "__main__":   # this file alone: python3 tests/integration_tls.py --ltg ./ltg --mock tests/mock
+    import sys
+    sys.exit(it.main(only=__name__))
