@@ -21,21 +21,24 @@
  * The life of one chat request:
  *   1. conn_read() gathers bytes; http_head_end()/http_parse_request() find
  *      and parse the head, the body arrives (Content-Length or chunked) (15).
- *   2. route() (18) sends it to inference_call() (17): the token key
- *      resolves to its group, the body's model must be allowed, the ledger
- *      must be writable, the worst case must fit the budget (14); a cached
- *      answer or an idempotent replay may answer here.
- *   3. exchange_attempt() rewrites "model" for the current model of the
+ *   2. route() (18) sends it to inference_call() (17): parse, admit, start.
+ *      Admission is a list of checks, each a refusal or nothing: the token
+ *      key resolves to its group, the body's model must be allowed, the
+ *      ledger must be writable, the worst case must fit the budget and is
+ *      reserved (14); an idempotent replay or a cached answer may answer here.
+ *   3. exchange_attempt() (17) rewrites "model" for the current model of the
  *      chain [M] + fallbacks[M], and up_start() (9) borrows a pooled
  *      upstream connection or opens one (resolving the host without
  *      blocking, 6).
- *   4. exchange_upstream() classifies the answer: a success is relayed
- *      (a stream event by event), a failure goes to plan_next() (10), which
- *      retries the same model, moves to the next one, or gives up.
- *   5. exchange_settle() replaces the reservation by the real cost and adds
- *      the spend event to today's segment (13); the upstream connection
- *      returns to the pool and the client connection waits for its next
- *      request.
+ *   4. The upstream connection calls exchange_upstream() back; a success is
+ *      relayed (a stream event by event), and every attempt's result goes
+ *      to attempt_end() (17), which classifies it and asks plan_next() (10):
+ *      answer, retry the same model after a backoff, move to the next one,
+ *      or give up.
+ *   5. exchange_settle() (17) replaces the reservation by the real cost
+ *      (budget_settle, 14) and adds the spend event to today's segment (13);
+ *      the upstream connection returns to the pool and the client
+ *      connection waits for its next request (15).
  *
  * Sections (banners below carry the same names):
  *   1. Limits and global state
@@ -96,8 +99,9 @@
  * The limits of API.md section 5 live here as defaults; the command line
  * may change the operator-facing ones. The process-wide state -- options,
  * the loop, the listeners -- is one global struct, `S`; each later section
- * keeps its own state in one struct of its own beside its code (ST, LOG,
- * LG, CACHE...), so a reader finds it where it is used.
+ * keeps its own state in statics beside its code (the structs ST, LOG, LG,
+ * CACHE, TLS; tables such as PEERS, INF_IDEM, hosts), so a reader finds it
+ * where it is used. Nothing else is global.
  */
 #define MAX_HEAD_BYTES (16 * 1024)       /* request head; 431 beyond */
 #define UP_MAX_HEAD_BYTES (64 * 1024)    /* provider response head */
@@ -3726,7 +3730,8 @@ static int log_append(logfile *l, const char *payload, size_t n, int sync, const
     log_frame(&l->pending, payload, n);
     l->size += (off_t)(n + 8);
     if (!sync || log_sync(l) == 0) return 0;
-    l->pending.len -= n + 8, l->size -= (off_t)(n + 8); /* a synchronous log has no other pending record */
+    assert(l->pending.len == n + 8); /* a synchronous log has no other pending record */
+    l->pending.len = 0, l->size -= (off_t)(n + 8);
     l->written = 0;
     *why = l->why;
     if (l->fd >= 0 && ftruncate(l->fd, l->durable) == 0) l->failing = 0; /* cut back: whole again, the next change tries afresh */
@@ -4067,6 +4072,7 @@ static void posting_add(lname *it, uint32_t at) {
 static void mem_add(ledger_mem *m, const rec_view *v, uint64_t off, uint32_t len) {
     ledger_entry e = {v->at, off, len, mem_name(m, 'k', v->key, 36, 1), mem_name(m, 'g', v->group, 36, 1),
                       mem_name(m, 'm', v->model, v->model_len, 1), v->in_tok, v->out_tok, v->status, v->flags, v->charged};
+    assert(!m->n || e.at >= m->ix[m->n - 1].at); /* file order is time order: the index's searches rely on it */
     if (m->n == m->cap) m->cap = m->cap ? m->cap * 2 : 4096, m->ix = xrealloc(m->ix, m->cap * sizeof *m->ix);
     posting_add(m->names[e.key], (uint32_t)m->n), posting_add(m->names[e.group], (uint32_t)m->n); /* filters need no scan */
     m->ix[m->n++] = e;
@@ -4602,13 +4608,17 @@ static int ledger_add(rec_view *v, int64_t now, int64_t *day, uint64_t *off, uin
 
 /* ---- retention ---- */
 
+typedef struct { group *g; int64_t carry, start, to; } carry_undo; /* a group's carried spend before budget_carry */
+static void budget_carry(group *g, segment *s, int64_t start, carry_undo *undo);
+static void budget_uncarry(const carry_undo *undo);
+static void budget_forget(group *g, int64_t spent);
+
 /* Delete the oldest day, a sealed one. What a group with a budget spent in
  * it within its current period (a lifetime budget's) is first carried into
  * the group's record in the state log; a group without a budget shows the
  * spend of the days kept, so it loses the day's. Its rows name the groups. */
 static int ledger_retire(segment *s, int64_t now) {
-    typedef struct { group *g; int64_t carry, start, to; } carry_change;
-    carry_change *ch = NULL;
+    carry_undo *ch = NULL;
     int nch = 0;
     seg_view v;
     idx_row row;
@@ -4629,9 +4639,7 @@ static int ledger_retire(segment *s, int64_t now) {
         group_period(g, now, &start, &end);
         if (start >= s->day + DAY_MS || (g->carry_to > s->day && g->carry_start == start)) continue; /* not its period, or carried already */
         ch = xrealloc(ch, (size_t)(nch + 1) * sizeof *ch);
-        ch[nch++] = (carry_change){g, g->carry, g->carry_start, g->carry_to};
-        g->carry = group_carried(g, start) + seg_group_since(s, id, start);
-        g->carry_start = start, g->carry_to = s->day + DAY_MS;
+        budget_carry(g, s, start, &ch[nch++]);
         jw_open(&w, '{'), jw_key(&w, "put_group"), group_json(&w, g, 1), jw_close(&w, '}');
     }
     jw_close(&w, ']');
@@ -4639,7 +4647,7 @@ static int ledger_retire(segment *s, int64_t now) {
     buf rec = {0};
     buf_printf(&rec, "{\"ops\":%s}", ops.p);
     int rc = nch ? state_append(rec.p, rec.len, &why) : 0;
-    for (int i = 0; rc < 0 && i < nch; i++) ch[i].g->carry = ch[i].carry, ch[i].g->carry_start = ch[i].start, ch[i].g->carry_to = ch[i].to;
+    for (int i = 0; rc < 0 && i < nch; i++) budget_uncarry(&ch[i]);
     buf_free(&ops), buf_free(&rec), free(ch);
     char path[300];
     seg_path(s->day, ".log", LG.dir, path, sizeof path);
@@ -4652,7 +4660,7 @@ static int ledger_retire(segment *s, int64_t now) {
         char id[37]; /* a group without a budget shows what its kept days spent: this one's goes */
         memcpy(id, row.group, 36), id[36] = 0;
         group *g = group_find(id);
-        if (g && !g->has_budget) g->spend -= row.u.spend;
+        if (g && !g->has_budget) budget_forget(g, row.u.spend);
     }
     view_close(&v);
     if (rc < 0) return LTG_ERR;
@@ -4989,6 +4997,22 @@ static void budget_settle(group *g, int64_t reserved, int64_t charged, int64_t n
     g->reserved -= reserved;
     g->spend += charged;
 }
+
+/* Day s is to be deleted, in the budget period of g that starts at
+ * `start` (a lifetime budget's): what g spent in it is carried. `undo`
+ * keeps what was carried before, for budget_uncarry when the state log
+ * refuses the change. */
+static void budget_carry(group *g, segment *s, int64_t start, carry_undo *undo) {
+    *undo = (carry_undo){g, g->carry, g->carry_start, g->carry_to};
+    g->carry = group_carried(g, start) + seg_group_since(s, g->id, start);
+    g->carry_start = start, g->carry_to = s->day + DAY_MS;
+}
+
+static void budget_uncarry(const carry_undo *u) { u->g->carry = u->carry, u->g->carry_start = u->start, u->g->carry_to = u->to; }
+
+/* A day of a group without a budget is deleted: what it spent goes from
+ * the spend it shows, which counts the days kept. */
+static void budget_forget(group *g, int64_t spent) { g->spend -= spent; }
 
 /* Does the carried spend of g cover day s (it was counted before s was deleted)? */
 static int carried_covers(const group *g, const segment *s) { return g->carry_to > s->day && g->carry_start == g->period_start; }
@@ -6481,7 +6505,7 @@ static void admin_route(conn *c) {
         snprintf(allow + strlen(allow), sizeof allow - strlen(allow), "%s%s", allow[0] ? ", " : "", e->method);
         if (method_is(c, e->method)) hit = e;
     }
-    char msg[160];
+    char msg[sizeof allow + 120]; /* "use ", the methods, " on ", 100 bytes of path */
     if (!allow[0]) {
         admin_error(c, 404, "not_found", NULL, 0, "no such endpoint (the control plane has /token_groups, /token_keys, /spend/events and /usage/summary)");
     } else if (!hit) {
@@ -6618,6 +6642,107 @@ struct exchange {
 
 static model *exchange_model(exchange *x) { return x->chain[x->plan.model]; }
 
+/* ---- the wire format: OpenAI's chat completions and embeddings ----
+ *
+ * What ltg reads and writes of a provider's API, in one place: the request
+ * it sends (exchange_build: the client's body with "model" rewritten, and
+ * a stream's request for its usage), the usage it reads from an answer or
+ * an event (usage_read), the edit that asks a stream for it (usage_edit),
+ * and what one SSE event is (stream_event). Another API kind is another
+ * set of these four. */
+
+/* Read a provider's JSON answer or stream event s[0..n). Returns LTG_ERR
+ * when it is not JSON; else 1 when it has a usage object (its token counts
+ * in *in and *out), 0 when not. *no_choices: it has no "choices", or an
+ * empty one (a stream's usage-only chunk). Only the top level is stored,
+ * then the usage object is parsed on its own: an answer's size does not
+ * matter, be it a thousand embeddings. */
+static int usage_read(const char *s, size_t n, long long *in, long long *out, int *no_choices) {
+    json_tok t[128];
+    json_result res;
+    *no_choices = 1;
+    if (json_parse(s, n, t, 128, 1, &res) < 0) /* not JSON, or too many members to store */
+        return json_parse(s, n, t, 1, 0, &res) < 0 ? LTG_ERR : 0;
+    int ch = json_get(s, t, 0, "choices");
+    *no_choices = ch < 0 || (t[ch].type == JSON_ARRAY && t[ch].size == 0);
+    int u = json_get(s, t, 0, "usage");
+    if (u < 0 || t[u].type != JSON_OBJECT) return 0;
+    const char *us = s + t[u].start;
+    if (json_parse(us, t[u].end - t[u].start, t, 128, 1, &res) < 0) return 0;
+    *in = 0, *out = 0;
+    json_int(us, t, json_get(us, t, 0, "prompt_tokens"), in);
+    json_int(us, t, json_get(us, t, 0, "completion_tokens"), out);
+    return 1;
+}
+
+/* How a stream's body asks for its usage chunk: an edit (text NULL when the
+ * client asked for it already; *hide then 0). LTG_ERR with *why when
+ * stream_options is not an object. */
+static int usage_edit(const char *body, const json_tok *t, int so, body_edit *e, int *hide, const char **why) {
+    *hide = 1;
+    if (so < 0) { *e = (body_edit){t[0].end - 1, t[0].end - 1, xstrdup(",\"stream_options\":{\"include_usage\":true}")}; return 0; }
+    if (t[so].type == JSON_NULL) { *e = (body_edit){t[so].start, t[so].end, xstrdup("{\"include_usage\":true}")}; return 0; }
+    json_tok st[64];
+    json_result res;
+    const char *o = body + t[so].start;
+    if (t[so].type != JSON_OBJECT || json_parse(o, t[so].end - t[so].start, st, 64, 1, &res) < 0) {
+        *why = "\"stream_options\" must be an object, e.g. {\"include_usage\": true}";
+        return LTG_ERR;
+    }
+    int iu = json_get(o, st, 0, "include_usage");
+    if (iu >= 0 && st[iu].type == JSON_TRUE) { *e = (body_edit){0, 0, NULL}, *hide = 0; return 0; }
+    int q = iu >= 0 && st[iu].type == JSON_STRING; /* a string's token excludes its quotes */
+    if (iu >= 0) *e = (body_edit){t[so].start + st[iu].start - q, t[so].start + st[iu].end + q, xstrdup("true")}; /* ltg meters every stream */
+    else *e = (body_edit){t[so].start + 1, t[so].start + 1, xstrdup(st[0].size ? "\"include_usage\":true," : "\"include_usage\":true")};
+    return 0;
+}
+
+/* Build the request for the current model: the client's body with its
+ * rewrites ("model" to the provider's name for it, and a stream's usage
+ * request), and the provider's key. */
+static void exchange_build(exchange *x) {
+    model *m = exchange_model(x);
+    provider *p = m->p;
+    buf name = {0}, body = {0};
+    jwriter w;
+    jw_init(&w, &name);
+    jw_cstr(&w, m->upstream);
+    x->edit[0].text = name.p; /* edit 0 is always "model" */
+    uint32_t at = 0;
+    for (int i = 0; i < x->nedit; i++) {
+        buf_append(&body, x->body.p + at, x->edit[i].at - at);
+        buf_puts(&body, x->edit[i].text);
+        at = x->edit[i].end;
+    }
+    buf_append(&body, x->body.p + at, x->body.len - at);
+    x->edit[0].text = NULL;
+    x->req.len = 0;
+    buf_printf(&x->req, "POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %zu\r\n"
+                        "Accept: %s\r\nAccept-Encoding: identity\r\nUser-Agent: ltg/0.1\r\n",
+               p->base_path, x->path, p->hostport, body.len, x->stream ? "text/event-stream" : "application/json");
+    if (p->api_key) buf_printf(&x->req, "Authorization: Bearer %s\r\n", p->api_key);
+    buf_puts(&x->req, "\r\n");
+    buf_append(&x->req, body.p, body.len);
+    buf_free(&name), buf_free(&body);
+}
+
+/* One SSE event of a stream: LTG_ERR when its data is neither JSON nor
+ * [DONE]; SSE_EMPTY when it has none (a comment, a keep-alive); SSE_HIDE
+ * for the usage chunk ltg asked for on its own (kept from the client);
+ * else SSE_RELAY. Its usage, if any, is noted. */
+enum { SSE_RELAY, SSE_EMPTY, SSE_HIDE };
+static int stream_event(exchange *x, const char *ev, size_t n) {
+    static buf data;
+    if (!sse_event_data(ev, n, &data) || !data.len) return SSE_EMPTY;
+    if (data.len == 6 && memcmp(data.p, "[DONE]", 6) == 0) return SSE_RELAY;
+    long long in, out;
+    int no_choices, r = usage_read(data.p, data.len, &in, &out, &no_choices);
+    if (r <= 0) return r < 0 ? LTG_ERR : SSE_RELAY;
+    x->in_tok = in, x->out_tok = out, x->usage_known = 1;
+    return x->hide_usage && no_choices ? SSE_HIDE : SSE_RELAY;
+}
+
+
 static void x_send(exchange *x, const void *p, size_t n) {
     if (x->c) conn_send(x->c, p, n);
 }
@@ -6709,30 +6834,6 @@ static void exchange_chunk(exchange *x, const char *p, size_t n) {
     x_send(x, "\r\n", 2);
     if (x->idem && x->record.len + n <= REPLAY_MAX_BYTES) buf_append(&x->record, p, n);
     else if (x->idem) x->record_full = 1;
-}
-
-/* Read a provider's JSON answer or stream event s[0..n). Returns LTG_ERR
- * when it is not JSON; else 1 when it has a usage object (its token counts
- * in *in and *out), 0 when not. *no_choices: it has no "choices", or an
- * empty one (a stream's usage-only chunk). Only the top level is stored,
- * then the usage object is parsed on its own: an answer's size does not
- * matter, be it a thousand embeddings. */
-static int usage_read(const char *s, size_t n, long long *in, long long *out, int *no_choices) {
-    json_tok t[128];
-    json_result res;
-    *no_choices = 1;
-    if (json_parse(s, n, t, 128, 1, &res) < 0) /* not JSON, or too many members to store */
-        return json_parse(s, n, t, 1, 0, &res) < 0 ? LTG_ERR : 0;
-    int ch = json_get(s, t, 0, "choices");
-    *no_choices = ch < 0 || (t[ch].type == JSON_ARRAY && t[ch].size == 0);
-    int u = json_get(s, t, 0, "usage");
-    if (u < 0 || t[u].type != JSON_OBJECT) return 0;
-    const char *us = s + t[u].start;
-    if (json_parse(us, t[u].end - t[u].start, t, 128, 1, &res) < 0) return 0;
-    *in = 0, *out = 0;
-    json_int(us, t, json_get(us, t, 0, "prompt_tokens"), in);
-    json_int(us, t, json_get(us, t, 0, "completion_tokens"), out);
-    return 1;
 }
 
 /* Replace the reservation by what the request costs, and write its spend
@@ -6963,35 +7064,6 @@ static void attempt_end(exchange *x, const attempt_result *r) {
     else if (next == PLAN_GIVE_UP) exchange_give_up(x, late);
 }
 
-/* Build the request for the current model: the client's body with its
- * rewrites ("model" to the provider's name for it, and a stream's usage
- * request), and the provider's key. */
-static void exchange_build(exchange *x) {
-    model *m = exchange_model(x);
-    provider *p = m->p;
-    buf name = {0}, body = {0};
-    jwriter w;
-    jw_init(&w, &name);
-    jw_cstr(&w, m->upstream);
-    x->edit[0].text = name.p; /* edit 0 is always "model" */
-    uint32_t at = 0;
-    for (int i = 0; i < x->nedit; i++) {
-        buf_append(&body, x->body.p + at, x->edit[i].at - at);
-        buf_puts(&body, x->edit[i].text);
-        at = x->edit[i].end;
-    }
-    buf_append(&body, x->body.p + at, x->body.len - at);
-    x->edit[0].text = NULL;
-    x->req.len = 0;
-    buf_printf(&x->req, "POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %zu\r\n"
-                        "Accept: %s\r\nAccept-Encoding: identity\r\nUser-Agent: ltg/0.1\r\n",
-               p->base_path, x->path, p->hostport, body.len, x->stream ? "text/event-stream" : "application/json");
-    if (p->api_key) buf_printf(&x->req, "Authorization: Bearer %s\r\n", p->api_key);
-    buf_puts(&x->req, "\r\n");
-    buf_append(&x->req, body.p, body.len);
-    buf_free(&name), buf_free(&body);
-}
-
 /* Start the attempt the plan points at: none after the deadline, and a
  * model whose breaker is open is skipped (an attempt_end of its own). */
 static void exchange_attempt(exchange *x) {
@@ -7001,6 +7073,7 @@ static void exchange_attempt(exchange *x) {
         attempt_end(x, &(attempt_result){.error = "skipped: the circuit breaker is open", .skipped = 1});
         return;
     }
+    assert(!x->u); /* the last attempt's connection went back in attempt_end */
     exchange_build(x);
     x->attempts++;
     x->attempt_started = S.now;
@@ -7045,22 +7118,6 @@ static void exchange_deadline(void *ctx) {
         snprintf(msg, sizeof msg, "no answer within the deadline of %lld ms", x->deadline_ms);
         attempt_end(x, &(attempt_result){u->have_head ? u->resp.status : 0, u->wrote > 0 || u->have_head, msg, 1, 0});
     }
-}
-
-/* One SSE event of a stream: LTG_ERR when its data is neither JSON nor
- * [DONE]; SSE_EMPTY when it has none (a comment, a keep-alive); SSE_HIDE
- * for the usage chunk ltg asked for on its own (kept from the client);
- * else SSE_RELAY. Its usage, if any, is noted. */
-enum { SSE_RELAY, SSE_EMPTY, SSE_HIDE };
-static int stream_event(exchange *x, const char *ev, size_t n) {
-    static buf data;
-    if (!sse_event_data(ev, n, &data) || !data.len) return SSE_EMPTY;
-    if (data.len == 6 && memcmp(data.p, "[DONE]", 6) == 0) return SSE_RELAY;
-    long long in, out;
-    int no_choices, r = usage_read(data.p, data.len, &in, &out, &no_choices);
-    if (r <= 0) return r < 0 ? LTG_ERR : SSE_RELAY;
-    x->in_tok = in, x->out_tok = out, x->usage_known = 1;
-    return x->hide_usage && no_choices ? SSE_HIDE : SSE_RELAY;
 }
 
 /* The provider's stream broke: while the client has seen nothing the
@@ -7189,28 +7246,6 @@ static int64_t worst_case(model *const *chain, int n, size_t body_len, long long
         if (w > worst) worst = w;
     }
     return (int64_t)ceil(worst);
-}
-
-/* How a stream's body asks for its usage chunk: an edit (text NULL when the
- * client asked for it already; *hide then 0). LTG_ERR with *why when
- * stream_options is not an object. */
-static int usage_edit(const char *body, const json_tok *t, int so, body_edit *e, int *hide, const char **why) {
-    *hide = 1;
-    if (so < 0) { *e = (body_edit){t[0].end - 1, t[0].end - 1, xstrdup(",\"stream_options\":{\"include_usage\":true}")}; return 0; }
-    if (t[so].type == JSON_NULL) { *e = (body_edit){t[so].start, t[so].end, xstrdup("{\"include_usage\":true}")}; return 0; }
-    json_tok st[64];
-    json_result res;
-    const char *o = body + t[so].start;
-    if (t[so].type != JSON_OBJECT || json_parse(o, t[so].end - t[so].start, st, 64, 1, &res) < 0) {
-        *why = "\"stream_options\" must be an object, e.g. {\"include_usage\": true}";
-        return LTG_ERR;
-    }
-    int iu = json_get(o, st, 0, "include_usage");
-    if (iu >= 0 && st[iu].type == JSON_TRUE) { *e = (body_edit){0, 0, NULL}, *hide = 0; return 0; }
-    int q = iu >= 0 && st[iu].type == JSON_STRING; /* a string's token excludes its quotes */
-    if (iu >= 0) *e = (body_edit){t[so].start + st[iu].start - q, t[so].start + st[iu].end + q, xstrdup("true")}; /* ltg meters every stream */
-    else *e = (body_edit){t[so].start + 1, t[so].start + 1, xstrdup(st[0].size ? "\"include_usage\":true," : "\"include_usage\":true")};
-    return 0;
 }
 
 /* ---- admission: parse, a list of checks, start ---- */
@@ -7520,8 +7555,8 @@ static void inference_models(conn *c) {
  * IMPLEMENTATION NOTES
  * Both listeners share the HTTP server; `conn.admin` says which one a
  * connection came from, and so which endpoints and which error shape it
- * gets: the control plane (section 15) on the admin listener, the OpenAI
- * API (section 16) on the inference listener, /healthz on both.
+ * gets: the control plane (section 16) on the admin listener, the OpenAI
+ * API (section 17) on the inference listener, /healthz on both.
  */
 /* GET (or HEAD: some load balancers probe with it) /healthz, the liveness
  * check, always 200; /readyz, 503 while draining or while a log cannot be
