@@ -6216,7 +6216,8 @@ static void groups_list(conn *c, const admin_who *who, const char *id) {
     buf b = {0};
     jwriter w;
     jw_init(&w, &b), jw_open(&w, '{'), jw_key(&w, "data"), jw_open(&w, '[');
-    int skip = (number - 1) * size, shown = 0;
+    long long skip = (long long)(number - 1) * size;
+    int shown = 0;
     for (int i = 0; i < ST.gv.n && shown < size; i++) {
         if (!ST.gv.p[i]) continue;
         if (skip) { skip--; continue; }
@@ -6310,7 +6311,8 @@ static void keys_list(conn *c, const admin_who *who, const char *id) {
     buf b = {0};
     jwriter w;
     jw_init(&w, &b), jw_open(&w, '{'), jw_key(&w, "data"), jw_open(&w, '[');
-    int skip = (number - 1) * size, shown = 0, total = 0;
+    long long skip = (long long)(number - 1) * size;
+    int shown = 0, total = 0;
     for (int i = 0; i < ST.kv.n; i++) {
         tkey *k = ST.kv.p[i];
         if (!k || (filter && strcmp(k->group_id, filter) != 0)) continue;

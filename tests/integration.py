@@ -2383,6 +2383,11 @@ def t_cp_group_list():
     j = check_admin_ok(r, 200, "a page past the end")
     check(j["data"] == [] and j["meta"]["has_more"] is False and j["meta"]["total_results"] == total,
           "a page past the end: %r" % r.body[:300])
+    # Far past the end: (number - 1) * size is past 2^32 (it once wrapped to page 1).
+    for kind in ("token_groups", "token_keys", "spend/events"):
+        r = admin("GET", "/%s?page[number]=67108865&page[size]=64" % kind)
+        j = check_admin_ok(r, 200, "/%s, a page far past the end" % kind)
+        check(j["data"] == [] and j["meta"]["page_number"] == 67108865, "/%s, a page far past the end: %r" % (kind, r.body[:300]))
     # Limits.
     check_admin_ok(admin("GET", "/token_groups?page[size]=1000"), 200, "page[size]=1000")
     for q in ("page[size]=1001", "page_size=1001", "page%5Bsize%5D=1001", "page[size]=0", "page[number]=0",
