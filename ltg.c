@@ -417,8 +417,9 @@ static uint32_t crc32_more(uint32_t crc, const void *data, size_t n) {
 static uint32_t crc32(const void *data, size_t n) { return crc32_more(0, data, n); }
 
 /* A hash table of pointers to items that carry their own key (open
- * addressing, linear probing). `key` returns an item's key bytes. Used for
- * groups and keys by id, keys by secret hash, idempotency records. */
+ * addressing, linear probing). `key` returns an item's key bytes. Every
+ * lookup by name uses one: groups and keys by id, keys by secret hash,
+ * idempotency records, the cache, client addresses, the ledger's names. */
 #define HMAP_TOMB ((void *)1)
 typedef struct {
     void **slot;
@@ -1564,15 +1565,8 @@ static void dns_cancel(upstream *u) {
 }
 
 static void dns_init(void) {
+    hosts_line((char *[]){"127.0.0.1", "localhost"}, 2); /* even without /etc/hosts; entries go in front, so the file's own wins */
     for_each_line("/etc/hosts", hosts_line);
-    struct sockaddr_storage lo;
-    if (addr_parse("127.0.0.1", &lo) == 0) { /* "localhost" even without /etc/hosts */
-        hosts_entry *h = xcalloc(1, sizeof *h);
-        h->name = xstrndup("localhost", 9), h->addr = lo;
-        struct hosts_entry **tail = &hosts;
-        while (*tail) tail = &(*tail)->next;
-        *tail = h; /* last: the file's own entry wins */
-    }
     for_each_line(S.resolv_conf, resolv_line);
     if (!S.ndns_servers) resolv_line((char *[]){"nameserver", "127.0.0.1"}, 2); /* the resolver's documented default */
     S.dns_fd = socket(AF_INET, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
@@ -1772,14 +1766,11 @@ static int cfg_only(cfg *c, int obj, const char *where, const char *const *allow
     return 0;
 }
 
-static int cfg_price(cfg *c, int obj, const char *key, const char *where, int required, double *out) {
+static int cfg_price(cfg *c, int obj, const char *key, const char *where, double *out) {
     int v = json_get(c->s, c->t, obj, key);
     char f[300];
     snprintf(f, sizeof f, "%s.%s", where, key);
-    if (v < 0) {
-        if (required) return cfg_fail(c, f, "missing (a number: USD per million tokens)");
-        return 0;
-    }
+    if (v < 0) return cfg_fail(c, f, "missing (a number: USD per million tokens)");
     if (json_number(c->s, c->t, v, out) < 0 || *out < 0) return cfg_fail(c, f, "must be a number >= 0");
     return 0;
 }
@@ -1864,8 +1855,8 @@ static int cfg_models(cfg *c, catalog *cat, int obj) {
         if (uv < 0 || c->t[uv].type != JSON_STRING || c->t[uv].end == c->t[uv].start)
             return cfg_fail(c, f, "missing (the provider's name for the model)");
         md->upstream = json_strdup(c->s, c->t, uv);
-        if (cfg_price(c, v, "input_usd_per_mtok", where, 1, &md->in_price) < 0 ||
-            cfg_price(c, v, "output_usd_per_mtok", where, 1, &md->out_price) < 0 ||
+        if (cfg_price(c, v, "input_usd_per_mtok", where, &md->in_price) < 0 ||
+            cfg_price(c, v, "output_usd_per_mtok", where, &md->out_price) < 0 ||
             cfg_int(c, v, "context_window", where, 1, &md->context_window) < 0 ||
             cfg_int(c, v, "max_output_tokens", where, 1, &md->max_output_tokens) < 0)
             return LTG_ERR;
@@ -2311,7 +2302,6 @@ struct upstream {
     int tls_ready;      /* its handshake completed */
     char err[200];
 };
-
 
 static upstream **up_wait_link(upstream *u) { return &u->link; }
 
@@ -2903,7 +2893,6 @@ static void vec_squeeze(vec *v) {
     v->n = k;
 }
 
-
 /* A string token usable as a name: 1..max bytes once unescaped, and no
  * NUL (ltg's strings end at one, so it would silently cut the name). */
 static int name_ok(const char *s, const json_tok *t, int i, size_t max) {
@@ -2914,7 +2903,6 @@ static int name_ok(const char *s, const json_tok *t, int i, size_t max) {
     buf_free(&b);
     return ok;
 }
-
 
 /* ---- validation errors ---- */
 
@@ -4944,15 +4932,17 @@ static void ledger_replays(int64_t since, void (*fn)(const rec_view *rv, int64_t
  * IMPLEMENTATION NOTES
  * Budgets. A group's spend in its current period is the sum of what its
  * events charged since the period began; it lives in the group with
- * `reserved`, the worst cases of the requests in flight. Three functions
- * own that state: budget_reserve() admits a request only if spend +
- * reserved + its own worst case fits the budget (the loop is
- * single-threaded, so concurrent requests cannot together pass it),
- * budget_settle() replaces a reservation by what the request was charged,
- * and budget_recount() sums a group's spend again from the ledger. At
- * start-up budget_rebuild() does that for every group from the days'
- * rollups (and, for the day a period starts in, the running sums of its
- * events), plus what retention carried: no sealed log is read.
+ * `reserved`, the worst cases of the requests in flight. Only the
+ * budget_* functions below write that state: budget_reserve() admits a
+ * request only if spend + reserved + its own worst case fits the budget
+ * (the loop is single-threaded, so concurrent requests cannot together
+ * pass it), budget_settle() replaces a reservation by what the request was
+ * charged (a release is a settle of nothing), budget_refresh() starts a new
+ * period, budget_carry() and budget_forget() follow retention, and
+ * budget_recount() sums a group's spend again from the ledger. At start-up
+ * budget_rebuild() does that for every group from the days' rollups (and,
+ * for the day a period starts in, the running sums of its events), plus
+ * what retention carried: no sealed log is read.
  *
  * The cache holds whole non-streaming 200 answers by (group, requested
  * model, body), for the group's cache_ttl, least recently used out first
@@ -5374,7 +5364,6 @@ static void episode_note(episode *e) {
 
 static void admin_error(conn *c, int status, const char *code, const char *pointer, long long current_version, const char *detail);
 
-
 static void conn_watch(conn *c) {
     if (!c->closing) loop_events(c->fd, (short)((c->read_paused ? 0 : POLLIN) | (c->want_out ? POLLOUT : 0)));
 }
@@ -5471,30 +5460,16 @@ static int conn_tick(void) {
 }
 
 static const char *http_reason(int status) {
-    switch (status) {
-    case 100: return "Continue";
-    case 200: return "OK";
-    case 201: return "Created";
-    case 400: return "Bad Request";
-    case 401: return "Unauthorized";
-    case 403: return "Forbidden";
-    case 404: return "Not Found";
-    case 405: return "Method Not Allowed";
-    case 408: return "Request Timeout";
-    case 409: return "Conflict";
-    case 412: return "Precondition Failed";
-    case 413: return "Content Too Large";
-    case 417: return "Expectation Failed";
-    case 428: return "Precondition Required";
-    case 429: return "Too Many Requests";
-    case 431: return "Request Header Fields Too Large";
-    case 500: return "Internal Server Error";
-    case 501: return "Not Implemented";
-    case 502: return "Bad Gateway";
-    case 503: return "Service Unavailable";
-    case 504: return "Gateway Timeout";
-    default: return status < 300 ? "OK" : status < 500 ? "Client Error" : "Server Error";
-    }
+    static const struct { int status; const char *reason; } reasons[] = {
+        {100, "Continue"}, {200, "OK"}, {201, "Created"}, {400, "Bad Request"}, {401, "Unauthorized"},
+        {403, "Forbidden"}, {404, "Not Found"}, {405, "Method Not Allowed"}, {408, "Request Timeout"},
+        {409, "Conflict"}, {412, "Precondition Failed"}, {413, "Content Too Large"}, {417, "Expectation Failed"},
+        {428, "Precondition Required"}, {429, "Too Many Requests"}, {431, "Request Header Fields Too Large"},
+        {500, "Internal Server Error"}, {501, "Not Implemented"}, {502, "Bad Gateway"},
+        {503, "Service Unavailable"}, {504, "Gateway Timeout"}};
+    for (size_t i = 0; i < sizeof reasons / sizeof *reasons; i++)
+        if (reasons[i].status == status) return reasons[i].reason;
+    return status < 300 ? "OK" : status < 500 ? "Client Error" : "Server Error";
 }
 
 /* Write an answer's head. `length` < 0 means a chunked body follows.
@@ -5562,50 +5537,33 @@ static void conn_reply(conn *c, int status, const char *ctype, const char *extra
 }
 
 /* An error in the shape of the listener's API: OpenAI's on the inference
- * plane, JSON:API's on the admin plane (API.md 3 and 4). */
-static void conn_error_v(conn *c, int status, const char *code, const char *headers, const char *fmt, va_list ap) {
+ * plane, JSON:API's on the admin plane (API.md 3 and 4); `headers`: extra
+ * header lines (each ending in CRLF), or NULL. */
+static void conn_error(conn *c, int status, const char *code, const char *headers, const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+static void conn_error(conn *c, int status, const char *code, const char *headers, const char *fmt, ...) {
     char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
     if (c->admin) { admin_error(c, status, code, NULL, 0, msg); return; }
+    const char *type = status == 401 ? "authentication_error" : status == 403 ? "permission_error"
+                     : status == 404 ? "not_found_error" : status == 429 ? "rate_limit_error"
+                     : status >= 500 ? "api_error" : "invalid_request_error";
     buf b = {0}, extra = {0};
     if (headers) buf_puts(&extra, headers);
     jwriter w;
     jw_init(&w, &b);
-    jw_open(&w, '{');
-    {
-        const char *type = status == 401 ? "authentication_error" : status == 403 ? "permission_error"
-                         : status == 404 ? "not_found_error" : status == 429 ? "rate_limit_error"
-                         : status >= 500 ? "api_error" : "invalid_request_error";
-        jw_key(&w, "error");
-        jw_open(&w, '{');
-        jw_key(&w, "message"), jw_cstr(&w, msg);
-        jw_key(&w, "type"), jw_cstr(&w, type);
-        jw_key(&w, "param"), jw_null(&w);
-        jw_key(&w, "code"), jw_cstr(&w, code);
-        jw_close(&w, '}');
-    }
-    jw_close(&w, '}');
+    jw_open(&w, '{'), jw_key(&w, "error"), jw_open(&w, '{');
+    jw_key(&w, "message"), jw_cstr(&w, msg);
+    jw_key(&w, "type"), jw_cstr(&w, type);
+    jw_key(&w, "param"), jw_null(&w);
+    jw_key(&w, "code"), jw_cstr(&w, code);
+    jw_close(&w, '}'), jw_close(&w, '}');
     if (c->rid[0]) buf_printf(&extra, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: 0\r\n", c->rid, c->rid);
     c->state = CONN_BUSY;
     conn_reply(c, status, "application/json", extra.p, b.p, b.len);
     buf_free(&b), buf_free(&extra);
-}
-
-static void conn_error(conn *c, int status, const char *code, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-static void conn_error(conn *c, int status, const char *code, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    conn_error_v(c, status, code, NULL, fmt, ap);
-    va_end(ap);
-}
-
-/* conn_error with extra header lines (each ending in CRLF). */
-static void conn_error_h(conn *c, int status, const char *code, const char *headers, const char *fmt, ...) __attribute__((format(printf, 5, 6)));
-static void conn_error_h(conn *c, int status, const char *code, const char *headers, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    conn_error_v(c, status, code, headers, fmt, ap);
-    va_end(ap);
 }
 
 /* Errors of the HTTP layer itself: the request's framing cannot be trusted,
@@ -5614,7 +5572,7 @@ static void conn_fail(conn *c, int status, const char *code, const char *msg) {
     c->close_after = c->linger = 1;
     c->req.keep_alive = 0;
     c->req.method = (slice){0, 0}; /* maybe not this request's: its head did not parse (a HEAD gets the body, then the close) */
-    conn_error(c, status, code, "%s", msg);
+    conn_error(c, status, code, NULL, "%s", msg);
 }
 
 static void conn_timer(void *ctx) {
@@ -5775,7 +5733,6 @@ static peer *peer_of(const struct sockaddr_storage *sa) {
     hmap_put(&PEERS, p);
     return p;
 }
-
 
 /* The bearer token of the request, or NULL. */
 static const char *request_bearer(conn *c, size_t *n) {
@@ -6744,7 +6701,6 @@ static int stream_event(exchange *x, const char *ev, size_t n) {
     return x->hide_usage && no_choices ? SSE_HIDE : SSE_RELAY;
 }
 
-
 static void x_send(exchange *x, const void *p, size_t n) {
     if (x->c) conn_send(x->c, p, n);
 }
@@ -7220,7 +7176,7 @@ static const conn_owner exchange_owner = {exchange_abort, exchange_drained};
 static void inference_replay(conn *c, const inf_idem *r) {
     buf h = {0}, answer = {0};
     if (inf_idem_answer(r, &answer) < 0) {
-        conn_error(c, 503, "storage_unavailable", "the first answer to this Idempotency-Key cannot be read back from the ledger (see ltg's log)");
+        conn_error(c, 503, "storage_unavailable", NULL, "the first answer to this Idempotency-Key cannot be read back from the ledger (see ltg's log)");
         return;
     }
     buf_printf(&h, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: 0\r\nx-ltg-replayed: true\r\n", c->rid, c->rid);
@@ -7449,7 +7405,7 @@ static void inference_refuse(admission *a, const refusal *r) {
     buf_puts(&h, "x-ltg-cost: 0.000000\r\n");
     if (a->g) budget_refresh(a->g, wall_ms());
     if (a->g && a->g->has_budget) buf_printf(&h, "x-ltg-budget-remaining: %.6f\r\n", budget_remaining(a->g));
-    conn_error_h(a->c, r->status, r->code, h.p, "%s", r->msg);
+    conn_error(a->c, r->status, r->code, h.p, "%s", r->msg);
     buf_free(&h);
 }
 
@@ -7564,7 +7520,7 @@ static void inference_models(conn *c) {
  * check, always 200; /readyz, 503 while draining or while a log cannot be
  * written (section 12: what cannot be recorded is refused), with why. */
 static void probe_reply(conn *c, int ready) {
-    if (!method_is(c, "HEAD") && !method_is(c, "GET")) { conn_error(c, 405, "method_not_allowed", "use GET for %s", ready ? "/readyz" : "/healthz"); return; }
+    if (!method_is(c, "HEAD") && !method_is(c, "GET")) { conn_error(c, 405, "method_not_allowed", NULL, "use GET for %s", ready ? "/readyz" : "/healthz"); return; }
     const char *status = ready ? "ready" : "ok", *why = NULL;
     if (ready && S.draining) status = "draining";
     else if (ready && !ledger_writable(&why)) status = "storage_unavailable";
@@ -7598,12 +7554,12 @@ static void route(conn *c) {
     };
     for (size_t i = 0; i < sizeof api / sizeof api[0]; i++) {
         if (!path_is(c, api[i].path)) continue;
-        if (!method_is(c, api[i].method)) { conn_error(c, 405, "method_not_allowed", "use %s for %s", api[i].method, api[i].path); return; }
+        if (!method_is(c, api[i].method)) { conn_error(c, 405, "method_not_allowed", NULL, "use %s for %s", api[i].method, api[i].path); return; }
         if (api[i].upstream) inference_call(c, api[i].upstream, api[i].stream);
         else inference_models(c);
         return;
     }
-    conn_error(c, 404, "not_found", "no such endpoint (ltg serves /v1/chat/completions, /v1/embeddings and /v1/models)");
+    conn_error(c, 404, "not_found", NULL, "no such endpoint (ltg serves /v1/chat/completions, /v1/embeddings and /v1/models)");
 }
 
 /* ===== 19. main =====
@@ -7620,8 +7576,6 @@ static void route(conn *c) {
  * and ltg exits 0. SIGHUP reloads the catalog.
  */
 static timer accept_pause, drain_timer;
-
-static void listener_accept(void *ctx, int revents);
 
 static void listeners_watch(short events) {
     if (S.listen_fd >= 0) loop_events(S.listen_fd, events);
