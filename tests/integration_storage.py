@@ -125,8 +125,9 @@ def t_storage_migration():
         want, blob = [], b"LTGLED1\n"
         for n, days_ago in enumerate([3, 3, 2, 0, 0]):
             when = (now - datetime.timedelta(days=days_ago)).replace(hour=1 + n, minute=0, second=0, microsecond=0)
-            if days_ago == 0:
-                when = now - datetime.timedelta(minutes=10 - n)
+            if days_ago == 0:                   # earlier today, in order, even just after midnight
+                midnight = now.replace(hour=0, minute=0, second=0, microsecond=0)
+                when = midnight + (now - midnight) * (n + 1) / 10
             ev = v1_event(gid, kid, when, 100 * (n + 1), n)
             blob += v1_record({"t": int(when.timestamp() * 1000), "c": 100 * (n + 1), "e": ev})
             want.append(ev)
