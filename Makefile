@@ -5,6 +5,8 @@
 #   make fuzz       tests/fuzz.c under libFuzzer+ASan+UBSan, FUZZ_SECONDS (10) per target
 #   make valgrind   the integration suite with every ltg under valgrind's memcheck
 #   make soak       tests/soak.sh: SOAK_SECONDS (180) of mixed load; RSS and fds stable
+#   make install    the binary, the example catalog, the systemd unit, the logrotate snippet
+#                   (PREFIX=/usr/local, DESTDIR= for staging; never overwrites /etc/ltg/ltg.json)
 CC ?= cc
 CFLAGS ?= -O2
 WARN = -std=c11 -Wall -Wextra -Wshadow
@@ -136,7 +138,29 @@ fuzz: | deps
 tests/fuzz-%: tests/fuzz.c ltg.c ltg.h | deps
 	$(FUZZ_CC) $(FUZZ_FLAGS) $(WARN) -Wno-unused-function $(CFLAGS_EXTRA) -DFUZZ_$$(echo $* | tr a-z A-Z) -o $@ tests/fuzz.c $(BEARSSL) -lm
 
-clean:
-	rm -f ltg ltg-asan ltg-valgrind tests/unit tests/unit-asan tests/mock tests/ledger-gen tests/fuzz-*
+# install: the files an operator needs, where a Debian box looks for them.
+# The unit goes where systemd looks for units of PREFIX (/usr/local/lib/
+# systemd/system for the default), with the binary's path filled in; the
+# catalog is copied to /etc/ltg/ltg.json only when none is there yet.
+PREFIX ?= /usr/local
+DESTDIR ?=
+SYSCONFDIR ?= /etc
+install: ltg
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/share/ltg $(DESTDIR)$(PREFIX)/lib/systemd/system \
+	  $(DESTDIR)$(SYSCONFDIR)/ltg $(DESTDIR)$(SYSCONFDIR)/logrotate.d
+	install -m 755 ltg $(DESTDIR)$(PREFIX)/bin/ltg
+	install -m 644 examples/ltg.example.json $(DESTDIR)$(PREFIX)/share/ltg/ltg.example.json
+	sed 's#@BINDIR@#$(PREFIX)/bin#' examples/ltg.service > $(DESTDIR)$(PREFIX)/lib/systemd/system/ltg.service
+	chmod 644 $(DESTDIR)$(PREFIX)/lib/systemd/system/ltg.service
+	install -m 644 examples/ltg.logrotate $(DESTDIR)$(SYSCONFDIR)/logrotate.d/ltg
+	[ -e $(DESTDIR)$(SYSCONFDIR)/ltg/ltg.json ] || install -m 644 examples/ltg.example.json $(DESTDIR)$(SYSCONFDIR)/ltg/ltg.json
 
-.PHONY: all deps test demo bench fuzz valgrind soak clean
+uninstall:
+	rm -f $(DESTDIR)$(PREFIX)/bin/ltg $(DESTDIR)$(PREFIX)/share/ltg/ltg.example.json \
+	  $(DESTDIR)$(PREFIX)/lib/systemd/system/ltg.service $(DESTDIR)$(SYSCONFDIR)/logrotate.d/ltg
+	-rmdir $(DESTDIR)$(PREFIX)/share/ltg 2>/dev/null
+
+clean:
+	rm -f ltg ltg-asan ltg-valgrind tests/unit tests/unit-asan tests/mock tests/ledger-gen $(FUZZ_TARGETS:%=tests/fuzz-%)
+
+.PHONY: all deps test demo bench fuzz valgrind soak install uninstall clean

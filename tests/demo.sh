@@ -17,7 +17,7 @@ pids=()
 cleanup() { kill "${pids[@]}" 2>/dev/null; wait 2>/dev/null; rm -rf "$dir"; }
 trap cleanup EXIT
 
-sed "s/127.0.0.1:9000/127.0.0.1:$MOCK_PORT/" ltg.example.json > "$dir/ltg.json"
+sed "s/127.0.0.1:9000/127.0.0.1:$MOCK_PORT/" examples/ltg.example.json > "$dir/ltg.json"
 export MOCK_API_KEY=demo-provider-key LTG_ADMIN_KEY=demo-admin-key-$$
 BASE=http://127.0.0.1:$LTG_PORT
 ADMIN=http://127.0.0.1:$ADMIN_PORT/v2/llm_token_gateway
