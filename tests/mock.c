@@ -12,9 +12,14 @@
  *
  * It answers POST <prefix>/chat/completions (plain or streamed as SSE) and
  * POST <prefix>/embeddings with canned bodies that echo the request's "model",
- * and it fails on demand. A failure is chosen per request by a *directive*, a
- * space-separated list of tokens, taken from the per-model script queue (see
- * POST /_mock/script) or else from a top-level string field "mock" in the body:
+ * and it fails on demand. The embedding is the floats 0.1, 0.2, 0.3 as a
+ * JSON array or, for "encoding_format":"base64" (what the OpenAI SDKs ask for
+ * by default), as OpenAI sends it: a base64 string of the little-endian
+ * float32 bytes. Any other encoding_format gets OpenAI's 400.
+ *
+ * A failure is chosen per request by a *directive*, a space-separated list of
+ * tokens, taken from the per-model script queue (see POST /_mock/script) or
+ * else from a top-level string field "mock" in the body:
  *
  *     status=N             answer N with an OpenAI-shaped error body
  *     context_length       400 context_length_exceeded
@@ -76,6 +81,7 @@
 #include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -174,6 +180,24 @@ static void buf_json_string(struct buf *b, const char *s, size_t n)
         } else {
             buf_append(b, &s[i], 1);
         }
+    }
+    buf_append(b, "\"", 1);
+}
+
+/* Appends the n bytes at p as a quoted base64 string (RFC 4648, padded). */
+static void buf_base64_string(struct buf *b, const unsigned char *p, size_t n)
+{
+    static const char digits[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    buf_append(b, "\"", 1);
+    for (size_t i = 0; i < n; i += 3) {
+        unsigned long v = (unsigned long)p[i] << 16;
+        if (i + 1 < n)
+            v |= (unsigned long)p[i + 1] << 8;
+        if (i + 2 < n)
+            v |= p[i + 2];
+        char quad[4] = { digits[v >> 18 & 63], digits[v >> 12 & 63],
+                         i + 1 < n ? digits[v >> 6 & 63] : '=', i + 2 < n ? digits[v & 63] : '=' };
+        buf_append(b, quad, 4);
     }
     buf_append(b, "\"", 1);
 }
@@ -942,14 +966,19 @@ static int send_trickle(struct conn *c, const struct request *r, const struct di
     return conn_linger(c);
 }
 
-/* An OpenAI-shaped error answer. */
+/* An OpenAI-shaped error answer; a NULL code is sent as null, as OpenAI does
+ * for a plain invalid value. */
 static int send_error(struct conn *c, const struct request *r, const struct directive *d,
                       long status, const char *type, const char *code, const char *message)
 {
     c->json.len = 0;
     buf_puts(&c->json, "{\"error\":{\"message\":");
     buf_json_string(&c->json, message, strlen(message));
-    buf_printf(&c->json, ",\"type\":\"%s\",\"param\":null,\"code\":\"%s\"}}", type, code);
+    buf_printf(&c->json, ",\"type\":\"%s\",\"param\":null,\"code\":", type);
+    if (code)
+        buf_printf(&c->json, "\"%s\"}}", code);
+    else
+        buf_puts(&c->json, "null}}");
     return send_answer(c, r, d, status);
 }
 
@@ -1086,6 +1115,29 @@ static int send_stream(struct conn *c, const struct request *r, const struct dir
     return keep;
 }
 
+/* The embedding of every answer: a JSON array of numbers ("float", the
+ * default) or the float32 values' little-endian bytes in base64. */
+static const float embedding[] = { 0.1f, 0.2f, 0.3f };
+
+static void buf_embedding(struct buf *b, int base64)
+{
+    size_t n = sizeof embedding / sizeof *embedding;
+    if (base64) {
+        unsigned char bytes[sizeof embedding];
+        for (size_t i = 0; i < n; i++) {
+            uint32_t bits;
+            memcpy(&bits, &embedding[i], 4);
+            for (int k = 0; k < 4; k++)
+                bytes[4 * i + k] = (unsigned char)(bits >> 8 * k);
+        }
+        buf_base64_string(b, bytes, sizeof bytes);
+        return;
+    }
+    for (size_t i = 0; i < n; i++)
+        buf_printf(b, "%c%g", i ? ',' : '[', (double)embedding[i]);
+    buf_puts(b, "]");
+}
+
 static int serve_inference(struct conn *c, const struct request *r, int embeddings)
 {
     struct chat ch = { .created = (long)time(NULL) };
@@ -1127,8 +1179,16 @@ static int serve_inference(struct conn *c, const struct request *r, int embeddin
 
     c->json.len = 0;
     if (embeddings) {
-        buf_puts(&c->json, "{\"object\":\"list\",\"data\":[{\"object\":\"embedding\",\"index\":0,"
-                           "\"embedding\":[0.1,0.2,0.3]}],\"model\":");
+        char format[32];                    /* absent (or not a string): "float" */
+        json_get_string(r->body, r->body_len, "encoding_format", format, sizeof format);
+        if (*format && strcmp(format, "float") && strcmp(format, "base64")) {
+            snprintf(why, sizeof why, "Invalid value for 'encoding_format' = %s. "
+                     "Supported values: ['float', 'base64'].", format);
+            return send_error(c, r, &d, 400, "invalid_request_error", NULL, why);
+        }
+        buf_puts(&c->json, "{\"object\":\"list\",\"data\":[{\"object\":\"embedding\",\"index\":0,\"embedding\":");
+        buf_embedding(&c->json, !strcmp(format, "base64"));
+        buf_puts(&c->json, "}],\"model\":");
         buf_json_string(&c->json, ch.model, strlen(ch.model));
         buf_printf(&c->json, ",\"usage\":{\"prompt_tokens\":%ld,\"total_tokens\":%ld}}",
                    ch.prompt_tokens, ch.prompt_tokens);

@@ -1,11 +1,12 @@
-// The official OpenAI node SDK (v4) against ltg: what a user's code does, end to end.
+// The official OpenAI node SDK against ltg: what a user's code does, end to end.
 //
 //   node tests/sdk_test.mjs BASE_URL API_KEY      e.g. http://127.0.0.1:8080/v1 ltg_sk_...
 //
 // API_KEY is a token key whose group allows Kimi-K3 and GLM-5.3-Flash.
 //
-// Needs `openai` resolvable from tests/ (npm install --prefix tests openai@4). SDK retries are
-// off (maxRetries: 0), as ltg's README tells clients: ltg owns retries and fallbacks.
+// Needs `openai` resolvable from tests/: the t_sdk test in tests/integration.py installs the
+// version it pins (OPENAI_SDK_VERSION) into tests/node_modules. SDK retries are off
+// (maxRetries: 0), as ltg's README tells clients: ltg owns retries and fallbacks.
 // Exits 0 when every check passes, 1 with a message otherwise.
 
 import OpenAI from "openai";
@@ -57,11 +58,30 @@ async function stream() {
   check(finish === "stop", `stream: finish_reason ${finish}`);
 }
 
+// The mock's embedding is the floats 0.1, 0.2, 0.3.
+const FLOATS = [0.1, 0.2, 0.3];
+const FLOAT32S = FLOATS.map(Math.fround);        // the same after a trip through float32
+const sameNumbers = (a, b) => Array.isArray(a) && a.length === b.length && a.every((x, i) => x === b[i]);
+
 async function embeddings() {
-  // encoding_format "float": without it SDK v4 asks for base64 and decodes it client-side.
-  const e = await client.embeddings.create({ model: "GLM-5.3-Flash", input: "hello", encoding_format: "float" });
-  check(Array.isArray(e.data) && e.data[0].embedding.length === 3,
-        `embeddings: ${JSON.stringify(e).slice(0, 200)}`);
+  // The SDK's defaults: it asks for "encoding_format":"base64" and decodes the base64 string of
+  // little-endian float32s into numbers, so they come back as float32 values (Math.fround(0.1),
+  // not 0.1). An upstream that answers a JSON array instead fails here: older SDKs decode the
+  // array to [] (the bug users saw: empty embeddings), newer ones pass it through as 0.1 exactly.
+  const e = await client.embeddings.create({ model: "GLM-5.3-Flash", input: "hello" });
+  check(sameNumbers(e.data?.[0]?.embedding, FLOAT32S),
+        `embeddings (SDK default, base64): ${JSON.stringify(e).slice(0, 200)}`);
+  check(e.model === "glm-5.3-flash", `embeddings model: ${e.model}`);
+
+  // Asked for explicitly, each format comes back as sent: numbers, or the base64 string itself.
+  const f = await client.embeddings.create({ model: "GLM-5.3-Flash", input: "hello", encoding_format: "float" });
+  check(sameNumbers(f.data?.[0]?.embedding, FLOATS), `embeddings (float): ${JSON.stringify(f).slice(0, 200)}`);
+  const b = await client.embeddings.create({ model: "GLM-5.3-Flash", input: "hello", encoding_format: "base64" });
+  const raw = b.data?.[0]?.embedding;
+  check(typeof raw === "string", `embeddings (base64): ${JSON.stringify(b).slice(0, 200)}`);
+  const buf = Buffer.from(raw, "base64");
+  check(sameNumbers(Array.from({ length: buf.length / 4 }, (_, i) => buf.readFloatLE(4 * i)), FLOAT32S),
+        `embeddings (base64): ${raw} is not the float32s ${FLOATS}`);
 }
 
 async function errors() {
