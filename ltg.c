@@ -490,12 +490,9 @@ static void *hmap_del(hmap *m, const void *k, size_t n) {
  * and it is strict: no trailing commas, no comments, no leading zeros, no
  * raw control characters in strings, UTF-8 checked byte by byte (overlong
  * forms, surrogates and code points past U+10FFFF are refused). Errors name
- * the byte offset, which reaches the client in the 400 message. Tokens are
- * jsmn-style (see ltg.h); strings stay escaped in the input until a caller
- * asks for json_unescape(), because most strings are never looked at.
- *
- * The writer tracks, per nesting level, whether a comma is due, so callers
- * write members in order and never think about separators.
+ * the byte offset, which reaches the client in the 400 message. Strings
+ * stay escaped (ltg.h) because most of them are never looked at. The
+ * writer keeps one bit per nesting level: is a comma due?
  */
 typedef struct {
     const char *s;
@@ -873,13 +870,8 @@ static void jw_usd(jwriter *w, int64_t micro) {
 /* ===== 4. HTTP/1.1 messages: heads, chunked coding, SSE =====
  *
  * IMPLEMENTATION NOTES
- * The parsers follow picohttpparser's contract: no allocation, results are
- * slices of the caller's buffer, and they can be fed any split of the input.
- * Heads are parsed only once the blank line that ends them is in the buffer
- * (http_head_end resumes its scan, so byte-by-byte arrival costs O(n)).
- *
- * They are strict where leniency lets two parties disagree about where a
- * message ends, which is how request smuggling works: lines end in CRLF,
+ * Beyond ltg.h's contract (picohttpparser's), the parsers are strict where
+ * leniency lets two parties disagree about where a message ends, which is how request smuggling works: lines end in CRLF,
  * obsolete line folding and NUL bytes are refused, a message with both
  * Content-Length and Transfer-Encoding is refused, two different
  * Content-Lengths are refused, and the only transfer coding is "chunked".
@@ -1183,10 +1175,8 @@ int sse_event_data(const char *ev, size_t n, buf *out) {
  * O(log n). Signals reach the loop through a self-pipe, never by
  * interrupting it at an unknown point.
  *
- * The loop knows nothing of what it runs: each turn it calls the
- * before-sleep hooks it was given (S.hooks, loop_hooks in ltg.h: the
- * server's flush, then the store's turn), after each poll the `woke` hook
- * (signals), and `done` says when to return.
+ * The loop knows nothing of what it runs: it calls the hooks it was given
+ * (S.hooks, loop_hooks in ltg.h: the server's flush, then the store's turn).
  */
 static int *fds_to_close;
 static int nclose, close_cap;
@@ -2246,13 +2236,10 @@ static int tls_pump(tls_conn *t, int fd, const char *out, size_t outlen, size_t 
  *
  *   RESOLVING -> CONNECTING -> SENDING -> READING -> (pool) IDLE -> SENDING ...
  *
- * It knows nothing of retries or clients. It reports to its owner (an
- * exchange) through the event hook it was started with (upstream_event,
- * ltg.h), which reads the connection's state: `have_head`, the decoded body
- * bytes in `body`, `complete`, or `failed` with `err`. Failures
- * are always reported on the next loop turn (through the connection's
- * timer), never from inside the call that caused them, so an exchange that
- * starts an attempt is never re-entered half-built.
+ * It knows nothing of retries or clients. Its owner (an exchange) hears of
+ * it through upstream_event (ltg.h) and reads `have_head`, the decoded body
+ * in `body`, `complete`, or `failed` with `err`; a failure comes on the
+ * next turn, through the connection's timer.
  *
  * What a failure means for a retry depends on how far the request got, so
  * the connection records it: `wrote` (bytes of the request handed on)
@@ -5231,13 +5218,11 @@ static int store_tick(void) {
  *
  * The current request's head stays at the front of `in` while it is served
  * (the parsed header slices point into it); its body is decoded into
- * `body`. The server hands it to S.serve (route, section 18); an answer
- * given over several turns has an owner, told when the client goes or has
- * read what waited (conn_owner, ltg.h). When the answer is complete,
- * conn_done() drops the request's bytes, and whatever follows in `in` is
- * the next pipelined request, parsed by conn_process()'s loop or after the
- * next flush -- never from inside a reply. A request is served only when
- * the one before it is answered, so answers leave in order.
+ * `body`. The server hands it to S.serve (route, section 18; the contract
+ * and conn_owner are in ltg.h). conn_done() drops the request's bytes, and
+ * what follows in `in` is the next pipelined request, parsed by
+ * conn_process()'s loop or after the next flush. A request is served only
+ * when the one before it is answered, so answers leave in order.
  *
  * One timer per connection means one of three things, by state: the idle
  * keep-alive limit (no bytes of a next request), the head limit (counted
@@ -6133,26 +6118,33 @@ static void groups_delete(conn *c, const admin_who *who, const char *id) {
     buf_free(&ops), buf_free(&body);
 }
 
-static void groups_list(conn *c, const admin_who *who, const char *id) {
-    (void)who, (void)id;
+/* GET /token_groups, GET /token_keys (a token_group_id filter: only that
+ * group's keys): a page of them in creation order. */
+static void store_list(conn *c, const vec *v, int keys) {
     int number, size;
     if (page_params(c, &number, &size) < 0) return;
+    char gid[64];
+    const char *filter = keys ? query_get(c, "token_group_id", "filter[token_group_id]", gid, sizeof gid) : NULL;
     buf b = {0};
     jwriter w;
     jw_init(&w, &b), jw_open(&w, '{'), jw_key(&w, "data"), jw_open(&w, '[');
     long long skip = (long long)(number - 1) * size;
-    int shown = 0;
-    for (int i = 0; i < ST.gv.n && shown < size; i++) {
-        if (!ST.gv.p[i]) continue;
+    int shown = 0, total = 0;
+    for (int i = 0; i < v->n; i++) {
+        if (!v->p[i] || (filter && strcmp(((const tkey *)v->p[i])->group_id, filter) != 0)) continue;
+        total++;
         if (skip) { skip--; continue; }
-        group_json(&w, ST.gv.p[i], 0), shown++;
+        if (shown < size && keys) tkey_json(&w, v->p[i], 0), shown++;
+        else if (shown < size) group_json(&w, v->p[i], 0), shown++;
     }
     jw_close(&w, ']');
-    page_meta(&w, number, size, ST.gv.live);
+    page_meta(&w, number, size, total);
     jw_close(&w, '}'), jw_close(&w, '}');
     admin_reply(c, 200, 0, 0, b.p, b.len);
     buf_free(&b);
 }
+
+static void groups_list(conn *c, const admin_who *who, const char *id) { (void)who, (void)id, store_list(c, &ST.gv, 0); }
 
 /* POST /token_keys: the secret is shown in this answer and never again. */
 static void keys_create(conn *c, const admin_who *who, const char *id) {
@@ -6226,30 +6218,7 @@ static void keys_delete(conn *c, const admin_who *who, const char *id) {
     buf_free(&ops), buf_free(&body);
 }
 
-static void keys_list(conn *c, const admin_who *who, const char *id) {
-    (void)who, (void)id;
-    int number, size;
-    if (page_params(c, &number, &size) < 0) return;
-    char gid[64];
-    const char *filter = query_get(c, "token_group_id", "filter[token_group_id]", gid, sizeof gid);
-    buf b = {0};
-    jwriter w;
-    jw_init(&w, &b), jw_open(&w, '{'), jw_key(&w, "data"), jw_open(&w, '[');
-    long long skip = (long long)(number - 1) * size;
-    int shown = 0, total = 0;
-    for (int i = 0; i < ST.kv.n; i++) {
-        tkey *k = ST.kv.p[i];
-        if (!k || (filter && strcmp(k->group_id, filter) != 0)) continue;
-        total++;
-        if (skip) { skip--; continue; }
-        if (shown < size) tkey_json(&w, k, 0), shown++;
-    }
-    jw_close(&w, ']');
-    page_meta(&w, number, size, total);
-    jw_close(&w, '}'), jw_close(&w, '}');
-    admin_reply(c, 200, 0, 0, b.p, b.len);
-    buf_free(&b);
-}
+static void keys_list(conn *c, const admin_who *who, const char *id) { (void)who, (void)id, store_list(c, &ST.kv, 1); }
 
 /* The half-open UTC date range [start_date, end_date) of a ledger query:
  * both or neither (neither: yesterday), at most 31 days. 0, or LTG_ERR
@@ -7531,10 +7500,10 @@ static void route(conn *c) {
  * lock, the state log replayed, the ledger opened (its days checked,
  * today's replayed, old ones retired) and the budgets summed from it, the
  * fd table sized from the connection cap, signals, resolver; then the
- * loop. SIGTERM/SIGINT start a
- * drain: the listeners close (a new connection is refused), idle
- * connections close, requests in flight finish (at most --drain-seconds),
- * and ltg exits 0. SIGHUP reloads the catalog.
+ * loop. SIGTERM/SIGINT start a drain: the listeners close (a new
+ * connection is refused), idle connections close, requests in flight
+ * finish (at most --drain-seconds), and ltg exits 0. SIGHUP reloads the
+ * catalog.
  */
 static timer accept_pause, drain_timer;
 
