@@ -6433,12 +6433,9 @@ static void admin_route(conn *c) {
  *   exchange_settle(): the real cost replaces the reservation, the spend
  *   event is written, the replay record and the cache are filled
  *
- * attempt_end() is the one place where an attempt's result (its status,
- * why it failed otherwise, whether a byte reached the provider) becomes an
- * outcome: it is classified, logged, told to the breaker, and plan_next()
- * says what follows; the exchange's state (x_state) says what its timer
- * means meanwhile. A client that leaves cuts the attempt without an
- * outcome: nothing follows from it.
+ * attempt_end() alone turns an attempt's result into an outcome; x_state
+ * says what the timer means meanwhile. A client that leaves cuts the
+ * attempt without an outcome: nothing follows from it.
  *
  * The client sees one of two shapes:
  *   - a whole answer (non-streaming, or any error): ltg waits for the
