@@ -490,12 +490,9 @@ static void *hmap_del(hmap *m, const void *k, size_t n) {
  * and it is strict: no trailing commas, no comments, no leading zeros, no
  * raw control characters in strings, UTF-8 checked byte by byte (overlong
  * forms, surrogates and code points past U+10FFFF are refused). Errors name
- * the byte offset, which reaches the client in the 400 message. Tokens are
- * jsmn-style (see ltg.h); strings stay escaped in the input until a caller
- * asks for json_unescape(), because most strings are never looked at.
- *
- * The writer tracks, per nesting level, whether a comma is due, so callers
- * write members in order and never think about separators.
+ * the byte offset, which reaches the client in the 400 message. Strings
+ * stay escaped (ltg.h) because most of them are never looked at. The
+ * writer keeps one bit per nesting level: is a comma due?
  */
 typedef struct {
     const char *s;
@@ -551,6 +548,16 @@ static int hexval(int c) {
     if (c >= 'a' && c <= 'f') return c - 'a' + 10;
     if (c >= 'A' && c <= 'F') return c - 'A' + 10;
     return -1;
+}
+
+/* n hex digits of s as n/2 bytes: 0, or LTG_ERR at a character that is not one. */
+static int hex_decode(const char *s, size_t n, uint8_t *out) {
+    for (size_t i = 0; i < n / 2; i++) {
+        int hi = hexval((unsigned char)s[2 * i]), lo = hexval((unsigned char)s[2 * i + 1]);
+        if (hi < 0 || lo < 0) return LTG_ERR;
+        out[i] = (uint8_t)(hi << 4 | lo);
+    }
+    return 0;
 }
 
 static int jp_string(jparser *p, int depth) {
@@ -846,6 +853,12 @@ void jw_bool(jwriter *w, int v) { jw_sep(w); buf_puts(w->out, v ? "true" : "fals
 void jw_null(jwriter *w) { jw_sep(w); buf_puts(w->out, "null"); }
 void jw_raw(jwriter *w, const char *json, size_t n) { jw_sep(w); buf_append(w->out, json, n); }
 
+/* A number that may be unknown: null when it is. */
+static void jw_int_or_null(jwriter *w, int known, long long v) {
+    if (known) jw_int(w, v);
+    else jw_null(w);
+}
+
 /* Money: micro-USD written as a plain decimal, "0.000096" (never 9.6e-05). */
 static void jw_usd(jwriter *w, int64_t micro) {
     jw_sep(w);
@@ -857,13 +870,8 @@ static void jw_usd(jwriter *w, int64_t micro) {
 /* ===== 4. HTTP/1.1 messages: heads, chunked coding, SSE =====
  *
  * IMPLEMENTATION NOTES
- * The parsers follow picohttpparser's contract: no allocation, results are
- * slices of the caller's buffer, and they can be fed any split of the input.
- * Heads are parsed only once the blank line that ends them is in the buffer
- * (http_head_end resumes its scan, so byte-by-byte arrival costs O(n)).
- *
- * They are strict where leniency lets two parties disagree about where a
- * message ends, which is how request smuggling works: lines end in CRLF,
+ * Beyond ltg.h's contract (picohttpparser's), the parsers are strict where
+ * leniency lets two parties disagree about where a message ends, which is how request smuggling works: lines end in CRLF,
  * obsolete line folding and NUL bytes are refused, a message with both
  * Content-Length and Transfer-Encoding is refused, two different
  * Content-Lengths are refused, and the only transfer coding is "chunked".
@@ -1167,10 +1175,8 @@ int sse_event_data(const char *ev, size_t n, buf *out) {
  * O(log n). Signals reach the loop through a self-pipe, never by
  * interrupting it at an unknown point.
  *
- * The loop knows nothing of what it runs: each turn it calls the
- * before-sleep hooks it was given (S.hooks, loop_hooks in ltg.h: the
- * server's flush, then the store's turn), after each poll the `woke` hook
- * (signals), and `done` says when to return.
+ * The loop knows nothing of what it runs: it calls the hooks it was given
+ * (S.hooks, loop_hooks in ltg.h: the server's flush, then the store's turn).
  */
 static int *fds_to_close;
 static int nclose, close_cap;
@@ -1717,9 +1723,10 @@ typedef struct {
     size_t errlen;
 } cfg;
 
-static int cfg_fail(cfg *c, const char *field, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static int cfg_fail(cfg *c, const char *field, const char *fmt, ...) {
-    int n = snprintf(c->err, c->errlen, "%s: %s: ", c->file, field);
+/* The message "file: where.key: ...". key may be NULL; where "" is the top level. */
+static int cfg_fail(cfg *c, const char *where, const char *key, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static int cfg_fail(cfg *c, const char *where, const char *key, const char *fmt, ...) {
+    int n = snprintf(c->err, c->errlen, "%s: %s%s%s: ", c->file, where, *where && key ? "." : "", key ? key : "");
     va_list ap;
     va_start(ap, fmt);
     if (n > 0 && (size_t)n < c->errlen) vsnprintf(c->err + n, c->errlen - (size_t)n, fmt, ap);
@@ -1730,25 +1737,19 @@ static int cfg_fail(cfg *c, const char *field, const char *fmt, ...) {
 /* The value of the environment variable that string token k names, or
  * NULL after cfg_fail. A name that does not look like one (A-Z, 0-9, _)
  * may be a key pasted where its name belongs: it is not repeated. */
-static const char *cfg_env(cfg *c, int k, const char *field) {
-    if (c->t[k].type != JSON_STRING) { cfg_fail(c, field, "must be the name of an environment variable"); return NULL; }
+static const char *cfg_env(cfg *c, int k, const char *where, const char *key) {
+    if (c->t[k].type != JSON_STRING) { cfg_fail(c, where, key, "must be the name of an environment variable"); return NULL; }
     char *name = json_strdup(c->s, c->t, k);
     const char *val = getenv(name);
     size_t n = strlen(name);
     if (!val || !*val) {
-        if (n && n <= 64 && strspn(name, "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_") == n) cfg_fail(c, field, "environment variable %s is not set", name);
-        else cfg_fail(c, field, "no environment variable of that name is set (the value is not shown: it does not look like "
-                                "a variable name such as OPENAI_API_KEY; give the variable's name here, never the key)");
+        if (n && n <= 64 && strspn(name, "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_") == n) cfg_fail(c, where, key, "environment variable %s is not set", name);
+        else cfg_fail(c, where, key, "no environment variable of that name is set (the value is not shown: it does not look like "
+                                     "a variable name such as OPENAI_API_KEY; give the variable's name here, never the key)");
         val = NULL;
     }
     free(name);
     return val;
-}
-
-/* The field name of member key token k, for messages. */
-static const char *cfg_key(cfg *c, int k, char *out, size_t cap) {
-    snprintf(out, cap, "%.*s", (int)(c->t[k].end - c->t[k].start), c->s + c->t[k].start);
-    return out;
 }
 
 /* Check that every member of object `obj` is one of `allowed` (NULL-terminated). */
@@ -1757,38 +1758,32 @@ static int cfg_only(cfg *c, int obj, const char *where, const char *const *allow
     for (int m = 0; m < c->t[obj].size; m++, i = c->t[i + 1].next) {
         int ok = 0;
         for (const char *const *a = allowed; *a; a++) ok |= json_eq(c->s, c->t, i, *a);
-        char k[128], f[300];
-        if (!ok) {
-            snprintf(f, sizeof f, "%s%s%s", where, *where ? "." : "", cfg_key(c, i, k, sizeof k));
-            return cfg_fail(c, f, "unknown field");
-        }
+        char key[128];
+        snprintf(key, sizeof key, "%.*s", (int)(c->t[i].end - c->t[i].start), c->s + c->t[i].start);
+        if (!ok) return cfg_fail(c, where, key, "unknown field");
     }
     return 0;
 }
 
 static int cfg_price(cfg *c, int obj, const char *key, const char *where, double *out) {
     int v = json_get(c->s, c->t, obj, key);
-    char f[300];
-    snprintf(f, sizeof f, "%s.%s", where, key);
-    if (v < 0) return cfg_fail(c, f, "missing (a number: USD per million tokens)");
-    if (json_number(c->s, c->t, v, out) < 0 || *out < 0) return cfg_fail(c, f, "must be a number >= 0");
+    if (v < 0) return cfg_fail(c, where, key, "missing (a number: USD per million tokens)");
+    if (json_number(c->s, c->t, v, out) < 0 || *out < 0) return cfg_fail(c, where, key, "must be a number >= 0");
     return 0;
 }
 
 static int cfg_int(cfg *c, int obj, const char *key, const char *where, long long min, long long *out) {
     int v = json_get(c->s, c->t, obj, key);
     if (v < 0) return 0;
-    char f[300];
-    snprintf(f, sizeof f, "%s.%s", where, key);
     if (json_int(c->s, c->t, v, out) < 0 || *out < min || *out > 1000000000000LL)
-        return cfg_fail(c, f, "must be a whole number >= %lld", min);
+        return cfg_fail(c, where, key, "must be a whole number >= %lld", min);
     return 0;
 }
 
 static int cfg_providers(cfg *c, catalog *cat, int obj) {
     static const char *const fields[] = {"base_url", "api_key_env", "tls_verify", NULL};
     if (obj < 0 || c->t[obj].type != JSON_OBJECT || c->t[obj].size == 0)
-        return cfg_fail(c, "providers", "must be an object with at least one provider");
+        return cfg_fail(c, "providers", NULL, "must be an object with at least one provider");
     cat->prov = xcalloc((size_t)c->t[obj].size, sizeof *cat->prov);
     int i = obj + 1;
     for (int m = 0; m < c->t[obj].size; m++, i = c->t[i + 1].next) {
@@ -1796,30 +1791,27 @@ static int cfg_providers(cfg *c, catalog *cat, int obj) {
         p->name = json_strdup(c->s, c->t, i);
         p->tls_verify = 1;
         p->cat = cat;
-        char where[300], f[400];
+        char where[300];
         snprintf(where, sizeof where, "providers.%s", p->name);
         int v = i + 1;
-        if (c->t[v].type != JSON_OBJECT) return cfg_fail(c, where, "must be an object");
+        if (c->t[v].type != JSON_OBJECT) return cfg_fail(c, where, NULL, "must be an object");
         if (cfg_only(c, v, where, fields) < 0) return LTG_ERR;
         int u = json_get(c->s, c->t, v, "base_url");
-        snprintf(f, sizeof f, "%s.base_url", where);
-        if (u < 0 || c->t[u].type != JSON_STRING) return cfg_fail(c, f, "missing (a string like \"http://127.0.0.1:9000/v1\")");
+        if (u < 0 || c->t[u].type != JSON_STRING) return cfg_fail(c, where, "base_url", "missing (a string like \"http://127.0.0.1:9000/v1\")");
         char *url = json_strdup(c->s, c->t, u);
         const char *why;
         int r = url_parse(url, p, &why);
         free(url);
-        if (r < 0) return cfg_fail(c, f, "%s", why);
+        if (r < 0) return cfg_fail(c, where, "base_url", "%s", why);
         int k = json_get(c->s, c->t, v, "api_key_env");
         if (k >= 0) {
-            snprintf(f, sizeof f, "%s.api_key_env", where);
-            const char *val = cfg_env(c, k, f);
+            const char *val = cfg_env(c, k, where, "api_key_env");
             if (!val) return LTG_ERR;
             p->api_key = xstrndup(val, strlen(val));
         }
         int tv = json_get(c->s, c->t, v, "tls_verify");
         if (tv >= 0) {
-            snprintf(f, sizeof f, "%s.tls_verify", where);
-            if (c->t[tv].type != JSON_TRUE && c->t[tv].type != JSON_FALSE) return cfg_fail(c, f, "must be true or false");
+            if (c->t[tv].type != JSON_TRUE && c->t[tv].type != JSON_FALSE) return cfg_fail(c, where, "tls_verify", "must be true or false");
             p->tls_verify = c->t[tv].type == JSON_TRUE;
         }
     }
@@ -1830,30 +1822,28 @@ static int cfg_models(cfg *c, catalog *cat, int obj) {
     static const char *const fields[] = {"provider", "upstream_model", "input_usd_per_mtok", "output_usd_per_mtok",
                                          "context_window", "max_output_tokens", NULL};
     if (obj < 0 || c->t[obj].type != JSON_OBJECT || c->t[obj].size == 0)
-        return cfg_fail(c, "models", "must be an object with at least one model alias");
+        return cfg_fail(c, "models", NULL, "must be an object with at least one model alias");
     cat->models = xcalloc((size_t)c->t[obj].size, sizeof *cat->models);
     int i = obj + 1;
     for (int m = 0; m < c->t[obj].size; m++, i = c->t[i + 1].next) {
         model *md = &cat->models[cat->nmodels++];
         md->alias = json_strdup(c->s, c->t, i);
         md->max_output_tokens = 4096;
-        char where[300], f[400];
+        char where[300];
         snprintf(where, sizeof where, "models.%s", md->alias);
         int v = i + 1;
         if (!*md->alias || strlen(md->alias) > ALIAS_MAX)
-            return cfg_fail(c, "models", "an alias must be 1 to %d bytes (\"%.40s...\" is not)", ALIAS_MAX, md->alias);
-        if (c->t[v].type != JSON_OBJECT) return cfg_fail(c, where, "must be an object");
+            return cfg_fail(c, "models", NULL, "an alias must be 1 to %d bytes (\"%.40s...\" is not)", ALIAS_MAX, md->alias);
+        if (c->t[v].type != JSON_OBJECT) return cfg_fail(c, where, NULL, "must be an object");
         if (cfg_only(c, v, where, fields) < 0) return LTG_ERR;
         int pv = json_get(c->s, c->t, v, "provider");
-        snprintf(f, sizeof f, "%s.provider", where);
-        if (pv < 0 || c->t[pv].type != JSON_STRING) return cfg_fail(c, f, "missing (the name of a provider)");
+        if (pv < 0 || c->t[pv].type != JSON_STRING) return cfg_fail(c, where, "provider", "missing (the name of a provider)");
         for (int k = 0; k < cat->nprov; k++)
             if (json_eq(c->s, c->t, pv, cat->prov[k].name)) md->p = &cat->prov[k];
-        if (!md->p) return cfg_fail(c, f, "no provider named \"%.*s\"", (int)(c->t[pv].end - c->t[pv].start), c->s + c->t[pv].start);
+        if (!md->p) return cfg_fail(c, where, "provider", "no provider named \"%.*s\"", (int)(c->t[pv].end - c->t[pv].start), c->s + c->t[pv].start);
         int uv = json_get(c->s, c->t, v, "upstream_model");
-        snprintf(f, sizeof f, "%s.upstream_model", where);
         if (uv < 0 || c->t[uv].type != JSON_STRING || c->t[uv].end == c->t[uv].start)
-            return cfg_fail(c, f, "missing (the provider's name for the model)");
+            return cfg_fail(c, where, "upstream_model", "missing (the provider's name for the model)");
         md->upstream = json_strdup(c->s, c->t, uv);
         if (cfg_price(c, v, "input_usd_per_mtok", where, &md->in_price) < 0 ||
             cfg_price(c, v, "output_usd_per_mtok", where, &md->out_price) < 0 ||
@@ -1861,7 +1851,7 @@ static int cfg_models(cfg *c, catalog *cat, int obj) {
             cfg_int(c, v, "max_output_tokens", where, 1, &md->max_output_tokens) < 0)
             return LTG_ERR;
         for (int k = 0; k < cat->nmodels - 1; k++)
-            if (strcmp(cat->models[k].alias, md->alias) == 0) return cfg_fail(c, where, "the alias is defined twice");
+            if (strcmp(cat->models[k].alias, md->alias) == 0) return cfg_fail(c, where, NULL, "the alias is defined twice");
     }
     return 0;
 }
@@ -1869,41 +1859,33 @@ static int cfg_models(cfg *c, catalog *cat, int obj) {
 static int cfg_admin_keys(cfg *c, catalog *cat, int arr) {
     static const char *const fields[] = {"key_env", "key_sha256", "permissions", NULL};
     if (arr < 0) return 0;
-    if (c->t[arr].type != JSON_ARRAY) return cfg_fail(c, "admin_keys", "must be an array");
+    if (c->t[arr].type != JSON_ARRAY) return cfg_fail(c, "admin_keys", NULL, "must be an array");
     cat->admins = xcalloc((size_t)c->t[arr].size, sizeof *cat->admins);
     int v = arr + 1;
     for (int m = 0; m < c->t[arr].size; m++, v = c->t[v].next) {
         admin_key *a = &cat->admins[cat->nadmins++];
-        char where[64], f[128];
+        char where[64];
         snprintf(where, sizeof where, "admin_keys[%d]", m);
-        if (c->t[v].type != JSON_OBJECT) return cfg_fail(c, where, "must be an object");
+        if (c->t[v].type != JSON_OBJECT) return cfg_fail(c, where, NULL, "must be an object");
         if (cfg_only(c, v, where, fields) < 0) return LTG_ERR;
         int ke = json_get(c->s, c->t, v, "key_env"), ks = json_get(c->s, c->t, v, "key_sha256");
-        if ((ke < 0) == (ks < 0)) return cfg_fail(c, where, "give exactly one of key_env and key_sha256 (never the key itself)");
+        if ((ke < 0) == (ks < 0)) return cfg_fail(c, where, NULL, "give exactly one of key_env and key_sha256 (never the key itself)");
         if (ke >= 0) {
-            snprintf(f, sizeof f, "%s.key_env", where);
-            const char *val = cfg_env(c, ke, f);
+            const char *val = cfg_env(c, ke, where, "key_env");
             if (!val) return LTG_ERR;
             sha256(val, strlen(val), a->sha);
         } else {
-            snprintf(f, sizeof f, "%s.key_sha256", where);
-            const char *h = c->s + c->t[ks].start;
-            if (c->t[ks].type != JSON_STRING || c->t[ks].end - c->t[ks].start != 64) return cfg_fail(c, f, "must be 64 hex digits");
-            for (int k = 0; k < 32; k++) {
-                int hi = hexval((unsigned char)h[2 * k]), lo = hexval((unsigned char)h[2 * k + 1]);
-                if (hi < 0 || lo < 0) return cfg_fail(c, f, "must be 64 hex digits");
-                a->sha[k] = (uint8_t)(hi << 4 | lo);
-            }
+            if (c->t[ks].type != JSON_STRING || c->t[ks].end - c->t[ks].start != 64 || hex_decode(c->s + c->t[ks].start, 64, a->sha) < 0)
+                return cfg_fail(c, where, "key_sha256", "must be 64 hex digits");
         }
         int pv = json_get(c->s, c->t, v, "permissions");
-        snprintf(f, sizeof f, "%s.permissions", where);
-        if (pv < 0 || c->t[pv].type != JSON_ARRAY || c->t[pv].size == 0) return cfg_fail(c, f, "missing (a non-empty array, e.g. [\"*\"])");
+        if (pv < 0 || c->t[pv].type != JSON_ARRAY || c->t[pv].size == 0) return cfg_fail(c, where, "permissions", "missing (a non-empty array, e.g. [\"*\"])");
         int e = pv + 1;
         for (int k = 0; k < c->t[pv].size; k++, e = c->t[e].next) {
             int bit = 0;
             for (int b = 0; b < 7; b++)
                 if (json_eq(c->s, c->t, e, perm_names[b])) bit = 1 << b;
-            if (!bit) return cfg_fail(c, f, "unknown permission (allowed: \"*\", llm_token_gateway.{token_groups,token_keys}.{read,write}, llm_token_gateway.spend.read, llm_token_gateway.usage.read)");
+            if (!bit) return cfg_fail(c, where, "permissions", "unknown permission (allowed: \"*\", llm_token_gateway.{token_groups,token_keys}.{read,write}, llm_token_gateway.spend.read, llm_token_gateway.usage.read)");
             a->perms |= bit;
         }
     }
@@ -1934,7 +1916,7 @@ static catalog *catalog_load(const char *path, const char *text, char *err, size
     } else {
         static const char *const top[] = {"providers", "models", "admin_keys", NULL};
         if (json_get(b.p, c.t, 0, "dev_keys") >= 0) {
-            cfg_fail(&c, "dev_keys", "was removed: create a token group and a token key through the control plane (README: provisioning)");
+            cfg_fail(&c, "dev_keys", NULL, "was removed: create a token group and a token key through the control plane (README: provisioning)");
         } else
         ok = cfg_only(&c, 0, "", top) == 0 && cfg_providers(&c, cat, json_get(b.p, c.t, 0, "providers")) == 0 &&
              cfg_models(&c, cat, json_get(b.p, c.t, 0, "models")) == 0 &&
@@ -2254,13 +2236,10 @@ static int tls_pump(tls_conn *t, int fd, const char *out, size_t outlen, size_t 
  *
  *   RESOLVING -> CONNECTING -> SENDING -> READING -> (pool) IDLE -> SENDING ...
  *
- * It knows nothing of retries or clients. It reports to its owner (an
- * exchange) through the event hook it was started with (upstream_event,
- * ltg.h), which reads the connection's state: `have_head`, the decoded body
- * bytes in `body`, `complete`, or `failed` with `err`. Failures
- * are always reported on the next loop turn (through the connection's
- * timer), never from inside the call that caused them, so an exchange that
- * starts an attempt is never re-entered half-built.
+ * It knows nothing of retries or clients. Its owner (an exchange) hears of
+ * it through upstream_event (ltg.h) and reads `have_head`, the decoded body
+ * in `body`, `complete`, or `failed` with `err`; a failure comes on the
+ * next turn, through the connection's timer.
  *
  * What a failure means for a retry depends on how far the request got, so
  * the connection records it: `wrote` (bytes of the request handed on)
@@ -2924,21 +2903,12 @@ static void ptr_push(char *ptr, size_t cap, const char *token) {
     ptr[n] = 0;
 }
 
-static int verr_set(verr *e, const char *code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static int verr_set(verr *e, const char *code, const char *fmt, ...) {
-    e->code = code;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(e->detail, sizeof e->detail, fmt, ap);
-    va_end(ap);
-    return LTG_ERR;
-}
-
-/* The pointer /a/b (b may be NULL) and an invalid_request error about it. */
+/* The pointer /a/b and an invalid_request error about it. b may be NULL;
+ * a NULL too: about the body as a whole (no pointer). */
 static int verr_at(verr *e, const char *a, const char *b, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 static int verr_at(verr *e, const char *a, const char *b, const char *fmt, ...) {
     e->pointer[0] = 0;
-    ptr_push(e->pointer, sizeof e->pointer, a);
+    if (a) ptr_push(e->pointer, sizeof e->pointer, a);
     if (b) ptr_push(e->pointer, sizeof e->pointer, b);
     e->code = "invalid_request";
     va_list ap;
@@ -2948,14 +2918,21 @@ static int verr_at(verr *e, const char *a, const char *b, const char *fmt, ...) 
     return LTG_ERR;
 }
 
+/* After verr_at: the error is about element i of the array it named. */
+static int verr_index(verr *e, int i) {
+    char idx[16];
+    snprintf(idx, sizeof idx, "%d", i);
+    ptr_push(e->pointer, sizeof e->pointer, idx);
+    return LTG_ERR;
+}
+
 /* 0, or LTG_ERR with e set when object token `obj` has a key twice (at
  * pointer /where/<key>): which of two values would win is anybody's guess. */
 static int no_duplicate_keys(const char *s, const json_tok *t, int obj, const char *where, verr *e) {
     int k = json_duplicate_key(s, t, obj);
     if (k < 0) return 0;
     char *key = json_strdup(s, t, k);
-    if (where) verr_at(e, where, key, "is given twice: send each key once");
-    else verr_at(e, key, NULL, "is given twice: send each key once");
+    verr_at(e, where ? where : key, where ? key : NULL, "is given twice: send each key once");
     free(key);
     return LTG_ERR;
 }
@@ -3069,12 +3046,9 @@ static int parse_fallbacks(const char *s, const json_tok *t, int v, group *g, ve
         if (t[a].size > MAX_FALLBACKS) return verr_at(e, "fallbacks", f->model, "has %d models: at most %d fallbacks per model", t[a].size, MAX_FALLBACKS);
         int x = a + 1;
         for (int k = 0; k < t[a].size; k++, x = t[x].next) {
-            char idx[16];
-            snprintf(idx, sizeof idx, "%d", k);
             if (!name_ok(s, t, x, 200)) {
                 verr_at(e, "fallbacks", f->model, "must hold model aliases (strings)");
-                ptr_push(e->pointer, sizeof e->pointer, idx);
-                return LTG_ERR;
+                return verr_index(e, k);
             }
             f->to[f->n++] = json_strdup(s, t, x);
         }
@@ -3114,7 +3088,7 @@ static int group_parse_log(const char *s, const json_tok *t, int i, group *g) {
 static int group_parse(const char *s, const json_tok *t, int obj, group *g, int mode, verr *e) {
     static const char *const readonly[] = {"id", "record_type", "version", "created_at", "updated_at", "spend",
                                            "reserved_spend", "budget_started_at", "resets_at", NULL};
-    if (t[obj].type != JSON_OBJECT) return verr_set(e, "invalid_request", "the body must be a JSON object");
+    if (t[obj].type != JSON_OBJECT) return verr_at(e, NULL, NULL, "the body must be a JSON object");
     if (no_duplicate_keys(s, t, obj, NULL, e) < 0) return LTG_ERR;
     int i = obj + 1;
     for (int m = 0; m < t[obj].size; m++, i = t[i + 1].next) {
@@ -3137,9 +3111,10 @@ static int group_parse(const char *s, const json_tok *t, int obj, group *g, int 
             g->allowed = xcalloc((size_t)t[v].size, sizeof *g->allowed), g->nallowed = 0;
             int x = v + 1;
             for (int k = 0; k < t[v].size; k++, x = t[x].next) {
-                char idx[16];
-                snprintf(idx, sizeof idx, "%d", k);
-                if (!name_ok(s, t, x, 200)) return verr_at(e, "allowed_models", idx, "must be a model alias (a string)");
+                if (!name_ok(s, t, x, 200)) {
+                    verr_at(e, "allowed_models", NULL, "must be a model alias (a string)");
+                    return verr_index(e, k);
+                }
                 g->allowed[g->nallowed++] = json_strdup(s, t, x);
             }
         } else if (json_eq(s, t, i, "fallbacks")) {
@@ -3186,15 +3161,13 @@ static int usd_ok(double d) {
 /* The rules of API.md 3.1 over a whole group (after a PATCH: the merged
  * result). Catalog membership first. */
 static int group_validate(const group *g, const catalog *cat, verr *e) {
-    char idx[16];
     if (!g->name) return verr_at(e, "name", NULL, "is required (a name for the group)");
     if (!g->allowed) return verr_at(e, "allowed_models", NULL, "is required (the model aliases this group may call; [] permits none)");
     for (int i = 0; i < g->nallowed; i++)
         if (!catalog_model((catalog *)cat, g->allowed[i], strlen(g->allowed[i]))) {
-            snprintf(idx, sizeof idx, "%d", i);
-            verr_at(e, "allowed_models", idx, "\"%.100s\" is not a model of this gateway's catalog (GET /v1/models with a key lists them)", g->allowed[i]);
+            verr_at(e, "allowed_models", NULL, "\"%.100s\" is not a model of this gateway's catalog (GET /v1/models with a key lists them)", g->allowed[i]);
             e->code = "model_not_in_catalog";
-            return LTG_ERR;
+            return verr_index(e, i);
         }
     for (int i = 0; i < g->nfb; i++) {
         const fallback *f = &g->fb[i];
@@ -3205,25 +3178,22 @@ static int group_validate(const group *g, const catalog *cat, verr *e) {
         }
         for (int k = 0; k < f->n; k++)
             if (!catalog_model((catalog *)cat, f->to[k], strlen(f->to[k]))) {
-                snprintf(idx, sizeof idx, "%d", k);
                 verr_at(e, "fallbacks", f->model, "\"%.100s\" is not a model of this gateway's catalog", f->to[k]);
-                ptr_push(e->pointer, sizeof e->pointer, idx);
                 e->code = "model_not_in_catalog";
-                return LTG_ERR;
+                return verr_index(e, k);
             }
     }
     if (!*g->name || strlen(g->name) > NAME_MAX_LEN) return verr_at(e, "name", NULL, "must be 1 to %d characters", NAME_MAX_LEN);
     for (int i = 0; i < g->nallowed; i++)
         for (int k = 0; k < i; k++)
             if (strcmp(g->allowed[i], g->allowed[k]) == 0) {
-                snprintf(idx, sizeof idx, "%d", i);
-                return verr_at(e, "allowed_models", idx, "\"%.100s\" is listed twice", g->allowed[i]);
+                verr_at(e, "allowed_models", NULL, "\"%.100s\" is listed twice", g->allowed[i]);
+                return verr_index(e, i);
             }
     for (int i = 0; i < g->nfb; i++) {
         const fallback *f = &g->fb[i];
         if (!group_allows(g, f->model)) return verr_at(e, "fallbacks", f->model, "\"%.100s\" has fallbacks but is not in allowed_models", f->model);
         for (int k = 0; k < f->n; k++) {
-            snprintf(idx, sizeof idx, "%d", k);
             const char *why = NULL;
             if (strcmp(f->to[k], f->model) == 0) why = "a model cannot be its own fallback";
             else if (!group_allows(g, f->to[k])) why = "a fallback must also be in allowed_models";
@@ -3231,8 +3201,7 @@ static int group_validate(const group *g, const catalog *cat, verr *e) {
                 if (strcmp(f->to[j], f->to[k]) == 0) why = "is listed twice";
             if (why) {
                 verr_at(e, "fallbacks", f->model, "\"%.100s\": %s", f->to[k], why);
-                ptr_push(e->pointer, sizeof e->pointer, idx);
-                return LTG_ERR;
+                return verr_index(e, k);
             }
         }
     }
@@ -3295,9 +3264,7 @@ static void group_json(jwriter *w, const group *g, int for_log) {
         jw_key(w, "max_attempts"), jw_int(w, g->retries.max_attempts);
         jw_key(w, "retry_delay_ms"), jw_int(w, g->retries.retry_delay_ms);
         jw_key(w, "backoff"), jw_cstr(w, backoff_names[g->retries.backoff]);
-        jw_key(w, "request_timeout_ms");
-        if (g->retries.request_timeout_ms) jw_int(w, g->retries.request_timeout_ms);
-        else jw_null(w);
+        jw_key(w, "request_timeout_ms"), jw_int_or_null(w, g->retries.request_timeout_ms != 0, g->retries.request_timeout_ms);
         jw_close(w, '}');
     }
     jw_key(w, "max_budget");
@@ -3306,12 +3273,8 @@ static void group_json(jwriter *w, const group *g, int for_log) {
     jw_key(w, "budget_duration");
     if (g->budget_days) snprintf(ts, sizeof ts, "%dd", g->budget_days), jw_cstr(w, ts);
     else jw_null(w);
-    jw_key(w, "cache_ttl");
-    if (g->cache_ttl != UNSET) jw_int(w, g->cache_ttl);
-    else jw_null(w);
-    jw_key(w, "max_parallel_requests");
-    if (g->max_parallel != UNSET) jw_int(w, g->max_parallel);
-    else jw_null(w);
+    jw_key(w, "cache_ttl"), jw_int_or_null(w, g->cache_ttl != UNSET, g->cache_ttl);
+    jw_key(w, "max_parallel_requests"), jw_int_or_null(w, g->max_parallel != UNSET, g->max_parallel);
     jw_key(w, "blocked"), jw_bool(w, g->blocked);
     jw_key(w, "version"), jw_int(w, g->version);
     if (for_log) {
@@ -3454,15 +3417,6 @@ static void idem_json(jwriter *w, const idem *r) {
     jw_key(w, "r"), jw_cstr(w, r->response);
     jw_key(w, "x"), jw_int(w, r->expires);
     jw_close(w, '}');
-}
-
-static int hex_decode(const char *s, size_t n, uint8_t *out) {
-    for (size_t i = 0; i < n / 2; i++) {
-        int hi = hexval((unsigned char)s[2 * i]), lo = hexval((unsigned char)s[2 * i + 1]);
-        if (hi < 0 || lo < 0) return LTG_ERR;
-        out[i] = (uint8_t)(hi << 4 | lo);
-    }
-    return 0;
 }
 
 /* A token key from the log: 0, or LTG_ERR. */
@@ -5264,13 +5218,11 @@ static int store_tick(void) {
  *
  * The current request's head stays at the front of `in` while it is served
  * (the parsed header slices point into it); its body is decoded into
- * `body`. The server hands it to S.serve (route, section 18); an answer
- * given over several turns has an owner, told when the client goes or has
- * read what waited (conn_owner, ltg.h). When the answer is complete,
- * conn_done() drops the request's bytes, and whatever follows in `in` is
- * the next pipelined request, parsed by conn_process()'s loop or after the
- * next flush -- never from inside a reply. A request is served only when
- * the one before it is answered, so answers leave in order.
+ * `body`. The server hands it to S.serve (route, section 18; the contract
+ * and conn_owner are in ltg.h). conn_done() drops the request's bytes, and
+ * what follows in `in` is the next pipelined request, parsed by
+ * conn_process()'s loop or after the next flush. A request is served only
+ * when the one before it is answered, so answers leave in order.
  *
  * One timer per connection means one of three things, by state: the idle
  * keep-alive limit (no bytes of a next request), the head limit (counted
@@ -5362,7 +5314,8 @@ static void episode_note(episode *e) {
     timer_set(&e->t, EPISODE_QUIET_MS);
 }
 
-static void admin_error(conn *c, int status, const char *code, const char *pointer, long long current_version, const char *detail);
+static void admin_error(conn *c, int status, const char *code, const char *pointer, long long current_version, const char *fmt, ...)
+    __attribute__((format(printf, 6, 7)));
 
 static void conn_watch(conn *c) {
     if (!c->closing) loop_events(c->fd, (short)((c->read_paused ? 0 : POLLIN) | (c->want_out ? POLLOUT : 0)));
@@ -5546,7 +5499,7 @@ static void conn_error(conn *c, int status, const char *code, const char *header
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    if (c->admin) { admin_error(c, status, code, NULL, 0, msg); return; }
+    if (c->admin) { admin_error(c, status, code, NULL, 0, "%s", msg); return; }
     const char *type = status == 401 ? "authentication_error" : status == 403 ? "permission_error"
                      : status == 404 ? "not_found_error" : status == 429 ? "rate_limit_error"
                      : status >= 500 ? "api_error" : "invalid_request_error";
@@ -5781,7 +5734,12 @@ static const char *error_title(const char *code, int status) {
 }
 
 /* A JSON:API error; `pointer` may be NULL, `current_version` 0 for none. */
-static void admin_error(conn *c, int status, const char *code, const char *pointer, long long current_version, const char *detail) {
+static void admin_error(conn *c, int status, const char *code, const char *pointer, long long current_version, const char *fmt, ...) {
+    char detail[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(detail, sizeof detail, fmt, ap);
+    va_end(ap);
     buf b = {0}, h = {0};
     jwriter w;
     jw_init(&w, &b);
@@ -5801,7 +5759,7 @@ static void admin_error(conn *c, int status, const char *code, const char *point
     buf_free(&b), buf_free(&h);
 }
 
-static void admin_verr(conn *c, const verr *e) { admin_error(c, 400, e->code, e->pointer, 0, e->detail); }
+static void admin_verr(conn *c, const verr *e) { admin_error(c, 400, e->code, e->pointer, 0, "%s", e->detail); }
 
 /* A success: {"data": ...} already in `body`; version > 0 adds the ETag. */
 static void admin_reply(conn *c, int status, long long version, int replayed, const char *body, size_t n) {
@@ -5838,11 +5796,9 @@ static int admin_allowed(conn *c, const admin_who *who, int need) {
     if (have & PERM_GROUPS_WRITE) have |= PERM_GROUPS_READ;
     if (have & PERM_KEYS_WRITE) have |= PERM_KEYS_READ;
     if ((have & PERM_ALL) || (have & need)) return 1;
-    char msg[160];
     int bit = 0;
     while ((1 << bit) != need) bit++;
-    snprintf(msg, sizeof msg, "this admin key lacks the permission %s", perm_names[bit]);
-    admin_error(c, 403, "permission_denied", NULL, 0, msg);
+    admin_error(c, 403, "permission_denied", NULL, 0, "this admin key lacks the permission %s", perm_names[bit]);
     return 0;
 }
 
@@ -5916,9 +5872,7 @@ static int if_match(conn *c, long long version) {
     long long want;
     if (parse_ll(v, n, LLONG_MAX / 2, &want) < 0) { admin_error(c, 400, "invalid_request", NULL, 0, "If-Match must be a quoted version, like \"3\""); return 0; }
     if (want != version) {
-        char msg[160];
-        snprintf(msg, sizeof msg, "the resource is at version %lld, not %lld: read it again and reapply your change", version, want);
-        admin_error(c, 412, "precondition_failed", NULL, version, msg);
+        admin_error(c, 412, "precondition_failed", NULL, version, "the resource is at version %lld, not %lld: read it again and reapply your change", version, want);
         return 0;
     }
     return 1;
@@ -5991,7 +5945,7 @@ static void admin_change(conn *c, const idem_ticket *tk, const buf *ops, const c
     if (rc < 0) {
         idem_free(r);
         if (kind->drop) kind->drop(item);
-        admin_error(c, 503, "storage_unavailable", NULL, 0, why);
+        admin_error(c, 503, "storage_unavailable", NULL, 0, "%s", why);
         return;
     }
     store_put_idem(r, idem_bytes);
@@ -6031,9 +5985,7 @@ static int admin_body(conn *c, json_tok **t) {
     *t = xcalloc((size_t)max, sizeof **t);
     json_result res;
     if (json_parse(c->body.p, c->body.len, *t, max, -1, &res) == 0) return 0;
-    char msg[200];
-    snprintf(msg, sizeof msg, "the body is not valid JSON: %s at byte offset %zu", res.err, res.err_offset);
-    admin_error(c, 400, "invalid_json", NULL, 0, msg);
+    admin_error(c, 400, "invalid_json", NULL, 0, "the body is not valid JSON: %s at byte offset %zu", res.err, res.err_offset);
     free(*t);
     *t = NULL;
     return LTG_ERR;
@@ -6048,7 +6000,7 @@ static void admin_missing(conn *c, const admin_who *who, const char *what) {
     idem_ticket tk;
     size_t n;
     if (!method_is(c, "GET") && http_header_get(c->in.p, c->req.h, c->req.nh, "idempotency-key", &n) && !idem_begin(c, who, &tk)) return;
-    admin_error(c, 404, "not_found", NULL, 0, what);
+    admin_error(c, 404, "not_found", NULL, 0, "%s", what);
 }
 
 /* GET /token_groups/{id}, GET /token_keys/{id} */
@@ -6166,26 +6118,33 @@ static void groups_delete(conn *c, const admin_who *who, const char *id) {
     buf_free(&ops), buf_free(&body);
 }
 
-static void groups_list(conn *c, const admin_who *who, const char *id) {
-    (void)who, (void)id;
+/* GET /token_groups, GET /token_keys (a token_group_id filter: only that
+ * group's keys): a page of them in creation order. */
+static void store_list(conn *c, const vec *v, int keys) {
     int number, size;
     if (page_params(c, &number, &size) < 0) return;
+    char gid[64];
+    const char *filter = keys ? query_get(c, "token_group_id", "filter[token_group_id]", gid, sizeof gid) : NULL;
     buf b = {0};
     jwriter w;
     jw_init(&w, &b), jw_open(&w, '{'), jw_key(&w, "data"), jw_open(&w, '[');
     long long skip = (long long)(number - 1) * size;
-    int shown = 0;
-    for (int i = 0; i < ST.gv.n && shown < size; i++) {
-        if (!ST.gv.p[i]) continue;
+    int shown = 0, total = 0;
+    for (int i = 0; i < v->n; i++) {
+        if (!v->p[i] || (filter && strcmp(((const tkey *)v->p[i])->group_id, filter) != 0)) continue;
+        total++;
         if (skip) { skip--; continue; }
-        group_json(&w, ST.gv.p[i], 0), shown++;
+        if (shown < size && keys) tkey_json(&w, v->p[i], 0), shown++;
+        else if (shown < size) group_json(&w, v->p[i], 0), shown++;
     }
     jw_close(&w, ']');
-    page_meta(&w, number, size, ST.gv.live);
+    page_meta(&w, number, size, total);
     jw_close(&w, '}'), jw_close(&w, '}');
     admin_reply(c, 200, 0, 0, b.p, b.len);
     buf_free(&b);
 }
+
+static void groups_list(conn *c, const admin_who *who, const char *id) { (void)who, (void)id, store_list(c, &ST.gv, 0); }
 
 /* POST /token_keys: the secret is shown in this answer and never again. */
 static void keys_create(conn *c, const admin_who *who, const char *id) {
@@ -6196,7 +6155,7 @@ static void keys_create(conn *c, const admin_who *who, const char *id) {
     const char *s = c->body.p;
     verr e = {0};
     int nm = -1, gid = -1, i = 1;
-    if (t[0].type != JSON_OBJECT) verr_set(&e, "invalid_request", "the body must be a JSON object: {\"name\": ..., \"token_group_id\": ...}");
+    if (t[0].type != JSON_OBJECT) verr_at(&e, NULL, NULL, "the body must be a JSON object: {\"name\": ..., \"token_group_id\": ...}");
     else if (no_duplicate_keys(s, t, 0, NULL, &e) < 0) { /* e is set */ }
     else
         for (int m = 0; m < t[0].size && !e.code; m++, i = t[i + 1].next) {
@@ -6259,30 +6218,7 @@ static void keys_delete(conn *c, const admin_who *who, const char *id) {
     buf_free(&ops), buf_free(&body);
 }
 
-static void keys_list(conn *c, const admin_who *who, const char *id) {
-    (void)who, (void)id;
-    int number, size;
-    if (page_params(c, &number, &size) < 0) return;
-    char gid[64];
-    const char *filter = query_get(c, "token_group_id", "filter[token_group_id]", gid, sizeof gid);
-    buf b = {0};
-    jwriter w;
-    jw_init(&w, &b), jw_open(&w, '{'), jw_key(&w, "data"), jw_open(&w, '[');
-    long long skip = (long long)(number - 1) * size;
-    int shown = 0, total = 0;
-    for (int i = 0; i < ST.kv.n; i++) {
-        tkey *k = ST.kv.p[i];
-        if (!k || (filter && strcmp(k->group_id, filter) != 0)) continue;
-        total++;
-        if (skip) { skip--; continue; }
-        if (shown < size) tkey_json(&w, k, 0), shown++;
-    }
-    jw_close(&w, ']');
-    page_meta(&w, number, size, total);
-    jw_close(&w, '}'), jw_close(&w, '}');
-    admin_reply(c, 200, 0, 0, b.p, b.len);
-    buf_free(&b);
-}
+static void keys_list(conn *c, const admin_who *who, const char *id) { (void)who, (void)id, store_list(c, &ST.kv, 1); }
 
 /* The half-open UTC date range [start_date, end_date) of a ledger query:
  * both or neither (neither: yesterday), at most 31 days. 0, or LTG_ERR
@@ -6301,7 +6237,7 @@ static int range_params(conn *c, int64_t *start, int64_t *end) {
     else if (parse_day(sb, end) < 0) why = "end_date must be a date: YYYY-MM-DD";
     else if (*start >= *end) why = "start_date must be before end_date (the range is [start_date, end_date))";
     else if (*end - *start > 31LL * 86400000) why = "the range may span at most 31 days";
-    if (why) { admin_error(c, 400, "invalid_request", NULL, 0, why); return LTG_ERR; }
+    if (why) { admin_error(c, 400, "invalid_request", NULL, 0, "%s", why); return LTG_ERR; }
     return 0;
 }
 
@@ -6464,12 +6400,10 @@ static void admin_route(conn *c) {
         snprintf(allow + strlen(allow), sizeof allow - strlen(allow), "%s%s", allow[0] ? ", " : "", e->method);
         if (method_is(c, e->method)) hit = e;
     }
-    char msg[sizeof allow + 120]; /* "use ", the methods, " on ", 100 bytes of path */
     if (!allow[0]) {
         admin_error(c, 404, "not_found", NULL, 0, "no such endpoint (the control plane has /token_groups, /token_keys, /spend/events and /usage/summary)");
     } else if (!hit) {
-        snprintf(msg, sizeof msg, "use %s on %.100s", allow, path);
-        admin_error(c, 405, "method_not_allowed", NULL, 0, msg);
+        admin_error(c, 405, "method_not_allowed", NULL, 0, "use %s on %.100s", allow, path);
     } else if (admin_allowed(c, &who, hit->perm)) {
         hit->serve(c, &who, id);
     }
@@ -6499,12 +6433,9 @@ static void admin_route(conn *c) {
  *   exchange_settle(): the real cost replaces the reservation, the spend
  *   event is written, the replay record and the cache are filled
  *
- * attempt_end() is the one place where an attempt's result (its status,
- * why it failed otherwise, whether a byte reached the provider) becomes an
- * outcome: it is classified, logged, told to the breaker, and plan_next()
- * says what follows; the exchange's state (x_state) says what its timer
- * means meanwhile. A client that leaves cuts the attempt without an
- * outcome: nothing follows from it.
+ * attempt_end() alone turns an attempt's result into an outcome; x_state
+ * says what the timer means meanwhile. A client that leaves cuts the
+ * attempt without an outcome: nothing follows from it.
  *
  * The client sees one of two shapes:
  *   - a whole answer (non-streaming, or any error): ltg waits for the
@@ -6828,12 +6759,8 @@ static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int 
     jw_key(&w, "status"), jw_cstr(&w, ev_status_names[ev_status]);
     jw_key(&w, "http_status"), jw_int(&w, http_status);
     jw_key(&w, "cache_hit"), jw_bool(&w, cache_hit);
-    jw_key(&w, "input_tokens");
-    if (x->usage_known || cache_hit) jw_int(&w, x->in_tok);
-    else jw_null(&w);
-    jw_key(&w, "output_tokens");
-    if (x->usage_known || cache_hit) jw_int(&w, x->out_tok);
-    else jw_null(&w);
+    jw_key(&w, "input_tokens"), jw_int_or_null(&w, x->usage_known || cache_hit, x->in_tok);
+    jw_key(&w, "output_tokens"), jw_int_or_null(&w, x->usage_known || cache_hit, x->out_tok);
     jw_key(&w, "cost");
     if (cost >= 0) jw_usd(&w, cost);
     else jw_null(&w);
@@ -7570,10 +7497,10 @@ static void route(conn *c) {
  * lock, the state log replayed, the ledger opened (its days checked,
  * today's replayed, old ones retired) and the budgets summed from it, the
  * fd table sized from the connection cap, signals, resolver; then the
- * loop. SIGTERM/SIGINT start a
- * drain: the listeners close (a new connection is refused), idle
- * connections close, requests in flight finish (at most --drain-seconds),
- * and ltg exits 0. SIGHUP reloads the catalog.
+ * loop. SIGTERM/SIGINT start a drain: the listeners close (a new
+ * connection is refused), idle connections close, requests in flight
+ * finish (at most --drain-seconds), and ltg exits 0. SIGHUP reloads the
+ * catalog.
  */
 static timer accept_pause, drain_timer;
 

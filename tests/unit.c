@@ -407,7 +407,11 @@ static group *try_group(const char *body, const group *base, verr *e) {
     json_tok t[256];
     json_result r;
     memset(e, 0, sizeof *e);
-    if (json_parse(body, strlen(body), t, 256, -1, &r) < 0) { verr_set(e, "invalid_json", "%s", r.err); return NULL; }
+    if (json_parse(body, strlen(body), t, 256, -1, &r) < 0) {
+        verr_at(e, NULL, NULL, "%s", r.err);
+        e->code = "invalid_json";
+        return NULL;
+    }
     group *g = base ? group_clone(base) : group_new();
     if (group_parse(body, t, 0, g, base ? PARSE_PATCH : PARSE_CREATE, e) < 0 || group_validate(g, unit_cat, e) < 0) {
         group_free(g);
