@@ -21,7 +21,7 @@
  * The life of one chat request:
  *   1. conn_read() gathers bytes; http_head_end()/http_parse_request() find
  *      and parse the head, the body arrives (Content-Length or chunked) (15).
- *   2. route() (18) sends it to inference_call() (17): parse, admit, start.
+ *   2. route() (19) sends it to inference_call() (17): parse, admit, start.
  *      Admission is a list of checks, each a refusal or nothing: the token
  *      key resolves to its group, the body's model must be allowed, the
  *      ledger must be writable, the worst case must fit the budget and is
@@ -38,11 +38,12 @@
  *   5. exchange_settle() (17) replaces the reservation by the real cost
  *      (budget_settle, 14) and adds the spend event to today's segment (13);
  *      the upstream connection returns to the pool and the client
- *      connection waits for its next request (15).
+ *      connection waits for its next request (15), once request_ended()
+ *      (18) has counted it in the metrics and written its access log line.
  *
  * Sections (banners below carry the same names):
  *   1. Limits and global state
- *   2. Utilities: logging, time, random, buffers, hashing
+ *   2. Utilities: logging, time, random, buffers, hashing, metrics
  *   3. JSON reader and writer
  *   4. HTTP/1.1 messages: heads, chunked coding, SSE
  *   5. The event loop: fds, timers, deferred close
@@ -58,8 +59,9 @@
  *  15. Client connections: the HTTP/1.1 server
  *  16. The control plane
  *  17. Inference: the proxy path
- *  18. Routing
- *  19. main
+ *  18. Observability: metrics and the access log
+ *  19. Routing
+ *  20. main
  *
  * Read ltg.h first: it holds the contracts of the parsers and buffers.
  */
@@ -156,6 +158,7 @@ static struct {
     int max_per_ip;           /* inference connections from one client address */
     int max_stream_s;         /* a started stream is cut after this long */
     int ledger_days;          /* days of spend events kept (section 13) */
+    int metrics_auth;         /* GET /metrics needs an admin key (section 18) */
     long long max_body;
     int head_timeout_ms, idle_timeout_ms;
     long long cache_mb;
@@ -163,6 +166,7 @@ static struct {
     /* the loop */
     loop_hooks hooks;         /* what the loop calls (ltg.h): set by main */
     server_serve *serve;      /* what the server hands each request to: route() */
+    server_ended *ended;      /* and tells when it is over: request_ended() */
     upstream *(*up_open)(provider *p, void *owner, upstream_event *event, const char *req, size_t n); /* up_start(); a test's fake */
     int64_t now;              /* monotonic ms, cached once per loop turn */
     fd_watch *fds;            /* indexed by fd */
@@ -173,7 +177,7 @@ static struct {
     conn *pending_writes;     /* connections with output to flush this turn */
     conn *closing;            /* connections to free at the end of this turn */
     int sig_pipe[2];          /* self-pipe: signal handlers write here */
-    volatile sig_atomic_t got_term, got_hup;
+    volatile sig_atomic_t got_term, got_hup, got_usr1;
 
     /* listeners and clients */
     int listen_fd, admin_fd;
@@ -196,12 +200,13 @@ static struct {
     dns_entry *dns_cache;
 } S;
 
-/* ===== 2. Utilities: logging, time, random, buffers, hashing =====
+/* ===== 2. Utilities: logging, time, random, buffers, hashing, metrics =====
  *
  * IMPLEMENTATION NOTES
  * Log lines go to stderr with a UTC timestamp; ltg never logs a secret.
- * Also here: CRC-32 for log records, UUIDs for ids, and one hash table
- * (open addressing) that every index of the store uses.
+ * Also here: CRC-32 for log records, UUIDs for ids, one hash table (open
+ * addressing) that every index of the store uses, and the table of metric
+ * series that every section counts into (section 18 writes it out).
  * `S.now` is read once per loop turn (libuv does the same): every timer set
  * during one turn agrees on what "now" is. Random numbers for ids and jitter
  * come from xoshiro256**, seeded from the kernel; secrets (when the control
@@ -229,6 +234,12 @@ static int64_t clock_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static double clock_s(void) { /* finer, for what takes less than a millisecond (an fsync) */
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
 static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
@@ -481,6 +492,111 @@ static void *hmap_del(hmap *m, const void *k, size_t n) {
     m->slot[i] = HMAP_TOMB;
     m->live--;
     return it;
+}
+
+/* Metrics: counters and histograms, each a *series* named by its family
+ * and its label values (Prometheus's data model), in one hash table. The
+ * label values are catalog aliases, provider and group names and fixed
+ * words, so the table's size follows the catalog and the groups, never the
+ * traffic; it is still capped at METRICS_MAX_SERIES, past which an
+ * observation is counted as dropped instead. Section 18 writes them out. */
+#define METRICS_MAX_SERIES 4096
+#define NBUCKETS 15
+static const double BUCKETS[NBUCKETS] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300};
+
+enum { M_REQUESTS, M_DURATION, M_ATTEMPTS, M_TTFT, M_TOKENS, M_SPEND, M_TLS, M_CACHE, M_LEDGER, M_FSYNC, M_DROPPED, NFAMILIES };
+
+typedef struct {
+    double v;        /* a counter's value; a histogram's sum */
+    uint64_t *b;     /* a histogram's counts per bucket, then +Inf (the count); NULL for a counter */
+    size_t n;        /* bytes of key: the family (one byte), then the labels as written */
+    char key[];
+} series;
+
+static const void *series_key(const void *it, size_t *n) { *n = ((const series *)it)->n; return ((const series *)it)->key; }
+static hmap METRICS = {.key = series_key};
+
+/* A series' key: the family, then the labels, given as name, value pairs
+ * ending with NULL, as the text format writes them (values escaped). */
+#define SERIES_KEY_MAX 1024
+static size_t series_keyv(char key[SERIES_KEY_MAX], int fam, va_list ap) {
+    size_t n = 1;
+    key[0] = (char)fam;
+    for (const char *name; (name = va_arg(ap, const char *));) {
+        const char *v = va_arg(ap, const char *);
+        if (n + strlen(name) + 8 > SERIES_KEY_MAX) break; /* never: names are words, values bounded (aliases, group names) */
+        n += (size_t)sprintf(key + n, "%s%s=\"", n > 1 ? "," : "", name);
+        for (; v && *v && n + 3 < SERIES_KEY_MAX; v++) {
+            if (*v == '\\' || *v == '"' || *v == '\n') key[n++] = '\\';
+            key[n++] = *v == '\n' ? 'n' : *v;
+        }
+        key[n++] = '"';
+    }
+    return n;
+}
+
+/* The series of `fam` with those labels, made on first use; NULL when the
+ * table is full. */
+static series *series_vget(int fam, int histogram, va_list ap) {
+    char key[SERIES_KEY_MAX];
+    size_t n = series_keyv(key, fam, ap);
+    series *s = hmap_get(&METRICS, key, n);
+    if (s || METRICS.live >= METRICS_MAX_SERIES) return s;
+    s = xcalloc(1, sizeof *s + n);
+    memcpy(s->key, key, s->n = n);
+    if (histogram) s->b = xcalloc(NBUCKETS + 1, sizeof *s->b);
+    hmap_put(&METRICS, s);
+    return s;
+}
+
+static void metric_dropped(void);
+
+/* Add v to a counter: metric_add(M_ATTEMPTS, 1, "model", alias, "outcome", name, NULL). */
+static void metric_add(int fam, double v, ...) {
+    va_list ap;
+    va_start(ap, v);
+    series *s = series_vget(fam, 0, ap);
+    va_end(ap);
+    if (s) s->v += v;
+    else metric_dropped();
+}
+
+/* One observation of `seconds` in a histogram. */
+static void metric_observe(int fam, double seconds, ...) {
+    va_list ap;
+    va_start(ap, seconds);
+    series *s = series_vget(fam, 1, ap);
+    va_end(ap);
+    if (!s) { metric_dropped(); return; }
+    s->v += seconds;
+    for (int i = 0; i < NBUCKETS; i++) s->b[i] += seconds <= BUCKETS[i];
+    s->b[NBUCKETS]++;
+}
+
+/* Drop the series of `fam` whose labels begin with the ones given (a
+ * deleted group's). */
+static void metric_forget(int fam, ...) {
+    char key[SERIES_KEY_MAX];
+    va_list ap;
+    va_start(ap, fam);
+    size_t n = series_keyv(key, fam, ap);
+    va_end(ap);
+    for (size_t i = 0; i < METRICS.cap; i++) {
+        series *s = METRICS.slot[i];
+        if (s == HMAP_TOMB || !s || s->n < n || memcmp(s->key, key, n) != 0 || (s->n > n && s->key[n] != ',')) continue;
+        hmap_del(&METRICS, s->key, s->n);
+        free(s->b), free(s);
+    }
+}
+
+static void metric_dropped(void) {
+    series *s = hmap_get(&METRICS, (char[]){M_DROPPED}, 1);
+    if (!s) { /* its own slot is kept free for it: made past the cap */
+        s = xcalloc(1, sizeof *s + 1);
+        s->key[0] = M_DROPPED, s->n = 1;
+        hmap_put(&METRICS, s);
+    }
+    s->v++;
 }
 
 /* ===== 3. JSON reader and writer =====
@@ -1255,6 +1371,7 @@ static void timers_run(void) {
 
 static void on_signal(int sig) {
     if (sig == SIGHUP) S.got_hup = 1;
+    else if (sig == SIGUSR1) S.got_usr1 = 1;
     else S.got_term = 1;
     int saved = errno;
     if (write(S.sig_pipe[1], "s", 1) < 0) { /* the pipe is full: a wake-up is already pending */ }
@@ -1601,7 +1718,7 @@ struct provider {
     br_ssl_session_parameters session; /* the last TLS session, for resumption (section 8) */
     int have_session;
     upstream *idle; /* the pool: idle keep-alive connections, most recent first */
-    int nidle;
+    int nidle, nbusy; /* ... and those serving a request */
     catalog *cat;
 };
 
@@ -1615,10 +1732,10 @@ struct model {
 };
 
 enum { PERM_ALL = 1, PERM_GROUPS_WRITE = 2, PERM_GROUPS_READ = 4, PERM_KEYS_WRITE = 8, PERM_KEYS_READ = 16,
-       PERM_SPEND_READ = 32, PERM_USAGE_READ = 64 };
+       PERM_SPEND_READ = 32, PERM_USAGE_READ = 64, PERM_METRICS_READ = 128 };
 static const char *perm_names[] = {"*", "llm_token_gateway.token_groups.write", "llm_token_gateway.token_groups.read",
                                    "llm_token_gateway.token_keys.write", "llm_token_gateway.token_keys.read",
-                                   "llm_token_gateway.spend.read", "llm_token_gateway.usage.read"};
+                                   "llm_token_gateway.spend.read", "llm_token_gateway.usage.read", "llm_token_gateway.metrics.read"};
 
 typedef struct {
     uint8_t sha[32];
@@ -1883,9 +2000,9 @@ static int cfg_admin_keys(cfg *c, catalog *cat, int arr) {
         int e = pv + 1;
         for (int k = 0; k < c->t[pv].size; k++, e = c->t[e].next) {
             int bit = 0;
-            for (int b = 0; b < 7; b++)
+            for (int b = 0; b < (int)(sizeof perm_names / sizeof *perm_names); b++)
                 if (json_eq(c->s, c->t, e, perm_names[b])) bit = 1 << b;
-            if (!bit) return cfg_fail(c, where, "permissions", "unknown permission (allowed: \"*\", llm_token_gateway.{token_groups,token_keys}.{read,write}, llm_token_gateway.spend.read, llm_token_gateway.usage.read)");
+            if (!bit) return cfg_fail(c, where, "permissions", "unknown permission (allowed: \"*\", llm_token_gateway.{token_groups,token_keys}.{read,write}, llm_token_gateway.spend.read, llm_token_gateway.usage.read, llm_token_gateway.metrics.read)");
             a->perms |= bit;
         }
     }
@@ -2163,6 +2280,7 @@ static void tls_handshake_done(provider *p, tls_conn *t) {
                   memcmp(now.session_id, p->session.session_id, now.session_id_len) == 0;
     if (resumed) TLS.resumed++;
     else TLS.full++;
+    metric_add(M_TLS, 1, "provider", p->name, "kind", resumed ? "resumed" : "full", NULL);
     p->session = now, p->have_session = 1;
 }
 
@@ -2545,6 +2663,7 @@ static upstream *up_start(provider *p, void *owner, upstream_event *event, const
         timer_init(&u->t, up_notify, u);
     }
     u->owner = owner, u->event = event;
+    p->nbusy++;
     buf_append(&u->out, req, n);
     if (u->reused) {
         u->state = UP_SENDING;
@@ -2572,6 +2691,7 @@ static void up_pause(upstream *u, int pause) {
  * request, closed otherwise. */
 static void up_release(upstream *u) {
     provider *p = u->p;
+    p->nbusy--;
     if (u->state == UP_RESOLVING) dns_cancel(u);
     int reusable = u->complete && !u->failed && !u->leftover && u->resp.keep_alive && !u->until_eof &&
                    p->cat == S.cat && p->nidle < POOL_MAX_IDLE && !S.draining;
@@ -3361,6 +3481,7 @@ static void store_del_key(const char *id) {
 static void store_del_group(const char *id) {
     group *g = hmap_del(&ST.groups, id, 36);
     if (!g) return;
+    metric_forget(M_SPEND, "token_group", g->name, NULL);
     vec_del(&ST.gv, g);
     ST.live_bytes -= g->e.rec_bytes;
     group_free(g);
@@ -3649,7 +3770,10 @@ static int log_write(logfile *l) {
 static int log_sync(logfile *l) {
     if (log_write(l) < 0) return LTG_ERR;
     if (!l->pending.len) return 0;
-    if (fdatasync(l->fd) < 0) {
+    double t0 = clock_s();
+    int rc = fdatasync(l->fd);
+    metric_observe(M_FSYNC, clock_s() - t0, NULL);
+    if (rc < 0) {
         int e = errno;
         l->written = 0;
         if (ftruncate(l->fd, l->durable) < 0) { /* log_write cuts back first */ }
@@ -4542,6 +4666,7 @@ static int ledger_add(rec_view *v, int64_t now, int64_t *day, uint64_t *off, uin
     if (rc < 0) ltg_log("ledger: an event was not recorded: %s", why);
     else {
         mem_add(&s->mem, v, *off, *len);
+        metric_add(M_LEDGER, 1, NULL);
         if (ledger_sync_timer.slot < 0) timer_set(&ledger_sync_timer, LEDGER_SYNC_MS);
     }
     buf_free(&p);
@@ -5218,7 +5343,7 @@ static int store_tick(void) {
  *
  * The current request's head stays at the front of `in` while it is served
  * (the parsed header slices point into it); its body is decoded into
- * `body`. The server hands it to S.serve (route, section 18; the contract
+ * `body`. The server hands it to S.serve (route, section 19; the contract
  * and conn_owner are in ltg.h). conn_done() drops the request's bytes, and
  * what follows in `in` is the next pipelined request, parsed by
  * conn_process()'s loop or after the next flush. A request is served only
@@ -5250,6 +5375,18 @@ static int store_tick(void) {
 typedef enum { CONN_HEAD, CONN_BODY, CONN_BUSY } conn_state;
 enum { TK_NONE, TK_IDLE, TK_HEAD, TK_BODY };
 
+/* What the gateway learns of the request it serves, for the access log
+ * and the metrics (section 18): cleared by the server for each request. */
+typedef struct {
+    char key_id[37], group_id[37];
+    char requested[ALIAS_MAX], served[ALIAS_MAX]; /* catalog aliases, or "" */
+    const char *endpoint;     /* the inference route, or NULL: not counted in ltg_requests_total */
+    const char *cache;        /* "hit", "miss", "bypass", or NULL */
+    int attempts;             /* -1: none made (refused before dispatch) */
+    long long in_tok, out_tok;/* -1: unknown */
+    int64_t cost;             /* micro-USD; -1: unknown */
+} req_facts;
+
 struct conn {
     conn *prev, *next;        /* every open connection, for draining */
     int fd, admin;
@@ -5276,6 +5413,10 @@ struct conn {
     void *owner;              /* what serves the current request over several turns (an exchange), or NULL */
     const conn_owner *owner_ops; /* and how it is told of the client (ltg.h) */
     char rid[32];             /* the current request's id */
+    int64_t began;            /* S.now when its head was in */
+    int status;               /* the status of its answer's head, once sent */
+    uint64_t queued, queued_mark; /* bytes given to conn_send in all; at the request's start */
+    req_facts f;
     conn *next_pending, *next_closing;
 };
 
@@ -5327,6 +5468,7 @@ static void conn_close(conn *c) {
     timer_stop(&c->t);
     if (c->owner) c->owner_ops->gone(c->owner); /* it lets go of c */
     c->owner = NULL;
+    if (c->state == CONN_BUSY && S.ended) S.ended(c); /* a request left unanswered, or half-sent */
     loop_close(c->fd);
     if (c->prev) c->prev->next = c->next;
     else conns = c->next;
@@ -5352,6 +5494,7 @@ static void conn_reap(void) {
 static void conn_send(conn *c, const void *p, size_t n) {
     if (c->closing) return;
     buf_append(&c->out, p, n);
+    c->queued += n;
     if (!c->pending) c->pending = 1, c->next_pending = S.pending_writes, S.pending_writes = c;
 }
 
@@ -5429,6 +5572,7 @@ static const char *http_reason(int status) {
  * `extra` is more header lines, each ending in CRLF. */
 static void conn_head(conn *c, int status, const char *ctype, long long length, const char *extra) {
     c->keep_alive = c->req.keep_alive && !S.draining && !c->close_after;
+    c->status = status;
     buf h = {0};
     buf_printf(&h, "HTTP/1.1 %d %s\r\nContent-Type: %s\r\n", status, http_reason(status), ctype);
     if (length >= 0) buf_printf(&h, "Content-Length: %lld\r\n", length);
@@ -5455,8 +5599,16 @@ static int method_is(conn *c, const char *m) {
 
 static void conn_arm_timer(conn *c);
 
+/* Before a request: nothing known of it yet. */
+static void conn_fresh(conn *c) {
+    c->began = 0, c->status = 0, c->queued_mark = c->queued;
+    c->f = (req_facts){.attempts = -1, .in_tok = -1, .out_tok = -1, .cost = -1};
+}
+
 /* The current request is answered: make room for the next one. */
 static void conn_done(conn *c) {
+    if (S.ended) S.ended(c);
+    conn_fresh(c);
     buf_consume(&c->in, c->head_len + c->body_raw);
     c->head_len = c->body_raw = c->scan = 0;
     c->body.len = 0;
@@ -5574,7 +5726,7 @@ static void conn_process(conn *c) {
                 conn_fail(c, 413, "body_too_large", m);
                 break;
             }
-            c->state = CONN_BODY, c->state_at = S.now;
+            c->state = CONN_BODY, c->state_at = c->began = S.now;
             int has_body = c->req.chunked || c->req.content_length > 0;
             if (has_body && c->req.expect_continue && c->in.len == c->head_len) conn_send(c, "HTTP/1.1 100 Continue\r\n\r\n", 25);
         }
@@ -5641,6 +5793,7 @@ static void conn_new(int fd, int admin, peer *p) {
     c->fd = fd, c->admin = admin, c->peer = p, c->state_at = S.now;
     if (p) p->n++;
     timer_init(&c->t, conn_timer, c);
+    conn_fresh(c);
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     c->next = conns;
@@ -6707,6 +6860,7 @@ static void exchange_attempts_json(exchange *x, jwriter *w) {
 /* Log the current attempt: its upstream status (0 when none came), its
  * outcome, and why it failed (NULL for a success). */
 static void attempt_log(exchange *x, int status, attempt_outcome o, const char *why) {
+    metric_add(M_ATTEMPTS, 1, "model", exchange_model(x)->alias, "outcome", outcome_name(o), NULL);
     if (x->nlog == MAX_ATTEMPT_LOG) return;
     int ms = o == OUTCOME_CIRCUIT_OPEN ? 0 : (int)(S.now - x->attempt_started);
     attempt_entry *e = &x->log[x->nlog++];
@@ -6728,6 +6882,20 @@ static void exchange_chunk(exchange *x, const char *p, size_t n) {
 /* Replace the reservation by what the request costs, and write its spend
  * event (and its replay record). `served`: the chain index of the model
  * that answered, or -1. Returns the cost in micro-USD, -1 when unknown. */
+/* A settled request, as the metrics and the access log see it (section 18). */
+static void exchange_observe(exchange *x, const model *m, const group *g, int64_t cost, int64_t charged, int cache_hit) {
+    if (x->usage_known && m && !cache_hit) {
+        metric_add(M_TOKENS, (double)x->in_tok, "model", m->alias, "type", "input", NULL);
+        metric_add(M_TOKENS, (double)x->out_tok, "model", m->alias, "type", "output", NULL);
+    }
+    if (charged > 0 && g) metric_add(M_SPEND, (double)charged / MICRO, "token_group", g->name, "model", m ? m->alias : x->chain[0]->alias, NULL);
+    if (!x->c) return;
+    req_facts *f = &x->c->f;
+    snprintf(f->served, sizeof f->served, "%s", m ? m->alias : "");
+    f->attempts = x->attempts, f->cost = cost;
+    f->in_tok = x->usage_known || cache_hit ? x->in_tok : -1, f->out_tok = x->usage_known || cache_hit ? x->out_tok : -1;
+}
+
 static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int served, int cache_hit, const char *keep, size_t keep_len) {
     model *m = served >= 0 ? x->chain[served] : NULL;
     int64_t cost = -1, charged = 0;
@@ -6788,6 +6956,7 @@ static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int 
     uint32_t len;
     if (ledger_add(&v, now, &day, &off, &len) == 0 && replay.len) r->done = 1, r->expires = now + IDEM_TTL_MS, r->day = day, r->off = off, r->len = len;
     buf_free(&e), buf_free(&replay);
+    exchange_observe(x, m, g, cost, charged, cache_hit);
     return cost;
 }
 
@@ -6879,6 +7048,8 @@ static int up_is_stream(const upstream *u) {
 /* PLAN_ANSWER: a whole answer is relayed (a success, or a terminal
  * refusal); a stream's first event starts the client's stream. */
 static void exchange_answer(exchange *x) {
+    if (x->u->resp.status / 100 == 2)
+        metric_observe(M_TTFT, (double)(S.now - x->started) / 1000, "model", exchange_model(x)->alias, NULL);
     if (!x->stream || !up_is_stream(x->u)) { exchange_relay(x); return; }
     buf h = {0};
     exchange_headers(x, 200, &h);
@@ -7082,8 +7253,8 @@ static void exchange_upstream(void *owner) {
 static void exchange_abort(void *owner) {
     exchange *x = owner;
     x->c->owner = NULL;
-    x->c = NULL;
     if (x->idem && S.ndetached < S.max_conns) { /* it runs on alone (bounded: each holds an fd) */
+        x->c = NULL;
         x->detached = 1, S.ndetached++;
         if (x->u && x->u->paused) up_pause(x->u, 0); /* nobody to wait for now */
         return;
@@ -7092,6 +7263,7 @@ static void exchange_abort(void *owner) {
         attempt_log(x, x->u->have_head ? x->u->resp.status : 0, OUTCOME_INDETERMINATE, "the client closed the connection");
     if (x->state == X_RELAYING) exchange_settle(x, 200, EV_PARTIAL, x->plan.model, 0, NULL, 0);
     else exchange_settle(x, 499, EV_FAILED, -1, 0, NULL, 0); /* 499: nginx's "client closed the request" */
+    x->c = NULL; /* after the settle, which tells the access log */
     exchange_free(x);
 }
 
@@ -7369,11 +7541,25 @@ static exchange *exchange_new(admission *a, const char *upstream_path) {
     return x;
 }
 
+/* What admission learnt, for the access log and the metrics (section 18):
+ * the key, its group, and the model asked for when the catalog has it. */
+static void admission_facts(const admission *a) {
+    req_facts *f = &a->c->f;
+    if (a->key) memcpy(f->key_id, a->key->id, 37);
+    if (a->g) memcpy(f->group_id, a->g->id, 37);
+    model *m = a->name.p ? catalog_model(S.cat, a->name.p, a->name.len) : NULL; /* a client cannot mint a label value */
+    if (m) snprintf(f->requested, sizeof f->requested, "%s", m->alias);
+}
+
 /* Admitted: a cached answer, or the first attempt. Every check ran
  * first: a cached answer never bypasses policy. */
 static void inference_start(admission *a, const char *upstream_path) {
     exchange *x = exchange_new(a, upstream_path);
     cache_entry *hit = x->cache_mode == CACHE_MISS ? cache_get(x->cache_key) : NULL;
+    if (x->cache_mode != CACHE_NONE) {
+        a->c->f.cache = hit ? "hit" : x->cache_mode == CACHE_MISS ? "miss" : "bypass";
+        metric_add(M_CACHE, 1, "result", a->c->f.cache, NULL);
+    }
     if (!hit) {
         timer_set(&x->deadline, a->deadline_ms);
         a->c->owner = x, a->c->owner_ops = &exchange_owner;
@@ -7400,6 +7586,7 @@ static void inference_call(conn *c, const char *upstream_path, int can_stream) {
     refusal r;
     int v = ADMIT;
     for (size_t i = 0; v == ADMIT && i < sizeof admission_checks / sizeof *admission_checks; i++) v = admission_checks[i](&a, &r);
+    admission_facts(&a);
     if (v == REFUSE) inference_refuse(&a, &r);
     else if (v == REPLAY) inference_replay(c, a.replay);
     else inference_start(&a, upstream_path);
@@ -7411,7 +7598,9 @@ static void inference_call(conn *c, const char *upstream_path, int can_stream) {
 static void inference_models(conn *c) {
     admission a = {.c = c};
     refusal r;
-    if (admit_key(&a, &r) != ADMIT) { inference_refuse(&a, &r); return; }
+    int v = admit_key(&a, &r);
+    admission_facts(&a);
+    if (v != ADMIT) { inference_refuse(&a, &r); return; }
     const group *g = a.g;
     buf b = {0}, h = {0};
     jwriter w;
@@ -7435,7 +7624,232 @@ static void inference_models(conn *c) {
     buf_free(&b), buf_free(&h);
 }
 
-/* ===== 18. Routing =====
+/* ===== 18. Observability: metrics and the access log =====
+ *
+ * IMPLEMENTATION NOTES
+ * Counters and histograms are recorded where things happen, in section
+ * 2's table (attempts in section 17, TLS handshakes in 8, fsyncs in 12,
+ * spend events in 13...). GET /metrics writes them out, then the gauges,
+ * read from live state at that moment: budgets, breakers, pools,
+ * connections, /proc/self. When a request is over, the server calls
+ * request_ended() (S.ended): it counts an inference request and writes the
+ * access log line, from what the server recorded (status, bytes, times)
+ * and what the gateway learnt (req_facts). The turn's lines gather in one
+ * buffer, written by a before-sleep step in one write(); past ALOG_MAX
+ * unwritten (a full disk) lines are dropped, and that is said once.
+ */
+#define LTG_VERSION "0.1.0"
+#define ALOG_MAX (1 << 20)
+
+static struct {
+    int fd;           /* -1: --access-log off */
+    const char *path; /* NULL: stderr */
+    buf b;            /* lines not yet written */
+    long dropped;     /* lines lost while the log would not take them */
+} ALOG = {.fd = 2};
+
+static const struct { const char *name, *type, *help; } FAMILY[NFAMILIES] = {
+    [M_REQUESTS] = {"ltg_requests_total", "counter", "Inference requests answered or left by their client, by the HTTP status sent."},
+    [M_DURATION] = {"ltg_request_duration_seconds", "histogram", "Inference requests, from their arrival to their last byte handed to the socket."},
+    [M_ATTEMPTS] = {"ltg_attempts_total", "counter", "Upstream attempts by outcome."},
+    [M_TTFT] = {"ltg_time_to_first_token_seconds", "histogram", "From a request's arrival to the first SSE event relayed, or the whole answer."},
+    [M_TOKENS] = {"ltg_tokens_total", "counter", "Tokens the providers reported."},
+    [M_SPEND] = {"ltg_spend_usd_total", "counter", "USD charged to token groups."},
+    [M_TLS] = {"ltg_tls_handshakes_total", "counter", "TLS handshakes with providers, full or resumed."},
+    [M_CACHE] = {"ltg_cache_lookups_total", "counter", "Response cache lookups."},
+    [M_LEDGER] = {"ltg_ledger_events_total", "counter", "Spend events written to the ledger."},
+    [M_FSYNC] = {"ltg_log_fsync_seconds", "histogram", "Each fdatasync of the state log or the ledger."},
+    [M_DROPPED] = {"ltg_metrics_series_dropped_total", "counter", "Observations not recorded: the series table was full."},
+};
+
+/* --access-log FILE (or "off"); at start-up and on SIGUSR1. */
+static int access_open(char *err, size_t errlen) {
+    if (!ALOG.path || strcmp(ALOG.path, "off") == 0) { ALOG.fd = ALOG.path ? -1 : 2; return 0; }
+    int fd = open(ALOG.path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0640);
+    if (fd < 0) { snprintf(err, errlen, "--access-log %s: %s", ALOG.path, strerror(errno)); return LTG_ERR; }
+    if (ALOG.fd > 2) close(ALOG.fd);
+    ALOG.fd = fd;
+    return 0;
+}
+
+static void access_reopen(void) {
+    char err[PATH_MAX + 64];
+    if (access_open(err, sizeof err) < 0) ltg_log("SIGUSR1: %s: the access log stays the file it was", err);
+}
+
+/* Before the loop sleeps: the turn's lines, in one write. */
+static int access_flush(void) {
+    while (ALOG.b.len && ALOG.fd >= 0) {
+        ssize_t w = write(ALOG.fd, ALOG.b.p, ALOG.b.len);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) break; /* a full disk: kept, up to ALOG_MAX */
+        buf_consume(&ALOG.b, (size_t)w);
+    }
+    if (ALOG.dropped && !ALOG.b.len) ltg_log("access log: %ld line(s) lost while it could not be written", ALOG.dropped), ALOG.dropped = 0;
+    if (ALOG.b.cap > ALOG_MAX && !ALOG.b.len) buf_free(&ALOG.b);
+    return 0;
+}
+
+static void jw_str_or_null(jwriter *w, const char *s) { jw_cstr(w, s && *s ? s : NULL); }
+
+static void jw_ll_or_null(jwriter *w, long long v) {
+    if (v < 0) jw_null(w);
+    else jw_int(w, v);
+}
+
+/* The server's word that a request is over (S.ended, ltg.h). */
+static void request_ended(conn *c) {
+    const req_facts *f = &c->f;
+    int status = c->status ? c->status : 499; /* no head sent: the client left first */
+    int64_t began = c->began ? c->began : S.now, ms = S.now - began;
+    if (f->endpoint) {
+        char st[16];
+        snprintf(st, sizeof st, "%d", status);
+        metric_add(M_REQUESTS, 1, "endpoint", f->endpoint, "requested_model", f->requested, "served_model",
+                   status / 100 == 2 ? f->served : "", "status", st, NULL);
+        metric_observe(M_DURATION, (double)ms / 1000, "endpoint", f->endpoint, "requested_model", f->requested, NULL);
+    }
+    if (ALOG.fd < 0) return;
+    if (ALOG.b.len > ALOG_MAX) { ALOG.dropped++; return; }
+    char ts[64], path[512];
+    iso_time(wall_ms() - ms, ts);
+    size_t n = c->req.target.len, q = 0;
+    const char *t = c->in.p + c->req.target.off;
+    while (q < n && t[q] != '?') q++; /* the path alone: a query is never logged */
+    snprintf(path, sizeof path, "%.*s", (int)(q < 500 ? q : 500), t);
+    jwriter w;
+    jw_init(&w, &ALOG.b);
+    jw_open(&w, '{');
+    jw_key(&w, "ts"), jw_cstr(&w, ts);
+    jw_key(&w, "request_id"), jw_str_or_null(&w, c->rid);
+    jw_key(&w, "plane"), jw_cstr(&w, c->admin ? "admin" : "inference");
+    jw_key(&w, "method"), jw_str(&w, c->in.p + c->req.method.off, c->req.method.len);
+    jw_key(&w, "path"), jw_str_or_null(&w, path);
+    jw_key(&w, "status"), jw_int(&w, status);
+    jw_key(&w, "ms"), jw_int(&w, ms);
+    jw_key(&w, "bytes_in"), jw_int(&w, (long long)(c->head_len + c->body_raw));
+    jw_key(&w, "bytes_out"), jw_int(&w, (long long)(c->queued - c->queued_mark));
+    jw_key(&w, "token_key_id"), jw_str_or_null(&w, f->key_id);
+    jw_key(&w, "token_group_id"), jw_str_or_null(&w, f->group_id);
+    jw_key(&w, "requested_model"), jw_str_or_null(&w, f->requested);
+    jw_key(&w, "served_model"), jw_str_or_null(&w, f->served);
+    jw_key(&w, "attempts"), jw_ll_or_null(&w, f->attempts);
+    jw_key(&w, "input_tokens"), jw_ll_or_null(&w, f->in_tok);
+    jw_key(&w, "output_tokens"), jw_ll_or_null(&w, f->out_tok);
+    jw_key(&w, "cost");
+    if (f->cost >= 0) jw_usd(&w, f->cost);
+    else jw_null(&w);
+    jw_key(&w, "cache"), jw_cstr(&w, f->cache);
+    jw_close(&w, '}');
+    buf_puts(&ALOG.b, "\n");
+}
+
+static void metric_head(buf *b, const char *name, const char *type, const char *help) {
+    buf_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+/* One sample: name{labels} value, the labels of `key` (n bytes, without the
+ * family byte) and one more, `extra`, if given. */
+static void metric_sample(buf *b, const char *name, const char *suffix, const char *labels, size_t n, const char *extra, double v) {
+    buf_printf(b, "%s%s", name, suffix);
+    if (n || extra) buf_printf(b, "{%.*s%s%s}", (int)n, labels, n && extra ? "," : "", extra ? extra : "");
+    buf_printf(b, " %.15g\n", v);
+}
+
+/* The table's series (section 2), family by family. */
+static void metrics_series(buf *b) {
+    for (int fam = 0; fam < NFAMILIES; fam++) {
+        const char *name = FAMILY[fam].name;
+        metric_head(b, name, FAMILY[fam].type, FAMILY[fam].help);
+        for (size_t i = 0; i < METRICS.cap; i++) {
+            series *s = METRICS.slot[i];
+            if (!s || s == HMAP_TOMB || s->key[0] != fam) continue;
+            const char *labels = s->key + 1;
+            size_t n = s->n - 1;
+            if (!s->b) { metric_sample(b, name, "", labels, n, NULL, s->v); continue; }
+            char le[32];
+            for (int k = 0; k < NBUCKETS; k++) {
+                snprintf(le, sizeof le, "le=\"%g\"", BUCKETS[k]);
+                metric_sample(b, name, "_bucket", labels, n, le, (double)s->b[k]);
+            }
+            metric_sample(b, name, "_bucket", labels, n, "le=\"+Inf\"", (double)s->b[NBUCKETS]);
+            metric_sample(b, name, "_sum", labels, n, NULL, s->v);
+            metric_sample(b, name, "_count", labels, n, NULL, (double)s->b[NBUCKETS]);
+        }
+    }
+}
+
+/* A gauge's sample, its labels as name, value pairs ending with NULL. */
+static void gauge(buf *b, const char *name, double v, ...) {
+    char key[SERIES_KEY_MAX];
+    va_list ap;
+    va_start(ap, v);
+    size_t n = series_keyv(key, 0, ap);
+    va_end(ap);
+    metric_sample(b, name, "", key + 1, n - 1, NULL, v);
+}
+
+static double START_TIME; /* wall clock seconds, when main() began */
+
+/* The gauges, read from live state now. */
+static void metrics_gauges(buf *b) {
+    int64_t now = wall_ms();
+    metric_head(b, "ltg_budget_remaining_usd", "gauge", "USD left in the current budget period (groups with a budget).");
+    for (int i = 0; i < ST.gv.n; i++) {
+        group *g = ST.gv.p[i];
+        if (g && g->has_budget) budget_refresh(g, now), gauge(b, "ltg_budget_remaining_usd", budget_remaining(g), "token_group", g->name, NULL);
+    }
+    metric_head(b, "ltg_reserved_usd", "gauge", "USD held by requests in flight (groups with a budget).");
+    for (int i = 0; i < ST.gv.n; i++) {
+        group *g = ST.gv.p[i];
+        if (g && g->has_budget) gauge(b, "ltg_reserved_usd", (double)g->reserved / MICRO, "token_group", g->name, NULL);
+    }
+    metric_head(b, "ltg_circuit_open", "gauge", "1 while the model's circuit breaker is open.");
+    for (int i = 0; i < S.cat->nmodels; i++)
+        gauge(b, "ltg_circuit_open", S.cat->models[i].cb_open_until > S.now, "model", S.cat->models[i].alias, NULL);
+    metric_head(b, "ltg_upstream_connections", "gauge", "Connections to providers: serving a request, or idle in the pool.");
+    for (int i = 0; i < S.cat->nprov; i++) {
+        provider *p = &S.cat->prov[i];
+        gauge(b, "ltg_upstream_connections", p->nbusy, "provider", p->name, "state", "active", NULL);
+        gauge(b, "ltg_upstream_connections", p->nidle, "provider", p->name, "state", "idle", NULL);
+    }
+    metric_head(b, "ltg_client_connections", "gauge", "Open client connections.");
+    gauge(b, "ltg_client_connections", S.nconns - S.nadmin, "listener", "inference", NULL);
+    gauge(b, "ltg_client_connections", S.nadmin, "listener", "admin", NULL);
+    long pages = 0, fds = -1; /* the directory's own fd is not counted */
+    FILE *f = fopen("/proc/self/statm", "re");
+    if (f && fscanf(f, "%*s %ld", &pages) != 1) pages = 0;
+    if (f) fclose(f);
+    DIR *d = opendir("/proc/self/fd");
+    for (struct dirent *e; d && (e = readdir(d));) fds += e->d_name[0] != '.';
+    if (d) closedir(d);
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    metric_head(b, "process_resident_memory_bytes", "gauge", "Resident memory size in bytes.");
+    gauge(b, "process_resident_memory_bytes", (double)pages * (double)sysconf(_SC_PAGESIZE), NULL);
+    metric_head(b, "process_open_fds", "gauge", "Number of open file descriptors.");
+    gauge(b, "process_open_fds", (double)fds, NULL);
+    metric_head(b, "process_cpu_seconds_total", "counter", "Total user and system CPU time spent in seconds.");
+    gauge(b, "process_cpu_seconds_total", (double)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) + (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6, NULL);
+    metric_head(b, "process_start_time_seconds", "gauge", "Start time of the process since unix epoch in seconds.");
+    gauge(b, "process_start_time_seconds", START_TIME, NULL);
+    metric_head(b, "ltg_build_info", "gauge", "Always 1: the version of ltg running.");
+    gauge(b, "ltg_build_info", 1, "version", LTG_VERSION, NULL);
+}
+
+/* GET /metrics on the admin listener: the Prometheus text format 0.0.4. */
+static void metrics_reply(conn *c) {
+    if (!method_is(c, "GET") && !method_is(c, "HEAD")) { conn_error(c, 405, "method_not_allowed", NULL, "use GET for /metrics"); return; }
+    admin_who who;
+    if (S.metrics_auth && (admin_auth(c, &who) < 0 || !admin_allowed(c, &who, PERM_METRICS_READ))) return;
+    buf b = {0};
+    metrics_series(&b);
+    metrics_gauges(&b);
+    conn_reply(c, 200, "text/plain; version=0.0.4; charset=utf-8", "Cache-Control: no-store\r\n", b.p, b.len);
+    buf_free(&b);
+}
+
+/* ===== 19. Routing =====
  *
  * IMPLEMENTATION NOTES
  * Both listeners share the HTTP server; `conn.admin` says which one a
@@ -7471,9 +7885,11 @@ static void route(conn *c) {
         return;
     }
     if (c->admin) {
-        admin_route(c);
+        if (path_is(c, "/metrics")) metrics_reply(c);
+        else admin_route(c);
         return;
     }
+    c->f.endpoint = "other"; /* an unknown path is counted too, under one name */
     static const struct { const char *path, *method, *upstream; int stream; } api[] = {
         {"/v1/chat/completions", "POST", "/chat/completions", 1},
         {"/v1/embeddings", "POST", "/embeddings", 0},
@@ -7481,6 +7897,7 @@ static void route(conn *c) {
     };
     for (size_t i = 0; i < sizeof api / sizeof api[0]; i++) {
         if (!path_is(c, api[i].path)) continue;
+        c->f.endpoint = api[i].path;
         if (!method_is(c, api[i].method)) { conn_error(c, 405, "method_not_allowed", NULL, "use %s for %s", api[i].method, api[i].path); return; }
         if (api[i].upstream) inference_call(c, api[i].upstream, api[i].stream);
         else inference_models(c);
@@ -7489,7 +7906,7 @@ static void route(conn *c) {
     conn_error(c, 404, "not_found", NULL, "no such endpoint (ltg serves /v1/chat/completions, /v1/embeddings and /v1/models)");
 }
 
-/* ===== 19. main =====
+/* ===== 20. main =====
  *
  * IMPLEMENTATION NOTES
  * Start-up: options (a table), the catalog, the listeners bound (a busy
@@ -7600,6 +8017,7 @@ static void config_reload(void) {
 
 static void loop_signals(void) {
     if (S.got_hup) S.got_hup = 0, config_reload();
+    if (S.got_usr1) S.got_usr1 = 0, access_reopen();
     if (S.got_term && !S.draining) drain_start();
 }
 
@@ -7627,11 +8045,30 @@ static int mkdir_p(const char *dir) {
 }
 
 #ifndef LTG_NO_MAIN
-static void usage(void) {
-    fprintf(stderr,
-            "usage: ltg --config FILE [--data DIR] [--listen ADDR:PORT] [--admin-listen ADDR:PORT]\n"
-            "           [--max-conns N] [--max-conns-per-ip N] [--drain-seconds N] [--max-body-mb N] [--head-timeout S] [--idle-timeout S]\n"
-            "           [--max-stream-seconds S] [--cache-mb N] [--ledger-days N] [--ca-file FILE] [--resolv-conf FILE]\n");
+static const char USAGE[] =
+    "usage: ltg --config FILE --data DIR [options]\n"
+    "  --config FILE            the catalog: providers, models, admin keys (JSON)\n"
+    "  --data DIR               token groups, keys and the ledger (created if missing)\n"
+    "  --listen ADDR:PORT       the inference plane (default 127.0.0.1:8080)\n"
+    "  --admin-listen ADDR:PORT the control plane and /metrics (default 127.0.0.1:8081)\n"
+    "  --access-log FILE|off    one JSON line per request (default: stderr); reopened on SIGUSR1\n"
+    "  --metrics-auth           GET /metrics needs an admin key with llm_token_gateway.metrics.read\n"
+    "  --ledger-days N          days of spend events kept (default 90)\n"
+    "  --cache-mb N             memory for the response cache (default 64)\n"
+    "  --max-conns N            inference connections (default 1024)\n"
+    "  --max-conns-per-ip N     inference connections per client address (default a quarter of --max-conns)\n"
+    "  --drain-seconds N        on SIGTERM, how long requests in flight may finish (default 10)\n"
+    "  --max-body-mb N          request body limit (default 8)\n"
+    "  --head-timeout S         a request head must arrive within S seconds (default 10)\n"
+    "  --idle-timeout S         an idle keep-alive connection is closed after S seconds (default 60)\n"
+    "  --max-stream-seconds S   a started stream is cut after S seconds (default 600)\n"
+    "  --ca-file FILE           trust anchors for https:// providers (default: the system bundle)\n"
+    "  --resolv-conf FILE       where the name servers are (default /etc/resolv.conf)\n"
+    "  --version, --help        print the version, or this, and exit\n"
+    "Signals: SIGTERM/SIGINT drain and exit, SIGHUP reloads the catalog, SIGUSR1 reopens the access log.\n";
+
+static void usage(const char *why) {
+    fprintf(stderr, "ltg: %s\n%s", why, USAGE);
     exit(2);
 }
 
@@ -7643,20 +8080,22 @@ typedef struct {
     int *i;
     long long *ll;
     long long min, max, scale;
+    int flag;                 /* takes no value: sets *i to 1 */
 } option;
 
 static const option options[] = {
     {"--config", .str = &S.config_path}, {"--data", .str = &S.data_dir}, {"--listen", .str = &S.listen_addr},
     {"--admin-listen", .str = &S.admin_addr}, {"--resolv-conf", .str = &S.resolv_conf}, {"--ca-file", .str = &TLS.ca_file},
-    {"--max-conns", NULL, &S.max_conns, NULL, 1, 1000000, 1},
-    {"--max-conns-per-ip", NULL, &S.max_per_ip, NULL, 1, 1000000, 1},
-    {"--drain-seconds", NULL, &S.drain_seconds, NULL, 1, 1000000, 1},
-    {"--max-body-mb", NULL, NULL, &S.max_body, 1, 1000000, 1 << 20},
-    {"--cache-mb", NULL, NULL, &S.cache_mb, 1, 1000000, 1},
-    {"--head-timeout", NULL, &S.head_timeout_ms, NULL, 1, 1000000, 1000},
-    {"--idle-timeout", NULL, &S.idle_timeout_ms, NULL, 1, 1000000, 1000},
-    {"--max-stream-seconds", NULL, &S.max_stream_s, NULL, 1, 1000000, 1},
-    {"--ledger-days", NULL, &S.ledger_days, NULL, 1, 3650, 1},
+    {"--access-log", .str = &ALOG.path}, {"--metrics-auth", .i = &S.metrics_auth, .flag = 1},
+    {"--max-conns", NULL, &S.max_conns, NULL, 1, 1000000, 1, 0},
+    {"--max-conns-per-ip", NULL, &S.max_per_ip, NULL, 1, 1000000, 1, 0},
+    {"--drain-seconds", NULL, &S.drain_seconds, NULL, 1, 1000000, 1, 0},
+    {"--max-body-mb", NULL, NULL, &S.max_body, 1, 1000000, 1 << 20, 0},
+    {"--cache-mb", NULL, NULL, &S.cache_mb, 1, 1000000, 1, 0},
+    {"--head-timeout", NULL, &S.head_timeout_ms, NULL, 1, 1000000, 1000, 0},
+    {"--idle-timeout", NULL, &S.idle_timeout_ms, NULL, 1, 1000000, 1000, 0},
+    {"--max-stream-seconds", NULL, &S.max_stream_s, NULL, 1, 1000000, 1, 0},
+    {"--ledger-days", NULL, &S.ledger_days, NULL, 1, 3650, 1, 0},
 };
 
 /* The defaults, then the command line over them; exits 2 on a bad one. */
@@ -7664,12 +8103,19 @@ static void options_parse(int argc, char **argv) {
     S.resolv_conf = "/etc/resolv.conf", S.listen_addr = "127.0.0.1:8080", S.admin_addr = "127.0.0.1:8081";
     S.max_conns = 1024, S.drain_seconds = 10, S.max_body = 8LL << 20;
     S.head_timeout_ms = 10000, S.idle_timeout_ms = 60000, S.cache_mb = 64, S.max_stream_s = 600, S.ledger_days = 90;
-    for (int i = 1; i < argc; i += 2) {
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--version") == 0) { printf("ltg %s\n", LTG_VERSION); exit(0); }
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) { fputs(USAGE, stdout); exit(0); }
         size_t k = 0;
         while (k < sizeof options / sizeof *options && strcmp(options[k].name, argv[i]) != 0) k++;
-        if (k == sizeof options / sizeof *options || !v) usage();
+        char why[256];
+        snprintf(why, sizeof why, "unknown option %.200s", argv[i]);
+        if (k == sizeof options / sizeof *options) usage(why);
         const option *o = &options[k];
+        if (o->flag) { *o->i = 1; continue; }
+        const char *v = ++i < argc ? argv[i] : NULL;
+        snprintf(why, sizeof why, "%s needs a value", o->name);
+        if (!v) usage(why);
         long long n;
         if (o->str) { *o->str = v; continue; }
         if (parse_ll(v, strlen(v), o->max, &n) < 0 || n < o->min) {
@@ -7741,9 +8187,11 @@ static void fds_budget(void) {
 int main(int argc, char **argv) {
     char err[512];
     const char *why;
+    START_TIME = (double)wall_ms() / 1000;
     options_parse(argc, argv);
-    if (!S.config_path) usage();
-    if (!S.data_dir) { fprintf(stderr, "ltg: --data DIR is required: the directory that keeps token groups, keys and the ledger\n"); return 2; }
+    if (!S.config_path) usage("--config FILE is required: the catalog of providers, models and admin keys");
+    if (!S.data_dir) usage("--data DIR is required: the directory that keeps token groups, keys and the ledger");
+    if (access_open(err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
     signal(SIGPIPE, SIG_IGN);
     rng_seed();
     S.now = clock_ms();
@@ -7754,14 +8202,14 @@ int main(int argc, char **argv) {
     if ((S.admin_fd = listen_on(S.admin_addr, &why)) < 0) { fprintf(stderr, "ltg: --admin-listen %s: %s\n", S.admin_addr, why); return 1; }
     if (state_open(err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
     fds_budget();
-    S.hooks = (loop_hooks){{conn_tick, store_tick}, loop_signals, loop_should_exit};
-    S.serve = route, S.up_open = up_start;
+    S.hooks = (loop_hooks){{conn_tick, store_tick, access_flush}, loop_signals, loop_should_exit};
+    S.serve = route, S.ended = request_ended, S.up_open = up_start;
     if (pipe2(S.sig_pipe, O_NONBLOCK | O_CLOEXEC) < 0) { perror("ltg: pipe"); return 1; }
     loop_watch(S.sig_pipe[0], POLLIN, sig_pipe_read, NULL);
     struct sigaction sa = {0};
     sa.sa_handler = on_signal;
     sigemptyset(&sa.sa_mask);
-    sigaction(SIGTERM, &sa, NULL), sigaction(SIGINT, &sa, NULL), sigaction(SIGHUP, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL), sigaction(SIGINT, &sa, NULL), sigaction(SIGHUP, &sa, NULL), sigaction(SIGUSR1, &sa, NULL);
     timer_init(&accept_pause, accept_resume, NULL);
     timer_init(&drain_timer, drain_expired, NULL);
     dns_init();
@@ -7773,6 +8221,7 @@ int main(int argc, char **argv) {
     const char *lost;
     if (!ledger_writable(&lost)) ltg_log("stopping with spend events that could not be written (%s): they are lost", lost);
     if (TLS.full + TLS.resumed) ltg_log("TLS handshakes: %llu full, %llu resumed", (unsigned long long)TLS.full, (unsigned long long)TLS.resumed);
+    access_flush();
     ltg_log("stopped");
     return 0;
 }

@@ -261,6 +261,11 @@ typedef struct {
  * pipelined request on its own turn -- replying never re-enters the
  * parser. */
 typedef void server_serve(conn *c);
+/* Once per request, when it is over -- its answer handed to the socket, or
+ * its client gone first -- the server calls ended(c), which may read the
+ * request and what the server recorded of its answer (the access log and
+ * the metrics, in ltg). */
+typedef void server_ended(conn *c);
 
 /* A request served over several turns has an owner (the inference
  * exchange); the server tells it: */
