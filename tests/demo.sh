@@ -23,7 +23,7 @@ BASE=http://127.0.0.1:$LTG_PORT
 ADMIN=http://127.0.0.1:$ADMIN_PORT/v2/llm_token_gateway
 
 tests/mock --port "$MOCK_PORT" 2>"$dir/mock.log" & pids+=($!)
-./ltg --config "$dir/ltg.json" --data "$dir/data" --listen 127.0.0.1:$LTG_PORT --admin-listen 127.0.0.1:$ADMIN_PORT 2>"$dir/ltg.log" & pids+=($!)
+./ltg --config "$dir/ltg.json" --data "$dir/data" --listen 127.0.0.1:$LTG_PORT --admin-listen 127.0.0.1:$ADMIN_PORT --access-log "$dir/access.log" 2>"$dir/ltg.log" & pids+=($!)
 for _ in $(seq 50); do curl -sf "$BASE/healthz" >/dev/null && break; sleep 0.1; done
 
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
@@ -118,5 +118,12 @@ show curl -s -w ' (HTTP %{http_code})' -X DELETE "$ADMIN/token_keys/$KEY_ID" -H 
 show curl -s -w ' (HTTP %{http_code})' "$BASE/v1/chat/completions" -H "Authorization: Bearer $KEY" \
   -d '{"model":"Kimi-K3","messages":[{"role":"user","content":"Hello"}]}'
 
-step "Done. ltg's log:"
+step "12. What an operator sees: the metrics (GET /metrics on the admin listener, Prometheus format)"
+echo "\$ curl -s http://127.0.0.1:\$ADMIN_PORT/metrics | grep -E '^ltg_(requests|attempts)_total'"
+curl -s "http://127.0.0.1:$ADMIN_PORT/metrics" | grep -E '^ltg_(requests|attempts)_total' | sed 's/^/  /'
+echo
+echo "and the access log (--access-log FILE): one JSON line per request, never a secret; the failover's:"
+grep "\"request_id\":\"$REQ_ID\"" "$dir/access.log" | sed 's/^/  /'
+
+step "Done. ltg's own log:"
 sed 's/^/  /' "$dir/ltg.log"
