@@ -145,10 +145,15 @@ tests/fuzz-%: tests/fuzz.c ltg.c ltg.h | deps
 PREFIX ?= /usr/local
 DESTDIR ?=
 SYSCONFDIR ?= /etc
+LTG ?= ltg
 install: ltg
+	@$(MAKE) --no-print-directory install-files
+
+# install-files: install $(LTG) as it is (the tests install the binary under test).
+install-files:
 	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/share/ltg $(DESTDIR)$(PREFIX)/lib/systemd/system \
 	  $(DESTDIR)$(SYSCONFDIR)/ltg $(DESTDIR)$(SYSCONFDIR)/logrotate.d
-	install -m 755 ltg $(DESTDIR)$(PREFIX)/bin/ltg
+	install -m 755 $(LTG) $(DESTDIR)$(PREFIX)/bin/ltg
 	install -m 644 examples/ltg.example.json $(DESTDIR)$(PREFIX)/share/ltg/ltg.example.json
 	sed 's#@BINDIR@#$(PREFIX)/bin#' examples/ltg.service > $(DESTDIR)$(PREFIX)/lib/systemd/system/ltg.service
 	chmod 644 $(DESTDIR)$(PREFIX)/lib/systemd/system/ltg.service
@@ -163,4 +168,4 @@ uninstall:
 clean:
 	rm -f ltg ltg-asan ltg-valgrind tests/unit tests/unit-asan tests/mock tests/ledger-gen $(FUZZ_TARGETS:%=tests/fuzz-%)
 
-.PHONY: all deps test demo bench fuzz valgrind soak install uninstall clean
+.PHONY: all deps test demo bench fuzz valgrind soak install install-files uninstall clean
