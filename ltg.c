@@ -128,6 +128,7 @@
 
 typedef struct timer timer;
 typedef struct exchange exchange;
+typedef struct wire_kind wire_kind;
 typedef struct provider provider;
 typedef struct model model;
 typedef struct catalog catalog;
@@ -5031,6 +5032,12 @@ static void ledger_replays(int64_t since, void (*fn)(const rec_view *rv, int64_t
  * Idempotency-Key is kept in that request's spend event, on disk; memory
  * keeps only where it is (about 200 bytes a request, for 24 hours), and a
  * replay reads it back.
+ *
+ * Response pins: which model made a Responses API response, so that a
+ * follow-up naming it in previous_response_id goes to that model (its
+ * provider holds the conversation). In memory only, by alias, for 24
+ * hours, at most PIN_MAX, oldest out first: a ring of them, and a hash
+ * table by id.
  */
 #define MICRO 1000000.0
 
@@ -5178,10 +5185,11 @@ static void cache_drop(cache_entry *e) {
 }
 
 /* The key of a cacheable answer: group, requested model, body. */
-static void cache_keyof(const char *group_id, const char *alias, const char *body, size_t n, uint8_t out[32]) {
+static void cache_keyof(const char *group_id, const char *path, const char *alias, const char *body, size_t n, uint8_t out[32]) {
     br_sha256_context h;
     br_sha256_init(&h);
     br_sha256_update(&h, group_id, strlen(group_id) + 1);
+    br_sha256_update(&h, path, strlen(path) + 1);
     br_sha256_update(&h, alias, strlen(alias) + 1);
     br_sha256_update(&h, body, n);
     br_sha256_out(&h, out);
@@ -5332,6 +5340,55 @@ static int store_tick(void) {
     if (!LOG.compacting) return 0;
     compact_step(now);
     return LOG.compacting;
+}
+
+/* ---- response pins (previous_response_id) ---- */
+#define PIN_MAX 32768
+#define PIN_TTL_MS (24LL * 3600 * 1000)
+
+typedef struct {
+    int64_t at;      /* S.now when made */
+    size_t idlen;
+    char text[];     /* the response id, NUL, the alias, NUL */
+} pin;
+
+static const void *pin_key(const void *it, size_t *n) { *n = ((const pin *)it)->idlen; return ((const pin *)it)->text; }
+static struct {
+    hmap map;
+    pin **ring;      /* PIN_MAX slots, oldest at `head` */
+    int head, n;
+} PINS = {.map = {.key = pin_key}};
+
+static void pin_drop_oldest(void) {
+    pin *p = PINS.ring[PINS.head];
+    PINS.ring[PINS.head] = NULL, PINS.head = (PINS.head + 1) % PIN_MAX, PINS.n--;
+    if (hmap_get(&PINS.map, p->text, p->idlen) == p) hmap_del(&PINS.map, p->text, p->idlen);
+    free(p);
+}
+
+static void pins_expire(void) {
+    while (PINS.n && PINS.ring[PINS.head]->at + PIN_TTL_MS <= S.now) pin_drop_oldest();
+}
+
+/* Response `id` (n bytes) was made by `alias`. */
+static void pin_put(const char *id, size_t n, const char *alias) {
+    if (!n || n > 256) return; /* an id is short; a long one is not a provider's */
+    if (!PINS.ring) PINS.ring = xcalloc(PIN_MAX, sizeof *PINS.ring);
+    pins_expire();
+    if (PINS.n == PIN_MAX) pin_drop_oldest(); /* full: the oldest makes room */
+    size_t an = strlen(alias);
+    pin *p = xcalloc(1, sizeof *p + n + an + 2);
+    p->at = S.now, p->idlen = n;
+    memcpy(p->text, id, n), memcpy(p->text + n + 1, alias, an);
+    hmap_put(&PINS.map, p); /* an id made twice: the newer wins; the older leaves with its ring slot */
+    PINS.ring[(PINS.head + PINS.n++) % PIN_MAX] = p;
+}
+
+/* The alias that made response `id`, or NULL. */
+static const char *pin_get(const char *id, size_t n) {
+    pins_expire();
+    pin *p = hmap_get(&PINS.map, id, n);
+    return p ? p->text + n + 1 : NULL;
 }
 
 /* ===== 15. Client connections: the HTTP/1.1 server =====
@@ -6655,7 +6712,7 @@ struct exchange {
     int nchain;
     int stream, cache_mode;
     int hide_usage;       /* ltg asked for the usage chunk: keep it from the client */
-    const char *path;     /* the upstream path: /chat/completions or /embeddings */
+    const wire_kind *kind;/* the API it speaks (the wire format, section 17) */
     buf body;             /* the client's body */
     body_edit edit[2];    /* the body's rewrites, in body order */
     int nedit;
@@ -6669,6 +6726,7 @@ struct exchange {
     buf req;
     x_state state;        /* X_RELAYING: the client has the answer's head, no failover after this */
     int probe;            /* the current attempt is its model's breaker probe */
+    int pinned;           /* its response id is pinned to its model (section 14) */
     int detached;         /* idempotent, its client gone: it runs on alone */
     int64_t started, attempt_started;
     timer deadline, t;
@@ -6685,22 +6743,43 @@ struct exchange {
 
 static model *exchange_model(exchange *x) { return x->chain[x->plan.model]; }
 
-/* ---- the wire format: OpenAI's chat completions and embeddings ----
+/* ---- the wire format: one row per API kind ----
  *
- * What ltg reads and writes of a provider's API, in one place: the request
+ * What ltg reads and writes of a provider's API, in one place: the table
+ * of API kinds (WIRE: a row per endpoint, saying what differs), the request
  * it sends (exchange_build: the client's body with "model" rewritten, and
  * a stream's request for its usage), the usage it reads from an answer or
  * an event (usage_read), the edit that asks a stream for it (usage_edit),
- * and what one SSE event is (stream_event). Another API kind is another
- * set of these four. */
+ * what one SSE event is (stream_event), and how a stream broken after its
+ * start is ended (stream_cut). Another API kind is another row. */
+enum { CUT_DATA, CUT_EVENT }; /* a broken stream ends with a data-only error (chat), or an `event: error` */
 
-/* Read a provider's JSON answer or stream event s[0..n). Returns LTG_ERR
- * when it is not JSON; else 1 when it has a usage object (its token counts
- * in *in and *out), 0 when not. *no_choices: it has no "choices", or an
- * empty one (a stream's usage-only chunk). Only the top level is stored,
- * then the usage object is parsed on its own: an answer's size does not
- * matter, be it a thousand embeddings. */
-static int usage_read(const char *s, size_t n, long long *in, long long *out, int *no_choices) {
+struct wire_kind {
+    const char *path, *upstream; /* the client's path; the provider's, under its base URL */
+    int stream;                  /* it may stream */
+    int ask_usage;               /* a stream must ask for its usage (stream_options.include_usage) */
+    const char *in_tok, *out_tok;/* the members of its "usage" */
+    const char *max_out[2];      /* the body's limit on output tokens, for the worst case */
+    const char *event_usage;     /* in a stream event, the member that holds "usage" (NULL: the event itself) */
+    int cut;
+    int pins;                    /* its answers name a response a follow-up may continue (section 14) */
+};
+
+static const wire_kind WIRE[] = {
+    {"/v1/chat/completions", "/chat/completions", 1, 1, "prompt_tokens", "completion_tokens", {"max_tokens", "max_completion_tokens"}, NULL, CUT_DATA, 0},
+    {"/v1/completions", "/completions", 1, 1, "prompt_tokens", "completion_tokens", {"max_tokens", NULL}, NULL, CUT_DATA, 0},
+    {"/v1/embeddings", "/embeddings", 0, 0, "prompt_tokens", "completion_tokens", {NULL, NULL}, NULL, CUT_DATA, 0},
+    {"/v1/responses", "/responses", 1, 0, "input_tokens", "output_tokens", {"max_output_tokens", NULL}, "response", CUT_EVENT, 1},
+};
+
+/* Read a provider's JSON answer or stream event s[0..n) of kind k (`in`:
+ * the member that holds the usage, or NULL). Returns LTG_ERR when it is not
+ * JSON; else 1 when it has a usage object (its token counts in *in_tok and
+ * *out_tok), 0 when not. *no_choices: it has no "choices", or an empty one
+ * (a stream's usage-only chunk). Only one level is stored at a time, then
+ * the next object is parsed on its own: an answer's size does not matter,
+ * be it a thousand embeddings. */
+static int usage_read(const wire_kind *k, const char *in, const char *s, size_t n, long long *in_tok, long long *out_tok, int *no_choices) {
     json_tok t[128];
     json_result res;
     *no_choices = 1;
@@ -6708,13 +6787,15 @@ static int usage_read(const char *s, size_t n, long long *in, long long *out, in
         return json_parse(s, n, t, 1, 0, &res) < 0 ? LTG_ERR : 0;
     int ch = json_get(s, t, 0, "choices");
     *no_choices = ch < 0 || (t[ch].type == JSON_ARRAY && t[ch].size == 0);
-    int u = json_get(s, t, 0, "usage");
-    if (u < 0 || t[u].type != JSON_OBJECT) return 0;
-    const char *us = s + t[u].start;
-    if (json_parse(us, t[u].end - t[u].start, t, 128, 1, &res) < 0) return 0;
-    *in = 0, *out = 0;
-    json_int(us, t, json_get(us, t, 0, "prompt_tokens"), in);
-    json_int(us, t, json_get(us, t, 0, "completion_tokens"), out);
+    for (const char *key = in ? in : "usage"; key; key = key == in ? "usage" : NULL) {
+        int u = json_get(s, t, 0, key);
+        if (u < 0 || t[u].type != JSON_OBJECT) return 0;
+        s += t[u].start, n = t[u].end - t[u].start;
+        if (json_parse(s, n, t, 128, 1, &res) < 0) return 0;
+    }
+    *in_tok = 0, *out_tok = 0;
+    json_int(s, t, json_get(s, t, 0, k->in_tok), in_tok);
+    json_int(s, t, json_get(s, t, 0, k->out_tok), out_tok);
     return 1;
 }
 
@@ -6762,11 +6843,32 @@ static void exchange_build(exchange *x) {
     x->req.len = 0;
     buf_printf(&x->req, "POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %zu\r\n"
                         "Accept: %s\r\nAccept-Encoding: identity\r\nUser-Agent: ltg/0.1\r\n",
-               p->base_path, x->path, p->hostport, body.len, x->stream ? "text/event-stream" : "application/json");
+               p->base_path, x->kind->upstream, p->hostport, body.len, x->stream ? "text/event-stream" : "application/json");
     if (p->api_key) buf_printf(&x->req, "Authorization: Bearer %s\r\n", p->api_key);
     buf_puts(&x->req, "\r\n");
     buf_append(&x->req, body.p, body.len);
     buf_free(&name), buf_free(&body);
+}
+
+/* A Responses API answer (or, in a stream, the event whose "response"
+ * names it) gives the response's id: pinned to the model that made it. */
+static void response_pin(exchange *x, const char *s, size_t n, int event) {
+    json_tok t[128];
+    json_result res;
+    if (!x->kind->pins || x->pinned || json_parse(s, n, t, 128, 1, &res) < 0) return;
+    if (event) {
+        int r = json_get(s, t, 0, "response");
+        if (r < 0 || t[r].type != JSON_OBJECT) return;
+        s += t[r].start, n = t[r].end - t[r].start;
+        if (json_parse(s, n, t, 128, 1, &res) < 0) return;
+    }
+    int id = json_get(s, t, 0, "id");
+    if (id < 0 || t[id].type != JSON_STRING) return;
+    buf v = {0};
+    json_unescape(s, t, id, &v);
+    pin_put(v.p, v.len, exchange_model(x)->alias);
+    x->pinned = 1;
+    buf_free(&v);
 }
 
 /* One SSE event of a stream: LTG_ERR when its data is neither JSON nor
@@ -6779,10 +6881,34 @@ static int stream_event(exchange *x, const char *ev, size_t n) {
     if (!sse_event_data(ev, n, &data) || !data.len) return SSE_EMPTY;
     if (data.len == 6 && memcmp(data.p, "[DONE]", 6) == 0) return SSE_RELAY;
     long long in, out;
-    int no_choices, r = usage_read(data.p, data.len, &in, &out, &no_choices);
+    response_pin(x, data.p, data.len, 1);
+    int no_choices, r = usage_read(x->kind, x->kind->event_usage, data.p, data.len, &in, &out, &no_choices);
     if (r <= 0) return r < 0 ? LTG_ERR : SSE_RELAY;
     x->in_tok = in, x->out_tok = out, x->usage_known = 1;
     return x->hide_usage && no_choices ? SSE_HIDE : SSE_RELAY;
+}
+
+/* The SSE event that ends a stream broken after its start, so a client
+ * can tell a cut answer from a whole one. */
+static void stream_cut(exchange *x, const char *msg, buf *out) {
+    buf b = {0};
+    jwriter w;
+    jw_init(&w, &b);
+    jw_open(&w, '{');
+    if (x->kind->cut == CUT_EVENT) {
+        jw_key(&w, "type"), jw_cstr(&w, "error");
+        jw_key(&w, "code"), jw_cstr(&w, "stream_interrupted");
+        jw_key(&w, "message"), jw_cstr(&w, msg);
+    } else {
+        jw_key(&w, "error"), jw_open(&w, '{');
+        jw_key(&w, "message"), jw_cstr(&w, msg);
+        jw_key(&w, "type"), jw_cstr(&w, "upstream_error");
+        jw_key(&w, "code"), jw_cstr(&w, "stream_interrupted");
+        jw_close(&w, '}');
+    }
+    jw_close(&w, '}');
+    buf_printf(out, "%sdata: %s\n\n", x->kind->cut == CUT_EVENT ? "event: error\n" : "", b.p);
+    buf_free(&b);
 }
 
 static void x_send(exchange *x, const void *p, size_t n) {
@@ -6919,6 +7045,7 @@ static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int 
     jw_key(&w, "record_type"), jw_cstr(&w, "spend_event");
     jw_key(&w, "request_id"), jw_cstr(&w, x->rid);
     jw_key(&w, "created_at"), jw_cstr(&w, ts);
+    jw_key(&w, "endpoint"), jw_cstr(&w, x->kind->path);
     jw_key(&w, "token_key_id"), jw_cstr(&w, x->key_id);
     jw_key(&w, "token_group_id"), jw_cstr(&w, x->group_id);
     jw_key(&w, "requested_model"), jw_cstr(&w, x->chain[0]->alias);
@@ -6964,19 +7091,17 @@ static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int 
  * every attempt; or, once a stream has started, the SSE error event. */
 static void exchange_fail(exchange *x, int status, const char *code, const char *msg) {
     buf b = {0}, h = {0};
-    jwriter w;
-    jw_init(&w, &b);
-    jw_open(&w, '{'), jw_key(&w, "error"), jw_open(&w, '{');
-    jw_key(&w, "message"), jw_cstr(&w, msg);
-    jw_key(&w, "type"), jw_cstr(&w, x->state != X_RELAYING && status == 504 ? "timeout_error" : "upstream_error");
     if (x->state == X_RELAYING) {
         exchange_settle(x, 200, EV_PARTIAL, x->plan.model, 0, NULL, 0);
-        jw_key(&w, "code"), jw_cstr(&w, "stream_interrupted");
-        jw_close(&w, '}'), jw_close(&w, '}');
-        buf_printf(&h, "data: %s\n\n", b.p);
+        stream_cut(x, msg, &h);
         exchange_chunk(x, h.p, h.len);
         x_send(x, "0\r\n\r\n", 5); /* the chunked framing ends cleanly: the connection stays usable */
     } else {
+        jwriter w;
+        jw_init(&w, &b);
+        jw_open(&w, '{'), jw_key(&w, "error"), jw_open(&w, '{');
+        jw_key(&w, "message"), jw_cstr(&w, msg);
+        jw_key(&w, "type"), jw_cstr(&w, status == 504 ? "timeout_error" : "upstream_error");
         int64_t cost = exchange_settle(x, status, EV_FAILED, -1, 0, NULL, 0);
         jw_key(&w, "param"), jw_null(&w);
         jw_key(&w, "code"), jw_cstr(&w, code);
@@ -7016,6 +7141,7 @@ static void exchange_relay(exchange *x) {
         if (g && g->cache_ttl > 0)
             cache_put(x->cache_key, u->body.p, u->body.len, exchange_model(x)->alias, (uint32_t)x->in_tok, (uint32_t)x->out_tok, g->cache_ttl * 1000);
     }
+    if (ok && u->body.p) response_pin(x, u->body.p, u->body.len, 0);
     int64_t cost = exchange_settle(x, status, ok ? EV_SUCCEEDED : EV_FAILED, ok ? x->plan.model : -1, 0, u->body.p ? u->body.p : "", u->body.len);
     buf h = {0};
     exchange_headers(x, status, &h);
@@ -7239,7 +7365,7 @@ static void exchange_upstream(void *owner) {
         return;
     }
     if (!u->complete) return;
-    int no_choices, r = status >= 200 && status < 300 ? usage_read(u->body.p ? u->body.p : "", u->body.len, &x->in_tok, &x->out_tok, &no_choices) : 0;
+    int no_choices, r = status >= 200 && status < 300 ? usage_read(x->kind, NULL, u->body.p ? u->body.p : "", u->body.len, &x->in_tok, &x->out_tok, &no_choices) : 0;
     char reason[100];
     snprintf(reason, sizeof reason, "answered %d with a body that is not JSON", status); /* a success must be JSON */
     x->usage_known = r > 0;
@@ -7310,7 +7436,7 @@ static int64_t worst_case(model *const *chain, int n, size_t body_len, long long
 /* What admission learns of an inference request, check by check. */
 typedef struct {
     conn *c;
-    int can_stream;           /* the endpoint streams (chat does, embeddings do not) */
+    const wire_kind *kind;    /* the endpoint's API (NULL: GET /v1/models) */
     tkey *key;
     group *g;
     const char *body;
@@ -7384,13 +7510,23 @@ static int admit_body(admission *a, refusal *r) {
     return ADMIT;
 }
 
-/* A model the group allows and the catalog has; the chain of its fallbacks. */
+/* A model the group allows and the catalog has; the chain of its
+ * fallbacks. A follow-up to a response ltg remembers goes to the model that
+ * made it, alone: its provider holds the conversation. */
 static int admit_model(admission *a, refusal *r) {
     const group *g = a->g;
     model *m = catalog_model(S.cat, a->name.p, a->name.len);
     if (!group_allows(g, a->name.p))
         return refuse(r, 403, "model_not_allowed", NULL, "this key may not call \"%.200s\" (GET /v1/models lists the models it may call)", a->name.p);
     if (!m) return refuse(r, 404, "model_not_found", NULL, "the model \"%.200s\" is no longer in this gateway's catalog", a->name.p);
+    int prev = a->kind && a->kind->pins ? json_get(a->body, a->t, 0, "previous_response_id") : -1;
+    const char *pinned = prev >= 0 && a->t[prev].type == JSON_STRING ? pin_get(a->body + a->t[prev].start, a->t[prev].end - a->t[prev].start) : NULL;
+    if (pinned) {
+        if (!group_allows(g, pinned) || !(m = catalog_model(S.cat, pinned, strlen(pinned))))
+            return refuse(r, 403, "model_not_allowed", NULL, "previous_response_id names a response of \"%.200s\", which this key may not call", pinned);
+        a->chain[a->nchain++] = m;
+        return ADMIT;
+    }
     a->chain[a->nchain++] = m;
     for (int i = 0; i < g->nfb; i++)
         for (int k = 0; strcmp(g->fb[i].model, a->name.p) == 0 && k < g->fb[i].n; k++) {
@@ -7400,19 +7536,20 @@ static int admit_model(admission *a, refusal *r) {
     return ADMIT;
 }
 
-/* "stream", "max_tokens" (or "max_completion_tokens"), a stream's usage request. */
+/* "stream", the limit on output tokens ("max_tokens"... as the kind names
+ * it), a stream's usage request. */
 static int admit_options(admission *a, refusal *r) {
     const json_tok *t = a->t;
-    const char *why;
-    int sv = json_get(a->body, t, 0, "stream"), mt = json_get(a->body, t, 0, "max_tokens");
-    if (mt < 0) mt = json_get(a->body, t, 0, "max_completion_tokens");
+    const char *why, *limit = a->kind->max_out[0];
+    int sv = json_get(a->body, t, 0, "stream"), mt = limit ? json_get(a->body, t, 0, limit) : -1;
+    if (mt < 0 && a->kind->max_out[1]) mt = json_get(a->body, t, 0, limit = a->kind->max_out[1]);
     a->stream = sv >= 0 && t[sv].type == JSON_TRUE;
     if (sv >= 0 && t[sv].type != JSON_TRUE && t[sv].type != JSON_FALSE && t[sv].type != JSON_NULL)
         return refuse(r, 400, "invalid_request", NULL, "\"stream\" must be true or false");
-    if (a->stream && !a->can_stream) return refuse(r, 400, "invalid_request", NULL, "this endpoint does not stream: remove \"stream\"");
+    if (a->stream && !a->kind->stream) return refuse(r, 400, "invalid_request", NULL, "this endpoint does not stream: remove \"stream\"");
     if (mt >= 0 && (json_int(a->body, t, mt, &a->max_tokens) < 0 || a->max_tokens < 1))
-        return refuse(r, 400, "invalid_request", NULL, "\"max_tokens\" must be a whole number >= 1");
-    if (a->stream && usage_edit(a->body, t, json_get(a->body, t, 0, "stream_options"), &a->usage, &a->hide, &why) < 0)
+        return refuse(r, 400, "invalid_request", NULL, "\"%s\" must be a whole number >= 1", limit);
+    if (a->stream && a->kind->ask_usage && usage_edit(a->body, t, json_get(a->body, t, 0, "stream_options"), &a->usage, &a->hide, &why) < 0)
         return refuse(r, 400, "invalid_request", NULL, "%s", why);
     return ADMIT;
 }
@@ -7509,9 +7646,9 @@ static void inference_refuse(admission *a, const refusal *r) {
 }
 
 /* Admitted: the exchange, with the body's rewrites in body order. */
-static exchange *exchange_new(admission *a, const char *upstream_path) {
+static exchange *exchange_new(admission *a) {
     exchange *x = xcalloc(1, sizeof *x);
-    x->c = a->c, x->cat = S.cat, x->stream = a->stream, x->path = upstream_path, x->hide_usage = a->hide;
+    x->c = a->c, x->cat = S.cat, x->stream = a->stream, x->kind = a->kind, x->hide_usage = a->hide;
     x->cat->refs++;
     S.nexchanges++;
     memcpy(x->rid, a->c->rid, sizeof x->rid);
@@ -7532,7 +7669,7 @@ static exchange *exchange_new(admission *a, const char *upstream_path) {
     timer_init(&x->deadline, exchange_deadline, x);
     timer_init(&x->t, exchange_timer, x);
     if (a->g->cache_ttl > 0) x->cache_mode = a->stream || a->bypass ? CACHE_BYPASS : CACHE_MISS;
-    if (x->cache_mode == CACHE_MISS) cache_keyof(a->g->id, a->name.p, a->body, a->c->body.len, x->cache_key);
+    if (x->cache_mode == CACHE_MISS) cache_keyof(a->g->id, a->kind->path, a->name.p, a->body, a->c->body.len, x->cache_key);
     if (a->ik) { /* the replay record this request fills (a cached answer too: its retry gets the same) */
         x->idem = xcalloc(1, sizeof *x->idem);
         memcpy(x->idem->key, a->idem_key, 32), memcpy(x->idem->body, a->body_hash, 32);
@@ -7553,8 +7690,8 @@ static void admission_facts(const admission *a) {
 
 /* Admitted: a cached answer, or the first attempt. Every check ran
  * first: a cached answer never bypasses policy. */
-static void inference_start(admission *a, const char *upstream_path) {
-    exchange *x = exchange_new(a, upstream_path);
+static void inference_start(admission *a) {
+    exchange *x = exchange_new(a);
     cache_entry *hit = x->cache_mode == CACHE_MISS ? cache_get(x->cache_key) : NULL;
     if (x->cache_mode != CACHE_NONE) {
         a->c->f.cache = hit ? "hit" : x->cache_mode == CACHE_MISS ? "miss" : "bypass";
@@ -7580,45 +7717,57 @@ static void inference_start(admission *a, const char *upstream_path) {
 }
 
 /* POST /v1/chat/completions and /v1/embeddings: parse, admit, start. */
-static void inference_call(conn *c, const char *upstream_path, int can_stream) {
+static void inference_call(conn *c, const wire_kind *kind) {
     json_tok t[MAX_BODY_FIELDS];
-    admission a = {.c = c, .can_stream = can_stream, .t = t};
+    admission a = {.c = c, .kind = kind, .t = t};
     refusal r;
     int v = ADMIT;
     for (size_t i = 0; v == ADMIT && i < sizeof admission_checks / sizeof *admission_checks; i++) v = admission_checks[i](&a, &r);
     admission_facts(&a);
     if (v == REFUSE) inference_refuse(&a, &r);
     else if (v == REPLAY) inference_replay(c, a.replay);
-    else inference_start(&a, upstream_path);
+    else inference_start(&a);
     free(a.usage.text);
     buf_free(&a.name);
 }
 
-/* GET /v1/models: the aliases this key may call, in OpenAI's list shape. */
-static void inference_models(conn *c) {
+static void model_json(jwriter *w, const model *m) {
+    jw_open(w, '{');
+    jw_key(w, "id"), jw_cstr(w, m->alias);
+    jw_key(w, "object"), jw_cstr(w, "model");
+    jw_key(w, "created"), jw_int(w, 0);
+    jw_key(w, "owned_by"), jw_cstr(w, m->p->name);
+    jw_close(w, '}');
+}
+
+/* GET /v1/models: the aliases this key may call, in OpenAI's list shape;
+ * GET /v1/models/{id}: one of them, or 404. */
+static void inference_models(conn *c, const char *id) {
     admission a = {.c = c};
     refusal r;
     int v = admit_key(&a, &r);
     admission_facts(&a);
     if (v != ADMIT) { inference_refuse(&a, &r); return; }
     const group *g = a.g;
+    model *one = id ? catalog_model(S.cat, id, strlen(id)) : NULL;
+    if (id && (!one || !group_allows(g, id))) {
+        conn_error(c, 404, "model_not_found", NULL, "no model \"%.200s\" for this key (GET /v1/models lists the models it may call)", id);
+        return;
+    }
     buf b = {0}, h = {0};
     jwriter w;
     jw_init(&w, &b);
-    jw_open(&w, '{');
-    jw_key(&w, "object"), jw_cstr(&w, "list");
-    jw_key(&w, "data"), jw_open(&w, '[');
-    for (int i = 0; i < g->nallowed; i++) {
-        model *m = catalog_model(S.cat, g->allowed[i], strlen(g->allowed[i]));
-        if (!m) continue; /* dropped from the catalog by a reload */
+    if (one) model_json(&w, one);
+    else {
         jw_open(&w, '{');
-        jw_key(&w, "id"), jw_cstr(&w, m->alias);
-        jw_key(&w, "object"), jw_cstr(&w, "model");
-        jw_key(&w, "created"), jw_int(&w, 0);
-        jw_key(&w, "owned_by"), jw_cstr(&w, m->p->name);
-        jw_close(&w, '}');
+        jw_key(&w, "object"), jw_cstr(&w, "list");
+        jw_key(&w, "data"), jw_open(&w, '[');
+        for (int i = 0; i < g->nallowed; i++) {
+            model *m = catalog_model(S.cat, g->allowed[i], strlen(g->allowed[i]));
+            if (m) model_json(&w, m); /* else dropped from the catalog by a reload */
+        }
+        jw_close(&w, ']'), jw_close(&w, '}');
     }
-    jw_close(&w, ']'), jw_close(&w, '}');
     buf_printf(&h, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\n", c->rid, c->rid);
     conn_reply(c, 200, "application/json", h.p, b.p, b.len);
     buf_free(&b), buf_free(&h);
@@ -7890,20 +8039,25 @@ static void route(conn *c) {
         return;
     }
     c->f.endpoint = "other"; /* an unknown path is counted too, under one name */
-    static const struct { const char *path, *method, *upstream; int stream; } api[] = {
-        {"/v1/chat/completions", "POST", "/chat/completions", 1},
-        {"/v1/embeddings", "POST", "/embeddings", 0},
-        {"/v1/models", "GET", NULL, 0},
-    };
-    for (size_t i = 0; i < sizeof api / sizeof api[0]; i++) {
-        if (!path_is(c, api[i].path)) continue;
-        c->f.endpoint = api[i].path;
-        if (!method_is(c, api[i].method)) { conn_error(c, 405, "method_not_allowed", NULL, "use %s for %s", api[i].method, api[i].path); return; }
-        if (api[i].upstream) inference_call(c, api[i].upstream, api[i].stream);
-        else inference_models(c);
+    for (size_t i = 0; i < sizeof WIRE / sizeof *WIRE; i++) {
+        if (!path_is(c, WIRE[i].path)) continue;
+        c->f.endpoint = WIRE[i].path;
+        if (!method_is(c, "POST")) conn_error(c, 405, "method_not_allowed", NULL, "use POST for %s", WIRE[i].path);
+        else inference_call(c, &WIRE[i]);
         return;
     }
-    conn_error(c, 404, "not_found", NULL, "no such endpoint (ltg serves /v1/chat/completions, /v1/embeddings and /v1/models)");
+    const char *t = c->in.p + c->req.target.off;
+    size_t n = c->req.target.len, q = 0;
+    while (q < n && t[q] != '?') q++;
+    if (path_is(c, "/v1/models") || (q > 11 && memcmp(t, "/v1/models/", 11) == 0)) {
+        char id[ALIAS_MAX * 3];
+        percent_decode(t + 11, q > 11 ? q - 11 : 0, id, sizeof id);
+        c->f.endpoint = "/v1/models";
+        if (!method_is(c, "GET")) conn_error(c, 405, "method_not_allowed", NULL, "use GET for /v1/models");
+        else inference_models(c, q > 11 ? id : NULL);
+        return;
+    }
+    conn_error(c, 404, "not_found", NULL, "no such endpoint (ltg serves /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings and /v1/models)");
 }
 
 /* ===== 20. main =====

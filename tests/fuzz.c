@@ -283,7 +283,7 @@ static void sse_walk(const char *s, size_t n, uint64_t h) {
     char *c = copy(s, n);
     exchange x;
     memset(&x, 0, sizeof x);
-    x.hide_usage = 1;
+    x.hide_usage = 1, x.kind = &WIRE[h % 2 ? 0 : 3]; /* chat, or the Responses API */
     size_t off = 0, k;
     while ((k = sse_event_len(c + off, n - off)) > 0) {
         REQUIRE(k <= n - off, "sse_event_len %zu past the %zu bytes left", k, n - off);
@@ -339,7 +339,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) {
     long long in, ot;
     int no_choices;
     char *dec = copy(out.p, out.len);
-    usage_read(dec, out.len, &in, &ot, &no_choices);
+    usage_read(&WIRE[0], NULL, dec, out.len, &in, &ot, &no_choices);
+    usage_read(&WIRE[3], WIRE[3].event_usage, dec, out.len, &in, &ot, &no_choices);
     attempt_context_length(status == 413 ? 413 : 400, dec, out.len);
     free(dec);
     buf_free(&out);

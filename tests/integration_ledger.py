@@ -32,7 +32,7 @@ import integration as it
 check = it.check
 
 FREE_MODEL = {"provider": "mock", "upstream_model": "glm-5.3-flash", "input_usd_per_mtok": 0, "output_usd_per_mtok": 0}
-EVENT_FIELDS = ("id", "request_id", "created_at", "token_key_id", "token_group_id", "requested_model", "model",
+EVENT_FIELDS = ("id", "request_id", "created_at", "endpoint", "token_key_id", "token_group_id", "requested_model", "model",
                 "attempts", "status", "http_status", "cache_hit", "input_tokens", "output_tokens", "cost",
                 "usage_status", "latency_ms", "attempt_log")
 USAGE_FIELDS = ("requests", "succeeded_requests", "failed_requests", "partial_requests", "cache_hits",

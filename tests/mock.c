@@ -1,5 +1,6 @@
 /*
- * mock.c -- a fake OpenAI-style provider for ltg's tests and benchmarks.
+ * mock.c -- a fake model provider, OpenAI's and Anthropic's APIs, for ltg's
+ * tests and benchmarks.
  *
  *     tests/mock --port PORT      (127.0.0.1 only; --port 0 picks a free port)
  *     tests/mock --port PORT --tls-cert CHAIN.pem --tls-key KEY.pem
@@ -10,23 +11,46 @@
  * tests/tls-certs.sh for certificates. --tls-stall accepts connections and
  * never answers, not even the TLS ClientHello, for handshake deadline tests.
  *
- * It answers POST <prefix>/chat/completions (plain or streamed as SSE) and
- * POST <prefix>/embeddings with canned bodies that echo the request's "model",
- * and it fails on demand. The embedding is the floats 0.1, 0.2, 0.3 as a
- * JSON array or, for "encoding_format":"base64" (what the OpenAI SDKs ask for
- * by default), as OpenAI sends it: a base64 string of the little-endian
- * float32 bytes. Any other encoding_format gets OpenAI's 400.
+ * It answers POST to these paths, under any prefix (/v1/chat/completions,
+ * /openai/v1/chat/completions, ...), with canned bodies that echo the
+ * request's "model", and it fails on demand:
+ *
+ *     /chat/completions        a chat.completion, or a stream of chunks then [DONE]
+ *     /completions             the legacy text_completion, plain or streamed alike
+ *     /embeddings              the floats 0.1, 0.2, 0.3, as a JSON array or, for
+ *                              "encoding_format":"base64" (what the OpenAI SDKs ask
+ *                              for), a base64 string of the little-endian float32
+ *                              bytes; any other encoding_format gets OpenAI's 400
+ *     /responses               a Responses API response (previous_response_id,
+ *                              instructions, max_output_tokens echoed, nothing
+ *                              remembered), or its stream of named events that ends
+ *                              with response.completed (no [DONE])
+ *     /messages                an Anthropic message, or its stream (message_start ...
+ *                              message_stop); 401 without x-api-key, 400 without
+ *                              anthropic-version, errors in Anthropic's shape
+ *     /messages/count_tokens   Anthropic's {"input_tokens":N}, same headers required
+ *
+ * A whole answer's text is "Hello from MODEL."; a stream sends events=N deltas
+ * of "word " each. Usage, for every API: input (prompt) tokens are a quarter of
+ * the request body's bytes (at least 1), output (completion) tokens are N (3
+ * by default). The OpenAI streams end with a usage chunk when the request has
+ * stream_options.include_usage; the Responses and Anthropic streams always
+ * carry usage. Section 7 has the details.
  *
  * A failure is chosen per request by a *directive*, a space-separated list of
  * tokens, taken from the per-model script queue (see POST /_mock/script) or
  * else from a top-level string field "mock" in the body:
  *
- *     status=N             answer N with an OpenAI-shaped error body
- *     context_length       400 context_length_exceeded
+ *     status=N             answer N with an error body in the API's shape, with
+ *                          the type its provider uses for N (Anthropic: 529
+ *                          overloaded_error, 413 request_too_large, ...)
+ *     context_length       400 context_length_exceeded (Anthropic: "prompt is too
+ *                          long: 9000 tokens > 8192 maximum")
  *     retry_after=S        add "Retry-After: S"
  *     head_delay_ms=N      wait before the response head
- *     first_event_delay_ms=N, event_delay_ms=N, events=N    shape a stream
- *     cut_after=N          stream: close abruptly after N content events
+ *     first_event_delay_ms=N, event_delay_ms=N, events=N    shape a stream: the
+ *                          opening events go at once, the first delta N ms later
+ *     cut_after=N          stream: close abruptly after N content events (deltas)
  *     reset                read the request, then reset the connection (RST)
  *     close                answer with "Connection: close", then close
  *     framing=length|chunked|eof    how a non-stream body is delimited
@@ -52,15 +76,18 @@
  *                          all but the last byte
  *     junk_after_ms=N      after a whole answer, junk on the same connection
  *                          N ms later (0: in the same write); nothing more
- *     content_kb=N         a chat answer whose content is N KiB of "x"
+ *     content_kb=N         a whole answer whose text is N KiB of "x"
  *
  * After broken framing, a trickle or junk the mock answers nothing more on
  * that connection and waits (at most a minute) for the peer to close. A
  * stream that never ends is events=N with event_delay_ms=M.
  *
- * Control endpoints: POST /_mock/script, GET /_mock/stats, GET /_mock/last,
- * POST /_mock/reset. Connections whose first request is a control request are
- * left out of "connections" and "open_connections" (and, over TLS, out of
+ * Control endpoints: POST /_mock/script, GET /_mock/stats, GET /_mock/last
+ * (the last request's method, path, headers, lowercased, and body: what ltg
+ * sent as x-api-key, say), POST /_mock/reset. An Anthropic request refused for
+ * a missing header takes no step of the script and is not counted.
+ * Connections whose first request is a control request are left out of
+ * "connections" and "open_connections" (and, over TLS, out of
  * "tls_handshakes" and "tls_resumed"), so that a test reading the stats sees
  * only the connections that ltg made.
  *
@@ -349,7 +376,7 @@ struct directive {
     enum garble garble;
     long garble_after, trickle_ms;
     long junk_after_ms;          /* -1: no junk */
-    long content_kb;             /* a chat answer's content: N KiB of "x" (0: the usual greeting) */
+    long content_kb;             /* a whole answer's text: N KiB of "x" (0: the usual greeting) */
 };
 
 static const struct directive directive_ok = {
@@ -836,22 +863,24 @@ static long conn_read_request(struct conn *c, struct request *r)
 }
 
 /* The reason phrase of each status the mock is likely to send, and the
- * OpenAI error type and code that status=N answers with. */
-static const struct status { long status; const char *reason, *type, *code; } statuses[] = {
-    { 200, "OK", NULL, NULL },
-    { 400, "Bad Request", "invalid_request_error", "invalid_request" },
-    { 401, "Unauthorized", "authentication_error", "invalid_api_key" },
-    { 403, "Forbidden", "permission_error", "permission_denied" },
-    { 404, "Not Found", "not_found_error", "model_not_found" },
-    { 405, "Method Not Allowed", "invalid_request_error", "method_not_allowed" },
-    { 408, "Request Timeout", "timeout_error", "timeout" },
-    { 413, "Content Too Large", "invalid_request_error", "request_too_large" },
-    { 429, "Too Many Requests", "rate_limit_error", "rate_limit_exceeded" },
-    { 431, "Request Header Fields Too Large", "invalid_request_error", "request_too_large" },
-    { 500, "Internal Server Error", "server_error", "internal_error" },
-    { 502, "Bad Gateway", "server_error", "bad_gateway" },
-    { 503, "Service Unavailable", "server_error", "service_unavailable" },
-    { 504, "Gateway Timeout", "server_error", "gateway_timeout" },
+ * error that status=N answers with: OpenAI's type and code, Anthropic's type
+ * (its errors page: other 4xx are invalid_request_error, other 5xx api_error). */
+static const struct status { long status; const char *reason, *type, *code, *anthropic_type; } statuses[] = {
+    { 200, "OK", NULL, NULL, NULL },
+    { 400, "Bad Request", "invalid_request_error", "invalid_request", "invalid_request_error" },
+    { 401, "Unauthorized", "authentication_error", "invalid_api_key", "authentication_error" },
+    { 403, "Forbidden", "permission_error", "permission_denied", "permission_error" },
+    { 404, "Not Found", "not_found_error", "model_not_found", "not_found_error" },
+    { 405, "Method Not Allowed", "invalid_request_error", "method_not_allowed", "invalid_request_error" },
+    { 408, "Request Timeout", "timeout_error", "timeout", "invalid_request_error" },
+    { 413, "Content Too Large", "invalid_request_error", "request_too_large", "request_too_large" },
+    { 429, "Too Many Requests", "rate_limit_error", "rate_limit_exceeded", "rate_limit_error" },
+    { 431, "Request Header Fields Too Large", "invalid_request_error", "request_too_large", "invalid_request_error" },
+    { 500, "Internal Server Error", "server_error", "internal_error", "api_error" },
+    { 502, "Bad Gateway", "server_error", "bad_gateway", "api_error" },
+    { 503, "Service Unavailable", "server_error", "service_unavailable", "api_error" },
+    { 504, "Gateway Timeout", "server_error", "gateway_timeout", "api_error" },
+    { 529, "Overloaded", "server_error", "overloaded", "overloaded_error" },
 };
 
 static struct status status_info(long status)
@@ -859,8 +888,8 @@ static struct status status_info(long status)
     for (size_t i = 0; i < sizeof statuses / sizeof *statuses; i++)
         if (statuses[i].status == status)
             return statuses[i];
-    return (struct status){ status, "Mock Status",
-                            status >= 500 ? "server_error" : "invalid_request_error", "mock_error" };
+    return (struct status){ status, "Mock Status", status >= 500 ? "server_error" : "invalid_request_error",
+                            "mock_error", status >= 500 ? "api_error" : "invalid_request_error" };
 }
 
 /* Writes the status line and the headers every answer shares into c->out. */
@@ -966,12 +995,18 @@ static int send_trickle(struct conn *c, const struct request *r, const struct di
     return conn_linger(c);
 }
 
-/* An OpenAI-shaped error answer; a NULL code is sent as null, as OpenAI does
- * for a plain invalid value. */
-static int send_error(struct conn *c, const struct request *r, const struct directive *d,
-                      long status, const char *type, const char *code, const char *message)
+/* Writes an error body into c->json: OpenAI's shape, where a NULL code is
+ * sent as null (as OpenAI does for a plain invalid value), or Anthropic's,
+ * which has no code. */
+static void put_error(struct conn *c, int anthropic, const char *type, const char *code, const char *message)
 {
     c->json.len = 0;
+    if (anthropic) {
+        buf_printf(&c->json, "{\"type\":\"error\",\"error\":{\"type\":\"%s\",\"message\":", type);
+        buf_json_string(&c->json, message, strlen(message));
+        buf_puts(&c->json, "}}");
+        return;
+    }
     buf_puts(&c->json, "{\"error\":{\"message\":");
     buf_json_string(&c->json, message, strlen(message));
     buf_printf(&c->json, ",\"type\":\"%s\",\"param\":null,\"code\":", type);
@@ -979,141 +1014,167 @@ static int send_error(struct conn *c, const struct request *r, const struct dire
         buf_printf(&c->json, "\"%s\"}}", code);
     else
         buf_puts(&c->json, "null}}");
+}
+
+/* An OpenAI-shaped error answer, for requests that no API answers. */
+static int send_error(struct conn *c, const struct request *r, const struct directive *d,
+                      long status, const char *type, const char *code, const char *message)
+{
+    put_error(c, 0, type, code, message);
     return send_answer(c, r, d, status);
 }
 
-/* The error that status=N (or context_length) produces. */
-static int send_directed_error(struct conn *c, const struct request *r, const struct directive *d)
-{
-    if (d->context_length)
-        return send_error(c, r, d, d->status, "invalid_request_error", "context_length_exceeded",
-                          "This model's maximum context length is 8192 tokens. "
-                          "However, your messages resulted in 9000 tokens.");
-    struct status st = status_info(d->status);
-    char message[64];
-    snprintf(message, sizeof message, "mock error %ld", d->status);
-    return send_error(c, r, d, d->status, st.type, st.code, message);
-}
+/* ===== 7. Inference answers =====
+ *
+ * IMPLEMENTATION NOTES
+ * Each API the mock speaks is one row of apis[] (at the end of this
+ * section): the path it answers, whether it is Anthropic's, the message of
+ * its context_length error, a function that writes a whole answer and, for
+ * an API that streams, one that writes the events of a stream. Everything
+ * the APIs share is done once: serve_inference() reads the directive and
+ * plays the delays, resets, hangs, errors and hostile answers, and
+ * send_stream() gives every stream the same shape, the one a chat stream
+ * always had:
+ *
+ *     the head, the opening events at once (Responses: response.created ...;
+ *     Anthropic: message_start, content_block_start, ping), first_event_delay_ms,
+ *     the deltas (events=N of them, one "word " each; cut_after and
+ *     garble_after count them), the closing events (chat: finish, usage,
+ *     [DONE]), each event after the first delta event_delay_ms after the last.
+ *
+ * A stream is told by its step numbers: steps 0 .. opening-1 open it, step
+ * `opening` is a delta, the `closing` steps after it end it. Token counts
+ * are made up the same way for every API: a quarter of the request body's
+ * bytes in (at least 1), events=N out.
+ */
 
-/* ===== 7. Inference answers ===== */
+struct answer;
 
-struct chat {                    /* what every answer to one request shares */
-    unsigned long id;
-    long created, prompt_tokens;
-    char model[MODEL_MAX];
+/* Writes the event of a stream's step into c->json and returns its SSE
+ * event name ("" for a bare data: line), or NULL to send nothing at that step. */
+typedef const char *event_fn(struct conn *c, struct answer *a, int step);
+
+struct chunk_shape {             /* how an OpenAI stream's chunks look */
+    const char *id_prefix, *object;
+    const char *choices[3];      /* a delta's, the finish chunk's, the usage chunk's */
 };
 
-/* Sends c->json as one SSE event in one HTTP chunk. The n-th event (n > 0)
- * waits event_delay_ms first. Returns -1 if the peer has gone. */
-static int stream_event(struct conn *c, const struct directive *d, int n)
+struct api {
+    const char *path;            /* the request path ends with it */
+    int anthropic;               /* needs x-api-key and anthropic-version; Anthropic's errors */
+    const char *context_message; /* the context_length directive's error message */
+    int (*body)(struct conn *c, struct answer *a);  /* a whole answer into c->json; returns its status */
+    event_fn *event;             /* NULL: never streams */
+    int opening, closing;        /* the stream's steps before and after the delta */
+    const struct chunk_shape *chunks;   /* OpenAI chat and completions streams */
+};
+
+struct answer {                  /* what every part of one answer shares */
+    const struct api *api;
+    const struct request *r;
+    unsigned long id;
+    long created, input_tokens, output_tokens;
+    long seq;                    /* Responses streams: the next sequence_number */
+    int stream, include_usage;
+    char model[MODEL_MAX];
+    const char *text;            /* a whole answer's content: the greeting, or content_kb of "x" */
+    size_t text_len;
+};
+
+static void put_string(struct buf *b, const char *s) { buf_json_string(b, s, strlen(s)); }
+
+/* The answer's text: in a stream, the deltas sent ("word " each). */
+static void put_text(struct buf *b, const struct answer *a)
 {
-    if (n > 0 && d->event_delay_ms && conn_wait(c, d->event_delay_ms) < 0)
-        return -1;
-    c->out.len = 0;
-    buf_printf(&c->out, "%zx\r\ndata: ", c->json.len + 8);
-    buf_append(&c->out, c->json.data, c->json.len);
-    buf_puts(&c->out, "\n\n\r\n");
-    return conn_send(c, c->out.data, c->out.len);
+    if (!a->stream) {
+        buf_json_string(b, a->text, a->text_len);
+        return;
+    }
+    buf_puts(b, "\"");
+    for (long i = 0; i < a->output_tokens; i++)
+        buf_puts(b, "word ");
+    buf_puts(b, "\"");
 }
 
-/* Starts a chunk event in c->json, up to and including "choices". */
-static void chunk_begin(struct conn *c, const struct chat *ch)
+/* The raw JSON value of the request's top-level field key, or null. */
+static void put_echo(struct buf *b, const struct answer *a, const char *key)
 {
+    const char *v, *v_end;
+    if (json_find(a->r->body, a->r->body + a->r->body_len, key, &v, &v_end))
+        buf_append(b, v, (size_t)(v_end - v));
+    else
+        buf_puts(b, "null");
+}
+
+static void put_openai_usage(struct buf *b, const struct answer *a)
+{
+    buf_printf(b, "\"usage\":{\"prompt_tokens\":%ld,\"completion_tokens\":%ld,\"total_tokens\":%ld}",
+               a->input_tokens, a->output_tokens, a->input_tokens + a->output_tokens);
+}
+
+/* --- OpenAI chat completions, legacy completions, embeddings --- */
+
+static int chat_body(struct conn *c, struct answer *a)
+{
+    buf_printf(&c->json, "{\"id\":\"chatcmpl-mock-%lu\",\"object\":\"chat.completion\",\"created\":%ld,\"model\":",
+               a->id, a->created);
+    put_string(&c->json, a->model);
+    buf_puts(&c->json, ",\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":");
+    put_text(&c->json, a);
+    buf_puts(&c->json, "},\"finish_reason\":\"stop\"}],");
+    put_openai_usage(&c->json, a);
+    buf_puts(&c->json, "}");
+    return 200;
+}
+
+static int completion_body(struct conn *c, struct answer *a)
+{
+    buf_printf(&c->json, "{\"id\":\"cmpl-mock-%lu\",\"object\":\"text_completion\",\"created\":%ld,\"model\":",
+               a->id, a->created);
+    put_string(&c->json, a->model);
+    buf_puts(&c->json, ",\"choices\":[{\"text\":");
+    put_text(&c->json, a);
+    buf_puts(&c->json, ",\"index\":0,\"logprobs\":null,\"finish_reason\":\"stop\"}],");
+    put_openai_usage(&c->json, a);
+    buf_puts(&c->json, "}");
+    return 200;
+}
+
+/* Steps: 0 a delta, 1 the finish chunk, 2 the usage chunk (if the request
+ * asked for it with stream_options.include_usage), 3 [DONE]. */
+static const char *openai_event(struct conn *c, struct answer *a, int step)
+{
+    const struct chunk_shape *shape = a->api->chunks;
+    if (step == 2 && !a->include_usage)
+        return NULL;
     c->json.len = 0;
-    buf_printf(&c->json, "{\"id\":\"chatcmpl-mock-%lu\",\"object\":\"chat.completion.chunk\",\"created\":%ld,\"model\":",
-               ch->id, ch->created);
-    buf_json_string(&c->json, ch->model, strlen(ch->model));
-    buf_puts(&c->json, ",\"choices\":");
+    if (step == 3) {
+        buf_puts(&c->json, "[DONE]");
+        return "";
+    }
+    buf_printf(&c->json, "{\"id\":\"%s%lu\",\"object\":\"%s\",\"created\":%ld,\"model\":",
+               shape->id_prefix, a->id, shape->object, a->created);
+    put_string(&c->json, a->model);
+    buf_printf(&c->json, ",\"choices\":%s", shape->choices[step]);
+    if (step == 2) {
+        buf_puts(&c->json, ",");
+        put_openai_usage(&c->json, a);
+    }
+    buf_puts(&c->json, "}");
+    return "";
 }
 
-/* garble=KIND in a stream: the event that breaks it, as its n-th event.
- * Returns 0 to go on with the stream, -1 when the connection is done. */
-static int stream_garble(struct conn *c, const struct directive *d, const struct chat *ch, int n)
-{
-    chunk_begin(c, ch);
-    buf_puts(&c->json, "[{\"index\":0,\"delta\":{\"content\":\"word \"},\"finish_reason\":null}]}");
-    if (d->garble == GARBLE_HTML || d->garble == GARBLE_TRUNCATED) {
-        if (d->garble == GARBLE_HTML) {
-            c->json.len = 0;
-            buf_puts(&c->json, "<html>oops</html>");
-        } else {
-            c->json.len /= 2;
-        }
-        return stream_event(c, d, n);
-    }
-    if (n > 0 && d->event_delay_ms && conn_wait(c, d->event_delay_ms) < 0)
-        return -1;
-    c->out.len = 0;
-    if (d->garble == GARBLE_HUGE) {              /* "data: " and 2 MiB, no blank line */
-        if (conn_send(c, "6\r\ndata: \r\n", 11) < 0)
-            return -1;
-        buf_printf(&c->out, "%x\r\n", FILLER_PIECE);
-        for (int i = 0; i < (2 << 20) / FILLER_PIECE; i++)
-            if (conn_gone(c) || conn_send(c, c->out.data, c->out.len) < 0
-                || conn_send(c, filler, FILLER_PIECE) < 0 || conn_send(c, "\r\n", 2) < 0) {
-                c->abrupt = 1;
-                return -1;
-            }
-        return conn_send(c, "2\r\n\n\n\r\n", 7);
-    }
-    if (d->garble == GARBLE_CHUNK_SIZE)
-        buf_puts(&c->out, "zz\r\n");
-    else                                         /* chunk_long: the size says half */
-        buf_printf(&c->out, "%zx\r\n", (c->json.len + 8) / 2);
-    buf_puts(&c->out, "data: ");
-    buf_append(&c->out, c->json.data, c->json.len);
-    buf_puts(&c->out, "\n\n\r\n");
-    conn_send(c, c->out.data, c->out.len);
-    conn_linger(c);
-    return -1;
-}
+static const struct chunk_shape chat_chunks = { "chatcmpl-mock-", "chat.completion.chunk", {
+    "[{\"index\":0,\"delta\":{\"content\":\"word \"},\"finish_reason\":null}]",
+    "[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]",
+    "[]",
+} };
 
-static int send_stream(struct conn *c, const struct request *r, const struct directive *d,
-                       const struct chat *ch, int include_usage)
-{
-    int keep = !r->want_close && !d->close;
-    put_head(c, 200, "text/event-stream", d, keep);
-    buf_puts(&c->out, "Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n");
-    if (conn_send(c, c->out.data, c->out.len) < 0)
-        return 0;
-    if (d->first_event_delay_ms && conn_wait(c, d->first_event_delay_ms) < 0)
-        return 0;
-    int n = 0;
-    for (long i = 0; i < d->events; i++) {
-        if (i == d->cut_after) {
-            c->abrupt = 1;
-            return 0;
-        }
-        if (d->garble && i == d->garble_after && stream_garble(c, d, ch, n++) < 0)
-            return 0;
-        chunk_begin(c, ch);
-        buf_puts(&c->json, "[{\"index\":0,\"delta\":{\"content\":\"word \"},\"finish_reason\":null}]}");
-        if (stream_event(c, d, n++) < 0)
-            return 0;
-    }
-    if (d->cut_after >= 0) {     /* cut_after >= events: cut before the finish event */
-        c->abrupt = 1;
-        return 0;
-    }
-    if (d->garble && d->garble_after >= d->events && stream_garble(c, d, ch, n++) < 0)
-        return 0;
-    chunk_begin(c, ch);
-    buf_puts(&c->json, "[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}");
-    if (stream_event(c, d, n++) < 0)
-        return 0;
-    if (include_usage) {
-        chunk_begin(c, ch);
-        buf_printf(&c->json, "[],\"usage\":{\"prompt_tokens\":%ld,\"completion_tokens\":%ld,\"total_tokens\":%ld}}",
-                   ch->prompt_tokens, d->events, ch->prompt_tokens + d->events);
-        if (stream_event(c, d, n++) < 0)
-            return 0;
-    }
-    c->json.len = 0;
-    buf_puts(&c->json, "[DONE]");
-    if (stream_event(c, d, n++) < 0 || conn_send(c, "0\r\n\r\n", 5) < 0)
-        return 0;
-    return keep;
-}
+static const struct chunk_shape completion_chunks = { "cmpl-mock-", "text_completion", {
+    "[{\"text\":\"word \",\"index\":0,\"logprobs\":null,\"finish_reason\":null}]",
+    "[{\"text\":\"\",\"index\":0,\"logprobs\":null,\"finish_reason\":\"stop\"}]",
+    "[]",
+} };
 
 /* The embedding of every answer: a JSON array of numbers ("float", the
  * default) or the float32 values' little-endian bytes in base64. */
@@ -1138,22 +1199,357 @@ static void buf_embedding(struct buf *b, int base64)
     buf_puts(b, "]");
 }
 
-static int serve_inference(struct conn *c, const struct request *r, int embeddings)
+static int embeddings_body(struct conn *c, struct answer *a)
 {
-    struct chat ch = { .created = (long)time(NULL) };
+    char format[32], why[128];          /* absent (or not a string): "float" */
+    json_get_string(a->r->body, a->r->body_len, "encoding_format", format, sizeof format);
+    if (*format && strcmp(format, "float") && strcmp(format, "base64")) {
+        snprintf(why, sizeof why, "Invalid value for 'encoding_format' = %s. "
+                 "Supported values: ['float', 'base64'].", format);
+        put_error(c, 0, "invalid_request_error", NULL, why);
+        return 400;
+    }
+    buf_puts(&c->json, "{\"object\":\"list\",\"data\":[{\"object\":\"embedding\",\"index\":0,\"embedding\":");
+    buf_embedding(&c->json, !strcmp(format, "base64"));
+    buf_puts(&c->json, "}],\"model\":");
+    put_string(&c->json, a->model);
+    buf_printf(&c->json, ",\"usage\":{\"prompt_tokens\":%ld,\"total_tokens\":%ld}}",
+               a->input_tokens, a->input_tokens);
+    return 200;
+}
+
+/* --- OpenAI Responses ---
+ * One output item, a message "msg_mock_N" with one output_text part. The
+ * mock keeps no state: previous_response_id, instructions and
+ * max_output_tokens are only echoed. */
+
+static void put_part(struct buf *b, const struct answer *a, int done)
+{
+    buf_puts(b, "{\"type\":\"output_text\",\"annotations\":[],\"logprobs\":[],\"text\":");
+    if (done)
+        put_text(b, a);
+    else
+        buf_puts(b, "\"\"");
+    buf_puts(b, "}");
+}
+
+static void put_item(struct buf *b, const struct answer *a, int done)
+{
+    buf_printf(b, "{\"type\":\"message\",\"id\":\"msg_mock_%lu\",\"status\":\"%s\",\"role\":\"assistant\",\"content\":[",
+               a->id, done ? "completed" : "in_progress");
+    if (done)
+        put_part(b, a, 1);
+    buf_puts(b, "]}");
+}
+
+/* The response object, completed or (in a stream's first events) in progress. */
+static void put_response(struct buf *b, const struct answer *a, int done)
+{
+    buf_printf(b, "{\"id\":\"resp_mock_%lu\",\"object\":\"response\",\"created_at\":%ld,\"status\":\"%s\","
+               "\"background\":false,\"error\":null,\"incomplete_details\":null,\"instructions\":",
+               a->id, a->created, done ? "completed" : "in_progress");
+    put_echo(b, a, "instructions");
+    buf_puts(b, ",\"max_output_tokens\":");
+    put_echo(b, a, "max_output_tokens");
+    buf_puts(b, ",\"model\":");
+    put_string(b, a->model);
+    buf_puts(b, ",\"output\":[");
+    if (done)
+        put_item(b, a, 1);
+    buf_puts(b, "],\"parallel_tool_calls\":true,\"previous_response_id\":");
+    put_echo(b, a, "previous_response_id");
+    buf_puts(b, ",\"reasoning\":{\"effort\":null,\"summary\":null},\"store\":true,\"temperature\":1.0,"
+             "\"text\":{\"format\":{\"type\":\"text\"}},\"tool_choice\":\"auto\",\"tools\":[],\"top_p\":1.0,"
+             "\"truncation\":\"disabled\",\"usage\":");
+    if (done)
+        buf_printf(b, "{\"input_tokens\":%ld,\"input_tokens_details\":{\"cached_tokens\":0},\"output_tokens\":%ld,"
+                   "\"output_tokens_details\":{\"reasoning_tokens\":0},\"total_tokens\":%ld}",
+                   a->input_tokens, a->output_tokens, a->input_tokens + a->output_tokens);
+    else
+        buf_puts(b, "null");
+    buf_puts(b, ",\"user\":null,\"metadata\":{}}");
+}
+
+static int responses_body(struct conn *c, struct answer *a)
+{
+    put_response(&c->json, a, 1);
+    return 200;
+}
+
+/* Every event is named by its type and numbered; the stream ends with
+ * response.completed, without [DONE]. */
+static const char *responses_event(struct conn *c, struct answer *a, int step)
+{
+    static const char *const types[] = {
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed",
+    };
+    struct buf *b = &c->json;
+    b->len = 0;
+    buf_printf(b, "{\"type\":\"%s\",\"sequence_number\":%ld", types[step], a->seq++);
+    switch (step) {
+    case 0: case 1: case 8:
+        buf_puts(b, ",\"response\":");
+        put_response(b, a, step == 8);
+        break;
+    case 2: case 7:
+        buf_puts(b, ",\"output_index\":0,\"item\":");
+        put_item(b, a, step == 7);
+        break;
+    default:                     /* the events of the content part */
+        buf_printf(b, ",\"item_id\":\"msg_mock_%lu\",\"output_index\":0,\"content_index\":0", a->id);
+        if (step == 3 || step == 6) {
+            buf_puts(b, ",\"part\":");
+            put_part(b, a, step == 6);
+        } else if (step == 4) {
+            buf_puts(b, ",\"delta\":\"word \",\"logprobs\":[]");
+        } else {
+            buf_puts(b, ",\"text\":");
+            put_text(b, a);
+            buf_puts(b, ",\"logprobs\":[]");
+        }
+    }
+    buf_puts(b, "}");
+    return types[step];
+}
+
+/* --- Anthropic Messages and count_tokens --- */
+
+static void put_message(struct buf *b, const struct answer *a, int done)
+{
+    buf_printf(b, "{\"id\":\"msg_mock_%lu\",\"type\":\"message\",\"role\":\"assistant\",\"model\":", a->id);
+    put_string(b, a->model);
+    if (done) {
+        buf_puts(b, ",\"content\":[{\"type\":\"text\",\"text\":");
+        put_text(b, a);
+        buf_printf(b, "}],\"stop_reason\":\"end_turn\",\"stop_sequence\":null,"
+                   "\"usage\":{\"input_tokens\":%ld,\"output_tokens\":%ld}}", a->input_tokens, a->output_tokens);
+    } else {                     /* message_start: no content yet, one output token so far */
+        buf_printf(b, ",\"content\":[],\"stop_reason\":null,\"stop_sequence\":null,"
+                   "\"usage\":{\"input_tokens\":%ld,\"output_tokens\":1}}", a->input_tokens);
+    }
+}
+
+static int messages_body(struct conn *c, struct answer *a)
+{
+    put_message(&c->json, a, 1);
+    return 200;
+}
+
+static int count_tokens_body(struct conn *c, struct answer *a)
+{
+    buf_printf(&c->json, "{\"input_tokens\":%ld}", a->input_tokens);
+    return 200;
+}
+
+/* One content block, index 0; message_delta carries the stop reason and
+ * the output tokens, as a total. */
+static const char *messages_event(struct conn *c, struct answer *a, int step)
+{
+    static const char *const types[] = {
+        "message_start", "content_block_start", "ping",
+        "content_block_delta",
+        "content_block_stop", "message_delta", "message_stop",
+    };
+    struct buf *b = &c->json;
+    b->len = 0;
+    buf_printf(b, "{\"type\":\"%s\"", types[step]);
+    if (step == 0) {
+        buf_puts(b, ",\"message\":");
+        put_message(b, a, 0);
+    } else if (step == 1) {
+        buf_puts(b, ",\"index\":0,\"content_block\":{\"type\":\"text\",\"text\":\"\"}");
+    } else if (step == 3) {
+        buf_puts(b, ",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"word \"}");
+    } else if (step == 4) {
+        buf_puts(b, ",\"index\":0");
+    } else if (step == 5) {
+        buf_printf(b, ",\"delta\":{\"stop_reason\":\"end_turn\",\"stop_sequence\":null},"
+                   "\"usage\":{\"output_tokens\":%ld}", a->output_tokens);
+    }
+    buf_puts(b, "}");
+    return types[step];
+}
+
+/* --- What the APIs share --- */
+
+#define OPENAI_CONTEXT "This model's maximum context length is 8192 tokens. However, your messages resulted in 9000 tokens."
+
+/* The first row whose path ends the request's path answers it:
+ * "/chat/completions" must come before "/completions". */
+static const struct api apis[] = {
+    { "/chat/completions", 0, OPENAI_CONTEXT, chat_body, openai_event, 0, 3, &chat_chunks },
+    { "/completions", 0, OPENAI_CONTEXT, completion_body, openai_event, 0, 3, &completion_chunks },
+    { "/embeddings", 0, OPENAI_CONTEXT, embeddings_body, NULL, 0, 0, NULL },
+    { "/responses", 0, "Your input exceeds the context window of this model. Please adjust your input and try again.",
+      responses_body, responses_event, 4, 4, NULL },
+    { "/messages", 1, "prompt is too long: 9000 tokens > 8192 maximum", messages_body, messages_event, 3, 3, NULL },
+    { "/messages/count_tokens", 1, "prompt is too long: 9000 tokens > 8192 maximum", count_tokens_body, NULL, 0, 0, NULL },
+};
+
+/* An error in the API's shape, with the type its provider uses for the status. */
+static int send_api_error(struct conn *c, const struct request *r, const struct directive *d,
+                          const struct api *api, long status, const char *code, const char *message)
+{
+    struct status st = status_info(status);
+    put_error(c, api->anthropic, api->anthropic ? st.anthropic_type : st.type, code, message);
+    return send_answer(c, r, d, status);
+}
+
+/* The error that status=N (or context_length) produces. */
+static int send_directed_error(struct conn *c, const struct request *r, const struct directive *d,
+                               const struct api *api)
+{
+    char message[64];
+    if (d->context_length)
+        return send_api_error(c, r, d, api, d->status, "context_length_exceeded", api->context_message);
+    snprintf(message, sizeof message, d->status == 529 && api->anthropic ? "Overloaded" : "mock error %ld", d->status);
+    return send_api_error(c, r, d, api, d->status, status_info(d->status).code, message);
+}
+
+/* The SSE bytes of the event in c->json: its size, and appending them to c->out. */
+static size_t sse_size(const struct conn *c, const char *name)
+{
+    return (*name ? strlen(name) + 8 : 0) + c->json.len + 8;      /* "event: NAME\n" "data: " JSON "\n\n" */
+}
+
+static void sse_put(struct conn *c, const char *name)
+{
+    if (*name)
+        buf_printf(&c->out, "event: %s\n", name);
+    buf_puts(&c->out, "data: ");
+    buf_append(&c->out, c->json.data, c->json.len);
+    buf_puts(&c->out, "\n\n\r\n");
+}
+
+/* Sends c->json as one SSE event in one HTTP chunk. The n-th event (n > 0)
+ * waits event_delay_ms first. Returns -1 if the peer has gone. */
+static int stream_event(struct conn *c, const struct directive *d, int n, const char *name)
+{
+    if (n > 0 && d->event_delay_ms && conn_wait(c, d->event_delay_ms) < 0)
+        return -1;
+    c->out.len = 0;
+    buf_printf(&c->out, "%zx\r\n", sse_size(c, name));
+    sse_put(c, name);
+    return conn_send(c, c->out.data, c->out.len);
+}
+
+/* Sends a stream's step as its n-th event, if the step has an event. */
+static int stream_step(struct conn *c, struct answer *a, const struct directive *d, int step, int n)
+{
+    const char *name = a->api->event(c, a, step);
+    return name ? stream_event(c, d, n, name) : 0;
+}
+
+/* garble=KIND in a stream: the event that breaks it, a broken delta, as its
+ * n-th event. Returns 0 to go on with the stream, -1 when the connection is done. */
+static int stream_garble(struct conn *c, const struct directive *d, struct answer *a, int n)
+{
+    const char *name = a->api->event(c, a, a->api->opening);
+    if (d->garble == GARBLE_HTML || d->garble == GARBLE_TRUNCATED) {
+        if (d->garble == GARBLE_HTML) {
+            c->json.len = 0;
+            buf_puts(&c->json, "<html>oops</html>");
+        } else {
+            c->json.len /= 2;
+        }
+        return stream_event(c, d, n, name);
+    }
+    if (n > 0 && d->event_delay_ms && conn_wait(c, d->event_delay_ms) < 0)
+        return -1;
+    c->out.len = 0;
+    if (d->garble == GARBLE_HUGE) {              /* "data: " and 2 MiB, no blank line */
+        if (conn_send(c, "6\r\ndata: \r\n", 11) < 0)
+            return -1;
+        buf_printf(&c->out, "%x\r\n", FILLER_PIECE);
+        for (int i = 0; i < (2 << 20) / FILLER_PIECE; i++)
+            if (conn_gone(c) || conn_send(c, c->out.data, c->out.len) < 0
+                || conn_send(c, filler, FILLER_PIECE) < 0 || conn_send(c, "\r\n", 2) < 0) {
+                c->abrupt = 1;
+                return -1;
+            }
+        return conn_send(c, "2\r\n\n\n\r\n", 7);
+    }
+    if (d->garble == GARBLE_CHUNK_SIZE)
+        buf_puts(&c->out, "zz\r\n");
+    else                                         /* chunk_long: the size says half */
+        buf_printf(&c->out, "%zx\r\n", sse_size(c, name) / 2);
+    sse_put(c, name);
+    conn_send(c, c->out.data, c->out.len);
+    conn_linger(c);
+    return -1;
+}
+
+static int send_stream(struct conn *c, const struct request *r, const struct directive *d, struct answer *a)
+{
+    const struct api *api = a->api;
+    int keep = !r->want_close && !d->close;
+    put_head(c, 200, "text/event-stream", d, keep);
+    buf_puts(&c->out, "Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n");
+    if (conn_send(c, c->out.data, c->out.len) < 0)
+        return 0;
+    for (int step = 0; step < api->opening; step++)
+        if (stream_step(c, a, d, step, 0) < 0)
+            return 0;
+    if (d->first_event_delay_ms && conn_wait(c, d->first_event_delay_ms) < 0)
+        return 0;
+    int n = 0;
+    for (long i = 0; i < d->events; i++) {
+        if (i == d->cut_after) {
+            c->abrupt = 1;
+            return 0;
+        }
+        if (d->garble && i == d->garble_after && stream_garble(c, d, a, n++) < 0)
+            return 0;
+        if (stream_step(c, a, d, api->opening, n++) < 0)
+            return 0;
+    }
+    if (d->cut_after >= 0) {     /* cut_after >= events: cut before the closing events */
+        c->abrupt = 1;
+        return 0;
+    }
+    if (d->garble && d->garble_after >= d->events && stream_garble(c, d, a, n++) < 0)
+        return 0;
+    for (int step = api->opening + 1; step <= api->opening + api->closing; step++)
+        if (stream_step(c, a, d, step, n++) < 0)
+            return 0;
+    if (conn_send(c, "0\r\n\r\n", 5) < 0)
+        return 0;
+    return keep;
+}
+
+static const struct header *request_header(const struct request *r, const char *name)
+{
+    for (int i = 0; i < r->nheaders; i++)
+        if (slice_is(r->headers[i].name, r->headers[i].name_len, name) && r->headers[i].value_len)
+            return &r->headers[i];
+    return NULL;
+}
+
+static int serve_inference(struct conn *c, const struct request *r, const struct api *api)
+{
+    struct answer a = { .api = api, .r = r, .created = (long)time(NULL) };
     char body_directive[DIRECTIVE_MAX], directive[DIRECTIVE_MAX], why[DIRECTIVE_MAX + 64];
     const char *end = r->body + r->body_len, *v, *v_end;
-    json_get_string(r->body, r->body_len, "model", ch.model, sizeof ch.model);
+    /* Anthropic refuses a request without these before it reads the body;
+     * so does the mock, before it takes a step of the script. */
+    if (api->anthropic && !request_header(r, "x-api-key"))
+        return send_api_error(c, r, &directive_ok, api, 401, NULL, "x-api-key header is required");
+    if (api->anthropic && !request_header(r, "anthropic-version"))
+        return send_api_error(c, r, &directive_ok, api, 400, NULL, "anthropic-version: header is required");
+    json_get_string(r->body, r->body_len, "model", a.model, sizeof a.model);
     json_get_string(r->body, r->body_len, "mock", body_directive, sizeof body_directive);
-    int stream = !embeddings && json_is_true(r->body, end, "stream");
-    int include_usage = json_is_true(r->body, end, "include_usage")
+    a.stream = api->event && json_is_true(r->body, end, "stream");
+    a.include_usage = json_is_true(r->body, end, "include_usage")
         || (json_find(r->body, end, "stream_options", &v, &v_end) && json_is_true(v, v_end, "include_usage"));
-    ch.prompt_tokens = r->body_len / 4 ? (long)(r->body_len / 4) : 1;
-    ch.id = mock_begin_request(ch.model, r->path, r->path_len, body_directive, directive, sizeof directive);
+    a.input_tokens = r->body_len / 4 ? (long)(r->body_len / 4) : 1;
+    a.id = mock_begin_request(a.model, r->path, r->path_len, body_directive, directive, sizeof directive);
 
     struct directive d;
     if (directive_parse(directive, &d, why, sizeof why) < 0)
-        return send_error(c, r, &directive_ok, 400, "invalid_request_error", "mock_bad_directive", why);
+        return send_api_error(c, r, &directive_ok, api, 400, "mock_bad_directive", why);
+    a.output_tokens = d.events;
     if (d.head_delay_ms && conn_wait(c, d.head_delay_ms) < 0)
         return 0;
     if (d.reset) {
@@ -1171,47 +1567,28 @@ static int serve_inference(struct conn *c, const struct request *r, int embeddin
         setsockopt(c->fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
     }
     if (d.status)
-        return send_directed_error(c, r, &d);
+        return send_directed_error(c, r, &d, api);
     if (d.body_mb)
-        return send_filler(c, r, &d, ch.model);
-    if (stream && !d.trickle_ms)
-        return send_stream(c, r, &d, &ch, include_usage);
+        return send_filler(c, r, &d, a.model);
+    if (a.stream && !d.trickle_ms)
+        return send_stream(c, r, &d, &a);
 
-    c->json.len = 0;
-    if (embeddings) {
-        char format[32];                    /* absent (or not a string): "float" */
-        json_get_string(r->body, r->body_len, "encoding_format", format, sizeof format);
-        if (*format && strcmp(format, "float") && strcmp(format, "base64")) {
-            snprintf(why, sizeof why, "Invalid value for 'encoding_format' = %s. "
-                     "Supported values: ['float', 'base64'].", format);
-            return send_error(c, r, &d, 400, "invalid_request_error", NULL, why);
-        }
-        buf_puts(&c->json, "{\"object\":\"list\",\"data\":[{\"object\":\"embedding\",\"index\":0,\"embedding\":");
-        buf_embedding(&c->json, !strcmp(format, "base64"));
-        buf_puts(&c->json, "}],\"model\":");
-        buf_json_string(&c->json, ch.model, strlen(ch.model));
-        buf_printf(&c->json, ",\"usage\":{\"prompt_tokens\":%ld,\"total_tokens\":%ld}}",
-                   ch.prompt_tokens, ch.prompt_tokens);
-    } else {
-        char greeting[MODEL_MAX + 16], *content = greeting;
-        size_t n = (size_t)snprintf(greeting, sizeof greeting, "Hello from %s.", ch.model);
-        if (d.content_kb > 0) {
-            n = (size_t)d.content_kb << 10;
-            if (!(content = malloc(n)))
-                die("malloc");
-            memset(content, 'x', n);
-        }
-        buf_printf(&c->json, "{\"id\":\"chatcmpl-mock-%lu\",\"object\":\"chat.completion\",\"created\":%ld,\"model\":",
-                   ch.id, ch.created);
-        buf_json_string(&c->json, ch.model, strlen(ch.model));
-        buf_puts(&c->json, ",\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":");
-        buf_json_string(&c->json, content, n);
-        if (content != greeting)
-            free(content);
-        buf_printf(&c->json, "},\"finish_reason\":\"stop\"}],\"usage\":{\"prompt_tokens\":%ld,"
-                   "\"completion_tokens\":%ld,\"total_tokens\":%ld}}",
-                   ch.prompt_tokens, d.events, ch.prompt_tokens + d.events);
+    char greeting[MODEL_MAX + 16], *content = greeting;
+    a.stream = 0;                /* trickle_ms: a whole answer, even to a stream request */
+    a.text_len = (size_t)snprintf(greeting, sizeof greeting, "Hello from %s.", a.model);
+    if (d.content_kb > 0) {
+        a.text_len = (size_t)d.content_kb << 10;
+        if (!(content = malloc(a.text_len)))
+            die("malloc");
+        memset(content, 'x', a.text_len);
     }
+    a.text = content;
+    c->json.len = 0;
+    long status = api->body(c, &a);
+    if (content != greeting)
+        free(content);
+    if (status != 200)
+        return send_answer(c, r, &d, status);
     if (d.garble == GARBLE_HTML) {
         c->json.len = 0;
         buf_puts(&c->json, "<html>oops</html>");
@@ -1671,13 +2048,14 @@ static int conn_route(struct conn *c, const struct request *r)
     if (r->path_len >= 7 && !memcmp(r->path, "/_mock/", 7))
         return serve_control(c, r);
     mock_keep_last(c, r);
-    int chat = path_ends_with(r, "/chat/completions"), embeddings = path_ends_with(r, "/embeddings");
-    if (!chat && !embeddings)
+    size_t i = 0, n = sizeof apis / sizeof *apis;
+    while (i < n && !path_ends_with(r, apis[i].path))
+        i++;
+    if (i == n)
         return send_error(c, r, &directive_ok, 404, "invalid_request_error", "not_found", "unknown path");
     if (!slice_is(r->method, r->method_len, "POST"))
-        return send_error(c, r, &directive_ok, 405, "invalid_request_error", "method_not_allowed",
-                          "use POST");
-    return serve_inference(c, r, embeddings);
+        return send_api_error(c, r, &directive_ok, &apis[i], 405, "method_not_allowed", "use POST");
+    return serve_inference(c, r, &apis[i]);
 }
 
 /* Answers requests until one ends the connection. Returns 1 if that end is

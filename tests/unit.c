@@ -1078,6 +1078,7 @@ static exchange *fake_exchange(catalog *cat, int max_attempts, long long deadlin
     exchange *x = xcalloc(1, sizeof *x);
     x->cat = cat, cat->refs++, S.nexchanges++;
     snprintf(x->rid, sizeof x->rid, "req_unit");
+    x->kind = &WIRE[0]; /* chat completions */
     memcpy(x->group_id, unit_id('g', 9), 37), memcpy(x->key_id, unit_id('k', 9), 37);
     x->chain[0] = catalog_model(cat, "A", 1), x->chain[1] = catalog_model(cat, "B", 1), x->nchain = 2;
     buf_puts(&x->body, "{\"model\":\"A\"}");
@@ -1286,31 +1287,58 @@ static void test_ledger_pieces(void) {
     long long in, out;
     int no_choices;
     const char *ans = "{\"id\":\"x\",\"choices\":[{}],\"usage\":{\"prompt_tokens\":12,\"completion_tokens\":5,\"total_tokens\":17}}";
-    CHECK(usage_read(ans, strlen(ans), &in, &out, &no_choices) == 1 && in == 12 && out == 5 && !no_choices, "usage");
+    CHECK(usage_read(&WIRE[0], NULL, ans, strlen(ans), &in, &out, &no_choices) == 1 && in == 12 && out == 5 && !no_choices, "usage");
     const char *none = "{\"usage\":null}";
-    CHECK(usage_read(none, strlen(none), &in, &out, &no_choices) == 0 && no_choices, "null usage");
+    CHECK(usage_read(&WIRE[0], NULL, none, strlen(none), &in, &out, &no_choices) == 0 && no_choices, "null usage");
     const char *chunk = "{\"choices\":[],\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":2}}";
-    CHECK(usage_read(chunk, strlen(chunk), &in, &out, &no_choices) == 1 && no_choices && out == 2, "a usage-only chunk");
-    CHECK(usage_read("<html>", 6, &in, &out, &no_choices) == LTG_ERR, "not JSON");
-    CHECK(usage_read("{\"usage\":{}", 12, &in, &out, &no_choices) == LTG_ERR, "cut JSON");
+    CHECK(usage_read(&WIRE[0], NULL, chunk, strlen(chunk), &in, &out, &no_choices) == 1 && no_choices && out == 2, "a usage-only chunk");
+    CHECK(usage_read(&WIRE[0], NULL, "<html>", 6, &in, &out, &no_choices) == LTG_ERR, "not JSON");
+    CHECK(usage_read(&WIRE[0], NULL, "{\"usage\":{}", 12, &in, &out, &no_choices) == LTG_ERR, "cut JSON");
     /* A thousand embeddings, then the usage: the answer's size does not matter. */
     buf big = {0};
     buf_puts(&big, "{\"data\":[");
     for (int i = 0; i < 1000; i++) buf_printf(&big, "%s{\"embedding\":[0.1,0.2],\"index\":%d}", i ? "," : "", i);
     buf_puts(&big, "],\"usage\":{\"prompt_tokens\":7,\"total_tokens\":7}}");
-    CHECK(usage_read(big.p, big.len, &in, &out, &no_choices) == 1 && in == 7 && out == 0, "usage after 1000 embeddings");
+    CHECK(usage_read(&WIRE[0], NULL, big.p, big.len, &in, &out, &no_choices) == 1 && in == 7 && out == 0, "usage after 1000 embeddings");
     big.len = 0;
     buf_puts(&big, "{");
     for (int i = 0; i < 200; i++) buf_printf(&big, "\"k%d\":%d,", i, i);
     buf_puts(&big, "\"z\":0}");
-    CHECK(usage_read(big.p, big.len, &in, &out, &no_choices) == 0, "200 members: still JSON, no usage looked for");
+    CHECK(usage_read(&WIRE[0], NULL, big.p, big.len, &in, &out, &no_choices) == 0, "200 members: still JSON, no usage looked for");
     buf_free(&big);
+    /* The Responses API: its own member names; in a stream, the usage inside "response". */
+    const wire_kind *resp = &WIRE[3];
+    CHECK(strcmp(resp->path, "/v1/responses") == 0, "WIRE[3] is the Responses API");
+    const char *rbody = "{\"id\":\"resp_1\",\"output\":[],\"usage\":{\"input_tokens\":9,\"output_tokens\":4,\"total_tokens\":13}}";
+    CHECK(usage_read(resp, NULL, rbody, strlen(rbody), &in, &out, &no_choices) == 1 && in == 9 && out == 4, "a response's usage");
+    const char *rdone = "{\"type\":\"response.completed\",\"response\":{\"id\":\"r\",\"usage\":{\"input_tokens\":3,\"output_tokens\":8}}}";
+    CHECK(usage_read(resp, resp->event_usage, rdone, strlen(rdone), &in, &out, &no_choices) == 1 && in == 3 && out == 8, "response.completed's usage");
+    const char *rcreated = "{\"type\":\"response.created\",\"response\":{\"id\":\"r\",\"usage\":null}}";
+    CHECK(usage_read(resp, resp->event_usage, rcreated, strlen(rcreated), &in, &out, &no_choices) == 0, "response.created: no usage yet");
+    CHECK(usage_read(resp, resp->event_usage, "{\"type\":\"x\"}", 12, &in, &out, &no_choices) == 0, "an event without a response");
+
+    /* Response pins: found by id, gone after 24 hours, the oldest out first past PIN_MAX. */
+    int64_t now0 = S.now;
+    pin_put("resp_a", 6, "Kimi-K3");
+    CHECK(pin_get("resp_a", 6) && strcmp(pin_get("resp_a", 6), "Kimi-K3") == 0 && !pin_get("resp_b", 6), "a pin");
+    pin_put("resp_a", 6, "GLM");
+    CHECK(strcmp(pin_get("resp_a", 6), "GLM") == 0, "the same id again: the newer wins");
+    S.now += PIN_TTL_MS;
+    CHECK(!pin_get("resp_a", 6) && PINS.n == 0, "expired after 24 hours");
+    char pid[32];
+    for (int i = 0; i < PIN_MAX + 10; i++) {
+        int k = snprintf(pid, sizeof pid, "resp_%d", i);
+        pin_put(pid, (size_t)k, "M");
+    }
+    CHECK(PINS.n == PIN_MAX && !pin_get("resp_9", 6) && pin_get("resp_10", 7) && PINS.map.live == PIN_MAX, "bounded: the oldest out first (%d, %zu)", PINS.n, PINS.map.live);
+    while (PINS.n) pin_drop_oldest();
+    S.now = now0;
 
     /* A stream's events: comments and empty data are not the answer; data must be JSON or [DONE]. */
     {
         exchange x;
         memset(&x, 0, sizeof x);
-        x.hide_usage = 1;
+        x.hide_usage = 1, x.kind = &WIRE[0];
         CHECK(stream_event(&x, ": ping\n\n", 8) == SSE_EMPTY, "a comment");
         CHECK(stream_event(&x, "data:\n\n", 7) == SSE_EMPTY, "empty data");
         CHECK(stream_event(&x, "data: [DONE]\n\n", 14) == SSE_RELAY, "[DONE]");
