@@ -1713,9 +1713,12 @@ static void dns_init(void) {
  * Secrets from the environment are kept only as long as the catalog lives;
  * admin keys are kept only as their SHA-256.
  */
+enum { API_OPENAI, API_ANTHROPIC };
+
 struct provider {
     char *name, *host, *base_path, *hostport, *api_key;
     int port, tls, tls_verify;
+    int api;        /* API_OPENAI or API_ANTHROPIC: the APIs it speaks (section 17's WIRE) */
     br_ssl_session_parameters session; /* the last TLS session, for resumption (section 8) */
     int have_session;
     upstream *idle; /* the pool: idle keep-alive connections, most recent first */
@@ -1899,7 +1902,7 @@ static int cfg_int(cfg *c, int obj, const char *key, const char *where, long lon
 }
 
 static int cfg_providers(cfg *c, catalog *cat, int obj) {
-    static const char *const fields[] = {"base_url", "api_key_env", "tls_verify", NULL};
+    static const char *const fields[] = {"base_url", "api_key_env", "tls_verify", "api", NULL};
     if (obj < 0 || c->t[obj].type != JSON_OBJECT || c->t[obj].size == 0)
         return cfg_fail(c, "providers", NULL, "must be an object with at least one provider");
     cat->prov = xcalloc((size_t)c->t[obj].size, sizeof *cat->prov);
@@ -1927,6 +1930,10 @@ static int cfg_providers(cfg *c, catalog *cat, int obj) {
             if (!val) return LTG_ERR;
             p->api_key = xstrndup(val, strlen(val));
         }
+        int api = json_get(c->s, c->t, v, "api");
+        if (api >= 0 && !json_eq(c->s, c->t, api, "openai") && !json_eq(c->s, c->t, api, "anthropic"))
+            return cfg_fail(c, where, "api", "must be \"openai\" (the default: chat, completions, responses, embeddings) or \"anthropic\" (messages)");
+        p->api = api >= 0 && json_eq(c->s, c->t, api, "anthropic") ? API_ANTHROPIC : API_OPENAI;
         int tv = json_get(c->s, c->t, v, "tls_verify");
         if (tv >= 0) {
             if (c->t[tv].type != JSON_TRUE && c->t[tv].type != JSON_FALSE) return cfg_fail(c, where, "tls_verify", "must be true or false");
@@ -2792,7 +2799,7 @@ int attempt_context_length(int status, const char *body, size_t n) {
     if (status != 400 && status != 413) return 0;
     return contains_nocase(body, n, "context_length_exceeded") || contains_nocase(body, n, "maximum context length") ||
            contains_nocase(body, n, "context length") || contains_nocase(body, n, "context window") ||
-           contains_nocase(body, n, "maximum number of tokens");
+           contains_nocase(body, n, "maximum number of tokens") || contains_nocase(body, n, "prompt is too long");
 }
 
 /* see ltg.h */
@@ -5439,6 +5446,7 @@ typedef struct {
     char requested[ALIAS_MAX], served[ALIAS_MAX]; /* catalog aliases, or "" */
     const char *endpoint;     /* the inference route, or NULL: not counted in ltg_requests_total */
     const char *cache;        /* "hit", "miss", "bypass", or NULL */
+    int anthropic;            /* an Anthropic endpoint: its errors in Anthropic's shape */
     int attempts;             /* -1: none made (refused before dispatch) */
     long long in_tok, out_tok;/* -1: unknown */
     int64_t cost;             /* micro-USD; -1: unknown */
@@ -5650,6 +5658,15 @@ static int path_is(conn *c, const char *path) {
     return q == strlen(path) && memcmp(t, path, q) == 0;
 }
 
+/* The value of the request's header `name`, into out (NUL-terminated;
+ * "" when absent or too long to be a real one). */
+static void conn_header(conn *c, const char *name, char *out, size_t cap) {
+    size_t n;
+    const char *v = http_header_get(c->in.p, c->req.h, c->req.nh, name, &n);
+    out[0] = 0;
+    if (v && n < cap) memcpy(out, v, n), out[n] = 0;
+}
+
 static int method_is(conn *c, const char *m) {
     return c->req.method.len == strlen(m) && memcmp(c->in.p + c->req.method.off, m, c->req.method.len) == 0;
 }
@@ -5698,6 +5715,24 @@ static void conn_reply(conn *c, int status, const char *ctype, const char *extra
     conn_done(c);
 }
 
+/* An inference error's body up to its "code": OpenAI's
+ * {"error":{"message","type","param"..., or Anthropic's
+ * {"type":"error","error":{"type","message"...; the caller adds what it
+ * has and closes both objects. `type`: OpenAI's error type, or NULL for
+ * the one of the status. */
+static void error_open(jwriter *w, int status, int anthropic, const char *msg, const char *openai_type) {
+    const char *type = openai_type && !anthropic ? openai_type : status == 401 ? "authentication_error" : status == 403 ? "permission_error"
+                     : status == 404 ? "not_found_error" : status == 429 ? "rate_limit_error"
+                     : anthropic && status == 413 ? "request_too_large" : anthropic && status == 529 ? "overloaded_error"
+                     : status >= 500 ? "api_error" : "invalid_request_error";
+    jw_open(w, '{');
+    if (anthropic) jw_key(w, "type"), jw_cstr(w, "error");
+    jw_key(w, "error"), jw_open(w, '{');
+    if (anthropic) jw_key(w, "type"), jw_cstr(w, type);
+    jw_key(w, "message"), jw_cstr(w, msg);
+    if (!anthropic) jw_key(w, "type"), jw_cstr(w, type), jw_key(w, "param"), jw_null(w);
+}
+
 /* An error in the shape of the listener's API: OpenAI's on the inference
  * plane, JSON:API's on the admin plane (API.md 3 and 4); `headers`: extra
  * header lines (each ending in CRLF), or NULL. */
@@ -5709,17 +5744,11 @@ static void conn_error(conn *c, int status, const char *code, const char *header
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
     if (c->admin) { admin_error(c, status, code, NULL, 0, "%s", msg); return; }
-    const char *type = status == 401 ? "authentication_error" : status == 403 ? "permission_error"
-                     : status == 404 ? "not_found_error" : status == 429 ? "rate_limit_error"
-                     : status >= 500 ? "api_error" : "invalid_request_error";
     buf b = {0}, extra = {0};
     if (headers) buf_puts(&extra, headers);
     jwriter w;
     jw_init(&w, &b);
-    jw_open(&w, '{'), jw_key(&w, "error"), jw_open(&w, '{');
-    jw_key(&w, "message"), jw_cstr(&w, msg);
-    jw_key(&w, "type"), jw_cstr(&w, type);
-    jw_key(&w, "param"), jw_null(&w);
+    error_open(&w, status, c->f.anthropic, msg, NULL);
     jw_key(&w, "code"), jw_cstr(&w, code);
     jw_close(&w, '}'), jw_close(&w, '}');
     if (c->rid[0]) buf_printf(&extra, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: 0\r\n", c->rid, c->rid);
@@ -6659,9 +6688,18 @@ static void admin_route(conn *c) {
  *     error event and no [DONE], so no client mistakes half an answer for a
  *     whole one.
  *
- * Streams are metered: ltg asks the provider for a usage chunk
- * (stream_options.include_usage) and passes it on only to a client that
- * asked for it itself.
+ * Streams are metered: chat and completions streams are asked for a usage
+ * chunk (stream_options.include_usage), passed on only to a client that
+ * asked for it itself; the Responses API and Anthropic's Messages carry
+ * their usage in their own events (response.completed; message_start and
+ * message_delta).
+ *
+ * One pipeline, several APIs: what differs between OpenAI's chat,
+ * completions, responses and embeddings and Anthropic's messages is a row
+ * of WIRE (the wire-format subsection below): paths, streaming, usage
+ * names and where a stream carries them, the output limit, how a cut
+ * stream ends, the error shape; a request's plan holds only models whose
+ * provider speaks its row's API.
  *
  * Timing. The per-attempt timeout (request_timeout_ms) runs to the response
  * head, or for a stream to its first event. The deadline (x-ltg-deadline,
@@ -6727,6 +6765,7 @@ struct exchange {
     x_state state;        /* X_RELAYING: the client has the answer's head, no failover after this */
     int probe;            /* the current attempt is its model's breaker probe */
     int pinned;           /* its response id is pinned to its model (section 14) */
+    char anthropic_version[64], anthropic_beta[256]; /* the client's, passed on to an Anthropic provider */
     int detached;         /* idempotent, its client gone: it runs on alone */
     int64_t started, attempt_started;
     timer deadline, t;
@@ -6752,33 +6791,47 @@ static model *exchange_model(exchange *x) { return x->chain[x->plan.model]; }
  * an event (usage_read), the edit that asks a stream for it (usage_edit),
  * what one SSE event is (stream_event), and how a stream broken after its
  * start is ended (stream_cut). Another API kind is another row. */
-enum { CUT_DATA, CUT_EVENT }; /* a broken stream ends with a data-only error (chat), or an `event: error` */
+enum { CUT_DATA, CUT_EVENT, CUT_ANTHROPIC }; /* how a broken stream ends: see stream_cut() */
 
 struct wire_kind {
     const char *path, *upstream; /* the client's path; the provider's, under its base URL */
+    int api;                     /* the providers that speak it (API_*), and the shape of ltg's errors */
     int stream;                  /* it may stream */
     int ask_usage;               /* a stream must ask for its usage (stream_options.include_usage) */
     const char *in_tok, *out_tok;/* the members of its "usage" */
     const char *max_out[2];      /* the body's limit on output tokens, for the worst case */
-    const char *event_usage;     /* in a stream event, the member that holds "usage" (NULL: the event itself) */
+    const char *event_usage;     /* in a stream event, the member that holds "usage" (or the event itself) */
+    int event_usage_final;       /* ... and that usage is the final count (else a later event's is) */
     int cut;
     int pins;                    /* its answers name a response a follow-up may continue (section 14) */
+    int free;                    /* costs nothing: no budget, no spend event (count_tokens) */
 };
 
+#define USAGE_PROMPT .in_tok = "prompt_tokens", .out_tok = "completion_tokens" /* chat's names */
+#define USAGE_IO .in_tok = "input_tokens", .out_tok = "output_tokens"          /* the newer APIs' */
 static const wire_kind WIRE[] = {
-    {"/v1/chat/completions", "/chat/completions", 1, 1, "prompt_tokens", "completion_tokens", {"max_tokens", "max_completion_tokens"}, NULL, CUT_DATA, 0},
-    {"/v1/completions", "/completions", 1, 1, "prompt_tokens", "completion_tokens", {"max_tokens", NULL}, NULL, CUT_DATA, 0},
-    {"/v1/embeddings", "/embeddings", 0, 0, "prompt_tokens", "completion_tokens", {NULL, NULL}, NULL, CUT_DATA, 0},
-    {"/v1/responses", "/responses", 1, 0, "input_tokens", "output_tokens", {"max_output_tokens", NULL}, "response", CUT_EVENT, 1},
+    {"/v1/chat/completions", "/chat/completions", API_OPENAI, .stream = 1, .ask_usage = 1, USAGE_PROMPT,
+     .max_out = {"max_tokens", "max_completion_tokens"}, .cut = CUT_DATA},
+    {"/v1/completions", "/completions", API_OPENAI, .stream = 1, .ask_usage = 1, USAGE_PROMPT, .max_out = {"max_tokens"}, .cut = CUT_DATA},
+    {"/v1/embeddings", "/embeddings", API_OPENAI, USAGE_PROMPT, .cut = CUT_DATA},
+    {"/v1/responses", "/responses", API_OPENAI, .stream = 1, USAGE_IO, .max_out = {"max_output_tokens"},
+     .event_usage = "response", .event_usage_final = 1, .cut = CUT_EVENT, .pins = 1},
+    {"/v1/messages", "/messages", API_ANTHROPIC, .stream = 1, USAGE_IO, .max_out = {"max_tokens"},
+     .event_usage = "message", .cut = CUT_ANTHROPIC},
+    {"/v1/messages/count_tokens", "/messages/count_tokens", API_ANTHROPIC, USAGE_IO, .cut = CUT_ANTHROPIC, .free = 1},
 };
 
-/* Read a provider's JSON answer or stream event s[0..n) of kind k (`in`:
- * the member that holds the usage, or NULL). Returns LTG_ERR when it is not
- * JSON; else 1 when it has a usage object (its token counts in *in_tok and
- * *out_tok), 0 when not. *no_choices: it has no "choices", or an empty one
- * (a stream's usage-only chunk). Only one level is stored at a time, then
- * the next object is parsed on its own: an answer's size does not matter,
- * be it a thousand embeddings. */
+/* Read a provider's JSON answer or stream event s[0..n) of kind k: its
+ * usage is the member "usage", or inside member `in` when there is one
+ * (a Responses event's "response", an Anthropic message_start's
+ * "message"). Returns LTG_ERR when it is not JSON; else 1 when it has a
+ * usage object (2 when inside `in`) -- its counts update *in_tok and
+ * *out_tok, each only when present (a message_delta tells the output
+ * alone) -- and 0 when not.
+ * *no_choices: it has no "choices", or an empty one (a stream's usage-only
+ * chunk). One level is stored at a time, then the next object is parsed
+ * on its own: an answer's size does not matter, be it a thousand
+ * embeddings. */
 static int usage_read(const wire_kind *k, const char *in, const char *s, size_t n, long long *in_tok, long long *out_tok, int *no_choices) {
     json_tok t[128];
     json_result res;
@@ -6787,16 +6840,18 @@ static int usage_read(const wire_kind *k, const char *in, const char *s, size_t 
         return json_parse(s, n, t, 1, 0, &res) < 0 ? LTG_ERR : 0;
     int ch = json_get(s, t, 0, "choices");
     *no_choices = ch < 0 || (t[ch].type == JSON_ARRAY && t[ch].size == 0);
-    for (const char *key = in ? in : "usage"; key; key = key == in ? "usage" : NULL) {
-        int u = json_get(s, t, 0, key);
-        if (u < 0 || t[u].type != JSON_OBJECT) return 0;
-        s += t[u].start, n = t[u].end - t[u].start;
+    int outer = in ? json_get(s, t, 0, in) : -1, inside = outer >= 0 && t[outer].type == JSON_OBJECT;
+    if (inside) {
+        s += t[outer].start, n = t[outer].end - t[outer].start;
         if (json_parse(s, n, t, 128, 1, &res) < 0) return 0;
     }
-    *in_tok = 0, *out_tok = 0;
+    int u = json_get(s, t, 0, "usage");
+    if (u < 0 || t[u].type != JSON_OBJECT) return 0;
+    s += t[u].start, n = t[u].end - t[u].start;
+    if (json_parse(s, n, t, 128, 1, &res) < 0) return 0;
     json_int(s, t, json_get(s, t, 0, k->in_tok), in_tok);
     json_int(s, t, json_get(s, t, 0, k->out_tok), out_tok);
-    return 1;
+    return inside ? 2 : 1;
 }
 
 /* How a stream's body asks for its usage chunk: an edit (text NULL when the
@@ -6844,7 +6899,11 @@ static void exchange_build(exchange *x) {
     buf_printf(&x->req, "POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %zu\r\n"
                         "Accept: %s\r\nAccept-Encoding: identity\r\nUser-Agent: ltg/0.1\r\n",
                p->base_path, x->kind->upstream, p->hostport, body.len, x->stream ? "text/event-stream" : "application/json");
-    if (p->api_key) buf_printf(&x->req, "Authorization: Bearer %s\r\n", p->api_key);
+    if (p->api == API_ANTHROPIC) {
+        if (p->api_key) buf_printf(&x->req, "x-api-key: %s\r\n", p->api_key);
+        buf_printf(&x->req, "anthropic-version: %s\r\n", x->anthropic_version[0] ? x->anthropic_version : "2023-06-01");
+        if (x->anthropic_beta[0]) buf_printf(&x->req, "anthropic-beta: %s\r\n", x->anthropic_beta);
+    } else if (p->api_key) buf_printf(&x->req, "Authorization: Bearer %s\r\n", p->api_key);
     buf_puts(&x->req, "\r\n");
     buf_append(&x->req, body.p, body.len);
     buf_free(&name), buf_free(&body);
@@ -6880,11 +6939,12 @@ static int stream_event(exchange *x, const char *ev, size_t n) {
     static buf data;
     if (!sse_event_data(ev, n, &data) || !data.len) return SSE_EMPTY;
     if (data.len == 6 && memcmp(data.p, "[DONE]", 6) == 0) return SSE_RELAY;
-    long long in, out;
+    long long in = x->in_tok, out = x->out_tok;
     response_pin(x, data.p, data.len, 1);
     int no_choices, r = usage_read(x->kind, x->kind->event_usage, data.p, data.len, &in, &out, &no_choices);
     if (r <= 0) return r < 0 ? LTG_ERR : SSE_RELAY;
-    x->in_tok = in, x->out_tok = out, x->usage_known = 1;
+    x->in_tok = in, x->out_tok = out;
+    x->usage_known |= r == 1 || x->kind->event_usage_final; /* message_start's count is not the last word */
     return x->hide_usage && no_choices ? SSE_HIDE : SSE_RELAY;
 }
 
@@ -6899,6 +6959,12 @@ static void stream_cut(exchange *x, const char *msg, buf *out) {
         jw_key(&w, "type"), jw_cstr(&w, "error");
         jw_key(&w, "code"), jw_cstr(&w, "stream_interrupted");
         jw_key(&w, "message"), jw_cstr(&w, msg);
+    } else if (x->kind->cut == CUT_ANTHROPIC) {
+        jw_key(&w, "type"), jw_cstr(&w, "error");
+        jw_key(&w, "error"), jw_open(&w, '{');
+        jw_key(&w, "type"), jw_cstr(&w, "api_error");
+        jw_key(&w, "message"), jw_cstr(&w, msg);
+        jw_close(&w, '}');
     } else {
         jw_key(&w, "error"), jw_open(&w, '{');
         jw_key(&w, "message"), jw_cstr(&w, msg);
@@ -6907,7 +6973,7 @@ static void stream_cut(exchange *x, const char *msg, buf *out) {
         jw_close(&w, '}');
     }
     jw_close(&w, '}');
-    buf_printf(out, "%sdata: %s\n\n", x->kind->cut == CUT_EVENT ? "event: error\n" : "", b.p);
+    buf_printf(out, "%sdata: %s\n\n", x->kind->cut != CUT_DATA ? "event: error\n" : "", b.p);
     buf_free(&b);
 }
 
@@ -7025,7 +7091,7 @@ static void exchange_observe(exchange *x, const model *m, const group *g, int64_
 static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int served, int cache_hit, const char *keep, size_t keep_len) {
     model *m = served >= 0 ? x->chain[served] : NULL;
     int64_t cost = -1, charged = 0;
-    if (cache_hit) cost = 0;
+    if (cache_hit || x->kind->free) cost = 0;
     else if (x->usage_known && m) cost = (int64_t)llround((double)x->in_tok * m->in_price + (double)x->out_tok * m->out_price);
     if (cost >= 0) charged = cost;
     else if (ev_status != EV_FAILED) charged = x->reserved; /* an answer whose usage never came: the worst case */
@@ -7033,6 +7099,7 @@ static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int 
     int64_t now = wall_ms() > LG.last_at ? wall_ms() : LG.last_at; /* the ledger never goes back in time */
     if (g) budget_settle(g, x->reserved, charged, now);
     x->reserved = 0;
+    if (x->kind->free) { exchange_observe(x, m, g, 0, 0, 0); return 0; } /* counting tokens costs nothing and leaves no event */
     /* The spend event, in the shape of API.md 3.4. */
     char id[37], ts[64];
     buf e = {0};
@@ -7099,11 +7166,8 @@ static void exchange_fail(exchange *x, int status, const char *code, const char 
     } else {
         jwriter w;
         jw_init(&w, &b);
-        jw_open(&w, '{'), jw_key(&w, "error"), jw_open(&w, '{');
-        jw_key(&w, "message"), jw_cstr(&w, msg);
-        jw_key(&w, "type"), jw_cstr(&w, status == 504 ? "timeout_error" : "upstream_error");
+        error_open(&w, status, x->kind->api == API_ANTHROPIC, msg, status == 504 ? "timeout_error" : "upstream_error");
         int64_t cost = exchange_settle(x, status, EV_FAILED, -1, 0, NULL, 0);
-        jw_key(&w, "param"), jw_null(&w);
         jw_key(&w, "code"), jw_cstr(&w, code);
         jw_key(&w, "attempts"), exchange_attempts_json(x, &w);
         jw_close(&w, '}'), jw_close(&w, '}');
@@ -7480,7 +7544,10 @@ static int admit_key(admission *a, refusal *r) {
     size_t n;
     uint8_t h[32];
     const char *secret = request_bearer(a->c, &n);
-    if (!secret) return refuse(r, 401, "invalid_api_key", NULL, "missing API key: send the header Authorization: Bearer ltg_sk_...");
+    int anthropic = a->kind && a->kind->api == API_ANTHROPIC;
+    if (!secret && anthropic && (secret = http_header_get(a->c->in.p, a->c->req.h, a->c->req.nh, "x-api-key", &n)) && !n) secret = NULL;
+    if (!secret)
+        return refuse(r, 401, "invalid_api_key", NULL, "missing API key: send the header %s", anthropic ? "x-api-key: ltg_sk_... (or Authorization: Bearer ltg_sk_...)" : "Authorization: Bearer ltg_sk_...");
     sha256(secret, n, h);
     a->key = hmap_get(&ST.keys_by_hash, h, 32);
     a->g = a->key ? group_find(a->key->group_id) : NULL;
@@ -7527,11 +7594,15 @@ static int admit_model(admission *a, refusal *r) {
         a->chain[a->nchain++] = m;
         return ADMIT;
     }
+    if (m->p->api != a->kind->api)
+        return refuse(r, 400, "invalid_request", NULL, "the model \"%.200s\" is served through %s: call it on %s", a->name.p,
+                      m->p->api == API_ANTHROPIC ? "Anthropic's Messages API" : "OpenAI's API",
+                      m->p->api == API_ANTHROPIC ? "/v1/messages" : "/v1/chat/completions (or /v1/responses, /v1/completions, /v1/embeddings)");
     a->chain[a->nchain++] = m;
     for (int i = 0; i < g->nfb; i++)
         for (int k = 0; strcmp(g->fb[i].model, a->name.p) == 0 && k < g->fb[i].n; k++) {
             model *f = catalog_model(S.cat, g->fb[i].to[k], strlen(g->fb[i].to[k]));
-            if (f && a->nchain < MAX_CHAIN) a->chain[a->nchain++] = f;
+            if (f && f->p->api == a->kind->api && a->nchain < MAX_CHAIN) a->chain[a->nchain++] = f; /* a fallback of another API is skipped */
         }
     return ADMIT;
 }
@@ -7610,8 +7681,7 @@ static int admit_parallel(admission *a, refusal *r) {
 /* Nothing is served that cannot be metered (section 13). */
 static int admit_storage(admission *a, refusal *r) {
     const char *why;
-    (void)a;
-    if (ledger_writable(&why)) return ADMIT;
+    if (a->kind->free || ledger_writable(&why)) return ADMIT; /* a free request leaves no event */
     return refuse(r, 503, "storage_unavailable", "Retry-After: 1\r\n", "spend events cannot be recorded now (%.300s): nothing is sent upstream until they can", why);
 }
 
@@ -7619,7 +7689,7 @@ static int admit_storage(admission *a, refusal *r) {
  * so that a request refused by another never holds any. */
 static int admit_budget(admission *a, refusal *r) {
     group *g = a->g;
-    int64_t worst = worst_case(a->chain, a->nchain, a->c->body.len, a->max_tokens);
+    int64_t worst = a->kind->free ? 0 : worst_case(a->chain, a->nchain, a->c->body.len, a->max_tokens);
     if (budget_reserve(g, worst, wall_ms()) == 0) {
         a->worst = worst;
         return ADMIT;
@@ -7654,6 +7724,8 @@ static exchange *exchange_new(admission *a) {
     memcpy(x->rid, a->c->rid, sizeof x->rid);
     memcpy(x->group_id, a->g->id, 37), memcpy(x->key_id, a->key->id, 37);
     memcpy(x->chain, a->chain, sizeof x->chain), x->nchain = a->nchain;
+    conn_header(a->c, "anthropic-version", x->anthropic_version, sizeof x->anthropic_version);
+    conn_header(a->c, "anthropic-beta", x->anthropic_beta, sizeof x->anthropic_beta);
     buf_append(&x->body, a->body, a->c->body.len);
     x->edit[x->nedit++] = (body_edit){a->t[a->mv].start - 1, a->t[a->mv].end + 1, NULL}; /* "model": see exchange_build */
     if (a->usage.text) x->edit[x->nedit++] = a->usage, a->usage.text = NULL;
@@ -8041,7 +8113,7 @@ static void route(conn *c) {
     c->f.endpoint = "other"; /* an unknown path is counted too, under one name */
     for (size_t i = 0; i < sizeof WIRE / sizeof *WIRE; i++) {
         if (!path_is(c, WIRE[i].path)) continue;
-        c->f.endpoint = WIRE[i].path;
+        c->f.endpoint = WIRE[i].path, c->f.anthropic = WIRE[i].api == API_ANTHROPIC;
         if (!method_is(c, "POST")) conn_error(c, 405, "method_not_allowed", NULL, "use POST for %s", WIRE[i].path);
         else inference_call(c, &WIRE[i]);
         return;

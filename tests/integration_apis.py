@@ -161,6 +161,130 @@ def t_model_one():
     check(r.status == 401, "a bad key: %d" % r.status)
 
 
+# ---- Anthropic's Messages API, on an ltg of its own with two Anthropic models ----
+
+def anthropic_ltg(tag):
+    cfg = it.catalog_copy()
+    cfg["providers"]["anth"] = dict(cfg["providers"]["mock"], api="anthropic")
+    cfg["models"]["Claude-M"] = it.catalog_model("anth", "claude-m", 3.0, 15.0)
+    cfg["models"]["Claude-B"] = it.catalog_model("anth", "claude-b", 3.0, 15.0)
+    return it.Aux(tag, config=it.write_catalog(cfg, tag))
+
+
+def msg_body(model="Claude-M", stream=False):
+    b = {"model": model, "max_tokens": 64, "messages": [{"role": "user", "content": "Hello"}]}
+    if stream:
+        b["stream"] = True
+    return b
+
+
+def anthropic_error(r, status, etype):
+    check(r.status == status, "status %d, want %d: %r" % (r.status, status, r.body[:300]))
+    j = r.json()
+    check(j.get("type") == "error" and j["error"].get("type") == etype and j["error"].get("message"),
+          "an Anthropic-shaped %s error: %r" % (etype, j))
+    return j
+
+
+@it.test("messages: POST /v1/messages with x-api-key or Bearer; the provider gets x-api-key and anthropic-version; usage metered")
+def t_messages():
+    a = anthropic_ltg("anthropic")
+    try:
+        a.start()
+        g = it.create_group(it.group_body(allowed_models=["Claude-M", "Claude-B", "Kimi-K3"],
+                                          fallbacks={"Claude-M": ["Kimi-K3", "Claude-B"]}), port=a.admin_port)
+        token = it.create_key(g["id"], port=a.admin_port)[1]
+        for hdr in ({"x-api-key": token}, {"Authorization": "Bearer " + token}):
+            r = it.one_request(a.port, "POST", "/v1/messages", msg_body(), hdr, auth=None)
+            check(r.status == 200 and r.json().get("type") == "message" and r.header("x-ltg-served-model") == "Claude-M",
+                  "with %s: %s" % (list(hdr), r.brief()))
+        last = it.H.mock_get("/_mock/last")
+        check(last["headers"].get("x-api-key") == it.PROVIDER_KEY and last["headers"].get("anthropic-version") == "2023-06-01"
+              and "authorization" not in last["headers"], "what the provider got: %r" % last["headers"])
+        r = it.one_request(a.port, "POST", "/v1/messages", msg_body(), {"x-api-key": token, "anthropic-version": "2023-01-01"}, auth=None)
+        check(it.H.mock_get("/_mock/last")["headers"].get("anthropic-version") == "2023-01-01", "the client's anthropic-version is passed on")
+        e = spend_event_at(a, g, r.header("x-ltg-request-id"))
+        u = r.json()["usage"]
+        check(e["endpoint"] == "/v1/messages" and e["input_tokens"] == u["input_tokens"] and e["output_tokens"] == u["output_tokens"],
+              "the spend event %r" % e)
+        # A stream: usage from message_start (input) and message_delta (output).
+        s = it.one_request(a.port, "POST", "/v1/messages", msg_body(stream=True), {"x-api-key": token}, auth=None)
+        ev = events(s)
+        check([n for n, _ in ev][0] == "message_start" and ev[-1][0] == "message_stop", "the stream: %r" % [n for n, _ in ev])
+        delta = [d for n, d in ev if n == "message_delta"][0]
+        e = spend_event_at(a, g, s.header("x-ltg-request-id"))
+        check(e["status"] == "succeeded" and e["output_tokens"] == delta["usage"]["output_tokens"] and
+              e["input_tokens"] == ev[0][1]["message"]["usage"]["input_tokens"], "a stream's usage: %r" % e)
+        # 529 is no_work; the OpenAI fallback is skipped, the Anthropic one serves.
+        script("claude-m", ["status=529"])
+        r = it.one_request(a.port, "POST", "/v1/messages", msg_body(), {"x-api-key": token}, auth=None)
+        check(r.status == 200 and r.header("x-ltg-served-model") == "Claude-B" and r.header("x-ltg-attempts") == "2", "529: %s" % r.brief())
+        log = spend_event_at(a, g, r.header("x-ltg-request-id"))["attempt_log"]
+        check([(x["model"], x["outcome"]) for x in log] == [("Claude-M", "no_work"), ("Claude-B", "ok")], "the attempts %r" % log)
+        # "prompt is too long": terminal, the provider's answer relayed.
+        script("claude-m", ["context_length"])
+        r = it.one_request(a.port, "POST", "/v1/messages", msg_body(), {"x-api-key": token}, auth=None)
+        j = anthropic_error(r, 400, "invalid_request_error")
+        check("prompt is too long" in j["error"]["message"] and r.header("x-ltg-attempts") == "1", "too long: %r" % j)
+        # A stream cut after its start ends with Anthropic's error event.
+        script("claude-m", ["events=5 cut_after=2"])
+        s = it.one_request(a.port, "POST", "/v1/messages", msg_body(stream=True), {"x-api-key": token}, auth=None)
+        last_ev = events(s)[-1]
+        check(last_ev[0] == "error" and last_ev[1].get("type") == "error" and last_ev[1]["error"].get("type") == "api_error",
+              "the end of a cut stream: %r" % (last_ev,))
+        # Every attempt failing: Anthropic's shape, with the attempts.
+        script("claude-m", ["status=500"])
+        script("claude-b", ["status=503"])
+        r = it.one_request(a.port, "POST", "/v1/messages", msg_body(), {"x-api-key": token}, auth=None)
+        j = anthropic_error(r, 503, "api_error")
+        check(len(j["error"].get("attempts", [])) == 2, "the attempts in the error: %r" % j)
+        # ltg's own refusals in Anthropic's shape; a model of the other API is refused on each side.
+        anthropic_error(it.one_request(a.port, "POST", "/v1/messages", msg_body(), auth=None), 401, "authentication_error")
+        anthropic_error(it.one_request(a.port, "POST", "/v1/messages", msg_body("Kimi-K3"), {"x-api-key": token}, auth=None),
+                        400, "invalid_request_error")
+        anthropic_error(it.one_request(a.port, "POST", "/v1/messages", msg_body("Nope"), {"x-api-key": token}, auth=None),
+                        403, "permission_error")
+        o = it.one_request(a.port, "POST", "/v1/chat/completions", it.chat_body("Claude-M"), auth=token)
+        it.check_openai_error(o, 400, "invalid_request")
+        check(b"/v1/messages" in o.body, "the refusal says where to call it: %r" % o.body)
+        a.stop()
+    finally:
+        a.close()
+
+
+@it.test("messages: POST /v1/messages/count_tokens is relayed, costs nothing and leaves no spend event")
+def t_count_tokens():
+    a = anthropic_ltg("anthropic-count")
+    try:
+        a.start()
+        g = it.create_group(it.group_body(allowed_models=["Claude-M"], max_budget=0), port=a.admin_port)
+        token = it.create_key(g["id"], port=a.admin_port)[1]
+        body = {"model": "Claude-M", "messages": [{"role": "user", "content": "Hello"}]}
+        r = it.one_request(a.port, "POST", "/v1/messages/count_tokens", body, {"x-api-key": token}, auth=None)
+        check(r.status == 200 and isinstance(r.json().get("input_tokens"), int), "count_tokens: %s" % r.brief())
+        check(r.header("x-ltg-cost") == "0.000000", "its cost: %r" % r.header("x-ltg-cost"))
+        m = it.one_request(a.port, "POST", "/v1/messages", msg_body(), {"x-api-key": token}, auth=None)
+        anthropic_error(m, 403, "permission_error")       # a budget of 0 refuses every paid request
+        check(spend_events_at(a, g) == [], "count_tokens left a spend event")
+        a.stop()
+    finally:
+        a.close()
+
+
+def spend_events_at(a, g):
+    today = datetime.datetime.now(datetime.timezone.utc).date()
+    q = "/spend/events?start_date=%s&end_date=%s&token_group_id=%s&page[size]=1000" % (
+        today - datetime.timedelta(days=1), today + datetime.timedelta(days=2), g["id"])
+    return it.check_admin_ok(it.admin("GET", q, port=a.admin_port), 200, "GET /spend/events")["data"]
+
+
+def spend_event_at(a, g, rid):
+    for e in spend_events_at(a, g):
+        if e["request_id"] == rid:
+            return e
+    raise it.TestFailure("no spend event for %s" % rid)
+
+
 if __name__ == "__main__":   # this file alone: python3 tests/integration_apis.py --ltg ./ltg --mock tests/mock
     import sys
     sys.exit(it.main(only=__name__))

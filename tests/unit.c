@@ -1299,6 +1299,7 @@ static void test_ledger_pieces(void) {
     buf_puts(&big, "{\"data\":[");
     for (int i = 0; i < 1000; i++) buf_printf(&big, "%s{\"embedding\":[0.1,0.2],\"index\":%d}", i ? "," : "", i);
     buf_puts(&big, "],\"usage\":{\"prompt_tokens\":7,\"total_tokens\":7}}");
+    in = out = 0;
     CHECK(usage_read(&WIRE[0], NULL, big.p, big.len, &in, &out, &no_choices) == 1 && in == 7 && out == 0, "usage after 1000 embeddings");
     big.len = 0;
     buf_puts(&big, "{");
@@ -1312,10 +1313,18 @@ static void test_ledger_pieces(void) {
     const char *rbody = "{\"id\":\"resp_1\",\"output\":[],\"usage\":{\"input_tokens\":9,\"output_tokens\":4,\"total_tokens\":13}}";
     CHECK(usage_read(resp, NULL, rbody, strlen(rbody), &in, &out, &no_choices) == 1 && in == 9 && out == 4, "a response's usage");
     const char *rdone = "{\"type\":\"response.completed\",\"response\":{\"id\":\"r\",\"usage\":{\"input_tokens\":3,\"output_tokens\":8}}}";
-    CHECK(usage_read(resp, resp->event_usage, rdone, strlen(rdone), &in, &out, &no_choices) == 1 && in == 3 && out == 8, "response.completed's usage");
+    CHECK(usage_read(resp, resp->event_usage, rdone, strlen(rdone), &in, &out, &no_choices) == 2 && in == 3 && out == 8, "response.completed's usage");
     const char *rcreated = "{\"type\":\"response.created\",\"response\":{\"id\":\"r\",\"usage\":null}}";
     CHECK(usage_read(resp, resp->event_usage, rcreated, strlen(rcreated), &in, &out, &no_choices) == 0, "response.created: no usage yet");
     CHECK(usage_read(resp, resp->event_usage, "{\"type\":\"x\"}", 12, &in, &out, &no_choices) == 0, "an event without a response");
+    /* Anthropic: message_start holds the input (in "message"), message_delta the output alone. */
+    const wire_kind *msg = &WIRE[4];
+    CHECK(strcmp(msg->path, "/v1/messages") == 0, "WIRE[4] is Anthropic's Messages");
+    in = out = 0;
+    const char *mstart = "{\"type\":\"message_start\",\"message\":{\"id\":\"m\",\"usage\":{\"input_tokens\":25,\"output_tokens\":1}}}";
+    const char *mdelta = "{\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":15}}";
+    CHECK(usage_read(msg, msg->event_usage, mstart, strlen(mstart), &in, &out, &no_choices) == 2 && in == 25 && out == 1, "message_start");
+    CHECK(usage_read(msg, msg->event_usage, mdelta, strlen(mdelta), &in, &out, &no_choices) == 1 && in == 25 && out == 15, "message_delta");
 
     /* Response pins: found by id, gone after 24 hours, the oldest out first past PIN_MAX. */
     int64_t now0 = S.now;
