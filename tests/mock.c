@@ -17,7 +17,9 @@
  *
  *     /chat/completions        a chat.completion, or a stream of chunks then [DONE]
  *     /completions             the legacy text_completion, plain or streamed alike
- *     /embeddings              the floats 0.1, 0.2, 0.3, as a JSON array or, for
+ *     /embeddings              one embedding per input (a list of strings or of
+ *                              token lists: one each), the floats 0.1, 0.2, 0.3,
+ *                              as a JSON array or, for
  *                              "encoding_format":"base64" (what the OpenAI SDKs ask
  *                              for), a base64 string of the little-endian float32
  *                              bytes; any other encoding_format gets OpenAI's 400
@@ -1199,6 +1201,28 @@ static void buf_embedding(struct buf *b, int base64)
     buf_puts(b, "]");
 }
 
+/* How many embeddings a request asks for: one per element of an "input"
+ * that is a list of strings or of token lists; else one (a string, or one
+ * list of token ids). At most 2048, OpenAI's limit. */
+static long embedding_inputs(const struct request *r)
+{
+    const char *v, *end, *body_end = r->body + r->body_len;
+    long n = 0;
+    if (!json_find(r->body, body_end, "input", &v, &end) || *v != '[')
+        return 1;
+    const char *p = json_ws(v + 1, end);
+    if (p >= end || (*p != '"' && *p != '['))
+        return 1;
+    while (p && p < end && *p != ']' && n < 2048) {
+        n++;
+        p = json_skip_value(p, end);
+        p = p ? json_ws(p, end) : NULL;
+        if (p && *p == ',')
+            p = json_ws(p + 1, end);
+    }
+    return n ? n : 1;
+}
+
 static int embeddings_body(struct conn *c, struct answer *a)
 {
     char format[32], why[128];          /* absent (or not a string): "float" */
@@ -1209,9 +1233,13 @@ static int embeddings_body(struct conn *c, struct answer *a)
         put_error(c, 0, "invalid_request_error", NULL, why);
         return 400;
     }
-    buf_puts(&c->json, "{\"object\":\"list\",\"data\":[{\"object\":\"embedding\",\"index\":0,\"embedding\":");
-    buf_embedding(&c->json, !strcmp(format, "base64"));
-    buf_puts(&c->json, "}],\"model\":");
+    buf_puts(&c->json, "{\"object\":\"list\",\"data\":[");
+    for (long i = 0, n = embedding_inputs(a->r); i < n; i++) {
+        buf_printf(&c->json, "%s{\"object\":\"embedding\",\"index\":%ld,\"embedding\":", i ? "," : "", i);
+        buf_embedding(&c->json, !strcmp(format, "base64"));
+        buf_puts(&c->json, "}");
+    }
+    buf_puts(&c->json, "],\"model\":");
     put_string(&c->json, a->model);
     buf_printf(&c->json, ",\"usage\":{\"prompt_tokens\":%ld,\"total_tokens\":%ld}}",
                a->input_tokens, a->input_tokens);
