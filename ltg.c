@@ -119,7 +119,7 @@
 #define POOL_IDLE_MS 30000               /* idle pooled upstream connection lifetime */
 #define POOL_MAX_IDLE 64                 /* idle connections kept per provider */
 #define CONNECT_TIMEOUT_MS 10000
-#define DEFAULT_DEADLINE_MS 30000        /* x-ltg-deadline default (API.md 4.2) */
+#define DEFAULT_DEADLINE_MS 600000       /* x-ltg-deadline default (API.md 4.2): a reasoning model may think for minutes */
 #define STREAM_IDLE_MS 120000            /* a started stream may go quiet this long */
 #define DNS_TIMEOUT_MS 2000
 #define DNS_TRIES 3
@@ -2906,6 +2906,7 @@ typedef struct {
 
 typedef struct {
     int max_attempts, retry_delay_ms, backoff, request_timeout_ms; /* request_timeout_ms 0: none */
+    int deadline_ms;          /* the whole request until its answer starts; 0: DEFAULT_DEADLINE_MS */
 } retry_policy;
 
 typedef struct {
@@ -3118,7 +3119,7 @@ static group *group_clone(const group *src) {
 }
 
 /* The defaults of a retry policy: also what "retries": null means. */
-static retry_policy retry_defaults(void) { return (retry_policy){1, 250, BACKOFF_EXPONENTIAL, 0}; }
+static retry_policy retry_defaults(void) { return (retry_policy){1, 250, BACKOFF_EXPONENTIAL, 0, 0}; }
 
 static int group_allows(const group *g, const char *alias) {
     for (int i = 0; i < g->nallowed; i++)
@@ -3146,13 +3147,15 @@ static int parse_retries(const char *s, const json_tok *t, int v, group *g, verr
             r.backoff = k;
             continue;
         }
-        int known = json_eq(s, t, i, "max_attempts") || json_eq(s, t, i, "retry_delay_ms") || json_eq(s, t, i, "request_timeout_ms");
-        if (!known) return verr_at(e, "retries", key, "unknown field (retries has max_attempts, retry_delay_ms, backoff, request_timeout_ms)");
+        int known = json_eq(s, t, i, "max_attempts") || json_eq(s, t, i, "retry_delay_ms") || json_eq(s, t, i, "request_timeout_ms") ||
+                    json_eq(s, t, i, "deadline_ms");
+        if (!known) return verr_at(e, "retries", key, "unknown field (retries has max_attempts, retry_delay_ms, backoff, request_timeout_ms, deadline_ms)");
         if (json_eq(s, t, i, "request_timeout_ms") && t[x].type == JSON_NULL) { r.request_timeout_ms = 0; continue; }
         if (json_int(s, t, x, &n) < 0) return verr_at(e, "retries", key, "must be a whole number");
         if (n < INT_MIN || n > INT_MAX) n = n < 0 ? INT_MIN : INT_MAX; /* range-checked by group_validate */
         if (json_eq(s, t, i, "max_attempts")) r.max_attempts = (int)n;
         else if (json_eq(s, t, i, "retry_delay_ms")) r.retry_delay_ms = (int)n;
+        else if (json_eq(s, t, i, "deadline_ms")) r.deadline_ms = n == 0 ? -1 : (int)n; /* 0 is out of range, not the default */
         else r.request_timeout_ms = n == 0 ? -1 : (int)n; /* 0 is out of range, not "none": use null for none */
     }
     g->has_retries = 1, g->retries = r;
@@ -3339,6 +3342,8 @@ static int group_validate(const group *g, const catalog *cat, verr *e) {
         if (r->retry_delay_ms < 0 || r->retry_delay_ms > 60000) return verr_at(e, "retries", "retry_delay_ms", "must be between 0 and 60000");
         if (r->request_timeout_ms && (r->request_timeout_ms < 100 || r->request_timeout_ms > 600000))
             return verr_at(e, "retries", "request_timeout_ms", "must be between 100 and 600000 (or null for none)");
+        if (r->deadline_ms && (r->deadline_ms < 1000 || r->deadline_ms > 3600000))
+            return verr_at(e, "retries", "deadline_ms", "must be between 1000 and 3600000 (ms: the whole request until its answer starts)");
     }
     if (g->has_budget && (g->max_budget < 0 || g->max_budget > 1e9 || !usd_ok(g->max_budget)))
         return verr_at(e, "max_budget", NULL, "must be between 0 and 1000000000 USD with at most six decimal places (0 denies every paid request, null is uncapped)");
@@ -3393,6 +3398,7 @@ static void group_json(jwriter *w, const group *g, int for_log) {
         jw_key(w, "retry_delay_ms"), jw_int(w, g->retries.retry_delay_ms);
         jw_key(w, "backoff"), jw_cstr(w, backoff_names[g->retries.backoff]);
         jw_key(w, "request_timeout_ms"), jw_int_or_null(w, g->retries.request_timeout_ms != 0, g->retries.request_timeout_ms);
+        jw_key(w, "deadline_ms"), jw_int(w, g->retries.deadline_ms ? g->retries.deadline_ms : DEFAULT_DEADLINE_MS);
         jw_close(w, '}');
     }
     jw_key(w, "max_budget");
@@ -7628,10 +7634,10 @@ static int admit_options(admission *a, refusal *r) {
 /* The group's retry policy with the request's x-ltg-* overrides (API.md 4.2). */
 static int admit_overrides(admission *a, refusal *r) {
     static const struct { const char *name; long long lo, hi; } ov[] = {
-        {"x-ltg-max-attempts", 1, 5}, {"x-ltg-retry-delay", 0, 60000}, {"x-ltg-request-timeout", 100, 600000}, {"x-ltg-deadline", 100, 600000}};
+        {"x-ltg-max-attempts", 1, 5}, {"x-ltg-retry-delay", 0, 60000}, {"x-ltg-request-timeout", 100, 600000}, {"x-ltg-deadline", 100, 3600000}};
     const http_request *q = &a->c->req;
     a->rp = a->g->has_retries ? a->g->retries : retry_defaults();
-    long long v[4] = {a->rp.max_attempts, a->rp.retry_delay_ms, a->rp.request_timeout_ms, DEFAULT_DEADLINE_MS};
+    long long v[4] = {a->rp.max_attempts, a->rp.retry_delay_ms, a->rp.request_timeout_ms, a->rp.deadline_ms ? a->rp.deadline_ms : DEFAULT_DEADLINE_MS};
     size_t n;
     for (int i = 0; i < 4; i++) {
         const char *h = http_header_get(a->c->in.p, q->h, q->nh, ov[i].name, &n);
@@ -8286,7 +8292,7 @@ static const char USAGE[] =
     "  --drain-seconds N        on SIGTERM, how long requests in flight may finish (default 10)\n"
     "  --max-body-mb N          request body limit (default 8)\n"
     "  --head-timeout S         a request head must arrive within S seconds (default 10)\n"
-    "  --idle-timeout S         an idle keep-alive connection is closed after S seconds (default 60)\n"
+    "  --idle-timeout S         an idle keep-alive connection is closed after S seconds (default 120)\n"
     "  --max-stream-seconds S   a started stream is cut after S seconds (default 600)\n"
     "  --ca-file FILE           trust anchors for https:// providers (default: the system bundle)\n"
     "  --resolv-conf FILE       where the name servers are (default /etc/resolv.conf)\n"
@@ -8328,7 +8334,7 @@ static const option options[] = {
 static void options_parse(int argc, char **argv) {
     S.resolv_conf = "/etc/resolv.conf", S.listen_addr = "127.0.0.1:8080", S.admin_addr = "127.0.0.1:8081";
     S.max_conns = 1024, S.drain_seconds = 10, S.max_body = 8LL << 20;
-    S.head_timeout_ms = 10000, S.idle_timeout_ms = 60000, S.cache_mb = 64, S.max_stream_s = 600, S.ledger_days = 90;
+    S.head_timeout_ms = 10000, S.idle_timeout_ms = 120000, S.cache_mb = 64, S.max_stream_s = 600, S.ledger_days = 90;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--version") == 0) { printf("ltg %s\n", LTG_VERSION); exit(0); }
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) { fputs(USAGE, stdout); exit(0); }

@@ -629,6 +629,35 @@ def t_rt_deadline_hang(a):
     check_calls({A: 1}, "stream, late first event")
 
 
+@rtest("deadline: a group's retries.deadline_ms is the default; x-ltg-deadline still overrides it")
+def t_rt_deadline_group(a):
+    A, = fresh(1)
+    g = group(a, [A], None, {"max_attempts": 1, "deadline_ms": 1500})
+    script(A, ["head_delay_ms=6000"])
+    r = call(a, g, A)
+    check_fail(r, 504, 1, [(A, 1, 0, "indeterminate", (1300, 4000))], code="deadline_exceeded", what="the group's deadline")
+    check(1.4 <= r.elapsed <= 4.0, "answered after %.2f s, the group's deadline is 1.5 s" % r.elapsed)
+    script(A, ["head_delay_ms=2500"])
+    r = call(a, g, A, headers={"x-ltg-deadline": "8000"})
+    check_headers(r, 200, 1, A, "x-ltg-deadline over the group's deadline")
+
+
+@rtest("defaults for long calls: 35 s to the answer's head is served (the deadline is 600 s); a keep-alive idle 95 s is kept")
+def t_rt_long_call(a):
+    A, = fresh(1)
+    g = group(a, [A])
+    with it.Conn(a.port, timeout=200) as idle:
+        idle.send(it.http_request("GET", "/v1/models", auth=g.token))
+        check(idle.read_final_response(15).status == 200, "the first request of the idle connection")
+        t0 = time.monotonic()
+        script(A, ["head_delay_ms=35000"])
+        r = call(a, g, A, timeout=120)
+        check_headers(r, 200, 1, A, "a provider that takes 35 s")
+        time.sleep(max(0.0, 95 - (time.monotonic() - t0)))   # the Codex-style pool: reused after 90 s idle
+        idle.send(it.http_request("GET", "/v1/models", auth=g.token))
+        check(idle.read_final_response(15).status == 200, "the connection idle for 95 s was closed (the default is 120 s)")
+
+
 @rtest("deadline cuts a long plan short: timeouts, then the deadline; later models never called")
 def t_rt_deadline_plan(a):
     A, B, C = fresh(3)

@@ -473,6 +473,9 @@ static void test_group_validation(void) {
     expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"retries\":{\"request_timeout_ms\":99}}", NULL, "invalid_request", "/retries/request_timeout_ms", "between 100 and 600000");
     expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"retries\":{\"request_timeout_ms\":600001}}", NULL, "invalid_request", "/retries/request_timeout_ms", "between 100 and 600000");
     expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"retries\":{\"request_timeout_ms\":0}}", NULL, "invalid_request", "/retries/request_timeout_ms", "between 100 and 600000");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"retries\":{\"deadline_ms\":999}}", NULL, "invalid_request", "/retries/deadline_ms", "between 1000 and 3600000");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"retries\":{\"deadline_ms\":3600001}}", NULL, "invalid_request", "/retries/deadline_ms", "between 1000 and 3600000");
+    expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"retries\":{\"deadline_ms\":0}}", NULL, "invalid_request", "/retries/deadline_ms", "between 1000 and 3600000");
     expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"retries\":{\"backoff\":\"random\"}}", NULL, "invalid_request", "/retries/backoff", "exponential");
     expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"retries\":{\"max_attempts\":2.5}}", NULL, "invalid_request", "/retries/max_attempts", "whole number");
     expect_refused("{\"name\":\"g\",\"allowed_models\":[],\"retries\":{\"jitter\":1}}", NULL, "invalid_request", "/retries/jitter", "unknown field");
@@ -1083,7 +1086,7 @@ static exchange *fake_exchange(catalog *cat, int max_attempts, long long deadlin
     x->chain[0] = catalog_model(cat, "A", 1), x->chain[1] = catalog_model(cat, "B", 1), x->nchain = 2;
     buf_puts(&x->body, "{\"model\":\"A\"}");
     x->edit[x->nedit++] = (body_edit){9, 12, NULL};
-    x->rp = (retry_policy){max_attempts, 100, BACKOFF_CONSTANT, 0};
+    x->rp = (retry_policy){max_attempts, 100, BACKOFF_CONSTANT, 0, 0};
     x->deadline_ms = deadline_ms, x->plan = plan_start(2, max_attempts), x->started = S.now;
     timer_init(&x->deadline, exchange_deadline, x), timer_init(&x->t, exchange_timer, x);
     timer_set(&x->deadline, deadline_ms);
