@@ -118,6 +118,7 @@
 #define LINGER_MS 2000                   /* after an answer that closes, what the client still sends is read and dropped this long */
 #define POOL_IDLE_MS 30000               /* idle pooled upstream connection lifetime */
 #define POOL_MAX_IDLE 64                 /* idle connections kept per provider */
+#define KEY_REST_MS 60000                /* a provider key answered 401/403: unused this long (when there are others) */
 #define CONNECT_TIMEOUT_MS 10000
 #define DEFAULT_DEADLINE_MS 600000       /* x-ltg-deadline default (API.md 4.2): a reasoning model may think for minutes */
 #define STREAM_IDLE_MS 120000            /* a started stream may go quiet this long */
@@ -505,7 +506,7 @@ static void *hmap_del(hmap *m, const void *k, size_t n) {
 #define NBUCKETS 15
 static const double BUCKETS[NBUCKETS] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300};
 
-enum { M_REQUESTS, M_DURATION, M_ATTEMPTS, M_TTFT, M_TOKENS, M_SPEND, M_TLS, M_CACHE, M_LEDGER, M_FSYNC, M_DROPPED, NFAMILIES };
+enum { M_REQUESTS, M_DURATION, M_ATTEMPTS, M_TTFT, M_TOKENS, M_SPEND, M_TLS, M_CACHE, M_LEDGER, M_FSYNC, M_KEY_FAILS, M_DROPPED, NFAMILIES };
 
 typedef struct {
     double v;        /* a counter's value; a histogram's sum */
@@ -1716,7 +1717,10 @@ static void dns_init(void) {
 enum { API_OPENAI, API_ANTHROPIC };
 
 struct provider {
-    char *name, *host, *base_path, *hostport, *api_key;
+    char *name, *host, *base_path, *hostport;
+    char **keys;    /* its API keys (api_key_env, or api_key_envs: used in turn); nkeys 0: none */
+    int nkeys, next_key;
+    int64_t *key_bad_until; /* per key, S.now ms: a key the provider refused rests until then */
     int port, tls, tls_verify;
     int api;        /* API_OPENAI or API_ANTHROPIC: the APIs it speaks (section 17's WIRE) */
     br_ssl_session_parameters session; /* the last TLS session, for resumption (section 8) */
@@ -1789,8 +1793,8 @@ static void catalog_free(catalog *c) {
             up_free(u);
         }
         free(p->name), free(p->host), free(p->base_path), free(p->hostport);
-        if (p->api_key) memset(p->api_key, 0, strlen(p->api_key));
-        free(p->api_key);
+        for (int k = 0; k < p->nkeys; k++) memset(p->keys[k], 0, strlen(p->keys[k])), free(p->keys[k]);
+        free(p->keys), free(p->key_bad_until);
     }
     for (int i = 0; i < c->nmodels; i++) free(c->models[i].alias), free(c->models[i].upstream);
     free(c->prov), free(c->models), free(c->admins);
@@ -1873,6 +1877,23 @@ static const char *cfg_env(cfg *c, int k, const char *where, const char *key) {
     return val;
 }
 
+/* A provider's keys: "api_key_env" (one variable) or "api_key_envs" (a
+ * list, used in turn), each naming a variable that is set. */
+static int cfg_keys(cfg *c, int v, const char *where, provider *p) {
+    int one = json_get(c->s, c->t, v, "api_key_env"), list = json_get(c->s, c->t, v, "api_key_envs");
+    if (one >= 0 && list >= 0) return cfg_fail(c, where, "api_key_envs", "give api_key_env or api_key_envs, not both");
+    if (list >= 0 && (c->t[list].type != JSON_ARRAY || c->t[list].size < 1 || c->t[list].size > 16))
+        return cfg_fail(c, where, "api_key_envs", "must be a list of 1 to 16 environment variable names");
+    int n = one >= 0 ? 1 : list >= 0 ? c->t[list].size : 0;
+    p->keys = xcalloc((size_t)n + 1, sizeof *p->keys), p->key_bad_until = xcalloc((size_t)n + 1, sizeof *p->key_bad_until);
+    for (int i = 0, e = one >= 0 ? one : list + 1; i < n; i++, e = c->t[e].next) {
+        const char *val = cfg_env(c, e, where, one >= 0 ? "api_key_env" : "api_key_envs");
+        if (!val) return LTG_ERR;
+        p->keys[p->nkeys++] = xstrndup(val, strlen(val));
+    }
+    return 0;
+}
+
 /* Check that every member of object `obj` is one of `allowed` (NULL-terminated). */
 static int cfg_only(cfg *c, int obj, const char *where, const char *const *allowed) {
     int i = obj + 1;
@@ -1902,7 +1923,7 @@ static int cfg_int(cfg *c, int obj, const char *key, const char *where, long lon
 }
 
 static int cfg_providers(cfg *c, catalog *cat, int obj) {
-    static const char *const fields[] = {"base_url", "api_key_env", "tls_verify", "api", NULL};
+    static const char *const fields[] = {"base_url", "api_key_env", "api_key_envs", "tls_verify", "api", NULL};
     if (obj < 0 || c->t[obj].type != JSON_OBJECT || c->t[obj].size == 0)
         return cfg_fail(c, "providers", NULL, "must be an object with at least one provider");
     cat->prov = xcalloc((size_t)c->t[obj].size, sizeof *cat->prov);
@@ -1924,12 +1945,7 @@ static int cfg_providers(cfg *c, catalog *cat, int obj) {
         int r = url_parse(url, p, &why);
         free(url);
         if (r < 0) return cfg_fail(c, where, "base_url", "%s", why);
-        int k = json_get(c->s, c->t, v, "api_key_env");
-        if (k >= 0) {
-            const char *val = cfg_env(c, k, where, "api_key_env");
-            if (!val) return LTG_ERR;
-            p->api_key = xstrndup(val, strlen(val));
-        }
+        if (cfg_keys(c, v, where, p) < 0) return LTG_ERR;
         int api = json_get(c->s, c->t, v, "api");
         if (api >= 0 && !json_eq(c->s, c->t, api, "openai") && !json_eq(c->s, c->t, api, "anthropic"))
             return cfg_fail(c, where, "api", "must be \"openai\" (the default: chat, completions, responses, embeddings) or \"anthropic\" (messages)");
@@ -6772,6 +6788,7 @@ struct exchange {
     int probe;            /* the current attempt is its model's breaker probe */
     int pinned;           /* its response id is pinned to its model (section 14) */
     char anthropic_version[64], anthropic_beta[256]; /* the client's, passed on to an Anthropic provider */
+    int key, key_tries;   /* the provider key of the current attempt (-1: none); keys refused during it */
     int detached;         /* idempotent, its client gone: it runs on alone */
     int64_t started, attempt_started;
     timer deadline, t;
@@ -6882,6 +6899,16 @@ static int usage_edit(const char *body, const json_tok *t, int so, body_edit *e,
     return 0;
 }
 
+/* The provider's next key in turn that is not resting (all are: the next
+ * anyway); -1 when it has none. */
+static int provider_key(provider *p) {
+    for (int i = 0; i < p->nkeys; i++) {
+        int k = (p->next_key + i) % p->nkeys;
+        if (p->key_bad_until[k] <= S.now) { p->next_key = k + 1; return k; }
+    }
+    return p->nkeys ? p->next_key++ % p->nkeys : -1;
+}
+
 /* Build the request for the current model: the client's body with its
  * rewrites ("model" to the provider's name for it, and a stream's usage
  * request), and the provider's key. */
@@ -6905,11 +6932,13 @@ static void exchange_build(exchange *x) {
     buf_printf(&x->req, "POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %zu\r\n"
                         "Accept: %s\r\nAccept-Encoding: identity\r\nUser-Agent: ltg/0.1\r\n",
                p->base_path, x->kind->upstream, p->hostport, body.len, x->stream ? "text/event-stream" : "application/json");
+    x->key = provider_key(p);
+    const char *key = x->key >= 0 ? p->keys[x->key] : NULL;
     if (p->api == API_ANTHROPIC) {
-        if (p->api_key) buf_printf(&x->req, "x-api-key: %s\r\n", p->api_key);
+        if (key) buf_printf(&x->req, "x-api-key: %s\r\n", key);
         buf_printf(&x->req, "anthropic-version: %s\r\n", x->anthropic_version[0] ? x->anthropic_version : "2023-06-01");
         if (x->anthropic_beta[0]) buf_printf(&x->req, "anthropic-beta: %s\r\n", x->anthropic_beta);
-    } else if (p->api_key) buf_printf(&x->req, "Authorization: Bearer %s\r\n", p->api_key);
+    } else if (key) buf_printf(&x->req, "Authorization: Bearer %s\r\n", key);
     buf_puts(&x->req, "\r\n");
     buf_append(&x->req, body.p, body.len);
     buf_free(&name), buf_free(&body);
@@ -7191,9 +7220,10 @@ static void exchange_fail(exchange *x, int status, const char *code, const char 
  * not pass it on to the client, the cache or the ledger: it is masked in
  * place, byte for byte, so lengths and JSON stay what they were. */
 static void mask_provider_key(const provider *p, char *s, size_t n) {
-    size_t k = p->api_key ? strlen(p->api_key) : 0;
-    if (!k || !s) return;
-    for (char *q = s; (q = memmem(q, n - (size_t)(q - s), p->api_key, k)); q += k) memset(q, '*', k);
+    for (int i = 0; s && i < p->nkeys; i++) {
+        size_t k = strlen(p->keys[i]);
+        for (char *q = s; (q = memmem(q, n - (size_t)(q - s), p->keys[i], k)); q += k) memset(q, '*', k);
+    }
 }
 
 /* Relay the provider's whole answer (a success, or a terminal error), with
@@ -7283,9 +7313,30 @@ static void exchange_give_up(exchange *x, int late) {
 
 /* An attempt ended: the one place where that is classified (API.md 4.3),
  * logged, told to the breaker, and acted on as plan_next() says. */
+/* A provider with several keys answered 401 or 403: that key rests for
+ * KEY_REST_MS and the attempt is made again at once with the next one,
+ * not counted as an attempt (API.md 9). 0 when there is no other key. */
+static int key_rotate(exchange *x, int status) {
+    model *m = exchange_model(x);
+    provider *p = m->p;
+    if ((status != 401 && status != 403) || x->key < 0 || x->key_tries >= p->nkeys - 1) return 0;
+    p->key_bad_until[x->key] = S.now + KEY_REST_MS;
+    ltg_log("providers.%s: key #%d of %d answered %d: not used for %d s", p->name, x->key + 1, p->nkeys, status, KEY_REST_MS / 1000);
+    char idx[16];
+    snprintf(idx, sizeof idx, "%d", x->key);
+    metric_add(M_KEY_FAILS, 1, "provider", p->name, "key", idx, NULL);
+    x->key_tries++, x->attempts--;
+    if (x->probe) breaker_forget_probe(m), x->probe = 0;
+    up_release(x->u), x->u = NULL;
+    exchange_attempt(x);
+    return 1;
+}
+
 static void attempt_end(exchange *x, const attempt_result *r) {
     model *m = exchange_model(x);
     upstream *u = x->u;
+    if (u && !r->error && !r->skipped && key_rotate(x, r->status)) return;
+    x->key_tries = 0;
     attempt_outcome o = r->skipped ? OUTCOME_CIRCUIT_OPEN : r->error ? attempt_classify(0, r->reached) : attempt_classify(r->status, 1);
     char why[200];
     if (r->error) snprintf(why, sizeof why, "%s", r->error); /* before the release: it may be u->err */
@@ -7886,6 +7937,7 @@ static const struct { const char *name, *type, *help; } FAMILY[NFAMILIES] = {
     [M_CACHE] = {"ltg_cache_lookups_total", "counter", "Response cache lookups."},
     [M_LEDGER] = {"ltg_ledger_events_total", "counter", "Spend events written to the ledger."},
     [M_FSYNC] = {"ltg_log_fsync_seconds", "histogram", "Each fdatasync of the state log or the ledger."},
+    [M_KEY_FAILS] = {"ltg_provider_key_failures_total", "counter", "A provider key answered 401 or 403 and rested (key: its index, never the key)."},
     [M_DROPPED] = {"ltg_metrics_series_dropped_total", "counter", "Observations not recorded: the series table was full."},
 };
 

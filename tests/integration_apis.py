@@ -271,6 +271,45 @@ def t_count_tokens():
         a.close()
 
 
+@it.test("provider keys: api_key_envs used in turn; a 401 rests that key 60 s and the attempt is made again with the next")
+def t_provider_keys():
+    cfg = it.catalog_copy()
+    cfg["providers"]["two-keys"] = {"base_url": cfg["providers"]["mock"]["base_url"], "api_key_envs": ["LTG_IT_K1", "LTG_IT_K2"]}
+    cfg["models"]["Two-Keys"] = it.catalog_model("two-keys", "two-keys-model")
+    a = it.Aux("provider-keys", config=it.write_catalog(cfg, "provider-keys"),
+               env=dict(it.H.env, LTG_IT_K1="prov-key-one", LTG_IT_K2="prov-key-two"))
+    try:
+        a.start()
+        g = it.create_group(it.group_body(allowed_models=["Two-Keys"]), port=a.admin_port)
+        token = it.create_key(g["id"], port=a.admin_port)[1]
+
+        def send():
+            r = it.one_request(a.port, "POST", "/v1/chat/completions", it.chat_body("Two-Keys"), auth=token)
+            return r, it.H.mock_get("/_mock/last")["headers"].get("authorization")
+        seen = [send()[1] for _ in range(2)]
+        check(seen == ["Bearer prov-key-one", "Bearer prov-key-two"], "keys in turn: %r" % seen)
+        script("two-keys-model", ["status=401"])
+        before = it.H.mock_stats().get("calls", {}).get("two-keys-model", 0)
+        r, last = send()
+        check(r.status == 200 and r.header("x-ltg-attempts") == "1" and last == "Bearer prov-key-two",
+              "a 401 on key one: %s, last key %r" % (r.brief(), last))
+        check(it.H.mock_stats()["calls"]["two-keys-model"] - before == 2, "the attempt was not made again with the next key")
+        check("providers.two-keys: key #1 of 2 answered 401: not used for 60 s" in a.text_since_start(), "no log line for the resting key")
+        check("prov-key-" not in a.text_since_start(), "a provider key in ltg's log")
+        seen = [send()[1] for _ in range(2)]
+        check(seen == ["Bearer prov-key-two"] * 2, "the resting key is not used: %r" % seen)
+        m = it.one_request(a.admin_port, "GET", "/metrics", auth=None).body.decode()
+        check('ltg_provider_key_failures_total{provider="two-keys",key="0"} 1' in m, "the metric: %r" %
+              [l for l in m.splitlines() if "key_failures" in l])
+        # Both keys refused: the second 401 is the answer (terminal), one attempt.
+        script("two-keys-model", ["status=401", "status=401"])
+        r, _ = send()
+        check(r.status == 401 and r.header("x-ltg-attempts") == "1", "every key refused: %s" % r.brief())
+        a.stop()
+    finally:
+        a.close()
+
+
 def spend_events_at(a, g):
     today = datetime.datetime.now(datetime.timezone.utc).date()
     q = "/spend/events?start_date=%s&end_date=%s&token_group_id=%s&page[size]=1000" % (

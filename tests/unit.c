@@ -313,7 +313,7 @@ static void test_config(void) {
     if (c) {
         CHECK(c->nprov == 2 && c->nmodels == 2 && c->nadmins == 2, "counts");
         CHECK(strcmp(c->prov[0].host, "127.0.0.1") == 0 && c->prov[0].port == 9000 && strcmp(c->prov[0].base_path, "/v1") == 0, "url");
-        CHECK(strcmp(c->prov[0].hostport, "127.0.0.1:9000") == 0 && strcmp(c->prov[0].api_key, "provider-secret") == 0, "host and key");
+        CHECK(strcmp(c->prov[0].hostport, "127.0.0.1:9000") == 0 && c->prov[0].nkeys == 1 && strcmp(c->prov[0].keys[0], "provider-secret") == 0, "host and key");
         CHECK(strcmp(c->prov[1].host, "::1") == 0 && c->prov[1].port == 80 && strcmp(c->prov[1].hostport, "[::1]") == 0, "ipv6 url");
         catalog *tc = load("{\"providers\":{\"t\":{\"base_url\":\"https://api.example.com/v1\",\"tls_verify\":false},\"u\":{\"base_url\":\"https://h:8443\"}},"
                            "\"models\":{\"M\":{\"provider\":\"t\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}", err);
@@ -342,6 +342,10 @@ static void test_config(void) {
         /* a key pasted where the variable's name belongs is not repeated */
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\",\"api_key_env\":\"sk-unit-0123456789\"}},\"models\":{}}", "providers.p.api_key_env: no environment variable of that name is set (the value is not shown"},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\",\"bogus\":1}},\"models\":{}}", "providers.p.bogus: unknown field"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\",\"api_key_env\":\"UNIT_KEY\",\"api_key_envs\":[\"UNIT_KEY\"]}},\"models\":{}}", "providers.p.api_key_envs: give api_key_env or api_key_envs, not both"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\",\"api_key_envs\":[]}},\"models\":{}}", "providers.p.api_key_envs: must be a list of 1 to 16"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\",\"api_key_envs\":[\"UNIT_KEY\",\"UNIT_UNSET\"]}},\"models\":{}}", "providers.p.api_key_envs: environment variable UNIT_UNSET is not set"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\",\"api\":\"gemini\"}},\"models\":{}}", "providers.p.api: must be \"openai\""},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{}}", "models: must be an object with at least one"},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"nope\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}", "models.M.provider: no provider named \"nope\""},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"output_usd_per_mtok\":1}}}", "models.M.input_usd_per_mtok: missing"},
@@ -1361,13 +1365,30 @@ static void test_ledger_pieces(void) {
         CHECK(stream_event(&x, ev, strlen(ev)) == SSE_RELAY, "the usage chunk the client asked for");
     }
 
+    /* A provider's keys are used in turn; one that rests is skipped; all resting: in turn anyway. */
+    {
+        char *keys[] = {"k0", "k1", "k2"};
+        int64_t rest[3] = {0, 0, 0};
+        provider p = {.keys = keys, .nkeys = 3, .key_bad_until = rest};
+        int a0 = provider_key(&p), a1 = provider_key(&p), a2 = provider_key(&p), a3 = provider_key(&p);
+        CHECK(a0 == 0 && a1 == 1 && a2 == 2 && a3 == 0, "in turn: %d %d %d %d", a0, a1, a2, a3);
+        rest[1] = S.now + KEY_REST_MS;
+        a0 = provider_key(&p), a1 = provider_key(&p), a2 = provider_key(&p);
+        CHECK(a0 == 2 && a1 == 0 && a2 == 2, "a resting key is skipped: %d %d %d", a0, a1, a2);
+        rest[0] = rest[2] = S.now + KEY_REST_MS;
+        CHECK(provider_key(&p) >= 0, "every key resting: one anyway");
+        provider nokeys = {0};
+        CHECK(provider_key(&nokeys) == -1, "no keys");
+    }
+
     /* A provider's key quoted back by the provider is masked, byte for byte. */
     {
-        provider p = {.api_key = "sk-prov-1234"};
+        char *keys[] = {"sk-prov-0000", "sk-prov-1234"};
+        provider p = {.keys = keys, .nkeys = 2};
         char body[] = "{\"error\":\"bad key sk-prov-1234, sk-prov-1234!\"}";
         mask_provider_key(&p, body, strlen(body));
         CHECK(strcmp(body, "{\"error\":\"bad key ************, ************!\"}") == 0, "masked: %s", body);
-        p.api_key = NULL;
+        p.nkeys = 0;
         mask_provider_key(&p, body, strlen(body));
         mask_provider_key(&p, NULL, 0);
     }
