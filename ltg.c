@@ -3414,7 +3414,7 @@ static void group_json(jwriter *w, const group *g, int for_log) {
         jw_key(w, "retry_delay_ms"), jw_int(w, g->retries.retry_delay_ms);
         jw_key(w, "backoff"), jw_cstr(w, backoff_names[g->retries.backoff]);
         jw_key(w, "request_timeout_ms"), jw_int_or_null(w, g->retries.request_timeout_ms != 0, g->retries.request_timeout_ms);
-        jw_key(w, "deadline_ms"), jw_int(w, g->retries.deadline_ms ? g->retries.deadline_ms : DEFAULT_DEADLINE_MS);
+        if (g->retries.deadline_ms) jw_key(w, "deadline_ms"), jw_int(w, g->retries.deadline_ms); /* absent: the default */
         jw_close(w, '}');
     }
     jw_key(w, "max_budget");
