@@ -506,7 +506,8 @@ static void *hmap_del(hmap *m, const void *k, size_t n) {
 #define NBUCKETS 15
 static const double BUCKETS[NBUCKETS] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300};
 
-enum { M_REQUESTS, M_DURATION, M_ATTEMPTS, M_TTFT, M_TOKENS, M_SPEND, M_TLS, M_CACHE, M_LEDGER, M_FSYNC, M_KEY_FAILS, M_DROPPED, NFAMILIES };
+enum { M_REQUESTS, M_DURATION, M_ATTEMPTS, M_TTFT, M_TOKENS, M_SPEND, M_TLS, M_CACHE, M_LEDGER, M_FSYNC, M_KEY_FAILS, M_RATE_LIMITED,
+       M_DROPPED, NFAMILIES };
 
 typedef struct {
     double v;        /* a counter's value; a histogram's sum */
@@ -2940,6 +2941,7 @@ typedef struct {
     int budget_days;          /* 1, 7 or 30; 0 = lifetime */
     long long cache_ttl;      /* seconds; UNSET = null */
     long long max_parallel;   /* UNSET = null: unlimited */
+    long long rpm_limit, tpm_limit; /* requests, tokens per minute; UNSET = null: unlimited */
     int blocked;
     long long version;
     int64_t created_at, updated_at, budget_anchor; /* wall ms; budget_anchor 0 = no budget */
@@ -2947,6 +2949,7 @@ typedef struct {
                                              carry_start, by events before carry_to; carry_to 0: none */
     /* Runtime, not logged (rebuilt from the ledger at start-up): */
     int inflight;             /* requests in flight */
+    struct rl_window *rl;     /* the last minute's requests and tokens, once a limit is met (section 14) */
     int64_t spend, reserved;  /* micro-USD: charged in the current period; held by requests in flight */
     int64_t period_start;     /* the period `spend` belongs to (see budget_refresh) */
 } group;
@@ -3108,12 +3111,13 @@ static void group_free(group *g) {
     for (int i = 0; i < g->nallowed; i++) free(g->allowed[i]);
     free(g->allowed);
     group_clear_fallbacks(g);
+    free(g->rl);
     free(g);
 }
 
 static group *group_new(void) {
     group *g = xcalloc(1, sizeof *g);
-    g->cache_ttl = UNSET, g->max_parallel = UNSET;
+    g->cache_ttl = UNSET, g->max_parallel = UNSET, g->rpm_limit = UNSET, g->tpm_limit = UNSET;
     return g;
 }
 
@@ -3283,17 +3287,18 @@ static int group_parse(const char *s, const json_tok *t, int obj, group *g, int 
             if (t[v].type == JSON_NULL) g->cache_ttl = UNSET;
             else if (json_int(s, t, v, &n) < 0) return verr_at(e, "cache_ttl", NULL, "must be a whole number of seconds (or null)");
             else g->cache_ttl = n;
-        } else if (json_eq(s, t, i, "max_parallel_requests")) {
-            if (t[v].type == JSON_NULL) g->max_parallel = UNSET;
-            else if (json_int(s, t, v, &n) < 0) return verr_at(e, "max_parallel_requests", NULL, "must be a whole number (or null for no limit)");
-            else g->max_parallel = n;
+        } else if (json_eq(s, t, i, "max_parallel_requests") || json_eq(s, t, i, "rpm_limit") || json_eq(s, t, i, "tpm_limit")) {
+            long long *f = json_eq(s, t, i, "rpm_limit") ? &g->rpm_limit : json_eq(s, t, i, "tpm_limit") ? &g->tpm_limit : &g->max_parallel;
+            if (t[v].type == JSON_NULL) *f = UNSET;
+            else if (json_int(s, t, v, &n) < 0) return verr_at(e, key, NULL, "must be a whole number (or null for no limit)");
+            else *f = n;
         } else if (json_eq(s, t, i, "blocked")) {
             if (t[v].type != JSON_TRUE && t[v].type != JSON_FALSE) return verr_at(e, "blocked", NULL, "must be true or false");
             g->blocked = t[v].type == JSON_TRUE;
         } else {
             int ro = 0;
             for (const char *const *r = readonly; *r; r++) ro |= json_eq(s, t, i, *r);
-            return verr_at(e, key, NULL, ro ? "is read-only: ltg sets it" : "unknown field (a token group has name, allowed_models, fallbacks, retries, max_budget, budget_duration, cache_ttl, max_parallel_requests, blocked)");
+            return verr_at(e, key, NULL, ro ? "is read-only: ltg sets it" : "unknown field (a token group has name, allowed_models, fallbacks, retries, max_budget, budget_duration, cache_ttl, max_parallel_requests, rpm_limit, tpm_limit, blocked)");
         }
     }
     return 0;
@@ -3370,6 +3375,10 @@ static int group_validate(const group *g, const catalog *cat, verr *e) {
         return verr_at(e, "cache_ttl", NULL, "must be between 0 and 2592000 seconds (or null)");
     if (g->max_parallel != UNSET && (g->max_parallel < 1 || g->max_parallel > 100000))
         return verr_at(e, "max_parallel_requests", NULL, "must be between 1 and 100000 (or null for no limit; to stop all requests set blocked)");
+    if (g->rpm_limit != UNSET && (g->rpm_limit < 1 || g->rpm_limit > 1000000))
+        return verr_at(e, "rpm_limit", NULL, "must be between 1 and 1000000 requests a minute (or null for no limit)");
+    if (g->tpm_limit != UNSET && (g->tpm_limit < 1 || g->tpm_limit > 1000000000))
+        return verr_at(e, "tpm_limit", NULL, "must be between 1 and 1000000000 tokens a minute (or null for no limit)");
     return 0;
 }
 
@@ -3425,6 +3434,8 @@ static void group_json(jwriter *w, const group *g, int for_log) {
     else jw_null(w);
     jw_key(w, "cache_ttl"), jw_int_or_null(w, g->cache_ttl != UNSET, g->cache_ttl);
     jw_key(w, "max_parallel_requests"), jw_int_or_null(w, g->max_parallel != UNSET, g->max_parallel);
+    jw_key(w, "rpm_limit"), jw_int_or_null(w, g->rpm_limit != UNSET, g->rpm_limit);
+    jw_key(w, "tpm_limit"), jw_int_or_null(w, g->tpm_limit != UNSET, g->tpm_limit);
     jw_key(w, "blocked"), jw_bool(w, g->blocked);
     jw_key(w, "version"), jw_int(w, g->version);
     if (for_log) {
@@ -3490,6 +3501,7 @@ static void store_put_group(group *g, size_t rec_bytes) {
     hmap_put(&ST.groups, g); /* replaces old: before old is freed, since the table compares ids */
     if (old) {
         g->inflight = old->inflight, g->reserved = old->reserved; /* spend comes with g: see group_commit */
+        g->rl = old->rl, old->rl = NULL; /* the last minute stays counted across a change */
         g->e.vi = old->e.vi;
         ST.gv.p[g->e.vi] = g;
         ST.live_bytes -= old->e.rec_bytes;
@@ -3512,6 +3524,7 @@ static void store_del_group(const char *id) {
     group *g = hmap_del(&ST.groups, id, 36);
     if (!g) return;
     metric_forget(M_SPEND, "token_group", g->name, NULL);
+    metric_forget(M_RATE_LIMITED, "token_group", g->name, NULL);
     vec_del(&ST.gv, g);
     ST.live_bytes -= g->e.rec_bytes;
     group_free(g);
@@ -5062,6 +5075,14 @@ static void ledger_replays(int64_t since, void (*fn)(const rec_view *rv, int64_t
  * keeps only where it is (about 200 bytes a request, for 24 hours), and a
  * replay reads it back.
  *
+ * Rate limits (a group's rpm_limit, tpm_limit) slide over the last 60
+ * seconds, counted in one slot per second (1.4 KiB a limited group): a
+ * request is admitted only if it fits both, with its worst case of tokens
+ * (the prompt's bytes / 3, plus its output limit), and the worst case is
+ * replaced by the real usage when it settles. The check and the count
+ * happen in the same admission, on one thread: concurrent requests cannot
+ * together pass a limit, as with budgets.
+ *
  * Response pins: which model made a Responses API response, so that a
  * follow-up naming it in previous_response_id goes to that model (its
  * provider holds the conversation). In memory only, by alias, for 24
@@ -5369,6 +5390,63 @@ static int store_tick(void) {
     if (!LOG.compacting) return 0;
     compact_step(now);
     return LOG.compacting;
+}
+
+/* ---- rate limits: requests and tokens in the last 60 seconds ---- */
+#define RL_SLOTS 60
+
+typedef struct rl_window {
+    int64_t sec[RL_SLOTS];            /* the second (S.now / 1000) a slot counts; older: empty */
+    int64_t req[RL_SLOTS], tok[RL_SLOTS];
+} rl_window;
+
+static int64_t rl_used(const rl_window *w, int64_t now, int tokens) {
+    int64_t sum = 0;
+    for (int i = 0; w && i < RL_SLOTS; i++)
+        if (w->sec[i] > now - RL_SLOTS) sum += tokens ? w->tok[i] : w->req[i];
+    return sum;
+}
+
+/* Seconds until `need` more fits under `limit`, as the oldest seconds leave. */
+static long rl_wait(const rl_window *w, int64_t now, int tokens, int64_t need, int64_t limit) {
+    int64_t used = rl_used(w, now, tokens);
+    for (int64_t sec = now - RL_SLOTS + 1; sec <= now; sec++) {
+        int i = (int)(sec % RL_SLOTS);
+        if (w->sec[i] != sec) continue;
+        used -= tokens ? w->tok[i] : w->req[i];
+        if (used + need <= limit) return (long)(sec + RL_SLOTS - now);
+    }
+    return RL_SLOTS;
+}
+
+/* Does a request of `tokens` (worst case) fit g's limits now? 0, or the
+ * seconds to wait (*which names the limit). */
+static long rate_check(const group *g, int64_t tokens, const char **which) {
+    int64_t now = S.now / 1000;
+    if (g->rpm_limit != UNSET && rl_used(g->rl, now, 0) + 1 > g->rpm_limit) { *which = "rpm_limit"; return rl_wait(g->rl, now, 0, 1, g->rpm_limit); }
+    if (g->tpm_limit != UNSET && rl_used(g->rl, now, 1) + tokens > g->tpm_limit) { *which = "tpm_limit"; return rl_wait(g->rl, now, 1, tokens, g->tpm_limit); }
+    return 0;
+}
+
+/* Count an admitted request in g's window; the second it is counted in
+ * is where rate_settle() finds it. */
+static int64_t rate_reserve(group *g, int64_t tokens) {
+    int64_t now = S.now / 1000;
+    if (g->rpm_limit == UNSET && g->tpm_limit == UNSET) return 0;
+    if (!g->rl) g->rl = xcalloc(1, sizeof *g->rl);
+    int i = (int)(now % RL_SLOTS);
+    if (g->rl->sec[i] != now) g->rl->sec[i] = now, g->rl->req[i] = 0, g->rl->tok[i] = 0;
+    g->rl->req[i]++, g->rl->tok[i] += tokens;
+    return now;
+}
+
+/* The request reserved `reserved` tokens in second `sec`; it used `used`. */
+static void rate_settle(group *g, int64_t sec, int64_t reserved, int64_t used) {
+    if (!g || !g->rl || !sec) return;
+    int i = (int)(sec % RL_SLOTS);
+    if (g->rl->sec[i] != sec) return; /* that second has left the window */
+    g->rl->tok[i] += used - reserved;
+    if (g->rl->tok[i] < 0) g->rl->tok[i] = 0;
 }
 
 /* ---- response pins (previous_response_id) ---- */
@@ -6795,6 +6873,7 @@ struct exchange {
     int last_status;      /* of the last failure: what the client gets when all fail */
     char last_reason[200];
     int64_t reserved;     /* micro-USD held against the group's budget */
+    int64_t rl_sec, rl_tok; /* where the group's rate window counts it (0: no limit), its worst case of tokens */
     long long in_tok, out_tok;
     int usage_known;
     inf_idem *idem;       /* the replay record this request fills */
@@ -7134,6 +7213,8 @@ static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int 
     int64_t now = wall_ms() > LG.last_at ? wall_ms() : LG.last_at; /* the ledger never goes back in time */
     if (g) budget_settle(g, x->reserved, charged, now);
     x->reserved = 0;
+    long long used = cache_hit ? 0 : x->usage_known ? x->in_tok + x->out_tok : ev_status == EV_FAILED ? 0 : x->rl_tok;
+    rate_settle(g, x->rl_sec, x->rl_tok, used), x->rl_sec = 0; /* as the budget: usage unknown, a failure 0, an answer its worst case */
     if (x->kind->free) { exchange_observe(x, m, g, 0, 0, 0); return 0; } /* counting tokens costs nothing and leaves no event */
     /* The spend event, in the shape of API.md 3.4. */
     char id[37], ts[64];
@@ -7575,6 +7656,8 @@ typedef struct {
     uint8_t idem_key[32], body_hash[32];
     inf_idem *replay;         /* an earlier request with the same key */
     int64_t worst;            /* the reservation, once held */
+    int64_t rl_tok;           /* the worst case of tokens, for the group's tpm_limit */
+    char retry_after[40];     /* a rate limit's Retry-After header line */
 } admission;
 
 /* A refusal: status, code, message, and header lines (each ending in CRLF). */
@@ -7742,6 +7825,30 @@ static int admit_storage(admission *a, refusal *r) {
     return refuse(r, 503, "storage_unavailable", "Retry-After: 1\r\n", "spend events cannot be recorded now (%.300s): nothing is sent upstream until they can", why);
 }
 
+/* The group's rate limits (section 14): checked here, counted when the
+ * request starts, so that a request refused by a later check counts for
+ * nothing. */
+static int admit_rate(admission *a, refusal *r) {
+    group *g = a->g;
+    if (a->kind->free || (g->rpm_limit == UNSET && g->tpm_limit == UNSET)) return ADMIT;
+    long long out = 0;
+    for (int i = 0; i < a->nchain; i++) {
+        long long o = a->max_tokens > 0 ? a->max_tokens : a->chain[i]->max_output_tokens;
+        if (o > out) out = o;
+    }
+    a->rl_tok = (long long)(a->c->body.len + 2) / 3 + out; /* the worst case: as for the budget */
+    if (g->tpm_limit != UNSET && a->rl_tok > g->tpm_limit)
+        return refuse(r, 400, "invalid_request", NULL, "this request may use up to %lld tokens, more than its group's tpm_limit of %lld a minute: lower its output limit",
+                      (long long)a->rl_tok, g->tpm_limit);
+    const char *which;
+    long wait = rate_check(g, a->rl_tok, &which);
+    if (!wait) return ADMIT;
+    metric_add(M_RATE_LIMITED, 1, "token_group", g->name, "limit", which, NULL);
+    snprintf(a->retry_after, sizeof a->retry_after, "Retry-After: %ld\r\n", wait);
+    return refuse(r, 429, "rate_limited", a->retry_after, "this key's group allows %lld %s a minute and the last minute used them: retry after %ld s",
+                  which[0] == 'r' ? g->rpm_limit : g->tpm_limit, which[0] == 'r' ? "requests" : "tokens", wait);
+}
+
 /* The worst case is held against the budget (section 14): the last check,
  * so that a request refused by another never holds any. */
 static int admit_budget(admission *a, refusal *r) {
@@ -7757,7 +7864,7 @@ static int admit_budget(admission *a, refusal *r) {
 
 /* The checks, in order: the first that does not admit decides. */
 static int (*const admission_checks[])(admission *, refusal *) = {
-    admit_key, admit_body, admit_model, admit_options, admit_overrides, admit_idempotency, admit_parallel, admit_storage, admit_budget,
+    admit_key, admit_body, admit_model, admit_options, admit_overrides, admit_idempotency, admit_parallel, admit_storage, admit_rate, admit_budget,
 };
 
 /* A refused request's answer: the error, and what it cost (nothing) and
@@ -7794,6 +7901,7 @@ static exchange *exchange_new(admission *a) {
     x->plan = plan_start(a->nchain, a->rp.max_attempts);
     x->started = S.now;
     x->reserved = a->worst; /* held by budget_reserve */
+    x->rl_tok = a->rl_tok, x->rl_sec = rate_reserve(a->g, a->rl_tok); /* checked by admit_rate */
     a->g->inflight++;
     timer_init(&x->deadline, exchange_deadline, x);
     timer_init(&x->t, exchange_timer, x);
@@ -7938,6 +8046,7 @@ static const struct { const char *name, *type, *help; } FAMILY[NFAMILIES] = {
     [M_LEDGER] = {"ltg_ledger_events_total", "counter", "Spend events written to the ledger."},
     [M_FSYNC] = {"ltg_log_fsync_seconds", "histogram", "Each fdatasync of the state log or the ledger."},
     [M_KEY_FAILS] = {"ltg_provider_key_failures_total", "counter", "A provider key answered 401 or 403 and rested (key: its index, never the key)."},
+    [M_RATE_LIMITED] = {"ltg_rate_limited_total", "counter", "Requests refused with 429 rate_limited, by group and limit."},
     [M_DROPPED] = {"ltg_metrics_series_dropped_total", "counter", "Observations not recorded: the series table was full."},
 };
 

@@ -1365,6 +1365,30 @@ static void test_ledger_pieces(void) {
         CHECK(stream_event(&x, ev, strlen(ev)) == SSE_RELAY, "the usage chunk the client asked for");
     }
 
+    /* Rate limits: a sliding minute of one-second slots; Retry-After is when enough leaves. */
+    {
+        int64_t rl_now0 = S.now;
+        group *rg = group_new();
+        rg->rpm_limit = 3, rg->tpm_limit = 100;
+        const char *which = NULL;
+        S.now = 1000000;
+        CHECK(rate_check(rg, 10, &which) == 0, "an empty window admits");
+        int64_t sec = rate_reserve(rg, 40);
+        S.now += 10000, rate_reserve(rg, 40);
+        S.now += 10000;
+        CHECK(rate_check(rg, 30, &which) == 40 && strcmp(which, "tpm_limit") == 0, "tokens: free in 40 s, when the first leaves (%s)", which);
+        rate_settle(rg, sec, 40, 5);
+        CHECK(rate_check(rg, 30, &which) == 0, "settled with its real usage: room again");
+        rate_reserve(rg, 5);
+        CHECK(rate_check(rg, 1, &which) == 40 && strcmp(which, "rpm_limit") == 0, "requests: 3 in the minute, wait 40 s");
+        S.now += 40000;
+        CHECK(rate_check(rg, 1, &which) == 0, "the first request left the window");
+        rate_settle(rg, sec, 40, 5); /* its second has left: nothing to settle */
+        CHECK(rl_used(rg->rl, S.now / 1000, 1) == 45, "the tokens of the window: %lld", (long long)rl_used(rg->rl, S.now / 1000, 1));
+        group_free(rg);
+        S.now = rl_now0;
+    }
+
     /* A provider's keys are used in turn; one that rests is skipped; all resting: in turn anyway. */
     {
         char *keys[] = {"k0", "k1", "k2"};
