@@ -3126,6 +3126,7 @@ static char *xstrdup(const char *s) { return xstrndup(s, strlen(s)); }
 static group *group_clone(const group *src) {
     group *g = xmalloc(sizeof *g);
     *g = *src;
+    g->rl = NULL; /* the rate window stays the live group's: store_put_group moves it to the one that replaces it */
     g->name = xstrdup(src->name);
     g->allowed = xcalloc((size_t)src->nallowed, sizeof *g->allowed);
     for (int i = 0; i < src->nallowed; i++) g->allowed[i] = xstrdup(src->allowed[i]);
@@ -5543,7 +5544,7 @@ enum { TK_NONE, TK_IDLE, TK_HEAD, TK_BODY };
  * and the metrics (section 18): cleared by the server for each request. */
 typedef struct {
     char key_id[37], group_id[37];
-    char requested[ALIAS_MAX], served[ALIAS_MAX]; /* catalog aliases, or "" */
+    char requested[ALIAS_MAX + 1], served[ALIAS_MAX + 1]; /* catalog aliases, or "" */
     const char *endpoint;     /* the inference route, or NULL: not counted in ltg_requests_total */
     const char *cache;        /* "hit", "miss", "bypass", or NULL */
     int anthropic;            /* an Anthropic endpoint: its errors in Anthropic's shape */
@@ -5775,6 +5776,7 @@ static void conn_arm_timer(conn *c);
 
 /* Before a request: nothing known of it yet. */
 static void conn_fresh(conn *c) {
+    c->req.method = c->req.target = (slice){0, 0}, c->req.nh = 0; /* the last request's: they point into bytes now gone */
     c->began = 0, c->status = 0, c->queued_mark = c->queued;
     c->f = (req_facts){.attempts = -1, .in_tok = -1, .out_tok = -1, .cost = -1};
 }
@@ -6983,9 +6985,12 @@ static int usage_edit(const char *body, const json_tok *t, int so, body_edit *e,
 static int provider_key(provider *p) {
     for (int i = 0; i < p->nkeys; i++) {
         int k = (p->next_key + i) % p->nkeys;
-        if (p->key_bad_until[k] <= S.now) { p->next_key = k + 1; return k; }
+        if (p->key_bad_until[k] <= S.now) { p->next_key = (k + 1) % p->nkeys; return k; }
     }
-    return p->nkeys ? p->next_key++ % p->nkeys : -1;
+    if (!p->nkeys) return -1;
+    int k = p->next_key;
+    p->next_key = (k + 1) % p->nkeys;
+    return k;
 }
 
 /* Build the request for the current model: the client's body with its
@@ -7402,7 +7407,7 @@ static int key_rotate(exchange *x, int status) {
     provider *p = m->p;
     if ((status != 401 && status != 403) || x->key < 0 || x->key_tries >= p->nkeys - 1) return 0;
     p->key_bad_until[x->key] = S.now + KEY_REST_MS;
-    ltg_log("providers.%s: key #%d of %d answered %d: not used for %d s", p->name, x->key + 1, p->nkeys, status, KEY_REST_MS / 1000);
+    ltg_log("providers.%s: key %d (of 0..%d) answered %d: not used for %d s", p->name, x->key, p->nkeys - 1, status, KEY_REST_MS / 1000);
     char idx[16];
     snprintf(idx, sizeof idx, "%d", x->key);
     metric_add(M_KEY_FAILS, 1, "provider", p->name, "key", idx, NULL);
@@ -7458,6 +7463,7 @@ static void exchange_attempt(exchange *x) {
         return;
     }
     assert(!x->u); /* the last attempt's connection went back in attempt_end */
+    x->in_tok = x->out_tok = 0, x->usage_known = 0; /* an earlier attempt's usage is not this one's */
     exchange_build(x);
     x->attempts++;
     x->attempt_started = S.now;
@@ -7727,10 +7733,18 @@ static int admit_model(admission *a, refusal *r) {
         return refuse(r, 403, "model_not_allowed", NULL, "this key may not call \"%.200s\" (GET /v1/models lists the models it may call)", a->name.p);
     if (!m) return refuse(r, 404, "model_not_found", NULL, "the model \"%.200s\" is no longer in this gateway's catalog", a->name.p);
     int prev = a->kind && a->kind->pins ? json_get(a->body, a->t, 0, "previous_response_id") : -1;
-    const char *pinned = prev >= 0 && a->t[prev].type == JSON_STRING ? pin_get(a->body + a->t[prev].start, a->t[prev].end - a->t[prev].start) : NULL;
+    const char *pinned = NULL;
+    if (prev >= 0 && a->t[prev].type == JSON_STRING) {
+        buf id = {0};
+        json_unescape(a->body, a->t, prev, &id);
+        pinned = id.p ? pin_get(id.p, id.len) : NULL; /* it lives in the pin, not in id */
+        buf_free(&id);
+    }
     if (pinned) {
-        if (!group_allows(g, pinned) || !(m = catalog_model(S.cat, pinned, strlen(pinned))))
+        if (!group_allows(g, pinned))
             return refuse(r, 403, "model_not_allowed", NULL, "previous_response_id names a response of \"%.200s\", which this key may not call", pinned);
+        if (!(m = catalog_model(S.cat, pinned, strlen(pinned))) || m->p->api != a->kind->api)
+            return refuse(r, 404, "model_not_found", NULL, "previous_response_id names a response of \"%.200s\", no longer in this gateway's catalog", pinned);
         a->chain[a->nchain++] = m;
         return ADMIT;
     }
@@ -7901,7 +7915,7 @@ static exchange *exchange_new(admission *a) {
     x->plan = plan_start(a->nchain, a->rp.max_attempts);
     x->started = S.now;
     x->reserved = a->worst; /* held by budget_reserve */
-    x->rl_tok = a->rl_tok, x->rl_sec = rate_reserve(a->g, a->rl_tok); /* checked by admit_rate */
+    x->rl_tok = a->rl_tok, x->rl_sec = a->kind->free ? 0 : rate_reserve(a->g, a->rl_tok); /* checked by admit_rate */
     a->g->inflight++;
     timer_init(&x->deadline, exchange_deadline, x);
     timer_init(&x->t, exchange_timer, x);

@@ -99,6 +99,17 @@ def t_rate_fields():
     check(d["rpm_limit"] == 5 and d["tpm_limit"] == 1000, "after a PATCH: %r" % d)
     r = it.admin("PATCH", "/token_groups/" + g["id"], {"rpm_limit": None}, if_match=2)
     check(it.check_admin_ok(r, 200, "PATCH null")["data"]["rpm_limit"] is None, "null clears it")
+    # The minute's window belongs to the live group: a PATCH that changes nothing, or is refused,
+    # must leave it alone (under ASan a freed window is a report).
+    g, token = key_for(rpm_limit=100)
+    chat = lambda: it.one_request(it.H.port, "POST", "/v1/chat/completions", it.chat_body(), auth=token)
+    check(chat().status == 200, "the first call")
+    it.check_admin_ok(it.admin("PATCH", "/token_groups/" + g["id"], {"rpm_limit": 100}, if_match=1), 200, "a PATCH that changes nothing")
+    check(chat().status == 200, "a call after a PATCH that changed nothing")
+    it.check_admin_error(it.admin("PATCH", "/token_groups/" + g["id"], {"rpm_limit": 0}, if_match=1), 400, "invalid_request", "/rpm_limit")
+    check(chat().status == 200, "a call after a refused PATCH")
+    it.check_admin_ok(it.admin("PATCH", "/token_groups/" + g["id"], {"rpm_limit": 3}, if_match=1), 200, "a PATCH that lowers it")
+    check(chat().status == 429, "the 4th call of the minute under rpm_limit 3: the window survived the change")
 
 
 if __name__ == "__main__":   # this file alone: python3 tests/integration_traffic.py --ltg ./ltg --mock tests/mock
