@@ -124,7 +124,7 @@ typedef struct {
 } http_header;
 
 typedef struct {
-    slice method, target;   /* target: origin-form; of an absolute-form one, the path and query */
+    slice method, target;   /* target: origin-form; of an absolute-form one, the path and query (empty: neither, i.e. "/") */
     int minor;              /* HTTP/1.<minor> */
     http_header h[HTTP_MAX_HEADERS];
     int nh;
