@@ -102,8 +102,9 @@
  * may change the operator-facing ones. The process-wide state -- options,
  * the loop, the listeners -- is one global struct, `S`; each later section
  * keeps its own state in statics beside its code (the structs ST, LOG, LG,
- * CACHE, TLS; tables such as PEERS, INF_IDEM, hosts), so a reader finds it
- * where it is used. Nothing else is global.
+ * CACHE, TLS, PINS, ALOG; tables such as PEERS, INF_IDEM, METRICS, hosts;
+ * the API kinds' WIRE), so a reader finds it where it is used. Nothing
+ * else is global.
  */
 #define MAX_HEAD_BYTES (16 * 1024)       /* request head; 431 beyond */
 #define UP_MAX_HEAD_BYTES (64 * 1024)    /* provider response head */
@@ -5752,11 +5753,18 @@ static void conn_head(conn *c, int status, const char *ctype, long long length, 
 }
 
 /* Request helpers shared by the control plane and the inference plane. */
+
+/* The request target's path: up to its query, which is never part of it. */
+static const char *request_path(const conn *c, size_t *n) {
+    const char *t = c->in.p + c->req.target.off, *q = memchr(t, '?', c->req.target.len);
+    *n = q ? (size_t)(q - t) : c->req.target.len;
+    return t;
+}
+
 static int path_is(conn *c, const char *path) {
-    const char *t = c->in.p + c->req.target.off;
-    size_t n = c->req.target.len, q = 0;
-    while (q < n && t[q] != '?') q++;
-    return q == strlen(path) && memcmp(t, path, q) == 0;
+    size_t n;
+    const char *t = request_path(c, &n);
+    return n == strlen(path) && memcmp(t, path, n) == 0;
 }
 
 /* The value of the request's header `name`, into out (NUL-terminated;
@@ -6237,8 +6245,9 @@ static int idem_begin(conn *c, const admin_who *who, idem_ticket *tk) {
     br_sha256_update(&h, who->sha, 32);
     br_sha256_update(&h, c->in.p + c->req.method.off, c->req.method.len);
     br_sha256_update(&h, " ", 1);
-    const char *path = c->in.p + c->req.target.off, *q = memchr(path, '?', c->req.target.len);
-    br_sha256_update(&h, path, q ? (size_t)(q - path) : c->req.target.len); /* the path: a query string is not part of it */
+    size_t pn;
+    const char *path = request_path(c, &pn);
+    br_sha256_update(&h, path, pn);
     br_sha256_update(&h, "\n", 1);
     br_sha256_update(&h, v, n);
     br_sha256_out(&h, tk->key);
@@ -6722,10 +6731,8 @@ static int route_match(const char *pattern, const char *path, char *id, size_t c
 
 /* Everything under /v2/llm_token_gateway: the key, then the table. */
 static void admin_route(conn *c) {
-    const char *t = c->in.p + c->req.target.off;
-    size_t n = c->req.target.len, plen = strlen(API_PREFIX);
-    const char *q = memchr(t, '?', n);
-    if (q) n = (size_t)(q - t);
+    size_t n, plen = strlen(API_PREFIX);
+    const char *t = request_path(c, &n);
     if (n < plen || memcmp(t, API_PREFIX, plen) != 0 || (n > plen && t[plen] != '/')) {
         admin_error(c, 404, "not_found", NULL, 0, "no such endpoint: the control plane is under " API_PREFIX);
         return;
@@ -7073,18 +7080,16 @@ static void stream_cut(exchange *x, const char *msg, buf *out) {
     buf b = {0};
     jwriter w;
     jw_init(&w, &b);
-    jw_open(&w, '{');
-    if (x->kind->cut == CUT_EVENT) {
+    if (x->kind->cut == CUT_ANTHROPIC) {
+        error_open(&w, 500, 1, msg, NULL); /* Anthropic's error shape (api_error), as its answers have it */
+        jw_close(&w, '}');
+    } else if (x->kind->cut == CUT_EVENT) {
+        jw_open(&w, '{');
         jw_key(&w, "type"), jw_cstr(&w, "error");
         jw_key(&w, "code"), jw_cstr(&w, "stream_interrupted");
         jw_key(&w, "message"), jw_cstr(&w, msg);
-    } else if (x->kind->cut == CUT_ANTHROPIC) {
-        jw_key(&w, "type"), jw_cstr(&w, "error");
-        jw_key(&w, "error"), jw_open(&w, '{');
-        jw_key(&w, "type"), jw_cstr(&w, "api_error");
-        jw_key(&w, "message"), jw_cstr(&w, msg);
-        jw_close(&w, '}');
     } else {
+        jw_open(&w, '{');
         jw_key(&w, "error"), jw_open(&w, '{');
         jw_key(&w, "message"), jw_cstr(&w, msg);
         jw_key(&w, "type"), jw_cstr(&w, "upstream_error");
@@ -8115,9 +8120,8 @@ static void request_ended(conn *c) {
     if (ALOG.b.len > ALOG_MAX) { ALOG.dropped++; return; }
     char ts[64], path[512];
     iso_time(wall_ms() - ms, ts);
-    size_t n = c->req.target.len, q = 0;
-    const char *t = c->in.p + c->req.target.off;
-    while (q < n && t[q] != '?') q++; /* the path alone: a query is never logged */
+    size_t q;
+    const char *t = request_path(c, &q); /* the path alone: a query is never logged */
     snprintf(path, sizeof path, "%.*s", (int)(q < 500 ? q : 500), t);
     jwriter w;
     jw_init(&w, &ALOG.b);
@@ -8299,9 +8303,8 @@ static void route(conn *c) {
         else inference_call(c, &WIRE[i]);
         return;
     }
-    const char *t = c->in.p + c->req.target.off;
-    size_t n = c->req.target.len, q = 0;
-    while (q < n && t[q] != '?') q++;
+    size_t q;
+    const char *t = request_path(c, &q);
     if (path_is(c, "/v1/models") || (q > 11 && memcmp(t, "/v1/models/", 11) == 0)) {
         char id[ALIAS_MAX * 3];
         percent_decode(t + 11, q > 11 ? q - 11 : 0, id, sizeof id);
