@@ -24,10 +24,12 @@
  *   2. route() (19) sends it to inference_call() (17): parse, admit, start.
  *      Admission is a list of checks, each a refusal or nothing: the token
  *      key resolves to its group, the body's model must be allowed, the
- *      ledger must be writable, the worst case must fit the budget and is
- *      reserved (14); an idempotent replay or a cached answer may answer here.
- *   3. exchange_attempt() (17) rewrites "model" for the current model of the
- *      chain [M] + fallbacks[M], and up_start() (9) borrows a pooled
+ *      ledger must be writable, the worst case must fit the key's and the
+ *      group's budgets and rate limits and is held (hold_reserve, 14); an
+ *      idempotent replay or a cached answer may answer here.
+ *   3. exchange_attempt() (17) picks a deployment of the current model of
+ *      the chain [M] + fallbacks[M] (deployment_pick, 10), rewrites "model"
+ *      for it, and up_start() (9) borrows a pooled
  *      upstream connection or opens one (resolving the host without
  *      blocking, 6).
  *   4. The upstream connection calls exchange_upstream() back; a success is
@@ -36,7 +38,7 @@
  *      answer, retry the same model after a backoff, move to the next one,
  *      or give up.
  *   5. exchange_settle() (17) replaces the reservation by the real cost
- *      (budget_settle, 14) and adds the spend event to today's segment (13);
+ *      (hold_settle, 14) and adds the spend event to today's segment (13);
  *      the upstream connection returns to the pool and the client
  *      connection waits for its next request (15), once request_ended()
  *      (18) has counted it in the metrics and written its access log line.
@@ -51,11 +53,11 @@
  *   7. Catalog config
  *   8. TLS: trust anchors and the pump
  *   9. Upstream connections and the pool
- *  10. The attempt plan: retry, fallback, circuit breaker
+ *  10. The attempt plan: retry, fallback, breakers, deployments
  *  11. The store: token groups, token keys, idempotency records
  *  12. The append-only log
  *  13. The ledger: daily segments, index files, retention
- *  14. Budgets, the cache, idempotent inference
+ *  14. Budgets and rate limits, the cache, idempotent inference
  *  15. Client connections: the HTTP/1.1 server
  *  16. The control plane
  *  17. Inference: the proxy path
@@ -1732,13 +1734,29 @@ struct provider {
     catalog *cat;
 };
 
-struct model {
-    char *alias, *upstream;
+/* One route to a model: a provider and its name for the model. A model
+ * alias has one, or several (API.md 9): an attempt picks one (section 10). */
+typedef struct {
     provider *p;
-    double in_price, out_price; /* USD per million tokens */
-    long long context_window, max_output_tokens;
+    char *upstream;              /* the provider's name for the model */
+    char *name;                  /* "provider/upstream_model": the attempt log's, the metrics' */
+    model *m;
+    int weight;                  /* 1..100 */
+    int inflight;                /* attempts on it now */
+    int credit;                  /* the smooth weighted round-robin's running credit */
     int cb_failures, cb_probing; /* the circuit breaker (section 10) */
     int64_t cb_open_until;       /* S.now ms; 0: closed */
+} deployment;
+
+#define MAX_DEPLOYMENTS 16
+
+struct model {
+    char *alias;
+    deployment *dep;
+    int ndep;
+    int api;                     /* what its providers speak (API_*): every deployment the same */
+    double in_price, out_price;  /* USD per million tokens */
+    long long context_window, max_output_tokens;
 };
 
 enum { PERM_ALL = 1, PERM_GROUPS_WRITE = 2, PERM_GROUPS_READ = 4, PERM_KEYS_WRITE = 8, PERM_KEYS_READ = 16,
@@ -1798,7 +1816,10 @@ static void catalog_free(catalog *c) {
         for (int k = 0; k < p->nkeys; k++) memset(p->keys[k], 0, strlen(p->keys[k])), free(p->keys[k]);
         free(p->keys), free(p->key_bad_until);
     }
-    for (int i = 0; i < c->nmodels; i++) free(c->models[i].alias), free(c->models[i].upstream);
+    for (int i = 0; i < c->nmodels; i++) {
+        for (int k = 0; k < c->models[i].ndep; k++) free(c->models[i].dep[k].upstream), free(c->models[i].dep[k].name);
+        free(c->models[i].alias), free(c->models[i].dep);
+    }
     free(c->prov), free(c->models), free(c->admins);
     free(c);
 }
@@ -1961,8 +1982,58 @@ static int cfg_providers(cfg *c, catalog *cat, int obj) {
     return 0;
 }
 
+/* One deployment of md from object v (the model itself, or an element of
+ * its "deployments"): a provider of the catalog, its name for the model,
+ * a weight. */
+static int cfg_deployment(cfg *c, catalog *cat, model *md, int v, const char *where) {
+    deployment *d = &md->dep[md->ndep++];
+    long long w = 1;
+    int pv = json_get(c->s, c->t, v, "provider"), uv = json_get(c->s, c->t, v, "upstream_model");
+    if (pv < 0 || c->t[pv].type != JSON_STRING) return cfg_fail(c, where, "provider", "missing (the name of a provider)");
+    for (int k = 0; k < cat->nprov; k++)
+        if (json_eq(c->s, c->t, pv, cat->prov[k].name)) d->p = &cat->prov[k];
+    if (!d->p) return cfg_fail(c, where, "provider", "no provider named \"%.*s\"", (int)(c->t[pv].end - c->t[pv].start), c->s + c->t[pv].start);
+    if (uv < 0 || c->t[uv].type != JSON_STRING || c->t[uv].end == c->t[uv].start)
+        return cfg_fail(c, where, "upstream_model", "missing (the provider's name for the model)");
+    if (json_get(c->s, c->t, v, "weight") >= 0 && (cfg_int(c, v, "weight", where, 1, &w) < 0 || w > 100))
+        return cfg_fail(c, where, "weight", "must be a whole number from 1 to 100");
+    d->upstream = json_strdup(c->s, c->t, uv), d->m = md, d->weight = (int)w;
+    size_t n = strlen(d->p->name) + strlen(d->upstream) + 2;
+    d->name = xmalloc(n), snprintf(d->name, n, "%s/%s", d->p->name, d->upstream);
+    if (md->ndep > 1 && d->p->api != md->api)
+        return cfg_fail(c, where, "provider", "\"%s\" speaks another API than the model's first deployment: the deployments of one model must be interchangeable", d->p->name);
+    md->api = d->p->api;
+    for (int k = 0; k < md->ndep - 1; k++)
+        if (strcmp(md->dep[k].name, d->name) == 0) return cfg_fail(c, where, NULL, "deployment %s is listed twice", d->name);
+    return 0;
+}
+
+/* A model's routes: "provider" and "upstream_model", or "deployments". */
+static int cfg_routes(cfg *c, catalog *cat, model *md, int v, const char *where) {
+    int dv = json_get(c->s, c->t, v, "deployments");
+    static const char *const dep_fields[] = {"provider", "upstream_model", "weight", NULL};
+    if (dv < 0) {
+        md->dep = xcalloc(1, sizeof *md->dep);
+        return json_get(c->s, c->t, v, "weight") >= 0 ? cfg_fail(c, where, "weight", "belongs to an element of \"deployments\"")
+                                                       : cfg_deployment(c, cat, md, v, where);
+    }
+    if (json_get(c->s, c->t, v, "provider") >= 0 || json_get(c->s, c->t, v, "upstream_model") >= 0 || json_get(c->s, c->t, v, "weight") >= 0)
+        return cfg_fail(c, where, "deployments", "give provider and upstream_model, or deployments, not both");
+    if (c->t[dv].type != JSON_ARRAY || c->t[dv].size < 1 || c->t[dv].size > MAX_DEPLOYMENTS)
+        return cfg_fail(c, where, "deployments", "must be a list of 1 to %d {provider, upstream_model, weight} objects", MAX_DEPLOYMENTS);
+    md->dep = xcalloc((size_t)c->t[dv].size, sizeof *md->dep);
+    int e = dv + 1;
+    for (int k = 0; k < c->t[dv].size; k++, e = c->t[e].next) {
+        char at[340];
+        snprintf(at, sizeof at, "%s.deployments[%d]", where, k);
+        if (c->t[e].type != JSON_OBJECT) return cfg_fail(c, at, NULL, "must be an object {provider, upstream_model, weight}");
+        if (cfg_only(c, e, at, dep_fields) < 0 || cfg_deployment(c, cat, md, e, at) < 0) return LTG_ERR;
+    }
+    return 0;
+}
+
 static int cfg_models(cfg *c, catalog *cat, int obj) {
-    static const char *const fields[] = {"provider", "upstream_model", "input_usd_per_mtok", "output_usd_per_mtok",
+    static const char *const fields[] = {"provider", "upstream_model", "deployments", "weight", "input_usd_per_mtok", "output_usd_per_mtok",
                                          "context_window", "max_output_tokens", NULL};
     if (obj < 0 || c->t[obj].type != JSON_OBJECT || c->t[obj].size == 0)
         return cfg_fail(c, "models", NULL, "must be an object with at least one model alias");
@@ -1978,16 +2049,7 @@ static int cfg_models(cfg *c, catalog *cat, int obj) {
         if (!*md->alias || strlen(md->alias) > ALIAS_MAX)
             return cfg_fail(c, "models", NULL, "an alias must be 1 to %d bytes (\"%.40s...\" is not)", ALIAS_MAX, md->alias);
         if (c->t[v].type != JSON_OBJECT) return cfg_fail(c, where, NULL, "must be an object");
-        if (cfg_only(c, v, where, fields) < 0) return LTG_ERR;
-        int pv = json_get(c->s, c->t, v, "provider");
-        if (pv < 0 || c->t[pv].type != JSON_STRING) return cfg_fail(c, where, "provider", "missing (the name of a provider)");
-        for (int k = 0; k < cat->nprov; k++)
-            if (json_eq(c->s, c->t, pv, cat->prov[k].name)) md->p = &cat->prov[k];
-        if (!md->p) return cfg_fail(c, where, "provider", "no provider named \"%.*s\"", (int)(c->t[pv].end - c->t[pv].start), c->s + c->t[pv].start);
-        int uv = json_get(c->s, c->t, v, "upstream_model");
-        if (uv < 0 || c->t[uv].type != JSON_STRING || c->t[uv].end == c->t[uv].start)
-            return cfg_fail(c, where, "upstream_model", "missing (the provider's name for the model)");
-        md->upstream = json_strdup(c->s, c->t, uv);
+        if (cfg_only(c, v, where, fields) < 0 || cfg_routes(c, cat, md, v, where) < 0) return LTG_ERR;
         if (cfg_price(c, v, "input_usd_per_mtok", where, &md->in_price) < 0 ||
             cfg_price(c, v, "output_usd_per_mtok", where, &md->out_price) < 0 ||
             cfg_int(c, v, "context_window", where, 1, &md->context_window) < 0 ||
@@ -2731,7 +2793,7 @@ static void up_release(upstream *u) {
     u->link = p->idle, p->idle = u, p->nidle++;
 }
 
-/* ===== 10. The attempt plan: retry, fallback, circuit breaker =====
+/* ===== 10. The attempt plan: retry, fallback, breakers, deployments =====
  *
  * IMPLEMENTATION NOTES
  * Retries live in one layer, here. Every upstream attempt ends in one
@@ -2760,12 +2822,21 @@ static void up_release(upstream *u) {
  * the deadline) is the exchange's; both use the pure helpers here, which
  * the unit tests drive without sockets.
  *
- * The circuit breaker, per model alias: after 5 consecutive no_work or
- * indeterminate outcomes the model is skipped for 5 s (outcome
- * circuit_open, no upstream call, not counted in x-ltg-attempts); then one
- * request is let through as a probe. Its success closes the breaker, its
- * failure opens it for another 5 s. A breaker lives in the catalog's model,
- * so a reload starts it closed.
+ * The circuit breaker, per deployment (a model's route: a provider and
+ * its name for the model; a model has one or several): after 5
+ * consecutive no_work or indeterminate outcomes the deployment is skipped
+ * for 5 s; then one request is let through as a probe. Its success closes
+ * the breaker, its failure opens it for another 5 s. A model whose every
+ * breaker is open is skipped (outcome circuit_open, no upstream call, not
+ * counted in x-ltg-attempts). Breakers live in the catalog, so a reload
+ * starts them closed.
+ *
+ * Each attempt picks a deployment (deployment_pick): weighted, preferring
+ * the fewest attempts in flight, skipping open breakers. A no_work retry
+ * goes to another deployment of the same model at once when there is one
+ * (its 429 says nothing of the other route), else to the same after the
+ * backoff; indeterminate still moves to the next model (the work may be
+ * done, on any route).
  */
 #define BREAKER_FAILURES 5
 #define BREAKER_OPEN_MS 5000
@@ -2849,32 +2920,69 @@ long retry_after_ms(const char *v, size_t n, long long now) {
     return at <= now ? 0 : (long)((at - now) * 1000);
 }
 
-/* May an attempt go to model m now? In the half-open state the first
- * caller becomes the probe (*probe = 1) and the others are turned away. */
-static int breaker_allows(model *m, int64_t now, int *probe) {
+/* Would the breaker let an attempt go to d now (closed, or half-open
+ * with no probe out)? */
+static int breaker_ready(const deployment *d, int64_t now) { return !d->cb_open_until || (now >= d->cb_open_until && !d->cb_probing); }
+
+/* May an attempt go to d now? In the half-open state the first caller
+ * becomes the probe (*probe = 1) and the others are turned away. */
+static int breaker_allows(deployment *d, int64_t now, int *probe) {
     *probe = 0;
-    if (!m->cb_open_until) return 1;
-    if (now < m->cb_open_until || m->cb_probing) return 0;
-    m->cb_probing = *probe = 1;
+    if (!breaker_ready(d, now)) return 0;
+    d->cb_probing = *probe = d->cb_open_until != 0;
     return 1;
 }
 
-/* An attempt on m ended with outcome o (`probe`: it was the half-open probe). */
-static void breaker_record(model *m, attempt_outcome o, int probe, int64_t now) {
-    if (probe) m->cb_probing = 0;
+/* An attempt on d ended with outcome o (`probe`: it was the half-open probe). */
+static void breaker_record(deployment *d, attempt_outcome o, int probe, int64_t now) {
+    if (probe) d->cb_probing = 0;
     if (o == OUTCOME_NO_WORK || o == OUTCOME_INDETERMINATE) {
-        if (probe || ++m->cb_failures >= BREAKER_FAILURES) {
-            if (!m->cb_open_until || probe) ltg_log("circuit breaker for %s: open for %d s", m->alias, BREAKER_OPEN_MS / 1000);
-            m->cb_open_until = now + BREAKER_OPEN_MS, m->cb_failures = 0;
+        if (probe || ++d->cb_failures >= BREAKER_FAILURES) {
+            if (!d->cb_open_until || probe) ltg_log("circuit breaker for %s (%s): open for %d s", d->m->alias, d->name, BREAKER_OPEN_MS / 1000);
+            d->cb_open_until = now + BREAKER_OPEN_MS, d->cb_failures = 0;
         }
     } else if (o != OUTCOME_CIRCUIT_OPEN) { /* the provider answered: it is up */
-        if (m->cb_open_until) ltg_log("circuit breaker for %s: closed", m->alias);
-        m->cb_failures = 0, m->cb_open_until = 0;
+        if (d->cb_open_until) ltg_log("circuit breaker for %s (%s): closed", d->m->alias, d->name);
+        d->cb_failures = 0, d->cb_open_until = 0;
     }
 }
 
 /* A probe that ended without an outcome (its client left): the next request probes. */
-static void breaker_forget_probe(model *m) { m->cb_probing = 0; }
+static void breaker_forget_probe(deployment *d) { d->cb_probing = 0; }
+
+/* The deployment of m for the next attempt, or -1 when every breaker is
+ * open. Of those whose breaker lets a call through -- and that are not in
+ * `avoid` (bit i: deployment i answered no_work in this request), while
+ * one is not -- the fewest in flight for their weight; a tie goes by
+ * smooth weighted round-robin (nginx's): each tied deployment gains its
+ * weight in credit, the richest is chosen and pays the tie's total. In
+ * sequence every deployment gets exactly its weight's share, interleaved;
+ * under load a slow one, its attempts piling up, gets fewer new ones. */
+static int deployment_pick(model *m, uint32_t avoid, int64_t now) {
+    for (int pass = 0; pass < 2; pass++, avoid = 0) {
+        int lo = -1, best = -1, total = 0;
+        for (int i = 0; i < m->ndep; i++) {
+            const deployment *d = &m->dep[i];
+            if (!(avoid >> i & 1) && breaker_ready(d, now) &&
+                (lo < 0 || (long)d->inflight * m->dep[lo].weight < (long)m->dep[lo].inflight * d->weight)) lo = i;
+        }
+        for (int i = 0; lo >= 0 && i < m->ndep; i++) {
+            deployment *d = &m->dep[i];
+            if ((avoid >> i & 1) || !breaker_ready(d, now) || (long)d->inflight * m->dep[lo].weight != (long)m->dep[lo].inflight * d->weight) continue;
+            d->credit += d->weight, total += d->weight;
+            if (best < 0 || d->credit > m->dep[best].credit) best = i;
+        }
+        if (best >= 0) { m->dep[best].credit -= total; return best; }
+    }
+    return -1;
+}
+
+/* Is there a deployment of m outside `avoid` that could take an attempt now? */
+static int deployment_other(const model *m, uint32_t avoid, int64_t now) {
+    for (int i = 0; i < m->ndep; i++)
+        if (!(avoid >> i & 1) && breaker_ready(&m->dep[i], now)) return 1;
+    return 0;
+}
 
 /* ===== 11. The store: token groups, token keys, idempotency records =====
  *
@@ -2927,6 +3035,31 @@ typedef struct {
     int deadline_ms;          /* the whole request until its answer starts; 0: DEFAULT_DEADLINE_MS */
 } retry_policy;
 
+/* What a token group or a token key may spend and use (API.md 4.5, 9):
+ * the policy the API sets, and the use ltg counts against it. Only the
+ * reservation path of section 14 writes the counts. */
+#define BUDGET_MONTH (-1)     /* budget_days of "1mo": the calendar month, UTC */
+#define MICRO 1000000.0       /* money is counted in micro-USD */
+
+static int64_t usd_to_micro(double usd) { return (int64_t)llround(usd * MICRO); }
+
+typedef struct {
+    int has_budget;           /* 0: uncapped */
+    double max_budget;        /* USD */
+    int budget_days;          /* 1, 7 or 30; BUDGET_MONTH; 0 = lifetime */
+    long long rpm_limit, tpm_limit; /* requests, tokens per minute; UNSET = null: unlimited */
+    int64_t budget_anchor;    /* wall ms the budget was set (its first period starts there); 0 = no budget */
+    int64_t carry, carry_start, carry_to; /* a group's: spent in days retention deleted (section 13): in the period
+                                             from carry_start, by events before carry_to; carry_to 0: none */
+    /* Runtime, not logged (rebuilt from the ledger at start-up): */
+    struct rl_window *rl;     /* the last minute's requests and tokens, once a limit is met (section 14) */
+    int64_t spend, reserved;  /* micro-USD: charged in the current period; held by requests in flight */
+    int64_t period_start;     /* the period `spend` belongs to (see budget_refresh) */
+} allowance;
+
+/* The longest a's budget period lasts, in days (0: lifetime). */
+static int allow_days(const allowance *a) { return a->budget_days == BUDGET_MONTH ? 31 : a->budget_days; }
+
 typedef struct {
     entry e;
     char id[37];
@@ -2937,22 +3070,13 @@ typedef struct {
     int nfb;
     int has_retries;          /* 0: "retries": null, the defaults apply */
     retry_policy retries;
-    int has_budget;           /* 0: uncapped */
-    double max_budget;        /* USD */
-    int budget_days;          /* 1, 7 or 30; 0 = lifetime */
+    allowance al;             /* its budget and rate limits */
     long long cache_ttl;      /* seconds; UNSET = null */
     long long max_parallel;   /* UNSET = null: unlimited */
-    long long rpm_limit, tpm_limit; /* requests, tokens per minute; UNSET = null: unlimited */
     int blocked;
     long long version;
-    int64_t created_at, updated_at, budget_anchor; /* wall ms; budget_anchor 0 = no budget */
-    int64_t carry, carry_start, carry_to; /* spent in days retention deleted (section 13): in the period from
-                                             carry_start, by events before carry_to; carry_to 0: none */
-    /* Runtime, not logged (rebuilt from the ledger at start-up): */
-    int inflight;             /* requests in flight */
-    struct rl_window *rl;     /* the last minute's requests and tokens, once a limit is met (section 14) */
-    int64_t spend, reserved;  /* micro-USD: charged in the current period; held by requests in flight */
-    int64_t period_start;     /* the period `spend` belongs to (see budget_refresh) */
+    int64_t created_at, updated_at; /* wall ms */
+    int inflight;             /* requests in flight (runtime, not logged) */
 } group;
 
 typedef struct {
@@ -2961,6 +3085,8 @@ typedef struct {
     char group_id[37];
     char *name;
     uint8_t hash[32];         /* SHA-256 of the secret */
+    allowance al;             /* its own budget and rate limits, beside its group's */
+    int blocked;
     long long version;
     int64_t created_at, updated_at;
 } tkey;
@@ -3112,13 +3238,13 @@ static void group_free(group *g) {
     for (int i = 0; i < g->nallowed; i++) free(g->allowed[i]);
     free(g->allowed);
     group_clear_fallbacks(g);
-    free(g->rl);
+    free(g->al.rl);
     free(g);
 }
 
 static group *group_new(void) {
     group *g = xcalloc(1, sizeof *g);
-    g->cache_ttl = UNSET, g->max_parallel = UNSET, g->rpm_limit = UNSET, g->tpm_limit = UNSET;
+    g->cache_ttl = UNSET, g->max_parallel = UNSET, g->al.rpm_limit = UNSET, g->al.tpm_limit = UNSET;
     return g;
 }
 
@@ -3127,7 +3253,7 @@ static char *xstrdup(const char *s) { return xstrndup(s, strlen(s)); }
 static group *group_clone(const group *src) {
     group *g = xmalloc(sizeof *g);
     *g = *src;
-    g->rl = NULL; /* the rate window stays the live group's: store_put_group moves it to the one that replaces it */
+    g->al.rl = NULL; /* the rate window stays the live group's: store_put_group moves it to the one that replaces it */
     g->name = xstrdup(src->name);
     g->allowed = xcalloc((size_t)src->nallowed, sizeof *g->allowed);
     for (int i = 0; i < src->nallowed; i++) g->allowed[i] = xstrdup(src->allowed[i]);
@@ -3209,29 +3335,114 @@ static int parse_fallbacks(const char *s, const json_tok *t, int v, group *g, ve
     return 0;
 }
 
-/* A member (key token i) that only the log holds: id, version, times,
- * the budget's anchor, the spend carried from deleted days. 1 when it was
- * one (and well formed). */
-static int group_parse_log(const char *s, const json_tok *t, int i, group *g) {
+static int parse_name(const char *s, const json_tok *t, int v, char **name, verr *e) {
+    if (t[v].type != JSON_STRING) return verr_at(e, "name", NULL, "must be a string (it cannot be null)");
+    if (!name_ok(s, t, v, NAME_MAX_LEN)) return verr_at(e, "name", NULL, "must be 1 to %d bytes, without NUL", NAME_MAX_LEN);
+    free(*name);
+    *name = json_strdup(s, t, v);
+    return 0;
+}
+
+static int parse_bool(const char *s, const json_tok *t, int v, int *out, verr *e) {
+    (void)s;
+    if (t[v].type != JSON_TRUE && t[v].type != JSON_FALSE) return verr_at(e, "blocked", NULL, "must be true or false");
+    *out = t[v].type == JSON_TRUE;
+    return 0;
+}
+
+/* The member at key token i, if it is one of an allowance's (max_budget,
+ * budget_duration, rpm_limit, tpm_limit): laid over a, 1; 0 when it is
+ * not one; LTG_ERR for a wrong type. */
+static int allow_parse(const char *s, const json_tok *t, int i, allowance *a, int mode, verr *e) {
     int v = i + 1;
-    long long n, c[3];
+    long long n;
+    double d;
+    if (json_eq(s, t, i, "max_budget")) {
+        if (t[v].type == JSON_NULL) a->has_budget = 0;
+        else if (json_number(s, t, v, &d) < 0 || (mode == PARSE_LOG && (d < 0 || d > 1e9)))
+            return verr_at(e, "max_budget", NULL, "must be a number of USD (or null for no cap)");
+        else a->has_budget = 1, a->max_budget = d;
+    } else if (json_eq(s, t, i, "budget_duration")) {
+        if (t[v].type == JSON_NULL) a->budget_days = 0;
+        else if (json_eq(s, t, v, "1d")) a->budget_days = 1;
+        else if (json_eq(s, t, v, "7d")) a->budget_days = 7;
+        else if (json_eq(s, t, v, "30d")) a->budget_days = 30;
+        else if (json_eq(s, t, v, "1mo")) a->budget_days = BUDGET_MONTH;
+        else return verr_at(e, "budget_duration", NULL, "must be \"1d\", \"7d\", \"30d\", \"1mo\" (the calendar month, UTC) or null (a lifetime budget)");
+    } else if (json_eq(s, t, i, "rpm_limit") || json_eq(s, t, i, "tpm_limit")) {
+        long long *f = json_eq(s, t, i, "rpm_limit") ? &a->rpm_limit : &a->tpm_limit;
+        if (t[v].type == JSON_NULL) *f = UNSET;
+        else if (json_int(s, t, v, &n) < 0) return verr_at(e, json_eq(s, t, i, "rpm_limit") ? "rpm_limit" : "tpm_limit", NULL, "must be a whole number (or null for no limit)");
+        else *f = n;
+    } else if (mode == PARSE_LOG && json_eq(s, t, i, "budget_anchor") && json_int(s, t, v, &n) == 0) {
+        a->budget_anchor = n;
+    } else return 0;
+    return 1;
+}
+
+/* Is `d` a USD amount with at most six decimal places? */
+static int usd_ok(double d) {
+    double micro = d * 1e6;
+    return fabs(micro - floor(micro + 0.5)) < 1e-6;
+}
+
+/* The rules of an allowance (a key's: `key`). A period must fit the
+ * ledger's retention; a key's budget needs one (lifetime budgets, which
+ * retention must carry, are kept by groups). */
+static int allow_validate(const allowance *a, int key, verr *e) {
+    int days = allow_days(a);
+    if (a->has_budget && (a->max_budget < 0 || a->max_budget > 1e9 || !usd_ok(a->max_budget)))
+        return verr_at(e, "max_budget", NULL, "must be between 0 and 1000000000 USD with at most six decimal places (0 denies every paid request, null is uncapped)");
+    if (days > S.ledger_days)
+        return verr_at(e, "budget_duration", NULL, "a %d-day period is longer than the %d days of spend events this gateway keeps (--ledger-days): choose a shorter period, or have the operator keep more days",
+                       days, S.ledger_days);
+    if (key && a->has_budget && !a->budget_days)
+        return verr_at(e, "budget_duration", NULL, "a token key's budget needs a period: \"1d\", \"7d\", \"30d\" or \"1mo\" (a lifetime budget belongs to the token group)");
+    if (a->rpm_limit != UNSET && (a->rpm_limit < 1 || a->rpm_limit > 1000000))
+        return verr_at(e, "rpm_limit", NULL, "must be between 1 and 1000000 requests a minute (or null for no limit)");
+    if (a->tpm_limit != UNSET && (a->tpm_limit < 1 || a->tpm_limit > 1000000000))
+        return verr_at(e, "tpm_limit", NULL, "must be between 1 and 1000000000 tokens a minute (or null for no limit)");
+    return 0;
+}
+
+/* A member (key token i) that only the log holds of a group or a key:
+ * its id, version and times. 1 when it was one (and well formed). */
+static int parse_log_common(const char *s, const json_tok *t, int i, char *id, long long *version, int64_t *created, int64_t *updated) {
+    int v = i + 1;
+    long long n;
     if (json_eq(s, t, i, "id") && is_uuid(s, t, v)) {
-        memcpy(g->id, s + t[v].start, 36), g->id[36] = 0;
+        memcpy(id, s + t[v].start, 36), id[36] = 0;
         return 1;
     }
+    int64_t *field = json_eq(s, t, i, "created_at") ? created : json_eq(s, t, i, "updated_at") ? updated : NULL;
+    if (json_eq(s, t, i, "version") && json_int(s, t, v, &n) == 0) *version = n;
+    else if (field && json_int(s, t, v, &n) == 0) *field = n;
+    else return 0;
+    return 1;
+}
+
+/* ... and of a group, also the spend carried from deleted days. */
+static int group_parse_log(const char *s, const json_tok *t, int i, group *g) {
+    int v = i + 1;
+    long long c[3];
     if (json_eq(s, t, i, "carried") && t[v].type == JSON_ARRAY && t[v].size == 3) {
         int x = v + 1;
         for (int k = 0; k < 3; k++, x = t[x].next)
             if (json_int(s, t, x, &c[k]) < 0) return 0;
-        g->carry = c[0], g->carry_start = c[1], g->carry_to = c[2];
+        g->al.carry = c[0], g->al.carry_start = c[1], g->al.carry_to = c[2];
         return 1;
     }
-    int64_t *field = json_eq(s, t, i, "created_at") ? &g->created_at : json_eq(s, t, i, "updated_at") ? &g->updated_at
-                   : json_eq(s, t, i, "budget_anchor") ? &g->budget_anchor : NULL;
-    if (json_eq(s, t, i, "version") && json_int(s, t, v, &n) == 0) g->version = n;
-    else if (field && json_int(s, t, v, &n) == 0) *field = n;
-    else return 0;
-    return 1;
+    return parse_log_common(s, t, i, g->id, &g->version, &g->created_at, &g->updated_at);
+}
+
+/* A member (key token i, `key` its name) that neither a group nor a key
+ * takes: read-only, or unknown (`fields` says what there is). */
+static int field_refused(const char *s, const json_tok *t, int i, const char *key, const char *fields, verr *e) {
+    static const char *const readonly[] = {"id", "record_type", "version", "created_at", "updated_at", "spend",
+                                           "reserved_spend", "budget_started_at", "resets_at", NULL};
+    int ro = 0;
+    for (const char *const *r = readonly; *r; r++) ro |= json_eq(s, t, i, *r);
+    return ro ? verr_at(e, key, NULL, "is read-only: ltg sets it") : verr_at(e, key, NULL, "unknown field (%s)", fields);
 }
 
 /* Lay the members of JSON object `obj` over g. PARSE_CREATE and PARSE_PATCH
@@ -3239,8 +3450,6 @@ static int group_parse_log(const char *s, const json_tok *t, int i, group *g) {
  * knows (id, version, timestamps). Checks types and field names only: the
  * rules are group_validate()'s. */
 static int group_parse(const char *s, const json_tok *t, int obj, group *g, int mode, verr *e) {
-    static const char *const readonly[] = {"id", "record_type", "version", "created_at", "updated_at", "spend",
-                                           "reserved_spend", "budget_started_at", "resets_at", NULL};
     if (t[obj].type != JSON_OBJECT) return verr_at(e, NULL, NULL, "the body must be a JSON object");
     if (no_duplicate_keys(s, t, obj, NULL, e) < 0) return LTG_ERR;
     int i = obj + 1;
@@ -3249,14 +3458,11 @@ static int group_parse(const char *s, const json_tok *t, int obj, group *g, int 
         char key[128];
         snprintf(key, sizeof key, "%.*s", (int)(t[i].end - t[i].start < 100 ? t[i].end - t[i].start : 100), s + t[i].start);
         long long n;
-        double d;
+        int r;
         if (mode == PARSE_LOG && group_parse_log(s, t, i, g)) {
             /* what only the log knows */
         } else if (json_eq(s, t, i, "name")) {
-            if (t[v].type != JSON_STRING) return verr_at(e, "name", NULL, "must be a string (it cannot be null)");
-            if (!name_ok(s, t, v, NAME_MAX_LEN)) return verr_at(e, "name", NULL, "must be 1 to %d bytes, without NUL", NAME_MAX_LEN);
-            free(g->name);
-            g->name = json_strdup(s, t, v);
+            if (parse_name(s, t, v, &g->name, e) < 0) return LTG_ERR;
         } else if (json_eq(s, t, i, "allowed_models")) {
             if (t[v].type != JSON_ARRAY) return verr_at(e, "allowed_models", NULL, "must be a list of model aliases (it cannot be null)");
             for (int k = 0; k < g->nallowed; k++) free(g->allowed[k]);
@@ -3274,42 +3480,23 @@ static int group_parse(const char *s, const json_tok *t, int obj, group *g, int 
             if (parse_fallbacks(s, t, v, g, e) < 0) return LTG_ERR;
         } else if (json_eq(s, t, i, "retries")) {
             if (parse_retries(s, t, v, g, e) < 0) return LTG_ERR;
-        } else if (json_eq(s, t, i, "max_budget")) {
-            if (t[v].type == JSON_NULL) g->has_budget = 0;
-            else if (json_number(s, t, v, &d) < 0 || (mode == PARSE_LOG && (d < 0 || d > 1e9)))
-                return verr_at(e, "max_budget", NULL, "must be a number of USD (or null for no cap)");
-            else g->has_budget = 1, g->max_budget = d;
-        } else if (json_eq(s, t, i, "budget_duration")) {
-            if (t[v].type == JSON_NULL) g->budget_days = 0;
-            else if (json_eq(s, t, v, "1d")) g->budget_days = 1;
-            else if (json_eq(s, t, v, "7d")) g->budget_days = 7;
-            else if (json_eq(s, t, v, "30d")) g->budget_days = 30;
-            else return verr_at(e, "budget_duration", NULL, "must be \"1d\", \"7d\", \"30d\" or null (a lifetime budget)");
+        } else if ((r = allow_parse(s, t, i, &g->al, mode, e)) != 0) {
+            if (r < 0) return LTG_ERR;
         } else if (json_eq(s, t, i, "cache_ttl")) {
             if (t[v].type == JSON_NULL) g->cache_ttl = UNSET;
             else if (json_int(s, t, v, &n) < 0) return verr_at(e, "cache_ttl", NULL, "must be a whole number of seconds (or null)");
             else g->cache_ttl = n;
-        } else if (json_eq(s, t, i, "max_parallel_requests") || json_eq(s, t, i, "rpm_limit") || json_eq(s, t, i, "tpm_limit")) {
-            long long *f = json_eq(s, t, i, "rpm_limit") ? &g->rpm_limit : json_eq(s, t, i, "tpm_limit") ? &g->tpm_limit : &g->max_parallel;
-            if (t[v].type == JSON_NULL) *f = UNSET;
+        } else if (json_eq(s, t, i, "max_parallel_requests")) {
+            if (t[v].type == JSON_NULL) g->max_parallel = UNSET;
             else if (json_int(s, t, v, &n) < 0) return verr_at(e, key, NULL, "must be a whole number (or null for no limit)");
-            else *f = n;
+            else g->max_parallel = n;
         } else if (json_eq(s, t, i, "blocked")) {
-            if (t[v].type != JSON_TRUE && t[v].type != JSON_FALSE) return verr_at(e, "blocked", NULL, "must be true or false");
-            g->blocked = t[v].type == JSON_TRUE;
+            if (parse_bool(s, t, v, &g->blocked, e) < 0) return LTG_ERR;
         } else {
-            int ro = 0;
-            for (const char *const *r = readonly; *r; r++) ro |= json_eq(s, t, i, *r);
-            return verr_at(e, key, NULL, ro ? "is read-only: ltg sets it" : "unknown field (a token group has name, allowed_models, fallbacks, retries, max_budget, budget_duration, cache_ttl, max_parallel_requests, rpm_limit, tpm_limit, blocked)");
+            return field_refused(s, t, i, key, "a token group has name, allowed_models, fallbacks, retries, max_budget, budget_duration, cache_ttl, max_parallel_requests, rpm_limit, tpm_limit, blocked", e);
         }
     }
     return 0;
-}
-
-/* Is `d` a USD amount with at most six decimal places? */
-static int usd_ok(double d) {
-    double micro = d * 1e6;
-    return fabs(micro - floor(micro + 0.5)) < 1e-6;
 }
 
 /* The rules of API.md 3.1 over a whole group (after a PATCH: the merged
@@ -3368,41 +3555,102 @@ static int group_validate(const group *g, const catalog *cat, verr *e) {
         if (r->deadline_ms && (r->deadline_ms < 1000 || r->deadline_ms > 3600000))
             return verr_at(e, "retries", "deadline_ms", "must be between 1000 and 3600000 (ms: the whole request until its answer starts)");
     }
-    if (g->has_budget && (g->max_budget < 0 || g->max_budget > 1e9 || !usd_ok(g->max_budget)))
-        return verr_at(e, "max_budget", NULL, "must be between 0 and 1000000000 USD with at most six decimal places (0 denies every paid request, null is uncapped)");
-    if (g->budget_days > S.ledger_days)
-        return verr_at(e, "budget_duration", NULL, "a %d-day period is longer than the %d days of spend events this gateway keeps (--ledger-days): choose a shorter period, or have the operator keep more days",
-                       g->budget_days, S.ledger_days);
+    if (allow_validate(&g->al, 0, e) < 0) return LTG_ERR;
     if (g->cache_ttl != UNSET && (g->cache_ttl < 0 || g->cache_ttl > 30 * 86400))
         return verr_at(e, "cache_ttl", NULL, "must be between 0 and 2592000 seconds (or null)");
     if (g->max_parallel != UNSET && (g->max_parallel < 1 || g->max_parallel > 100000))
         return verr_at(e, "max_parallel_requests", NULL, "must be between 1 and 100000 (or null for no limit; to stop all requests set blocked)");
-    if (g->rpm_limit != UNSET && (g->rpm_limit < 1 || g->rpm_limit > 1000000))
-        return verr_at(e, "rpm_limit", NULL, "must be between 1 and 1000000 requests a minute (or null for no limit)");
-    if (g->tpm_limit != UNSET && (g->tpm_limit < 1 || g->tpm_limit > 1000000000))
-        return verr_at(e, "tpm_limit", NULL, "must be between 1 and 1000000000 tokens a minute (or null for no limit)");
     return 0;
 }
 
-/* The start of the current budget period and its end (0: none). */
-static void group_period(const group *g, int64_t now, int64_t *start, int64_t *end) {
+/* UTC midnight of the first day of the month `months` after the one of
+ * wall ms t. */
+static int64_t month_start(int64_t t, int months) {
+    time_t secs = (time_t)(t / 1000);
+    struct tm tm;
+    gmtime_r(&secs, &tm);
+    tm.tm_mday = 1, tm.tm_hour = tm.tm_min = tm.tm_sec = 0, tm.tm_mon += months;
+    return (int64_t)timegm(&tm) * 1000;
+}
+
+/* The start of a's current budget period and its end (0: none). A period
+ * of days follows its anchor; a calendar month (1mo) starts on the 1st,
+ * 00:00 UTC -- the first one at the anchor. */
+static void allow_period(const allowance *a, int64_t now, int64_t *start, int64_t *end) {
     *start = *end = 0;
-    if (!g->has_budget || !g->budget_anchor) return;
-    *start = g->budget_anchor;
-    if (!g->budget_days) return;
-    int64_t len = (int64_t)g->budget_days * 86400000;
-    if (now > g->budget_anchor) *start = g->budget_anchor + (now - g->budget_anchor) / len * len;
+    if (!a->has_budget || !a->budget_anchor) return;
+    *start = a->budget_anchor;
+    if (a->budget_days == BUDGET_MONTH) {
+        int64_t m = month_start(now > a->budget_anchor ? now : a->budget_anchor, 0);
+        if (m > *start) *start = m;
+        *end = month_start(m, 1);
+        return;
+    }
+    if (!a->budget_days) return;
+    int64_t len = (int64_t)a->budget_days * 86400000;
+    if (now > a->budget_anchor) *start = a->budget_anchor + (now - a->budget_anchor) / len * len;
     *end = *start + len;
 }
 
-/* What g carries into the period that starts at `start` from days the
- * ledger deleted (section 13). */
-static int64_t group_carried(const group *g, int64_t start) { return g->carry_to && g->carry_start == start ? g->carry : 0; }
+/* What a group carries into the period that starts at `start` from days
+ * the ledger deleted (section 13). */
+static int64_t allow_carried(const allowance *a, int64_t start) { return a->carry_to && a->carry_start == start ? a->carry : 0; }
+
+/* An allowance's policy, as the API sets it. */
+static void allow_json(jwriter *w, const allowance *a) {
+    char d[16];
+    jw_key(w, "max_budget");
+    if (a->has_budget) jw_usd(w, usd_to_micro(a->max_budget));
+    else jw_null(w);
+    jw_key(w, "budget_duration");
+    if (a->budget_days) snprintf(d, sizeof d, a->budget_days == BUDGET_MONTH ? "1mo" : "%dd", a->budget_days), jw_cstr(w, d);
+    else jw_null(w);
+    jw_key(w, "rpm_limit"), jw_int_or_null(w, a->rpm_limit != UNSET, a->rpm_limit);
+    jw_key(w, "tpm_limit"), jw_int_or_null(w, a->tpm_limit != UNSET, a->tpm_limit);
+}
+
+/* ... and its state: in the log, where its period is anchored; in the API,
+ * what it spent (when `tracked`: a key's spend is counted only while it
+ * has a budget), what is reserved, and its period. */
+static void allow_state_json(jwriter *w, const allowance *a, int for_log, int tracked) {
+    char ts[64];
+    if (for_log) { jw_key(w, "budget_anchor"), jw_int(w, a->budget_anchor); return; }
+    int64_t start, end;
+    allow_period(a, wall_ms(), &start, &end);
+    jw_key(w, "spend");
+    if (tracked) jw_usd(w, start == a->period_start ? a->spend : 0);
+    else jw_null(w);
+    jw_key(w, "reserved_spend"), jw_usd(w, a->reserved);
+    jw_key(w, "budget_started_at");
+    if (start) iso_time(start, ts), jw_cstr(w, ts);
+    else jw_null(w);
+    jw_key(w, "resets_at");
+    if (end) iso_time(end, ts), jw_cstr(w, ts);
+    else jw_null(w);
+}
+
+/* A change to an allowance (`cur`: before it). A budget's period is
+ * anchored when the budget is set; changing the amount keeps the period,
+ * changing the duration starts a new one. */
+static void allow_reanchor(allowance *a, const allowance *cur, int64_t now) {
+    if (!a->has_budget) a->budget_anchor = 0;
+    else if (!cur->has_budget || a->budget_days != cur->budget_days) a->budget_anchor = now;
+}
+
+/* A stored item's times: exact in the log, ISO 8601 in the API. */
+static void stored_times_json(jwriter *w, int64_t created, int64_t updated, int for_log) {
+    char ts[64];
+    jw_key(w, "created_at");
+    if (for_log) jw_int(w, created);
+    else iso_time(created, ts), jw_cstr(w, ts);
+    jw_key(w, "updated_at");
+    if (for_log) jw_int(w, updated);
+    else iso_time(updated, ts), jw_cstr(w, ts);
+}
 
 /* A group as JSON: the API's shape, or the log's (exact integers, only
  * what cannot be derived). */
 static void group_json(jwriter *w, const group *g, int for_log) {
-    char ts[64];
     jw_open(w, '{');
     jw_key(w, "id"), jw_cstr(w, g->id);
     if (!for_log) jw_key(w, "record_type"), jw_cstr(w, "token_group");
@@ -3428,40 +3676,17 @@ static void group_json(jwriter *w, const group *g, int for_log) {
         if (g->retries.deadline_ms) jw_key(w, "deadline_ms"), jw_int(w, g->retries.deadline_ms); /* absent: the default */
         jw_close(w, '}');
     }
-    jw_key(w, "max_budget");
-    if (g->has_budget) jw_usd(w, (int64_t)llround(g->max_budget * 1e6));
-    else jw_null(w);
-    jw_key(w, "budget_duration");
-    if (g->budget_days) snprintf(ts, sizeof ts, "%dd", g->budget_days), jw_cstr(w, ts);
-    else jw_null(w);
+    allow_json(w, &g->al);
     jw_key(w, "cache_ttl"), jw_int_or_null(w, g->cache_ttl != UNSET, g->cache_ttl);
     jw_key(w, "max_parallel_requests"), jw_int_or_null(w, g->max_parallel != UNSET, g->max_parallel);
-    jw_key(w, "rpm_limit"), jw_int_or_null(w, g->rpm_limit != UNSET, g->rpm_limit);
-    jw_key(w, "tpm_limit"), jw_int_or_null(w, g->tpm_limit != UNSET, g->tpm_limit);
     jw_key(w, "blocked"), jw_bool(w, g->blocked);
     jw_key(w, "version"), jw_int(w, g->version);
-    if (for_log) {
-        jw_key(w, "created_at"), jw_int(w, g->created_at);
-        jw_key(w, "updated_at"), jw_int(w, g->updated_at);
-        jw_key(w, "budget_anchor"), jw_int(w, g->budget_anchor);
-        if (g->carry_to) {
-            jw_key(w, "carried"), jw_open(w, '[');
-            jw_int(w, g->carry), jw_int(w, g->carry_start), jw_int(w, g->carry_to);
-            jw_close(w, ']');
-        }
-    } else {
-        int64_t start, end;
-        group_period(g, wall_ms(), &start, &end);
-        iso_time(g->created_at, ts), jw_key(w, "created_at"), jw_cstr(w, ts);
-        iso_time(g->updated_at, ts), jw_key(w, "updated_at"), jw_cstr(w, ts);
-        jw_key(w, "spend"), jw_usd(w, start == g->period_start ? g->spend : 0);
-        jw_key(w, "reserved_spend"), jw_usd(w, g->reserved);
-        jw_key(w, "budget_started_at");
-        if (start) iso_time(start, ts), jw_cstr(w, ts);
-        else jw_null(w);
-        jw_key(w, "resets_at");
-        if (end) iso_time(end, ts), jw_cstr(w, ts);
-        else jw_null(w);
+    stored_times_json(w, g->created_at, g->updated_at, for_log);
+    allow_state_json(w, &g->al, for_log, 1);
+    if (for_log && g->al.carry_to) {
+        jw_key(w, "carried"), jw_open(w, '[');
+        jw_int(w, g->al.carry), jw_int(w, g->al.carry_start), jw_int(w, g->al.carry_to);
+        jw_close(w, ']');
     }
     jw_close(w, '}');
 }
@@ -3471,26 +3696,78 @@ static group *group_find(const char *id) { return strlen(id) == 36 ? hmap_get(&S
 /* ---- token keys ---- */
 
 static void tkey_free(tkey *k) {
-    if (k) free(k->name), free(k);
+    if (k) free(k->name), free(k->al.rl), free(k);
+}
+
+static tkey *tkey_new(void) {
+    tkey *k = xcalloc(1, sizeof *k);
+    k->al.rpm_limit = k->al.tpm_limit = UNSET;
+    return k;
+}
+
+static tkey *tkey_clone(const tkey *src) {
+    tkey *k = xmalloc(sizeof *k);
+    *k = *src;
+    k->al.rl = NULL; /* as for a group: the live key's window moves in store_put_key */
+    k->name = xstrdup(src->name);
+    return k;
+}
+
+/* Lay the members of JSON object `obj` over k, as group_parse() does for
+ * a group: name, token_group_id (not in PARSE_PATCH: a key stays in its
+ * group), blocked and the allowance; PARSE_LOG also what only the log
+ * knows (id, sha256, version, times, the budget's anchor). */
+static int tkey_parse(const char *s, const json_tok *t, int obj, tkey *k, int mode, verr *e) {
+    if (t[obj].type != JSON_OBJECT) return verr_at(e, NULL, NULL, "the body must be a JSON object: {\"name\": ..., \"token_group_id\": ...}");
+    if (no_duplicate_keys(s, t, obj, NULL, e) < 0) return LTG_ERR;
+    int i = obj + 1, r;
+    for (int m = 0; m < t[obj].size; m++, i = t[i + 1].next) {
+        int v = i + 1;
+        char key[128];
+        snprintf(key, sizeof key, "%.*s", (int)(t[i].end - t[i].start < 100 ? t[i].end - t[i].start : 100), s + t[i].start);
+        if (mode == PARSE_LOG && parse_log_common(s, t, i, k->id, &k->version, &k->created_at, &k->updated_at)) {
+            /* what only the log knows */
+        } else if (mode == PARSE_LOG && json_eq(s, t, i, "sha256")) {
+            if (t[v].end - t[v].start != 64 || hex_decode(s + t[v].start, 64, k->hash) < 0) return verr_at(e, key, NULL, "must be 64 hex digits");
+        } else if ((r = allow_parse(s, t, i, &k->al, mode, e)) != 0) {
+            if (r < 0) return LTG_ERR;
+        } else if (json_eq(s, t, i, "name")) {
+            if (parse_name(s, t, v, &k->name, e) < 0) return LTG_ERR;
+        } else if (json_eq(s, t, i, "token_group_id") && mode != PARSE_PATCH) {
+            if (!is_uuid(s, t, v)) return verr_at(e, key, NULL, "must be the id of a token group");
+            memcpy(k->group_id, s + t[v].start, 36), k->group_id[36] = 0;
+        } else if (json_eq(s, t, i, "token_group_id")) {
+            return verr_at(e, key, NULL, "cannot change: a key stays in its group (create a key in the other group, then revoke this one)");
+        } else if (json_eq(s, t, i, "blocked")) {
+            if (parse_bool(s, t, v, &k->blocked, e) < 0) return LTG_ERR;
+        } else {
+            return field_refused(s, t, i, key, "a token key has name, token_group_id, max_budget, budget_duration, rpm_limit, tpm_limit, blocked", e);
+        }
+    }
+    return 0;
+}
+
+/* The rules over a whole key (after a PATCH: the merged result). */
+static int tkey_validate(const tkey *k, verr *e) {
+    if (!k->name) return verr_at(e, "name", NULL, "is required: a string of 1 to %d bytes, without NUL", NAME_MAX_LEN);
+    if (!k->group_id[0]) return verr_at(e, "token_group_id", NULL, "is required: the id of a token group");
+    if (!group_find(k->group_id)) return verr_at(e, "token_group_id", NULL, "no token group has this id");
+    return allow_validate(&k->al, 1, e);
 }
 
 static void tkey_json(jwriter *w, const tkey *k, int for_log) {
-    char ts[64], hex[65];
+    char hex[65];
     jw_open(w, '{');
     jw_key(w, "id"), jw_cstr(w, k->id);
     if (!for_log) jw_key(w, "record_type"), jw_cstr(w, "token_key");
     jw_key(w, "name"), jw_cstr(w, k->name);
     jw_key(w, "token_group_id"), jw_cstr(w, k->group_id);
+    allow_json(w, &k->al);
+    jw_key(w, "blocked"), jw_bool(w, k->blocked);
     jw_key(w, "version"), jw_int(w, k->version);
-    if (for_log) {
-        hex_encode(k->hash, 32, hex);
-        jw_key(w, "sha256"), jw_cstr(w, hex);
-        jw_key(w, "created_at"), jw_int(w, k->created_at);
-        jw_key(w, "updated_at"), jw_int(w, k->updated_at);
-    } else {
-        iso_time(k->created_at, ts), jw_key(w, "created_at"), jw_cstr(w, ts);
-        iso_time(k->updated_at, ts), jw_key(w, "updated_at"), jw_cstr(w, ts);
-    }
+    if (for_log) hex_encode(k->hash, 32, hex), jw_key(w, "sha256"), jw_cstr(w, hex);
+    stored_times_json(w, k->created_at, k->updated_at, for_log);
+    allow_state_json(w, &k->al, for_log, k->al.has_budget);
     jw_close(w, '}');
 }
 
@@ -3502,8 +3779,8 @@ static void store_put_group(group *g, size_t rec_bytes) {
     group *old = hmap_get(&ST.groups, g->id, 36);
     hmap_put(&ST.groups, g); /* replaces old: before old is freed, since the table compares ids */
     if (old) {
-        g->inflight = old->inflight, g->reserved = old->reserved; /* spend comes with g: see group_commit */
-        g->rl = old->rl, old->rl = NULL; /* the last minute stays counted across a change */
+        g->inflight = old->inflight, g->al.reserved = old->al.reserved; /* spend comes with g: see group_commit */
+        g->al.rl = old->al.rl, old->al.rl = NULL; /* the last minute stays counted across a change */
         g->e.vi = old->e.vi;
         ST.gv.p[g->e.vi] = g;
         ST.live_bytes -= old->e.rec_bytes;
@@ -3534,10 +3811,16 @@ static void store_del_group(const char *id) {
 
 static void store_put_key(tkey *k, size_t rec_bytes) {
     tkey *old = hmap_get(&ST.keys, k->id, 36);
-    if (old) store_del_key(old->id);
-    vec_add(&ST.kv, k);
-    hmap_put(&ST.keys, k);
+    hmap_put(&ST.keys, k); /* each replaces old (the same id, the same secret): before old is freed */
     hmap_put(&ST.keys_by_hash, k);
+    if (old) {
+        k->al.reserved = old->al.reserved; /* spend comes with k: see keys_update */
+        k->al.rl = old->al.rl, old->al.rl = NULL;
+        k->e.vi = old->e.vi;
+        ST.kv.p[k->e.vi] = k;
+        ST.live_bytes -= old->e.rec_bytes;
+        tkey_free(old);
+    } else vec_add(&ST.kv, k);
     k->e.rec_bytes = rec_bytes;
     ST.live_bytes += rec_bytes;
 }
@@ -3587,17 +3870,13 @@ static void idem_json(jwriter *w, const idem *r) {
 
 /* A token key from the log: 0, or LTG_ERR. */
 static int store_apply_key(const char *p, const json_tok *t, int v, size_t n) {
-    int id = json_get(p, t, v, "id"), gid = json_get(p, t, v, "token_group_id"), nm = json_get(p, t, v, "name"), sh = json_get(p, t, v, "sha256");
-    long long ver, c, u;
-    uint8_t hash[32];
-    if (!is_uuid(p, t, id) || !is_uuid(p, t, gid) || nm < 0 || t[nm].type != JSON_STRING || sh < 0 || t[sh].type != JSON_STRING ||
-        t[sh].end - t[sh].start != 64 || hex_decode(p + t[sh].start, 64, hash) < 0 || json_int(p, t, json_get(p, t, v, "version"), &ver) < 0 ||
-        json_int(p, t, json_get(p, t, v, "created_at"), &c) < 0 || json_int(p, t, json_get(p, t, v, "updated_at"), &u) < 0)
+    tkey *key = tkey_new();
+    verr e = {0};
+    if (tkey_parse(p, t, v, key, PARSE_LOG, &e) < 0 || !key->id[0] || !key->group_id[0] || !key->name || !key->version ||
+        json_get(p, t, v, "sha256") < 0) {
+        tkey_free(key);
         return LTG_ERR;
-    tkey *key = xcalloc(1, sizeof *key);
-    memcpy(key->id, p + t[id].start, 36), memcpy(key->group_id, p + t[gid].start, 36), memcpy(key->hash, hash, 32);
-    key->name = json_strdup(p, t, nm);
-    key->version = ver, key->created_at = c, key->updated_at = u;
+    }
     store_put_key(key, n + 8);
     return 0;
 }
@@ -4038,7 +4317,7 @@ static void compact_step(int64_t now) {
  *   head       counts, each section's place, the log's size, the CRCs
  *   offsets    each event's record in the log (and one past the last)
  *   names      the day's keys, groups and models, sorted (binary search)
- *   positions  a key's events; a group's events with their time and the
+ *   positions  a key's events, and a group's, each with its time and the
  *              running sum of their charges (a budget period that starts
  *              mid-day needs what was spent after its start)
  *   rows       the day's rollups: usage per (group, model), and per model
@@ -4066,7 +4345,7 @@ static void compact_step(int64_t now) {
  * a timer retries every second until the disk takes them.
  */
 #define SEG_MAGIC "LTGSEG1\n"
-#define IDX_MAGIC "LTGIDX1\n"
+#define IDX_MAGIC "LTGIDX2\n"       /* 2: a key's positions carry running sums, as a group's (1 is rebuilt) */
 #define LEDGER_V1_MAGIC "LTGLED1\n"      /* DATA/ledger.log of earlier versions, migrated once */
 #define DAY_MS 86400000LL
 #define LEDGER_SYNC_MS 20
@@ -4221,7 +4500,7 @@ typedef struct { uint32_t str, len, first, n; } idx_name;     /* a name; its pos
 typedef struct { uint32_t pos, ms; int64_t cum; } idx_gpos;   /* ms after midnight; charged up to this one */
 typedef struct { char group[36]; uint32_t model; usage_row u; } idx_row; /* model: in NAMES; "" group: all */
 
-static const size_t sec_elem[NSEC] = {8, sizeof(idx_name), 1, 4, sizeof(idx_gpos), sizeof(idx_row), sizeof(idx_row), 4};
+static const size_t sec_elem[NSEC] = {8, sizeof(idx_name), 1, sizeof(idx_gpos), sizeof(idx_gpos), sizeof(idx_row), sizeof(idx_row), 4};
 
 typedef struct {
     char magic[8];
@@ -4401,23 +4680,21 @@ static void idx_names(idx_out *o, idx_header *h, const segment *s, uint32_t *ord
     io_begin(o, h, SEC_STRINGS);
     for (uint32_t r = 0; r < m->nnames; r++) io_put(o, m->names[order[r]]->s, strlen(m->names[order[r]]->s));
     io_end(o, h, SEC_STRINGS);
-    io_begin(o, h, SEC_KEYPOS);
-    for (uint32_t r = 0; r < m->nnames; r++)
-        if (m->names[order[r]]->s[0] == 'k') io_put(o, m->names[order[r]]->pos, m->names[order[r]]->npos * 4);
-    io_end(o, h, SEC_KEYPOS);
-    io_begin(o, h, SEC_GROUPPOS);
-    for (uint32_t r = 0; r < m->nnames; r++) {
-        const lname *nm = m->names[order[r]];
-        int64_t cum = 0;
-        for (uint32_t k = 0; nm->s[0] == 'g' && k < nm->npos; k++) {
-            const ledger_entry *e = &m->ix[nm->pos[k]];
-            int64_t ms = e->at - s->day;
-            cum += e->charged;
-            idx_gpos g = {nm->pos[k], (uint32_t)(ms < 0 ? 0 : ms > DAY_MS ? DAY_MS : ms), cum};
-            io_put(o, &g, sizeof g);
+    for (int sec = SEC_KEYPOS; sec <= SEC_GROUPPOS; sec++) { /* keys' positions, then groups' */
+        io_begin(o, h, sec);
+        for (uint32_t r = 0; r < m->nnames; r++) {
+            const lname *nm = m->names[order[r]];
+            int64_t cum = 0;
+            for (uint32_t k = 0; nm->s[0] == (sec == SEC_KEYPOS ? 'k' : 'g') && k < nm->npos; k++) {
+                const ledger_entry *e = &m->ix[nm->pos[k]];
+                int64_t ms = e->at - s->day;
+                cum += e->charged;
+                idx_gpos g = {nm->pos[k], (uint32_t)(ms < 0 ? 0 : ms > DAY_MS ? DAY_MS : ms), cum};
+                io_put(o, &g, sizeof g);
+            }
         }
+        io_end(o, h, sec);
     }
-    io_end(o, h, SEC_GROUPPOS);
 }
 
 /* Write s's index file from its index in memory (see the notes above).
@@ -4545,9 +4822,8 @@ static int idx_find(seg_view *v, char kind, const char *id, idx_name *out) {
 static int view_pos(const seg_view *v, uint64_t rank, uint32_t *pos) {
     if (!v->kind) { *pos = (uint32_t)rank; return 0; }
     if (v->s->state != SEG_SEALED) { *pos = v->nm->pos[rank]; return 0; }
-    if (v->kind == 'k') return idx_read(v->s, v->fd, SEC_KEYPOS, v->dn.first + rank, 1, pos);
     idx_gpos g;
-    if (idx_read(v->s, v->fd, SEC_GROUPPOS, v->dn.first + rank, 1, &g) < 0) return LTG_ERR;
+    if (idx_read(v->s, v->fd, v->kind == 'k' ? SEC_KEYPOS : SEC_GROUPPOS, v->dn.first + rank, 1, &g) < 0) return LTG_ERR;
     *pos = g.pos;
     return 0;
 }
@@ -4643,10 +4919,12 @@ static int view_record(const seg_view *v, uint32_t pos, buf *rec, rec_view *rv) 
     return LTG_ERR;
 }
 
-/* What group `gid` spent in s at or after `since` (wall ms). */
-static int64_t seg_group_since(segment *s, const char *gid, int64_t since) {
+/* What group or key `id` (kind 'g' or 'k') spent in s at or after
+ * `since` (wall ms). */
+static int64_t seg_spent_since(segment *s, char kind, const char *id, int64_t since) {
     seg_view v;
-    int64_t n = view_open(&v, s, 'g', gid, UINT32_MAX), sum = 0;
+    int64_t n = view_open(&v, s, kind, id, UINT32_MAX), sum = 0;
+    int sec = kind == 'k' ? SEC_KEYPOS : SEC_GROUPPOS;
     if (n > 0 && s->state != SEG_SEALED) {
         for (uint32_t k = 0; k < v.nm->npos; k++)
             if (s->mem.ix[v.nm->pos[k]].at >= since) sum += s->mem.ix[v.nm->pos[k]].charged;
@@ -4654,15 +4932,15 @@ static int64_t seg_group_since(segment *s, const char *gid, int64_t since) {
         int64_t ms = since - s->day;
         uint64_t lo = 0, hi = (uint64_t)n;
         idx_gpos g, last;
-        if (idx_read(s, v.fd, SEC_GROUPPOS, v.dn.first + n - 1, 1, &last) == 0) {
+        if (idx_read(s, v.fd, sec, v.dn.first + n - 1, 1, &last) == 0) {
             sum = last.cum;
             while (lo < hi) { /* the first event at or after `since` */
                 uint64_t mid = lo + (hi - lo) / 2;
-                if (idx_read(s, v.fd, SEC_GROUPPOS, v.dn.first + mid, 1, &g) < 0) break;
+                if (idx_read(s, v.fd, sec, v.dn.first + mid, 1, &g) < 0) break;
                 if ((int64_t)g.ms < ms) lo = mid + 1;
                 else hi = mid;
             }
-            if (lo > 0 && idx_read(s, v.fd, SEC_GROUPPOS, v.dn.first + lo - 1, 1, &g) == 0) sum -= g.cum;
+            if (lo > 0 && idx_read(s, v.fd, sec, v.dn.first + lo - 1, 1, &g) == 0) sum -= g.cum;
         }
     }
     view_close(&v);
@@ -4747,9 +5025,9 @@ static int ledger_retire(segment *s, int64_t now) {
         memcpy(id, row.group, 36), id[36] = 0;
         group *g = group_find(id);
         int64_t start, end;
-        if (!g || !g->has_budget) continue;
-        group_period(g, now, &start, &end);
-        if (start >= s->day + DAY_MS || (g->carry_to > s->day && g->carry_start == start)) continue; /* not its period, or carried already */
+        if (!g || !g->al.has_budget) continue;
+        allow_period(&g->al, now, &start, &end);
+        if (start >= s->day + DAY_MS || (g->al.carry_to > s->day && g->al.carry_start == start)) continue; /* not its period, or carried already */
         ch = xrealloc(ch, (size_t)(nch + 1) * sizeof *ch);
         budget_carry(g, s, start, &ch[nch++]);
         jw_open(&w, '{'), jw_key(&w, "put_group"), group_json(&w, g, 1), jw_close(&w, '}');
@@ -4772,7 +5050,7 @@ static int ledger_retire(segment *s, int64_t now) {
         char id[37]; /* a group without a budget shows what its kept days spent: this one's goes */
         memcpy(id, row.group, 36), id[36] = 0;
         group *g = group_find(id);
-        if (g && !g->has_budget) budget_forget(g, row.u.spend);
+        if (g && !g->al.has_budget) budget_forget(g, row.u.spend);
     }
     view_close(&v);
     if (rc < 0) return LTG_ERR;
@@ -5051,22 +5329,24 @@ static void ledger_replays(int64_t since, void (*fn)(const rec_view *rv, int64_t
     buf_free(&rec);
 }
 
-/* ===== 14. Budgets, the cache, idempotent inference =====
+/* ===== 14. Budgets and rate limits, the cache, idempotent inference =====
  *
  * IMPLEMENTATION NOTES
- * Budgets. A group's spend in its current period is the sum of what its
- * events charged since the period began; it lives in the group with
- * `reserved`, the worst cases of the requests in flight. Only the
- * budget_* functions below write that state: budget_reserve() admits a
- * request only if spend + reserved + its own worst case fits the budget
- * (the loop is single-threaded, so concurrent requests cannot together
- * pass it), budget_settle() replaces a reservation by what the request was
- * charged (a release is a settle of nothing), budget_refresh() starts a new
- * period, budget_carry() and budget_forget() follow retention, and
- * budget_recount() sums a group's spend again from the ledger. At start-up
- * budget_rebuild() does that for every group from the days' rollups (and,
- * for the day a period starts in, the running sums of its events), plus
- * what retention carried: no sealed log is read.
+ * Budgets. A group's (or a key's) spend in its current period is the sum
+ * of what its events charged since the period began; it lives in its
+ * allowance with `reserved`, the worst cases of the requests in flight.
+ * Only this section writes that state. The reservation path -- one for
+ * budgets and rate limits, below -- admits a request only if spend +
+ * reserved + its own worst case fits every budget it answers to (the loop
+ * is single-threaded, so concurrent requests cannot together pass it),
+ * and replaces the reservation by what the request was charged when it
+ * settles. budget_refresh() starts a new period, budget_carry() and
+ * budget_forget() follow retention, and budget_recount() sums a spend
+ * again from the ledger. At start-up budget_rebuild() does that for every
+ * group from the days' rollups (and, for the day a period starts in, the
+ * running sums of its events), plus what retention carried, and for every
+ * key with a budget from the running sums of its events: no sealed log is
+ * read.
  *
  * The cache holds whole non-streaming 200 answers by (group, requested
  * model, body), for the group's cache_ttl, least recently used out first
@@ -5077,7 +5357,7 @@ static void ledger_replays(int64_t since, void (*fn)(const rec_view *rv, int64_t
  * keeps only where it is (about 200 bytes a request, for 24 hours), and a
  * replay reads it back.
  *
- * Rate limits (a group's rpm_limit, tpm_limit) slide over the last 60
+ * Rate limits (a group's or a key's rpm_limit, tpm_limit) slide over the last 60
  * seconds, counted in one slot per second (1.4 KiB a limited group): a
  * request is admitted only if it fits both, with its worst case of tokens
  * (the prompt's bytes / 3, plus its output limit), and the worst case is
@@ -5091,39 +5371,37 @@ static void ledger_replays(int64_t since, void (*fn)(const rec_view *rv, int64_t
  * hours, at most PIN_MAX, oldest out first: a ring of them, and a hash
  * table by id.
  */
-#define MICRO 1000000.0
 
-static int64_t usd_to_micro(double usd) { return (int64_t)llround(usd * MICRO); }
-
-/* Bring g's period up to date: a new period starts with nothing spent. */
-static void budget_refresh(group *g, int64_t now) {
+/* Bring a's period up to date: a new period starts with nothing spent
+ * (but what a group carried into it). */
+static void budget_refresh(allowance *a, int64_t now) {
     int64_t start, end;
-    group_period(g, now, &start, &end);
-    if (start != g->period_start) g->period_start = start, g->spend = group_carried(g, start);
+    allow_period(a, now, &start, &end);
+    if (start != a->period_start) a->period_start = start, a->spend = allow_carried(a, start);
 }
 
-/* USD left in g's current period, or -1 when uncapped (g's period must be
+/* USD left in a's current period, or -1 when uncapped (a's period must be
  * up to date: budget_refresh). */
-static double budget_remaining(const group *g) {
-    if (!g->has_budget) return -1;
-    int64_t left = usd_to_micro(g->max_budget) - g->spend - g->reserved;
+static double budget_remaining(const allowance *a) {
+    if (!a->has_budget) return -1;
+    int64_t left = usd_to_micro(a->max_budget) - a->spend - a->reserved;
     return (double)(left > 0 ? left : 0) / MICRO;
 }
 
-/* Hold `worst` micro-USD of g's budget for a request: 0, or LTG_ERR when
- * it does not fit (nothing is held then). */
-static int budget_reserve(group *g, int64_t worst, int64_t now) {
-    budget_refresh(g, now);
-    if (g->has_budget && g->spend + g->reserved + worst > usd_to_micro(g->max_budget)) return LTG_ERR;
-    g->reserved += worst;
-    return 0;
+/* Would `worst` more micro-USD fit a's budget now? */
+static int budget_fits(allowance *a, int64_t worst, int64_t now) {
+    budget_refresh(a, now);
+    return !a->has_budget || a->spend + a->reserved + worst <= usd_to_micro(a->max_budget);
 }
 
-/* A request ends: its reservation goes, what it was charged is spent. */
-static void budget_settle(group *g, int64_t reserved, int64_t charged, int64_t now) {
-    budget_refresh(g, now);
-    g->reserved -= reserved;
-    g->spend += charged;
+static void budget_recount(allowance *a, char kind, const char *id, int64_t now);
+
+/* After a change to a (of group or key `id`, kind 'g' or 'k'): when it
+ * moved the period, what was spent in the new one is summed again. */
+static void budget_follow(allowance *a, char kind, const char *id, int64_t now) {
+    int64_t start, end;
+    allow_period(a, now, &start, &end);
+    if (start != a->period_start) budget_recount(a, kind, id, now);
 }
 
 /* Day s is to be deleted, in the budget period of g that starts at
@@ -5131,28 +5409,29 @@ static void budget_settle(group *g, int64_t reserved, int64_t charged, int64_t n
  * keeps what was carried before, for budget_uncarry when the state log
  * refuses the change. */
 static void budget_carry(group *g, segment *s, int64_t start, carry_undo *undo) {
-    *undo = (carry_undo){g, g->carry, g->carry_start, g->carry_to};
-    g->carry = group_carried(g, start) + seg_group_since(s, g->id, start);
-    g->carry_start = start, g->carry_to = s->day + DAY_MS;
+    *undo = (carry_undo){g, g->al.carry, g->al.carry_start, g->al.carry_to};
+    g->al.carry = allow_carried(&g->al, start) + seg_spent_since(s, 'g', g->id, start);
+    g->al.carry_start = start, g->al.carry_to = s->day + DAY_MS;
 }
 
-static void budget_uncarry(const carry_undo *u) { u->g->carry = u->carry, u->g->carry_start = u->start, u->g->carry_to = u->to; }
+static void budget_uncarry(const carry_undo *u) { u->g->al.carry = u->carry, u->g->al.carry_start = u->start, u->g->al.carry_to = u->to; }
 
 /* A day of a group without a budget is deleted: what it spent goes from
  * the spend it shows, which counts the days kept. */
-static void budget_forget(group *g, int64_t spent) { g->spend -= spent; }
+static void budget_forget(group *g, int64_t spent) { g->al.spend -= spent; }
 
-/* Does the carried spend of g cover day s (it was counted before s was deleted)? */
-static int carried_covers(const group *g, const segment *s) { return g->carry_to > s->day && g->carry_start == g->period_start; }
+/* Does the carried spend of a cover day s (it was counted before s was deleted)? */
+static int carried_covers(const allowance *a, const segment *s) { return a->carry_to > s->day && a->carry_start == a->period_start; }
 
-/* g's spend in its current period, summed again from the ledger (after a
- * change that moved the period's start). */
-static void budget_recount(group *g, int64_t now) {
+/* The spend in its current period of a, the allowance of group or key
+ * `id` (kind 'g' or 'k'), summed again from the ledger: after a change
+ * that moved the period's start, and for a key at start-up. */
+static void budget_recount(allowance *a, char kind, const char *id, int64_t now) {
     int64_t start, end;
-    group_period(g, now, &start, &end);
-    g->period_start = start, g->spend = group_carried(g, start);
+    allow_period(a, now, &start, &end);
+    a->period_start = start, a->spend = allow_carried(a, start);
     for (int i = 0; i < LG.nseg; i++)
-        if (LG.seg[i]->day + DAY_MS > start && !carried_covers(g, LG.seg[i])) g->spend += seg_group_since(LG.seg[i], g->id, start);
+        if (LG.seg[i]->day + DAY_MS > start && !carried_covers(a, LG.seg[i])) a->spend += seg_spent_since(LG.seg[i], kind, id, start);
 }
 
 /* Add what the groups spent in sealed day s, from its rollups: a group's
@@ -5170,8 +5449,8 @@ static void budget_rebuild_day(segment *s) {
         do sum += row.u.spend;
         while (++r < nrows && idx_read(s, v.fd, SEC_ROWS, r, 1, &row) == 0 && memcmp(row.group, id, 36) == 0);
         group *g = group_find(id);
-        if (!g || s->day + DAY_MS <= g->period_start || carried_covers(g, s)) continue;
-        g->spend += s->day >= g->period_start ? sum : seg_group_since(s, id, g->period_start);
+        if (!g || s->day + DAY_MS <= g->al.period_start || carried_covers(&g->al, s)) continue;
+        g->al.spend += s->day >= g->al.period_start ? sum : seg_spent_since(s, 'g', id, g->al.period_start);
     }
     view_close(&v);
 }
@@ -5181,8 +5460,8 @@ static void budget_rebuild(int64_t now) {
     for (int i = 0; i < ST.gv.n; i++) {
         group *g = ST.gv.p[i];
         if (!g) continue;
-        g->period_start = -1; /* no period yet: budget_refresh starts the current one */
-        budget_refresh(g, now);
+        g->al.period_start = -1; /* no period yet: budget_refresh starts the current one */
+        budget_refresh(&g->al, now);
     }
     for (int i = 0; i < LG.nseg; i++) {
         segment *s = LG.seg[i];
@@ -5190,14 +5469,20 @@ static void budget_rebuild(int64_t now) {
         for (uint32_t k = 0; k < s->mem.nnames; k++) { /* a day in memory: its groups' events */
             const lname *nm = s->mem.names[k];
             group *g = nm->s[0] == 'g' ? group_find(nm->s + 1) : NULL;
-            for (uint32_t p = 0; g && !carried_covers(g, s) && p < nm->npos; p++)
-                if (s->mem.ix[nm->pos[p]].at >= g->period_start) g->spend += s->mem.ix[nm->pos[p]].charged;
+            for (uint32_t p = 0; g && !carried_covers(&g->al, s) && p < nm->npos; p++)
+                if (s->mem.ix[nm->pos[p]].at >= g->al.period_start) g->al.spend += s->mem.ix[nm->pos[p]].charged;
         }
+    }
+    for (int i = 0; i < ST.kv.n; i++) { /* a key's spend is counted while it has a budget */
+        tkey *k = ST.kv.p[i];
+        if (k && k->al.has_budget) budget_recount(&k->al, 'k', k->id, now);
+        if (k && k->al.has_budget && allow_days(&k->al) > S.ledger_days)
+            ltg_log("warning: token key %s has a budget period longer than --ledger-days %d: the spend of deleted days is not counted", k->id, S.ledger_days);
     }
     for (int i = 0; i < ST.gv.n; i++) {
         group *g = ST.gv.p[i];
-        if (g && g->has_budget && g->budget_days > S.ledger_days)
-            ltg_log("warning: token group %s has a budget period of %d days, longer than --ledger-days %d: what retention deletes of it is carried", g->id, g->budget_days, S.ledger_days);
+        if (g && g->al.has_budget && allow_days(&g->al) > S.ledger_days)
+            ltg_log("warning: token group %s has a budget period of %d days, longer than --ledger-days %d: what retention deletes of it is carried", g->id, allow_days(&g->al), S.ledger_days);
     }
 }
 
@@ -5421,34 +5706,74 @@ static long rl_wait(const rl_window *w, int64_t now, int tokens, int64_t need, i
     return RL_SLOTS;
 }
 
-/* Does a request of `tokens` (worst case) fit g's limits now? 0, or the
+/* Does a request of `tokens` (worst case) fit a's limits now? 0, or the
  * seconds to wait (*which names the limit). */
-static long rate_check(const group *g, int64_t tokens, const char **which) {
+static long rate_check(const allowance *a, int64_t tokens, const char **which) {
     int64_t now = S.now / 1000;
-    if (g->rpm_limit != UNSET && rl_used(g->rl, now, 0) + 1 > g->rpm_limit) { *which = "rpm_limit"; return rl_wait(g->rl, now, 0, 1, g->rpm_limit); }
-    if (g->tpm_limit != UNSET && rl_used(g->rl, now, 1) + tokens > g->tpm_limit) { *which = "tpm_limit"; return rl_wait(g->rl, now, 1, tokens, g->tpm_limit); }
+    if (a->rpm_limit != UNSET && rl_used(a->rl, now, 0) + 1 > a->rpm_limit) { *which = "rpm_limit"; return rl_wait(a->rl, now, 0, 1, a->rpm_limit); }
+    if (a->tpm_limit != UNSET && rl_used(a->rl, now, 1) + tokens > a->tpm_limit) { *which = "tpm_limit"; return rl_wait(a->rl, now, 1, tokens, a->tpm_limit); }
     return 0;
 }
 
-/* Count an admitted request in g's window; the second it is counted in
- * is where rate_settle() finds it. */
-static int64_t rate_reserve(group *g, int64_t tokens) {
-    int64_t now = S.now / 1000;
-    if (g->rpm_limit == UNSET && g->tpm_limit == UNSET) return 0;
-    if (!g->rl) g->rl = xcalloc(1, sizeof *g->rl);
-    int i = (int)(now % RL_SLOTS);
-    if (g->rl->sec[i] != now) g->rl->sec[i] = now, g->rl->req[i] = 0, g->rl->tok[i] = 0;
-    g->rl->req[i]++, g->rl->tok[i] += tokens;
-    return now;
+/* Count a request of `tokens` (worst case) in a's window, in second `sec`. */
+static void rate_count(allowance *a, int64_t tokens, int64_t sec) {
+    if (a->rpm_limit == UNSET && a->tpm_limit == UNSET) return;
+    if (!a->rl) a->rl = xcalloc(1, sizeof *a->rl);
+    int i = (int)(sec % RL_SLOTS);
+    if (a->rl->sec[i] != sec) a->rl->sec[i] = sec, a->rl->req[i] = 0, a->rl->tok[i] = 0;
+    a->rl->req[i]++, a->rl->tok[i] += tokens;
 }
 
-/* The request reserved `reserved` tokens in second `sec`; it used `used`. */
-static void rate_settle(group *g, int64_t sec, int64_t reserved, int64_t used) {
-    if (!g || !g->rl || !sec) return;
+/* The request counted `reserved` tokens in second `sec`; it used `used`. */
+static void rate_settle(allowance *a, int64_t sec, int64_t reserved, int64_t used) {
+    if (!a->rl || !sec) return;
     int i = (int)(sec % RL_SLOTS);
-    if (g->rl->sec[i] != sec) return; /* that second has left the window */
-    g->rl->tok[i] += used - reserved;
-    if (g->rl->tok[i] < 0) g->rl->tok[i] = 0;
+    if (a->rl->sec[i] != sec) return; /* that second has left the window */
+    a->rl->tok[i] += used - reserved;
+    if (a->rl->tok[i] < 0) a->rl->tok[i] = 0;
+}
+
+/* ---- the reservation path: budgets and rate limits, together ----
+ *
+ * A request answers to its key's allowance and its group's. It is held
+ * against all of them in one call and settled in one call:
+ * hold_reserve() checks every rate limit, then every budget, and holds the
+ * worst case in all of them or in none; hold_settle() replaces the hold by
+ * what the request was charged and used (a release is a settle of
+ * nothing). They are the seam for a store that several ltg instances
+ * share: it replaces these two, not the callers. */
+typedef struct {
+    int64_t cost;   /* micro-USD held against each budget */
+    int64_t tok;    /* tokens counted in each window */
+    int64_t sec;    /* the second they are counted in (0: nothing held) */
+} hold;
+
+typedef struct {
+    int who;            /* the allowance that refused: its index */
+    const char *limit;  /* "rpm_limit", "tpm_limit" or "max_budget" */
+    long wait;          /* a rate limit's seconds until enough frees */
+} hold_refusal;
+
+static int hold_reserve(allowance *const al[], int n, int64_t cost, int64_t tok, int64_t now, hold *h, hold_refusal *why) {
+    for (int i = 0; i < n; i++)
+        if ((why->wait = rate_check(al[i], tok, &why->limit))) { why->who = i; return LTG_ERR; }
+    for (int i = 0; i < n; i++)
+        if (!budget_fits(al[i], cost, now)) { *why = (hold_refusal){i, "max_budget", 0}; return LTG_ERR; }
+    *h = (hold){cost, tok, S.now / 1000};
+    for (int i = 0; i < n; i++) al[i]->reserved += cost, rate_count(al[i], tok, h->sec);
+    return 0;
+}
+
+/* The request held *h: it was charged `charged` micro-USD and used `used`
+ * tokens. An allowance gone meanwhile (its key or group deleted) is NULL. */
+static void hold_settle(allowance *const al[], int n, hold *h, int64_t charged, int64_t used, int64_t now) {
+    for (int i = 0; h->sec && i < n; i++) {
+        if (!al[i]) continue;
+        budget_refresh(al[i], now);
+        al[i]->reserved -= h->cost, al[i]->spend += charged;
+        rate_settle(al[i], h->sec, h->tok, used);
+    }
+    *h = (hold){0, 0, 0};
 }
 
 /* ---- response pins (previous_response_id) ---- */
@@ -5458,7 +5783,7 @@ static void rate_settle(group *g, int64_t sec, int64_t reserved, int64_t used) {
 typedef struct {
     int64_t at;      /* S.now when made */
     size_t idlen;
-    char text[];     /* the response id, NUL, the alias, NUL */
+    char text[];     /* the response id, NUL, the alias, NUL, the deployment's name, NUL */
 } pin;
 
 static const void *pin_key(const void *it, size_t *n) { *n = ((const pin *)it)->idlen; return ((const pin *)it)->text; }
@@ -5479,24 +5804,25 @@ static void pins_expire(void) {
     while (PINS.n && PINS.ring[PINS.head]->at + PIN_TTL_MS <= S.now) pin_drop_oldest();
 }
 
-/* Response `id` (n bytes) was made by `alias`. */
-static void pin_put(const char *id, size_t n, const char *alias) {
+/* Response `id` (n bytes) was made by `alias` on deployment `dep`. */
+static void pin_put(const char *id, size_t n, const char *alias, const char *dep) {
     if (!n || n > 256) return; /* an id is short; a long one is not a provider's */
     if (!PINS.ring) PINS.ring = xcalloc(PIN_MAX, sizeof *PINS.ring);
     pins_expire();
     if (PINS.n == PIN_MAX) pin_drop_oldest(); /* full: the oldest makes room */
-    size_t an = strlen(alias);
-    pin *p = xcalloc(1, sizeof *p + n + an + 2);
+    size_t an = strlen(alias), dn = strlen(dep);
+    pin *p = xcalloc(1, sizeof *p + n + an + dn + 3);
     p->at = S.now, p->idlen = n;
-    memcpy(p->text, id, n), memcpy(p->text + n + 1, alias, an);
+    memcpy(p->text, id, n), memcpy(p->text + n + 1, alias, an), memcpy(p->text + n + an + 2, dep, dn);
     hmap_put(&PINS.map, p); /* an id made twice: the newer wins; the older leaves with its ring slot */
     PINS.ring[(PINS.head + PINS.n++) % PIN_MAX] = p;
 }
 
-/* The alias that made response `id`, or NULL. */
-static const char *pin_get(const char *id, size_t n) {
+/* The alias that made response `id`, or NULL; *dep gets its deployment's name. */
+static const char *pin_get(const char *id, size_t n, const char **dep) {
     pins_expire();
     pin *p = hmap_get(&PINS.map, id, n);
+    if (p) *dep = p->text + n + strlen(p->text + n + 1) + 2;
     return p ? p->text + n + 1 : NULL;
 }
 
@@ -6377,9 +6703,7 @@ static void keys_get(conn *c, const admin_who *who, const char *id) {
 /* Step 4 for a group: log its new state with the answer, then swap it in
  * (or drop it when the log refused). */
 static void group_commit(conn *c, const idem_ticket *tk, group *g, int status) {
-    int64_t start, end, now = wall_ms();
-    group_period(g, now, &start, &end);
-    if (start != g->period_start) budget_recount(g, now); /* the change moved the period: what it spent is summed again */
+    budget_follow(&g->al, 'g', g->id, wall_ms());
     buf ops = {0}, body = {0};
     jwriter w;
     jw_init(&w, &ops), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, "put_group"), group_json(&w, g, 1), jw_close(&w, '}'), jw_close(&w, ']');
@@ -6405,9 +6729,9 @@ static void groups_create(conn *c, const admin_who *who, const char *id) {
     uuid_new(g->id);
     g->version = 1;
     g->created_at = g->updated_at = wall_ms();
-    if (g->has_budget) g->budget_anchor = g->created_at;
+    if (g->al.has_budget) g->al.budget_anchor = g->created_at;
     int64_t end;
-    group_period(g, g->created_at, &g->period_start, &end); /* a new group has spent nothing */
+    allow_period(&g->al, g->created_at, &g->al.period_start, &end); /* a new group has spent nothing */
     group_commit(c, &tk, g, 201);
 }
 
@@ -6441,10 +6765,7 @@ static void groups_update(conn *c, const admin_who *who, const char *id) {
     }
     g->version = cur->version + 1;
     g->updated_at = wall_ms();
-    /* A budget's period is anchored when the budget is set; changing the
-     * amount keeps the period, changing the duration starts a new one. */
-    if (!g->has_budget) g->budget_anchor = 0;
-    else if (!cur->has_budget || g->budget_days != cur->budget_days) g->budget_anchor = g->updated_at;
+    allow_reanchor(&g->al, &cur->al, g->updated_at);
     group_commit(c, &tk, g, 200);
 }
 
@@ -6502,33 +6823,20 @@ static void keys_create(conn *c, const admin_who *who, const char *id) {
     idem_ticket tk;
     json_tok *t;
     if (!idem_begin(c, who, &tk) || admin_body(c, &t) < 0) return;
-    const char *s = c->body.p;
+    tkey *k = tkey_new();
     verr e = {0};
-    int nm = -1, gid = -1, i = 1;
-    if (t[0].type != JSON_OBJECT) verr_at(&e, NULL, NULL, "the body must be a JSON object: {\"name\": ..., \"token_group_id\": ...}");
-    else if (no_duplicate_keys(s, t, 0, NULL, &e) < 0) { /* e is set */ }
-    else
-        for (int m = 0; m < t[0].size && !e.code; m++, i = t[i + 1].next) {
-            char key[128];
-            snprintf(key, sizeof key, "%.*s", (int)(t[i].end - t[i].start < 100 ? t[i].end - t[i].start : 100), s + t[i].start);
-            if (json_eq(s, t, i, "name")) nm = i + 1;
-            else if (json_eq(s, t, i, "token_group_id")) gid = i + 1;
-            else verr_at(&e, key, NULL, "unknown field (a token key has name and token_group_id)");
-        }
-    if (!e.code && (nm < 0 || !name_ok(s, t, nm, NAME_MAX_LEN)))
-        verr_at(&e, "name", NULL, "is required: a string of 1 to %d bytes, without NUL", NAME_MAX_LEN);
-    char gidbuf[64] = "";
-    if (!e.code && (gid < 0 || t[gid].type != JSON_STRING)) verr_at(&e, "token_group_id", NULL, "is required: the id of a token group");
-    if (!e.code) snprintf(gidbuf, sizeof gidbuf, "%.*s", (int)(t[gid].end - t[gid].start < 60 ? t[gid].end - t[gid].start : 60), s + t[gid].start);
-    if (!e.code && !group_find(gidbuf)) verr_at(&e, "token_group_id", NULL, "no token group has this id");
-    if (e.code) { admin_verr(c, &e); free(t); return; }
-    tkey *k = xcalloc(1, sizeof *k);
-    k->name = json_strdup(s, t, nm);
+    if (tkey_parse(c->body.p, t, 0, k, PARSE_CREATE, &e) < 0 || tkey_validate(k, &e) < 0) {
+        admin_verr(c, &e);
+        tkey_free(k), free(t);
+        return;
+    }
     free(t);
-    memcpy(k->group_id, gidbuf, 37);
     uuid_new(k->id);
     k->version = 1;
     k->created_at = k->updated_at = wall_ms();
+    if (k->al.has_budget) k->al.budget_anchor = k->created_at;
+    int64_t end;
+    allow_period(&k->al, k->created_at, &k->al.period_start, &end); /* a new key has spent nothing */
     uint8_t raw[32];
     char secret[64] = "ltg_sk_";
     static const char b64url[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
@@ -6552,6 +6860,43 @@ static void keys_create(conn *c, const admin_who *who, const char *id) {
     admin_change(c, &tk, &ops, &PUT_KEY, k, 201, 1, &body, 200, &replay);
     memset(body.p, 0, body.len);
     buf_free(&ops), buf_free(&body), buf_free(&replay);
+}
+
+/* PATCH /token_keys/{id}: its name, allowance, blocked -- as a group's PATCH. */
+static void keys_update(conn *c, const admin_who *who, const char *id) {
+    tkey *cur = tkey_find(id);
+    if (!cur) { admin_missing(c, who, "no token key has this id"); return; }
+    idem_ticket tk;
+    json_tok *t;
+    if (!idem_begin(c, who, &tk) || !if_match(c, cur->version) || admin_body(c, &t) < 0) return;
+    tkey *k = tkey_clone(cur);
+    verr e = {0};
+    if (tkey_parse(c->body.p, t, 0, k, PARSE_PATCH, &e) < 0 || tkey_validate(k, &e) < 0) {
+        admin_verr(c, &e);
+        tkey_free(k), free(t);
+        return;
+    }
+    free(t);
+    buf before = {0}, after = {0}, ops = {0}, body = {0};
+    jwriter w;
+    jw_init(&w, &before), tkey_json(&w, cur, 1);
+    jw_init(&w, &after), tkey_json(&w, k, 1);
+    int same = before.len == after.len && memcmp(before.p, after.p, before.len) == 0;
+    buf_free(&before), buf_free(&after);
+    if (same) { /* nothing changes: no new version, nothing to log */
+        data_open(&w, &body), tkey_json(&w, cur, 0), jw_close(&w, '}');
+        admin_reply(c, 200, cur->version, 0, body.p, body.len);
+        buf_free(&body), tkey_free(k);
+        return;
+    }
+    k->version = cur->version + 1;
+    k->updated_at = wall_ms();
+    allow_reanchor(&k->al, &cur->al, k->updated_at);
+    budget_follow(&k->al, 'k', k->id, k->updated_at);
+    jw_init(&w, &ops), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, "put_key"), tkey_json(&w, k, 1), jw_close(&w, '}'), jw_close(&w, ']');
+    data_open(&w, &body), tkey_json(&w, k, 0), jw_close(&w, '}');
+    admin_change(c, &tk, &ops, &PUT_KEY, k, 200, k->version, &body, 200, &body);
+    buf_free(&ops), buf_free(&body);
 }
 
 /* DELETE /token_keys/{id}: from now on the key gets 401. */
@@ -6669,7 +7014,7 @@ static void usage_summary(conn *c, const admin_who *who, const char *id) {
         for (int i = 0; i < ST.gv.n; i++) {
             group *g = ST.gv.p[i];
             if (g && (!gf || strcmp(gid, g->id) == 0))
-                total.reserved += g->reserved, by_day[(now - start) / DAY_MS].reserved += g->reserved;
+                total.reserved += g->al.reserved, by_day[(now - start) / DAY_MS].reserved += g->al.reserved;
         }
     buf b = {0};
     jwriter w;
@@ -6709,6 +7054,7 @@ static const admin_endpoint admin_endpoints[] = {
     {"POST", "/token_groups", PERM_GROUPS_WRITE, groups_create},
     {"GET", "/token_groups/{id}", PERM_GROUPS_READ, groups_get},
     {"PATCH", "/token_groups/{id}", PERM_GROUPS_WRITE, groups_update},
+    {"PATCH", "/token_keys/{id}", PERM_KEYS_WRITE, keys_update},
     {"DELETE", "/token_groups/{id}", PERM_GROUPS_WRITE, groups_delete},
     {"GET", "/token_keys", PERM_KEYS_READ, keys_list},
     {"POST", "/token_keys", PERM_KEYS_WRITE, keys_create},
@@ -6843,6 +7189,7 @@ typedef struct {
 
 typedef struct {
     int model;            /* index in the chain */
+    int dep;              /* its deployment, -1 for none (a skipped model) */
     int attempt;          /* from 1, per model */
     int status;           /* upstream HTTP status, 0 when none came */
     attempt_outcome outcome;
@@ -6872,7 +7219,13 @@ struct exchange {
     upstream *u;          /* the current attempt's connection */
     buf req;
     x_state state;        /* X_RELAYING: the client has the answer's head, no failover after this */
-    int probe;            /* the current attempt is its model's breaker probe */
+    int dep;              /* the current attempt's deployment of its model */
+    deployment *busy;     /* the deployment its connection counts in flight on (NULL: none) */
+    int key_retry;        /* the next attempt repeats this one with the provider's next key */
+    int pin;              /* previous_response_id's deployment of chain[0] (-1: none): its every attempt */
+    uint32_t avoid;       /* deployments of the current model that answered no_work (bit i: dep[i]) */
+    int avoid_model;      /* ... the chain index of that model */
+    int probe;            /* the current attempt is its deployment's breaker probe */
     int pinned;           /* its response id is pinned to its model (section 14) */
     char anthropic_version[64], anthropic_beta[256]; /* the client's, passed on to an Anthropic provider */
     int key, key_tries;   /* the provider key of the current attempt (-1: none); keys refused during it */
@@ -6881,8 +7234,7 @@ struct exchange {
     timer deadline, t;
     int last_status;      /* of the last failure: what the client gets when all fail */
     char last_reason[200];
-    int64_t reserved;     /* micro-USD held against the group's budget */
-    int64_t rl_sec, rl_tok; /* where the group's rate window counts it (0: no limit), its worst case of tokens */
+    hold hold;            /* its worst case, held against its key's and group's allowances (section 14) */
     long long in_tok, out_tok;
     int usage_known;
     inf_idem *idem;       /* the replay record this request fills */
@@ -6892,6 +7244,15 @@ struct exchange {
 };
 
 static model *exchange_model(exchange *x) { return x->chain[x->plan.model]; }
+static deployment *exchange_dep(exchange *x) { return &exchange_model(x)->dep[x->dep]; }
+
+/* The current attempt's upstream connection is done with: back to the pool
+ * (or closed), and its deployment has one attempt fewer in flight. */
+static void exchange_let_go(exchange *x) {
+    if (!x->u) return;
+    up_release(x->u), x->u = NULL;
+    x->busy->inflight--, x->busy = NULL;
+}
 
 /* ---- the wire format: one row per API kind ----
  *
@@ -7004,12 +7365,12 @@ static int provider_key(provider *p) {
  * rewrites ("model" to the provider's name for it, and a stream's usage
  * request), and the provider's key. */
 static void exchange_build(exchange *x) {
-    model *m = exchange_model(x);
-    provider *p = m->p;
+    deployment *d = exchange_dep(x);
+    provider *p = d->p;
     buf name = {0}, body = {0};
     jwriter w;
     jw_init(&w, &name);
-    jw_cstr(&w, m->upstream);
+    jw_cstr(&w, d->upstream);
     x->edit[0].text = name.p; /* edit 0 is always "model" */
     uint32_t at = 0;
     for (int i = 0; i < x->nedit; i++) {
@@ -7051,7 +7412,7 @@ static void response_pin(exchange *x, const char *s, size_t n, int event) {
     if (id < 0 || t[id].type != JSON_STRING) return;
     buf v = {0};
     json_unescape(s, t, id, &v);
-    pin_put(v.p, v.len, exchange_model(x)->alias);
+    pin_put(v.p, v.len, exchange_model(x)->alias, exchange_dep(x)->name);
     x->pinned = 1;
     buf_free(&v);
 }
@@ -7112,14 +7473,14 @@ static void x_head(exchange *x, int status, const char *ctype, long long length,
 static void exchange_free(exchange *x) {
     group *g = group_find(x->group_id);
     if (g) g->inflight--;
-    if (x->probe) breaker_forget_probe(exchange_model(x));
+    if (x->probe) breaker_forget_probe(exchange_dep(x));
     S.ndetached -= x->detached;
     if (x->idem && !x->idem->done) { /* no answer to keep: a retry may try afresh */
         hmap_del(&INF_IDEM, x->idem->key, 32);
         free(x->idem);
     }
     timer_stop(&x->deadline), timer_stop(&x->t);
-    if (x->u) up_release(x->u);
+    exchange_let_go(x);
     for (int i = 0; i < x->nedit; i++) free(x->edit[i].text);
     buf_free(&x->req), buf_free(&x->body), buf_free(&x->record);
     catalog_release(x->cat);
@@ -7151,8 +7512,8 @@ static void exchange_headers(exchange *x, int status, buf *h) {
 static void exchange_cost_headers(exchange *x, int64_t cost, buf *h) {
     buf_printf(h, "x-ltg-cost: %.6f\r\n", cost > 0 ? (double)cost / MICRO : 0.0);
     group *g = group_find(x->group_id);
-    if (g) budget_refresh(g, wall_ms());
-    double left = g ? budget_remaining(g) : -1;
+    if (g) budget_refresh(&g->al, wall_ms());
+    double left = g ? budget_remaining(&g->al) : -1;
     if (left >= 0) buf_printf(h, "x-ltg-budget-remaining: %.6f\r\n", left);
 }
 
@@ -7163,6 +7524,7 @@ static void exchange_attempts_json(exchange *x, jwriter *w) {
         attempt_entry *e = &x->log[i];
         jw_open(w, '{');
         jw_key(w, "model"), jw_cstr(w, x->chain[e->model]->alias);
+        jw_key(w, "deployment"), jw_cstr(w, e->dep >= 0 ? x->chain[e->model]->dep[e->dep].name : NULL);
         jw_key(w, "attempt"), jw_int(w, e->attempt);
         jw_key(w, "status"), jw_int(w, e->status);
         jw_key(w, "outcome"), jw_cstr(w, outcome_name(e->outcome));
@@ -7180,7 +7542,7 @@ static void attempt_log(exchange *x, int status, attempt_outcome o, const char *
     if (x->nlog == MAX_ATTEMPT_LOG) return;
     int ms = o == OUTCOME_CIRCUIT_OPEN ? 0 : (int)(S.now - x->attempt_started);
     attempt_entry *e = &x->log[x->nlog++];
-    *e = (attempt_entry){x->plan.model, x->plan.attempt, status, o, ms, ""};
+    *e = (attempt_entry){x->plan.model, o == OUTCOME_CIRCUIT_OPEN ? -1 : x->dep, x->plan.attempt, status, o, ms, ""};
     if (why) snprintf(e->error, sizeof e->error, "%.99s", why);
 }
 
@@ -7218,13 +7580,12 @@ static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int 
     if (cache_hit || x->kind->free) cost = 0;
     else if (x->usage_known && m) cost = (int64_t)llround((double)x->in_tok * m->in_price + (double)x->out_tok * m->out_price);
     if (cost >= 0) charged = cost;
-    else if (ev_status != EV_FAILED) charged = x->reserved; /* an answer whose usage never came: the worst case */
+    else if (ev_status != EV_FAILED) charged = x->hold.cost; /* an answer whose usage never came: the worst case */
     group *g = group_find(x->group_id);
+    tkey *k = tkey_find(x->key_id);
     int64_t now = wall_ms() > LG.last_at ? wall_ms() : LG.last_at; /* the ledger never goes back in time */
-    if (g) budget_settle(g, x->reserved, charged, now);
-    x->reserved = 0;
-    long long used = cache_hit ? 0 : x->usage_known ? x->in_tok + x->out_tok : ev_status == EV_FAILED ? 0 : x->rl_tok;
-    rate_settle(g, x->rl_sec, x->rl_tok, used), x->rl_sec = 0; /* as the budget: usage unknown, a failure 0, an answer its worst case */
+    long long used = cache_hit ? 0 : x->usage_known ? x->in_tok + x->out_tok : ev_status == EV_FAILED ? 0 : x->hold.tok; /* as the cost */
+    hold_settle((allowance *[]){k ? &k->al : NULL, g ? &g->al : NULL}, 2, &x->hold, charged, used, now);
     if (x->kind->free) { exchange_observe(x, m, g, 0, 0, 0); return 0; } /* counting tokens costs nothing and leaves no event */
     /* The spend event, in the shape of API.md 3.4. */
     char id[37], ts[64];
@@ -7322,7 +7683,7 @@ static void mask_provider_key(const provider *p, char *s, size_t n) {
 static void exchange_relay(exchange *x) {
     upstream *u = x->u;
     int status = u->resp.status, ok = status >= 200 && status < 300;
-    mask_provider_key(exchange_model(x)->p, u->body.p, u->body.len);
+    mask_provider_key(exchange_dep(x)->p, u->body.p, u->body.len);
     size_t n;
     const char *ct = http_header_get(u->head.p, u->resp.h, u->resp.nh, "content-type", &n);
     char ctype[128];
@@ -7408,8 +7769,7 @@ static void exchange_give_up(exchange *x, int late) {
  * KEY_REST_MS and the attempt is made again at once with the next one,
  * not counted as an attempt (API.md 9). 0 when there is no other key. */
 static int key_rotate(exchange *x, int status) {
-    model *m = exchange_model(x);
-    provider *p = m->p;
+    provider *p = exchange_dep(x)->p;
     if ((status != 401 && status != 403) || x->key < 0 || x->key_tries >= p->nkeys - 1) return 0;
     p->key_bad_until[x->key] = S.now + KEY_REST_MS;
     ltg_log("providers.%s: key %d (of 0..%d) answered %d: not used for %d s", p->name, x->key, p->nkeys - 1, status, KEY_REST_MS / 1000);
@@ -7417,8 +7777,9 @@ static int key_rotate(exchange *x, int status) {
     snprintf(idx, sizeof idx, "%d", x->key);
     metric_add(M_KEY_FAILS, 1, "provider", p->name, "key", idx, NULL);
     x->key_tries++, x->attempts--;
-    if (x->probe) breaker_forget_probe(m), x->probe = 0;
-    up_release(x->u), x->u = NULL;
+    if (x->probe) breaker_forget_probe(exchange_dep(x)), x->probe = 0;
+    exchange_let_go(x);
+    x->key_retry = 1; /* the same deployment, the next key */
     exchange_attempt(x);
     return 1;
 }
@@ -7434,8 +7795,10 @@ static void attempt_end(exchange *x, const attempt_result *r) {
     else if (u && attempt_context_length(r->status, u->body.p, u->body.len)) snprintf(why, sizeof why, "context length exceeded (%d)", r->status);
     else snprintf(why, sizeof why, "answered %d", r->status);
     attempt_log(x, r->status, o, o == OUTCOME_OK ? NULL : why);
-    if (u && u->local && x->probe) breaker_forget_probe(m); /* ltg's own shortage says nothing about the model */
-    else if (!u || !u->local) breaker_record(m, o, x->probe, S.now);
+    deployment *d = r->skipped ? NULL : exchange_dep(x);
+    if (d && u && u->local && x->probe) breaker_forget_probe(d); /* ltg's own shortage says nothing about the provider */
+    else if (d && (!u || !u->local)) breaker_record(d, o, x->probe, S.now);
+    if (d && o == OUTCOME_NO_WORK) x->avoid |= 1u << x->dep;
     x->probe = 0;
     timer_stop(&x->t);
     plan_action next = plan_next(&x->plan, o);
@@ -7448,9 +7811,10 @@ static void attempt_end(exchange *x, const attempt_result *r) {
     size_t n;
     const char *v = u && u->have_head ? http_header_get(u->head.p, u->resp.h, u->resp.nh, "retry-after", &n) : NULL;
     if (v) retry_after = retry_after_ms(v, n, (long long)(wall_ms() / 1000));
-    if (u) up_release(u), x->u = NULL;
+    exchange_let_go(x);
     int late = 0;
-    if (next == PLAN_RETRY_SAME) {
+    if (next == PLAN_RETRY_SAME && x->pin < 0 && deployment_other(m, x->avoid, S.now)) next = PLAN_NEXT_MODEL; /* another deployment, at once */
+    else if (next == PLAN_RETRY_SAME) {
         next = exchange_backoff(x, retry_after);
         late = next != PLAN_RETRY_SAME;
     }
@@ -7458,22 +7822,30 @@ static void attempt_end(exchange *x, const attempt_result *r) {
     else if (next == PLAN_GIVE_UP) exchange_give_up(x, late);
 }
 
-/* Start the attempt the plan points at: none after the deadline, and a
- * model whose breaker is open is skipped (an attempt_end of its own). */
+/* Start the attempt the plan points at, on a deployment of its model
+ * (section 10; a key retry stays on its own, a follow-up of a Responses
+ * answer on the one that made it while its breaker lets it): none after the deadline, and
+ * a model whose every breaker is open is skipped (an attempt_end of its
+ * own). */
 static void exchange_attempt(exchange *x) {
+    model *m = exchange_model(x);
     x->state = X_ATTEMPTING;
     if (S.now >= x->started + x->deadline_ms) { exchange_give_up(x, 1); return; }
-    if (!breaker_allows(exchange_model(x), S.now, &x->probe)) {
+    if (x->avoid_model != x->plan.model) x->avoid = 0, x->avoid_model = x->plan.model;
+    if (x->key_retry) x->key_retry = 0;
+    else if (x->pin >= 0 && breaker_ready(&m->dep[x->pin], S.now)) x->dep = x->pin, breaker_allows(&m->dep[x->dep], S.now, &x->probe);
+    else if ((x->dep = deployment_pick(m, x->avoid, S.now)) < 0) {
         attempt_end(x, &(attempt_result){.error = "skipped: the circuit breaker is open", .skipped = 1});
         return;
-    }
+    } else breaker_allows(&m->dep[x->dep], S.now, &x->probe);
     assert(!x->u); /* the last attempt's connection went back in attempt_end */
     x->in_tok = x->out_tok = 0, x->usage_known = 0; /* an earlier attempt's usage is not this one's */
     exchange_build(x);
     x->attempts++;
     x->attempt_started = S.now;
     if (x->rp.request_timeout_ms > 0) timer_set(&x->t, x->rp.request_timeout_ms);
-    x->u = S.up_open(exchange_model(x)->p, x, exchange_upstream, x->req.p, x->req.len);
+    x->u = S.up_open(exchange_dep(x)->p, x, exchange_upstream, x->req.p, x->req.len);
+    x->busy = exchange_dep(x), x->busy->inflight++;
 }
 
 /* `t` fired: what it means is the exchange's state. */
@@ -7532,7 +7904,7 @@ static void exchange_relay_stream(exchange *x) {
     while ((n = sse_event_len(u->body.p + off, u->body.len - off)) > 0) {
         char *ev = u->body.p + off;
         off += n;
-        mask_provider_key(exchange_model(x)->p, ev, n);
+        mask_provider_key(exchange_dep(x)->p, ev, n);
         int r = stream_event(x, ev, n);
         if (r < 0) { stream_broken(x, "an SSE event whose data is not JSON"); return; }
         if (r == SSE_HIDE || (r == SSE_EMPTY && x->state != X_RELAYING)) continue; /* a comment is not the answer's start */
@@ -7544,7 +7916,7 @@ static void exchange_relay_stream(exchange *x) {
     if (u->complete) {
         if (x->state != X_RELAYING) { stream_broken(x, "the stream ended before its first event"); return; }
         if (u->body.len) { /* no final blank line: pass the rest on */
-            mask_provider_key(exchange_model(x)->p, u->body.p, u->body.len);
+            mask_provider_key(exchange_dep(x)->p, u->body.p, u->body.len);
             exchange_chunk(x, u->body.p, u->body.len);
         }
         x_send(x, "0\r\n\r\n", 5);
@@ -7666,8 +8038,8 @@ typedef struct {
     size_t ikn;
     uint8_t idem_key[32], body_hash[32];
     inf_idem *replay;         /* an earlier request with the same key */
-    int64_t worst;            /* the reservation, once held */
-    int64_t rl_tok;           /* the worst case of tokens, for the group's tpm_limit */
+    hold hold;                /* its worst case, once held */
+    int pin_dep;              /* previous_response_id's deployment of chain[0], or -1 */
     char retry_after[40];     /* a rate limit's Retry-After header line */
 } admission;
 
@@ -7706,6 +8078,7 @@ static int admit_key(admission *a, refusal *r) {
         a->g = NULL;
         return refuse(r, 401, "invalid_api_key", NULL, "invalid API key: unknown or revoked (admin keys are not accepted here)");
     }
+    if (a->key->blocked) return refuse(r, 403, "key_blocked", NULL, "this token key is blocked (an admin unblocks it: PATCH /token_keys/{id} with \"blocked\": false)");
     return a->g->blocked ? refuse(r, 403, "group_blocked", NULL, "this key's token group is blocked") : ADMIT;
 }
 
@@ -7738,30 +8111,32 @@ static int admit_model(admission *a, refusal *r) {
         return refuse(r, 403, "model_not_allowed", NULL, "this key may not call \"%.200s\" (GET /v1/models lists the models it may call)", a->name.p);
     if (!m) return refuse(r, 404, "model_not_found", NULL, "the model \"%.200s\" is no longer in this gateway's catalog", a->name.p);
     int prev = a->kind && a->kind->pins ? json_get(a->body, a->t, 0, "previous_response_id") : -1;
-    const char *pinned = NULL;
+    const char *pinned = NULL, *dep = NULL;
     if (prev >= 0 && a->t[prev].type == JSON_STRING) {
         buf id = {0};
         json_unescape(a->body, a->t, prev, &id);
-        pinned = id.p ? pin_get(id.p, id.len) : NULL; /* it lives in the pin, not in id */
+        pinned = id.p ? pin_get(id.p, id.len, &dep) : NULL; /* it lives in the pin, not in id */
         buf_free(&id);
     }
     if (pinned) {
         if (!group_allows(g, pinned))
             return refuse(r, 403, "model_not_allowed", NULL, "previous_response_id names a response of \"%.200s\", which this key may not call", pinned);
-        if (!(m = catalog_model(S.cat, pinned, strlen(pinned))) || m->p->api != a->kind->api)
+        if (!(m = catalog_model(S.cat, pinned, strlen(pinned))) || m->api != a->kind->api)
             return refuse(r, 404, "model_not_found", NULL, "previous_response_id names a response of \"%.200s\", no longer in this gateway's catalog", pinned);
         a->chain[a->nchain++] = m;
+        for (int i = 0; i < m->ndep; i++)
+            if (strcmp(m->dep[i].name, dep) == 0) a->pin_dep = i; /* its provider holds the conversation */
         return ADMIT;
     }
-    if (m->p->api != a->kind->api)
+    if (m->api != a->kind->api)
         return refuse(r, 400, "invalid_request", NULL, "the model \"%.200s\" is served through %s: call it on %s", a->name.p,
-                      m->p->api == API_ANTHROPIC ? "Anthropic's Messages API" : "OpenAI's API",
-                      m->p->api == API_ANTHROPIC ? "/v1/messages" : "/v1/chat/completions (or /v1/responses, /v1/completions, /v1/embeddings)");
+                      m->api == API_ANTHROPIC ? "Anthropic's Messages API" : "OpenAI's API",
+                      m->api == API_ANTHROPIC ? "/v1/messages" : "/v1/chat/completions (or /v1/responses, /v1/completions, /v1/embeddings)");
     a->chain[a->nchain++] = m;
     for (int i = 0; i < g->nfb; i++)
         for (int k = 0; strcmp(g->fb[i].model, a->name.p) == 0 && k < g->fb[i].n; k++) {
             model *f = catalog_model(S.cat, g->fb[i].to[k], strlen(g->fb[i].to[k]));
-            if (f && f->p->api == a->kind->api && a->nchain < MAX_CHAIN) a->chain[a->nchain++] = f; /* a fallback of another API is skipped */
+            if (f && f->api == a->kind->api && a->nchain < MAX_CHAIN) a->chain[a->nchain++] = f; /* a fallback of another API is skipped */
         }
     return ADMIT;
 }
@@ -7844,46 +8219,40 @@ static int admit_storage(admission *a, refusal *r) {
     return refuse(r, 503, "storage_unavailable", "Retry-After: 1\r\n", "spend events cannot be recorded now (%.300s): nothing is sent upstream until they can", why);
 }
 
-/* The group's rate limits (section 14): checked here, counted when the
- * request starts, so that a request refused by a later check counts for
- * nothing. */
-static int admit_rate(admission *a, refusal *r) {
-    group *g = a->g;
-    if (a->kind->free || (g->rpm_limit == UNSET && g->tpm_limit == UNSET)) return ADMIT;
+/* The worst case -- of cost (section 14) and of tokens (the prompt's
+ * bytes / 3 and the output limit) -- is held against the key's and the
+ * group's budgets and rate limits: the last check, so that a request
+ * refused by another holds nothing. */
+static int admit_hold(admission *a, refusal *r) {
+    if (a->kind->free) return ADMIT;
+    allowance *al[2] = {&a->key->al, &a->g->al};
+    static const char *const whose[2] = {"this key", "this key's group"};
     long long out = 0;
     for (int i = 0; i < a->nchain; i++) {
         long long o = a->max_tokens > 0 ? a->max_tokens : a->chain[i]->max_output_tokens;
         if (o > out) out = o;
     }
-    a->rl_tok = (long long)(a->c->body.len + 2) / 3 + out; /* the worst case: as for the budget */
-    if (g->tpm_limit != UNSET && a->rl_tok > g->tpm_limit)
-        return refuse(r, 400, "invalid_request", NULL, "this request may use up to %lld tokens, more than its group's tpm_limit of %lld a minute: lower its output limit",
-                      (long long)a->rl_tok, g->tpm_limit);
-    const char *which;
-    long wait = rate_check(g, a->rl_tok, &which);
-    if (!wait) return ADMIT;
-    metric_add(M_RATE_LIMITED, 1, "token_group", g->name, "limit", which, NULL);
-    snprintf(a->retry_after, sizeof a->retry_after, "Retry-After: %ld\r\n", wait);
-    return refuse(r, 429, "rate_limited", a->retry_after, "this key's group allows %lld %s a minute and the last minute used them: retry after %ld s",
-                  which[0] == 'r' ? g->rpm_limit : g->tpm_limit, which[0] == 'r' ? "requests" : "tokens", wait);
-}
-
-/* The worst case is held against the budget (section 14): the last check,
- * so that a request refused by another never holds any. */
-static int admit_budget(admission *a, refusal *r) {
-    group *g = a->g;
-    int64_t worst = a->kind->free ? 0 : worst_case(a->chain, a->nchain, a->c->body.len, a->max_tokens);
-    if (budget_reserve(g, worst, wall_ms()) == 0) {
-        a->worst = worst;
-        return ADMIT;
+    int64_t cost = worst_case(a->chain, a->nchain, a->c->body.len, a->max_tokens), tok = (long long)(a->c->body.len + 2) / 3 + out;
+    for (int i = 0; i < 2; i++)
+        if (al[i]->tpm_limit != UNSET && tok > al[i]->tpm_limit)
+            return refuse(r, 400, "invalid_request", NULL, "this request may use up to %lld tokens, more than the tpm_limit of %s, %lld a minute: lower its output limit",
+                          (long long)tok, whose[i], al[i]->tpm_limit);
+    hold_refusal why;
+    if (hold_reserve(al, 2, cost, tok, wall_ms(), &a->hold, &why) == 0) return ADMIT;
+    const allowance *w = al[why.who];
+    if (why.wait) {
+        metric_add(M_RATE_LIMITED, 1, "token_group", a->g->name, "scope", why.who ? "group" : "key", "limit", why.limit, NULL);
+        snprintf(a->retry_after, sizeof a->retry_after, "Retry-After: %ld\r\n", why.wait);
+        return refuse(r, 429, "rate_limited", a->retry_after, "%s allows %lld %s a minute and the last minute used them: retry after %ld s", whose[why.who],
+                      why.limit[0] == 'r' ? w->rpm_limit : w->tpm_limit, why.limit[0] == 'r' ? "requests" : "tokens", why.wait);
     }
-    return refuse(r, 403, "budget_exceeded", NULL, "this group's budget of %.6f USD%s has %.6f USD left, and this request may cost up to %.6f USD",
-                  g->max_budget, g->budget_days ? " per period" : "", budget_remaining(g), (double)worst / MICRO);
+    return refuse(r, 403, "budget_exceeded", NULL, "the budget of %s, %.6f USD%s, has %.6f USD left, and this request may cost up to %.6f USD", whose[why.who],
+                  w->max_budget, w->budget_days ? " per period" : "", budget_remaining(w), (double)cost / MICRO);
 }
 
 /* The checks, in order: the first that does not admit decides. */
 static int (*const admission_checks[])(admission *, refusal *) = {
-    admit_key, admit_body, admit_model, admit_options, admit_overrides, admit_idempotency, admit_parallel, admit_storage, admit_rate, admit_budget,
+    admit_key, admit_body, admit_model, admit_options, admit_overrides, admit_idempotency, admit_parallel, admit_storage, admit_hold,
 };
 
 /* A refused request's answer: the error, and what it cost (nothing) and
@@ -7892,8 +8261,8 @@ static void inference_refuse(admission *a, const refusal *r) {
     buf h = {0};
     if (r->headers) buf_puts(&h, r->headers);
     buf_puts(&h, "x-ltg-cost: 0.000000\r\n");
-    if (a->g) budget_refresh(a->g, wall_ms());
-    if (a->g && a->g->has_budget) buf_printf(&h, "x-ltg-budget-remaining: %.6f\r\n", budget_remaining(a->g));
+    if (a->g) budget_refresh(&a->g->al, wall_ms());
+    if (a->g && a->g->al.has_budget) buf_printf(&h, "x-ltg-budget-remaining: %.6f\r\n", budget_remaining(&a->g->al));
     conn_error(a->c, r->status, r->code, h.p, "%s", r->msg);
     buf_free(&h);
 }
@@ -7918,9 +8287,9 @@ static exchange *exchange_new(admission *a) {
     }
     x->rp = a->rp, x->deadline_ms = a->deadline_ms;
     x->plan = plan_start(a->nchain, a->rp.max_attempts);
+    x->pin = a->pin_dep;
     x->started = S.now;
-    x->reserved = a->worst; /* held by budget_reserve */
-    x->rl_tok = a->rl_tok, x->rl_sec = a->kind->free ? 0 : rate_reserve(a->g, a->rl_tok); /* checked by admit_rate */
+    x->hold = a->hold; /* held by admit_hold */
     a->g->inflight++;
     timer_init(&x->deadline, exchange_deadline, x);
     timer_init(&x->t, exchange_timer, x);
@@ -7975,7 +8344,7 @@ static void inference_start(admission *a) {
 /* POST /v1/chat/completions and /v1/embeddings: parse, admit, start. */
 static void inference_call(conn *c, const wire_kind *kind) {
     json_tok t[MAX_BODY_FIELDS];
-    admission a = {.c = c, .kind = kind, .t = t};
+    admission a = {.c = c, .kind = kind, .t = t, .pin_dep = -1};
     refusal r;
     int v = ADMIT;
     for (size_t i = 0; v == ADMIT && i < sizeof admission_checks / sizeof *admission_checks; i++) v = admission_checks[i](&a, &r);
@@ -7992,7 +8361,7 @@ static void model_json(jwriter *w, const model *m) {
     jw_key(w, "id"), jw_cstr(w, m->alias);
     jw_key(w, "object"), jw_cstr(w, "model");
     jw_key(w, "created"), jw_int(w, 0);
-    jw_key(w, "owned_by"), jw_cstr(w, m->p->name);
+    jw_key(w, "owned_by"), jw_cstr(w, m->dep[0].p->name);
     jw_close(w, '}');
 }
 
@@ -8065,7 +8434,7 @@ static const struct { const char *name, *type, *help; } FAMILY[NFAMILIES] = {
     [M_LEDGER] = {"ltg_ledger_events_total", "counter", "Spend events written to the ledger."},
     [M_FSYNC] = {"ltg_log_fsync_seconds", "histogram", "Each fdatasync of the state log or the ledger."},
     [M_KEY_FAILS] = {"ltg_provider_key_failures_total", "counter", "A provider key answered 401 or 403 and rested (key: its index, never the key)."},
-    [M_RATE_LIMITED] = {"ltg_rate_limited_total", "counter", "Requests refused with 429 rate_limited, by group and limit."},
+    [M_RATE_LIMITED] = {"ltg_rate_limited_total", "counter", "Requests refused with 429 rate_limited, by group, the limit's scope (key or group) and limit."},
     [M_DROPPED] = {"ltg_metrics_series_dropped_total", "counter", "Observations not recorded: the series table was full."},
 };
 
@@ -8203,16 +8572,25 @@ static void metrics_gauges(buf *b) {
     metric_head(b, "ltg_budget_remaining_usd", "gauge", "USD left in the current budget period (groups with a budget).");
     for (int i = 0; i < ST.gv.n; i++) {
         group *g = ST.gv.p[i];
-        if (g && g->has_budget) budget_refresh(g, now), gauge(b, "ltg_budget_remaining_usd", budget_remaining(g), "token_group", g->name, NULL);
+        if (g && g->al.has_budget) budget_refresh(&g->al, now), gauge(b, "ltg_budget_remaining_usd", budget_remaining(&g->al), "token_group", g->name, NULL);
     }
     metric_head(b, "ltg_reserved_usd", "gauge", "USD held by requests in flight (groups with a budget).");
     for (int i = 0; i < ST.gv.n; i++) {
         group *g = ST.gv.p[i];
-        if (g && g->has_budget) gauge(b, "ltg_reserved_usd", (double)g->reserved / MICRO, "token_group", g->name, NULL);
+        if (g && g->al.has_budget) gauge(b, "ltg_reserved_usd", (double)g->al.reserved / MICRO, "token_group", g->name, NULL);
     }
-    metric_head(b, "ltg_circuit_open", "gauge", "1 while the model's circuit breaker is open.");
+    metric_head(b, "ltg_circuit_open", "gauge", "1 while the circuit breaker of the model's deployment is open.");
     for (int i = 0; i < S.cat->nmodels; i++)
-        gauge(b, "ltg_circuit_open", S.cat->models[i].cb_open_until > S.now, "model", S.cat->models[i].alias, NULL);
+        for (int k = 0; k < S.cat->models[i].ndep; k++) {
+            const deployment *d = &S.cat->models[i].dep[k];
+            gauge(b, "ltg_circuit_open", d->cb_open_until > S.now, "model", d->m->alias, "deployment", d->name, NULL);
+        }
+    metric_head(b, "ltg_deployment_in_flight", "gauge", "Attempts in flight on the model's deployment (the catalog in use).");
+    for (int i = 0; i < S.cat->nmodels; i++)
+        for (int k = 0; k < S.cat->models[i].ndep; k++) {
+            const deployment *d = &S.cat->models[i].dep[k];
+            gauge(b, "ltg_deployment_in_flight", d->inflight, "model", d->m->alias, "deployment", d->name, NULL);
+        }
     metric_head(b, "ltg_upstream_connections", "gauge", "Connections to providers: serving a request, or idle in the pool.");
     for (int i = 0; i < S.cat->nprov; i++) {
         provider *p = &S.cat->prov[i];

@@ -29,6 +29,9 @@
 #   BENCH_PIN=0     do not pin the 1-connection runs to one core (see below)
 #   BENCH_TLS=0     skip the HTTPS section (it needs the openssl command)
 #   BENCH_HISTORY_EVENTS  events of the long-history section (10000000; 0 skips it)
+#   BENCH_TRAFFIC_BASE    the revision measured as "before" in the traffic section (b40c800,
+#                   the last before deployments and rate limits; empty skips that section)
+#   BENCH_TRAFFIC_ROUNDS  its interleaved rounds (3)
 #   BENCH_BASE      the git revision measured as "before" there (2a946e7; empty skips it)
 #
 # The 1-connection runs are pinned (taskset) to one core: wrk, the mock and the
@@ -306,7 +309,7 @@ launch_ltg() {
     for try in 1 2 3; do
         L_PORT=$(free_port)
         L_ADMIN_PORT=$(free_port)
-        "$ROOT/ltg" --config "$config" --data "$T/$name-data" --listen "127.0.0.1:$L_PORT" \
+        "${LTG_BIN:-$ROOT/ltg}" --config "$config" --data "$T/$name-data" --listen "127.0.0.1:$L_PORT" \
             --admin-listen "127.0.0.1:$L_ADMIN_PORT" "$@" 2>>"$T/$name.log" &
         L_PID=$!
         PIDS+=("$L_PID")
@@ -702,6 +705,85 @@ for m in rps p50 p99 cpu; do
 done
 echo
 
+# ---------------------------------------------------------------- traffic
+# Deployments and limits on the hot path (issue 15): ltg-traffic is this
+# build with the bench alias spread over two deployments (both to the mock,
+# weights 1:1: every request picks one) and rate limits and a budget on its
+# group and on its key, set high enough never to refuse (every request is
+# checked, held and settled in both); ltg-before is BENCH_TRAFFIC_BASE built
+# here, one deployment, no limits: ltg as it was before the issue. The two
+# alternate, BENCH_TRAFFIC_ROUNDS rounds of a warm-up and a 64-connection
+# run each, so that drift on the machine falls on both; medians compared.
+TRAFFIC_BASE=${BENCH_TRAFFIC_BASE-b40c800}
+TRAFFIC_ROUNDS=${BENCH_TRAFFIC_ROUNDS:-3}
+if [ -n "$TRAFFIC_BASE" ] && git -C "$ROOT" cat-file -e "$TRAFFIC_BASE^{commit}" 2>/dev/null; then
+    rm -rf "$T/traffic-src" && mkdir -p "$T/traffic-src"
+    git -C "$ROOT" archive "$TRAFFIC_BASE" ltg.c ltg.h | tar -x -C "$T/traffic-src"
+    ${CC:-cc} -O2 -std=c11 -w -static -o "$T/ltg-before" "$T/traffic-src/ltg.c" $(ls /usr/lib/*/libbearssl.a | head -n 1) -lm ||
+        die "building $TRAFFIC_BASE failed"
+    cat >"$T/ltg-traffic.json" <<EOF
+{
+  "providers": { "mock": { "base_url": "$MOCK_URL/v1", "api_key_env": "LTG_BENCH_MOCK_KEY" } },
+  "models": {
+    "$ALIAS": { "deployments": [ { "provider": "mock", "upstream_model": "$UPSTREAM_MODEL" },
+                                 { "provider": "mock", "upstream_model": "bench-mode2" } ],
+                "input_usd_per_mtok": 0.60, "output_usd_per_mtok": 2.50 }
+  },
+  "admin_keys": [ { "key_env": "LTG_BENCH_ADMIN_KEY", "permissions": ["*"] } ]
+}
+EOF
+    launch_ltg ltg-traffic "$T/ltg-traffic.json"
+    TR_PORT=$L_PORT TR_PID=$L_PID
+    TA="http://127.0.0.1:$L_ADMIN_PORT/v2/llm_token_gateway"
+    LIMITS='"rpm_limit":1000000,"tpm_limit":1000000000,"max_budget":1000000,"budget_duration":"1d"'
+    TR_GID=$(curl -s "$TA/token_groups" -H "Authorization: Bearer $LTG_BENCH_ADMIN_KEY" -H "Idempotency-Key: bench-tg-$$" \
+          -d "{\"name\":\"bench\",\"allowed_models\":[\"$ALIAS\"],$LIMITS}" | sed -n 's/.*"id":"\([^"]*\)".*/\1/p' | head -n 1)
+    TR_KEY=$(curl -s "$TA/token_keys" -H "Authorization: Bearer $LTG_BENCH_ADMIN_KEY" -H "Idempotency-Key: bench-tk-$$" \
+          -d "{\"name\":\"bench\",\"token_group_id\":\"$TR_GID\",$LIMITS}" | sed -n 's/.*"token":"\(ltg_sk_[^"]*\)".*/\1/p')
+    [ -n "$TR_KEY" ] || die "could not provision the traffic section's group and key"
+    LTG_BIN=$T/ltg-before launch_ltg ltg-before "$T/ltg.json"
+    BEFORE_PORT=$L_PORT BEFORE_PID=$L_PID
+    provision_key "$L_ADMIN_PORT" BEFORE_KEY
+    write_lua "$T/post-traffic.lua" "$TR_KEY"
+    write_lua "$T/post-before.lua" "$BEFORE_KEY"
+    URL[ltg-traffic]=http://127.0.0.1:$TR_PORT URL[ltg-before]=http://127.0.0.1:$BEFORE_PORT
+    PID_OF[ltg-traffic]=$TR_PID PID_OF[ltg-before]=$BEFORE_PID
+    declare -A TRAFFIC_LUA=([ltg-traffic]=$T/post-traffic.lua [ltg-before]=$T/post-before.lua)
+    declare -A TRAFFIC_RPS=()
+    s0=$(mock_stats)
+    for round in $(seq "$TRAFFIC_ROUNDS"); do
+        for n in ltg-before ltg-traffic; do
+            LUA=${TRAFFIC_LUA[$n]}
+            warm_up "$n"
+            measure "$n" "c64r$round" 2 64
+            TRAFFIC_RPS[$n]="${TRAFFIC_RPS[$n]:-} ${R[$n,c64r$round,rps]}"
+        done
+    done
+    LUA=$T/post.lua
+    s1=$(mock_stats)
+    TR_A=$(($(mock_stat "$UPSTREAM_MODEL" "$s1") - $(mock_stat "$UPSTREAM_MODEL" "$s0")))
+    TR_B=$(($(mock_stat bench-mode2 "$s1") - $(mock_stat bench-mode2 "$s0")))
+    # shellcheck disable=SC2086
+    TR_BEFORE=$(median ${TRAFFIC_RPS[ltg-before]}) TR_NOW=$(median ${TRAFFIC_RPS[ltg-traffic]})
+    TR_ERR=${R[ltg-traffic,c64r1,errs]}
+    for round in $(seq "$TRAFFIC_ROUNDS"); do
+        case ${R[ltg-traffic,c64r$round,errs]} in *=[1-9]*) ERRORS_SEEN=1; TR_ERR=${R[ltg-traffic,c64r$round,errs]} ;; esac
+    done
+    echo "### deployments and limits on the hot path (same run, interleaved)"
+    echo
+    echo "- ltg-before: $TRAFFIC_BASE (before issue 15), one deployment, no limits; ltg-traffic: this build, the alias"
+    echo "  over two deployments (1:1) and rpm_limit, tpm_limit and a budget on both the group and the key (never reached)"
+    echo "- $TRAFFIC_ROUNDS rounds, each: ${WARM} s warm-up and ${SECS} s at 64 connections of ltg-before, then of ltg-traffic"
+    echo
+    echo "| metric | ltg-before | ltg-traffic | ratio |"
+    echo "| --- | ---: | ---: | ---: |"
+    echo "| requests/s, 64 conns (median; the runs) | $TR_BEFORE (${TRAFFIC_RPS[ltg-before]# }) | $TR_NOW (${TRAFFIC_RPS[ltg-traffic]# }) | $(ratio "$TR_NOW" "$TR_BEFORE") |"
+    echo "| requests to each deployment (warm-ups included) | | $TR_A : $TR_B | |"
+    echo
+    TRAFFIC_T=$(awk -v a="$TR_NOW" -v b="$TR_BEFORE" 'BEGIN {print (a >= 0.97 * b) ? 1 : 0}')
+    kill "$BEFORE_PID" "$TR_PID" 2>/dev/null; wait "$BEFORE_PID" "$TR_PID" 2>/dev/null
+fi
+
 # ---------------------------------------------------------------- targets
 MISSED=0
 verdict() { if [ "$1" = 1 ]; then echo "MET"; else echo "NOT MET"; MISSED=1; fi; }
@@ -723,6 +805,7 @@ t7=$(awk -v l="${R[ltg-stream,c64,rps]}" -v n="${R[nginx-stream,c64,rps]}" 'BEGI
 echo "- ltg short streams/s at 64 conns >= 0.8x nginx: $(verdict "$t7") ($(ratio "${R[ltg-stream,c64,rps]}" "${R[nginx-stream,c64,rps]}"))"
 echo "- ltg added p50 at 1 conn within 2x nginx's added p50: $(verdict "$t2") ($t2_note)"
 echo "- ltg peak RSS <= 15 MiB ($LIMIT_KB kB): $(verdict "$t3") (${R[ltg,hwm]} kB)"
+[ -n "${TRAFFIC_T:-}" ] && echo "- two deployments and limits on: requests/s at 64 conns no lower than before issue 15 (>= 0.97x, the run-to-run noise): $(verdict "$TRAFFIC_T") ($(ratio "$TR_NOW" "$TR_BEFORE"))"
 echo "- ltg errors under load (non-2xx, socket errors): $( [ "$ERRORS_SEEN" = 0 ] && echo none || echo "SEEN: 1 conn: ${R[ltg,c1,errs]}; 64 conns: ${R[ltg,c64,errs]}")"
 if [ "$TLS" = 1 ]; then
     if [ -n "$TLS_LINE" ] && [ "${TLS_REQS:-0}" -gt 0 ]; then

@@ -2275,6 +2275,40 @@ def create_key(gid, name=None, port=None, key=AUTO):
     return d, token
 
 
+def check_x_headers(r, status, attempts, served=None, what="the answer"):
+    """API.md 4.1: x-ltg-attempts on every answer, x-ltg-served-model on 2xx only, request ids."""
+    check(r.status == status, "%s: status %d, want %d: %s" % (what, r.status, status, r.brief()))
+    got = r.header_all("x-ltg-attempts")
+    check(got == [str(attempts)], "%s: x-ltg-attempts %r, want %r" % (what, got, str(attempts)))
+    sm = r.header_all("x-ltg-served-model")
+    if 200 <= status < 300:
+        check(sm == [served], "%s: x-ltg-served-model %r, want %r" % (what, sm, served))
+    else:
+        check(sm == [], "%s: x-ltg-served-model %r on a %d answer (only 2xx answers carry it)" % (what, sm, status))
+    rid = r.header("x-ltg-request-id")
+    check(rid and r.header("x-request-id") == rid, "%s: x-ltg-request-id %r / X-Request-ID %r"
+          % (what, rid, r.header("x-request-id")))
+
+
+class Provisioned:
+    """A token group made for a test, and a token key of it."""
+    def __init__(self, gid, token):
+        self.gid, self.token = gid, token
+
+
+def provision(a, prefix, models, fallbacks=None, retries=None):
+    """A group named prefix-... allowing `models` (with `fallbacks`, `retries` when given) and a
+    key of it, on the control plane of Aux `a`."""
+    body = {"name": prefix + "-" + new_idem(), "allowed_models": list(models)}
+    if fallbacks is not None:
+        body["fallbacks"] = fallbacks
+    if retries is not None:
+        body["retries"] = retries
+    d = create_group(body, port=a.admin_port)
+    _, token = create_key(d["id"], port=a.admin_port)
+    return Provisioned(d["id"], token)
+
+
 def list_all(kind, query="", port=None):
     """Every item of GET /token_groups or /token_keys (pages of 1000)."""
     out = []
@@ -2795,11 +2829,12 @@ def t_cp_404_405():
     for method, path, body in (("GET", "/token_groups/" + nobody, None), ("PATCH", "/token_groups/" + nobody, {"name": "x"}),
                                ("DELETE", "/token_groups/" + nobody, None), ("GET", "/token_groups/not-a-uuid", None),
                                ("GET", "/token_keys/" + nobody, None), ("DELETE", "/token_keys/" + nobody, None),
+                               ("PATCH", "/token_keys/" + nobody, {"name": "x"}),
                                ("GET", "/token_keys/" + gid, None), ("GET", "/token_groups/" + kid, None)):
         check_admin_error(admin(method, path, body, if_match=1), 404, "not_found", None, "%s %s" % (method, path))
     for method, path in (("PUT", "/token_groups"), ("DELETE", "/token_groups"), ("PATCH", "/token_groups"),
                          ("POST", "/token_groups/" + gid), ("PUT", "/token_groups/" + gid),
-                         ("PUT", "/token_keys"), ("DELETE", "/token_keys"), ("PATCH", "/token_keys/" + kid),
+                         ("PUT", "/token_keys"), ("DELETE", "/token_keys"), ("PATCH", "/token_keys"),
                          ("POST", "/token_keys/" + kid), ("PUT", "/token_keys/" + kid)):
         check_405(admin(method, path, {"name": "x"}, if_match=1), "%s %s" % (method, path))
     check(get_group(gid)[1] == 1, "a 405 changed the group")

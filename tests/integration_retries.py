@@ -130,20 +130,8 @@ def up(alias):
     return alias.lower()
 
 
-class Group:
-    def __init__(self, gid, token):
-        self.gid, self.token = gid, token
-
-
 def group(a, models, fallbacks=None, retries=None):
-    body = {"name": "retries-" + it.new_idem(), "allowed_models": list(models)}
-    if fallbacks is not None:
-        body["fallbacks"] = fallbacks
-    if retries is not None:
-        body["retries"] = retries
-    d = it.create_group(body, port=a.admin_port)
-    k, token = it.create_key(d["id"], port=a.admin_port)
-    return Group(d["id"], token)
+    return it.provision(a, "retries", models, fallbacks, retries)
 
 
 def script(alias, steps):
@@ -178,28 +166,13 @@ def gaps(alias):
 
 def call(a, g, model, **kw):
     """One inference request to ltg `a` with group g's key (or a token); see it.timed_call."""
-    return it.timed_call(a.port, g.token if isinstance(g, Group) else g, model, **kw)
-
-
-def check_headers(r, status, attempts, served=None, what="the answer"):
-    """API.md 4.1: x-ltg-attempts on every answer, x-ltg-served-model on 2xx only, request ids."""
-    check(r.status == status, "%s: status %d, want %d: %s" % (what, r.status, status, r.brief()))
-    got = r.header_all("x-ltg-attempts")
-    check(got == [str(attempts)], "%s: x-ltg-attempts %r, want %r" % (what, got, str(attempts)))
-    sm = r.header_all("x-ltg-served-model")
-    if 200 <= status < 300:
-        check(sm == [served], "%s: x-ltg-served-model %r, want %r" % (what, sm, served))
-    else:
-        check(sm == [], "%s: x-ltg-served-model %r on a %d answer (only 2xx answers carry it)" % (what, sm, status))
-    rid = r.header("x-ltg-request-id")
-    check(rid and r.header("x-request-id") == rid, "%s: x-ltg-request-id %r / X-Request-ID %r"
-          % (what, rid, r.header("x-request-id")))
+    return it.timed_call(a.port, g.token if isinstance(g, it.Provisioned) else g, model, **kw)
 
 
 def check_fail(r, status, attempts, expect, code="upstream_error", what="the answer"):
     """ltg's own failure answer: OpenAI-shaped, error.code, error.attempts as expected.
     expect: [(model, attempt, status, outcome) or (..., (ms_lo, ms_hi))]."""
-    check_headers(r, status, attempts, what=what)
+    it.check_x_headers(r, status, attempts, what=what)
     check((r.header("content-type") or "").startswith("application/json"),
           "%s: Content-Type %r, want JSON" % (what, r.header("content-type")))
     e = it.check_openai_error(r, status, code)
@@ -219,8 +192,14 @@ def check_attempt_list(att, expect, what):
     for x, w in zip(att, expect):
         # "error" (why the attempt did not succeed) is ltg's addition to the API.md shape: on every
         # failed attempt, never on a success.
-        fields = {"model", "attempt", "status", "outcome", "ms"} | ({"error"} if x.get("outcome") != "ok" else set())
+        fields = {"model", "deployment", "attempt", "status", "outcome", "ms"} | ({"error"} if x.get("outcome") != "ok" else set())
         check(set(x) == fields, "%s: entry %r: fields must be exactly %s" % (what, x, ", ".join(sorted(fields))))
+        # "deployment" names the route the attempt took (API.md 9): provider/upstream_model, null
+        # for a model skipped by its breakers.
+        with open(_config_path()) as f:
+            m = json.load(f)["models"].get(x["model"], {})
+        want_dep = None if x["outcome"] == "circuit_open" else "%s/%s" % (m.get("provider"), m.get("upstream_model"))
+        check(x["deployment"] == want_dep, "%s: entry %r: deployment %r, want %r" % (what, x, x["deployment"], want_dep))
         check(x.get("outcome") == "ok" or (isinstance(x["error"], str) and x["error"]),
               "%s: entry %r: error must say why" % (what, x))
         check(isinstance(x["ms"], int) and x["ms"] >= 0, "%s: entry %r: ms is not a whole number >= 0" % (what, x))
@@ -299,10 +278,10 @@ def t_rt_healthy(a):
     A, B = fresh(2)
     g = group(a, [A, B], {A: [B]}, {"max_attempts": 3, "retry_delay_ms": 0})
     r = call(a, g, A)
-    check_headers(r, 200, 1, A, "non-stream")
+    it.check_x_headers(r, 200, 1, A, "non-stream")
     check_served_body(r, A, "non-stream")
     r = call(a, g, A, stream=True)
-    check_headers(r, 200, 1, A, "stream")
+    it.check_x_headers(r, 200, 1, A, "stream")
     check_whole_stream(r, up(A), "stream")
     check_calls({A: 2, B: 0}, "healthy primary")
     e = ledger_event(a, g, r.header("x-ltg-request-id"))
@@ -336,7 +315,7 @@ def scenario(row):
         for k, steps in scripts.items():
             script(names[k], steps)       # a later step would succeed: a call the plan forbids shows
         r = call(a, g, A, headers=headers)
-        check_headers(r, status, attempts, names.get(served))
+        it.check_x_headers(r, status, attempts, names.get(served))
         if served:
             check_served_body(r, names[served], name)
         check(max_s is None or r.elapsed < max_s, "%s: the answer took %.1f s (at most %.1f)" % (name, r.elapsed, max_s or 0))
@@ -397,7 +376,7 @@ def t_rt_401(a):
     g = group(a, [A, B], {A: [B]}, {"max_attempts": 3, "retry_delay_ms": 0})
     script(A, ["status=401", "ok", "ok"])
     r = call(a, g, A)
-    check_headers(r, 401, 1)
+    it.check_x_headers(r, 401, 1)
     e = it.check_openai_error(r, 401, "invalid_api_key")
     check(e["message"] == "mock error 401" and "attempts" not in e,
           "a terminal answer is the provider's own, relayed as it is: %r" % r.body[:300])
@@ -422,7 +401,7 @@ def t_rt_no_work(a):
         g = group(a, [A, B], {A: [B]}, {"max_attempts": 3, "retry_delay_ms": 0})
         script(A, ["status=%d" % s, "status=%d" % s, "ok"])
         r = call(a, g, A)
-        check_headers(r, 200, 3, A, "%d x2 then ok" % s)
+        it.check_x_headers(r, 200, 3, A, "%d x2 then ok" % s)
         check_calls({A: 3, B: 0}, "%d x2 then ok" % s)
 
 
@@ -462,7 +441,7 @@ def t_rt_refused(a):
     B, = fresh(1)
     g = group(a, [D, B], {D: [B]}, {"max_attempts": 3, "retry_delay_ms": 0})
     r = call(a, g, D)
-    check_headers(r, 200, 4, B, "refused x3 then ok")
+    it.check_x_headers(r, 200, 4, B, "refused x3 then ok")
     check_calls({B: 1}, "refused x3 then ok")
     e = ledger_event(a, g, r.header("x-ltg-request-id"))
     check_attempt_list(e.get("attempt_log"), [(D, 1, 0, "no_work"), (D, 2, 0, "no_work"), (D, 3, 0, "no_work"),
@@ -484,7 +463,7 @@ def t_rt_connect_timeout(a):
     B, = fresh(1)
     g = group(a, [BH, B], {BH: [B]}, {"max_attempts": 2, "retry_delay_ms": 0, "request_timeout_ms": 300})
     r = call(a, g, BH)
-    check_headers(r, 200, 3, B)
+    it.check_x_headers(r, 200, 3, B)
     check(r.elapsed < 4.0, "answered after %.2f s (two timeouts of 0.3 s, then the fallback)" % r.elapsed)
     check_calls({B: 1}, "connect timeouts")
     e = ledger_event(a, g, r.header("x-ltg-request-id"))
@@ -499,7 +478,7 @@ def t_rt_context_length(a):
         g = group(a, [A, B], {A: [B]}, {"max_attempts": 3, "retry_delay_ms": 0})
         script(A, [d, "ok", "ok"])
         r = call(a, g, A)
-        check_headers(r, st, 1, what=d)
+        it.check_x_headers(r, st, 1, what=d)
         e = it.check_openai_error(r, st, "context_length_exceeded")
         check("maximum context length" in e["message"] and "attempts" not in e,
               "%s: the provider's answer should be relayed as it is: %r" % (d, r.body[:300]))
@@ -517,7 +496,7 @@ def t_rt_terminal(a):
             g = group(a, [A, B], {A: [B]}, {"max_attempts": 3, "retry_delay_ms": 0})
             script(A, ["status=%d" % st, "ok", "ok"])     # a retry of A would succeed: none may be made
             r = call(a, g, A, stream=stream)
-            check_headers(r, st, 1, what=what)
+            it.check_x_headers(r, st, 1, what=what)
             e = it.check_openai_error(r, st, code)
             check(e["message"] == "mock error %d" % st and "attempts" not in e,
                   "%s: the provider's answer should be relayed as it is: %r" % (what, r.body[:300]))
@@ -553,7 +532,7 @@ def t_rt_backoff(a):
         g = group(a, [A], None, {"max_attempts": 4, "retry_delay_ms": base, "backoff": mode})
         script(A, ["status=429"] * 3 + ["ok"])
         r = call(a, g, A)
-        check_headers(r, 200, 4, A, mode)
+        it.check_x_headers(r, 200, 4, A, mode)
         check_calls({A: 4}, mode)
         check_gaps(A, [base * m for m in mult], mode)
 
@@ -564,7 +543,7 @@ def t_rt_backoff_cap(a):
     g = group(a, [A], None, {"max_attempts": 2, "retry_delay_ms": 60000, "backoff": "constant"})
     script(A, ["status=529", "ok"])
     r = call(a, g, A, timeout=40)
-    check_headers(r, 200, 2, A)
+    it.check_x_headers(r, 200, 2, A)
     check_calls({A: 2}, "capped backoff")
     g = gaps(A)
     check(len(g) == 1 and 9995 <= g[0] <= 10000 + 800,
@@ -578,7 +557,7 @@ def t_rt_retry_after(a):
     g = group(a, [A], None, {"max_attempts": 2, "retry_delay_ms": 0, "backoff": "constant"})
     script(A, ["status=429 retry_after=1", "ok"])
     r = call(a, g, A)
-    check_headers(r, 200, 2, A, "Retry-After 1, delay 0")
+    it.check_x_headers(r, 200, 2, A, "Retry-After 1, delay 0")
     check_calls({A: 2}, "Retry-After 1, delay 0")
     check_gaps(A, [1000], "Retry-After 1, delay 0", slack=600)
     # Shorter than the backoff (3000): replaces it.
@@ -586,7 +565,7 @@ def t_rt_retry_after(a):
     g = group(a, [A], None, {"max_attempts": 2, "retry_delay_ms": 3000, "backoff": "constant"})
     script(A, ["status=529 retry_after=1", "ok"])
     r = call(a, g, A)
-    check_headers(r, 200, 2, A, "Retry-After 1, delay 3000")
+    it.check_x_headers(r, 200, 2, A, "Retry-After 1, delay 3000")
     gp = gaps(A)
     check(len(gp) == 1 and 995 <= gp[0] < 2500, "Retry-After 1 with a backoff of 3 s: gap %r ms, want ~1000" % gp)
     # Retry-After: 0 with a backoff of 2000: at once.
@@ -594,7 +573,7 @@ def t_rt_retry_after(a):
     g = group(a, [A], None, {"max_attempts": 2, "retry_delay_ms": 2000, "backoff": "constant"})
     script(A, ["status=429 retry_after=0", "ok"])
     r = call(a, g, A)
-    check_headers(r, 200, 2, A, "Retry-After 0, delay 2000")
+    it.check_x_headers(r, 200, 2, A, "Retry-After 0, delay 2000")
     gp = gaps(A)
     check(len(gp) == 1 and gp[0] < 1000, "Retry-After 0 with a backoff of 2 s: gap %r ms, want ~0" % gp)
     # A 503 with Retry-After is still indeterminate: no second call.
@@ -639,7 +618,7 @@ def t_rt_deadline_group(a):
     check(1.4 <= r.elapsed <= 4.0, "answered after %.2f s, the group's deadline is 1.5 s" % r.elapsed)
     script(A, ["head_delay_ms=2500"])
     r = call(a, g, A, headers={"x-ltg-deadline": "8000"})
-    check_headers(r, 200, 1, A, "x-ltg-deadline over the group's deadline")
+    it.check_x_headers(r, 200, 1, A, "x-ltg-deadline over the group's deadline")
 
 
 @rtest("defaults for long calls: 35 s to the answer's head is served (the deadline is 600 s); a keep-alive idle 95 s is kept")
@@ -652,7 +631,7 @@ def t_rt_long_call(a):
         t0 = time.monotonic()
         script(A, ["head_delay_ms=35000"])
         r = call(a, g, A, timeout=120)
-        check_headers(r, 200, 1, A, "a provider that takes 35 s")
+        it.check_x_headers(r, 200, 1, A, "a provider that takes 35 s")
         time.sleep(max(0.0, 95 - (time.monotonic() - t0)))   # the Codex-style pool: reused after 90 s idle
         idle.send(it.http_request("GET", "/v1/models", auth=g.token))
         check(idle.read_final_response(15).status == 200, "the connection idle for 95 s was closed (the default is 120 s)")
@@ -679,7 +658,7 @@ def t_rt_deadline_retry(a):
     g = group(a, [A, B], {A: [B]}, {"max_attempts": 3, "retry_delay_ms": 0})
     script(A, ["status=429 retry_after=5", "ok"])
     r = call(a, g, A, headers={"x-ltg-deadline": "2500"})
-    check_headers(r, 200, 2, B, "Retry-After past the deadline")
+    it.check_x_headers(r, 200, 2, B, "Retry-After past the deadline")
     check(r.elapsed < 1.5, "Retry-After past the deadline: the fallback answered after %.2f s, want at once" % r.elapsed)
     check_calls({A: 1, B: 1}, "Retry-After past the deadline")
     # A backoff of 5 s, deadline 2.5 s: the same.
@@ -687,7 +666,7 @@ def t_rt_deadline_retry(a):
     g = group(a, [A, B], {A: [B]}, {"max_attempts": 3, "retry_delay_ms": 5000, "backoff": "constant"})
     script(A, ["status=429", "ok"])
     r = call(a, g, A, headers={"x-ltg-deadline": "2500"})
-    check_headers(r, 200, 2, B, "backoff past the deadline")
+    it.check_x_headers(r, 200, 2, B, "backoff past the deadline")
     check(r.elapsed < 1.5, "backoff past the deadline: the fallback answered after %.2f s, want at once" % r.elapsed)
     check_calls({A: 1, B: 1}, "backoff past the deadline")
 
@@ -729,10 +708,10 @@ def t_rt_ov_max_attempts(a):
     check_fail(r, 429, 1, [(A1, 1, 429, "no_work")], what="group's max_attempts 1")
     script(A2, ["status=429", "ok"])
     r = call(a, g, A2, headers={"x-ltg-max-attempts": "2"})
-    check_headers(r, 200, 2, A2, "x-ltg-max-attempts 2")
+    it.check_x_headers(r, 200, 2, A2, "x-ltg-max-attempts 2")
     script(A3, ["status=429"] * 4 + ["ok"])
     r = call(a, g, A3, headers={"x-ltg-max-attempts": "5"})
-    check_headers(r, 200, 5, A3, "x-ltg-max-attempts 5")
+    it.check_x_headers(r, 200, 5, A3, "x-ltg-max-attempts 5")
     check_calls({A1: 1, A2: 2, A3: 5}, "x-ltg-max-attempts")
     # Lower than the group's.
     g = group(a, [A4], None, {"max_attempts": 4, "retry_delay_ms": 0})
@@ -748,18 +727,18 @@ def t_rt_ov_retry_delay(a):
     g = group(a, [A, B], None, {"max_attempts": 2, "retry_delay_ms": 0, "backoff": "constant"})
     script(A, ["status=429", "ok"])
     r = call(a, g, A, headers={"x-ltg-retry-delay": "800"})
-    check_headers(r, 200, 2, A, "x-ltg-retry-delay 800")
+    it.check_x_headers(r, 200, 2, A, "x-ltg-retry-delay 800")
     check_gaps(A, [800], "x-ltg-retry-delay 800 on a group of 0")
     script(B, ["status=429", "ok"])
     r = call(a, g, B)
-    check_headers(r, 200, 2, B, "the group's delay 0")
+    it.check_x_headers(r, 200, 2, B, "the group's delay 0")
     gb = gaps(B)
     check(len(gb) == 1 and gb[0] < 600, "the group's delay 0: gap %r ms" % gb)
     C, = fresh(1)
     g = group(a, [C], None, {"max_attempts": 2, "retry_delay_ms": 4000, "backoff": "constant"})
     script(C, ["status=429", "ok"])
     r = call(a, g, C, headers={"x-ltg-retry-delay": "0"})
-    check_headers(r, 200, 2, C, "x-ltg-retry-delay 0")
+    it.check_x_headers(r, 200, 2, C, "x-ltg-retry-delay 0")
     gc = gaps(C)
     check(len(gc) == 1 and gc[0] < 1500, "x-ltg-retry-delay 0 on a group of 4000: gap %r ms" % gc)
 
@@ -770,15 +749,15 @@ def t_rt_ov_backoff(a):
     g = group(a, [A, B, C], None, {"max_attempts": 4, "retry_delay_ms": 300, "backoff": "constant"})
     script(A, ["status=429"] * 3 + ["ok"])
     r = call(a, g, A, headers={"x-ltg-backoff": "linear"})
-    check_headers(r, 200, 4, A, "x-ltg-backoff linear")
+    it.check_x_headers(r, 200, 4, A, "x-ltg-backoff linear")
     check_gaps(A, [300, 600, 900], "x-ltg-backoff linear")
     script(B, ["status=429"] * 3 + ["ok"])
     r = call(a, g, B, headers={"x-ltg-backoff": "exponential"})
-    check_headers(r, 200, 4, B, "x-ltg-backoff exponential")
+    it.check_x_headers(r, 200, 4, B, "x-ltg-backoff exponential")
     check_gaps(B, [300, 600, 1200], "x-ltg-backoff exponential")
     script(C, ["status=429"] * 3 + ["ok"])
     r = call(a, g, C)
-    check_headers(r, 200, 4, C, "the group's constant")
+    it.check_x_headers(r, 200, 4, C, "the group's constant")
     check_gaps(C, [300, 300, 300], "the group's constant")
 
 
@@ -788,13 +767,13 @@ def t_rt_ov_request_timeout(a):
     g = group(a, [A, B], {A: [B]}, {"max_attempts": 1})
     script(A, ["head_delay_ms=3000"])
     r = call(a, g, A, headers={"x-ltg-request-timeout": "500"})
-    check_headers(r, 200, 2, B, "x-ltg-request-timeout 500")
+    it.check_x_headers(r, 200, 2, B, "x-ltg-request-timeout 500")
     check(r.elapsed < 2.5, "x-ltg-request-timeout 500: answered after %.2f s" % r.elapsed)
     check_calls({A: 1, B: 1}, "x-ltg-request-timeout 500")
     # Without it (the group has none) the slow answer is waited for.
     script(A, ["head_delay_ms=1500"])
     r = call(a, g, A)
-    check_headers(r, 200, 1, A, "no request timeout")
+    it.check_x_headers(r, 200, 1, A, "no request timeout")
     check(r.elapsed >= 1.4, "no request timeout: answered after %.2f s, before the provider's 1.5 s" % r.elapsed)
     check_calls({A: 2, B: 1}, "no request timeout")
     # Longer than the group's: the group's 500 ms would cut a 1.5 s answer.
@@ -802,7 +781,7 @@ def t_rt_ov_request_timeout(a):
     g = group(a, [C, D], {C: [D]}, {"max_attempts": 1, "request_timeout_ms": 500})
     script(C, ["head_delay_ms=1500"])
     r = call(a, g, C, headers={"x-ltg-request-timeout": "10000"})
-    check_headers(r, 200, 1, C, "x-ltg-request-timeout 10000 on a group of 500")
+    it.check_x_headers(r, 200, 1, C, "x-ltg-request-timeout 10000 on a group of 500")
     check_calls({C: 1, D: 0}, "x-ltg-request-timeout 10000 on a group of 500")
 
 
@@ -816,7 +795,7 @@ def t_rt_ov_deadline(a):
     check(0.75 <= r.elapsed <= 3.0, "x-ltg-deadline 800: answered after %.2f s" % r.elapsed)
     script(B, ["head_delay_ms=1000"])
     r = call(a, g, B, headers={"x-ltg-deadline": "5000"})
-    check_headers(r, 200, 1, B, "x-ltg-deadline 5000, answer after 1 s")
+    it.check_x_headers(r, 200, 1, B, "x-ltg-deadline 5000, answer after 1 s")
     check_calls({A: 1, B: 1}, "x-ltg-deadline")
 
 
@@ -836,7 +815,7 @@ def t_rt_ov_invalid(a):
             for stream in (False, True):
                 what = "%s: %r%s" % (h, v, " (stream)" if stream else "")
                 r = call(a, g, A, stream=stream, headers={h: v})
-                check_headers(r, 400, 0, what=what)
+                it.check_x_headers(r, 400, 0, what=what)
                 e = it.check_openai_error(r, 400, "invalid_request")
                 check(h in e["message"].lower(), "%s: error.message does not name the header: %r" % (what, e["message"]))
     check_calls({A: 0}, "invalid overrides (nothing may reach the provider)")
@@ -851,7 +830,7 @@ def t_rt_ov_invalid(a):
     for h, values in good.items():
         for v in values:
             r = call(a, g, A, headers={h: v})
-            check_headers(r, 200, 1, A, "%s: %s (in range)" % (h, v))
+            it.check_x_headers(r, 200, 1, A, "%s: %s (in range)" % (h, v))
             n += 1
     r = call(a, g, A, headers={"x-ltg-deadline": "100"})
     check(r.status in (200, 504), "x-ltg-deadline: 100 (in range): %s" % r.brief())
@@ -861,10 +840,10 @@ def t_rt_ov_invalid(a):
     g = group(a, [B], None, {"max_attempts": 1, "retry_delay_ms": 0})
     script(B, ["status=429", "status=429", "ok"])
     r = call(a, g, B, headers={"X-LTG-Max-Attempts": "3"})
-    check_headers(r, 200, 3, B, "X-LTG-Max-Attempts: 3")
+    it.check_x_headers(r, 200, 3, B, "X-LTG-Max-Attempts: 3")
     script(B, ["status=429", "ok"])
     r = call(a, g, B, headers={"x-ltg-max-attempts": " 2  "})
-    check_headers(r, 200, 2, B, "x-ltg-max-attempts with blanks around the value")
+    it.check_x_headers(r, 200, 2, B, "x-ltg-max-attempts with blanks around the value")
     check_calls({B: 5}, "header case and blanks")
 
 
@@ -876,7 +855,7 @@ def t_rt_stream_seed_demo(a):
     g = group(a, [A, B], {A: [B]})
     script(A, ["first_event_delay_ms=3000"])
     r = call(a, g, A, stream=True, headers={"x-ltg-request-timeout": "1000", "x-ltg-max-attempts": "1"})
-    check_headers(r, 200, 2, B)
+    it.check_x_headers(r, 200, 2, B)
     check_whole_stream(r, up(B), "the fallback's stream")
     check(r.elapsed < 2.9, "the stream was served after %.2f s: the primary's first event (3 s) was waited for"
           % r.elapsed)
@@ -894,7 +873,7 @@ def t_rt_stream_failover(a):
         g = group(a, [A, B], {A: [B]}, {"max_attempts": 3, "retry_delay_ms": 0})
         script(A, [d, "ok", "ok"])
         r = call(a, g, A, stream=True)
-        check_headers(r, 200, 2, B, d)
+        it.check_x_headers(r, 200, 2, B, d)
         check_whole_stream(r, up(B), d)
         check_calls({A: 1, B: 1}, d)
     # Every attempt failing before the first byte: an ordinary JSON error with every attempt.
@@ -914,7 +893,7 @@ def t_rt_stream_cut(a):
     g = group(a, [A, B], {A: [B]}, {"max_attempts": 3, "retry_delay_ms": 0})
     script(A, ["cut_after=1", "ok", "ok"])
     r = call(a, g, A, stream=True)
-    check_headers(r, 200, 1, A)
+    it.check_x_headers(r, 200, 1, A)
     check((r.header("content-type") or "").startswith("text/event-stream"), "Content-Type %r" % r.header("content-type"))
     datas = stream_datas(r)
     check("[DONE]" not in datas, "a cut stream must not carry [DONE]: %r" % datas)
@@ -953,12 +932,12 @@ def t_rt_breaker(a):
     script(P, ["status=503"] * 5)
     for i in range(5):
         r = call(a, g, P)
-        check_headers(r, 200, 2, F, "failure %d of the primary" % (i + 1))
+        it.check_x_headers(r, 200, 2, F, "failure %d of the primary" % (i + 1))
         check_calls({P: i + 1, F: i + 1}, "failure %d of the primary" % (i + 1))
     t_open = time.monotonic()
     # Open: skipped, no call, not counted in x-ltg-attempts, logged as circuit_open.
     r = call(a, g, P)
-    check_headers(r, 200, 1, F, "the breaker open")
+    it.check_x_headers(r, 200, 1, F, "the breaker open")
     check_calls({P: 5, F: 6}, "the breaker open")
     e = ledger_event(a, g, r.header("x-ltg-request-id"))
     check_attempt_list(e.get("attempt_log"), [(P, 1, 0, "circuit_open"), (F, 1, 200, "ok")],
@@ -971,17 +950,17 @@ def t_rt_breaker(a):
     # Still open 3 s after.
     time.sleep(max(0, t_open + 3.0 - time.monotonic()))
     r = call(a, g, P)
-    check_headers(r, 200, 1, F, "the breaker open after 3 s")
+    it.check_x_headers(r, 200, 1, F, "the breaker open after 3 s")
     check_calls({P: 5, F: 8}, "the breaker open after 3 s")
     # After 5 s: one probe; it fails: open again at once.
     time.sleep(max(0, t_open + 5.3 - time.monotonic()))
     script(P, ["status=503"])
     r = call(a, g, P)
-    check_headers(r, 200, 2, F, "the probe (failing)")
+    it.check_x_headers(r, 200, 2, F, "the probe (failing)")
     check_calls({P: 6, F: 9}, "the probe (failing)")
     t_open = time.monotonic()
     r = call(a, g, P)
-    check_headers(r, 200, 1, F, "after a failed probe")
+    it.check_x_headers(r, 200, 1, F, "after a failed probe")
     check_calls({P: 6, F: 10}, "after a failed probe")
     # After 5 s more: one probe (slow, so that another request comes while it runs: turned away).
     time.sleep(max(0, t_open + 5.3 - time.monotonic()))
@@ -999,18 +978,18 @@ def t_rt_breaker(a):
     try:
         _wait_call(P, 7)
         r = call(a, g, P)
-        check_headers(r, 200, 1, F, "during the probe")
+        it.check_x_headers(r, 200, 1, F, "during the probe")
         still = th.is_alive()
     finally:
         th.join(30)
     check("e" not in res, "the probe: %r" % res.get("e"))
-    check_headers(res["r"], 200, 1, P, "the probe (succeeding)")
+    it.check_x_headers(res["r"], 200, 1, P, "the probe (succeeding)")
     check(still, "the probe finished before the other request was answered: the timing proves nothing")
     check_calls({P: 7, F: 11}, "the probe and a request during it")
     # Closed.
     for i in range(2):
         r = call(a, g, P)
-        check_headers(r, 200, 1, P, "closed, call %d" % (i + 1))
+        it.check_x_headers(r, 200, 1, P, "closed, call %d" % (i + 1))
     check_calls({P: 9, F: 11}, "closed")
 
 
@@ -1020,9 +999,9 @@ def t_rt_breaker_probe_gone(a):
     g = group(a, [P, F], {P: [F]})
     script(P, ["status=500"] * 5)
     for i in range(5):
-        check_headers(call(a, g, P), 200, 2, F, "failure %d" % (i + 1))
+        it.check_x_headers(call(a, g, P), 200, 2, F, "failure %d" % (i + 1))
     t_open = time.monotonic()
-    check_headers(call(a, g, P), 200, 1, F, "open")
+    it.check_x_headers(call(a, g, P), 200, 1, F, "open")
     time.sleep(max(0, t_open + 5.3 - time.monotonic()))
     script(P, ["hang"])
     with it.Conn(a.port, timeout=10) as c:
@@ -1038,7 +1017,7 @@ def t_rt_breaker_probe_gone(a):
           "the probe's upstream connection is still open 10 s after its client left")
     time.sleep(0.1)
     r = call(a, g, P)
-    check_headers(r, 200, 1, P, "after the probe's client left (the next request is the probe)")
+    it.check_x_headers(r, 200, 1, P, "after the probe's client left (the next request is the probe)")
     check_calls({P: 7, F: 6}, "after the probe's client left")
 
 
@@ -1048,9 +1027,9 @@ def t_rt_breaker_no_work(a):
     F, = fresh(1)
     g = group(a, [D, F], {D: [F]}, {"max_attempts": 5, "retry_delay_ms": 0})
     r = call(a, g, D)
-    check_headers(r, 200, 6, F, "refused x5")
+    it.check_x_headers(r, 200, 6, F, "refused x5")
     r = call(a, g, D)
-    check_headers(r, 200, 1, F, "refused model open")
+    it.check_x_headers(r, 200, 1, F, "refused model open")
     e = ledger_event(a, g, r.header("x-ltg-request-id"))
     check_attempt_list(e.get("attempt_log"), [(D, 1, 0, "circuit_open"), (F, 1, 200, "ok")], "the ledger's attempt_log")
     g2 = group(a, [D])
@@ -1063,9 +1042,9 @@ def t_rt_breaker_no_work(a):
     g = group(a, [Q, F], {Q: [F]}, {"max_attempts": 5, "retry_delay_ms": 0})
     script(Q, ["status=429"] * 5)
     r = call(a, g, Q)
-    check_headers(r, 200, 6, F, "429 x5")
+    it.check_x_headers(r, 200, 6, F, "429 x5")
     r = call(a, g, Q)
-    check_headers(r, 200, 1, F, "429 x5, then open")
+    it.check_x_headers(r, 200, 1, F, "429 x5, then open")
     check_calls({Q: 5, F: 2}, "429 x5")
 
 
@@ -1134,29 +1113,29 @@ def t_rt_headers(a):
         if steps:
             script(A, steps)
         r = call(a, g, A, stream=stream)
-        check_headers(r, status, attempts, served, what)
+        it.check_x_headers(r, status, attempts, served, what)
     # Every attempt failing, stream or not.
     for stream in (False, True):
         script(A, ["status=503"])
         script(B, ["status=429", "status=429"])
         r = call(a, g, A, stream=stream)
-        check_headers(r, 429, 3, what="all failed%s" % (" (stream)" if stream else ""))
+        it.check_x_headers(r, 429, 3, what="all failed%s" % (" (stream)" if stream else ""))
     # Refused before dispatch: 0 attempts.
     r = call(a, g, C, headers={"x-ltg-max-attempts": "9"})
-    check_headers(r, 400, 0, what="a bad override")
+    it.check_x_headers(r, 400, 0, what="a bad override")
     r = call(a, g, "Kimi-K3")
-    check_headers(r, 403, 0, what="a model not allowed")
+    it.check_x_headers(r, 403, 0, what="a model not allowed")
     r = call(a, g, C, body=b"{not json")
-    check_headers(r, 400, 0, what="a body that is not JSON")
+    it.check_x_headers(r, 400, 0, what="a body that is not JSON")
     check_calls({C: 0}, "refused before dispatch")
     # Embeddings: the same plan and headers.
     emb = lambda m: {"model": m, "input": "hello"}
     r = call(a, g, E1, path="/v1/embeddings", body=emb(E1))
-    check_headers(r, 200, 1, E1, "embeddings")
+    it.check_x_headers(r, 200, 1, E1, "embeddings")
     check(r.json().get("object") == "list", "embeddings body: %r" % r.body[:200])
     script(E1, ["status=503"])
     r = call(a, g, E1, path="/v1/embeddings", body=emb(E1))
-    check_headers(r, 200, 2, E2, "embeddings, fallback")
+    it.check_x_headers(r, 200, 2, E2, "embeddings, fallback")
     script(E1, ["status=503"])
     script(E2, ["status=504"])
     r = call(a, g, E1, path="/v1/embeddings", body=emb(E1))

@@ -320,8 +320,15 @@ static void test_config(void) {
         CHECK(tc && tc->prov[0].tls && tc->prov[0].port == 443 && !tc->prov[0].tls_verify && strcmp(tc->prov[0].hostport, "api.example.com") == 0 &&
               tc->prov[1].tls_verify && strcmp(tc->prov[1].hostport, "h:8443") == 0, "https providers: %s", err);
         catalog_free(tc);
+        catalog *dc = load("{\"providers\":{\"p\":{\"base_url\":\"http://x\"},\"q\":{\"base_url\":\"http://y\"}},\"models\":{\"M\":{\"deployments\":["
+                           "{\"provider\":\"p\",\"upstream_model\":\"m-eu\",\"weight\":3},{\"provider\":\"q\",\"upstream_model\":\"m-us\"}],"
+                           "\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}", err);
+        CHECK(dc && dc->models[0].ndep == 2 && dc->models[0].dep[0].weight == 3 && dc->models[0].dep[1].weight == 1 &&
+              strcmp(dc->models[0].dep[1].name, "q/m-us") == 0 && dc->models[0].dep[1].p == &dc->prov[1] && dc->models[0].dep[1].m == &dc->models[0],
+              "deployments: %s", err);
+        catalog_free(dc);
         model *m = catalog_model(c, "A", 1);
-        CHECK(m && m->p == &c->prov[0] && m->in_price == 1 && m->out_price == 2.5 && m->max_output_tokens == 100, "model A");
+        CHECK(m && m->ndep == 1 && m->dep[0].p == &c->prov[0] && m->dep[0].weight == 1 && strcmp(m->dep[0].name, "p/a-1") == 0 && m->in_price == 1 && m->out_price == 2.5 && m->max_output_tokens == 100, "model A");
         CHECK(catalog_model(c, "B", 1)->max_output_tokens == 4096, "default max_output_tokens");
         uint8_t h[32];
         sha256("admin-secret", 12, h);
@@ -352,6 +359,16 @@ static void test_config(void) {
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":-1,\"output_usd_per_mtok\":1}}}", "models.M.input_usd_per_mtok: must be a number >= 0"},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1,\"max_output_tokens\":1.5}}}", "models.M.max_output_tokens: must be a whole number"},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}", "models.M.upstream_model: missing"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"},\"a\":{\"base_url\":\"http://y\",\"api\":\"anthropic\"}},\"models\":{\"M\":{\"deployments\":[],\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}", "models.M.deployments: must be a list of 1 to 16"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"},\"a\":{\"base_url\":\"http://y\",\"api\":\"anthropic\"}},\"models\":{\"M\":{\"deployments\":[{\"provider\":\"p\",\"upstream_model\":\"m\"}],\"provider\":\"p\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}", "models.M.deployments: give provider and upstream_model, or deployments, not both"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"},\"a\":{\"base_url\":\"http://y\",\"api\":\"anthropic\"}},\"models\":{\"M\":{\"deployments\":[{\"provider\":\"p\",\"upstream_model\":\"m\",\"weight\":0}],\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}", "models.M.deployments[0].weight: must be a whole number from 1 to 100"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"},\"a\":{\"base_url\":\"http://y\",\"api\":\"anthropic\"}},\"models\":{\"M\":{\"deployments\":[{\"provider\":\"p\",\"upstream_model\":\"m\",\"weight\":101}],\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}", "models.M.deployments[0].weight: must be a whole number from 1 to 100"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"},\"a\":{\"base_url\":\"http://y\",\"api\":\"anthropic\"}},\"models\":{\"M\":{\"deployments\":[{\"provider\":\"p\",\"upstream_model\":\"m\"},{\"provider\":\"p\",\"upstream_model\":\"m\"}],\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}", "models.M.deployments[1]: deployment p/m is listed twice"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"},\"a\":{\"base_url\":\"http://y\",\"api\":\"anthropic\"}},\"models\":{\"M\":{\"deployments\":[{\"provider\":\"p\",\"upstream_model\":\"m\"},{\"provider\":\"a\",\"upstream_model\":\"m\"}],\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}", "models.M.deployments[1].provider: \"a\" speaks another API"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"},\"a\":{\"base_url\":\"http://y\",\"api\":\"anthropic\"}},\"models\":{\"M\":{\"deployments\":[{\"provider\":\"q\",\"upstream_model\":\"m\"}],\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}", "models.M.deployments[0].provider: no provider named \"q\""},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"},\"a\":{\"base_url\":\"http://y\",\"api\":\"anthropic\"}},\"models\":{\"M\":{\"deployments\":[{\"provider\":\"p\",\"upstream_model\":\"m\",\"region\":1}],\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}", "models.M.deployments[0].region: unknown field"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"},\"a\":{\"base_url\":\"http://y\",\"api\":\"anthropic\"}},\"models\":{\"M\":{\"deployments\":[\"p/m\"],\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}", "models.M.deployments[0]: must be an object"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"},\"a\":{\"base_url\":\"http://y\",\"api\":\"anthropic\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"weight\":2,\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}", "models.M.weight: belongs to an element of \"deployments\""},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}},\"admin_keys\":[{\"permissions\":[\"*\"]}]}", "admin_keys[0]: give exactly one of key_env and key_sha256"},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}},\"admin_keys\":[{\"key_env\":\"UNIT_ADMIN\",\"permissions\":[\"root\"]}]}", "admin_keys[0].permissions: unknown permission"},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}},\"admin_keys\":[{\"key_sha256\":\"abc\",\"permissions\":[\"*\"]}]}", "admin_keys[0].key_sha256: must be 64 hex digits"},
@@ -448,9 +465,9 @@ static void test_group_validation(void) {
                          "\"retries\":{\"max_attempts\":5,\"retry_delay_ms\":60000,\"backoff\":\"linear\",\"request_timeout_ms\":100},"
                          "\"max_budget\":0.123456,\"budget_duration\":\"7d\",\"cache_ttl\":0,\"max_parallel_requests\":1,\"blocked\":true}", NULL, &e);
     CHECK(g && g->nfb == 1 && g->fb[0].n == 3 && g->retries.max_attempts == 5 && g->retries.backoff == BACKOFF_LINEAR &&
-          g->max_budget == 0.123456 && g->budget_days == 7 && g->cache_ttl == 0 && g->max_parallel == 1 && g->blocked, "full group: %s %s", e.pointer, e.detail);
+          g->al.max_budget == 0.123456 && g->al.budget_days == 7 && g->cache_ttl == 0 && g->max_parallel == 1 && g->blocked, "full group: %s %s", e.pointer, e.detail);
     group *min = try_group("{\"name\":\"m\",\"allowed_models\":[]}", NULL, &e);
-    CHECK(min && !min->has_retries && !min->has_budget && min->cache_ttl == UNSET && min->max_parallel == UNSET, "minimal group");
+    CHECK(min && !min->has_retries && !min->al.has_budget && min->cache_ttl == UNSET && min->max_parallel == UNSET, "minimal group");
     group_free(min);
 
     /* The catalog is checked first, whatever else is wrong. */
@@ -506,10 +523,10 @@ static void test_group_validation(void) {
     /* PATCH: omitted kept, null clears, nested objects replaced whole, rules on the merged result. */
     if (g) {
         group *p = try_group("{\"name\":\"renamed\"}", g, &e);
-        CHECK(p && strcmp(p->name, "renamed") == 0 && p->nfb == 1 && p->retries.max_attempts == 5 && p->has_budget, "patch keeps the rest");
+        CHECK(p && strcmp(p->name, "renamed") == 0 && p->nfb == 1 && p->retries.max_attempts == 5 && p->al.has_budget, "patch keeps the rest");
         group_free(p);
         p = try_group("{\"retries\":null,\"fallbacks\":null,\"max_budget\":null,\"cache_ttl\":null,\"max_parallel_requests\":null}", g, &e);
-        CHECK(p && !p->has_retries && p->nfb == 0 && !p->has_budget && p->cache_ttl == UNSET && p->max_parallel == UNSET, "null clears");
+        CHECK(p && !p->has_retries && p->nfb == 0 && !p->al.has_budget && p->cache_ttl == UNSET && p->max_parallel == UNSET, "null clears");
         group_free(p);
         p = try_group("{\"retries\":{\"max_attempts\":3}}", g, &e);
         CHECK(p && p->retries.max_attempts == 3 && p->retries.retry_delay_ms == 250 && p->retries.backoff == BACKOFF_EXPONENTIAL &&
@@ -743,7 +760,7 @@ static group *unit_group(int i, int budget_days, int64_t anchor) {
     memcpy(g->id, unit_id('g', i), 37);
     g->name = xstrdup("u"), g->allowed = xcalloc(1, sizeof *g->allowed), g->nallowed = 0;
     g->version = 1, g->created_at = g->updated_at = anchor;
-    g->has_budget = 1, g->max_budget = 1000, g->budget_days = budget_days, g->budget_anchor = anchor;
+    g->al.has_budget = 1, g->al.max_budget = 1000, g->al.budget_days = budget_days, g->al.budget_anchor = anchor;
     return log_put_group(g);
 }
 
@@ -812,8 +829,11 @@ static void test_ledger_days(void) {
         ledger_usage(UDAY, 2, unit_id('g', 1), by_day, &all, &mu, &nmu);
         CHECK(all.requests == 2 && all.spend == 28 && by_day[0].spend == 11 && nmu == 2, "usage of one group");
         free(mu);
-        CHECK(seg_group_since(LG.seg[0], unit_id('g', 0), UDAY + DAY_MS - 850) == 7 && seg_group_since(LG.seg[0], unit_id('g', 0), 0) == 12 &&
-              seg_group_since(LG.seg[0], unit_id('g', 0), UDAY + DAY_MS) == 0, "a group's spend since a time, from the running sums");
+        CHECK(seg_spent_since(LG.seg[0], 'g', unit_id('g', 0), UDAY + DAY_MS - 850) == 7 && seg_spent_since(LG.seg[0], 'g', unit_id('g', 0), 0) == 12 &&
+              seg_spent_since(LG.seg[0], 'g', unit_id('g', 0), UDAY + DAY_MS) == 0, "a group's spend since a time, from the running sums");
+        CHECK(seg_spent_since(LG.seg[0], 'k', unit_id('k', 0), 0) == 5 && seg_spent_since(LG.seg[0], 'k', unit_id('k', 0), UDAY + DAY_MS - 850) == 0 &&
+              seg_spent_since(LG.seg[0], 'k', unit_id('k', 2), UDAY + DAY_MS - 750) == 11 && seg_spent_since(LG.seg[1], 'k', unit_id('k', 0), 0) == 13 &&
+              seg_spent_since(LG.seg[0], 'k', unit_id('k', 7), 0) == 0, "a key's spend since a time: a sealed day's running sums, the open day's events");
         CHECK(unit_reopen_ledger(UDAY + DAY_MS + 400, err) == 0 && LG.nseg == 2 && LG.seg[0]->state == SEG_SEALED &&
               LG.seg[1]->state == SEG_OPEN && LG.seg[1]->mem.n == 2, "start-up: the sealed day from its index, the open one replayed: %s", err);
     }
@@ -921,9 +941,9 @@ static void test_ledger_budgets(void) {
             }
         view_close(&v), buf_free(&rec);
     }
-    CHECK(g0->spend == life_want && g1->spend == daily_want && g2->spend == weekly_want && daily_want > 0,
-          "budgets from rollups and running sums: %lld/%lld %lld/%lld %lld/%lld", (long long)g0->spend, (long long)life_want,
-          (long long)g1->spend, (long long)daily_want, (long long)g2->spend, (long long)weekly_want);
+    CHECK(g0->al.spend == life_want && g1->al.spend == daily_want && g2->al.spend == weekly_want && daily_want > 0,
+          "budgets from rollups and running sums: %lld/%lld %lld/%lld %lld/%lld", (long long)g0->al.spend, (long long)life_want,
+          (long long)g1->al.spend, (long long)daily_want, (long long)g2->al.spend, (long long)weekly_want);
     /* Retention takes the 29th: the lifetime budget carries it, through a restart. */
     S.ledger_days = 2;
     verr e = {0};
@@ -933,26 +953,26 @@ static void test_ledger_budgets(void) {
     CHECK(system(cmd) == 0, "save the 29th");
     unit_tick(now);
     CHECK(LG.nseg == 3 && LG.seg[0]->day == UDAY + DAY_MS, "the 29th deleted");
-    CHECK(g0->spend == life_want && g0->carry == spent[0][0] && g0->carry_to == UDAY + DAY_MS, "carried: %lld of %lld",
-          (long long)g0->carry, (long long)spent[0][0]);
+    CHECK(g0->al.spend == life_want && g0->al.carry == spent[0][0] && g0->al.carry_to == UDAY + DAY_MS, "carried: %lld of %lld",
+          (long long)g0->al.carry, (long long)spent[0][0]);
     CHECK(unit_reopen_ledger(now, err) == 0, "reopen: %s", err);
     g0 = group_find(unit_id('g', 0));
     g2 = group_find(unit_id('g', 2));
-    CHECK(g0 && g0->spend == life_want, "after a restart the lifetime spend is the same: %lld", g0 ? (long long)g0->spend : -1LL);
-    CHECK(g2 && g2->spend == weekly_want, "and so is a weekly one's, under a retention lowered to 2 days: %lld", g2 ? (long long)g2->spend : -1LL);
+    CHECK(g0 && g0->al.spend == life_want, "after a restart the lifetime spend is the same: %lld", g0 ? (long long)g0->al.spend : -1LL);
+    CHECK(g2 && g2->al.spend == weekly_want, "and so is a weekly one's, under a retention lowered to 2 days: %lld", g2 ? (long long)g2->al.spend : -1LL);
     /* A crash after the carried spend was logged but before the day was deleted: not counted twice. */
     snprintf(saved, sizeof saved, "cp %s/saved.log %s/ledger/2026-11-29.log && cp %s/saved.idx %s/ledger/2026-11-29.idx", ledger_data, ledger_data, ledger_data, ledger_data);
     CHECK(system(saved) == 0, "put the 29th back");
     S.ledger_days = 30;
     CHECK(unit_reopen_ledger(now, err) == 0 && LG.nseg == 4, "reopen with the day back: %s", err);
     g0 = group_find(unit_id('g', 0));
-    CHECK(g0 && g0->spend == life_want, "the carried day is not counted twice: %lld", g0 ? (long long)g0->spend : -1LL);
+    CHECK(g0 && g0->al.spend == life_want, "the carried day is not counted twice: %lld", g0 ? (long long)g0->al.spend : -1LL);
     /* A budget period longer than the retention is refused. */
     S.ledger_days = 5;
     g = group_new();
-    g->name = xstrdup("x"), g->allowed = xcalloc(1, sizeof *g->allowed), g->has_budget = 1, g->max_budget = 1, g->budget_days = 7;
+    g->name = xstrdup("x"), g->allowed = xcalloc(1, sizeof *g->allowed), g->al.has_budget = 1, g->al.max_budget = 1, g->al.budget_days = 7;
     CHECK(group_validate(g, NULL, &e) < 0 && strcmp(e.pointer, "/budget_duration") == 0 && strstr(e.detail, "--ledger-days"), "7d over 5 days kept: %s", e.detail);
-    g->budget_days = 1;
+    g->al.budget_days = 1;
     CHECK(group_validate(g, NULL, &e) == 0, "1d is fine");
     group_free(g);
     S.ledger_days = 90;
@@ -1131,8 +1151,10 @@ static void test_exchange_fake(void) {
     CHECK(nfake == 2 && strstr(fake_ups[1]->out.p, "\"model\":\"b\"") && x->state == X_ATTEMPTING, "503 is indeterminate: B at once");
     fake_answer(fake_ups[1], 200, "{\"choices\":[{}],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":2}}");
     last_event(&ev);
-    CHECK(strstr(ev.p, "\"attempts\":2") && strstr(ev.p, "\"outcome\":\"indeterminate\"") && strstr(ev.p, "\"model\":\"B\",\"attempt\":1,\"status\":200,\"outcome\":\"ok\"") &&
+    CHECK(strstr(ev.p, "\"attempts\":2") && strstr(ev.p, "\"outcome\":\"indeterminate\"") && strstr(ev.p, "\"model\":\"B\",\"deployment\":\"p/b\",\"attempt\":1,\"status\":200,\"outcome\":\"ok\"") &&
           strstr(ev.p, "\"status\":\"succeeded\""), "the event: %s", ev.p);
+    CHECK(cat->models[0].dep[0].inflight == 0 && cat->models[1].dep[0].inflight == 0, "nothing left in flight on either deployment (%d, %d)",
+          cat->models[0].dep[0].inflight, cat->models[1].dep[0].inflight);
     /* 429 (no work): the same model after the backoff, on the timer. */
     nfake = 0;
     x = fake_exchange(cat, 2, 10000);
@@ -1229,8 +1251,8 @@ static void test_plan(void) {
     CHECK(retry_after_ms("soon", 4, 0) == -1 && retry_after_ms("-1", 2, 0) == -1, "garbage");
 
     /* The circuit breaker: 5 failures open it, 5 s later one probe goes through. */
-    model m = {0};
-    m.alias = "M";
+    model mm = {.alias = "M"};
+    deployment m = {.m = &mm, .name = "p/m"};
     int probe;
     for (int i = 0; i < 4; i++) breaker_record(&m, OUTCOME_INDETERMINATE, 0, 1000);
     CHECK(breaker_allows(&m, 1000, &probe) && !probe, "4 failures: closed");
@@ -1252,6 +1274,31 @@ static void test_plan(void) {
     CHECK(breaker_allows(&m, 18000, &probe) && probe, "probe");
     breaker_forget_probe(&m);
     CHECK(breaker_allows(&m, 18001, &probe) && probe, "a probe whose client left is taken over by the next request");
+
+    /* Deployments: weighted, the fewest in flight first, open breakers skipped. */
+    deployment ds[2] = {{.weight = 3}, {.weight = 1}};
+    model dm = {.alias = "D", .dep = ds, .ndep = 2};
+    int got[2] = {0}, streak = 0, longest = 0, last = -1;
+    for (int i = 0; i < 400; i++) {
+        int k = deployment_pick(&dm, 0, 0);
+        got[k]++, streak = k == last ? streak + 1 : 1, last = k;
+        if (streak > longest) longest = streak;
+    }
+    CHECK(got[0] == 300 && got[1] == 100 && longest <= 3, "weights 3:1 in sequence: %d:%d, longest run %d", got[0], got[1], longest);
+    ds[0].inflight = 4, ds[1].inflight = 1;
+    CHECK(deployment_pick(&dm, 0, 0) == 1, "4 in flight on weight 3 is busier than 1 on weight 1");
+    ds[0].inflight = 2;
+    CHECK(deployment_pick(&dm, 0, 0) == 0, "2 in flight on weight 3 is less busy than 1 on weight 1");
+    ds[0].inflight = ds[1].inflight = 0;
+    CHECK(deployment_pick(&dm, 1, 0) == 1 && deployment_pick(&dm, 1, 0) == 1, "a deployment that answered no_work is avoided");
+    CHECK(deployment_other(&dm, 1, 0) && !deployment_other(&dm, 3, 0), "another deployment: there is one / none");
+    int k = deployment_pick(&dm, 3, 0);
+    CHECK(k == 0 || k == 1, "every deployment avoided: any of them (%d)", k);
+    ds[1].cb_open_until = 5000;
+    for (int i = 0; i < 5; i++) CHECK(deployment_pick(&dm, 1, 1000) == 0, "an open breaker is skipped, even for one avoided");
+    ds[0].cb_open_until = 5000;
+    CHECK(deployment_pick(&dm, 0, 1000) == -1 && !deployment_other(&dm, 0, 1000), "every breaker open: none");
+    CHECK(deployment_pick(&dm, 0, 5000) >= 0, "half-open: a probe may go");
 }
 
 /* ---- the ledger, budgets, cache ---- */
@@ -1265,22 +1312,65 @@ static void test_ledger_pieces(void) {
 
     /* Budget periods: anchored, rolling over by themselves; a new period starts empty. */
     group g = {0};
-    g.has_budget = 1, g.max_budget = 1, g.budget_days = 1, g.budget_anchor = 1000;
+    g.al.has_budget = 1, g.al.max_budget = 1, g.al.budget_days = 1, g.al.budget_anchor = 1000;
     int64_t start, end;
-    group_period(&g, 1000 + 5 * 86400000LL + 7, &start, &end);
+    allow_period(&g.al, 1000 + 5 * 86400000LL + 7, &start, &end);
     CHECK(start == 1000 + 5 * 86400000LL && end == start + 86400000LL, "the sixth daily period");
-    budget_refresh(&g, 2000);
-    g.spend = 500;
-    budget_refresh(&g, 1000 + 86400000LL - 1);
-    CHECK(g.spend == 500, "same period: spend kept");
-    budget_refresh(&g, 1000 + 86400000LL);
-    CHECK(g.spend == 0 && g.period_start == 1000 + 86400000LL, "rolled over at the anchor's hour, not at midnight");
-    g.budget_days = 0;
-    group_period(&g, 99 * 86400000LL, &start, &end);
+    budget_refresh(&g.al, 2000);
+    g.al.spend = 500;
+    budget_refresh(&g.al, 1000 + 86400000LL - 1);
+    CHECK(g.al.spend == 500, "same period: spend kept");
+    budget_refresh(&g.al, 1000 + 86400000LL);
+    CHECK(g.al.spend == 0 && g.al.period_start == 1000 + 86400000LL, "rolled over at the anchor's hour, not at midnight");
+    g.al.budget_days = 0;
+    allow_period(&g.al, 99 * 86400000LL, &start, &end);
     CHECK(start == 1000 && end == 0, "a lifetime budget never resets");
-    g.has_budget = 0;
-    group_period(&g, 5000, &start, &end);
+    g.al.has_budget = 0;
+    allow_period(&g.al, 5000, &start, &end);
     CHECK(start == 0 && end == 0, "no budget, no period");
+
+    /* A calendar month (1mo), UTC: the first period starts at the anchor, the next ones on the 1st. */
+    allowance mo = {.has_budget = 1, .max_budget = 1, .budget_days = BUDGET_MONTH, .budget_anchor = UDAY + 3600000}; /* 2026-11-29T01:00Z */
+    const int64_t DEC1 = UDAY + 2 * DAY_MS, JAN1 = DEC1 + 31 * DAY_MS, FEB1 = JAN1 + 31 * DAY_MS, MAR1 = FEB1 + 28 * DAY_MS;
+    allow_period(&mo, DEC1 - 1, &start, &end);
+    CHECK(start == mo.budget_anchor && end == DEC1, "the first month: from the anchor to December 1st");
+    budget_refresh(&mo, DEC1 - 1), mo.spend = 700;
+    budget_refresh(&mo, DEC1 - 1);
+    CHECK(mo.spend == 700 && allow_days(&mo) == 31, "the same month: spend kept");
+    budget_refresh(&mo, DEC1);
+    allow_period(&mo, DEC1, &start, &end);
+    CHECK(mo.spend == 0 && mo.period_start == DEC1 && start == DEC1 && end == JAN1, "rolled over at 00:00 UTC on the 1st");
+    allow_period(&mo, JAN1 + 5, &start, &end);
+    CHECK(start == JAN1 && end == FEB1, "over the year's end: January 2027");
+    allow_period(&mo, FEB1 + 27 * DAY_MS, &start, &end);
+    CHECK(start == FEB1 && end == MAR1, "February: 28 days");
+    CHECK(month_start(1832976000000LL, 0) == 1832976000000LL && month_start(1832976000000LL, 1) - 1832976000000LL == 29 * DAY_MS,
+          "February 2028: 29 days");
+    allow_period(&mo, mo.budget_anchor - 1000, &start, &end);
+    CHECK(start == mo.budget_anchor && end == DEC1, "a clock before the anchor: the first period");
+
+    /* The reservation path: every allowance or none; settled with what was used. */
+    allowance ka = {.has_budget = 1, .max_budget = 0.0001, .budget_days = 1, .budget_anchor = 1, .rpm_limit = UNSET, .tpm_limit = 50},
+              ga = {.has_budget = 0, .rpm_limit = 2, .tpm_limit = UNSET};
+    allowance *both[2] = {&ka, &ga};
+    hold h1, h2, h3;
+    hold_refusal hwhy;
+    int64_t hnow0 = S.now;
+    S.now = 5000000;
+    CHECK(hold_reserve(both, 2, 60, 20, 10000, &h1, &hwhy) == 0 && ka.reserved == 60 && ga.reserved == 60 && h1.sec == 5000, "held in both");
+    CHECK(hold_reserve(both, 2, 60, 20, 10000, &h2, &hwhy) < 0 && hwhy.who == 0 && strcmp(hwhy.limit, "max_budget") == 0 && ka.reserved == 60 &&
+          ga.reserved == 60 && rl_used(ga.rl, 5000, 0) == 1, "the key's budget refuses: nothing held anywhere, not even the group's request");
+    CHECK(hold_reserve(both, 2, 10, 40, 10000, &h2, &hwhy) < 0 && hwhy.who == 0 && strcmp(hwhy.limit, "tpm_limit") == 0 && hwhy.wait > 0,
+          "the key's tpm_limit refuses first");
+    CHECK(hold_reserve(both, 2, 10, 20, 10000, &h2, &hwhy) == 0 && hold_reserve(both, 2, 1, 1, 10000, &h3, &hwhy) < 0 && hwhy.who == 1 &&
+          strcmp(hwhy.limit, "rpm_limit") == 0, "the group's rpm_limit: 2, the third refused");
+    hold_settle(both, 2, &h1, 25, 5, 10000);
+    CHECK(ka.reserved == 10 && ka.spend == 25 && ga.reserved == 10 && ga.spend == 25 && rl_used(ka.rl, 5000, 1) == 25 && h1.sec == 0,
+          "settled: the real cost and tokens replace the worst case");
+    hold_settle((allowance *[]){NULL, &ga}, 2, &h2, 0, 0, 10000);
+    CHECK(ga.reserved == 0 && ka.reserved == 10, "an allowance gone (its key deleted) is skipped");
+    free(ka.rl), free(ga.rl);
+    S.now = hnow0;
 
     /* The worst case: bytes / 3 at the input price plus max_tokens at the output price, dearest model. */
     model a = {.alias = "a", .in_price = 1, .out_price = 2, .max_output_tokens = 100};
@@ -1335,18 +1425,19 @@ static void test_ledger_pieces(void) {
 
     /* Response pins: found by id, gone after 24 hours, the oldest out first past PIN_MAX. */
     int64_t now0 = S.now;
-    pin_put("resp_a", 6, "Kimi-K3");
-    CHECK(pin_get("resp_a", 6) && strcmp(pin_get("resp_a", 6), "Kimi-K3") == 0 && !pin_get("resp_b", 6), "a pin");
-    pin_put("resp_a", 6, "GLM");
-    CHECK(strcmp(pin_get("resp_a", 6), "GLM") == 0, "the same id again: the newer wins");
+    const char *pd = NULL;
+    pin_put("resp_a", 6, "Kimi-K3", "local/kimi-k3");
+    CHECK(pin_get("resp_a", 6, &pd) && strcmp(pin_get("resp_a", 6, &pd), "Kimi-K3") == 0 && strcmp(pd, "local/kimi-k3") == 0 && !pin_get("resp_b", 6, &pd), "a pin");
+    pin_put("resp_a", 6, "GLM", "eu/glm");
+    CHECK(strcmp(pin_get("resp_a", 6, &pd), "GLM") == 0 && strcmp(pd, "eu/glm") == 0, "the same id again: the newer wins");
     S.now += PIN_TTL_MS;
-    CHECK(!pin_get("resp_a", 6) && PINS.n == 0, "expired after 24 hours");
+    CHECK(!pin_get("resp_a", 6, &pd) && PINS.n == 0, "expired after 24 hours");
     char pid[32];
     for (int i = 0; i < PIN_MAX + 10; i++) {
         int k = snprintf(pid, sizeof pid, "resp_%d", i);
-        pin_put(pid, (size_t)k, "M");
+        pin_put(pid, (size_t)k, "M", "p/m");
     }
-    CHECK(PINS.n == PIN_MAX && !pin_get("resp_9", 6) && pin_get("resp_10", 7) && PINS.map.live == PIN_MAX, "bounded: the oldest out first (%d, %zu)", PINS.n, PINS.map.live);
+    CHECK(PINS.n == PIN_MAX && !pin_get("resp_9", 6, &pd) && pin_get("resp_10", 7, &pd) && PINS.map.live == PIN_MAX, "bounded: the oldest out first (%d, %zu)", PINS.n, PINS.map.live);
     while (PINS.n) pin_drop_oldest();
     S.now = now0;
 
@@ -1369,22 +1460,23 @@ static void test_ledger_pieces(void) {
     {
         int64_t rl_now0 = S.now;
         group *rg = group_new();
-        rg->rpm_limit = 3, rg->tpm_limit = 100;
+        rg->al.rpm_limit = 3, rg->al.tpm_limit = 100;
         const char *which = NULL;
         S.now = 1000000;
-        CHECK(rate_check(rg, 10, &which) == 0, "an empty window admits");
-        int64_t sec = rate_reserve(rg, 40);
-        S.now += 10000, rate_reserve(rg, 40);
+        CHECK(rate_check(&rg->al, 10, &which) == 0, "an empty window admits");
+        int64_t sec = S.now / 1000;
+        rate_count(&rg->al, 40, sec);
+        S.now += 10000, rate_count(&rg->al, 40, S.now / 1000);
         S.now += 10000;
-        CHECK(rate_check(rg, 30, &which) == 40 && strcmp(which, "tpm_limit") == 0, "tokens: free in 40 s, when the first leaves (%s)", which);
-        rate_settle(rg, sec, 40, 5);
-        CHECK(rate_check(rg, 30, &which) == 0, "settled with its real usage: room again");
-        rate_reserve(rg, 5);
-        CHECK(rate_check(rg, 1, &which) == 40 && strcmp(which, "rpm_limit") == 0, "requests: 3 in the minute, wait 40 s");
+        CHECK(rate_check(&rg->al, 30, &which) == 40 && strcmp(which, "tpm_limit") == 0, "tokens: free in 40 s, when the first leaves (%s)", which);
+        rate_settle(&rg->al, sec, 40, 5);
+        CHECK(rate_check(&rg->al, 30, &which) == 0, "settled with its real usage: room again");
+        rate_count(&rg->al, 5, S.now / 1000);
+        CHECK(rate_check(&rg->al, 1, &which) == 40 && strcmp(which, "rpm_limit") == 0, "requests: 3 in the minute, wait 40 s");
         S.now += 40000;
-        CHECK(rate_check(rg, 1, &which) == 0, "the first request left the window");
-        rate_settle(rg, sec, 40, 5); /* its second has left: nothing to settle */
-        CHECK(rl_used(rg->rl, S.now / 1000, 1) == 45, "the tokens of the window: %lld", (long long)rl_used(rg->rl, S.now / 1000, 1));
+        CHECK(rate_check(&rg->al, 1, &which) == 0, "the first request left the window");
+        rate_settle(&rg->al, sec, 40, 5); /* its second has left: nothing to settle */
+        CHECK(rl_used(rg->al.rl, S.now / 1000, 1) == 45, "the tokens of the window: %lld", (long long)rl_used(rg->al.rl, S.now / 1000, 1));
         group_free(rg);
         S.now = rl_now0;
     }
