@@ -716,6 +716,7 @@ echo
 # run each, so that drift on the machine falls on both; medians compared.
 TRAFFIC_BASE=${BENCH_TRAFFIC_BASE-b40c800}
 TRAFFIC_ROUNDS=${BENCH_TRAFFIC_ROUNDS:-3}
+median() { printf '%s\n' "$@" | sort -n | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
 if [ -n "$TRAFFIC_BASE" ] && git -C "$ROOT" cat-file -e "$TRAFFIC_BASE^{commit}" 2>/dev/null; then
     rm -rf "$T/traffic-src" && mkdir -p "$T/traffic-src"
     git -C "$ROOT" archive "$TRAFFIC_BASE" ltg.c ltg.h | tar -x -C "$T/traffic-src"
@@ -725,7 +726,7 @@ if [ -n "$TRAFFIC_BASE" ] && git -C "$ROOT" cat-file -e "$TRAFFIC_BASE^{commit}"
 {
   "providers": { "mock": { "base_url": "$MOCK_URL/v1", "api_key_env": "LTG_BENCH_MOCK_KEY" } },
   "models": {
-    "$ALIAS": { "deployments": [ { "provider": "mock", "upstream_model": "$UPSTREAM_MODEL" },
+    "$ALIAS": { "deployments": [ { "provider": "mock", "upstream_model": "bench-mode1" },
                                  { "provider": "mock", "upstream_model": "bench-mode2" } ],
                 "input_usd_per_mtok": 0.60, "output_usd_per_mtok": 2.50 }
   },
@@ -761,7 +762,7 @@ EOF
     done
     LUA=$T/post.lua
     s1=$(mock_stats)
-    TR_A=$(($(mock_stat "$UPSTREAM_MODEL" "$s1") - $(mock_stat "$UPSTREAM_MODEL" "$s0")))
+    TR_A=$(($(mock_stat bench-mode1 "$s1") - $(mock_stat bench-mode1 "$s0")))
     TR_B=$(($(mock_stat bench-mode2 "$s1") - $(mock_stat bench-mode2 "$s0")))
     # shellcheck disable=SC2086
     TR_BEFORE=$(median ${TRAFFIC_RPS[ltg-before]}) TR_NOW=$(median ${TRAFFIC_RPS[ltg-traffic]})
