@@ -35,8 +35,8 @@
  *   4. The upstream connection calls exchange_upstream() back; a success is
  *      relayed (a stream event by event), and every attempt's result goes
  *      to attempt_end() (17), which classifies it and asks plan_next() (10):
- *      answer, retry the same model after a backoff, move to the next one,
- *      or give up.
+ *      answer, retry the same model after a backoff (or at once on another
+ *      of its deployments), move to the next one, or give up.
  *   5. exchange_settle() (17) replaces the reservation by the real cost
  *      (hold_settle, 14) and adds the spend event to today's segment (13);
  *      the upstream connection returns to the pool and the client
@@ -2950,6 +2950,9 @@ static void breaker_record(deployment *d, attempt_outcome o, int probe, int64_t 
 /* A probe that ended without an outcome (its client left): the next request probes. */
 static void breaker_forget_probe(deployment *d) { d->cb_probing = 0; }
 
+/* May deployment i of m take an attempt now, and is it not in `avoid`? */
+static int deployment_free(const model *m, int i, uint32_t avoid, int64_t now) { return !(avoid >> i & 1) && breaker_ready(&m->dep[i], now); }
+
 /* The deployment of m for the next attempt, or -1 when every breaker is
  * open. Of those whose breaker lets a call through -- and that are not in
  * `avoid` (bit i: deployment i answered no_work in this request), while
@@ -2963,12 +2966,12 @@ static int deployment_pick(model *m, uint32_t avoid, int64_t now) {
         int lo = -1, best = -1, total = 0;
         for (int i = 0; i < m->ndep; i++) {
             const deployment *d = &m->dep[i];
-            if (!(avoid >> i & 1) && breaker_ready(d, now) &&
+            if (deployment_free(m, i, avoid, now) &&
                 (lo < 0 || (long)d->inflight * m->dep[lo].weight < (long)m->dep[lo].inflight * d->weight)) lo = i;
         }
         for (int i = 0; lo >= 0 && i < m->ndep; i++) {
             deployment *d = &m->dep[i];
-            if ((avoid >> i & 1) || !breaker_ready(d, now) || (long)d->inflight * m->dep[lo].weight != (long)m->dep[lo].inflight * d->weight) continue;
+            if (!deployment_free(m, i, avoid, now) || (long)d->inflight * m->dep[lo].weight != (long)m->dep[lo].inflight * d->weight) continue;
             d->credit += d->weight, total += d->weight;
             if (best < 0 || d->credit > m->dep[best].credit) best = i;
         }
@@ -2980,7 +2983,7 @@ static int deployment_pick(model *m, uint32_t avoid, int64_t now) {
 /* Is there a deployment of m outside `avoid` that could take an attempt now? */
 static int deployment_other(const model *m, uint32_t avoid, int64_t now) {
     for (int i = 0; i < m->ndep; i++)
-        if (!(avoid >> i & 1) && breaker_ready(&m->dep[i], now)) return 1;
+        if (deployment_free(m, i, avoid, now)) return 1;
     return 0;
 }
 
@@ -2994,11 +2997,14 @@ static int deployment_other(const model *m, uint32_t avoid, int64_t now) {
  * them). Token keys are also hashed by the SHA-256 of their secret, which
  * is all ltg ever keeps of a secret.
  *
- * A change is made on a copy: group_parse() lays the request's fields over
- * it (PATCH: omitted kept, null clears), group_validate() checks the whole
- * result against the rules of API.md 3.1, and only a copy that passed is
- * written to the log (section 12) and then swapped in. A refused change
- * therefore leaves nothing behind, in memory or on disk.
+ * A change is made on a copy: group_parse() (a key's: tkey_parse()) lays
+ * the request's fields over it (PATCH: omitted kept, null clears),
+ * group_validate() (tkey_validate()) checks the whole result against the
+ * rules of API.md 3.1 and 9, and only a copy that passed is written to the
+ * log (section 12) and then swapped in. A refused change therefore leaves
+ * nothing behind, in memory or on disk. A group and a key each carry an
+ * allowance -- a budget and rate limits -- parsed, checked and shown by
+ * the same allow_* functions; what it counts is section 14's.
  *
  * Validation errors carry a JSON pointer (RFC 6901) to the offending value
  * and a message that says what is allowed. Catalog membership is checked
@@ -3376,6 +3382,12 @@ static int allow_parse(const char *s, const json_tok *t, int i, allowance *a, in
         else *f = n;
     } else if (mode == PARSE_LOG && json_eq(s, t, i, "budget_anchor") && json_int(s, t, v, &n) == 0) {
         a->budget_anchor = n;
+    } else if (mode == PARSE_LOG && json_eq(s, t, i, "carried") && t[v].type == JSON_ARRAY && t[v].size == 3) {
+        long long c[3];
+        int x = v + 1;
+        for (int k = 0; k < 3; k++, x = t[x].next)
+            if (json_int(s, t, x, &c[k]) < 0) return verr_at(e, "carried", NULL, "must be three whole numbers");
+        a->carry = c[0], a->carry_start = c[1], a->carry_to = c[2];
     } else return 0;
     return 1;
 }
@@ -3386,18 +3398,14 @@ static int usd_ok(double d) {
     return fabs(micro - floor(micro + 0.5)) < 1e-6;
 }
 
-/* The rules of an allowance (a key's: `key`). A period must fit the
- * ledger's retention; a key's budget needs one (lifetime budgets, which
- * retention must carry, are kept by groups). */
-static int allow_validate(const allowance *a, int key, verr *e) {
+/* The rules of an allowance. A period must fit the ledger's retention. */
+static int allow_validate(const allowance *a, verr *e) {
     int days = allow_days(a);
     if (a->has_budget && (a->max_budget < 0 || a->max_budget > 1e9 || !usd_ok(a->max_budget)))
         return verr_at(e, "max_budget", NULL, "must be between 0 and 1000000000 USD with at most six decimal places (0 denies every paid request, null is uncapped)");
     if (days > S.ledger_days)
         return verr_at(e, "budget_duration", NULL, "a %d-day period is longer than the %d days of spend events this gateway keeps (--ledger-days): choose a shorter period, or have the operator keep more days",
                        days, S.ledger_days);
-    if (key && a->has_budget && !a->budget_days)
-        return verr_at(e, "budget_duration", NULL, "a token key's budget needs a period: \"1d\", \"7d\", \"30d\" or \"1mo\" (a lifetime budget belongs to the token group)");
     if (a->rpm_limit != UNSET && (a->rpm_limit < 1 || a->rpm_limit > 1000000))
         return verr_at(e, "rpm_limit", NULL, "must be between 1 and 1000000 requests a minute (or null for no limit)");
     if (a->tpm_limit != UNSET && (a->tpm_limit < 1 || a->tpm_limit > 1000000000))
@@ -3419,20 +3427,6 @@ static int parse_log_common(const char *s, const json_tok *t, int i, char *id, l
     else if (field && json_int(s, t, v, &n) == 0) *field = n;
     else return 0;
     return 1;
-}
-
-/* ... and of a group, also the spend carried from deleted days. */
-static int group_parse_log(const char *s, const json_tok *t, int i, group *g) {
-    int v = i + 1;
-    long long c[3];
-    if (json_eq(s, t, i, "carried") && t[v].type == JSON_ARRAY && t[v].size == 3) {
-        int x = v + 1;
-        for (int k = 0; k < 3; k++, x = t[x].next)
-            if (json_int(s, t, x, &c[k]) < 0) return 0;
-        g->al.carry = c[0], g->al.carry_start = c[1], g->al.carry_to = c[2];
-        return 1;
-    }
-    return parse_log_common(s, t, i, g->id, &g->version, &g->created_at, &g->updated_at);
 }
 
 /* A member (key token i, `key` its name) that neither a group nor a key
@@ -3459,7 +3453,7 @@ static int group_parse(const char *s, const json_tok *t, int obj, group *g, int 
         snprintf(key, sizeof key, "%.*s", (int)(t[i].end - t[i].start < 100 ? t[i].end - t[i].start : 100), s + t[i].start);
         long long n;
         int r;
-        if (mode == PARSE_LOG && group_parse_log(s, t, i, g)) {
+        if (mode == PARSE_LOG && parse_log_common(s, t, i, g->id, &g->version, &g->created_at, &g->updated_at)) {
             /* what only the log knows */
         } else if (json_eq(s, t, i, "name")) {
             if (parse_name(s, t, v, &g->name, e) < 0) return LTG_ERR;
@@ -3555,7 +3549,7 @@ static int group_validate(const group *g, const catalog *cat, verr *e) {
         if (r->deadline_ms && (r->deadline_ms < 1000 || r->deadline_ms > 3600000))
             return verr_at(e, "retries", "deadline_ms", "must be between 1000 and 3600000 (ms: the whole request until its answer starts)");
     }
-    if (allow_validate(&g->al, 0, e) < 0) return LTG_ERR;
+    if (allow_validate(&g->al, e) < 0) return LTG_ERR;
     if (g->cache_ttl != UNSET && (g->cache_ttl < 0 || g->cache_ttl > 30 * 86400))
         return verr_at(e, "cache_ttl", NULL, "must be between 0 and 2592000 seconds (or null)");
     if (g->max_parallel != UNSET && (g->max_parallel < 1 || g->max_parallel > 100000))
@@ -3614,7 +3608,15 @@ static void allow_json(jwriter *w, const allowance *a) {
  * has a budget), what is reserved, and its period. */
 static void allow_state_json(jwriter *w, const allowance *a, int for_log, int tracked) {
     char ts[64];
-    if (for_log) { jw_key(w, "budget_anchor"), jw_int(w, a->budget_anchor); return; }
+    if (for_log) {
+        jw_key(w, "budget_anchor"), jw_int(w, a->budget_anchor);
+        if (a->carry_to) {
+            jw_key(w, "carried"), jw_open(w, '[');
+            jw_int(w, a->carry), jw_int(w, a->carry_start), jw_int(w, a->carry_to);
+            jw_close(w, ']');
+        }
+        return;
+    }
     int64_t start, end;
     allow_period(a, wall_ms(), &start, &end);
     jw_key(w, "spend");
@@ -3635,6 +3637,14 @@ static void allow_state_json(jwriter *w, const allowance *a, int for_log, int tr
 static void allow_reanchor(allowance *a, const allowance *cur, int64_t now) {
     if (!a->has_budget) a->budget_anchor = 0;
     else if (!cur->has_budget || a->budget_days != cur->budget_days) a->budget_anchor = now;
+}
+
+/* A new group's or key's allowance, made at `now`: its budget's period
+ * starts, with nothing spent. */
+static void allow_start(allowance *a, int64_t now) {
+    int64_t end;
+    if (a->has_budget) a->budget_anchor = now;
+    allow_period(a, now, &a->period_start, &end);
 }
 
 /* A stored item's times: exact in the log, ISO 8601 in the API. */
@@ -3683,11 +3693,6 @@ static void group_json(jwriter *w, const group *g, int for_log) {
     jw_key(w, "version"), jw_int(w, g->version);
     stored_times_json(w, g->created_at, g->updated_at, for_log);
     allow_state_json(w, &g->al, for_log, 1);
-    if (for_log && g->al.carry_to) {
-        jw_key(w, "carried"), jw_open(w, '[');
-        jw_int(w, g->al.carry), jw_int(w, g->al.carry_start), jw_int(w, g->al.carry_to);
-        jw_close(w, ']');
-    }
     jw_close(w, '}');
 }
 
@@ -3752,7 +3757,7 @@ static int tkey_validate(const tkey *k, verr *e) {
     if (!k->name) return verr_at(e, "name", NULL, "is required: a string of 1 to %d bytes, without NUL", NAME_MAX_LEN);
     if (!k->group_id[0]) return verr_at(e, "token_group_id", NULL, "is required: the id of a token group");
     if (!group_find(k->group_id)) return verr_at(e, "token_group_id", NULL, "no token group has this id");
-    return allow_validate(&k->al, 1, e);
+    return allow_validate(&k->al, e);
 }
 
 static void tkey_json(jwriter *w, const tkey *k, int for_log) {
@@ -4316,7 +4321,8 @@ static void compact_step(int64_t now) {
  *
  *   head       counts, each section's place, the log's size, the CRCs
  *   offsets    each event's record in the log (and one past the last)
- *   names      the day's keys, groups and models, sorted (binary search)
+ *   names      the day's keys, groups and models, sorted (binary search),
+ *              each with what its events charged
  *   positions  a key's events, and a group's, each with its time and the
  *              running sum of their charges (a budget period that starts
  *              mid-day needs what was spent after its start)
@@ -4345,7 +4351,7 @@ static void compact_step(int64_t now) {
  * a timer retries every second until the disk takes them.
  */
 #define SEG_MAGIC "LTGSEG1\n"
-#define IDX_MAGIC "LTGIDX2\n"       /* 2: a key's positions carry running sums, as a group's (1 is rebuilt) */
+#define IDX_MAGIC "LTGIDX2\n"       /* 2: a key's positions carry running sums, as a group's, and a name its total (1 is rebuilt) */
 #define LEDGER_V1_MAGIC "LTGLED1\n"      /* DATA/ledger.log of earlier versions, migrated once */
 #define DAY_MS 86400000LL
 #define LEDGER_SYNC_MS 20
@@ -4496,7 +4502,7 @@ typedef struct {
     int64_t spend, reserved;
 } usage_row;
 
-typedef struct { uint32_t str, len, first, n; } idx_name;     /* a name; its positions in KEYPOS or GROUPPOS */
+typedef struct { uint32_t str, len, first, n; int64_t spent; } idx_name; /* a name; its positions in KEYPOS or GROUPPOS; what its events charged */
 typedef struct { uint32_t pos, ms; int64_t cum; } idx_gpos;   /* ms after midnight; charged up to this one */
 typedef struct { char group[36]; uint32_t model; usage_row u; } idx_row; /* model: in NAMES; "" group: all */
 
@@ -4670,7 +4676,8 @@ static void idx_names(idx_out *o, idx_header *h, const segment *s, uint32_t *ord
     io_begin(o, h, SEC_NAMES);
     for (uint32_t r = 0; r < m->nnames; r++) {
         const lname *nm = m->names[order[r]];
-        idx_name d = {str, (uint32_t)strlen(nm->s), nm->s[0] == 'k' ? kfirst : gfirst, nm->npos};
+        idx_name d = {str, (uint32_t)strlen(nm->s), nm->s[0] == 'k' ? kfirst : gfirst, nm->npos, 0};
+        for (uint32_t k = 0; k < nm->npos; k++) d.spent += m->ix[nm->pos[k]].charged;
         if (nm->s[0] == 'k') kfirst += nm->npos;
         else if (nm->s[0] == 'g') gfirst += nm->npos;
         str += d.len;
@@ -4947,6 +4954,43 @@ static int64_t seg_spent_since(segment *s, char kind, const char *id, int64_t si
     return sum;
 }
 
+static void budget_refresh(allowance *a, int64_t now);
+
+/* The allowance a day's name counts its events in (kind and id: "g<id>",
+ * "k<id>"): a group's, or a key's with a budget (a key's spend is counted
+ * for its budget alone); NULL for others. */
+static allowance *name_allowance(const char *name) {
+    group *g = name[0] == 'g' ? group_find(name + 1) : NULL;
+    tkey *k = name[0] == 'k' ? tkey_find(name + 1) : NULL;
+    return g ? &g->al : k && k->al.has_budget ? &k->al : NULL;
+}
+
+/* For each group, and each key with a budget, that has events in sealed
+ * day s and whose current period (brought up to `now`) takes in some of
+ * the day: fn(its name, its allowance, what it spent in s within that
+ * period). The day's names are read whole, with each one's total; only
+ * for the day a period starts in are the running sums searched: a few
+ * reads a day, whatever its events. */
+static void seg_spends(segment *s, int64_t now, void (*fn)(const char *name, allowance *a, int64_t spent, void *ctx), void *ctx) {
+    seg_view v;
+    uint64_t nn = s->h.sec[SEC_NAMES][1] / sizeof(idx_name), ns = s->h.sec[SEC_STRINGS][1];
+    idx_name *names = xmalloc(nn * sizeof *names + 1);
+    char *str = xmalloc(ns + 1), name[38];
+    if (view_open(&v, s, 0, NULL, UINT32_MAX) > 0 && idx_read(s, v.fd, SEC_NAMES, 0, nn, names) == 0 && idx_read(s, v.fd, SEC_STRINGS, 0, ns, str) == 0)
+        for (uint64_t r = 0; r < nn; r++) {
+            const idx_name *nm = &names[r];
+            if (nm->len != 37 || nm->str > ns - 37 || (str[nm->str] != 'g' && str[nm->str] != 'k')) continue;
+            memcpy(name, str + nm->str, 37), name[37] = 0;
+            allowance *a = name_allowance(name);
+            if (!a) continue;
+            budget_refresh(a, now);
+            if (s->day + DAY_MS <= a->period_start) continue;
+            fn(name, a, s->day >= a->period_start ? nm->spent : seg_spent_since(s, name[0], name + 1, a->period_start), ctx);
+        }
+    view_close(&v);
+    free(names), free(str);
+}
+
 /* ---- writing ---- */
 
 /* Write and fsync every day whose events wait in memory; while one fails,
@@ -4998,18 +5042,36 @@ static int ledger_add(rec_view *v, int64_t now, int64_t *day, uint64_t *off, uin
 
 /* ---- retention ---- */
 
-typedef struct { group *g; int64_t carry, start, to; } carry_undo; /* a group's carried spend before budget_carry */
-static void budget_carry(group *g, segment *s, int64_t start, carry_undo *undo);
+typedef struct { allowance *a; int64_t carry, start, to; } carry_undo; /* a carried spend before budget_carry */
+static void budget_carry(allowance *a, int64_t spent, segment *s, carry_undo *undo);
 static void budget_uncarry(const carry_undo *undo);
 static void budget_forget(group *g, int64_t spent);
+static void seg_spends(segment *s, int64_t now, void (*fn)(const char *name, allowance *a, int64_t spent, void *ctx), void *ctx);
 
-/* Delete the oldest day, a sealed one. What a group with a budget spent in
- * it within its current period (a lifetime budget's) is first carried into
- * the group's record in the state log; a group without a budget shows the
- * spend of the days kept, so it loses the day's. Its rows name the groups. */
+/* What ledger_retire carries: the state log's ops, the undo of each. */
+typedef struct { jwriter *w; carry_undo *ch; int nch; segment *s; } carrying;
+
+static void carry_one(carrying *c, allowance *a, int64_t spent) {
+    c->ch = xrealloc(c->ch, (size_t)(c->nch + 1) * sizeof *c->ch);
+    budget_carry(a, spent, c->s, &c->ch[c->nch++]);
+}
+
+/* A key with a budget spent `spent` in the day retention deletes, in its
+ * current period (the groups' are carried from the day's rows). */
+static void carry_key(const char *name, allowance *a, int64_t spent, void *ctx) {
+    carrying *c = ctx;
+    tkey *k = name[0] == 'k' ? tkey_find(name + 1) : NULL;
+    if (!k || (a->carry_to > c->s->day && a->carry_start == a->period_start)) return; /* carried already */
+    carry_one(c, a, spent);
+    jw_open(c->w, '{'), jw_key(c->w, "put_key"), tkey_json(c->w, k, 1), jw_close(c->w, '}');
+}
+
+/* Delete the oldest day, a sealed one. What a group or a key with a budget
+ * spent in it within its current period (a lifetime budget's) is first
+ * carried into its record in the state log; a group without a budget shows
+ * the spend of the days kept, so it loses the day's. Its rows name the
+ * groups, its names the keys. */
 static int ledger_retire(segment *s, int64_t now) {
-    carry_undo *ch = NULL;
-    int nch = 0;
     seg_view v;
     idx_row row;
     int64_t n = view_open(&v, s, 0, NULL, UINT32_MAX);
@@ -5017,6 +5079,7 @@ static int ledger_retire(segment *s, int64_t now) {
     char prev[36] = {0};
     buf ops = {0};
     jwriter w;
+    carrying c = {&w, NULL, 0, s};
     jw_init(&w, &ops), jw_open(&w, '[');
     for (uint64_t r = 0; n > 0 && r < nrows && idx_read(s, v.fd, SEC_ROWS, r, 1, &row) == 0; r++) {
         if (memcmp(row.group, prev, 36) == 0) continue; /* a group's rows are together: one look per group */
@@ -5028,17 +5091,19 @@ static int ledger_retire(segment *s, int64_t now) {
         if (!g || !g->al.has_budget) continue;
         allow_period(&g->al, now, &start, &end);
         if (start >= s->day + DAY_MS || (g->al.carry_to > s->day && g->al.carry_start == start)) continue; /* not its period, or carried already */
-        ch = xrealloc(ch, (size_t)(nch + 1) * sizeof *ch);
-        budget_carry(g, s, start, &ch[nch++]);
+        budget_refresh(&g->al, now);
+        carry_one(&c, &g->al, seg_spent_since(s, 'g', g->id, start));
         jw_open(&w, '{'), jw_key(&w, "put_group"), group_json(&w, g, 1), jw_close(&w, '}');
     }
+    if (n > 0) seg_spends(s, now, carry_key, &c); /* and what keys with a budget spent in it */
     jw_close(&w, ']');
     const char *why = "";
     buf rec = {0};
     buf_printf(&rec, "{\"ops\":%s}", ops.p);
-    int rc = nch ? state_append(rec.p, rec.len, &why) : 0;
-    for (int i = 0; rc < 0 && i < nch; i++) budget_uncarry(&ch[i]);
-    buf_free(&ops), buf_free(&rec), free(ch);
+    int rc = c.nch ? state_append(rec.p, rec.len, &why) : 0;
+    for (int i = 0; rc < 0 && i < c.nch; i++) budget_uncarry(&c.ch[i]);
+    buf_free(&ops), buf_free(&rec), free(c.ch);
+    int nch = c.nch;
     char path[300];
     seg_path(s->day, ".log", LG.dir, path, sizeof path);
     if (rc < 0) ltg_log("ledger: %s not deleted yet: the state log refused what it carries (%s)", path, why);
@@ -5058,7 +5123,7 @@ static int ledger_retire(segment *s, int64_t now) {
     unlink(path);
     fsync_dir(LG.dir);
     ltg_log("ledger: deleted %s (%llu bytes, %u events): older than --ledger-days %d%s", s->f.path, (unsigned long long)s->h.log_size,
-            seg_count(s), S.ledger_days, nch ? "; what lifetime budgets spent in it is carried in their groups" : "");
+            seg_count(s), S.ledger_days, nch ? "; what lifetime budgets spent in it is carried in their groups and keys" : "");
     memmove(LG.seg, LG.seg + 1, (size_t)--LG.nseg * sizeof *LG.seg);
     free(s);
     return 0;
@@ -5343,10 +5408,10 @@ static void ledger_replays(int64_t since, void (*fn)(const rec_view *rv, int64_t
  * settles. budget_refresh() starts a new period, budget_carry() and
  * budget_forget() follow retention, and budget_recount() sums a spend
  * again from the ledger. At start-up budget_rebuild() does that for every
- * group from the days' rollups (and, for the day a period starts in, the
- * running sums of its events), plus what retention carried, and for every
- * key with a budget from the running sums of its events: no sealed log is
- * read.
+ * group and every key with a budget from each day's names, which carry
+ * what each one's events charged (and, for the day a period starts in,
+ * from the running sums of its events), plus what retention carried: no
+ * sealed log is read, and a day costs a few reads however busy it was.
  *
  * The cache holds whole non-streaming 200 answers by (group, requested
  * model, body), for the group's cache_ttl, least recently used out first
@@ -5358,16 +5423,16 @@ static void ledger_replays(int64_t since, void (*fn)(const rec_view *rv, int64_t
  * replay reads it back.
  *
  * Rate limits (a group's or a key's rpm_limit, tpm_limit) slide over the last 60
- * seconds, counted in one slot per second (1.4 KiB a limited group): a
+ * seconds, counted in one slot per second (1.4 KiB a limited group or key): a
  * request is admitted only if it fits both, with its worst case of tokens
  * (the prompt's bytes / 3, plus its output limit), and the worst case is
  * replaced by the real usage when it settles. The check and the count
  * happen in the same admission, on one thread: concurrent requests cannot
  * together pass a limit, as with budgets.
  *
- * Response pins: which model made a Responses API response, so that a
- * follow-up naming it in previous_response_id goes to that model (its
- * provider holds the conversation). In memory only, by alias, for 24
+ * Response pins: which model and deployment made a Responses API response,
+ * so that a follow-up naming it in previous_response_id goes there (its
+ * provider holds the conversation). In memory only, by name, for 24
  * hours, at most PIN_MAX, oldest out first: a ring of them, and a hash
  * table by id.
  */
@@ -5404,17 +5469,17 @@ static void budget_follow(allowance *a, char kind, const char *id, int64_t now) 
     if (start != a->period_start) budget_recount(a, kind, id, now);
 }
 
-/* Day s is to be deleted, in the budget period of g that starts at
- * `start` (a lifetime budget's): what g spent in it is carried. `undo`
- * keeps what was carried before, for budget_uncarry when the state log
- * refuses the change. */
-static void budget_carry(group *g, segment *s, int64_t start, carry_undo *undo) {
-    *undo = (carry_undo){g, g->al.carry, g->al.carry_start, g->al.carry_to};
-    g->al.carry = allow_carried(&g->al, start) + seg_spent_since(s, 'g', g->id, start);
-    g->al.carry_start = start, g->al.carry_to = s->day + DAY_MS;
+/* Day s is to be deleted, in a's current budget period (a lifetime
+ * budget's; a's period up to date): what it spent there, `spent`, is
+ * carried. `undo` keeps what was carried before, for budget_uncarry when
+ * the state log refuses the change. */
+static void budget_carry(allowance *a, int64_t spent, segment *s, carry_undo *undo) {
+    *undo = (carry_undo){a, a->carry, a->carry_start, a->carry_to};
+    a->carry = allow_carried(a, a->period_start) + spent;
+    a->carry_start = a->period_start, a->carry_to = s->day + DAY_MS;
 }
 
-static void budget_uncarry(const carry_undo *u) { u->g->al.carry = u->carry, u->g->al.carry_start = u->start, u->g->al.carry_to = u->to; }
+static void budget_uncarry(const carry_undo *u) { u->a->carry = u->carry, u->a->carry_start = u->start, u->a->carry_to = u->to; }
 
 /* A day of a group without a budget is deleted: what it spent goes from
  * the spend it shows, which counts the days kept. */
@@ -5434,55 +5499,38 @@ static void budget_recount(allowance *a, char kind, const char *id, int64_t now)
         if (LG.seg[i]->day + DAY_MS > start && !carried_covers(a, LG.seg[i])) a->spend += seg_spent_since(LG.seg[i], kind, id, start);
 }
 
-/* Add what the groups spent in sealed day s, from its rollups: a group's
- * rows are together, and a period that starts within the day takes the
- * running sum of its events after its start. */
-static void budget_rebuild_day(segment *s) {
-    seg_view v;
-    idx_row row;
-    uint64_t nrows = s->h.sec[SEC_ROWS][1] / sizeof(idx_row);
-    if (view_open(&v, s, 0, NULL, UINT32_MAX) <= 0) { view_close(&v); return; }
-    for (uint64_t r = 0; r < nrows && idx_read(s, v.fd, SEC_ROWS, r, 1, &row) == 0;) {
-        char id[37];
-        int64_t sum = 0;
-        memcpy(id, row.group, 36), id[36] = 0;
-        do sum += row.u.spend;
-        while (++r < nrows && idx_read(s, v.fd, SEC_ROWS, r, 1, &row) == 0 && memcmp(row.group, id, 36) == 0);
-        group *g = group_find(id);
-        if (!g || s->day + DAY_MS <= g->al.period_start || carried_covers(&g->al, s)) continue;
-        g->al.spend += s->day >= g->al.period_start ? sum : seg_spent_since(s, 'g', id, g->al.period_start);
-    }
-    view_close(&v);
+/* Add what a group or key spent in a sealed day, unless carried already. */
+static void rebuild_add(const char *name, allowance *a, int64_t spent, void *ctx) {
+    (void)name;
+    if (!carried_covers(a, ctx)) a->spend += spent;
 }
 
-/* Every group's spend at start-up (see the notes above). */
+static void warn_long_period(const allowance *a, const char *what, const char *id) {
+    if (a->has_budget && allow_days(a) > S.ledger_days)
+        ltg_log("warning: %s %s has a budget period of %d days, longer than --ledger-days %d: what retention deletes of it is carried", what, id,
+                allow_days(a), S.ledger_days);
+}
+
+/* Every group's and budgeted key's spend at start-up (see the notes above). */
 static void budget_rebuild(int64_t now) {
-    for (int i = 0; i < ST.gv.n; i++) {
-        group *g = ST.gv.p[i];
-        if (!g) continue;
-        g->al.period_start = -1; /* no period yet: budget_refresh starts the current one */
-        budget_refresh(&g->al, now);
+    for (int i = 0; i < ST.gv.n + ST.kv.n; i++) {
+        group *g = i < ST.gv.n ? ST.gv.p[i] : NULL;
+        tkey *k = i < ST.gv.n ? NULL : ST.kv.p[i - ST.gv.n];
+        allowance *a = g ? &g->al : k ? &k->al : NULL;
+        if (!a) continue;
+        a->period_start = -1; /* no period yet: budget_refresh starts the current one */
+        budget_refresh(a, now);
+        warn_long_period(a, g ? "token group" : "token key", g ? g->id : k->id);
     }
     for (int i = 0; i < LG.nseg; i++) {
         segment *s = LG.seg[i];
-        if (s->state == SEG_SEALED) { budget_rebuild_day(s); continue; }
-        for (uint32_t k = 0; k < s->mem.nnames; k++) { /* a day in memory: its groups' events */
+        if (s->state == SEG_SEALED) { seg_spends(s, now, rebuild_add, s); continue; }
+        for (uint32_t k = 0; k < s->mem.nnames; k++) { /* a day in memory: its groups' and keys' events */
             const lname *nm = s->mem.names[k];
-            group *g = nm->s[0] == 'g' ? group_find(nm->s + 1) : NULL;
-            for (uint32_t p = 0; g && !carried_covers(&g->al, s) && p < nm->npos; p++)
-                if (s->mem.ix[nm->pos[p]].at >= g->al.period_start) g->al.spend += s->mem.ix[nm->pos[p]].charged;
+            allowance *a = name_allowance(nm->s);
+            for (uint32_t p = 0; a && !carried_covers(a, s) && p < nm->npos; p++)
+                if (s->mem.ix[nm->pos[p]].at >= a->period_start) a->spend += s->mem.ix[nm->pos[p]].charged;
         }
-    }
-    for (int i = 0; i < ST.kv.n; i++) { /* a key's spend is counted while it has a budget */
-        tkey *k = ST.kv.p[i];
-        if (k && k->al.has_budget) budget_recount(&k->al, 'k', k->id, now);
-        if (k && k->al.has_budget && allow_days(&k->al) > S.ledger_days)
-            ltg_log("warning: token key %s has a budget period longer than --ledger-days %d: the spend of deleted days is not counted", k->id, S.ledger_days);
-    }
-    for (int i = 0; i < ST.gv.n; i++) {
-        group *g = ST.gv.p[i];
-        if (g && g->al.has_budget && allow_days(&g->al) > S.ledger_days)
-            ltg_log("warning: token group %s has a budget period of %d days, longer than --ledger-days %d: what retention deletes of it is carried", g->id, allow_days(&g->al), S.ledger_days);
     }
 }
 
@@ -6729,9 +6777,7 @@ static void groups_create(conn *c, const admin_who *who, const char *id) {
     uuid_new(g->id);
     g->version = 1;
     g->created_at = g->updated_at = wall_ms();
-    if (g->al.has_budget) g->al.budget_anchor = g->created_at;
-    int64_t end;
-    allow_period(&g->al, g->created_at, &g->al.period_start, &end); /* a new group has spent nothing */
+    allow_start(&g->al, g->created_at);
     group_commit(c, &tk, g, 201);
 }
 
@@ -6834,9 +6880,7 @@ static void keys_create(conn *c, const admin_who *who, const char *id) {
     uuid_new(k->id);
     k->version = 1;
     k->created_at = k->updated_at = wall_ms();
-    if (k->al.has_budget) k->al.budget_anchor = k->created_at;
-    int64_t end;
-    allow_period(&k->al, k->created_at, &k->al.period_start, &end); /* a new key has spent nothing */
+    allow_start(&k->al, k->created_at);
     uint8_t raw[32];
     char secret[64] = "ltg_sk_";
     static const char b64url[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
@@ -7108,23 +7152,25 @@ static void admin_route(conn *c) {
  * IMPLEMENTATION NOTES
  * An exchange is one inference request on its way through ltg. It owns a
  * copy of the request body, the plan (section 10), the log of its attempts,
- * the upstream connection of the current attempt, its budget reservation,
+ * the upstream connection of the current attempt, its hold on the key's
+ * and the group's budgets and rate limits,
  * and two timers: the deadline of the whole request, and `t`, which is by
  * turns the current attempt's timeout, the backoff before the next
  * attempt, and (once a stream flows) its idle limit.
  *
  *   inference_call(): the admission checks, each a refusal or nothing --
  *     key, body, model, options, overrides, idempotency (a replay answers
- *     here), parallel, storage, budget (it holds the reservation) -- then
+ *     here), parallel, storage, the hold (budgets and rate limits) -- then
  *     a cached answer, or the exchange:
  *
  *   exchange_attempt() -> up_start() ... exchange_upstream() -> attempt_end()
  *        ^                                                          |
- *        +--- PLAN_NEXT_MODEL, PLAN_RETRY_SAME (after the backoff) --+
+ *        +--- PLAN_NEXT_MODEL, PLAN_RETRY_SAME (after the backoff, or --+
+ *             at once on another deployment of the model)
  *             PLAN_ANSWER: the answer is relayed, or the stream starts
  *             PLAN_GIVE_UP (or past the deadline): the error
  *
- *   exchange_settle(): the real cost replaces the reservation, the spend
+ *   exchange_settle(): the real cost and usage replace the hold, the spend
  *   event is written, the replay record and the cache are filled
  *
  * attempt_end() alone turns an attempt's result into an outcome; x_state
@@ -7158,7 +7204,7 @@ static void admin_route(conn *c) {
  *
  * Timing. The per-attempt timeout (request_timeout_ms) runs to the response
  * head, or for a stream to its first event. The deadline (x-ltg-deadline,
- * 30 s by default) bounds everything before the answer starts: no attempt
+ * 600 s by default) bounds everything before the answer starts: no attempt
  * starts after it (a retry whose backoff would end past it is skipped), a
  * running attempt is cut when it passes, and the client gets 504 at once.
  * A stream that has started is then bounded by inactivity instead.
@@ -7222,7 +7268,7 @@ struct exchange {
     int dep;              /* the current attempt's deployment of its model */
     deployment *busy;     /* the deployment its connection counts in flight on (NULL: none) */
     int key_retry;        /* the next attempt repeats this one with the provider's next key */
-    int pin;              /* previous_response_id's deployment of chain[0] (-1: none): its every attempt */
+    int pin;              /* previous_response_id's deployment of chain[0] (-1: none): its attempts while its breaker lets them */
     uint32_t avoid;       /* deployments of the current model that answered no_work (bit i: dep[i]) */
     int avoid_model;      /* ... the chain index of that model */
     int probe;            /* the current attempt is its deployment's breaker probe */
@@ -7713,7 +7759,7 @@ typedef struct {
     int reached;          /* a byte of the request was handed to the provider */
     const char *error;    /* why it failed otherwise than by its status (NULL: the status says) */
     int timeout;          /* the error is a timeout: as the last failure, 504 (else 502) */
-    int skipped;          /* no call made: the model's breaker is open */
+    int skipped;          /* no call made: every breaker of the model's deployments is open */
 } attempt_result;
 
 /* Is the upstream's answer a stream (200, text/event-stream)? */
@@ -7777,9 +7823,8 @@ static int key_rotate(exchange *x, int status) {
     snprintf(idx, sizeof idx, "%d", x->key);
     metric_add(M_KEY_FAILS, 1, "provider", p->name, "key", idx, NULL);
     x->key_tries++, x->attempts--;
-    if (x->probe) breaker_forget_probe(exchange_dep(x)), x->probe = 0;
     exchange_let_go(x);
-    x->key_retry = 1; /* the same deployment, the next key */
+    x->key_retry = 1; /* the same deployment (and the same probe, if it is one), the next key */
     exchange_attempt(x);
     return 1;
 }
@@ -7812,9 +7857,9 @@ static void attempt_end(exchange *x, const attempt_result *r) {
     const char *v = u && u->have_head ? http_header_get(u->head.p, u->resp.h, u->resp.nh, "retry-after", &n) : NULL;
     if (v) retry_after = retry_after_ms(v, n, (long long)(wall_ms() / 1000));
     exchange_let_go(x);
+    if (next == PLAN_RETRY_SAME && x->pin < 0 && deployment_other(m, x->avoid, S.now)) { exchange_attempt(x); return; } /* another deployment, at once */
     int late = 0;
-    if (next == PLAN_RETRY_SAME && x->pin < 0 && deployment_other(m, x->avoid, S.now)) next = PLAN_NEXT_MODEL; /* another deployment, at once */
-    else if (next == PLAN_RETRY_SAME) {
+    if (next == PLAN_RETRY_SAME) {
         next = exchange_backoff(x, retry_after);
         late = next != PLAN_RETRY_SAME;
     }
@@ -7833,19 +7878,22 @@ static void exchange_attempt(exchange *x) {
     if (S.now >= x->started + x->deadline_ms) { exchange_give_up(x, 1); return; }
     if (x->avoid_model != x->plan.model) x->avoid = 0, x->avoid_model = x->plan.model;
     if (x->key_retry) x->key_retry = 0;
-    else if (x->pin >= 0 && breaker_ready(&m->dep[x->pin], S.now)) x->dep = x->pin, breaker_allows(&m->dep[x->dep], S.now, &x->probe);
-    else if ((x->dep = deployment_pick(m, x->avoid, S.now)) < 0) {
-        attempt_end(x, &(attempt_result){.error = "skipped: the circuit breaker is open", .skipped = 1});
-        return;
-    } else breaker_allows(&m->dep[x->dep], S.now, &x->probe);
+    else {
+        x->dep = x->pin >= 0 && breaker_ready(&m->dep[x->pin], S.now) ? x->pin : deployment_pick(m, x->avoid, S.now);
+        if (x->dep < 0) {
+            attempt_end(x, &(attempt_result){.error = "skipped: the circuit breaker is open", .skipped = 1});
+            return;
+        }
+        breaker_allows(&m->dep[x->dep], S.now, &x->probe);
+    }
     assert(!x->u); /* the last attempt's connection went back in attempt_end */
     x->in_tok = x->out_tok = 0, x->usage_known = 0; /* an earlier attempt's usage is not this one's */
     exchange_build(x);
     x->attempts++;
     x->attempt_started = S.now;
     if (x->rp.request_timeout_ms > 0) timer_set(&x->t, x->rp.request_timeout_ms);
-    x->u = S.up_open(exchange_dep(x)->p, x, exchange_upstream, x->req.p, x->req.len);
     x->busy = exchange_dep(x), x->busy->inflight++;
+    x->u = S.up_open(x->busy->p, x, exchange_upstream, x->req.p, x->req.len);
 }
 
 /* `t` fired: what it means is the exchange's state. */

@@ -19,6 +19,8 @@
  *   DNS            dns_parse_answer, and dns_build_query on a name from the
  *                  input, whose answer must then parse
  *   GROUP          group_parse (create, patch, log) and group_validate
+ *   KEY            tkey_parse (create, patch, log) and tkey_validate: what
+ *                  the API took survives the log; a PATCH leaves its base
  *   TLS_ANCHORS    tls_load_anchors on the input as a PEM or DER file
  * `make fuzz` builds each as tests/fuzz-<name> and runs it over its seeds in
  * tests/fuzz/<name>/.
@@ -31,7 +33,8 @@
  * which libFuzzer reports as a crash with the input that caused it.
  */
 #if !defined(FUZZ_HTTP_REQUEST) && !defined(FUZZ_HTTP_RESPONSE) && !defined(FUZZ_JSON) && !defined(FUZZ_CONFIG) && \
-    !defined(FUZZ_LOG_REPLAY) && !defined(FUZZ_DNS) && !defined(FUZZ_GROUP) && !defined(FUZZ_TLS_ANCHORS)
+    !defined(FUZZ_LOG_REPLAY) && !defined(FUZZ_DNS) && !defined(FUZZ_GROUP) && !defined(FUZZ_KEY) && \
+    !defined(FUZZ_TLS_ANCHORS)
 #error "choose a target: -DFUZZ_HTTP_REQUEST, ..., -DFUZZ_TLS_ANCHORS (or run make fuzz)"
 #endif
 
@@ -489,7 +492,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) {
         REQUIRE(c->nprov > 0 && c->nmodels > 0, "a catalog without providers or models");
         for (int i = 0; i < c->nmodels; i++) {
             model *m = &c->models[i];
-            REQUIRE(m->p && m->alias && *m->alias && m->upstream, "model %d incomplete", i);
+            REQUIRE(m->alias && *m->alias && m->ndep >= 1 && m->ndep <= MAX_DEPLOYMENTS, "model %d incomplete", i);
+            for (int k = 0; k < m->ndep; k++)
+                REQUIRE(m->dep[k].p && m->dep[k].upstream && *m->dep[k].upstream && m->dep[k].m == m && m->dep[k].weight >= 1 &&
+                        m->dep[k].weight <= 100 && m->dep[k].p->api == m->api, "model %d, deployment %d incomplete", i, k);
             REQUIRE(catalog_model(c, m->alias, strlen(m->alias)) == m, "model %s not found by its alias", m->alias);
         }
         for (int i = 0; i < c->nprov; i++) {
@@ -591,7 +597,7 @@ static void ledger_answers(buf *out) {
     for (int i = 0; i < 3; i++) buf_printf(out, " %lld/%lld", by_day[i].requests, (long long)by_day[i].spend);
     for (int i = 0; i < nmu; i++) buf_printf(out, " %s:%lld", mu[i].alias, mu[i].u.requests);
     free(mu);
-    buf_printf(out, " since %lld", (long long)(LG.nseg ? seg_group_since(LG.seg[0], grp, FUZZ_DAY + DAY_MS / 2) : 0));
+    buf_printf(out, " since %lld", (long long)(LG.nseg ? seg_spent_since(LG.seg[0], 'g', grp, FUZZ_DAY + DAY_MS / 2) : 0));
 }
 
 static int replays_seen;
@@ -818,6 +824,86 @@ int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) {
     buf now = {0};
     group_log_json(base, &now);
     REQUIRE(now.len == base_json.len && memcmp(now.p, base_json.p, now.len) == 0, "a PATCH changed the group it was laid over");
+    buf_free(&now);
+done:
+    free(t);
+    free(s);
+    return 0;
+}
+#endif
+
+/* ---- key: a token key's fields, as PATCH and the log lay them over a key ---- */
+
+#ifdef FUZZ_KEY
+static tkey *kbase;
+static buf kbase_json;
+
+static void key_log_json(const tkey *k, buf *out) {
+    jwriter w;
+    out->len = 0;
+    jw_init(&w, out);
+    tkey_json(&w, k, 1);
+}
+
+static void target_init(void) {
+    S.ledger_days = 90;
+    store_init();
+    group *g = group_new();
+    memcpy(g->id, "22222222-2222-4222-8222-222222222222", 37);
+    g->name = xstrdup("g"), g->allowed = xcalloc(1, sizeof *g->allowed);
+    store_put_group(g, 100); /* the group keys name */
+    const char *full = "{\"name\":\"k\",\"token_group_id\":\"22222222-2222-4222-8222-222222222222\",\"max_budget\":2.5,"
+                       "\"budget_duration\":\"1mo\",\"rpm_limit\":10,\"tpm_limit\":1000,\"blocked\":true}";
+    json_tok t[32];
+    json_result r;
+    verr e = {0};
+    kbase = tkey_new();
+    REQUIRE(json_parse(full, strlen(full), t, 32, -1, &r) == 0 && tkey_parse(full, t, 0, kbase, PARSE_CREATE, &e) == 0 && tkey_validate(kbase, &e) == 0,
+            "base key: %s %s", e.pointer, e.detail);
+    memcpy(kbase->id, "00000000-0000-4000-8000-000000000000", 37);
+    key_log_json(kbase, &kbase_json);
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) {
+    char *s = copy(d, n);
+    int max = (int)(n / 2 + 4);
+    json_tok *t = malloc((size_t)max * sizeof *t);
+    json_result res;
+    if (json_parse(s, n, t, max, -1, &res) < 0) goto done;
+    for (int mode = PARSE_CREATE; mode <= PARSE_LOG; mode++) {
+        tkey *k = mode == PARSE_PATCH ? tkey_clone(kbase) : tkey_new();
+        verr e = {0};
+        int ok = tkey_parse(s, t, 0, k, mode, &e) == 0;
+        if (!ok) REQUIRE(e.code && e.detail[0], "tkey_parse refused without a reason (mode %d)", mode);
+        int valid = ok && tkey_validate(k, &e) == 0;
+        if (ok && !valid) REQUIRE(e.code && e.detail[0], "tkey_validate refused without a reason (mode %d)", mode);
+        buf a = {0}, b = {0};
+        if (!k->id[0]) memcpy(k->id, "11111111-1111-4111-8111-111111111111", 37);
+        if (valid || (ok && mode == PARSE_LOG)) {
+            jwriter w;
+            jw_init(&w, &a);
+            tkey_json(&w, k, 0);
+            key_log_json(k, &a);
+        }
+        if (valid) { /* what the API took survives the log */
+            json_tok t2[64];
+            char *s2 = copy(a.p, a.len);
+            REQUIRE(json_parse(s2, a.len, t2, 64, -1, &res) == 0, "a valid key's log JSON does not parse: %s: %s", res.err, a.p);
+            tkey *k2 = tkey_new();
+            verr e2 = {0};
+            REQUIRE(tkey_parse(s2, t2, 0, k2, PARSE_LOG, &e2) == 0 && tkey_validate(k2, &e2) == 0, "a valid key is refused on replay: %s %s: %s",
+                    e2.pointer, e2.detail, a.p);
+            key_log_json(k2, &b);
+            REQUIRE(a.len == b.len && memcmp(a.p, b.p, a.len) == 0, "a valid key changes through the log:\n%s\n%s", a.p, b.p);
+            tkey_free(k2);
+            free(s2);
+        }
+        buf_free(&a), buf_free(&b);
+        tkey_free(k);
+    }
+    buf now = {0};
+    key_log_json(kbase, &now);
+    REQUIRE(now.len == kbase_json.len && memcmp(now.p, kbase_json.p, now.len) == 0, "a PATCH changed the key it was laid over");
     buf_free(&now);
 done:
     free(t);

@@ -350,7 +350,6 @@ def bad_policy_cases(k):
         ({"max_budget": 1000000001, "budget_duration": "1d"}, "/max_budget", None),
         ({"max_budget": 1.0000001, "budget_duration": "1d"}, "/max_budget", None),
         ({"max_budget": "1", "budget_duration": "1d"}, "/max_budget", None),
-        ({"max_budget": 1, "budget_duration": None}, "/budget_duration", "a token key's budget needs a period"),
         ({"max_budget": 1, "budget_duration": "2d"}, "/budget_duration", None),
         ({"max_budget": 1, "budget_duration": "1m"}, "/budget_duration", None),
         ({"max_budget": 1, "budget_duration": "1MO"}, "/budget_duration", None),
@@ -364,14 +363,13 @@ def bad_policy_cases(k):
     return cases
 
 
-@it.test("key policy: validation on create and PATCH (ranges, a budget needs a period, unknown and read-only fields, token_group_id cannot change); a refused one changes nothing")
+@it.test("key policy: validation on create and PATCH (ranges, unknown and read-only fields, token_group_id cannot change; a budget without a period is a lifetime one); a refused one changes nothing")
 def t_key_validation():
     g = kimi_group()
     k, secret = new_key(g["id"], max_budget=2, budget_duration="7d", rpm_limit=10, tpm_limit=1000)
     k0, _ = new_key(g["id"])
     cases = bad_policy_cases(k)
-    for fields, pointer, detail in cases + [({"max_budget": 1}, "/budget_duration", "a token key's budget needs a period"),
-                                            ({"max_budget": 0}, "/budget_duration", "a token key's budget needs a period")]:
+    for fields, pointer, detail in cases:
         body = {"name": "kp-bad", "token_group_id": g["id"]}
         body.update(fields)
         e = it.check_admin_error(it.admin("POST", "/token_keys", body), 400, "invalid_request", pointer, "POST /token_keys %r" % fields)
@@ -381,16 +379,15 @@ def t_key_validation():
     # PATCH: the same refusals, also beside a valid change; and what only a PATCH can get wrong.
     patch_cases = [(f if "name" in f else dict(f, name="renamed-by-a-refused-patch"), p, d) for f, p, d in cases]
     patch_cases += [({"token_group_id": g["id"]}, "/token_group_id", "cannot change"),
-                    ({"token_group_id": it.create_group(it.group_body())["id"]}, "/token_group_id", "cannot change"),
-                    ({"budget_duration": None}, "/budget_duration", "a token key's budget needs a period")]
+                    ({"token_group_id": it.create_group(it.group_body())["id"]}, "/token_group_id", "cannot change")]
     for fields, pointer, detail in patch_cases:
         e = it.check_admin_error(patch_key(k["id"], fields, 1), 400, "invalid_request", pointer, "PATCH %r" % fields)
         check(detail is None or detail in e["detail"], "PATCH %r: detail %r lacks %r" % (fields, e["detail"], detail))
     check(get_key(k["id"]) == k, "a refused PATCH changed the key: %r" % get_key(k["id"]))
-    for fields in ({"max_budget": 3}, {"max_budget": 0, "rpm_limit": 5}):     # a budget on k0, which has no period
-        e = it.check_admin_error(patch_key(k0["id"], fields, 1), 400, "invalid_request", "/budget_duration", "PATCH %r on a key without a budget" % fields)
-        check("a token key's budget needs a period" in e["detail"], "PATCH %r: detail %r" % (fields, e["detail"]))
-    check(get_key(k0["id"]) == k0, "a refused PATCH changed the key without a budget: %r" % get_key(k0["id"]))
+    # A budget without a period is a lifetime one (as a group's): accepted, never reset.
+    life, _ = new_key(g["id"], max_budget=3)
+    check(life["max_budget"] == 3 and life["budget_duration"] is None and life["budget_started_at"] and life["resets_at"] is None
+          and life["spend"] == 0, "a lifetime key budget: %r" % life)
     r = chat(secret, it.chat_body(max_tokens=10))       # under its tpm_limit of 1000
     check(r.status == 200, "the key works after the refused PATCHes: %s" % r.brief())
     # The bounds themselves are accepted.

@@ -3,7 +3,8 @@
  *     tests/ledger-gen DATA EVENTS DAYS GROUPS
  *
  * Writes DATA/state.log with GROUPS token groups (budgets of 1d, 7d, 30d and
- * lifetime, in turn, anchored DAYS days ago) and two token keys each, and
+ * lifetime, in turn, anchored DAYS days ago) and two token keys each (with
+ * budgets of their own: 1d, 7d, 30d, 1mo and lifetime, in turn), and
  * DATA/ledger/ with EVENTS spend events spread evenly over the DAYS days that
  * end now: each day sealed with its index file as ltg seals it at midnight,
  * today's left open. It includes ltg.c (without main) and calls ledger_add()
@@ -27,9 +28,11 @@ static void gen_group(const char *id, int i, int64_t anchor) {
 }
 
 static void gen_key(const char *id, const char *gid, int i, int64_t at) {
-    char p[512];
+    static const char *const periods[] = {"\"1d\"", "\"7d\"", "\"30d\"", "\"1mo\"", "null"};
+    char p[640];
     snprintf(p, sizeof p, "{\"ops\":[{\"put_key\":{\"id\":\"%s\",\"name\":\"bench-key-%d\",\"token_group_id\":\"%s\",\"version\":1,"
-                          "\"sha256\":\"%064d\",\"created_at\":%lld,\"updated_at\":%lld}}]}", id, i, gid, i, (long long)at, (long long)at);
+                          "\"sha256\":\"%064d\",\"created_at\":%lld,\"updated_at\":%lld,\"max_budget\":1000000,\"budget_duration\":%s,"
+                          "\"budget_anchor\":%lld}}]}", id, i, gid, i, (long long)at, (long long)at, periods[i % 5], (long long)at);
     const char *why;
     if (state_append(p, strlen(p), &why) < 0) { fprintf(stderr, "ledger-gen: %s\n", why); exit(1); }
 }

@@ -545,16 +545,23 @@ static void test_group_validation(void) {
 static char unit_dir[256];
 
 /* Log g as the handlers do (one record), then put it in memory. */
-static group *log_put_group(group *g) {
+/* Append {"ops":[{op: item}]} to the state log: the record's size. */
+static size_t unit_log_put(const char *op, const buf *item) {
     buf p = {0};
-    jwriter w;
-    jw_init(&w, &p);
-    jw_open(&w, '{'), jw_key(&w, "ops"), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, "put_group"), group_json(&w, g, 1);
-    jw_close(&w, '}'), jw_close(&w, ']'), jw_close(&w, '}');
+    buf_printf(&p, "{\"ops\":[{\"%s\":%s}]}", op, item->p);
     const char *why;
-    CHECK(state_append(p.p, p.len, &why) == 0, "append a group");
-    store_put_group(g, p.len + 8);
+    CHECK(state_append(p.p, p.len, &why) == 0, "append a %s", op);
+    size_t n = p.len + 8;
     buf_free(&p);
+    return n;
+}
+
+static group *log_put_group(group *g) {
+    buf item = {0};
+    jwriter w;
+    jw_init(&w, &item), group_json(&w, g, 1);
+    store_put_group(g, unit_log_put("put_group", &item));
+    buf_free(&item);
     return g;
 }
 
@@ -764,6 +771,20 @@ static group *unit_group(int i, int budget_days, int64_t anchor) {
     return log_put_group(g);
 }
 
+/* A token key of group `grp` with a budget (budget_days as a group's; -2: none), logged and applied. */
+static tkey *unit_key(int i, int grp, int budget_days, int64_t anchor) {
+    tkey *k = tkey_new();
+    memcpy(k->id, unit_id('k', i), 37), memcpy(k->group_id, unit_id('g', grp), 37);
+    k->name = xstrdup("k"), k->version = 1, k->created_at = k->updated_at = anchor, k->hash[0] = (uint8_t)i;
+    if (budget_days > -2) k->al.has_budget = 1, k->al.max_budget = 1000, k->al.budget_days = budget_days, k->al.budget_anchor = anchor;
+    buf item = {0};
+    jwriter w;
+    jw_init(&w, &item), tkey_json(&w, k, 1);
+    store_put_key(k, unit_log_put("put_key", &item));
+    buf_free(&item);
+    return k;
+}
+
 static void test_ledger_days(void) {
     char err[512], cmd[1400], path[400], got[256];
     size_t total;
@@ -879,10 +900,13 @@ static void test_ledger_budgets(void) {
     unit_group(0, 0, UDAY - 5 * DAY_MS); /* a lifetime budget */
     unit_group(1, 1, UDAY + DAY_MS / 2); /* a daily one, anchored at noon */
     unit_group(2, 7, UDAY + 3600000);    /* a weekly one */
+    unit_key(0, 0, 0, UDAY - 5 * DAY_MS);  /* keys: a lifetime budget, */
+    unit_key(2, 1, 1, UDAY + DAY_MS / 2);  /* a daily one, */
+    unit_key(3, 1, -2, UDAY);              /* none */
     /* Four days of events from 6 keys of 3 groups over 3 models, and the recount they must match. */
     static const char *models[] = {"A", "B", "C"};
     usage_row want[4][3][3] = {{{{0}}}};
-    int64_t spent[3][4] = {{0}}, at = UDAY;
+    int64_t spent[3][4] = {{0}}, kspent[6][4] = {{0}}, at = UDAY;
     uint64_t rnd = 12345;
     for (int i = 0; i < 3000; i++) {
         rnd = rnd * 6364136223846793005ULL + 1442695040888963407ULL;
@@ -894,7 +918,7 @@ static void test_ledger_budgets(void) {
         unit_event(at, key, grp, models[m], charged, st);
         ledger_entry e = {.in_tok = 10, .out_tok = 3, .status = (uint8_t)st, .charged = charged};
         usage_add(&want[d][grp][m], &e);
-        spent[grp][d] += charged;
+        spent[grp][d] += charged, kspent[key][d] += charged;
         if (i % 500 == 0) unit_tick(at);
     }
     int64_t now = UDAY + 3 * DAY_MS + DAY_MS / 3;
@@ -927,7 +951,8 @@ static void test_ledger_budgets(void) {
     }
     /* Budgets: the lifetime one counts all four days, the daily one since its anchor's hour yesterday, the weekly one since its anchor. */
     group *g0 = group_find(unit_id('g', 0)), *g1 = group_find(unit_id('g', 1)), *g2 = group_find(unit_id('g', 2));
-    int64_t life_want = spent[0][0] + spent[0][1] + spent[0][2] + spent[0][3], daily_want = 0, weekly_want = 0;
+    int64_t life_want = spent[0][0] + spent[0][1] + spent[0][2] + spent[0][3], daily_want = 0, weekly_want = 0, kdaily_want = 0;
+    int64_t klife_want = kspent[0][0] + kspent[0][1] + kspent[0][2] + kspent[0][3];
     for (int i = 0; i < LG.nseg; i++) {
         segment *s = LG.seg[i];
         seg_view v;
@@ -938,12 +963,17 @@ static void test_ledger_budgets(void) {
             if (view_record(&v, (uint32_t)k, &rec, &rv) == 0) {
                 if (memcmp(rv.group, unit_id('g', 1), 36) == 0 && rv.at >= UDAY + 2 * DAY_MS + DAY_MS / 2) daily_want += rv.charged;
                 if (memcmp(rv.group, unit_id('g', 2), 36) == 0 && rv.at >= UDAY + 3600000) weekly_want += rv.charged;
+                if (memcmp(rv.key, unit_id('k', 2), 36) == 0 && rv.at >= UDAY + 2 * DAY_MS + DAY_MS / 2) kdaily_want += rv.charged;
             }
         view_close(&v), buf_free(&rec);
     }
     CHECK(g0->al.spend == life_want && g1->al.spend == daily_want && g2->al.spend == weekly_want && daily_want > 0,
           "budgets from rollups and running sums: %lld/%lld %lld/%lld %lld/%lld", (long long)g0->al.spend, (long long)life_want,
           (long long)g1->al.spend, (long long)daily_want, (long long)g2->al.spend, (long long)weekly_want);
+    tkey *k0 = tkey_find(unit_id('k', 0)), *k2 = tkey_find(unit_id('k', 2)), *k3 = tkey_find(unit_id('k', 3));
+    CHECK(k0 && k2 && k3 && k0->al.spend == klife_want && k2->al.spend == kdaily_want && kdaily_want > 0 && k3->al.spend == 0,
+          "keys' budgets from their running sums: %lld/%lld %lld/%lld", k0 ? (long long)k0->al.spend : -1LL, (long long)klife_want,
+          k2 ? (long long)k2->al.spend : -1LL, (long long)kdaily_want);
     /* Retention takes the 29th: the lifetime budget carries it, through a restart. */
     S.ledger_days = 2;
     verr e = {0};
@@ -955,7 +985,12 @@ static void test_ledger_budgets(void) {
     CHECK(LG.nseg == 3 && LG.seg[0]->day == UDAY + DAY_MS, "the 29th deleted");
     CHECK(g0->al.spend == life_want && g0->al.carry == spent[0][0] && g0->al.carry_to == UDAY + DAY_MS, "carried: %lld of %lld",
           (long long)g0->al.carry, (long long)spent[0][0]);
+    k0 = tkey_find(unit_id('k', 0));
+    CHECK(k0->al.spend == klife_want && k0->al.carry == kspent[0][0] && k0->al.carry_to == UDAY + DAY_MS && kspent[0][0] > 0,
+          "a key's lifetime budget carried too: %lld of %lld", (long long)k0->al.carry, (long long)kspent[0][0]);
     CHECK(unit_reopen_ledger(now, err) == 0, "reopen: %s", err);
+    k0 = tkey_find(unit_id('k', 0));
+    CHECK(k0 && k0->al.spend == klife_want, "after a restart the key's lifetime spend is the same: %lld", k0 ? (long long)k0->al.spend : -1LL);
     g0 = group_find(unit_id('g', 0));
     g2 = group_find(unit_id('g', 2));
     CHECK(g0 && g0->al.spend == life_want, "after a restart the lifetime spend is the same: %lld", g0 ? (long long)g0->al.spend : -1LL);
@@ -967,6 +1002,8 @@ static void test_ledger_budgets(void) {
     CHECK(unit_reopen_ledger(now, err) == 0 && LG.nseg == 4, "reopen with the day back: %s", err);
     g0 = group_find(unit_id('g', 0));
     CHECK(g0 && g0->al.spend == life_want, "the carried day is not counted twice: %lld", g0 ? (long long)g0->al.spend : -1LL);
+    k0 = tkey_find(unit_id('k', 0));
+    CHECK(k0 && k0->al.spend == klife_want, "nor a key's: %lld", k0 ? (long long)k0->al.spend : -1LL);
     /* A budget period longer than the retention is refused. */
     S.ledger_days = 5;
     g = group_new();
