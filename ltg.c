@@ -4979,7 +4979,7 @@ static void seg_spends(segment *s, int64_t now, void (*fn)(const char *name, all
     if (view_open(&v, s, 0, NULL, UINT32_MAX) > 0 && idx_read(s, v.fd, SEC_NAMES, 0, nn, names) == 0 && idx_read(s, v.fd, SEC_STRINGS, 0, ns, str) == 0)
         for (uint64_t r = 0; r < nn; r++) {
             const idx_name *nm = &names[r];
-            if (nm->len != 37 || nm->str > ns - 37 || (str[nm->str] != 'g' && str[nm->str] != 'k')) continue;
+            if (nm->len != 37 || ns < 37 || nm->str > ns - 37 || (str[nm->str] != 'g' && str[nm->str] != 'k')) continue;
             memcpy(name, str + nm->str, 37), name[37] = 0;
             allowance *a = name_allowance(name);
             if (!a) continue;
