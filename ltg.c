@@ -3060,7 +3060,7 @@ typedef struct {
     /* Runtime, not logged (rebuilt from the ledger at start-up): */
     struct rl_window *rl;     /* the last minute's requests and tokens, once a limit is met (section 14) */
     int64_t spend, reserved;  /* micro-USD: charged in the current period; held by requests in flight */
-    int64_t period_start;     /* the period `spend` belongs to (see budget_refresh) */
+    int64_t period_start, period_end; /* the period `spend` belongs to (see budget_refresh); its end, 0: none or not known */
 } allowance;
 
 /* The longest a's budget period lasts, in days (0: lifetime). */
@@ -3642,9 +3642,10 @@ static void allow_reanchor(allowance *a, const allowance *cur, int64_t now) {
 /* A new group's or key's allowance, made at `now`: its budget's period
  * starts, with nothing spent. */
 static void allow_start(allowance *a, int64_t now) {
-    int64_t end;
+    int64_t end; /* (its period_end is set below) */
     if (a->has_budget) a->budget_anchor = now;
     allow_period(a, now, &a->period_start, &end);
+    a->period_end = end;
 }
 
 /* A stored item's times: exact in the log, ISO 8601 in the API. */
@@ -5438,11 +5439,15 @@ static void ledger_replays(int64_t since, void (*fn)(const rec_view *rv, int64_t
  */
 
 /* Bring a's period up to date: a new period starts with nothing spent
- * (but what a group carried into it). */
+ * (but what a group carried into it). Within the period it knows the end
+ * of, nothing is computed (a calendar month's takes the C library's date
+ * functions; every request asks several times). */
 static void budget_refresh(allowance *a, int64_t now) {
+    if (a->period_end && now >= a->period_start && now < a->period_end) return;
     int64_t start, end;
     allow_period(a, now, &start, &end);
     if (start != a->period_start) a->period_start = start, a->spend = allow_carried(a, start);
+    a->period_end = end;
 }
 
 /* USD left in a's current period, or -1 when uncapped (a's period must be
@@ -5467,6 +5472,7 @@ static void budget_follow(allowance *a, char kind, const char *id, int64_t now) 
     int64_t start, end;
     allow_period(a, now, &start, &end);
     if (start != a->period_start) budget_recount(a, kind, id, now);
+    a->period_end = end; /* a new duration may end the same period elsewhere */
 }
 
 /* Day s is to be deleted, in a's current budget period (a lifetime
@@ -5494,7 +5500,7 @@ static int carried_covers(const allowance *a, const segment *s) { return a->carr
 static void budget_recount(allowance *a, char kind, const char *id, int64_t now) {
     int64_t start, end;
     allow_period(a, now, &start, &end);
-    a->period_start = start, a->spend = allow_carried(a, start);
+    a->period_start = start, a->period_end = end, a->spend = allow_carried(a, start);
     for (int i = 0; i < LG.nseg; i++)
         if (LG.seg[i]->day + DAY_MS > start && !carried_covers(a, LG.seg[i])) a->spend += seg_spent_since(LG.seg[i], kind, id, start);
 }
@@ -5518,7 +5524,7 @@ static void budget_rebuild(int64_t now) {
         tkey *k = i < ST.gv.n ? NULL : ST.kv.p[i - ST.gv.n];
         allowance *a = g ? &g->al : k ? &k->al : NULL;
         if (!a) continue;
-        a->period_start = -1; /* no period yet: budget_refresh starts the current one */
+        a->period_start = -1, a->period_end = 0; /* no period yet: budget_refresh starts the current one */
         budget_refresh(a, now);
         warn_long_period(a, g ? "token group" : "token key", g ? g->id : k->id);
     }

@@ -31,7 +31,7 @@
 #   BENCH_HISTORY_EVENTS  events of the long-history section (10000000; 0 skips it)
 #   BENCH_TRAFFIC_BASE    the revision measured as "before" in the traffic section (b40c800,
 #                   the last before deployments and rate limits; empty skips that section)
-#   BENCH_TRAFFIC_ROUNDS  its interleaved rounds (3)
+#   BENCH_TRAFFIC_ROUNDS  its interleaved rounds (4)
 #   BENCH_BASE      the git revision measured as "before" there (2a946e7; empty skips it)
 #
 # The 1-connection runs are pinned (taskset) to one core: wrk, the mock and the
@@ -713,9 +713,11 @@ echo
 # checked, held and settled in both); ltg-before is BENCH_TRAFFIC_BASE built
 # here, one deployment, no limits: ltg as it was before the issue. The two
 # alternate, BENCH_TRAFFIC_ROUNDS rounds of a warm-up and a 64-connection
-# run each, so that drift on the machine falls on both; medians compared.
+# run each, in the order A B, B A, A B... so that a drift of the machine
+# (this VM's throughput wanders by 20 % over minutes) falls on both;
+# medians compared.
 TRAFFIC_BASE=${BENCH_TRAFFIC_BASE-b40c800}
-TRAFFIC_ROUNDS=${BENCH_TRAFFIC_ROUNDS:-3}
+TRAFFIC_ROUNDS=${BENCH_TRAFFIC_ROUNDS:-4}
 median() { printf '%s\n' "$@" | sort -n | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
 if [ -n "$TRAFFIC_BASE" ] && git -C "$ROOT" cat-file -e "$TRAFFIC_BASE^{commit}" 2>/dev/null; then
     rm -rf "$T/traffic-src" && mkdir -p "$T/traffic-src"
@@ -736,7 +738,7 @@ EOF
     launch_ltg ltg-traffic "$T/ltg-traffic.json"
     TR_PORT=$L_PORT TR_PID=$L_PID
     TA="http://127.0.0.1:$L_ADMIN_PORT/v2/llm_token_gateway"
-    LIMITS='"rpm_limit":1000000,"tpm_limit":1000000000,"max_budget":1000000,"budget_duration":"1d"'
+    LIMITS='"rpm_limit":1000000,"tpm_limit":1000000000,"max_budget":1000000,"budget_duration":"1mo"'
     TR_GID=$(curl -s "$TA/token_groups" -H "Authorization: Bearer $LTG_BENCH_ADMIN_KEY" -H "Idempotency-Key: bench-tg-$$" \
           -d "{\"name\":\"bench\",\"allowed_models\":[\"$ALIAS\"],$LIMITS}" | sed -n 's/.*"id":"\([^"]*\)".*/\1/p' | head -n 1)
     TR_KEY=$(curl -s "$TA/token_keys" -H "Authorization: Bearer $LTG_BENCH_ADMIN_KEY" -H "Idempotency-Key: bench-tk-$$" \
@@ -753,7 +755,9 @@ EOF
     declare -A TRAFFIC_RPS=()
     s0=$(mock_stats)
     for round in $(seq "$TRAFFIC_ROUNDS"); do
-        for n in ltg-before ltg-traffic; do
+        order="ltg-before ltg-traffic"
+        [ $((round % 2)) = 0 ] && order="ltg-traffic ltg-before"   # ABBA...: a drift of the machine falls on both alike
+        for n in $order; do
             LUA=${TRAFFIC_LUA[$n]}
             warm_up "$n"
             measure "$n" "c64r$round" 2 64
@@ -773,8 +777,8 @@ EOF
     echo "### deployments and limits on the hot path (same run, interleaved)"
     echo
     echo "- ltg-before: $TRAFFIC_BASE (before issue 15), one deployment, no limits; ltg-traffic: this build, the alias"
-    echo "  over two deployments (1:1) and rpm_limit, tpm_limit and a budget on both the group and the key (never reached)"
-    echo "- $TRAFFIC_ROUNDS rounds, each: ${WARM} s warm-up and ${SECS} s at 64 connections of ltg-before, then of ltg-traffic"
+    echo "  over two deployments (1:1) and rpm_limit, tpm_limit and a 1mo budget on both the group and the key (never reached)"
+    echo "- $TRAFFIC_ROUNDS rounds, each: ${WARM} s warm-up and ${SECS} s at 64 connections of each, in the order A B, B A, A B..."
     echo
     echo "| metric | ltg-before | ltg-traffic | ratio |"
     echo "| --- | ---: | ---: | ---: |"

@@ -1376,7 +1376,11 @@ static void test_ledger_pieces(void) {
     CHECK(mo.spend == 700 && allow_days(&mo) == 31, "the same month: spend kept");
     budget_refresh(&mo, DEC1);
     allow_period(&mo, DEC1, &start, &end);
-    CHECK(mo.spend == 0 && mo.period_start == DEC1 && start == DEC1 && end == JAN1, "rolled over at 00:00 UTC on the 1st");
+    CHECK(mo.spend == 0 && mo.period_start == DEC1 && mo.period_end == JAN1 && start == DEC1 && end == JAN1, "rolled over at 00:00 UTC on the 1st");
+    mo.spend = 5, mo.budget_days = 7; /* a period's end is known until a change says otherwise (budget_follow) */
+    budget_refresh(&mo, DEC1 + DAY_MS);
+    CHECK(mo.spend == 5 && mo.period_end == JAN1, "within the known period nothing is recomputed");
+    mo.budget_days = BUDGET_MONTH;
     allow_period(&mo, JAN1 + 5, &start, &end);
     CHECK(start == JAN1 && end == FEB1, "over the year's end: January 2027");
     allow_period(&mo, FEB1 + 27 * DAY_MS, &start, &end);
