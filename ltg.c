@@ -6869,6 +6869,12 @@ static void store_list(conn *c, const vec *v, int keys) {
 
 static void groups_list(conn *c, const admin_who *who, const char *id) { (void)who, (void)id, store_list(c, &ST.gv, 0); }
 
+/* The state log's ops that store key k as it is now. */
+static void key_ops(buf *ops, const tkey *k) {
+    jwriter w;
+    jw_init(&w, ops), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, "put_key"), tkey_json(&w, k, 1), jw_close(&w, '}'), jw_close(&w, ']');
+}
+
 /* POST /token_keys: the secret is shown in this answer and never again. */
 static void keys_create(conn *c, const admin_who *who, const char *id) {
     (void)id;
@@ -6901,7 +6907,7 @@ static void keys_create(conn *c, const admin_who *who, const char *id) {
     memset(raw, 0, sizeof raw);
     buf ops = {0}, body = {0}, replay = {0};
     jwriter w;
-    jw_init(&w, &ops), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, "put_key"), tkey_json(&w, k, 1), jw_close(&w, '}'), jw_close(&w, ']');
+    key_ops(&ops, k);
     data_open(&w, &replay), tkey_json(&w, k, 0), jw_close(&w, '}');
     /* The answer is the replay's data plus the secret. */
     buf_append(&body, replay.p, replay.len - 2);
@@ -6943,7 +6949,7 @@ static void keys_update(conn *c, const admin_who *who, const char *id) {
     k->updated_at = wall_ms();
     allow_reanchor(&k->al, &cur->al, k->updated_at);
     budget_follow(&k->al, 'k', k->id, k->updated_at);
-    jw_init(&w, &ops), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, "put_key"), tkey_json(&w, k, 1), jw_close(&w, '}'), jw_close(&w, ']');
+    key_ops(&ops, k);
     data_open(&w, &body), tkey_json(&w, k, 0), jw_close(&w, '}');
     admin_change(c, &tk, &ops, &PUT_KEY, k, 200, k->version, &body, 200, &body);
     buf_free(&ops), buf_free(&body);
