@@ -35,9 +35,43 @@
  * A whole answer's text is "Hello from MODEL."; a stream sends events=N deltas
  * of "word " each. Usage, for every API: input (prompt) tokens are a quarter of
  * the request body's bytes (at least 1), output (completion) tokens are N (3
- * by default). The OpenAI streams end with a usage chunk when the request has
+ * by default), every other count 0, unless the usage directives (below) say
+ * otherwise. The OpenAI streams end with a usage chunk when the request has
  * stream_options.include_usage; the Responses and Anthropic streams always
- * carry usage. Section 7 has the details.
+ * carry usage. The usage objects have every field the providers send, in
+ * their order (P input, X cached, W cache writes, W1h of them 1-hour ones,
+ * C output, R reasoning):
+ *
+ *     chat, completions     "usage":{"prompt_tokens":P,"completion_tokens":C,
+ *                           "total_tokens":P+C,"prompt_tokens_details":
+ *                           {"cached_tokens":X,"audio_tokens":0},
+ *                           "completion_tokens_details":{"reasoning_tokens":R,
+ *                           "audio_tokens":0,"accepted_prediction_tokens":0,
+ *                           "rejected_prediction_tokens":0}}; a stream with
+ *                           include_usage has "usage":null in every chunk but
+ *                           the last before [DONE], whose "choices" is [] and
+ *                           whose "usage" is the object above; without it no
+ *                           chunk has a "usage" member
+ *     embeddings            "usage":{"prompt_tokens":P,"total_tokens":P}
+ *     responses             "usage":{"input_tokens":P,"input_tokens_details":
+ *                           {"cached_tokens":X},"output_tokens":C,
+ *                           "output_tokens_details":{"reasoning_tokens":R},
+ *                           "total_tokens":P+C} in the body and in
+ *                           response.completed's response; "usage":null in
+ *                           response.created's and response.in_progress's
+ *     messages              "usage":{"input_tokens":P,"cache_creation_input_tokens":W,
+ *                           "cache_read_input_tokens":X,"cache_creation":
+ *                           {"ephemeral_5m_input_tokens":W-W1h,
+ *                           "ephemeral_1h_input_tokens":W1h},"output_tokens":C,
+ *                           "service_tier":"standard","server_tool_use":
+ *                           {"web_search_requests":0}}; a stream's message_start
+ *                           has the same with "output_tokens":1 and without
+ *                           server_tool_use; its message_delta's, cumulative and
+ *                           final: input_tokens, cache_creation_input_tokens,
+ *                           cache_read_input_tokens, output_tokens (C) and
+ *                           server_tool_use
+ *     count_tokens          {"input_tokens":P}, not a usage object: usage= and
+ *                           bad_usage= leave it alone
  *
  * A failure is chosen per request by a *directive*, a space-separated list of
  * tokens, taken from the per-model script queue (see POST /_mock/script) or
@@ -83,6 +117,31 @@
  * After broken framing, a trickle or junk the mock answers nothing more on
  * that connection and waits (at most a minute) for the peer to close. A
  * stream that never ends is events=N with event_delay_ms=M.
+ *
+ * The usage an answer reports (each N a token count, at most 10^18):
+ *
+ *     input_tokens=N       the prompt's tokens: OpenAI's prompt_tokens (Responses:
+ *                          input_tokens), cached tokens included; Anthropic's
+ *                          input_tokens, cache reads and writes excluded
+ *     cached_tokens=N      OpenAI's cached_tokens; Anthropic's cache_read_input_tokens
+ *     cache_write=N, cache_write_1h=N   Anthropic's cache_creation_input_tokens
+ *                          (all cache writes) and, of them, ephemeral_1h_input_tokens
+ *                          (at most cache_write; the rest are ephemeral_5m); OpenAI
+ *                          has no such fields
+ *     output_tokens=N      completion_tokens / output_tokens (default: events=N)
+ *     reasoning_tokens=N   OpenAI's reasoning_tokens (Anthropic has none); a
+ *                          part of output_tokens, as OpenAI counts them
+ *     usage=none           no usage object in any body or event: an OpenAI stream
+ *                          sends no usage chunk (nor "usage":null) even when
+ *                          asked; a response object and Anthropic's message_start
+ *                          and message_delta have no "usage" member
+ *     bad_usage=KIND       the input count (prompt_tokens, input_tokens) written
+ *                          as -5 (negative), 12.5 (fraction) or "12" (string),
+ *                          every other field as usual (total_tokens from the
+ *                          real count)
+ *
+ * The counts are taken as given: nothing checks that cached_tokens fits in
+ * input_tokens or reasoning_tokens in output_tokens.
  *
  * Control endpoints: POST /_mock/script, GET /_mock/stats, GET /_mock/last
  * (the last request's method, path, headers, lowercased, and body: what ltg
@@ -130,6 +189,7 @@
 #define DIRECTIVE_MAX 512
 #define LOG_MAX       1000
 #define HOSTILE_WAIT_MS 60000            /* the longest wait for the peer after a hostile answer */
+#define TOKENS_MAX    1000000000000000000LL  /* the largest token count a directive sets */
 #define FILLER_PIECE  65536
 
 static char filler[FILLER_PIECE];        /* 'x' bytes: body_mb and garble=huge send them */
@@ -363,49 +423,102 @@ static int json_is_true(const char *body, const char *end, const char *key)
 
 enum framing { FRAMING_LENGTH, FRAMING_CHUNKED, FRAMING_EOF };
 enum garble { GARBLE_NONE, GARBLE_CHUNK_SIZE, GARBLE_CHUNK_LONG, GARBLE_HTML, GARBLE_TRUNCATED, GARBLE_HUGE };
+enum bad_usage { BAD_USAGE_NONE, BAD_USAGE_NEGATIVE, BAD_USAGE_FRACTION, BAD_USAGE_STRING };
 
-static const char *const garble_names[] = { "", "chunk_size", "chunk_long", "html", "truncated", "huge" };
+/* The token counts an answer reports (section 7 writes them in each API's
+ * shape). In a directive, input and output are -1 until set: the answer
+ * then makes them up from the request. */
+struct usage {
+    long long input;             /* OpenAI: with the cached tokens; Anthropic: without cache reads and writes */
+    long long cached;            /* cache reads */
+    long long cache_write, cache_write_1h;      /* Anthropic: cache writes, and of them the 1-hour ones */
+    long long output, reasoning; /* reasoning: OpenAI, part of output */
+    int none;                    /* usage=none: no usage object at all */
+    int bad;                     /* enum bad_usage: how the input count is written */
+};
 
 struct directive {
     long status;                 /* 0: a normal answer */
     long retry_after;            /* -1: no Retry-After header */
     long head_delay_ms, first_event_delay_ms, event_delay_ms;
-    long events;                 /* content events in a stream (and completion tokens) */
+    long events;                 /* content events in a stream (and, by default, output tokens) */
     long cut_after;              /* -1: never cut */
     long context_length, reset, close, hang;    /* flags */
-    enum framing framing;
+    int framing;                 /* enum framing */
     long body_mb, head_kb, head_lines;          /* hostile answers: 0 is off */
-    enum garble garble;
+    int garble;                  /* enum garble */
     long garble_after, trickle_ms;
     long junk_after_ms;          /* -1: no junk */
     long content_kb;             /* a whole answer's text: N KiB of "x" (0: the usual greeting) */
+    struct usage usage;
 };
 
 static const struct directive directive_ok = {
     .retry_after = -1, .events = 3, .cut_after = -1, .framing = FRAMING_LENGTH, .junk_after_ms = -1,
+    .usage = { .input = -1, .output = -1 },
 };
 
-/* Every token but "ok", "framing=" and "garble=" sets one field: a flag to 1, a number to its value. */
-static const struct { const char *name; size_t offset; int number; } directive_tokens[] = {
-    { "status", offsetof(struct directive, status), 1 },
-    { "retry_after", offsetof(struct directive, retry_after), 1 },
-    { "head_delay_ms", offsetof(struct directive, head_delay_ms), 1 },
-    { "first_event_delay_ms", offsetof(struct directive, first_event_delay_ms), 1 },
-    { "event_delay_ms", offsetof(struct directive, event_delay_ms), 1 },
-    { "events", offsetof(struct directive, events), 1 },
-    { "cut_after", offsetof(struct directive, cut_after), 1 },
-    { "context_length", offsetof(struct directive, context_length), 0 },
-    { "reset", offsetof(struct directive, reset), 0 },
-    { "close", offsetof(struct directive, close), 0 },
-    { "hang", offsetof(struct directive, hang), 0 },
-    { "body_mb", offsetof(struct directive, body_mb), 1 },
-    { "head_kb", offsetof(struct directive, head_kb), 1 },
-    { "head_lines", offsetof(struct directive, head_lines), 1 },
-    { "garble_after", offsetof(struct directive, garble_after), 1 },
-    { "trickle_ms", offsetof(struct directive, trickle_ms), 1 },
-    { "junk_after_ms", offsetof(struct directive, junk_after_ms), 1 },
-    { "content_kb", offsetof(struct directive, content_kb), 1 },
+/* The tokens that set one field: a flag to 1, a number (at most 10^9) or a
+ * token count (a long long, at most TOKENS_MAX) to its value. */
+enum token_kind { TOKEN_FLAG, TOKEN_NUMBER, TOKEN_COUNT };
+
+static const struct { const char *name; size_t offset; enum token_kind kind; } directive_tokens[] = {
+    { "status", offsetof(struct directive, status), TOKEN_NUMBER },
+    { "retry_after", offsetof(struct directive, retry_after), TOKEN_NUMBER },
+    { "head_delay_ms", offsetof(struct directive, head_delay_ms), TOKEN_NUMBER },
+    { "first_event_delay_ms", offsetof(struct directive, first_event_delay_ms), TOKEN_NUMBER },
+    { "event_delay_ms", offsetof(struct directive, event_delay_ms), TOKEN_NUMBER },
+    { "events", offsetof(struct directive, events), TOKEN_NUMBER },
+    { "cut_after", offsetof(struct directive, cut_after), TOKEN_NUMBER },
+    { "context_length", offsetof(struct directive, context_length), TOKEN_FLAG },
+    { "reset", offsetof(struct directive, reset), TOKEN_FLAG },
+    { "close", offsetof(struct directive, close), TOKEN_FLAG },
+    { "hang", offsetof(struct directive, hang), TOKEN_FLAG },
+    { "body_mb", offsetof(struct directive, body_mb), TOKEN_NUMBER },
+    { "head_kb", offsetof(struct directive, head_kb), TOKEN_NUMBER },
+    { "head_lines", offsetof(struct directive, head_lines), TOKEN_NUMBER },
+    { "garble_after", offsetof(struct directive, garble_after), TOKEN_NUMBER },
+    { "trickle_ms", offsetof(struct directive, trickle_ms), TOKEN_NUMBER },
+    { "junk_after_ms", offsetof(struct directive, junk_after_ms), TOKEN_NUMBER },
+    { "content_kb", offsetof(struct directive, content_kb), TOKEN_NUMBER },
+    { "input_tokens", offsetof(struct directive, usage.input), TOKEN_COUNT },
+    { "cached_tokens", offsetof(struct directive, usage.cached), TOKEN_COUNT },
+    { "cache_write", offsetof(struct directive, usage.cache_write), TOKEN_COUNT },
+    { "cache_write_1h", offsetof(struct directive, usage.cache_write_1h), TOKEN_COUNT },
+    { "output_tokens", offsetof(struct directive, usage.output), TOKEN_COUNT },
+    { "reasoning_tokens", offsetof(struct directive, usage.reasoning), TOKEN_COUNT },
 };
+
+/* The tokens that choose one of named values: the field (an int) is set to
+ * the value's index in names (NULL-terminated; "" is never a value). */
+static const char *const framing_names[] = { "length", "chunked", "eof", NULL };
+static const char *const garble_names[] = { "", "chunk_size", "chunk_long", "html", "truncated", "huge", NULL };
+static const char *const usage_names[] = { "", "none", NULL };
+static const char *const bad_usage_names[] = { "", "negative", "fraction", "string", NULL };
+
+static const struct { const char *name; size_t offset; const char *const *names; } directive_choices[] = {
+    { "framing", offsetof(struct directive, framing), framing_names },
+    { "garble", offsetof(struct directive, garble), garble_names },
+    { "usage", offsetof(struct directive, usage.none), usage_names },
+    { "bad_usage", offsetof(struct directive, usage.bad), bad_usage_names },
+};
+
+/* Sets the choice token tok=value in *d. Returns 0, or -1 if tok is no
+ * choice or value is none of its names. */
+static int directive_choice(struct directive *d, const char *tok, const char *value)
+{
+    for (size_t i = 0; i < sizeof directive_choices / sizeof *directive_choices; i++) {
+        if (strcmp(tok, directive_choices[i].name))
+            continue;
+        for (int k = 0; *value && directive_choices[i].names[k]; k++)
+            if (!strcmp(value, directive_choices[i].names[k])) {
+                *(int *)((char *)d + directive_choices[i].offset) = k;
+                return 0;
+            }
+        return -1;
+    }
+    return -1;
+}
 
 /* Parses text into *d. On a bad token returns -1 with a message in why. */
 static int directive_parse(const char *text, struct directive *d, char *why, size_t why_cap)
@@ -419,31 +532,27 @@ static int directive_parse(const char *text, struct directive *d, char *why, siz
             *value++ = '\0';
         if (!value && !strcmp(tok, "ok"))
             continue;
-        if (value && !strcmp(tok, "framing")) {
-            if (!strcmp(value, "length")) d->framing = FRAMING_LENGTH;
-            else if (!strcmp(value, "chunked")) d->framing = FRAMING_CHUNKED;
-            else if (!strcmp(value, "eof")) d->framing = FRAMING_EOF;
-            else goto bad;
+        if (value && directive_choice(d, tok, value) == 0)
             continue;
-        }
-        if (value && !strcmp(tok, "garble")) {
-            size_t g = 1, ng = sizeof garble_names / sizeof *garble_names;
-            while (g < ng && strcmp(value, garble_names[g]))
-                g++;
-            if (g == ng)
-                goto bad;
-            d->garble = (enum garble)g;
-            continue;
-        }
         size_t i = 0, n = sizeof directive_tokens / sizeof *directive_tokens;
         while (i < n && strcmp(tok, directive_tokens[i].name))
             i++;
-        if (i == n || !value != !directive_tokens[i].number)
+        if (i == n || !value != (directive_tokens[i].kind == TOKEN_FLAG))
             goto bad;
-        long v = value ? strtol(value, &num_end, 10) : 1;
-        if (value && (num_end == value || *num_end || v < 0 || v > 1000000000))
+        long long v = value ? strtoll(value, &num_end, 10) : 1;
+        long long max = directive_tokens[i].kind == TOKEN_COUNT ? TOKENS_MAX : 1000000000;
+        if (value && (num_end == value || *num_end || v < 0 || v > max))
             goto bad;
-        *(long *)((char *)d + directive_tokens[i].offset) = v;
+        char *field = (char *)d + directive_tokens[i].offset;
+        if (directive_tokens[i].kind == TOKEN_COUNT)
+            *(long long *)field = v;
+        else
+            *(long *)field = (long)v;
+    }
+    if (d->usage.cache_write_1h > d->usage.cache_write) {
+        snprintf(why, why_cap, "mock directive cache_write_1h=%lld is more than cache_write=%lld",
+                 d->usage.cache_write_1h, d->usage.cache_write);
+        return -1;
     }
     if (d->status && (d->status < 400 || d->status > 599)) {
         snprintf(why, why_cap, "mock directive status=%ld is not an error status (400..599)", d->status);
@@ -1045,9 +1154,10 @@ static int send_error(struct conn *c, const struct request *r, const struct dire
  *     [DONE]), each event after the first delta event_delay_ms after the last.
  *
  * A stream is told by its step numbers: steps 0 .. opening-1 open it, step
- * `opening` is a delta, the `closing` steps after it end it. Token counts
- * are made up the same way for every API: a quarter of the request body's
- * bytes in (at least 1), events=N out.
+ * `opening` is a delta, the `closing` steps after it end it. The token
+ * counts are the same for every API (a quarter of the request body's bytes
+ * in, at least 1, events=N out, or the directive's) and each API's usage
+ * shape is written by one put_*_usage() function.
  */
 
 struct answer;
@@ -1075,9 +1185,11 @@ struct answer {                  /* what every part of one answer shares */
     const struct api *api;
     const struct request *r;
     unsigned long id;
-    long created, input_tokens, output_tokens;
+    long created;
+    long events;                 /* a stream's deltas */
+    struct usage usage;          /* the counts made up or the directive's */
     long seq;                    /* Responses streams: the next sequence_number */
-    int stream, include_usage;
+    int stream, include_usage;   /* include_usage: an OpenAI stream ends with a usage chunk */
     char model[MODEL_MAX];
     const char *text;            /* a whole answer's content: the greeting, or content_kb of "x" */
     size_t text_len;
@@ -1093,7 +1205,7 @@ static void put_text(struct buf *b, const struct answer *a)
         return;
     }
     buf_puts(b, "\"");
-    for (long i = 0; i < a->output_tokens; i++)
+    for (long i = 0; i < a->events; i++)
         buf_puts(b, "word ");
     buf_puts(b, "\"");
 }
@@ -1108,10 +1220,84 @@ static void put_echo(struct buf *b, const struct answer *a, const char *key)
         buf_puts(b, "null");
 }
 
+/* --- Usage: each put_*_usage() writes its shape as the member ,"usage":...
+ * (nothing at all for usage=none) --- */
+
+/* The input count, or the hostile value that bad_usage= asks for. */
+static void put_input_tokens(struct buf *b, const struct usage *u)
+{
+    static const char *const bad[] = { "", "-5", "12.5", "\"12\"" };   /* by enum bad_usage */
+    if (u->bad)
+        buf_puts(b, bad[u->bad]);
+    else
+        buf_printf(b, "%lld", u->input);
+}
+
+/* OpenAI chat and legacy completions: CompletionUsage, every detail present. */
 static void put_openai_usage(struct buf *b, const struct answer *a)
 {
-    buf_printf(b, "\"usage\":{\"prompt_tokens\":%ld,\"completion_tokens\":%ld,\"total_tokens\":%ld}",
-               a->input_tokens, a->output_tokens, a->input_tokens + a->output_tokens);
+    const struct usage *u = &a->usage;
+    if (u->none)
+        return;
+    buf_puts(b, ",\"usage\":{\"prompt_tokens\":");
+    put_input_tokens(b, u);
+    buf_printf(b, ",\"completion_tokens\":%lld,\"total_tokens\":%lld,"
+               "\"prompt_tokens_details\":{\"cached_tokens\":%lld,\"audio_tokens\":0},"
+               "\"completion_tokens_details\":{\"reasoning_tokens\":%lld,\"audio_tokens\":0,"
+               "\"accepted_prediction_tokens\":0,\"rejected_prediction_tokens\":0}}",
+               u->output, u->input + u->output, u->cached, u->reasoning);
+}
+
+/* OpenAI embeddings: input only. */
+static void put_embeddings_usage(struct buf *b, const struct answer *a)
+{
+    const struct usage *u = &a->usage;
+    if (u->none)
+        return;
+    buf_puts(b, ",\"usage\":{\"prompt_tokens\":");
+    put_input_tokens(b, u);
+    buf_printf(b, ",\"total_tokens\":%lld}", u->input);
+}
+
+/* OpenAI Responses: null in a response still in progress. */
+static void put_responses_usage(struct buf *b, const struct answer *a, int done)
+{
+    const struct usage *u = &a->usage;
+    if (u->none)
+        return;
+    if (!done) {
+        buf_puts(b, ",\"usage\":null");
+        return;
+    }
+    buf_puts(b, ",\"usage\":{\"input_tokens\":");
+    put_input_tokens(b, u);
+    buf_printf(b, ",\"input_tokens_details\":{\"cached_tokens\":%lld},\"output_tokens\":%lld,"
+               "\"output_tokens_details\":{\"reasoning_tokens\":%lld},\"total_tokens\":%lld}",
+               u->cached, u->output, u->reasoning, u->input + u->output);
+}
+
+/* Anthropic's three: a whole message's, message_start's (one output token
+ * so far) and message_delta's (cumulative, final; no cache_creation). */
+enum anthropic_usage { USAGE_MESSAGE, USAGE_START, USAGE_DELTA };
+
+static void put_anthropic_usage(struct buf *b, const struct answer *a, enum anthropic_usage which)
+{
+    const struct usage *u = &a->usage;
+    if (u->none)
+        return;
+    buf_puts(b, ",\"usage\":{\"input_tokens\":");
+    put_input_tokens(b, u);
+    buf_printf(b, ",\"cache_creation_input_tokens\":%lld,\"cache_read_input_tokens\":%lld",
+               u->cache_write, u->cached);
+    if (which != USAGE_DELTA)
+        buf_printf(b, ",\"cache_creation\":{\"ephemeral_5m_input_tokens\":%lld,\"ephemeral_1h_input_tokens\":%lld}",
+                   u->cache_write - u->cache_write_1h, u->cache_write_1h);
+    buf_printf(b, ",\"output_tokens\":%lld", which == USAGE_START ? 1 : u->output);
+    if (which != USAGE_DELTA)
+        buf_puts(b, ",\"service_tier\":\"standard\"");
+    if (which != USAGE_START)
+        buf_puts(b, ",\"server_tool_use\":{\"web_search_requests\":0}");
+    buf_puts(b, "}");
 }
 
 /* --- OpenAI chat completions, legacy completions, embeddings --- */
@@ -1123,7 +1309,7 @@ static int chat_body(struct conn *c, struct answer *a)
     put_string(&c->json, a->model);
     buf_puts(&c->json, ",\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":");
     put_text(&c->json, a);
-    buf_puts(&c->json, "},\"finish_reason\":\"stop\"}],");
+    buf_puts(&c->json, "},\"finish_reason\":\"stop\"}]");
     put_openai_usage(&c->json, a);
     buf_puts(&c->json, "}");
     return 200;
@@ -1136,7 +1322,7 @@ static int completion_body(struct conn *c, struct answer *a)
     put_string(&c->json, a->model);
     buf_puts(&c->json, ",\"choices\":[{\"text\":");
     put_text(&c->json, a);
-    buf_puts(&c->json, ",\"index\":0,\"logprobs\":null,\"finish_reason\":\"stop\"}],");
+    buf_puts(&c->json, ",\"index\":0,\"logprobs\":null,\"finish_reason\":\"stop\"}]");
     put_openai_usage(&c->json, a);
     buf_puts(&c->json, "}");
     return 200;
@@ -1158,10 +1344,10 @@ static const char *openai_event(struct conn *c, struct answer *a, int step)
                shape->id_prefix, a->id, shape->object, a->created);
     put_string(&c->json, a->model);
     buf_printf(&c->json, ",\"choices\":%s", shape->choices[step]);
-    if (step == 2) {
-        buf_puts(&c->json, ",");
+    if (step == 2)
         put_openai_usage(&c->json, a);
-    }
+    else if (a->include_usage)   /* as OpenAI does: every other chunk says "usage":null */
+        buf_puts(&c->json, ",\"usage\":null");
     buf_puts(&c->json, "}");
     return "";
 }
@@ -1241,8 +1427,8 @@ static int embeddings_body(struct conn *c, struct answer *a)
     }
     buf_puts(&c->json, "],\"model\":");
     put_string(&c->json, a->model);
-    buf_printf(&c->json, ",\"usage\":{\"prompt_tokens\":%ld,\"total_tokens\":%ld}}",
-               a->input_tokens, a->input_tokens);
+    put_embeddings_usage(&c->json, a);
+    buf_puts(&c->json, "}");
     return 200;
 }
 
@@ -1288,13 +1474,8 @@ static void put_response(struct buf *b, const struct answer *a, int done)
     put_echo(b, a, "previous_response_id");
     buf_puts(b, ",\"reasoning\":{\"effort\":null,\"summary\":null},\"store\":true,\"temperature\":1.0,"
              "\"text\":{\"format\":{\"type\":\"text\"}},\"tool_choice\":\"auto\",\"tools\":[],\"top_p\":1.0,"
-             "\"truncation\":\"disabled\",\"usage\":");
-    if (done)
-        buf_printf(b, "{\"input_tokens\":%ld,\"input_tokens_details\":{\"cached_tokens\":0},\"output_tokens\":%ld,"
-                   "\"output_tokens_details\":{\"reasoning_tokens\":0},\"total_tokens\":%ld}",
-                   a->input_tokens, a->output_tokens, a->input_tokens + a->output_tokens);
-    else
-        buf_puts(b, "null");
+             "\"truncation\":\"disabled\"");
+    put_responses_usage(b, a, done);
     buf_puts(b, ",\"user\":null,\"metadata\":{}}");
 }
 
@@ -1351,12 +1532,12 @@ static void put_message(struct buf *b, const struct answer *a, int done)
     if (done) {
         buf_puts(b, ",\"content\":[{\"type\":\"text\",\"text\":");
         put_text(b, a);
-        buf_printf(b, "}],\"stop_reason\":\"end_turn\",\"stop_sequence\":null,"
-                   "\"usage\":{\"input_tokens\":%ld,\"output_tokens\":%ld}}", a->input_tokens, a->output_tokens);
-    } else {                     /* message_start: no content yet, one output token so far */
-        buf_printf(b, ",\"content\":[],\"stop_reason\":null,\"stop_sequence\":null,"
-                   "\"usage\":{\"input_tokens\":%ld,\"output_tokens\":1}}", a->input_tokens);
+        buf_puts(b, "}],\"stop_reason\":\"end_turn\",\"stop_sequence\":null");
+    } else {                     /* message_start: no content yet */
+        buf_puts(b, ",\"content\":[],\"stop_reason\":null,\"stop_sequence\":null");
     }
+    put_anthropic_usage(b, a, done ? USAGE_MESSAGE : USAGE_START);
+    buf_puts(b, "}");
 }
 
 static int messages_body(struct conn *c, struct answer *a)
@@ -1367,12 +1548,12 @@ static int messages_body(struct conn *c, struct answer *a)
 
 static int count_tokens_body(struct conn *c, struct answer *a)
 {
-    buf_printf(&c->json, "{\"input_tokens\":%ld}", a->input_tokens);
+    buf_printf(&c->json, "{\"input_tokens\":%lld}", a->usage.input);
     return 200;
 }
 
 /* One content block, index 0; message_delta carries the stop reason and
- * the output tokens, as a total. */
+ * the usage, cumulative and final. */
 static const char *messages_event(struct conn *c, struct answer *a, int step)
 {
     static const char *const types[] = {
@@ -1393,8 +1574,8 @@ static const char *messages_event(struct conn *c, struct answer *a, int step)
     } else if (step == 4) {
         buf_puts(b, ",\"index\":0");
     } else if (step == 5) {
-        buf_printf(b, ",\"delta\":{\"stop_reason\":\"end_turn\",\"stop_sequence\":null},"
-                   "\"usage\":{\"output_tokens\":%ld}", a->output_tokens);
+        buf_puts(b, ",\"delta\":{\"stop_reason\":\"end_turn\",\"stop_sequence\":null}");
+        put_anthropic_usage(b, a, USAGE_DELTA);
     }
     buf_puts(b, "}");
     return types[step];
@@ -1571,13 +1752,18 @@ static int serve_inference(struct conn *c, const struct request *r, const struct
     a.stream = api->event && json_is_true(r->body, end, "stream");
     a.include_usage = json_is_true(r->body, end, "include_usage")
         || (json_find(r->body, end, "stream_options", &v, &v_end) && json_is_true(v, v_end, "include_usage"));
-    a.input_tokens = r->body_len / 4 ? (long)(r->body_len / 4) : 1;
     a.id = mock_begin_request(a.model, r->path, r->path_len, body_directive, directive, sizeof directive);
 
     struct directive d;
     if (directive_parse(directive, &d, why, sizeof why) < 0)
         return send_api_error(c, r, &directive_ok, api, 400, "mock_bad_directive", why);
-    a.output_tokens = d.events;
+    a.events = d.events;
+    a.usage = d.usage;
+    if (a.usage.input < 0)
+        a.usage.input = r->body_len / 4 ? (long long)(r->body_len / 4) : 1;
+    if (a.usage.output < 0)
+        a.usage.output = d.events;
+    a.include_usage = a.include_usage && !a.usage.none;
     if (d.head_delay_ms && conn_wait(c, d.head_delay_ms) < 0)
         return 0;
     if (d.reset) {
