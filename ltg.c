@@ -129,6 +129,18 @@
 #define DNS_TRIES 3
 #define DNS_NEGATIVE_TTL_S 5
 #define DNS_MAX_TTL_S 3600
+#define MAX_CHARGE 1000000000000LL       /* micro-USD: a million USD for one request is not a spend event */
+#define MAX_USAGE_TOKENS 10000000        /* a count past this in a provider's usage is a protocol violation */
+#define METER_MAX 256                    /* abandoned answers read to their end at a time (section 17) */
+#define METER_MAX_BODY (1 << 20)         /* ... each at most this long: past it, closed and charged the estimate */
+
+/* The token classes of a request's usage (README "Cost"). Input and output
+ * are inclusive -- a cache read or write is an input token, a reasoning
+ * token an output token -- and the others say which part was priced
+ * apart: cache reads, cache writes (of them, 1-hour writes), reasoning. */
+enum { TOK_IN, TOK_CACHE_READ, TOK_CACHE_WRITE, TOK_CACHE_WRITE_1H, TOK_OUT, TOK_REASONING, NTOK };
+static const char *const tok_names[NTOK] = {"input_tokens", "cache_read_tokens", "cache_write_tokens",
+                                            "cache_write_1h_tokens", "output_tokens", "reasoning_tokens"};
 
 typedef struct timer timer;
 typedef struct exchange exchange;
@@ -162,6 +174,8 @@ static struct {
     int max_conns, drain_seconds;
     int max_per_ip;           /* inference connections from one client address */
     int max_stream_s;         /* a started stream is cut after this long */
+    int meter_s;              /* an abandoned whole answer is read this long for its usage (0: closed at once) */
+    int max_meters;           /* ... so many at a time: METER_MAX, or fewer when fds are short */
     int ledger_days;          /* days of spend events kept (section 13) */
     int metrics_auth;         /* GET /metrics needs an admin key (section 18) */
     long long max_body;
@@ -509,8 +523,8 @@ static void *hmap_del(hmap *m, const void *k, size_t n) {
 #define NBUCKETS 15
 static const double BUCKETS[NBUCKETS] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300};
 
-enum { M_REQUESTS, M_DURATION, M_ATTEMPTS, M_TTFT, M_TOKENS, M_SPEND, M_TLS, M_CACHE, M_LEDGER, M_FSYNC, M_KEY_FAILS, M_RATE_LIMITED,
-       M_DROPPED, NFAMILIES };
+enum { M_REQUESTS, M_DURATION, M_ATTEMPTS, M_TTFT, M_TOKENS, M_HOLD_EXCEEDED, M_SPEND, M_TLS, M_CACHE, M_LEDGER, M_FSYNC, M_KEY_FAILS,
+       M_RATE_LIMITED, M_DROPPED, NFAMILIES };
 
 typedef struct {
     double v;        /* a counter's value; a histogram's sum */
@@ -616,13 +630,22 @@ static void metric_dropped(void) {
  * stay escaped (ltg.h) because most of them are never looked at. The
  * writer keeps one bit per nesting level: is a comma due?
  */
+typedef struct { uint32_t start, end; uint64_t h; } jkey; /* a member name of an open object (json_scan) */
+
 typedef struct {
     const char *s;
     size_t len, i;
     json_tok *t;
     int max, n, store_depth;
     json_result *res;
+    int scan;                   /* json_scan: check names, call `member` */
+    jkey *keys;                 /* the names of the objects open on the path, innermost last */
+    int nkeys, capkeys;
+    json_member_fn *member;
+    void *ctx;
 } jparser;
+
+#define JSON_SCAN_MAX_KEYS 65536 /* member names of the objects open at once, for json_scan */
 
 static int jp_fail(jparser *p, const char *why) {
     p->res->err = why;
@@ -638,7 +661,7 @@ static void jp_ws(jparser *p) {
  * stored, or LTG_ERR (-1 is never both: see the callers). */
 static int jp_token(jparser *p, json_type type, int depth, int *idx) {
     *idx = -1;
-    if (p->store_depth >= 0 && depth > p->store_depth) return 0;
+    if (!p->t || (p->store_depth >= 0 && depth > p->store_depth)) return 0; /* json_scan stores nothing */
     if (p->n >= p->max) return jp_fail(p, "too many JSON values");
     json_tok *t = &p->t[p->n];
     t->type = type, t->start = (uint32_t)p->i, t->end = (uint32_t)p->i, t->size = 0, t->next = p->n + 1;
@@ -743,6 +766,53 @@ static int jp_number(jparser *p, int depth) {
     return 0;
 }
 
+/* The bytes of name [start, end) unescaped: in place when it has no escape, else in *tmp. */
+static const char *jp_name_bytes(const jparser *p, uint32_t start, uint32_t end, buf *tmp, size_t *n) {
+    if (!memchr(p->s + start, '\\', end - start)) { *n = end - start; return p->s + start; }
+    json_tok t = {JSON_STRING, start, end, 0, 1};
+    tmp->len = 0;
+    json_unescape(p->s, &t, 0, tmp);
+    *n = tmp->len;
+    return tmp->p;
+}
+
+/* json_scan: a member name [start, end) of the innermost open object. */
+static int jp_name(jparser *p, size_t start, size_t end) {
+    if (p->nkeys == JSON_SCAN_MAX_KEYS) return jp_fail(p, "too many member names in the objects open at once");
+    if (p->nkeys == p->capkeys) p->capkeys = p->capkeys ? p->capkeys * 2 : 64, p->keys = xrealloc(p->keys, (size_t)p->capkeys * sizeof *p->keys);
+    buf tmp = {0};
+    size_t n;
+    const char *b = jp_name_bytes(p, (uint32_t)start, (uint32_t)end, &tmp, &n);
+    p->keys[p->nkeys++] = (jkey){(uint32_t)start, (uint32_t)end, hash_bytes(b, n)};
+    buf_free(&tmp);
+    return 0;
+}
+
+static int jkey_cmp(const void *a, const void *b) {
+    const jkey *x = a, *y = b;
+    return x->h != y->h ? (x->h > y->h) - (x->h < y->h) : (x->start > y->start) - (x->start < y->start);
+}
+
+/* json_scan: an object closed; its names are keys[base..]: each must be
+ * there once. Sorted by hash, so equal names are neighbours: n log n. */
+static int jp_names_unique(jparser *p, int base) {
+    jkey *k = p->keys + base;
+    int n = p->nkeys - base, dup = -1;
+    qsort(k, (size_t)n, sizeof *k, jkey_cmp);
+    buf ta = {0}, tb = {0};
+    for (int i = 1; i < n && dup < 0; i++) {
+        size_t na, nb;
+        if (k[i].h != k[i - 1].h) continue;
+        const char *a = jp_name_bytes(p, k[i - 1].start, k[i - 1].end, &ta, &na), *b = jp_name_bytes(p, k[i].start, k[i].end, &tb, &nb);
+        if (na == nb && memcmp(a, b, na) == 0) dup = i;
+    }
+    buf_free(&ta), buf_free(&tb);
+    p->nkeys = base;
+    if (dup < 0) return 0;
+    p->i = k[dup].start;
+    return jp_fail(p, "a member name repeated in one object");
+}
+
 static int jp_value(jparser *p, int depth) {
     jp_ws(p);
     if (p->i >= p->len) return jp_fail(p, "unexpected end of JSON");
@@ -757,22 +827,29 @@ static int jp_value(jparser *p, int depth) {
         if (p->i < p->len && p->s[p->i] == close) {
             p->i++;
         } else {
+            int base = p->nkeys;
             for (;;) {
+                size_t name = 0, vat;
                 if (c == '{') {
                     jp_ws(p);
                     if (p->i >= p->len || p->s[p->i] != '"') return jp_fail(p, "expected a string key");
-                    if (jp_string(p, depth + 1) < 0) return LTG_ERR;
+                    name = p->i + 1;
+                    if (jp_string(p, depth + 1) < 0 || (p->scan && jp_name(p, name, p->i - 1) < 0)) return LTG_ERR;
                     jp_ws(p);
                     if (p->i >= p->len || p->s[p->i] != ':') return jp_fail(p, "expected ':'");
                     p->i++;
+                    jp_ws(p);
                 }
+                vat = p->i;
                 if (jp_value(p, depth + 1) < 0) return LTG_ERR;
+                if (p->member && name && p->s[vat] == '"') p->member(p->ctx, p->s + name, p->keys[p->nkeys - 1].end - name, p->s + vat + 1, p->i - vat - 2);
                 if (k >= 0) p->t[k].size++;
                 jp_ws(p);
                 if (p->i < p->len && p->s[p->i] == ',') { p->i++; continue; }
                 if (p->i < p->len && p->s[p->i] == close) { p->i++; break; }
                 return jp_fail(p, c == '{' ? "expected ',' or '}'" : "expected ',' or ']'");
             }
+            if (p->scan && c == '{' && jp_names_unique(p, base) < 0) return LTG_ERR;
         }
         if (k >= 0) p->t[k].end = (uint32_t)p->i, p->t[k].next = p->n;
         return 0;
@@ -796,7 +873,7 @@ static int jp_value(jparser *p, int depth) {
 
 /* see ltg.h */
 int json_parse(const char *s, size_t len, json_tok *t, int max, int store_depth, json_result *res) {
-    jparser p = {s, len, 0, t, max, 0, store_depth, res};
+    jparser p = {.s = s, .len = len, .t = t, .max = max, .store_depth = store_depth, .res = res};
     res->ntok = 0, res->err = NULL, res->err_offset = 0;
     if (len >= UINT32_MAX) return jp_fail(&p, "JSON document too large");
     if (jp_value(&p, 0) < 0) return LTG_ERR;
@@ -804,6 +881,19 @@ int json_parse(const char *s, size_t len, json_tok *t, int max, int store_depth,
     if (p.i != len) return jp_fail(&p, "unexpected data after the JSON value");
     res->ntok = p.n;
     return 0;
+}
+
+/* see ltg.h */
+int json_scan(const char *s, size_t len, json_member_fn *member, void *ctx, json_result *res) {
+    jparser p = {.s = s, .len = len, .res = res, .scan = 1, .member = member, .ctx = ctx};
+    res->ntok = 0, res->err = NULL, res->err_offset = 0;
+    int rc = len >= UINT32_MAX ? jp_fail(&p, "JSON document too large") : jp_value(&p, 0);
+    if (rc == 0) {
+        jp_ws(&p);
+        if (p.i != len) rc = jp_fail(&p, "unexpected data after the JSON value");
+    }
+    free(p.keys);
+    return rc;
 }
 
 /* see ltg.h */
@@ -1750,13 +1840,22 @@ typedef struct {
 
 #define MAX_DEPLOYMENTS 16
 
+/* A model's prices in pico-USD per token (USD per million tokens x 10^6),
+ * so that a cost is integer arithmetic, exact to the micro-USD: uncached
+ * input, cache reads, 5-minute cache writes, 1-hour writes, output. */
+enum { PRICE_IN, PRICE_CACHE_READ, PRICE_CACHE_WRITE, PRICE_CACHE_WRITE_1H, PRICE_OUT, NPRICE };
+typedef struct { int64_t p[NPRICE]; } prices;
+#define MAX_PRICE_USD 10000.0            /* USD per million tokens: no model costs more */
+
 struct model {
     char *alias;
     deployment *dep;
     int ndep;
     int api;                     /* what its providers speak (API_*): every deployment the same */
-    double in_price, out_price;  /* USD per million tokens */
-    long long context_window, max_output_tokens;
+    prices price;                /* its prices per token class */
+    prices long_price;           /* ... and those of a request whose input passes long_above (0: none) */
+    long long long_above;
+    long long context_window, max_output_tokens, max_input_part_tokens;
 };
 
 enum { PERM_ALL = 1, PERM_GROUPS_WRITE = 2, PERM_GROUPS_READ = 4, PERM_KEYS_WRITE = 8, PERM_KEYS_READ = 16,
@@ -1793,6 +1892,43 @@ static int secret_eq(const void *a, size_t an, const void *b, size_t bn) {
     uint8_t d = an != bn;
     for (size_t i = 0; i < an && i < bn; i++) d |= x[i] ^ y[i];
     return d == 0;
+}
+
+/* The prices that apply to a request of `in` input tokens on m. */
+static const prices *model_prices(const model *m, long long in) {
+    return m->long_above && in > m->long_above ? &m->long_price : &m->price;
+}
+
+/* What tokens t (each class within MAX_USAGE_TOKENS, the parts within
+ * their wholes) cost on m, in micro-USD, to the nearest: exact, in
+ * integers, a whole request priced at one tier as providers bill it. */
+static int64_t tokens_cost(const model *m, const long long t[NTOK]) {
+    const int64_t *p = model_prices(m, t[TOK_IN])->p;
+    int64_t pico = (t[TOK_IN] - t[TOK_CACHE_READ] - t[TOK_CACHE_WRITE]) * p[PRICE_IN] + t[TOK_CACHE_READ] * p[PRICE_CACHE_READ] +
+                   (t[TOK_CACHE_WRITE] - t[TOK_CACHE_WRITE_1H]) * p[PRICE_CACHE_WRITE] + t[TOK_CACHE_WRITE_1H] * p[PRICE_CACHE_WRITE_1H] +
+                   t[TOK_OUT] * p[PRICE_OUT];
+    return (pico + 500000) / 1000000;
+}
+
+/* An attempt's worst case (README "Cost"): `in` input tokens at the
+ * dearest input class, `out` output tokens; in micro-USD, rounded up, and
+ * MAX_CHARGE + 1 for anything past MAX_CHARGE (no request may cost that). */
+typedef struct {
+    long long in, out;     /* tokens */
+    int64_t in_cost, cost; /* micro-USD: the input part, the whole */
+    int64_t out_price;     /* pico-USD per output token, at the tier of `in` */
+} worst;
+
+static worst worst_of(const model *m, long long in, long long out) {
+    const int64_t *p = model_prices(m, in)->p;
+    int64_t dearest = 0;
+    for (int k = PRICE_IN; k <= PRICE_CACHE_WRITE_1H; k++)
+        if (p[k] > dearest) dearest = p[k];
+    double in_cost = ceil((double)in * (double)dearest / 1e6), cost = ceil(((double)in * (double)dearest + (double)out * (double)p[PRICE_OUT]) / 1e6);
+    worst w = {in, out, 0, 0, p[PRICE_OUT]};
+    w.in_cost = in_cost > MAX_CHARGE ? MAX_CHARGE + 1 : (int64_t)in_cost;
+    w.cost = cost > MAX_CHARGE ? MAX_CHARGE + 1 : (int64_t)cost;
+    return w;
 }
 
 static model *catalog_model(catalog *c, const char *s, size_t n) {
@@ -1933,7 +2069,8 @@ static int cfg_only(cfg *c, int obj, const char *where, const char *const *allow
 static int cfg_price(cfg *c, int obj, const char *key, const char *where, double *out) {
     int v = json_get(c->s, c->t, obj, key);
     if (v < 0) return cfg_fail(c, where, key, "missing (a number: USD per million tokens)");
-    if (json_number(c->s, c->t, v, out) < 0 || *out < 0) return cfg_fail(c, where, key, "must be a number >= 0");
+    if (json_number(c->s, c->t, v, out) < 0 || *out < 0 || *out > MAX_PRICE_USD)
+        return cfg_fail(c, where, key, "must be a number from 0 to %.0f (USD per million tokens)", MAX_PRICE_USD);
     return 0;
 }
 
@@ -1942,6 +2079,49 @@ static int cfg_int(cfg *c, int obj, const char *key, const char *where, long lon
     if (v < 0) return 0;
     if (json_int(c->s, c->t, v, out) < 0 || *out < min || *out > 1000000000000LL)
         return cfg_fail(c, where, key, "must be a whole number >= %lld", min);
+    return 0;
+}
+
+static void prices_set(prices *p, const double usd[NPRICE]) {
+    for (int k = 0; k < NPRICE; k++) p->p[k] = llround(usd[k] * 1e6);
+}
+
+/* The prices of model md (its routes read: md->api known) from object v.
+ * Input and output are required; a cache class left out costs what its
+ * provider's API makes of the input price: Anthropic's published
+ * multipliers, and for OpenAI's the input price itself, never less than a
+ * provider bills. "long_context" is a second tier: its input and output
+ * prices, the cache prices scaled with the input price. */
+static int cfg_prices(cfg *c, int v, const char *where, model *md) {
+    static const char *const names[NPRICE] = {"input_usd_per_mtok", "cache_read_usd_per_mtok", "cache_write_usd_per_mtok",
+                                              "cache_write_1h_usd_per_mtok", "output_usd_per_mtok"};
+    static const double anthropic[NPRICE] = {1, 0.1, 1.25, 2, 0}, openai[NPRICE] = {1, 1, 1, 1, 0};
+    static const char *const long_fields[] = {"above_input_tokens", "input_usd_per_mtok", "output_usd_per_mtok", NULL};
+    const double *by_api = md->api == API_ANTHROPIC ? anthropic : openai;
+    double usd[NPRICE], lusd[NPRICE];
+    for (int k = 0; k < NPRICE; k++) {
+        int optional = k != PRICE_IN && k != PRICE_OUT;
+        usd[k] = -1;
+        if ((!optional || json_get(c->s, c->t, v, names[k]) >= 0) && cfg_price(c, v, names[k], where, &usd[k]) < 0) return LTG_ERR;
+    }
+    for (int k = 0; k < NPRICE; k++)
+        if (usd[k] < 0) usd[k] = usd[PRICE_IN] * by_api[k];
+    prices_set(&md->price, usd);
+    int lc = json_get(c->s, c->t, v, "long_context");
+    if (lc < 0) return 0;
+    char at[340];
+    snprintf(at, sizeof at, "%s.long_context", where);
+    if (c->t[lc].type != JSON_OBJECT)
+        return cfg_fail(c, at, NULL, "must be an object {\"above_input_tokens\": N, \"input_usd_per_mtok\": ..., \"output_usd_per_mtok\": ...}");
+    if (cfg_only(c, lc, at, long_fields) < 0) return LTG_ERR;
+    if (json_get(c->s, c->t, lc, "above_input_tokens") < 0)
+        return cfg_fail(c, at, "above_input_tokens", "missing (the input tokens past which a request is priced at this tier, e.g. 200000)");
+    if (cfg_int(c, lc, "above_input_tokens", at, 1, &md->long_above) < 0 || cfg_price(c, lc, "input_usd_per_mtok", at, &lusd[PRICE_IN]) < 0 ||
+        cfg_price(c, lc, "output_usd_per_mtok", at, &lusd[PRICE_OUT]) < 0)
+        return LTG_ERR;
+    for (int k = PRICE_CACHE_READ; k <= PRICE_CACHE_WRITE_1H; k++)
+        lusd[k] = usd[PRICE_IN] > 0 ? usd[k] * lusd[PRICE_IN] / usd[PRICE_IN] : lusd[PRICE_IN] * by_api[k];
+    prices_set(&md->long_price, lusd);
     return 0;
 }
 
@@ -2034,7 +2214,8 @@ static int cfg_routes(cfg *c, catalog *cat, model *md, int v, const char *where)
 
 static int cfg_models(cfg *c, catalog *cat, int obj) {
     static const char *const fields[] = {"provider", "upstream_model", "deployments", "weight", "input_usd_per_mtok", "output_usd_per_mtok",
-                                         "context_window", "max_output_tokens", NULL};
+                                         "cache_read_usd_per_mtok", "cache_write_usd_per_mtok", "cache_write_1h_usd_per_mtok",
+                                         "long_context", "context_window", "max_output_tokens", "max_input_part_tokens", NULL};
     if (obj < 0 || c->t[obj].type != JSON_OBJECT || c->t[obj].size == 0)
         return cfg_fail(c, "models", NULL, "must be an object with at least one model alias");
     cat->models = xcalloc((size_t)c->t[obj].size, sizeof *cat->models);
@@ -2042,7 +2223,7 @@ static int cfg_models(cfg *c, catalog *cat, int obj) {
     for (int m = 0; m < c->t[obj].size; m++, i = c->t[i + 1].next) {
         model *md = &cat->models[cat->nmodels++];
         md->alias = json_strdup(c->s, c->t, i);
-        md->max_output_tokens = 4096;
+        md->max_output_tokens = 4096, md->max_input_part_tokens = 2000, md->context_window = 200000;
         char where[300];
         snprintf(where, sizeof where, "models.%s", md->alias);
         int v = i + 1;
@@ -2050,10 +2231,9 @@ static int cfg_models(cfg *c, catalog *cat, int obj) {
             return cfg_fail(c, "models", NULL, "an alias must be 1 to %d bytes (\"%.40s...\" is not)", ALIAS_MAX, md->alias);
         if (c->t[v].type != JSON_OBJECT) return cfg_fail(c, where, NULL, "must be an object");
         if (cfg_only(c, v, where, fields) < 0 || cfg_routes(c, cat, md, v, where) < 0) return LTG_ERR;
-        if (cfg_price(c, v, "input_usd_per_mtok", where, &md->in_price) < 0 ||
-            cfg_price(c, v, "output_usd_per_mtok", where, &md->out_price) < 0 ||
-            cfg_int(c, v, "context_window", where, 1, &md->context_window) < 0 ||
-            cfg_int(c, v, "max_output_tokens", where, 1, &md->max_output_tokens) < 0)
+        if (cfg_prices(c, v, where, md) < 0 || cfg_int(c, v, "context_window", where, 1, &md->context_window) < 0 ||
+            cfg_int(c, v, "max_output_tokens", where, 1, &md->max_output_tokens) < 0 ||
+            cfg_int(c, v, "max_input_part_tokens", where, 1, &md->max_input_part_tokens) < 0)
             return LTG_ERR;
         for (int k = 0; k < cat->nmodels - 1; k++)
             if (strcmp(cat->models[k].alias, md->alias) == 0) return cfg_fail(c, where, NULL, "the alias is defined twice");
@@ -4310,11 +4490,14 @@ static void compact_step(int64_t now) {
  *   OPEN --(the day ends)--> SEALING --(its index file written)--> SEALED
  *
  * A record's payload is a fixed binary head -- what the index needs: time,
- * charge, tokens, status, key, group, model -- then the event's JSON as
- * the API shows it, then, for an idempotent request, its replay record.
- * Replaying a day reads the heads and never parses the JSON.
+ * charge, every token class, status, key, group, model -- then the
+ * event's JSON as the API shows it, then, for an idempotent request, its
+ * replay record. Replaying a day reads the heads and never parses the
+ * JSON. The head of version 1 had no cache or reasoning counts: such
+ * records still read, with those 0. ledger_add() writes only what
+ * rec_decode() takes back, so ltg never refuses a ledger it wrote.
  *
- * The index in memory (ledger_mem) keeps 56 bytes per event in file order,
+ * The index in memory (ledger_mem) keeps 72 bytes per event in file order,
  * which is time order (created_at never goes back: a clock stepping
  * backwards is clamped), and for each key and group the positions of its
  * events (4 bytes each). An index file holds the same, laid out to be
@@ -4352,19 +4535,19 @@ static void compact_step(int64_t now) {
  * a timer retries every second until the disk takes them.
  */
 #define SEG_MAGIC "LTGSEG1\n"
-#define IDX_MAGIC "LTGIDX2\n"       /* 2: a key's positions carry running sums, as a group's, and a name its total (1 is rebuilt) */
+#define IDX_MAGIC "LTGIDX3\n"       /* 3: rollups count every token class and abandoned requests (1, 2 are rebuilt) */
 #define LEDGER_V1_MAGIC "LTGLED1\n"      /* DATA/ledger.log of earlier versions, migrated once */
 #define DAY_MS 86400000LL
 #define LEDGER_SYNC_MS 20
 #define LEDGER_RETRY_MS 1000             /* a failing ledger is retried this often */
 #define IDX_RETRY_MS 10000               /* an index file that could not be written */
-#define REC_HEAD 104
-#define REC_MAX_CHARGE 1000000000000LL   /* micro-USD: a million USD for one request is not a spend event */
+#define REC_HEAD_V1 104                  /* a record's head before the token classes */
+#define REC_HEAD 120
 #define IDX_ENDIAN 0x01020304u
 
-enum { EV_SUCCEEDED, EV_FAILED, EV_PARTIAL };
-static const char *const ev_status_names[] = {"succeeded", "failed", "partial"};
-enum { EVF_CACHE_HIT = 1, EVF_REPLAY = 2 };
+enum { EV_SUCCEEDED, EV_FAILED, EV_PARTIAL, EV_ABANDONED };
+static const char *const ev_status_names[] = {"succeeded", "failed", "partial", "abandoned"};
+enum { EVF_CACHE_HIT = 1, EVF_REPLAY = 2, EVF_ESTIMATED = 4 }; /* ESTIMATED: usage_status "estimated" */
 
 static void put_le64(uint8_t *p, uint64_t v) { put_le32(p, (uint32_t)v), put_le32(p + 4, (uint32_t)(v >> 32)); }
 static uint64_t get_le64(const uint8_t *p) { return get_le32(p) | (uint64_t)get_le32(p + 4) << 32; }
@@ -4372,25 +4555,31 @@ static uint64_t get_le64(const uint8_t *p) { return get_le32(p) | (uint64_t)get_
 /* ---- records ---- */
 
 /* A spend event's record, decoded: pointers into its payload, which is
- *   [0] version 1   [1] status (EV_*)   [2] flags (EVF_*)   [3] model length
+ *   [0] version 2   [1] status (EV_*)   [2] flags (EVF_*)   [3] model length
  *   [4] input tokens   [8] output tokens   [12] event JSON length   (u32 LE)
  *   [16] created_at, wall ms   [24] charged, micro-USD              (i64 LE)
  *   [32] key id   [68] group id   (36 bytes each)
- *   [104] the model alias, the event's JSON, the replay record's JSON */
+ *   [104] cache read, cache write, 1-hour cache write, reasoning tokens (u32 LE)
+ *   [120] the model alias, the event's JSON, the replay record's JSON
+ * Version 1 (before the token classes) has no [104..120): its classes read
+ * as 0, and everything else as version 2. */
 typedef struct {
     int64_t at, charged;
-    uint32_t in_tok, out_tok;
+    uint32_t tok[NTOK];
     uint8_t status, flags;
     const char *key, *group, *model, *event, *replay;
     size_t model_len, event_len, replay_len;
 } rec_view;
 
+static const uint8_t rec_class_at[NTOK] = {4, 104, 108, 112, 8, 116}; /* where each token class is in the head */
+
 static void rec_encode(buf *out, const rec_view *v) {
-    uint8_t h[32] = {1, v->status, v->flags, (uint8_t)v->model_len};
-    put_le32(h + 4, v->in_tok), put_le32(h + 8, v->out_tok), put_le32(h + 12, (uint32_t)v->event_len);
+    uint8_t h[REC_HEAD] = {2, v->status, v->flags, (uint8_t)v->model_len};
+    for (int k = 0; k < NTOK; k++) put_le32(h + rec_class_at[k], v->tok[k]);
+    put_le32(h + 12, (uint32_t)v->event_len);
     put_le64(h + 16, (uint64_t)v->at), put_le64(h + 24, (uint64_t)v->charged);
-    buf_append(out, h, 32);
-    buf_append(out, v->key, 36), buf_append(out, v->group, 36);
+    memcpy(h + 32, v->key, 36), memcpy(h + 68, v->group, 36);
+    buf_append(out, h, REC_HEAD);
     buf_append(out, v->model, v->model_len);
     buf_append(out, v->event, v->event_len);
     buf_append(out, v->replay, v->replay_len);
@@ -4398,17 +4587,18 @@ static void rec_encode(buf *out, const rec_view *v) {
 
 static int rec_decode(const char *p, size_t n, rec_view *v) {
     const uint8_t *h = (const uint8_t *)p;
-    if (n < REC_HEAD || h[0] != 1 || h[1] > EV_PARTIAL || h[2] > (EVF_CACHE_HIT | EVF_REPLAY)) return LTG_ERR;
-    *v = (rec_view){.at = (int64_t)get_le64(h + 16), .charged = (int64_t)get_le64(h + 24), .in_tok = get_le32(h + 4),
-                    .out_tok = get_le32(h + 8), .status = h[1], .flags = h[2]};
+    size_t head = n >= 1 && h[0] == 1 ? REC_HEAD_V1 : REC_HEAD;
+    if (n < head || h[0] < 1 || h[0] > 2 || h[1] > EV_ABANDONED || h[2] > (EVF_CACHE_HIT | EVF_REPLAY | EVF_ESTIMATED)) return LTG_ERR;
+    *v = (rec_view){.at = (int64_t)get_le64(h + 16), .charged = (int64_t)get_le64(h + 24), .status = h[1], .flags = h[2]};
+    for (int k = 0; k < NTOK; k++) v->tok[k] = rec_class_at[k] + 4u <= head ? get_le32(h + rec_class_at[k]) : 0;
     v->model_len = h[3], v->event_len = get_le32(h + 12);
-    if (REC_HEAD + v->model_len + v->event_len > n) return LTG_ERR;
-    v->key = p + 32, v->group = p + 68, v->model = p + REC_HEAD;
+    if (head + v->model_len + v->event_len > n) return LTG_ERR;
+    v->key = p + 32, v->group = p + 68, v->model = p + head;
     v->event = v->model + v->model_len, v->replay = v->event + v->event_len;
-    v->replay_len = n - REC_HEAD - v->model_len - v->event_len;
+    v->replay_len = n - head - v->model_len - v->event_len;
     for (int i = 32; i < 104; i++) /* two ids: hex digits and dashes */
         if (!isxdigit(h[i]) && h[i] != '-') return LTG_ERR;
-    if (!v->model_len || memchr(v->model, 0, v->model_len) || v->charged < 0 || v->charged > REC_MAX_CHARGE) return LTG_ERR;
+    if (!v->model_len || memchr(v->model, 0, v->model_len) || v->charged < 0 || v->charged > MAX_CHARGE) return LTG_ERR;
     return (v->flags & EVF_REPLAY) && !v->replay_len ? LTG_ERR : 0;
 }
 
@@ -4419,7 +4609,7 @@ typedef struct {
     uint64_t off;               /* the record's payload in its segment's log */
     uint32_t len;
     uint32_t key, group, model; /* in the day's name table */
-    uint32_t in_tok, out_tok;
+    uint32_t tok[NTOK];
     uint8_t status, flags;      /* EV_*, EVF_* */
     int64_t charged;            /* micro-USD charged to the group's budget (the cost is in the event) */
 } ledger_entry;
@@ -4468,7 +4658,8 @@ static void posting_add(lname *it, uint32_t at) {
 /* Index one record (its payload at file offset `off`). */
 static void mem_add(ledger_mem *m, const rec_view *v, uint64_t off, uint32_t len) {
     ledger_entry e = {v->at, off, len, mem_name(m, 'k', v->key, 36, 1), mem_name(m, 'g', v->group, 36, 1),
-                      mem_name(m, 'm', v->model, v->model_len, 1), v->in_tok, v->out_tok, v->status, v->flags, v->charged};
+                      mem_name(m, 'm', v->model, v->model_len, 1), {0}, v->status, v->flags, v->charged};
+    memcpy(e.tok, v->tok, sizeof e.tok);
     assert(!m->n || e.at >= m->ix[m->n - 1].at); /* file order is time order: the index's searches rely on it */
     if (m->n == m->cap) m->cap = m->cap ? m->cap * 2 : 4096, m->ix = xrealloc(m->ix, m->cap * sizeof *m->ix);
     posting_add(m->names[e.key], (uint32_t)m->n), posting_add(m->names[e.group], (uint32_t)m->n); /* filters need no scan */
@@ -4499,7 +4690,7 @@ typedef enum { SEG_OPEN, SEG_SEALING, SEG_SEALED } seg_state;
 enum { SEC_OFFSETS, SEC_NAMES, SEC_STRINGS, SEC_KEYPOS, SEC_GROUPPOS, SEC_ROWS, SEC_MODELROWS, SEC_REPLAYS, NSEC };
 
 typedef struct {
-    long long requests, succeeded, failed, partial, cache_hits, in_tok, out_tok;
+    long long requests, succeeded, failed, partial, abandoned, cache_hits, tok[NTOK];
     int64_t spend, reserved;
 } usage_row;
 
@@ -4621,15 +4812,20 @@ static int row_cmp(const void *a, const void *b) {
 
 static void usage_add(usage_row *r, const ledger_entry *e) {
     r->requests++;
-    r->succeeded += e->status == EV_SUCCEEDED, r->failed += e->status == EV_FAILED, r->partial += e->status == EV_PARTIAL;
+    r->succeeded += e->status == EV_SUCCEEDED;
+    r->failed += e->status == EV_FAILED;
+    r->partial += e->status == EV_PARTIAL;
+    r->abandoned += e->status == EV_ABANDONED;
     r->cache_hits += (e->flags & EVF_CACHE_HIT) != 0;
-    r->in_tok += e->in_tok, r->out_tok += e->out_tok;
+    for (int k = 0; k < NTOK; k++) r->tok[k] += e->tok[k];
     r->spend += e->charged;
 }
 
 static void usage_sum(usage_row *r, const usage_row *x) {
-    r->requests += x->requests, r->succeeded += x->succeeded, r->failed += x->failed, r->partial += x->partial;
-    r->cache_hits += x->cache_hits, r->in_tok += x->in_tok, r->out_tok += x->out_tok, r->spend += x->spend;
+    r->requests += x->requests, r->succeeded += x->succeeded, r->failed += x->failed;
+    r->partial += x->partial, r->abandoned += x->abandoned, r->cache_hits += x->cache_hits;
+    for (int k = 0; k < NTOK; k++) r->tok[k] += x->tok[k];
+    r->spend += x->spend;
 }
 
 /* The rollups of a day: one row per (group, model) in `rows`, sorted,
@@ -5026,11 +5222,14 @@ static int ledger_add(rec_view *v, int64_t now, int64_t *day, uint64_t *off, uin
         if (s) s->state = SEG_SEALING; /* the day is over */
         s = seg_new(day_of(v->at));
     }
+    if (v->charged > MAX_CHARGE) ltg_log("ledger: a charge of %lld micro-USD recorded as %lld, the most one event may hold", (long long)v->charged, MAX_CHARGE);
+    if (v->charged > MAX_CHARGE) v->charged = MAX_CHARGE;
     buf p = {0};
     rec_encode(&p, v);
-    const char *why;
+    rec_view back;
+    const char *why = "a record its own reader would refuse (a bug: see the log)";
     *day = s->day, *off = (uint64_t)s->f.size + 8, *len = (uint32_t)p.len;
-    int rc = log_append(&s->f, p.p, p.len, 0, &why);
+    int rc = rec_decode(p.p, p.len, &back) < 0 ? LTG_ERR : log_append(&s->f, p.p, p.len, 0, &why); /* never a ledger ltg cannot start on */
     if (rc < 0) ltg_log("ledger: an event was not recorded: %s", why);
     else {
         mem_add(&s->mem, v, *off, *len);
@@ -5169,7 +5368,7 @@ static int ledger_migrate_apply(void *ctx, const char *p, size_t n, off_t at, ch
     }
     json_int(p, t, json_get(p, t, e, "input_tokens"), &in), json_int(p, t, json_get(p, t, e, "output_tokens"), &out);
     int st = json_get(p, t, e, "status"), hit = json_get(p, t, e, "cache_hit");
-    rec_view v = {.at = when, .charged = charged, .in_tok = (uint32_t)in, .out_tok = (uint32_t)out,
+    rec_view v = {.at = when, .charged = charged, .tok = {[TOK_IN] = (uint32_t)in, [TOK_OUT] = (uint32_t)out},
                   .status = (uint8_t)(json_eq(p, t, st, "failed") ? EV_FAILED : json_eq(p, t, st, "partial") ? EV_PARTIAL : EV_SUCCEEDED),
                   .flags = (uint8_t)((hit >= 0 && t[hit].type == JSON_TRUE ? EVF_CACHE_HIT : 0) | (r >= 0 ? EVF_REPLAY : 0)),
                   .key = p + t[ki].start, .group = p + t[gi].start, .model = p + t[mv].start, .model_len = t[mv].end - t[mv].start,
@@ -5459,9 +5658,9 @@ static double budget_remaining(const allowance *a) {
 }
 
 /* Would `worst` more micro-USD fit a's budget now? */
-static int budget_fits(allowance *a, int64_t worst, int64_t now) {
+static int budget_fits(allowance *a, int64_t more, int64_t now) {
     budget_refresh(a, now);
-    return !a->has_budget || a->spend + a->reserved + worst <= usd_to_micro(a->max_budget);
+    return !a->has_budget || a->spend + a->reserved + more <= usd_to_micro(a->max_budget);
 }
 
 static void budget_recount(allowance *a, char kind, const char *id, int64_t now);
@@ -5548,7 +5747,7 @@ typedef struct cache_entry {
     char *body;
     size_t len;
     char served[ALIAS_MAX + 1]; /* the alias that answered */
-    uint32_t in_tok, out_tok;
+    long long tok[NTOK];  /* its usage */
     int64_t expires;      /* S.now ms */
 } cache_entry;
 
@@ -5598,7 +5797,7 @@ static cache_entry *cache_get(const uint8_t key[32]) {
     return e;
 }
 
-static void cache_put(const uint8_t key[32], const char *body, size_t n, const char *served, uint32_t in, uint32_t out, int64_t ttl_ms) {
+static void cache_put(const uint8_t key[32], const char *body, size_t n, const char *served, const long long tok[NTOK], int64_t ttl_ms) {
     if (n + sizeof(cache_entry) > CACHE.limit) return;
     cache_entry *old = hmap_get(&CACHE.map, key, 32);
     if (old) cache_drop(old);
@@ -5607,7 +5806,8 @@ static void cache_put(const uint8_t key[32], const char *body, size_t n, const c
     memcpy(e->key, key, 32);
     e->body = xmalloc(n ? n : 1), memcpy(e->body, body, n), e->len = n;
     snprintf(e->served, sizeof e->served, "%s", served);
-    e->in_tok = in, e->out_tok = out, e->expires = S.now + ttl_ms;
+    memcpy(e->tok, tok, sizeof e->tok);
+    e->expires = S.now + ttl_ms;
     e->next = CACHE.head;
     if (CACHE.head) CACHE.head->prev = e;
     CACHE.head = e;
@@ -5762,20 +5962,23 @@ static long rl_wait(const rl_window *w, int64_t now, int tokens, int64_t need, i
 
 /* Does a request of `tokens` (worst case) fit a's limits now? 0, or the
  * seconds to wait (*which names the limit). */
-static long rate_check(const allowance *a, int64_t tokens, const char **which) {
+static long rate_check(const allowance *a, int requests, int64_t tokens, const char **which) {
     int64_t now = S.now / 1000;
-    if (a->rpm_limit != UNSET && rl_used(a->rl, now, 0) + 1 > a->rpm_limit) { *which = "rpm_limit"; return rl_wait(a->rl, now, 0, 1, a->rpm_limit); }
+    if (requests && a->rpm_limit != UNSET && rl_used(a->rl, now, 0) + 1 > a->rpm_limit) { *which = "rpm_limit"; return rl_wait(a->rl, now, 0, 1, a->rpm_limit); }
     if (a->tpm_limit != UNSET && rl_used(a->rl, now, 1) + tokens > a->tpm_limit) { *which = "tpm_limit"; return rl_wait(a->rl, now, 1, tokens, a->tpm_limit); }
     return 0;
 }
 
-/* Count a request of `tokens` (worst case) in a's window, in second `sec`. */
-static void rate_count(allowance *a, int64_t tokens, int64_t sec) {
+/* Count `requests` (1, or 0 for a later attempt of one) of `tokens`
+ * (worst case) in a's window, in second `sec` -- unless that second has
+ * left the window. */
+static void rate_count(allowance *a, int requests, int64_t tokens, int64_t sec) {
     if (a->rpm_limit == UNSET && a->tpm_limit == UNSET) return;
     if (!a->rl) a->rl = xcalloc(1, sizeof *a->rl);
     int i = (int)(sec % RL_SLOTS);
+    if (a->rl->sec[i] > sec) return;
     if (a->rl->sec[i] != sec) a->rl->sec[i] = sec, a->rl->req[i] = 0, a->rl->tok[i] = 0;
-    a->rl->req[i]++, a->rl->tok[i] += tokens;
+    a->rl->req[i] += requests, a->rl->tok[i] += tokens;
 }
 
 /* The request counted `reserved` tokens in second `sec`; it used `used`. */
@@ -5809,12 +6012,14 @@ typedef struct {
 } hold_refusal;
 
 static int hold_reserve(allowance *const al[], int n, int64_t cost, int64_t tok, int64_t now, hold *h, hold_refusal *why) {
+    int more = h->sec != 0; /* a later attempt of a request held already: the request itself is counted */
     for (int i = 0; i < n; i++)
-        if ((why->wait = rate_check(al[i], tok, &why->limit))) { why->who = i; return LTG_ERR; }
+        if ((why->wait = rate_check(al[i], !more, tok, &why->limit))) { why->who = i; return LTG_ERR; }
     for (int i = 0; i < n; i++)
         if (!budget_fits(al[i], cost, now)) { *why = (hold_refusal){i, "max_budget", 0}; return LTG_ERR; }
-    *h = (hold){cost, tok, S.now / 1000};
-    for (int i = 0; i < n; i++) al[i]->reserved += cost, rate_count(al[i], tok, h->sec);
+    if (!more) *h = (hold){0, 0, S.now / 1000};
+    h->cost += cost, h->tok += tok;
+    for (int i = 0; i < n; i++) al[i]->reserved += cost, rate_count(al[i], !more, tok, h->sec);
     return 0;
 }
 
@@ -5837,6 +6042,7 @@ static void hold_settle(allowance *const al[], int n, hold *h, int64_t charged, 
 typedef struct {
     int64_t at;      /* S.now when made */
     size_t idlen;
+    long long tokens;/* its input and output: what a follow-up's provider adds to the input (-1: unknown) */
     char text[];     /* the response id, NUL, the alias, NUL, the deployment's name, NUL */
 } pin;
 
@@ -5866,18 +6072,25 @@ static void pin_put(const char *id, size_t n, const char *alias, const char *dep
     if (PINS.n == PIN_MAX) pin_drop_oldest(); /* full: the oldest makes room */
     size_t an = strlen(alias), dn = strlen(dep);
     pin *p = xcalloc(1, sizeof *p + n + an + dn + 3);
-    p->at = S.now, p->idlen = n;
+    p->at = S.now, p->idlen = n, p->tokens = -1;
     memcpy(p->text, id, n), memcpy(p->text + n + 1, alias, an), memcpy(p->text + n + an + 2, dep, dn);
     hmap_put(&PINS.map, p); /* an id made twice: the newer wins; the older leaves with its ring slot */
     PINS.ring[(PINS.head + PINS.n++) % PIN_MAX] = p;
 }
 
-/* The alias that made response `id`, or NULL; *dep gets its deployment's name. */
-static const char *pin_get(const char *id, size_t n, const char **dep) {
+/* The alias that made response `id`, or NULL; *dep gets its deployment's
+ * name, *tokens its usage (-1: unknown). */
+static const char *pin_get(const char *id, size_t n, const char **dep, long long *tokens) {
     pins_expire();
     pin *p = hmap_get(&PINS.map, id, n);
-    if (p) *dep = p->text + n + strlen(p->text + n + 1) + 2;
+    if (p) *dep = p->text + n + strlen(p->text + n + 1) + 2, *tokens = p->tokens;
     return p ? p->text + n + 1 : NULL;
+}
+
+/* Response `id` used `tokens` in all, input and output. */
+static void pin_tokens(const char *id, long long tokens) {
+    pin *p = hmap_get(&PINS.map, id, strlen(id));
+    if (p) p->tokens = tokens;
 }
 
 /* ===== 15. Client connections: the HTTP/1.1 server =====
@@ -5930,8 +6143,9 @@ typedef struct {
     const char *cache;        /* "hit", "miss", "bypass", or NULL */
     int anthropic;            /* an Anthropic endpoint: its errors in Anthropic's shape */
     int attempts;             /* -1: none made (refused before dispatch) */
-    long long in_tok, out_tok;/* -1: unknown */
+    long long tok[NTOK];      /* its usage; [TOK_IN] -1: none (refused before dispatch) */
     int64_t cost;             /* micro-USD; -1: unknown */
+    int estimated;            /* the cost is ltg's estimate (README "Cost") */
 } req_facts;
 
 struct conn {
@@ -6166,7 +6380,7 @@ static void conn_arm_timer(conn *c);
 static void conn_fresh(conn *c) {
     c->req.method = c->req.target = (slice){0, 0}, c->req.nh = 0; /* the last request's: they point into bytes now gone */
     c->began = 0, c->status = 0, c->queued_mark = c->queued;
-    c->f = (req_facts){.attempts = -1, .in_tok = -1, .out_tok = -1, .cost = -1};
+    c->f = (req_facts){.attempts = -1, .tok = {-1}, .cost = -1};
 }
 
 /* The current request is answered: make room for the next one. */
@@ -7046,9 +7260,9 @@ static void usage_json(jwriter *w, const usage_row *r) {
     jw_key(w, "succeeded_requests"), jw_int(w, r->succeeded);
     jw_key(w, "failed_requests"), jw_int(w, r->failed);
     jw_key(w, "partial_requests"), jw_int(w, r->partial);
+    jw_key(w, "abandoned_requests"), jw_int(w, r->abandoned);
     jw_key(w, "cache_hits"), jw_int(w, r->cache_hits);
-    jw_key(w, "input_tokens"), jw_int(w, r->in_tok);
-    jw_key(w, "output_tokens"), jw_int(w, r->out_tok);
+    for (int k = 0; k < NTOK; k++) jw_key(w, tok_names[k]), jw_int(w, r->tok[k]);
     jw_key(w, "spend"), jw_usd(w, r->spend);
     jw_key(w, "reserved_spend"), jw_usd(w, r->reserved);
 }
@@ -7182,12 +7396,24 @@ static void admin_route(conn *c) {
  *             PLAN_ANSWER: the answer is relayed, or the stream starts
  *             PLAN_GIVE_UP (or past the deadline): the error
  *
- *   exchange_settle(): the real cost and usage replace the hold, the spend
- *   event is written, the replay record and the cache are filled
+ *   exchange_settle(): the answering attempt is billed; exchange_book(),
+ *   once no attempt is metered any more: what every attempt was charged
+ *   replaces the hold, the spend event is written, the replay record
+ *   filled
  *
  * attempt_end() alone turns an attempt's result into an outcome; x_state
  * says what the timer means meanwhile. A client that leaves cuts the
- * attempt without an outcome: nothing follows from it.
+ * attempt: it is logged indeterminate (its breaker hears nothing of it)
+ * and billed like any attempt given up on.
+ *
+ * Money (README "Cost"): every attempt is held before it starts (its own
+ * worst case, attempt_hold; the first at admission) and billed once when
+ * it is over (attempt_bill): its provider's usage at its model's prices,
+ * nothing when nothing reached the provider, else ltg's estimate. A whole
+ * answer given up on after its request reached the provider is read on
+ * without a client by a meter (meter_start) for its usage; the request's
+ * spend event waits for its last meter, and the exchange lives until
+ * then, its client long gone.
  *
  * The client sees one of two shapes:
  *   - a whole answer (non-streaming, or any error): ltg waits for the
@@ -7245,6 +7471,32 @@ typedef struct {
     char *text;           /* what replaces them */
 } body_edit;
 
+/* A provider's usage counts as its API names them (raw[TOK_IN] is
+ * Anthropic's uncached input): each read only when present. */
+typedef struct {
+    long long raw[NTOK];
+    int seen;             /* a usage object came */
+    int final;            /* ... with the final counts (a stream's message_start has not) */
+    int bad;              /* a count that cannot be true: see usage_read */
+} usage_counts;
+
+/* What a request says of its size, for the worst case of an attempt. */
+typedef struct {
+    long long prompt;     /* the body's bytes / 3, rounded up */
+    long long added;      /* what the provider adds: a previous response's tokens (-1: unknown, the model's context_window) */
+    long long parts;      /* image, audio and file parts: each up to the model's max_input_part_tokens */
+    long long out;        /* the largest output limit in the body (0: none, the model's max_output_tokens) */
+    long long n;          /* answers asked for: n, times best_of */
+} worst_shape;
+
+/* The worst case of an attempt on m (README "Cost"): its input at the
+ * dearest input class, its output limit times the answers asked for. */
+static worst worst_case(const worst_shape *r, const model *m) {
+    double in = (double)r->prompt + (double)(r->added < 0 ? m->context_window : r->added) + (double)r->parts * (double)m->max_input_part_tokens;
+    double out = (double)(r->out > 0 ? r->out : m->max_output_tokens) * (double)r->n;
+    return worst_of(m, (long long)fmin(in, 1e13), (long long)fmin(out, 1e13));
+}
+
 typedef struct {
     int model;            /* index in the chain */
     int dep;              /* its deployment, -1 for none (a skipped model) */
@@ -7253,6 +7505,12 @@ typedef struct {
     attempt_outcome outcome;
     int ms;
     char error[100];      /* why it did not succeed, "" for a success */
+    worst w;              /* its worst case, held before it started */
+    long long tok[NTOK];  /* what it was charged for: the provider's usage, or ltg's estimate */
+    int64_t cost;         /* micro-USD */
+    int estimated;        /* the cost is ltg's estimate: the provider's usage never came, or could not be true */
+    int billed;           /* tok, cost and estimated are final */
+    int pending;          /* it is being metered (meter_start) */
 } attempt_entry;
 
 struct exchange {
@@ -7285,6 +7543,7 @@ struct exchange {
     int avoid_model;      /* ... the chain index of that model */
     int probe;            /* the current attempt is its deployment's breaker probe */
     int pinned;           /* its response id is pinned to its model (section 14) */
+    char pin_id[257];     /* ... that id ("" when none) */
     char anthropic_version[64], anthropic_beta[256]; /* the client's, passed on to an Anthropic provider */
     int key, key_tries;   /* the provider key of the current attempt (-1: none); keys refused during it */
     int detached;         /* idempotent, its client gone: it runs on alone */
@@ -7292,9 +7551,17 @@ struct exchange {
     timer deadline, t;
     int last_status;      /* of the last failure: what the client gets when all fail */
     char last_reason[200];
-    hold hold;            /* its worst case, held against its key's and group's allowances (section 14) */
-    long long in_tok, out_tok;
-    int usage_known;
+    hold hold;            /* its attempts' worst cases, held against its key's and group's allowances (section 14) */
+    worst_shape shape;    /* what its attempts' worst cases are made of */
+    worst w;              /* the current attempt's */
+    usage_counts usage;   /* the current attempt's, as the provider reported it */
+    size_t relayed;       /* bytes of the current stream relayed */
+    int metering;         /* attempts of it still read without their client (see meter_start) */
+    int settled, ended;   /* exchange_settle said how it ended; it is over for its client (exchange_end) */
+    int http_status, ev_status, served, cache_hit; /* how it ended, for its spend event */
+    long long cache_tok[NTOK]; /* a cache hit's usage: its answer's */
+    buf keep;             /* the answer its replay record keeps, while attempts are metered */
+    int keep_set;         /* ... there is one */
     inf_idem *idem;       /* the replay record this request fills */
     buf record;           /* a stream's events, for that record */
     int record_full;      /* too long to keep for a replay */
@@ -7328,7 +7595,8 @@ struct wire_kind {
     int api;                     /* the providers that speak it (API_*), and the shape of ltg's errors */
     int stream;                  /* it may stream */
     int ask_usage;               /* a stream must ask for its usage (stream_options.include_usage) */
-    const char *in_tok, *out_tok;/* the members of its "usage" */
+    const char *usage[NTOK];     /* where its "usage" has each token class (a.b: member b of member a) */
+    int in_adds_cache;           /* its input count leaves out cache reads and writes (Anthropic's) */
     const char *max_out[2];      /* the body's limit on output tokens, for the worst case */
     const char *event_usage;     /* in a stream event, the member that holds "usage" (or the event itself) */
     int event_usage_final;       /* ... and that usage is the final count (else a later event's is) */
@@ -7337,8 +7605,12 @@ struct wire_kind {
     int free;                    /* costs nothing: no budget, no spend event (count_tokens) */
 };
 
-#define USAGE_PROMPT .in_tok = "prompt_tokens", .out_tok = "completion_tokens" /* chat's names */
-#define USAGE_IO .in_tok = "input_tokens", .out_tok = "output_tokens"          /* the newer APIs' */
+#define USAGE_PROMPT .usage = {"prompt_tokens", "prompt_tokens_details.cached_tokens", NULL, NULL, "completion_tokens", \
+                               "completion_tokens_details.reasoning_tokens"}  /* chat's, completions', embeddings' */
+#define USAGE_IO .usage = {"input_tokens", "input_tokens_details.cached_tokens", NULL, NULL, "output_tokens", \
+                           "output_tokens_details.reasoning_tokens"}          /* the Responses API's */
+#define USAGE_ANTHROPIC .usage = {"input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens", \
+                                  "cache_creation.ephemeral_1h_input_tokens", "output_tokens", NULL}, .in_adds_cache = 1
 static const wire_kind WIRE[] = {
     {"/v1/chat/completions", "/chat/completions", API_OPENAI, .stream = 1, .ask_usage = 1, USAGE_PROMPT,
      .max_out = {"max_tokens", "max_completion_tokens"}, .cut = CUT_DATA},
@@ -7346,23 +7618,32 @@ static const wire_kind WIRE[] = {
     {"/v1/embeddings", "/embeddings", API_OPENAI, USAGE_PROMPT, .cut = CUT_DATA},
     {"/v1/responses", "/responses", API_OPENAI, .stream = 1, USAGE_IO, .max_out = {"max_output_tokens"},
      .event_usage = "response", .event_usage_final = 1, .cut = CUT_EVENT, .pins = 1},
-    {"/v1/messages", "/messages", API_ANTHROPIC, .stream = 1, USAGE_IO, .max_out = {"max_tokens"},
+    {"/v1/messages", "/messages", API_ANTHROPIC, .stream = 1, USAGE_ANTHROPIC, .max_out = {"max_tokens"},
      .event_usage = "message", .cut = CUT_ANTHROPIC},
-    {"/v1/messages/count_tokens", "/messages/count_tokens", API_ANTHROPIC, USAGE_IO, .cut = CUT_ANTHROPIC, .free = 1},
+    {"/v1/messages/count_tokens", "/messages/count_tokens", API_ANTHROPIC, USAGE_ANTHROPIC, .cut = CUT_ANTHROPIC, .free = 1},
 };
+
+/* The value of member path `path` ("a" or "a.b") of object token 0. */
+static int json_path(const char *s, const json_tok *t, const char *path) {
+    const char *dot = strchr(path, '.');
+    if (!dot) return json_get(s, t, 0, path);
+    char first[64];
+    snprintf(first, sizeof first, "%.*s", (int)(dot - path), path);
+    return json_get(s, t, json_get(s, t, 0, first), dot + 1);
+}
 
 /* Read a provider's JSON answer or stream event s[0..n) of kind k: its
  * usage is the member "usage", or inside member `in` when there is one
  * (a Responses event's "response", an Anthropic message_start's
  * "message"). Returns LTG_ERR when it is not JSON; else 1 when it has a
- * usage object (2 when inside `in`) -- its counts update *in_tok and
- * *out_tok, each only when present (a message_delta tells the output
- * alone) -- and 0 when not.
+ * usage object (2 when inside `in`) -- each count present updates u (a
+ * message_delta may tell the output alone); one that is not a whole
+ * number from 0 to MAX_USAGE_TOKENS sets u->bad -- and 0 when not.
  * *no_choices: it has no "choices", or an empty one (a stream's usage-only
  * chunk). One level is stored at a time, then the next object is parsed
  * on its own: an answer's size does not matter, be it a thousand
  * embeddings. */
-static int usage_read(const wire_kind *k, const char *in, const char *s, size_t n, long long *in_tok, long long *out_tok, int *no_choices) {
+static int usage_read(const wire_kind *k, const char *in, const char *s, size_t n, usage_counts *uc, int *no_choices) {
     json_tok t[128];
     json_result res;
     *no_choices = 1;
@@ -7378,10 +7659,27 @@ static int usage_read(const wire_kind *k, const char *in, const char *s, size_t 
     int u = json_get(s, t, 0, "usage");
     if (u < 0 || t[u].type != JSON_OBJECT) return 0;
     s += t[u].start, n = t[u].end - t[u].start;
-    if (json_parse(s, n, t, 128, 1, &res) < 0) return 0;
-    json_int(s, t, json_get(s, t, 0, k->in_tok), in_tok);
-    json_int(s, t, json_get(s, t, 0, k->out_tok), out_tok);
+    uc->seen = 1;
+    if (json_parse(s, n, t, 128, 2, &res) < 0) { uc->bad = 1; return inside ? 2 : 1; } /* a usage no provider sends */
+    for (int c = 0; c < NTOK; c++) {
+        long long v;
+        int i = k->usage[c] ? json_path(s, t, k->usage[c]) : -1;
+        if (i < 0 || t[i].type == JSON_NULL) continue;
+        if (json_int(s, t, i, &v) < 0 || v < 0 || v > MAX_USAGE_TOKENS) uc->bad = 1;
+        else uc->raw[c] = v;
+    }
     return inside ? 2 : 1;
+}
+
+/* The token classes of counts uc of kind k (README "Cost"): LTG_ERR when
+ * they cannot all be true -- a part larger than its whole. */
+static int usage_classes(const wire_kind *k, const usage_counts *uc, long long t[NTOK]) {
+    memcpy(t, uc->raw, sizeof uc->raw);
+    if (k->in_adds_cache) t[TOK_IN] += t[TOK_CACHE_READ] + t[TOK_CACHE_WRITE];
+    if (uc->bad || t[TOK_CACHE_READ] + t[TOK_CACHE_WRITE] > t[TOK_IN] || t[TOK_CACHE_WRITE_1H] > t[TOK_CACHE_WRITE] ||
+        t[TOK_REASONING] > t[TOK_OUT])
+        return LTG_ERR;
+    return 0;
 }
 
 /* How a stream's body asks for its usage chunk: an edit (text NULL when the
@@ -7472,6 +7770,7 @@ static void response_pin(exchange *x, const char *s, size_t n, int event) {
     json_unescape(s, t, id, &v);
     pin_put(v.p, v.len, exchange_model(x)->alias, exchange_dep(x)->name);
     x->pinned = 1;
+    snprintf(x->pin_id, sizeof x->pin_id, "%s", v.len < sizeof x->pin_id ? v.p : ""); /* its usage follows: exchange_settle */
     buf_free(&v);
 }
 
@@ -7484,12 +7783,10 @@ static int stream_event(exchange *x, const char *ev, size_t n) {
     static buf data;
     if (!sse_event_data(ev, n, &data) || !data.len) return SSE_EMPTY;
     if (data.len == 6 && memcmp(data.p, "[DONE]", 6) == 0) return SSE_RELAY;
-    long long in = x->in_tok, out = x->out_tok;
     response_pin(x, data.p, data.len, 1);
-    int no_choices, r = usage_read(x->kind, x->kind->event_usage, data.p, data.len, &in, &out, &no_choices);
+    int no_choices, r = usage_read(x->kind, x->kind->event_usage, data.p, data.len, &x->usage, &no_choices);
     if (r <= 0) return r < 0 ? LTG_ERR : SSE_RELAY;
-    x->in_tok = in, x->out_tok = out;
-    x->usage_known |= r == 1 || x->kind->event_usage_final; /* message_start's count is not the last word */
+    x->usage.final |= r == 1 || x->kind->event_usage_final; /* message_start's count is not the last word */
     return x->hide_usage && no_choices ? SSE_HIDE : SSE_RELAY;
 }
 
@@ -7528,9 +7825,17 @@ static void x_head(exchange *x, int status, const char *ctype, long long length,
     if (x->c) conn_head(x->c, status, ctype, length, extra);
 }
 
-static void exchange_free(exchange *x) {
+/* The request no longer counts among its group's requests in flight
+ * (max_parallel): its client has its answer, or left. Once. */
+static void exchange_leave(exchange *x) {
+    if (x->ended) return;
+    x->ended = 1;
     group *g = group_find(x->group_id);
     if (g) g->inflight--;
+}
+
+static void exchange_free(exchange *x) {
+    exchange_leave(x);
     if (x->probe) breaker_forget_probe(exchange_dep(x));
     S.ndetached -= x->detached;
     if (x->idem && !x->idem->done) { /* no answer to keep: a retry may try afresh */
@@ -7540,21 +7845,27 @@ static void exchange_free(exchange *x) {
     timer_stop(&x->deadline), timer_stop(&x->t);
     exchange_let_go(x);
     for (int i = 0; i < x->nedit; i++) free(x->edit[i].text);
-    buf_free(&x->req), buf_free(&x->body), buf_free(&x->record);
+    buf_free(&x->req), buf_free(&x->body), buf_free(&x->record), buf_free(&x->keep);
     catalog_release(x->cat);
     S.nexchanges--;
     free(x);
 }
 
-/* The request is over: free it and let the connection (if the client is
- * still there) go on to its next request. */
+/* The request is over for its client, whose connection (if it is still
+ * there) goes on to its next request. The exchange is freed once its
+ * spend event is written: now, or when the last of its metered attempts
+ * is billed (meter_end). */
 static void exchange_end(exchange *x) {
     conn *c = x->c;
-    exchange_free(x);
-    if (c) {
-        c->owner = NULL;
-        conn_done(c);
+    x->c = NULL;
+    if (c) c->owner = NULL;
+    if (x->metering) {
+        exchange_leave(x);
+        timer_stop(&x->deadline), timer_stop(&x->t);
+    } else {
+        exchange_free(x);
     }
+    if (c) conn_done(c);
 }
 
 /* The x-ltg headers every chat and embeddings answer carries (API.md 4.1). */
@@ -7575,7 +7886,13 @@ static void exchange_cost_headers(exchange *x, int64_t cost, buf *h) {
     if (left >= 0) buf_printf(h, "x-ltg-budget-remaining: %.6f\r\n", left);
 }
 
-/* The attempt log as JSON (the shape of the ledger's attempt_log). */
+/* The token classes of tok, as members of the object being written. */
+static void tokens_json(jwriter *w, const long long tok[NTOK]) {
+    for (int k = 0; k < NTOK; k++) jw_key(w, tok_names[k]), jw_int(w, tok[k]);
+}
+
+/* The attempt log as JSON (the shape of the ledger's attempt_log). An
+ * attempt still metered (only in a live error answer) has no cost yet. */
 static void exchange_attempts_json(exchange *x, jwriter *w) {
     jw_open(w, '[');
     for (int i = 0; i < x->nlog; i++) {
@@ -7588,19 +7905,25 @@ static void exchange_attempts_json(exchange *x, jwriter *w) {
         jw_key(w, "outcome"), jw_cstr(w, outcome_name(e->outcome));
         jw_key(w, "ms"), jw_int(w, e->ms);
         if (e->error[0]) jw_key(w, "error"), jw_cstr(w, e->error);
+        if (e->billed) {
+            tokens_json(w, e->tok);
+            jw_key(w, "cost"), jw_usd(w, e->cost);
+            jw_key(w, "usage_status"), jw_cstr(w, e->estimated ? "estimated" : "reported");
+        }
         jw_close(w, '}');
     }
     jw_close(w, ']');
 }
 
 /* Log the current attempt: its upstream status (0 when none came), its
- * outcome, and why it failed (NULL for a success). */
+ * outcome, and why it failed (NULL for a success). A skipped model's
+ * entry costs nothing; an attempt's is billed when it is over. */
 static void attempt_log(exchange *x, int status, attempt_outcome o, const char *why) {
     metric_add(M_ATTEMPTS, 1, "model", exchange_model(x)->alias, "outcome", outcome_name(o), NULL);
-    if (x->nlog == MAX_ATTEMPT_LOG) return;
-    int ms = o == OUTCOME_CIRCUIT_OPEN ? 0 : (int)(S.now - x->attempt_started);
+    assert(x->nlog < MAX_ATTEMPT_LOG); /* at most max_attempts (5) entries per model of the chain */
+    int skipped = o == OUTCOME_CIRCUIT_OPEN, ms = skipped ? 0 : (int)(S.now - x->attempt_started);
     attempt_entry *e = &x->log[x->nlog++];
-    *e = (attempt_entry){x->plan.model, o == OUTCOME_CIRCUIT_OPEN ? -1 : x->dep, x->plan.attempt, status, o, ms, ""};
+    *e = (attempt_entry){x->plan.model, skipped ? -1 : x->dep, x->plan.attempt, status, o, ms, "", x->w, {0}, 0, 0, skipped, 0};
     if (why) snprintf(e->error, sizeof e->error, "%.99s", why);
 }
 
@@ -7611,41 +7934,89 @@ static void exchange_chunk(exchange *x, const char *p, size_t n) {
     x_send(x, size, (size_t)k);
     x_send(x, p, n);
     x_send(x, "\r\n", 2);
+    x->relayed += n;
     if (x->idem && x->record.len + n <= REPLAY_MAX_BYTES) buf_append(&x->record, p, n);
     else if (x->idem) x->record_full = 1;
 }
 
-/* Replace the reservation by what the request costs, and write its spend
- * event (and its replay record). `served`: the chain index of the model
- * that answered, or -1. Returns the cost in micro-USD, -1 when unknown. */
-/* A settled request, as the metrics and the access log see it (section 18). */
-static void exchange_observe(exchange *x, const model *m, const group *g, int64_t cost, int64_t charged, int cache_hit) {
-    if (x->usage_known && m && !cache_hit) {
-        metric_add(M_TOKENS, (double)x->in_tok, "model", m->alias, "type", "input", NULL);
-        metric_add(M_TOKENS, (double)x->out_tok, "model", m->alias, "type", "output", NULL);
+static int up_is_stream(const upstream *u);
+
+/* ---- what an attempt is charged (README "Cost") ----
+ *
+ * Every attempt is billed once, when it is over: with the usage its
+ * provider reported, at the prices of the model it ran on; with nothing
+ * when no byte of it reached the provider or the provider refused it with
+ * an error status; otherwise with ltg's estimate, marked so -- the input
+ * part of the attempt's worst case, plus for a stream the output relayed
+ * (a token for every 3 bytes, at most the worst case's output), or for a
+ * whole answer the whole worst case. A stream cut after Anthropic's
+ * message_start has that event's input counts, and the output estimated.
+ * A whole answer the request gave up on is first read to its end without
+ * a client (meter_start), so that the provider's own count bills it. */
+static void attempt_bill(exchange *x, attempt_entry *e, const upstream *u, const usage_counts *uc, size_t relayed) {
+    model *m = x->chain[e->model];
+    int reached = u && (u->wrote > 0 || u->have_head), status = u && u->have_head ? u->resp.status : 0;
+    int whole = !x->stream || (u && u->have_head && !up_is_stream(u));
+    long long t[NTOK] = {0}, out_est = whole ? e->w.out : (long long)(relayed / 3);
+    e->billed = 1;
+    if (out_est > e->w.out) out_est = e->w.out;
+    if (x->kind->free || !reached || status >= 300) return; /* nothing a provider bills */
+    int ok = uc->seen && usage_classes(x->kind, uc, t) == 0;
+    if (uc->seen && !ok)
+        ltg_log("providers.%s: %s reported a usage that cannot be true (a count not a whole number from 0 to %d, or a part larger than "
+                "its whole): charged ltg's estimate", exchange_dep(x)->p->name, m->alias, MAX_USAGE_TOKENS);
+    if (ok && !uc->final && !whole && t[TOK_OUT] < out_est) t[TOK_OUT] = out_est, e->estimated = 1; /* a cut stream's first count */
+    if (ok) {
+        memcpy(e->tok, t, sizeof t);
+        e->cost = tokens_cost(m, t);
+    } else {
+        e->estimated = 1;
+        e->tok[TOK_IN] = e->w.in, e->tok[TOK_OUT] = out_est;
+        e->cost = whole ? e->w.cost : e->w.in_cost + (out_est * e->w.out_price + 999999) / 1000000;
     }
-    if (charged > 0 && g) metric_add(M_SPEND, (double)charged / MICRO, "token_group", g->name, "model", m ? m->alias : x->chain[0]->alias, NULL);
-    if (!x->c) return;
-    req_facts *f = &x->c->f;
-    snprintf(f->served, sizeof f->served, "%s", m ? m->alias : "");
-    f->attempts = x->attempts, f->cost = cost;
-    f->in_tok = x->usage_known || cache_hit ? x->in_tok : -1, f->out_tok = x->usage_known || cache_hit ? x->out_tok : -1;
+    if (ok && e->cost > e->w.cost) {
+        ltg_log("%s: the provider reported more than ltg held for the attempt (%lld input, %lld output tokens, %.6f USD held): "
+                "its context_window, max_output_tokens or max_input_part_tokens may be wrong", m->alias, t[TOK_IN], t[TOK_OUT],
+                (double)e->w.cost / MICRO);
+        metric_add(M_HOLD_EXCEEDED, 1, "model", m->alias, NULL);
+    }
 }
 
-static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int served, int cache_hit, const char *keep, size_t keep_len) {
-    model *m = served >= 0 ? x->chain[served] : NULL;
-    int64_t cost = -1, charged = 0;
-    if (cache_hit || x->kind->free) cost = 0;
-    else if (x->usage_known && m) cost = (int64_t)llround((double)x->in_tok * m->in_price + (double)x->out_tok * m->out_price);
-    if (cost >= 0) charged = cost;
-    else if (ev_status != EV_FAILED) charged = x->hold.cost; /* an answer whose usage never came: the worst case */
+/* The request's figures: the sums of its attempts' (a cache hit's: its
+ * answer's tokens, at no cost). Returns the cost; *estimated when an
+ * attempt's was ltg's estimate. */
+static int64_t exchange_sum(const exchange *x, long long tok[NTOK], int *estimated) {
+    int64_t cost = 0;
+    *estimated = 0;
+    memcpy(tok, x->cache_tok, sizeof x->cache_tok);
+    for (int i = 0; i < x->nlog; i++) {
+        const attempt_entry *e = &x->log[i];
+        if (!e->billed) continue;
+        for (int k = 0; k < NTOK; k++) tok[k] += e->tok[k];
+        cost += e->cost, *estimated |= e->estimated;
+    }
+    return cost;
+}
+
+/* The spend event is written (API.md 3.4) and the hold replaced by what
+ * the request was charged: when it is settled and no attempt of it is
+ * metered any more. `keep`: the answer its replay record keeps, if any. */
+static void exchange_book(exchange *x, const char *keep, size_t keep_len) {
+    long long tok[NTOK];
+    int estimated;
+    int64_t cost = exchange_sum(x, tok, &estimated);
+    model *m = x->served >= 0 ? x->chain[x->served] : NULL;
     group *g = group_find(x->group_id);
     tkey *k = tkey_find(x->key_id);
     int64_t now = wall_ms() > LG.last_at ? wall_ms() : LG.last_at; /* the ledger never goes back in time */
-    long long used = cache_hit ? 0 : x->usage_known ? x->in_tok + x->out_tok : ev_status == EV_FAILED ? 0 : x->hold.tok; /* as the cost */
-    hold_settle((allowance *[]){k ? &k->al : NULL, g ? &g->al : NULL}, 2, &x->hold, charged, used, now);
-    if (x->kind->free) { exchange_observe(x, m, g, 0, 0, 0); return 0; } /* counting tokens costs nothing and leaves no event */
-    /* The spend event, in the shape of API.md 3.4. */
+    hold_settle((allowance *[]){k ? &k->al : NULL, g ? &g->al : NULL}, 2, &x->hold, cost, x->cache_hit ? 0 : tok[TOK_IN] + tok[TOK_OUT], now);
+    for (int i = 0; i < x->nlog; i++)
+        for (int c = 0; c < NTOK; c++) {
+            static const char *const type[NTOK] = {"input", "cache_read", "cache_write", NULL, "output", "reasoning"};
+            if (type[c] && x->log[i].tok[c]) metric_add(M_TOKENS, (double)x->log[i].tok[c], "model", x->chain[x->log[i].model]->alias, "type", type[c], NULL);
+        }
+    if (cost > 0 && g) metric_add(M_SPEND, (double)cost / MICRO, "token_group", g->name, "model", m ? m->alias : x->chain[0]->alias, NULL);
+    if (x->kind->free) return; /* counting tokens costs nothing and leaves no event */
     char id[37], ts[64];
     buf e = {0};
     jwriter w;
@@ -7663,15 +8034,12 @@ static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int 
     jw_key(&w, "requested_model"), jw_cstr(&w, x->chain[0]->alias);
     jw_key(&w, "model"), jw_cstr(&w, m ? m->alias : NULL);
     jw_key(&w, "attempts"), jw_int(&w, x->attempts);
-    jw_key(&w, "status"), jw_cstr(&w, ev_status_names[ev_status]);
-    jw_key(&w, "http_status"), jw_int(&w, http_status);
-    jw_key(&w, "cache_hit"), jw_bool(&w, cache_hit);
-    jw_key(&w, "input_tokens"), jw_int_or_null(&w, x->usage_known || cache_hit, x->in_tok);
-    jw_key(&w, "output_tokens"), jw_int_or_null(&w, x->usage_known || cache_hit, x->out_tok);
-    jw_key(&w, "cost");
-    if (cost >= 0) jw_usd(&w, cost);
-    else jw_null(&w);
-    jw_key(&w, "usage_status"), jw_cstr(&w, x->usage_known || cache_hit ? "reported" : "unknown");
+    jw_key(&w, "status"), jw_cstr(&w, ev_status_names[x->ev_status]);
+    jw_key(&w, "http_status"), jw_int(&w, x->http_status);
+    jw_key(&w, "cache_hit"), jw_bool(&w, x->cache_hit);
+    tokens_json(&w, tok);
+    jw_key(&w, "cost"), jw_usd(&w, cost);
+    jw_key(&w, "usage_status"), jw_cstr(&w, estimated ? "estimated" : "reported");
     jw_key(&w, "latency_ms"), jw_int(&w, S.now - x->started);
     jw_key(&w, "attempt_log"), exchange_attempts_json(x, &w);
     jw_close(&w, '}');
@@ -7681,21 +8049,45 @@ static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int 
     buf replay = {0};
     inf_idem *r = x->idem;
     if (r && keep && keep_len <= REPLAY_MAX_BYTES) {
-        r->status = http_status, r->stream = x->state == X_RELAYING;
+        r->status = x->http_status, r->stream = x->state == X_RELAYING;
         snprintf(r->served, sizeof r->served, "%s", m ? m->alias : "");
         inf_idem_json(&replay, r, keep, keep_len);
     }
     const char *model_name = m ? m->alias : x->chain[0]->alias;
-    rec_view v = {.at = now, .charged = charged, .in_tok = (uint32_t)x->in_tok, .out_tok = (uint32_t)x->out_tok, .status = (uint8_t)ev_status,
-                  .flags = (uint8_t)((cache_hit ? EVF_CACHE_HIT : 0) | (replay.len ? EVF_REPLAY : 0)), .key = x->key_id, .group = x->group_id,
-                  .model = model_name, .model_len = strlen(model_name), .event = e.p, .event_len = e.len,
-                  .replay = replay.len ? replay.p : "", .replay_len = replay.len};
+    rec_view v = {.at = now, .charged = cost, .status = (uint8_t)x->ev_status,
+                  .flags = (uint8_t)((x->cache_hit ? EVF_CACHE_HIT : 0) | (replay.len ? EVF_REPLAY : 0) | (estimated ? EVF_ESTIMATED : 0)),
+                  .key = x->key_id, .group = x->group_id, .model = model_name, .model_len = strlen(model_name), .event = e.p,
+                  .event_len = e.len, .replay = replay.len ? replay.p : "", .replay_len = replay.len};
+    for (int c = 0; c < NTOK; c++) v.tok[c] = tok[c] > UINT32_MAX ? UINT32_MAX : (uint32_t)tok[c];
     int64_t day;
     uint64_t off;
     uint32_t len;
     if (ledger_add(&v, now, &day, &off, &len) == 0 && replay.len) r->done = 1, r->expires = now + IDEM_TTL_MS, r->day = day, r->off = off, r->len = len;
     buf_free(&e), buf_free(&replay);
-    exchange_observe(x, m, g, cost, charged, cache_hit);
+}
+
+/* The request is answered (or cut, or left by its client): the attempt
+ * that answered is billed, the access log learns the figures, and the
+ * spend event is written -- now, or when its last metered attempt is
+ * billed (meter_end). `served`: the chain index of the model that
+ * answered, or -1. Returns the cost known now (metered attempts not yet
+ * in it), micro-USD, for the answer's x-ltg-cost. */
+static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int served, int cache_hit, const char *keep, size_t keep_len) {
+    attempt_entry *e = x->nlog ? &x->log[x->nlog - 1] : NULL;
+    if (e && !e->billed && !e->pending) attempt_bill(x, e, x->u, &x->usage, x->relayed);
+    if (x->pin_id[0] && e && e->billed) pin_tokens(x->pin_id, e->tok[TOK_IN] + e->tok[TOK_OUT]);
+    x->http_status = http_status, x->ev_status = ev_status, x->served = served, x->cache_hit = cache_hit, x->settled = 1;
+    long long tok[NTOK];
+    int estimated;
+    int64_t cost = exchange_sum(x, tok, &estimated);
+    if (x->c) {
+        req_facts *f = &x->c->f;
+        snprintf(f->served, sizeof f->served, "%s", served >= 0 ? x->chain[served]->alias : "");
+        f->attempts = x->attempts, f->cost = cost, f->estimated = estimated;
+        memcpy(f->tok, tok, sizeof tok);
+    }
+    if (!x->metering) exchange_book(x, keep, keep_len);
+    else if (keep && x->idem && keep_len <= REPLAY_MAX_BYTES) buf_append(&x->keep, keep, keep_len), x->keep_set = 1;
     return cost;
 }
 
@@ -7746,13 +8138,13 @@ static void exchange_relay(exchange *x) {
     const char *ct = http_header_get(u->head.p, u->resp.h, u->resp.nh, "content-type", &n);
     char ctype[128];
     snprintf(ctype, sizeof ctype, "%.*s", ct ? (int)(n < 127 ? n : 127) : 16, ct ? ct : "application/json");
-    if (ok && x->cache_mode == CACHE_MISS && status == 200) {
-        group *g = group_find(x->group_id);
-        if (g && g->cache_ttl > 0)
-            cache_put(x->cache_key, u->body.p, u->body.len, exchange_model(x)->alias, (uint32_t)x->in_tok, (uint32_t)x->out_tok, g->cache_ttl * 1000);
-    }
     if (ok && u->body.p) response_pin(x, u->body.p, u->body.len, 0);
     int64_t cost = exchange_settle(x, status, ok ? EV_SUCCEEDED : EV_FAILED, ok ? x->plan.model : -1, 0, u->body.p ? u->body.p : "", u->body.len);
+    const attempt_entry *e = &x->log[x->nlog - 1];
+    if (ok && x->cache_mode == CACHE_MISS && status == 200 && !e->estimated) {
+        group *g = group_find(x->group_id);
+        if (g && g->cache_ttl > 0) cache_put(x->cache_key, u->body.p, u->body.len, exchange_model(x)->alias, e->tok, g->cache_ttl * 1000);
+    }
     buf h = {0};
     exchange_headers(x, status, &h);
     exchange_cost_headers(x, cost, &h);
@@ -7841,6 +8233,128 @@ static int key_rotate(exchange *x, int status) {
     return 1;
 }
 
+/* ---- metering: an abandoned whole answer, read to its end ----
+ *
+ * A non-streaming attempt that the request gives up on after a byte of it
+ * reached the provider (its timeout fired, the deadline passed, the client
+ * left) may still be computed, and billed. Its connection is not closed:
+ * a meter takes it over and reads the answer without relaying it, for at
+ * most --meter-abandoned-seconds and METER_MAX_BODY bytes, and the attempt
+ * is billed with the usage the answer reports (or, when none comes, its
+ * estimate). The request's spend event waits for its last meter. At most
+ * METER_MAX meters at a time: past that, the oldest is closed and billed
+ * its estimate. */
+typedef struct meter {
+    struct meter *prev, *next;  /* METERS, oldest first */
+    exchange *x;
+    int entry;                  /* its attempt, in x->log */
+    upstream *u;
+    timer t;                    /* --meter-abandoned-seconds */
+} meter;
+
+static struct {
+    meter *head, *tail;
+    int n;
+} METERS;
+
+/* The meter is done (the answer came, the connection failed, or its time
+ * is up): its attempt is billed, and the request's event written when it
+ * was the last. */
+static void meter_end(meter *m) {
+    exchange *x = m->x;
+    upstream *u = m->u;
+    attempt_entry *e = &x->log[m->entry];
+    usage_counts uc = {0};
+    int no_choices;
+    if (u->complete && !u->failed && u->resp.status / 100 == 2)
+        uc.final = usage_read(x->kind, NULL, u->body.p ? u->body.p : "", u->body.len, &uc, &no_choices) > 0;
+    e->pending = 0;
+    attempt_bill(x, e, u, &uc, 0);
+    *(m->prev ? &m->prev->next : &METERS.head) = m->next;
+    *(m->next ? &m->next->prev : &METERS.tail) = m->prev;
+    METERS.n--;
+    timer_stop(&m->t);
+    up_release(u);
+    free(m);
+    if (--x->metering || !x->settled) return;
+    exchange_book(x, x->keep_set ? (x->keep.p ? x->keep.p : "") : NULL, x->keep.len);
+    if (x->ended) exchange_free(x);
+}
+
+static void meter_event(void *owner) {
+    meter *m = owner;
+    upstream *u = m->u;
+    if (u->failed || u->complete || u->body.len > METER_MAX_BODY) meter_end(m);
+}
+
+static void meter_timer(void *ctx) { meter_end(ctx); }
+
+/* The current attempt's connection, its answer still to come, goes to a
+ * meter; the attempt is no longer the exchange's. */
+static void meter_start(exchange *x, attempt_entry *e) {
+    if (METERS.n >= S.max_meters && METERS.head) meter_end(METERS.head); /* the oldest: billed its estimate */
+    meter *m = xcalloc(1, sizeof *m);
+    m->x = x, m->entry = (int)(e - x->log), m->u = x->u;
+    m->prev = METERS.tail;
+    *(METERS.tail ? &METERS.tail->next : &METERS.head) = m;
+    METERS.tail = m, METERS.n++;
+    timer_init(&m->t, meter_timer, m);
+    timer_set(&m->t, (int64_t)S.meter_s * 1000);
+    x->metering++, e->pending = 1;
+    x->u->owner = m, x->u->event = meter_event;
+    up_pause(x->u, 0);
+    x->u = NULL;
+    x->busy->inflight--, x->busy = NULL;
+}
+
+/* Every meter, at exit: closed, and billed what is known. */
+static void meters_close(void) {
+    while (METERS.head) meter_end(METERS.head);
+}
+
+/* The current attempt is over and not the answer: billed now -- or, a
+ * whole answer that may still come, metered -- and its connection let go. */
+static void attempt_over(exchange *x) {
+    attempt_entry *e = &x->log[x->nlog - 1];
+    upstream *u = x->u;
+    int refused = u && u->have_head && u->resp.status >= 300, big = u && (u->body.len > METER_MAX_BODY || u->resp.content_length > METER_MAX_BODY);
+    if (!e->billed && u && u->wrote > 0 && !u->complete && !u->failed && !refused && !big && !x->stream && !x->kind->free && S.meter_s > 0) {
+        meter_start(x, e);
+        return;
+    }
+    if (!e->billed) attempt_bill(x, e, u, &x->usage, x->relayed);
+    exchange_let_go(x);
+}
+
+/* Before an attempt starts, its worst case joins the request's hold
+ * (README "Cost"; the first attempt's was held at admission). 0, or
+ * LTG_ERR when it does not fit the key's or the group's budget or token
+ * limit: the request ends there, and the answer says why. */
+static int attempt_hold(exchange *x) {
+    model *m = exchange_model(x);
+    x->w = worst_case(&x->shape, m);
+    if (x->kind->free || (x->attempts == 0 && x->plan.model == 0)) return 0;
+    tkey *k = tkey_find(x->key_id);
+    group *g = group_find(x->group_id);
+    allowance *al[2];
+    int n = 0;
+    if (k) al[n++] = &k->al;
+    if (g) al[n++] = &g->al;
+    hold_refusal why = {0, "max_budget", 0};
+    if (x->w.cost <= MAX_CHARGE && hold_reserve(al, n, x->w.cost, x->w.in + x->w.out, wall_ms(), &x->hold, &why) == 0) return 0;
+    const allowance *a = x->w.cost <= MAX_CHARGE ? al[why.who] : NULL;
+    const char *whose = a && g && a == &g->al ? "this key's group" : "this key";
+    char msg[400];
+    if (a && why.wait)
+        snprintf(msg, sizeof msg, "the next attempt, on %s, may use up to %lld tokens, and %s allows %lld a minute: the request ends here",
+                 m->alias, x->w.in + x->w.out, whose, a->tpm_limit);
+    else
+        snprintf(msg, sizeof msg, "the next attempt, on %s, may cost up to %.6f USD, and the budget of %s has %.6f USD left: the request ends here",
+                 m->alias, (double)x->w.cost / MICRO, whose, a ? budget_remaining(a) : 0.0);
+    exchange_fail(x, a && why.wait ? 429 : 403, a && why.wait ? "rate_limited" : "budget_exceeded", msg);
+    return LTG_ERR;
+}
+
 static void attempt_end(exchange *x, const attempt_result *r) {
     model *m = exchange_model(x);
     upstream *u = x->u;
@@ -7868,7 +8382,7 @@ static void attempt_end(exchange *x, const attempt_result *r) {
     size_t n;
     const char *v = u && u->have_head ? http_header_get(u->head.p, u->resp.h, u->resp.nh, "retry-after", &n) : NULL;
     if (v) retry_after = retry_after_ms(v, n, (long long)(wall_ms() / 1000));
-    exchange_let_go(x);
+    attempt_over(x);
     if (next == PLAN_RETRY_SAME && x->pin < 0 && deployment_other(m, x->avoid, S.now)) { exchange_attempt(x); return; } /* another deployment, at once */
     int late = 0;
     if (next == PLAN_RETRY_SAME) {
@@ -7896,10 +8410,11 @@ static void exchange_attempt(exchange *x) {
             attempt_end(x, &(attempt_result){.error = "skipped: the circuit breaker is open", .skipped = 1});
             return;
         }
+        if (attempt_hold(x) < 0) return;
         breaker_allows(&m->dep[x->dep], S.now, &x->probe);
     }
     assert(!x->u); /* the last attempt's connection went back in attempt_end */
-    x->in_tok = x->out_tok = 0, x->usage_known = 0; /* an earlier attempt's usage is not this one's */
+    x->usage = (usage_counts){0}, x->relayed = 0; /* an earlier attempt's usage is not this one's */
     exchange_build(x);
     x->attempts++;
     x->attempt_started = S.now;
@@ -8010,10 +8525,10 @@ static void exchange_upstream(void *owner) {
         return;
     }
     if (!u->complete) return;
-    int no_choices, r = status >= 200 && status < 300 ? usage_read(x->kind, NULL, u->body.p ? u->body.p : "", u->body.len, &x->in_tok, &x->out_tok, &no_choices) : 0;
+    int no_choices, r = status >= 200 && status < 300 ? usage_read(x->kind, NULL, u->body.p ? u->body.p : "", u->body.len, &x->usage, &no_choices) : 0;
     char reason[100];
     snprintf(reason, sizeof reason, "answered %d with a body that is not JSON", status); /* a success must be JSON */
-    x->usage_known = r > 0;
+    x->usage.final = r > 0;
     attempt_end(x, &(attempt_result){status, 1, r < 0 ? reason : NULL, 0, 0});
 }
 
@@ -8030,12 +8545,16 @@ static void exchange_abort(void *owner) {
         if (x->u && x->u->paused) up_pause(x->u, 0); /* nobody to wait for now */
         return;
     }
-    if (x->u && x->state == X_ATTEMPTING)
+    if (x->u && x->state == X_ATTEMPTING) { /* not the provider's doing: its breaker hears nothing of it */
         attempt_log(x, x->u->have_head ? x->u->resp.status : 0, OUTCOME_INDETERMINATE, "the client closed the connection");
-    if (x->state == X_RELAYING) exchange_settle(x, 200, EV_PARTIAL, x->plan.model, 0, NULL, 0);
-    else exchange_settle(x, 499, EV_FAILED, -1, 0, NULL, 0); /* 499: nginx's "client closed the request" */
+        if (x->probe) breaker_forget_probe(exchange_dep(x));
+        x->probe = 0;
+        attempt_over(x);
+    }
+    /* 499: nginx's "client closed the request"; a stream that started is billed as far as it went */
+    exchange_settle(x, 499, EV_ABANDONED, x->state == X_RELAYING ? x->plan.model : -1, 0, NULL, 0);
     x->c = NULL; /* after the settle, which tells the access log */
-    exchange_free(x);
+    exchange_end(x);
 }
 
 /* The exchange as its client connection's owner (ltg.h). */
@@ -8062,19 +8581,6 @@ static void inference_replay(conn *c, const inf_idem *r) {
     buf_free(&h), buf_free(&answer);
 }
 
-/* The worst case of a request (API.md 4.5), in micro-USD: the body's bytes
- * / 3 as prompt tokens at the input price, plus max_tokens (or
- * max_completion_tokens, or the model's max_output_tokens) at the output
- * price -- at the dearest model of the chain, since any of them may answer. */
-static int64_t worst_case(model *const *chain, int n, size_t body_len, long long max_tokens) {
-    double worst = 0;
-    long long prompt = (long long)(body_len + 2) / 3;
-    for (int i = 0; i < n; i++) {
-        double w = (double)prompt * chain[i]->in_price + (double)(max_tokens > 0 ? max_tokens : chain[i]->max_output_tokens) * chain[i]->out_price;
-        if (w > worst) worst = w;
-    }
-    return (int64_t)ceil(worst);
-}
 
 /* ---- admission: parse, a list of checks, start ---- */
 
@@ -8091,7 +8597,8 @@ typedef struct {
     model *chain[MAX_CHAIN];  /* [M] + fallbacks[M], as far as the catalog still has them */
     int nchain;
     int stream, bypass, hide; /* hide: ltg asks for the usage chunk itself */
-    long long max_tokens, deadline_ms;
+    worst_shape shape;        /* for the worst case */
+    long long deadline_ms;
     retry_policy rp;
     body_edit usage;          /* a stream's request for its usage */
     const char *ik;           /* Idempotency-Key, or NULL */
@@ -8142,7 +8649,16 @@ static int admit_key(admission *a, refusal *r) {
     return a->g->blocked ? refuse(r, 403, "group_blocked", NULL, "this key's token group is blocked") : ADMIT;
 }
 
-/* A JSON object, each top-level key once, with a "model". */
+/* json_scan's callback: an image, audio or file part of a prompt, in any
+ * API's shape (a "type" that names one). */
+static void count_part(void *ctx, const char *name, size_t nlen, const char *v, size_t vlen) {
+    static const char *const kinds[] = {"image_url", "input_image", "image", "input_audio", "input_file", "file", "document", NULL};
+    if (nlen != 4 || memcmp(name, "type", 4) != 0) return;
+    for (int i = 0; kinds[i]; i++)
+        if (strlen(kinds[i]) == vlen && memcmp(v, kinds[i], vlen) == 0) (*(long long *)ctx)++;
+}
+
+/* A JSON object, each member name once in every object, with a "model". */
 static int admit_body(admission *a, refusal *r) {
     json_result res;
     a->body = a->c->body.p;
@@ -8153,6 +8669,14 @@ static int admit_body(admission *a, refusal *r) {
     if (dup >= 0)
         return refuse(r, 400, "invalid_request", NULL, "the request body has the key \"%.*s\" twice: send each top-level key once",
                       (int)(a->t[dup].end - a->t[dup].start > 100 ? 100 : a->t[dup].end - a->t[dup].start), a->body + a->t[dup].start);
+    a->shape = (worst_shape){(long long)(a->c->body.len + 2) / 3, 0, 0, 0, 1};
+    if (json_scan(a->body, a->c->body.len, count_part, &a->shape.parts, &res) < 0) { /* the same, deeper: "stream_options" twice... */
+        const char *at = a->body + res.err_offset;
+        size_t n = 0;
+        while (n < 100 && res.err_offset + n < a->c->body.len && at[n] != '"') n++;
+        return refuse(r, 400, "invalid_request", NULL, "the request body has the member \"%.*s\" twice in one object (byte offset %zu): send each "
+                      "member once -- ltg and a provider could read it differently", (int)n, at, res.err_offset);
+    }
     a->mv = json_get(a->body, a->t, 0, "model");
     if (a->mv < 0 || a->t[a->mv].type != JSON_STRING)
         return refuse(r, 400, "invalid_request", NULL, "the request needs a \"model\": one of the gateway's model aliases (GET /v1/models)");
@@ -8174,8 +8698,9 @@ static int admit_model(admission *a, refusal *r) {
     const char *pinned = NULL, *dep = NULL;
     if (prev >= 0 && a->t[prev].type == JSON_STRING) {
         buf id = {0};
+        a->shape.added = -1; /* the conversation the provider adds: the model's context_window, or what the pin knows */
         json_unescape(a->body, a->t, prev, &id);
-        pinned = id.p ? pin_get(id.p, id.len, &dep) : NULL; /* it lives in the pin, not in id */
+        pinned = id.p ? pin_get(id.p, id.len, &dep, &a->shape.added) : NULL; /* it lives in the pin, not in id */
         buf_free(&id);
     }
     if (pinned) {
@@ -8201,19 +8726,34 @@ static int admit_model(admission *a, refusal *r) {
     return ADMIT;
 }
 
-/* "stream", the limit on output tokens ("max_tokens"... as the kind names
- * it), a stream's usage request. */
+/* "stream"; the limits on output tokens the kind names ("max_tokens"...:
+ * the largest counts) and the answers asked for ("n", "best_of": the
+ * provider makes the larger of them), for the worst case; a stream's
+ * usage request. */
 static int admit_options(admission *a, refusal *r) {
+    static const char *const answers[] = {"n", "best_of"};
     const json_tok *t = a->t;
-    const char *why, *limit = a->kind->max_out[0];
-    int sv = json_get(a->body, t, 0, "stream"), mt = limit ? json_get(a->body, t, 0, limit) : -1;
-    if (mt < 0 && a->kind->max_out[1]) mt = json_get(a->body, t, 0, limit = a->kind->max_out[1]);
+    const char *why;
+    int sv = json_get(a->body, t, 0, "stream");
+    long long v;
     a->stream = sv >= 0 && t[sv].type == JSON_TRUE;
     if (sv >= 0 && t[sv].type != JSON_TRUE && t[sv].type != JSON_FALSE && t[sv].type != JSON_NULL)
         return refuse(r, 400, "invalid_request", NULL, "\"stream\" must be true or false");
     if (a->stream && !a->kind->stream) return refuse(r, 400, "invalid_request", NULL, "this endpoint does not stream: remove \"stream\"");
-    if (mt >= 0 && (json_int(a->body, t, mt, &a->max_tokens) < 0 || a->max_tokens < 1))
-        return refuse(r, 400, "invalid_request", NULL, "\"%s\" must be a whole number >= 1", limit);
+    for (int i = 0; i < 2 && a->kind->max_out[i]; i++) {
+        int mt = json_get(a->body, t, 0, a->kind->max_out[i]);
+        if (mt < 0 || t[mt].type == JSON_NULL) continue;
+        if (json_int(a->body, t, mt, &v) < 0 || v < 1)
+            return refuse(r, 400, "invalid_request", NULL, "\"%s\" must be a whole number >= 1", a->kind->max_out[i]);
+        if (v > a->shape.out) a->shape.out = v;
+    }
+    for (int i = 0; i < 2; i++) {
+        int nv = json_get(a->body, t, 0, answers[i]);
+        if (nv < 0 || t[nv].type == JSON_NULL) continue;
+        if (json_int(a->body, t, nv, &v) < 0 || v < 1 || v > 128)
+            return refuse(r, 400, "invalid_request", NULL, "\"%s\" must be a whole number from 1 to 128", answers[i]);
+        if (v > a->shape.n) a->shape.n = v;
+    }
     if (a->stream && a->kind->ask_usage && usage_edit(a->body, t, json_get(a->body, t, 0, "stream_options"), &a->usage, &a->hide, &why) < 0)
         return refuse(r, 400, "invalid_request", NULL, "%s", why);
     return ADMIT;
@@ -8287,12 +8827,11 @@ static int admit_hold(admission *a, refusal *r) {
     if (a->kind->free) return ADMIT;
     allowance *al[2] = {&a->key->al, &a->g->al};
     static const char *const whose[2] = {"this key", "this key's group"};
-    long long out = 0;
-    for (int i = 0; i < a->nchain; i++) {
-        long long o = a->max_tokens > 0 ? a->max_tokens : a->chain[i]->max_output_tokens;
-        if (o > out) out = o;
-    }
-    int64_t cost = worst_case(a->chain, a->nchain, a->c->body.len, a->max_tokens), tok = (long long)(a->c->body.len + 2) / 3 + out;
+    worst w0 = worst_case(&a->shape, a->chain[0]); /* the first attempt's: each later one is held when it starts */
+    int64_t cost = w0.cost, tok = w0.in + w0.out;
+    if (cost > MAX_CHARGE)
+        return refuse(r, 400, "invalid_request", NULL, "this request may cost more than %.0f USD (its output limit times the answers it asks for): lower them",
+                      MAX_CHARGE / MICRO);
     for (int i = 0; i < 2; i++)
         if (al[i]->tpm_limit != UNSET && tok > al[i]->tpm_limit)
             return refuse(r, 400, "invalid_request", NULL, "this request may use up to %lld tokens, more than the tpm_limit of %s, %lld a minute: lower its output limit",
@@ -8350,6 +8889,7 @@ static exchange *exchange_new(admission *a) {
     x->pin = a->pin_dep;
     x->started = S.now;
     x->hold = a->hold; /* held by admit_hold */
+    x->shape = a->shape;
     a->g->inflight++;
     timer_init(&x->deadline, exchange_deadline, x);
     timer_init(&x->t, exchange_timer, x);
@@ -8388,7 +8928,8 @@ static void inference_start(admission *a) {
         exchange_attempt(x);
         return;
     }
-    x->in_tok = hit->in_tok, x->out_tok = hit->out_tok, x->cache_mode = CACHE_HIT;
+    memcpy(x->cache_tok, hit->tok, sizeof x->cache_tok);
+    x->cache_mode = CACHE_HIT;
     for (int i = 0; i < x->nchain; i++)
         if (strcmp(x->chain[i]->alias, hit->served) == 0) x->plan.model = i;
     int64_t cost = exchange_settle(x, 200, EV_SUCCEEDED, x->plan.model, 1, hit->body, hit->len);
@@ -8487,7 +9028,8 @@ static const struct { const char *name, *type, *help; } FAMILY[NFAMILIES] = {
     [M_DURATION] = {"ltg_request_duration_seconds", "histogram", "Inference requests, from their arrival to their last byte handed to the socket."},
     [M_ATTEMPTS] = {"ltg_attempts_total", "counter", "Upstream attempts by outcome."},
     [M_TTFT] = {"ltg_time_to_first_token_seconds", "histogram", "From a request's arrival to the first SSE event relayed, or the whole answer."},
-    [M_TOKENS] = {"ltg_tokens_total", "counter", "Tokens the providers reported."},
+    [M_TOKENS] = {"ltg_tokens_total", "counter", "Tokens charged, by class (cache_read, cache_write and reasoning are parts of input and output)."},
+    [M_HOLD_EXCEEDED] = {"ltg_hold_exceeded_total", "counter", "Attempts whose provider reported more than ltg held for them: that model's bound is wrong."},
     [M_SPEND] = {"ltg_spend_usd_total", "counter", "USD charged to token groups."},
     [M_TLS] = {"ltg_tls_handshakes_total", "counter", "TLS handshakes with providers, full or resumed."},
     [M_CACHE] = {"ltg_cache_lookups_total", "counter", "Response cache lookups."},
@@ -8569,11 +9111,11 @@ static void request_ended(conn *c) {
     jw_key(&w, "requested_model"), jw_str_or_null(&w, f->requested);
     jw_key(&w, "served_model"), jw_str_or_null(&w, f->served);
     jw_key(&w, "attempts"), jw_ll_or_null(&w, f->attempts);
-    jw_key(&w, "input_tokens"), jw_ll_or_null(&w, f->in_tok);
-    jw_key(&w, "output_tokens"), jw_ll_or_null(&w, f->out_tok);
+    for (int k = 0; k < NTOK; k++) jw_key(&w, tok_names[k]), jw_ll_or_null(&w, f->tok[TOK_IN] < 0 ? -1 : f->tok[k]);
     jw_key(&w, "cost");
     if (f->cost >= 0) jw_usd(&w, f->cost);
     else jw_null(&w);
+    jw_key(&w, "usage_status"), jw_cstr(&w, f->cost < 0 ? NULL : f->estimated ? "estimated" : "reported");
     jw_key(&w, "cache"), jw_cstr(&w, f->cache);
     jw_close(&w, '}');
     buf_puts(&ALOG.b, "\n");
@@ -8910,6 +9452,7 @@ static const char USAGE[] =
     "  --head-timeout S         a request head must arrive within S seconds (default 10)\n"
     "  --idle-timeout S         an idle keep-alive connection is closed after S seconds (default 120)\n"
     "  --max-stream-seconds S   a started stream is cut after S seconds (default 600)\n"
+    "  --meter-abandoned-seconds S  an answer given up on is still read S seconds for its usage (default 300, 0: closed)\n"
     "  --ca-file FILE           trust anchors for https:// providers (default: the system bundle)\n"
     "  --resolv-conf FILE       where the name servers are (default /etc/resolv.conf)\n"
     "  --version, --help        print the version, or this, and exit\n"
@@ -8943,6 +9486,7 @@ static const option options[] = {
     {"--head-timeout", NULL, &S.head_timeout_ms, NULL, 1, 1000000, 1000, 0},
     {"--idle-timeout", NULL, &S.idle_timeout_ms, NULL, 1, 1000000, 1000, 0},
     {"--max-stream-seconds", NULL, &S.max_stream_s, NULL, 1, 1000000, 1, 0},
+    {"--meter-abandoned-seconds", NULL, &S.meter_s, NULL, 0, 3600, 1, 0},
     {"--ledger-days", NULL, &S.ledger_days, NULL, 1, 3650, 1, 0},
 };
 
@@ -8950,7 +9494,7 @@ static const option options[] = {
 static void options_parse(int argc, char **argv) {
     S.resolv_conf = "/etc/resolv.conf", S.listen_addr = "127.0.0.1:8080", S.admin_addr = "127.0.0.1:8081";
     S.max_conns = 1024, S.drain_seconds = 10, S.max_body = 8LL << 20;
-    S.head_timeout_ms = 10000, S.idle_timeout_ms = 120000, S.cache_mb = 64, S.max_stream_s = 600, S.ledger_days = 90;
+    S.head_timeout_ms = 10000, S.idle_timeout_ms = 120000, S.cache_mb = 64, S.max_stream_s = 600, S.meter_s = 300, S.ledger_days = 90;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--version") == 0) { printf("ltg %s\n", LTG_VERSION); exit(0); }
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) { fputs(USAGE, stdout); exit(0); }
@@ -9013,7 +9557,8 @@ static void fds_budget(void) {
     struct rlimit rl;
     getrlimit(RLIMIT_NOFILE, &rl);
     S.max_admin = S.max_conns < ADMIN_MAX_CONNS ? S.max_conns : ADMIN_MAX_CONNS;
-    rlim_t want = (rlim_t)S.max_conns * 3 + (rlim_t)S.max_admin + 64;
+    S.max_meters = S.max_conns < METER_MAX ? S.max_conns : METER_MAX;
+    rlim_t want = (rlim_t)S.max_conns * 3 + (rlim_t)S.max_meters + (rlim_t)S.max_admin + 64;
     if (rl.rlim_cur < want) {
         rl.rlim_cur = want < rl.rlim_max ? want : rl.rlim_max;
         setrlimit(RLIMIT_NOFILE, &rl);
@@ -9021,9 +9566,10 @@ static void fds_budget(void) {
     }
     S.nfds_cap = (int)(rl.rlim_cur < want ? rl.rlim_cur : want);
     if ((rlim_t)S.nfds_cap < want) {
-        int fit = (S.nfds_cap - 64) / 4;
+        int fit = (S.nfds_cap - 64) / 5;
         S.max_conns = fit > 1 ? fit : 1;
         if (S.max_admin > S.max_conns) S.max_admin = S.max_conns;
+        if (S.max_meters > S.max_conns) S.max_meters = S.max_conns;
         ltg_log("the fd limit (ulimit -n %d) caps connections at %d", S.nfds_cap, S.max_conns);
     }
     if (!S.max_per_ip) S.max_per_ip = S.max_conns / 4 > 0 ? S.max_conns / 4 : 1; /* one address, a quarter of the table */
@@ -9065,6 +9611,7 @@ int main(int argc, char **argv) {
     loop_watch(S.admin_fd, POLLIN, listener_accept, &S.admin_fd);
     ltg_log("listening on %s (inference) and %s (admin); %d provider(s), %d model(s)", S.listen_addr, S.admin_addr, S.cat->nprov, S.cat->nmodels);
     loop_run();
+    meters_close(); /* what the drain left metered is billed what is known: no event is lost */
     ledger_sync(NULL);
     const char *lost;
     if (!ledger_writable(&lost)) ltg_log("stopping with spend events that could not be written (%s): they are lost", lost);

@@ -74,6 +74,17 @@ typedef struct {
  * more than `max` tokens would be stored). */
 int json_parse(const char *s, size_t len, json_tok *t, int max, int store_depth, json_result *res);
 
+/* Validate s as json_parse does, storing no token, and check the member
+ * names of every object at every depth: a name repeated in one object
+ * (compared unescaped) fails it with res->err "a member name repeated in
+ * one object" and res->err_offset at the repeated name -- a proxy and the
+ * server behind it could read such a document differently. `member`, when
+ * not NULL, is called for each member whose value is a string, with the
+ * name and the value still escaped. Work is n log n; the names of the
+ * objects open at once are at most 65,536. */
+typedef void json_member_fn(void *ctx, const char *name, size_t nlen, const char *value, size_t vlen);
+int json_scan(const char *s, size_t len, json_member_fn *member, void *ctx, json_result *res);
+
 /* In object token `obj`, the index of the value whose key equals `key`, or -1
  * (also when the object's members were too deep to be stored). */
 int json_get(const char *s, const json_tok *t, int obj, const char *key);

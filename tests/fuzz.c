@@ -413,6 +413,18 @@ static void json_walk(const char *s, size_t n, const json_tok *t, int ntok) {
     }
 }
 
+static const char *scan_doc;
+static size_t scan_len;
+static int scan_members;
+
+/* json_scan's callback: name and value lie inside the document. */
+static void scan_member(void *ctx, const char *name, size_t nlen, const char *v, size_t vlen) {
+    (void)ctx;
+    REQUIRE(name >= scan_doc && name + nlen <= scan_doc + scan_len && v >= scan_doc && v + vlen <= scan_doc + scan_len,
+            "json_scan's member outside the document");
+    scan_members++;
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) {
     uint64_t h = input_hash(d, n);
     char *s = copy(d, n);
@@ -424,6 +436,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) {
     int ntok = res.ntok;
     if (all == 0) json_walk(s, n, t, ntok);
     else REQUIRE(all == LTG_ERR && res.err && res.err_offset <= n, "error %d at %zu", all, res.err_offset);
+
+    /* json_scan takes exactly the documents json_parse takes whose objects
+     * each name a member once (json_duplicate_key, object by object). */
+    int dup = 0;
+    for (int i = 0; all == 0 && i < ntok; i++)
+        if (t[i].type == JSON_OBJECT && json_duplicate_key(s, t, i) >= 0) dup = 1;
+    scan_doc = s, scan_len = n, scan_members = 0;
+    int scanned = json_scan(s, n, scan_member, NULL, &res);
+    REQUIRE(scanned == (all == 0 && !dup ? 0 : LTG_ERR), "json_scan %s a document json_parse %s (a repeated name: %d): %s",
+            scanned ? "refuses" : "takes", all ? "refuses" : "takes", dup, scanned ? res.err : "");
+    if (dup && all == 0) REQUIRE(strstr(res.err, "repeated") && res.err_offset < n && s[res.err_offset - 1] == '"', "a repeated name not pointed at");
 
     json_tok *t1 = malloc((size_t)big * sizeof *t1);
     int shallow = json_parse(s, n, t1, big, 1, &res);
@@ -594,7 +617,10 @@ static void ledger_answers(buf *out) {
     int nmu = 0;
     ledger_usage(FUZZ_DAY - DAY_MS, 3, NULL, by_day, &all, &mu, &nmu);
     ledger_usage(FUZZ_DAY - DAY_MS, 3, grp, by_day, &all, &mu, &nmu);
-    for (int i = 0; i < 3; i++) buf_printf(out, " %lld/%lld", by_day[i].requests, (long long)by_day[i].spend);
+    for (int i = 0; i < 3; i++) {
+        buf_printf(out, " %lld/%lld/%lld", by_day[i].requests, by_day[i].abandoned, (long long)by_day[i].spend);
+        for (int k = 0; k < NTOK; k++) buf_printf(out, "/%lld", by_day[i].tok[k]); /* every class, whatever the record's version */
+    }
     for (int i = 0; i < nmu; i++) buf_printf(out, " %s:%lld", mu[i].alias, mu[i].u.requests);
     free(mu);
     buf_printf(out, " since %lld", (long long)(LG.nseg ? seg_spent_since(LG.seg[0], 'g', grp, FUZZ_DAY + DAY_MS / 2) : 0));

@@ -63,6 +63,10 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+# What each attempt_log entry says it was charged (README "Cost").
+ATTEMPT_BILL = {"input_tokens", "cache_read_tokens", "cache_write_tokens", "cache_write_1h_tokens", "output_tokens",
+                "reasoning_tokens", "cost", "usage_status"}
+
 ADMIN_KEY = "admin-secret-key-for-tests"          # permissions ["*"], given by key_env LTG_ADMIN_KEY
 PROVIDER_KEY = "secret-provider-key"
 API = "/v2/llm_token_gateway"                    # the control plane's base path
@@ -377,6 +381,23 @@ def event_data(ev_text):
     """The data: payload of an SSE event (data lines joined)."""
     lines = [l[5:].lstrip(" ") if l.startswith("data:") else None for l in ev_text.split("\n")]
     return "\n".join(l for l in lines if l is not None)
+
+
+def ledger_event(a, g, rid, wait=15.0):
+    """The spend event of request rid in group g (g.gid) of ltg a, waited for (bounded): an attempt
+    given up on is metered until its answer comes, and the event written after it (README "Cost")."""
+    today = datetime.datetime.now(datetime.timezone.utc).date()
+    q = "/spend/events?start_date=%s&end_date=%s&token_group_id=%s&page[size]=1000" % (
+        today - datetime.timedelta(days=1), today + datetime.timedelta(days=2), g.gid)
+    deadline = time.monotonic() + wait
+    while True:
+        j = check_admin_ok(admin("GET", q, port=a.admin_port), 200, "GET /spend/events")
+        for e in j["data"]:
+            if e.get("request_id") == rid:
+                return e
+        if time.monotonic() > deadline:
+            raise TestFailure("no spend event with request_id %s among %d events of the group after %g s" % (rid, len(j["data"]), wait))
+        time.sleep(0.1)
 
 
 def check_openai_error(r, status, code=None):

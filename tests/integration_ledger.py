@@ -32,11 +32,12 @@ import integration as it
 check = it.check
 
 FREE_MODEL = {"provider": "mock", "upstream_model": "glm-5.3-flash", "input_usd_per_mtok": 0, "output_usd_per_mtok": 0}
+TOKEN_CLASSES = ("input_tokens", "cache_read_tokens", "cache_write_tokens", "cache_write_1h_tokens", "output_tokens",
+                 "reasoning_tokens")
 EVENT_FIELDS = ("id", "request_id", "created_at", "endpoint", "token_key_id", "token_group_id", "requested_model", "model",
-                "attempts", "status", "http_status", "cache_hit", "input_tokens", "output_tokens", "cost",
-                "usage_status", "latency_ms", "attempt_log")
-USAGE_FIELDS = ("requests", "succeeded_requests", "failed_requests", "partial_requests", "cache_hits",
-                "input_tokens", "output_tokens", "spend", "reserved_spend")
+                "attempts", "status", "http_status", "cache_hit") + TOKEN_CLASSES + ("cost", "usage_status", "latency_ms", "attempt_log")
+USAGE_FIELDS = ("requests", "succeeded_requests", "failed_requests", "partial_requests", "abandoned_requests", "cache_hits") + \
+    TOKEN_CLASSES + ("spend", "reserved_spend")
 DEFAULT_MAX_OUTPUT = 4096
 
 # Admin keys of the catalog of the Aux tests that need them (key_sha256): one permission each.
@@ -254,37 +255,40 @@ def check_event_shape(ev, what):
     check(ev["model"] is None or (isinstance(ev["model"], str) and ev["model"]), "%s: model %r" % (what, ev["model"]))
     for f in ("attempts", "http_status", "latency_ms"):
         check(isinstance(ev[f], int) and not isinstance(ev[f], bool) and ev[f] >= 0, "%s: %s %r" % (what, f, ev[f]))
-    check(ev["status"] in ("succeeded", "failed", "partial"), "%s: status %r" % (what, ev["status"]))
-    check(ev["usage_status"] in ("reported", "unknown"), "%s: usage_status %r" % (what, ev["usage_status"]))
+    check(ev["status"] in ("succeeded", "failed", "partial", "abandoned"), "%s: status %r" % (what, ev["status"]))
+    check(ev["usage_status"] in ("reported", "estimated"), "%s: usage_status %r" % (what, ev["usage_status"]))
     check(isinstance(ev["cache_hit"], bool), "%s: cache_hit %r" % (what, ev["cache_hit"]))
-    for f in ("input_tokens", "output_tokens"):
-        v = ev[f]
-        check(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0), "%s: %s %r" % (what, f, v))
     c = ev["cost"]
-    check(c is None or (isinstance(c, (int, float)) and not isinstance(c, bool) and c >= 0), "%s: cost %r" % (what, c))
+    check(isinstance(c, (int, float)) and not isinstance(c, bool) and c >= 0, "%s: cost %r (never null)" % (what, c))
     check(isinstance(ev["attempt_log"], list), "%s: attempt_log %r" % (what, ev["attempt_log"]))
+    for a in [ev] + ev["attempt_log"]:
+        for f in TOKEN_CLASSES:
+            v = a.get(f)
+            check(isinstance(v, int) and not isinstance(v, bool) and v >= 0, "%s: %s %r in %r" % (what, f, v, a))
     for a in ev["attempt_log"]:
-        check(isinstance(a, dict) and set(a) >= {"model", "attempt", "status", "outcome", "ms"},
+        check(isinstance(a, dict) and set(a) >= {"model", "attempt", "status", "outcome", "ms", "cost", "usage_status"},
               "%s: an attempt_log entry %r" % (what, a))
         check(isinstance(a["attempt"], int) and a["attempt"] >= 1, "%s: attempt_log attempt %r" % (what, a))
         check(isinstance(a["status"], int) and isinstance(a["ms"], int) and a["ms"] >= 0, "%s: attempt_log %r" % (what, a))
+        if a["usage_status"] == "reported" and price(a["model"]) is not None:  # the provider's usage at the model's prices
+            pin, pout = price(a["model"])
+            want = a["input_tokens"] * pin + a["output_tokens"] * pout    # this suite's catalog prices no cache class apart
+            check(abs(a["cost"] * 1e6 - want) <= 0.5 + 1e-6,
+                  "%s: attempt cost %r USD, but %d input x %s + %d output x %s per million tokens = %.6f USD"
+                  % (what, a["cost"], a["input_tokens"], pin, a["output_tokens"], pout, want / 1e6))
     made = sum(1 for a in ev["attempt_log"] if a["outcome"] != "circuit_open")
     check(made == ev["attempts"], "%s: attempts %r but attempt_log lists %d upstream attempts: %r"
           % (what, ev["attempts"], made, ev["attempt_log"]))
-    if ev["usage_status"] == "unknown":
-        check(ev["cost"] is None, "%s: usage unknown but cost %r" % (what, ev["cost"]))
     if ev["cache_hit"]:
         check(ev["attempts"] == 0 and ev["cost"] == 0 and ev["attempt_log"] == [],
               "%s: a cache hit must have attempts 0, cost 0, no attempt: %r" % (what, ev))
-    elif ev["cost"] is not None:
-        check(price(ev["model"]) is not None, "%s: a cost %r without a model that served: %r" % (what, ev["cost"], ev))
-        check(ev["input_tokens"] is not None and ev["output_tokens"] is not None,
-              "%s: a cost without token counts: %r" % (what, ev))
-        pin, pout = price(ev["model"])
-        want = ev["input_tokens"] * pin + ev["output_tokens"] * pout
-        check(abs(ev["cost"] * 1e6 - want) <= 0.5 + 1e-6,
-              "%s: cost %r USD, but %d input x %s + %d output x %s per million tokens = %.6f USD"
-              % (what, ev["cost"], ev["input_tokens"], pin, ev["output_tokens"], pout, want / 1e6))
+    else:  # the event's figures are its attempts' sums
+        for f in TOKEN_CLASSES:
+            check(ev[f] == sum(a[f] for a in ev["attempt_log"]), "%s: %s %r is not its attempts' sum: %r" % (what, f, ev[f], ev))
+        check(micro(ev["cost"]) == sum(micro(a["cost"]) for a in ev["attempt_log"]), "%s: cost %r is not its attempts' sum: %r"
+              % (what, ev["cost"], ev))
+        want = "estimated" if any(a["usage_status"] == "estimated" for a in ev["attempt_log"]) else "reported"
+        check(ev["usage_status"] == want, "%s: usage_status %r, its attempts say %r" % (what, ev["usage_status"], want))
     if ev["status"] == "partial":
         check(ev["http_status"] == 200, "%s: a partial event has http_status %r, want 200" % (what, ev["http_status"]))
 
@@ -381,8 +385,8 @@ def t_ledger_events():
     check(r.status == 400, "the terminal 400: %s" % r.brief())
     rid = rid_of(r, "the terminal 400")
     want[rid] = ("the terminal 400", dict(requested_model="Kimi-K3", model=None, attempts=1, status="failed",
-                                         http_status=400, cache_hit=False, cost=None, usage_status="unknown",
-                                         input_tokens=None, output_tokens=None,
+                                         http_status=400, cache_hit=False, cost=0, usage_status="reported",
+                                         input_tokens=0, output_tokens=0,     # a refusal is not billed
                                          attempt_log=[("Kimi-K3", 1, 400, "terminal")]))
 
     # A stream cut after its first event: partial, http_status 200.
@@ -392,8 +396,7 @@ def t_ledger_events():
           "the cut stream should end with the stream_interrupted error event and no [DONE]: %r" % datas[-2:])
     rid = rid_of(r, "the cut stream")
     want[rid] = ("the cut stream", dict(requested_model="Kimi-K3", model="Kimi-K3", attempts=1, status="partial",
-                                       http_status=200, cache_hit=False, cost=None, usage_status="unknown",
-                                       input_tokens=None, output_tokens=None))
+                                       http_status=200, cache_hit=False, usage_status="estimated"))  # its usage never came
 
     # max_parallel_requests 1: a slow request in flight, the next ones get 429 and leave no event.
     slow_directive = unique_delay(3000)
@@ -463,7 +466,8 @@ def t_ledger_events():
           "second key, idempotent)" % (upstream_calls() - calls0))
 
 
-@it.test("ledger: a client that leaves before the answer: failed with http_status 499; mid-stream: partial")
+@it.test("ledger: a client that leaves: abandoned with http_status 499, mid-stream (charged) or before the answer (its answer "
+         "read to the end and charged the usage it reports)")
 def t_ledger_client_gone():
     gid = new_group("ledger-gone")
     k, s = it.create_key(gid)
@@ -480,8 +484,9 @@ def t_ledger_client_gone():
     finally:
         c.close()
     ev = wait_events(gid, 1)[0]
-    check_event(ev, "the stream whose client left", status="partial", http_status=200, model="Kimi-K3",
+    check_event(ev, "the stream whose client left", status="abandoned", http_status=499, model="Kimi-K3",
                 token_key_id=k["id"], attempts=1)
+    check(ev["cost"] > 0, "a stream that reached the provider costs something: %r" % ev)
     # Before the answer's head.
     d = unique_delay(2000)
     marks = mock_marks(d)
@@ -493,8 +498,9 @@ def t_ledger_client_gone():
         c.close()
     evs = wait_events(gid, 2)
     check(len(evs) == 2, "events %r" % evs)
-    check_event(evs[1], "the request whose client left before the answer", status="failed", http_status=499,
-                model=None, cost=None, requested_model="Kimi-K3", token_key_id=k["id"])
+    check_event(evs[1], "the request whose client left before the answer", status="abandoned", http_status=499,
+                model=None, usage_status="reported", requested_model="Kimi-K3", token_key_id=k["id"])
+    check(evs[1]["cost"] > 0 and evs[1]["attempt_log"][0]["input_tokens"] > 0, "the answer it did not wait for was billed: %r" % evs[1])
 
 
 # ===== 2. query rules =============================================================================
@@ -669,14 +675,8 @@ def t_ledger_permissions():
 # ===== 3. usage summary ===========================================================================
 
 def charged_of(ev, reservations):
-    """What an event charged the group, in micro-USD: its cost; a reservation when usage never came for
-    an answer that started; nothing for a failure without usage."""
-    if ev["cost"] is not None:
-        return micro(ev["cost"])
-    if ev["status"] == "failed":
-        return 0
-    check(ev["request_id"] in reservations, "an event with unknown usage the test did not expect: %r" % ev)
-    return reservations[ev["request_id"]]
+    """What an event charged the group, in micro-USD: its cost, always (README "Cost")."""
+    return micro(ev["cost"])
 
 
 def usage_rows(evs, reservations):
@@ -685,10 +685,10 @@ def usage_rows(evs, reservations):
 
     def add(row, ev):
         row["requests"] += 1
-        row[{"succeeded": "succeeded_requests", "failed": "failed_requests", "partial": "partial_requests"}[ev["status"]]] += 1
+        row[ev["status"] + "_requests"] += 1
         row["cache_hits"] += 1 if ev["cache_hit"] else 0
-        row["input_tokens"] += ev["input_tokens"] or 0
-        row["output_tokens"] += ev["output_tokens"] or 0
+        for f in TOKEN_CLASSES:
+            row[f] += ev[f]
         row["spend"] += charged_of(ev, reservations)
 
     total, by_day, by_model = empty(), {}, {}
@@ -870,8 +870,8 @@ def t_budget_concurrent():
         check(rows == [(day(0), summ["totals"]["reserved_spend"])], "the summary in flight: by_day reserved %r" % rows)
 
 
-@it.test("budget: the reservation is the worst case (bytes / 3, max_tokens or max_completion_tokens or the default) "
-         "at the dearest model of the chain, to the micro-dollar")
+@it.test("budget: the reservation is the first attempt's worst case (bytes / 3, the largest output limit or the default) "
+         "at its model's prices, to the micro-dollar (a fallback is held when it starts)")
 def t_budget_worst_case():
     gid = new_group("budget-worst", max_budget=1, fallbacks={"GLM-5.3-Flash": ["Kimi-K3"]})
     k, s = it.create_key(gid)
@@ -879,8 +879,8 @@ def t_budget_worst_case():
     k2, s2 = it.create_key(gid2)
     cases = (("GLM alone, max_tokens 100", gid2, s2, it.chat_body(model="GLM-5.3-Flash", content="w1", max_tokens=100),
               100, ("GLM-5.3-Flash",)),
-             ("GLM with a Kimi-K3 fallback: Kimi's prices", gid, s, it.chat_body(model="GLM-5.3-Flash", content="w2", max_tokens=100),
-              100, ("GLM-5.3-Flash", "Kimi-K3")),
+             ("GLM with a Kimi-K3 fallback: GLM's prices, the first attempt's", gid, s,
+              it.chat_body(model="GLM-5.3-Flash", content="w2", max_tokens=100), 100, ("GLM-5.3-Flash",)),
              ("max_completion_tokens", gid2, s2, it.chat_body(model="Kimi-K3", content="w3 " + "x" * 301,
                                                             max_completion_tokens=50), 50, ("Kimi-K3",)),
              ("no max_tokens: the model's max_output_tokens (4096)", gid2, s2, it.chat_body(model="Kimi-K3", content="w4"),

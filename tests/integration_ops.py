@@ -17,8 +17,8 @@ import integration as it
 
 check = it.check
 FIELDS = ("ts", "request_id", "plane", "method", "path", "status", "ms", "bytes_in", "bytes_out", "token_key_id",
-          "token_group_id", "requested_model", "served_model", "attempts", "input_tokens", "output_tokens", "cost",
-          "cache")
+          "token_group_id", "requested_model", "served_model", "attempts", "input_tokens", "cache_read_tokens",
+          "cache_write_tokens", "cache_write_1h_tokens", "output_tokens", "reasoning_tokens", "cost", "usage_status", "cache")
 
 
 def access_lines(path, want, timeout=15.0):
@@ -98,8 +98,8 @@ def t_access_log():
         check(first["token_key_id"] == k["id"] and first["token_group_id"] == g["id"], "the key and group: %r" % first)
         check(first["requested_model"] == "Kimi-K3" and first["served_model"] == "Kimi-K3" and first["attempts"] == 1,
               "the models and attempts: %r" % first)
-        check(first["cache"] == "miss" and first["input_tokens"] > 0 and first["output_tokens"] > 0 and first["cost"] > 0,
-              "the usage of the first call: %r" % first)
+        check(first["cache"] == "miss" and first["input_tokens"] > 0 and first["output_tokens"] > 0 and first["cost"] > 0 and
+              first["usage_status"] == "reported" and first["cache_read_tokens"] == 0, "the usage of the first call: %r" % first)
         check(first["bytes_in"] > len(json.dumps(body)) and first["bytes_out"] >= len(ok.body), "the bytes: %r" % first)
         again = by_status[("inference", 200)][1]
         check(again["cache"] == "hit" and again["attempts"] == 0 and again["cost"] == 0, "the cache hit: %r" % again)

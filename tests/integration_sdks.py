@@ -4,7 +4,9 @@ Vercel AI SDK (`ai` with `@ai-sdk/openai`), LangChain (`@langchain/openai`), and
 tests/node_modules when missing, and used as documented, unmodified but for the base URL, the key
 and its own retries turned off (README "Point your client at it"). tests/sdk_clients.mjs holds the
 client code; this file provisions a group and key, runs it, and checks what it saw, failover
-included (x-ltg-served-model, x-ltg-attempts through the SDKs' response headers).
+included (x-ltg-served-model, x-ltg-attempts through the SDKs' response headers), and the usage
+ltg relays: the cache counts a scripted upstream answer reports read back unchanged by the `openai`
+SDK (completion.usage) and by @anthropic-ai/sdk (message.usage).
 
 Skipped, with the reason, when node or npm is missing or the install fails.
 Runs alone: python3 tests/integration_sdks.py --ltg ./ltg --mock tests/mock
@@ -193,6 +195,52 @@ def t_sdk_anthropic():
         token = key_for(["Kimi-K3", "GLM-5.3-Flash", "Claude-M"], port=a.admin_port)
         _, oks = run_clients("anthropic", a.port, token)
         check(len(oks) == 6, "expected 6 checks, passed: %r" % oks)
+        a.stop()
+    finally:
+        a.close()
+
+
+# The usage ltg relays, read by the SDKs: the upstream answer is scripted (POST /_mock/script on the
+# upstream model, one step) with cache counts, and the SDK's parsed usage must carry them unchanged.
+
+def run_scripted(which, port, token, upstream, directive):
+    """Script `upstream`'s next answer with `directive`, run sdk_clients.mjs WHICH: its RESULT."""
+    ensure_sdks()      # a skip before the mock is scripted
+    it.H.mock_post("/_mock/script", {"model": upstream, "steps": [directive]})
+    try:
+        result, oks = run_clients(which, port, token)
+    except BaseException:
+        it.H.mock_reset()      # the step, if the SDK never reached ltg, must not hit a later test
+        raise
+    check(len(oks) == 1, "%s: expected 1 check, passed: %r" % (which, oks))
+    usage = result.get("usage")
+    check(isinstance(usage, dict), "%s: the SDK's usage %r" % (which, usage))
+    return usage
+
+
+@it.test("sdks: the openai SDK reads the relayed usage unchanged: chat (not streamed), prompt_tokens 5000, "
+         "prompt_tokens_details.cached_tokens 4096, completion_tokens 7")
+def t_sdk_openai_usage():
+    token = key_for(it.TWO)
+    u = run_scripted("usage-openai", it.H.port, token, "kimi-k3", "input_tokens=5000 cached_tokens=4096 output_tokens=7")
+    got = (u.get("prompt_tokens"), (u.get("prompt_tokens_details") or {}).get("cached_tokens"), u.get("completion_tokens"))
+    check(got == (5000, 4096, 7), "completion.usage %r: prompt_tokens, cached_tokens, completion_tokens %r, want "
+          "(5000, 4096, 7)" % (u, got))
+
+
+@it.test("sdks: @anthropic-ai/sdk reads the relayed usage unchanged: messages.create (not streamed), input_tokens 12, "
+         "cache_read_input_tokens 48000, cache_creation_input_tokens 2000, output_tokens 100")
+def t_sdk_anthropic_usage():
+    ensure_sdks()
+    a = it.Aux("sdks-anthropic-usage", config=it.write_catalog(anthropic_catalog(), "sdks-anthropic-usage"))
+    try:
+        a.start()
+        token = key_for(["Claude-M"], port=a.admin_port)
+        u = run_scripted("usage-anthropic", a.port, token, "claude-mock",
+                         "input_tokens=12 cached_tokens=48000 cache_write=2000 output_tokens=100")
+        got = (u.get("input_tokens"), u.get("cache_read_input_tokens"), u.get("cache_creation_input_tokens"), u.get("output_tokens"))
+        check(got == (12, 48000, 2000, 100), "message.usage %r: input_tokens, cache_read_input_tokens, "
+              "cache_creation_input_tokens, output_tokens %r, want (12, 48000, 2000, 100)" % (u, got))
         a.stop()
     finally:
         a.close()

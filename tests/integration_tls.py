@@ -474,7 +474,7 @@ def t_tls_stream():
     # include_usage: the usage chunk passes; without it, ltg's own usage request stays hidden.
     r = call(a, tok, "TLS-Stream", stream=True, stream_options={"include_usage": True})
     evs = check_stream(r, "TLS-Stream", "tls-stream", 3, "the stream with include_usage")
-    check(sum(1 for _, d in evs if d != "[DONE]" and "usage" in json.loads(d)) == 1,
+    check(sum(1 for _, d in evs if d != "[DONE]" and json.loads(d).get("usage")) == 1,
           "with include_usage: %r" % [d[:80] for _, d in evs])
 
 

@@ -15,6 +15,10 @@
 //                    `@ai-sdk/anthropic` (generateText, streamText), against model Claude-M
 //   failover-openai  one chat call (openai SDK) expected to have failed over: prints its headers
 //   failover-ai      one generateText call (AI SDK, Responses API) expected to have failed over
+//   usage-openai     one chat call (openai SDK, not streamed) whose upstream answer the caller scripted
+//                    with cache counts: prints the SDK's completion.usage for the caller to check
+//   usage-anthropic  one messages.create (@anthropic-ai/sdk, not streamed) on Claude-M, the same:
+//                    prints the SDK's message.usage
 //
 // API_KEY is a token key whose group allows Kimi-K3 and GLM-5.3-Flash (and Claude-M for
 // `anthropic`). The packages must be resolvable from tests/: tests/integration_sdks.py installs the
@@ -26,7 +30,7 @@
 
 const [baseURL, apiKey, which] = process.argv.slice(2);
 if (!baseURL || !apiKey || !which) {
-  console.error("usage: node sdk_clients.mjs BASE_URL API_KEY openai|ai|langchain|anthropic|failover-openai|failover-ai");
+  console.error("usage: node sdk_clients.mjs BASE_URL API_KEY openai|ai|langchain|anthropic|failover-openai|failover-ai|usage-openai|usage-anthropic");
   process.exit(2);
 }
 
@@ -183,6 +187,15 @@ async function runFailoverOpenAI() {
   check(text === "Hello from glm-5.3-flash.", `failover chat: content ${show(text)}`);
   checkLtgHeaders(response.headers, "failover chat", "GLM-5.3-Flash", "2");
   ok("failover seen through .withResponse()");
+}
+
+// The relayed usage as the SDK parsed it (the caller scripted the counts and checks them).
+async function runUsageOpenAI() {
+  const client = await openaiClient();
+  const completion = await client.chat.completions.create({ model: "Kimi-K3", messages: [{ role: "user", content: "Hello" }] });
+  check(completion.choices?.[0]?.message?.content === HELLO_KIMI, `usage chat: ${show(completion)}`);
+  result.usage = completion.usage ?? null;
+  ok("chat.completions.create: completion.usage read");
 }
 
 // ---- the Vercel AI SDK ---------------------------------------------------------------------------
@@ -359,6 +372,15 @@ async function runAnthropic() {
   check(!failures.length, failures.join("; "));
 }
 
+async function runUsageAnthropic() {
+  const { default: Anthropic } = await import("@anthropic-ai/sdk");
+  const client = new Anthropic({ baseURL: baseURL.replace(/\/v1\/?$/, ""), apiKey, maxRetries: 0, timeout: 30_000 });
+  const message = await client.messages.create({ model: "Claude-M", max_tokens: 64, messages: [{ role: "user", content: "Hello" }] });
+  check(message.type === "message", `usage messages.create: ${show(message)}`);
+  result.usage = message.usage ?? null;
+  ok("messages.create: message.usage read");
+}
+
 const RUN = {
   openai: runOpenAI,
   ai: runAI,
@@ -366,6 +388,8 @@ const RUN = {
   anthropic: runAnthropic,
   "failover-openai": runFailoverOpenAI,
   "failover-ai": runFailoverAI,
+  "usage-openai": runUsageOpenAI,
+  "usage-anthropic": runUsageAnthropic,
 };
 
 if (!RUN[which]) {

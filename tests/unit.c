@@ -328,8 +328,20 @@ static void test_config(void) {
               "deployments: %s", err);
         catalog_free(dc);
         model *m = catalog_model(c, "A", 1);
-        CHECK(m && m->ndep == 1 && m->dep[0].p == &c->prov[0] && m->dep[0].weight == 1 && strcmp(m->dep[0].name, "p/a-1") == 0 && m->in_price == 1 && m->out_price == 2.5 && m->max_output_tokens == 100, "model A");
+        CHECK(m && m->ndep == 1 && m->dep[0].p == &c->prov[0] && m->dep[0].weight == 1 && strcmp(m->dep[0].name, "p/a-1") == 0 && m->price.p[PRICE_IN] == 1000000 && m->price.p[PRICE_OUT] == 2500000 && m->price.p[PRICE_CACHE_READ] == 1000000 && m->max_output_tokens == 100, "model A");
         CHECK(catalog_model(c, "B", 1)->max_output_tokens == 4096, "default max_output_tokens");
+        catalog *pc = load("{\"providers\":{\"o\":{\"base_url\":\"http://x\"},\"a\":{\"base_url\":\"http://y\",\"api\":\"anthropic\"}},\"models\":{"
+                           "\"O\":{\"provider\":\"o\",\"upstream_model\":\"o\",\"input_usd_per_mtok\":2,\"output_usd_per_mtok\":8,\"cache_read_usd_per_mtok\":0.5},"
+                           "\"A\":{\"provider\":\"a\",\"upstream_model\":\"a\",\"input_usd_per_mtok\":3,\"output_usd_per_mtok\":15,"
+                           "\"long_context\":{\"above_input_tokens\":200000,\"input_usd_per_mtok\":6,\"output_usd_per_mtok\":22.5}}}}", err);
+        const model *po = pc ? catalog_model(pc, "O", 1) : NULL, *pa = pc ? catalog_model(pc, "A", 1) : NULL;
+        CHECK(po && po->price.p[PRICE_CACHE_READ] == 500000 && po->price.p[PRICE_CACHE_WRITE] == 2000000 && po->price.p[PRICE_CACHE_WRITE_1H] == 2000000 &&
+              !po->long_above, "OpenAI's defaults: cache writes at the input price, the read price as given: %s", err);
+        CHECK(pa && pa->price.p[PRICE_CACHE_READ] == 300000 && pa->price.p[PRICE_CACHE_WRITE] == 3750000 && pa->price.p[PRICE_CACHE_WRITE_1H] == 6000000 &&
+              pa->long_above == 200000 && pa->long_price.p[PRICE_IN] == 6000000 && pa->long_price.p[PRICE_CACHE_READ] == 600000 &&
+              pa->long_price.p[PRICE_CACHE_WRITE_1H] == 12000000 && pa->long_price.p[PRICE_OUT] == 22500000,
+              "Anthropic's multipliers 0.1, 1.25, 2; the long tier scaled with its input price");
+        catalog_free(pc);
         uint8_t h[32];
         sha256("admin-secret", 12, h);
         CHECK(memcmp(h, c->admins[0].sha, 32) == 0 && c->admins[0].perms == PERM_ALL, "admin key hashed");
@@ -356,7 +368,15 @@ static void test_config(void) {
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{}}", "models: must be an object with at least one"},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"nope\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}", "models.M.provider: no provider named \"nope\""},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"output_usd_per_mtok\":1}}}", "models.M.input_usd_per_mtok: missing"},
-        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":-1,\"output_usd_per_mtok\":1}}}", "models.M.input_usd_per_mtok: must be a number >= 0"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":-1,\"output_usd_per_mtok\":1}}}", "models.M.input_usd_per_mtok: must be a number from 0 to 10000"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1,\"cache_read_usd_per_mtok\":20000}}}", "models.M.cache_read_usd_per_mtok: must be a number from 0 to 10000"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1,\"cache_write_usd_per_mtok\":\"1\"}}}", "models.M.cache_write_usd_per_mtok: must be a number"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1,\"cache_read_usd_per_mtk\":1}}}", "models.M.cache_read_usd_per_mtk: unknown field"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1,\"long_context\":5}}}", "models.M.long_context: must be an object"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1,\"long_context\":{\"input_usd_per_mtok\":2,\"output_usd_per_mtok\":2}}}}", "models.M.long_context.above_input_tokens: missing"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1,\"long_context\":{\"above_input_tokens\":200000,\"output_usd_per_mtok\":2}}}}", "models.M.long_context.input_usd_per_mtok: missing"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1,\"long_context\":{\"above_input_tokens\":200000,\"input_usd_per_mtok\":2,\"output_usd_per_mtok\":2,\"cache\":1}}}}", "models.M.long_context.cache: unknown field"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1,\"max_input_part_tokens\":0}}}", "models.M.max_input_part_tokens: must be a whole number >= 1"},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1,\"max_output_tokens\":1.5}}}", "models.M.max_output_tokens: must be a whole number"},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}", "models.M.upstream_model: missing"},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"},\"a\":{\"base_url\":\"http://y\",\"api\":\"anthropic\"}},\"models\":{\"M\":{\"deployments\":[],\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}", "models.M.deployments: must be a list of 1 to 16"},
@@ -722,7 +742,7 @@ static const char *unit_id(char kind, int i) { /* a 36-byte id, distinct per (ki
 static void unit_event(int64_t at, int key, int grp, const char *alias, int64_t charged, int status) {
     char ev[128];
     snprintf(ev, sizeof ev, "{\"n\":%d,\"token_group_id\":\"%s\"}", unit_nevents++, unit_id('g', grp));
-    rec_view v = {.charged = charged, .in_tok = 10, .out_tok = 3, .status = (uint8_t)status, .key = unit_id('k', key),
+    rec_view v = {.charged = charged, .tok = {[TOK_IN] = 10, [TOK_OUT] = 3}, .status = (uint8_t)status, .key = unit_id('k', key),
                   .group = unit_id('g', grp), .model = alias, .model_len = strlen(alias), .event = ev, .event_len = strlen(ev), .replay = ""};
     int64_t day;
     uint64_t off;
@@ -843,7 +863,7 @@ static void test_ledger_days(void) {
         int nmu = 0;
         ledger_usage(UDAY, 2, NULL, by_day, &all, &mu, &nmu);
         CHECK(all.requests == 5 && by_day[0].requests == 3 && by_day[1].requests == 2 && all.spend == 53 && by_day[0].failed == 1 &&
-              by_day[1].partial == 1 && all.in_tok == 50, "usage by day");
+              by_day[1].partial == 1 && all.tok[TOK_IN] == 50, "usage by day");
         CHECK(nmu == 2 && strcmp(mu[0].alias, "A") == 0 && mu[0].u.requests == 3 && mu[0].u.spend == 29 && mu[1].u.spend == 24, "usage by model");
         free(mu), mu = NULL, nmu = 0;
         memset(by_day, 0, sizeof by_day), memset(&all, 0, sizeof all);
@@ -916,7 +936,7 @@ static void test_ledger_budgets(void) {
         int d = (int)((at - UDAY) / DAY_MS);
         if (at >= UDAY + 3 * DAY_MS + DAY_MS / 3) break;
         unit_event(at, key, grp, models[m], charged, st);
-        ledger_entry e = {.in_tok = 10, .out_tok = 3, .status = (uint8_t)st, .charged = charged};
+        ledger_entry e = {.tok = {[TOK_IN] = 10, [TOK_OUT] = 3}, .status = (uint8_t)st, .charged = charged};
         usage_add(&want[d][grp][m], &e);
         spent[grp][d] += charged, kspent[key][d] += charged;
         if (i % 500 == 0) unit_tick(at);
@@ -1394,7 +1414,7 @@ static void test_ledger_pieces(void) {
     allowance ka = {.has_budget = 1, .max_budget = 0.0001, .budget_days = 1, .budget_anchor = 1, .rpm_limit = UNSET, .tpm_limit = 50},
               ga = {.has_budget = 0, .rpm_limit = 2, .tpm_limit = UNSET};
     allowance *both[2] = {&ka, &ga};
-    hold h1, h2, h3;
+    hold h1 = {0}, h2 = {0}, h3 = {0}; /* a request's hold starts empty: hold_reserve adds to it */
     hold_refusal hwhy;
     int64_t hnow0 = S.now;
     S.now = 5000000;
@@ -1405,6 +1425,12 @@ static void test_ledger_pieces(void) {
           "the key's tpm_limit refuses first");
     CHECK(hold_reserve(both, 2, 10, 20, 10000, &h2, &hwhy) == 0 && hold_reserve(both, 2, 1, 1, 10000, &h3, &hwhy) < 0 && hwhy.who == 1 &&
           strcmp(hwhy.limit, "rpm_limit") == 0, "the group's rpm_limit: 2, the third refused");
+    hold h4 = h1;
+    CHECK(hold_reserve(both, 2, 0, 5, 10000, &h4, &hwhy) == 0 && h4.cost == 60 && h4.tok == 25 && rl_used(ga.rl, 5000, 0) == 2,
+          "a later attempt adds its worst case, and is not another request (rpm_limit 2 is full, yet it fits)");
+    CHECK(hold_reserve(both, 2, 0, 30, 10000, &h4, &hwhy) < 0 && strcmp(hwhy.limit, "tpm_limit") == 0 && h4.tok == 25,
+          "a later attempt past the tpm_limit: refused, the hold as it was");
+    h1 = h4;
     hold_settle(both, 2, &h1, 25, 5, 10000);
     CHECK(ka.reserved == 10 && ka.spend == 25 && ga.reserved == 10 && ga.spend == 25 && rl_used(ka.rl, 5000, 1) == 25 && h1.sec == 0,
           "settled: the real cost and tokens replace the worst case");
@@ -1413,72 +1439,117 @@ static void test_ledger_pieces(void) {
     free(ka.rl), free(ga.rl);
     S.now = hnow0;
 
-    /* The worst case: bytes / 3 at the input price plus max_tokens at the output price, dearest model. */
-    model a = {.alias = "a", .in_price = 1, .out_price = 2, .max_output_tokens = 100};
-    model b = {.alias = "b", .in_price = 3, .out_price = 1, .max_output_tokens = 4096};
-    model *chain[2] = {&a, &b};
-    CHECK(worst_case(chain, 1, 300, 50) == 100 * 1 + 50 * 2, "one model, max_tokens");
-    CHECK(worst_case(chain, 1, 301, 0) == 101 * 1 + 100 * 2, "rounded up, the model's default output");
-    CHECK(worst_case(chain, 2, 300, 0) == 100 * 3 + 4096, "the dearest of the chain");
+    /* The worst case: input tokens at the dearest input class, the output limit times the answers. */
+    model a = {.alias = "a", .price = {{1000000, 1000000, 1000000, 1000000, 2000000}}, .max_output_tokens = 100, .context_window = 1000,
+               .max_input_part_tokens = 50};
+    model b = {.alias = "b", .price = {{3000000, 300000, 3750000, 6000000, 15000000}}, .max_output_tokens = 4096, .context_window = 200000,
+               .max_input_part_tokens = 2000, .long_above = 1000, .long_price = {{6000000, 600000, 7500000, 12000000, 22500000}}};
+    worst_shape sh = {100, 0, 0, 50, 1};
+    CHECK(worst_case(&sh, &a).cost == 100 * 1 + 50 * 2 && worst_case(&sh, &a).in == 100 && worst_case(&sh, &a).out == 50, "max_tokens");
+    sh.out = 0;
+    CHECK(worst_case(&sh, &a).cost == 100 * 1 + 100 * 2, "the model's default output");
+    sh.n = 4;
+    CHECK(worst_case(&sh, &a).cost == 100 * 1 + 400 * 2, "n = 4: four answers");
+    sh = (worst_shape){100, -1, 2, 10, 1};
+    CHECK(worst_case(&sh, &a).in == 100 + 1000 + 2 * 50, "a previous response unknown: the context window; two image parts");
+    sh = (worst_shape){100, 0, 0, 10, 1};
+    CHECK(worst_case(&sh, &b).cost == 100 * 6 + 10 * 15 && worst_case(&sh, &b).in_cost == 600, "Anthropic's dearest input: a 1-hour cache write");
+    sh.prompt = 2000;
+    CHECK(worst_case(&sh, &b).cost == 2000 * 12 + (10 * 225 + 9) / 10, "past long_above: the long-context tier");
+    sh = (worst_shape){1, 0, 0, 1000000000000LL, 128};
+    CHECK(worst_case(&sh, &b).cost == MAX_CHARGE + 1, "past a million USD: flagged");
 
-    /* Usage from an answer or an event. */
-    long long in, out;
+    /* Costs: exact, every class priced (the table, to the micro-USD). */
+    long long t1[NTOK] = {[TOK_IN] = 50012, [TOK_CACHE_READ] = 48000, [TOK_CACHE_WRITE] = 2000, [TOK_OUT] = 100};
+    model sonnet = {.price = {{3000000, 300000, 3750000, 6000000, 15000000}}};
+    CHECK(tokens_cost(&sonnet, t1) == 23436, "Anthropic: 12 + 48,000 read + 2,000 written, 100 out: %lld", (long long)tokens_cost(&sonnet, t1));
+    long long t2[NTOK] = {[TOK_IN] = 50000, [TOK_CACHE_READ] = 48000, [TOK_OUT] = 100};
+    model gpt = {.price = {{2000000, 500000, 2000000, 2000000, 8000000}}};
+    CHECK(tokens_cost(&gpt, t2) == 28800, "OpenAI: 50,000 of which 48,000 cached, 100 out");
+    long long t3[NTOK] = {[TOK_IN] = 3000, [TOK_CACHE_WRITE] = 3000, [TOK_CACHE_WRITE_1H] = 1000, [TOK_OUT] = 0};
+    CHECK(tokens_cost(&sonnet, t3) == 2000 * 3.75 + 1000 * 6, "5-minute and 1-hour writes apart");
+
+    /* Usage from an answer or an event: every token class. */
+    usage_counts uc = {0};
+    long long tk[NTOK];
     int no_choices;
+#define UREAD(k, in, s) (uc = (usage_counts){0}, usage_read(k, in, s, strlen(s), &uc, &no_choices))
     const char *ans = "{\"id\":\"x\",\"choices\":[{}],\"usage\":{\"prompt_tokens\":12,\"completion_tokens\":5,\"total_tokens\":17}}";
-    CHECK(usage_read(&WIRE[0], NULL, ans, strlen(ans), &in, &out, &no_choices) == 1 && in == 12 && out == 5 && !no_choices, "usage");
+    CHECK(UREAD(&WIRE[0], NULL, ans) == 1 && uc.raw[TOK_IN] == 12 && uc.raw[TOK_OUT] == 5 && !no_choices && uc.seen, "usage");
+    const char *full = "{\"usage\":{\"prompt_tokens\":50000,\"completion_tokens\":100,\"total_tokens\":50100,\"prompt_tokens_details\":"
+                       "{\"cached_tokens\":48000,\"audio_tokens\":0},\"completion_tokens_details\":{\"reasoning_tokens\":64,\"audio_tokens\":0}}}";
+    CHECK(UREAD(&WIRE[0], NULL, full) == 1 && usage_classes(&WIRE[0], &uc, tk) == 0 && tk[TOK_IN] == 50000 && tk[TOK_CACHE_READ] == 48000 &&
+          tk[TOK_OUT] == 100 && tk[TOK_REASONING] == 64, "OpenAI's details: cached and reasoning tokens");
     const char *none = "{\"usage\":null}";
-    CHECK(usage_read(&WIRE[0], NULL, none, strlen(none), &in, &out, &no_choices) == 0 && no_choices, "null usage");
+    CHECK(UREAD(&WIRE[0], NULL, none) == 0 && no_choices && !uc.seen, "null usage");
     const char *chunk = "{\"choices\":[],\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":2}}";
-    CHECK(usage_read(&WIRE[0], NULL, chunk, strlen(chunk), &in, &out, &no_choices) == 1 && no_choices && out == 2, "a usage-only chunk");
-    CHECK(usage_read(&WIRE[0], NULL, "<html>", 6, &in, &out, &no_choices) == LTG_ERR, "not JSON");
-    CHECK(usage_read(&WIRE[0], NULL, "{\"usage\":{}", 12, &in, &out, &no_choices) == LTG_ERR, "cut JSON");
+    CHECK(UREAD(&WIRE[0], NULL, chunk) == 1 && no_choices && uc.raw[TOK_OUT] == 2, "a usage-only chunk");
+    CHECK(UREAD(&WIRE[0], NULL, "<html>") == LTG_ERR, "not JSON");
+    CHECK(UREAD(&WIRE[0], NULL, "{\"usage\":{}") == LTG_ERR, "cut JSON");
+    static const char *const hostile[] = {"{\"usage\":{\"prompt_tokens\":-5,\"completion_tokens\":1}}", "{\"usage\":{\"prompt_tokens\":12.5}}",
+                                      "{\"usage\":{\"prompt_tokens\":\"12\"}}", "{\"usage\":{\"prompt_tokens\":1000000000000000}}",
+                                      "{\"usage\":{\"prompt_tokens\":10,\"prompt_tokens_details\":{\"cached_tokens\":11}}}",
+                                      "{\"usage\":{\"completion_tokens\":10,\"completion_tokens_details\":{\"reasoning_tokens\":11}}}"};
+    for (size_t i = 0; i < sizeof hostile / sizeof *hostile; i++)
+        CHECK(UREAD(&WIRE[0], NULL, hostile[i]) == 1 && uc.seen && usage_classes(&WIRE[0], &uc, tk) < 0, "a usage that cannot be true: %s", hostile[i]);
     /* A thousand embeddings, then the usage: the answer's size does not matter. */
     buf big = {0};
     buf_puts(&big, "{\"data\":[");
     for (int i = 0; i < 1000; i++) buf_printf(&big, "%s{\"embedding\":[0.1,0.2],\"index\":%d}", i ? "," : "", i);
     buf_puts(&big, "],\"usage\":{\"prompt_tokens\":7,\"total_tokens\":7}}");
-    in = out = 0;
-    CHECK(usage_read(&WIRE[0], NULL, big.p, big.len, &in, &out, &no_choices) == 1 && in == 7 && out == 0, "usage after 1000 embeddings");
+    CHECK(UREAD(&WIRE[0], NULL, big.p) == 1 && uc.raw[TOK_IN] == 7 && uc.raw[TOK_OUT] == 0, "usage after 1000 embeddings");
     big.len = 0;
     buf_puts(&big, "{");
     for (int i = 0; i < 200; i++) buf_printf(&big, "\"k%d\":%d,", i, i);
     buf_puts(&big, "\"z\":0}");
-    CHECK(usage_read(&WIRE[0], NULL, big.p, big.len, &in, &out, &no_choices) == 0, "200 members: still JSON, no usage looked for");
+    CHECK(UREAD(&WIRE[0], NULL, big.p) == 0, "200 members: still JSON, no usage looked for");
     buf_free(&big);
     /* The Responses API: its own member names; in a stream, the usage inside "response". */
     const wire_kind *resp = &WIRE[3];
     CHECK(strcmp(resp->path, "/v1/responses") == 0, "WIRE[3] is the Responses API");
-    const char *rbody = "{\"id\":\"resp_1\",\"output\":[],\"usage\":{\"input_tokens\":9,\"output_tokens\":4,\"total_tokens\":13}}";
-    CHECK(usage_read(resp, NULL, rbody, strlen(rbody), &in, &out, &no_choices) == 1 && in == 9 && out == 4, "a response's usage");
+    const char *rbody = "{\"id\":\"resp_1\",\"output\":[],\"usage\":{\"input_tokens\":9,\"input_tokens_details\":{\"cached_tokens\":4},"
+                        "\"output_tokens\":4,\"output_tokens_details\":{\"reasoning_tokens\":2},\"total_tokens\":13}}";
+    CHECK(UREAD(resp, NULL, rbody) == 1 && usage_classes(resp, &uc, tk) == 0 && tk[TOK_IN] == 9 && tk[TOK_CACHE_READ] == 4 && tk[TOK_OUT] == 4 &&
+          tk[TOK_REASONING] == 2, "a response's usage, with its details");
     const char *rdone = "{\"type\":\"response.completed\",\"response\":{\"id\":\"r\",\"usage\":{\"input_tokens\":3,\"output_tokens\":8}}}";
-    CHECK(usage_read(resp, resp->event_usage, rdone, strlen(rdone), &in, &out, &no_choices) == 2 && in == 3 && out == 8, "response.completed's usage");
+    CHECK(UREAD(resp, resp->event_usage, rdone) == 2 && uc.raw[TOK_IN] == 3 && uc.raw[TOK_OUT] == 8, "response.completed's usage");
     const char *rcreated = "{\"type\":\"response.created\",\"response\":{\"id\":\"r\",\"usage\":null}}";
-    CHECK(usage_read(resp, resp->event_usage, rcreated, strlen(rcreated), &in, &out, &no_choices) == 0, "response.created: no usage yet");
-    CHECK(usage_read(resp, resp->event_usage, "{\"type\":\"x\"}", 12, &in, &out, &no_choices) == 0, "an event without a response");
+    CHECK(UREAD(resp, resp->event_usage, rcreated) == 0, "response.created: no usage yet");
+    CHECK(UREAD(resp, resp->event_usage, "{\"type\":\"x\"}") == 0, "an event without a response");
     /* Anthropic: message_start holds the input (in "message"), message_delta the output alone. */
     const wire_kind *msg = &WIRE[4];
     CHECK(strcmp(msg->path, "/v1/messages") == 0, "WIRE[4] is Anthropic's Messages");
-    in = out = 0;
-    const char *mstart = "{\"type\":\"message_start\",\"message\":{\"id\":\"m\",\"usage\":{\"input_tokens\":25,\"output_tokens\":1}}}";
-    const char *mdelta = "{\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":15}}";
-    CHECK(usage_read(msg, msg->event_usage, mstart, strlen(mstart), &in, &out, &no_choices) == 2 && in == 25 && out == 1, "message_start");
-    CHECK(usage_read(msg, msg->event_usage, mdelta, strlen(mdelta), &in, &out, &no_choices) == 1 && in == 25 && out == 15, "message_delta");
+    const char *mstart = "{\"type\":\"message_start\",\"message\":{\"id\":\"m\",\"usage\":{\"input_tokens\":12,\"cache_creation_input_tokens\":2000,"
+                         "\"cache_read_input_tokens\":48000,\"cache_creation\":{\"ephemeral_5m_input_tokens\":1500,\"ephemeral_1h_input_tokens\":500},"
+                         "\"output_tokens\":1,\"service_tier\":\"standard\"}}}";
+    const char *mdelta = "{\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":100}}";
+    CHECK(UREAD(msg, msg->event_usage, mstart) == 2 && uc.raw[TOK_IN] == 12 && uc.raw[TOK_OUT] == 1, "message_start");
+    CHECK(usage_read(msg, msg->event_usage, mdelta, strlen(mdelta), &uc, &no_choices) == 1 && uc.raw[TOK_IN] == 12 && uc.raw[TOK_OUT] == 100,
+          "message_delta: the output alone, the rest kept");
+    CHECK(usage_classes(msg, &uc, tk) == 0 && tk[TOK_IN] == 50012 && tk[TOK_CACHE_READ] == 48000 && tk[TOK_CACHE_WRITE] == 2000 &&
+          tk[TOK_CACHE_WRITE_1H] == 500 && tk[TOK_OUT] == 100 && tokens_cost(&sonnet, tk) == 24561,
+          "Anthropic's input is uncached + read + written: %lld", (long long)tokens_cost(&sonnet, tk));
+#undef UREAD
 
     /* Response pins: found by id, gone after 24 hours, the oldest out first past PIN_MAX. */
     int64_t now0 = S.now;
     const char *pd = NULL;
     pin_put("resp_a", 6, "Kimi-K3", "local/kimi-k3");
-    CHECK(pin_get("resp_a", 6, &pd) && strcmp(pin_get("resp_a", 6, &pd), "Kimi-K3") == 0 && strcmp(pd, "local/kimi-k3") == 0 && !pin_get("resp_b", 6, &pd), "a pin");
+    long long ptok;
+    CHECK(pin_get("resp_a", 6, &pd, &ptok) && strcmp(pin_get("resp_a", 6, &pd, &ptok), "Kimi-K3") == 0 && strcmp(pd, "local/kimi-k3") == 0 &&
+          ptok == -1 && !pin_get("resp_b", 6, &pd, &ptok), "a pin");
+    pin_tokens("resp_a", 1234);
+    CHECK(pin_get("resp_a", 6, &pd, &ptok) && ptok == 1234, "its usage, once known");
     pin_put("resp_a", 6, "GLM", "eu/glm");
-    CHECK(strcmp(pin_get("resp_a", 6, &pd), "GLM") == 0 && strcmp(pd, "eu/glm") == 0, "the same id again: the newer wins");
+    CHECK(strcmp(pin_get("resp_a", 6, &pd, &ptok), "GLM") == 0 && strcmp(pd, "eu/glm") == 0, "the same id again: the newer wins");
     S.now += PIN_TTL_MS;
-    CHECK(!pin_get("resp_a", 6, &pd) && PINS.n == 0, "expired after 24 hours");
+    CHECK(!pin_get("resp_a", 6, &pd, &ptok) && PINS.n == 0, "expired after 24 hours");
     char pid[32];
     for (int i = 0; i < PIN_MAX + 10; i++) {
         int k = snprintf(pid, sizeof pid, "resp_%d", i);
         pin_put(pid, (size_t)k, "M", "p/m");
     }
-    CHECK(PINS.n == PIN_MAX && !pin_get("resp_9", 6, &pd) && pin_get("resp_10", 7, &pd) && PINS.map.live == PIN_MAX, "bounded: the oldest out first (%d, %zu)", PINS.n, PINS.map.live);
+    CHECK(PINS.n == PIN_MAX && !pin_get("resp_9", 6, &pd, &ptok) && pin_get("resp_10", 7, &pd, &ptok) && PINS.map.live == PIN_MAX, "bounded: the oldest out first (%d, %zu)", PINS.n, PINS.map.live);
     while (PINS.n) pin_drop_oldest();
     S.now = now0;
 
@@ -1492,7 +1563,7 @@ static void test_ledger_pieces(void) {
         CHECK(stream_event(&x, "data: [DONE]\n\n", 14) == SSE_RELAY, "[DONE]");
         CHECK(stream_event(&x, "data: <html>\n\n", 14) == LTG_ERR, "not JSON");
         const char *ev = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":4}}\n\n";
-        CHECK(stream_event(&x, ev, strlen(ev)) == SSE_HIDE && x.usage_known && x.out_tok == 4, "the usage chunk ltg asked for");
+        CHECK(stream_event(&x, ev, strlen(ev)) == SSE_HIDE && x.usage.final && x.usage.raw[TOK_OUT] == 4, "the usage chunk ltg asked for");
         x.hide_usage = 0;
         CHECK(stream_event(&x, ev, strlen(ev)) == SSE_RELAY, "the usage chunk the client asked for");
     }
@@ -1504,18 +1575,18 @@ static void test_ledger_pieces(void) {
         rg->al.rpm_limit = 3, rg->al.tpm_limit = 100;
         const char *which = NULL;
         S.now = 1000000;
-        CHECK(rate_check(&rg->al, 10, &which) == 0, "an empty window admits");
+        CHECK(rate_check(&rg->al, 1, 10, &which) == 0, "an empty window admits");
         int64_t sec = S.now / 1000;
-        rate_count(&rg->al, 40, sec);
-        S.now += 10000, rate_count(&rg->al, 40, S.now / 1000);
+        rate_count(&rg->al, 1, 40, sec);
+        S.now += 10000, rate_count(&rg->al, 1, 40, S.now / 1000);
         S.now += 10000;
-        CHECK(rate_check(&rg->al, 30, &which) == 40 && strcmp(which, "tpm_limit") == 0, "tokens: free in 40 s, when the first leaves (%s)", which);
+        CHECK(rate_check(&rg->al, 1, 30, &which) == 40 && strcmp(which, "tpm_limit") == 0, "tokens: free in 40 s, when the first leaves (%s)", which);
         rate_settle(&rg->al, sec, 40, 5);
-        CHECK(rate_check(&rg->al, 30, &which) == 0, "settled with its real usage: room again");
-        rate_count(&rg->al, 5, S.now / 1000);
-        CHECK(rate_check(&rg->al, 1, &which) == 40 && strcmp(which, "rpm_limit") == 0, "requests: 3 in the minute, wait 40 s");
+        CHECK(rate_check(&rg->al, 1, 30, &which) == 0, "settled with its real usage: room again");
+        rate_count(&rg->al, 1, 5, S.now / 1000);
+        CHECK(rate_check(&rg->al, 1, 1, &which) == 40 && strcmp(which, "rpm_limit") == 0, "requests: 3 in the minute, wait 40 s");
         S.now += 40000;
-        CHECK(rate_check(&rg->al, 1, &which) == 0, "the first request left the window");
+        CHECK(rate_check(&rg->al, 1, 1, &which) == 0, "the first request left the window");
         rate_settle(&rg->al, sec, 40, 5); /* its second has left: nothing to settle */
         CHECK(rl_used(rg->al.rl, S.now / 1000, 1) == 45, "the tokens of the window: %lld", (long long)rl_used(rg->al.rl, S.now / 1000, 1));
         group_free(rg);
@@ -1578,12 +1649,13 @@ static void test_ledger_pieces(void) {
     /* The cache: TTL and least recently used out first. */
     CACHE.limit = 3 * (sizeof(cache_entry) + 100);
     uint8_t k1[32] = {1}, k2[32] = {2}, k3[32] = {3}, k4[32] = {4};
+    long long ctok[NTOK] = {1, 0, 0, 0, 2, 0};
     char body[100] = {0};
     S.now = 1000;
-    cache_put(k1, body, 100, "a", 1, 2, 5000), cache_put(k2, body, 100, "a", 1, 2, 5000), cache_put(k3, body, 100, "a", 1, 2, 5000);
+    cache_put(k1, body, 100, "a", ctok, 5000), cache_put(k2, body, 100, "a", ctok, 5000), cache_put(k3, body, 100, "a", ctok, 5000);
     CHECK(cache_get(k1) && cache_get(k2) && cache_get(k3), "three fit");
     CHECK(cache_get(k1) != NULL, "k1 used again: k2 is now the oldest");
-    cache_put(k4, body, 100, "a", 1, 2, 5000);
+    cache_put(k4, body, 100, "a", ctok, 5000);
     CHECK(!cache_get(k2) && cache_get(k1) && cache_get(k3) && cache_get(k4), "the least recently used went out");
     S.now = 6000;
     CHECK(!cache_get(k1) && CACHE.bytes == 2 * (sizeof(cache_entry) + 100), "expired at the TTL");
