@@ -1076,6 +1076,37 @@ static void test_ledger_migration(void) {
     store_reset();
 }
 
+/* The largest values an event can carry are written as ltg can read them
+ * back: a charge past MAX_CHARGE is recorded as MAX_CHARGE, every token
+ * class at its most; a restart on that ledger starts (README "Cost"). */
+static void test_ledger_extremes(void) {
+    char err[512], cmd[1400];
+    snprintf(ledger_data, sizeof ledger_data, "%s/ledger-extremes", unit_dir);
+    snprintf(cmd, sizeof cmd, "rm -rf %s && mkdir -p %s", ledger_data, ledger_data);
+    CHECK(system(cmd) == 0, "mkdir");
+    S.ledger_days = 90, S.now = 1000000;
+    CHECK(unit_reopen_ledger(UDAY + 1000, err) == 0, "an empty ledger: %s", err);
+    char alias[256];
+    memset(alias, 'm', 255), alias[255] = 0;
+    rec_view v = {.charged = MAX_CHARGE * 5, .status = EV_ABANDONED, .flags = EVF_ESTIMATED | EVF_CACHE_HIT, .key = unit_id('k', 1),
+                  .group = unit_id('g', 1), .model = alias, .model_len = 255, .event = "{}", .event_len = 2, .replay = ""};
+    for (int k = 0; k < NTOK; k++) v.tok[k] = UINT32_MAX;
+    int64_t day;
+    uint64_t off;
+    uint32_t len;
+    CHECK(ledger_add(&v, UDAY + 2000, &day, &off, &len) == 0 && v.charged == MAX_CHARGE, "the most a charge may be, recorded");
+    ledger_sync(NULL);
+    CHECK(unit_reopen_ledger(UDAY + 3000, err) == 0 && LG.nseg == 1 && seg_count(LG.seg[0]) == 1, "the same day, started again: %s", err);
+    CHECK(unit_reopen_ledger(UDAY + DAY_MS + 3000, err) == 0 && LG.seg[0]->state == SEG_SEALED, "sealed, with its index file: %s", err);
+    usage_row by_day[1] = {{0}}, all = {0};
+    model_usage *mu = NULL;
+    int nmu = 0;
+    ledger_usage(UDAY, 1, NULL, by_day, &all, &mu, &nmu);
+    CHECK(all.requests == 1 && all.abandoned == 1 && all.spend == MAX_CHARGE && all.tok[TOK_REASONING] == UINT32_MAX, "read back whole");
+    free(mu);
+    store_reset();
+}
+
 /* A log whose disk fails keeps its records and writes them when it can. */
 static void test_log_failures(void) {
     char path[400];
@@ -1702,6 +1733,7 @@ int main(void) {
     test_ledger_days();
     test_ledger_budgets();
     test_ledger_migration();
+    test_ledger_extremes();
     test_exchange_fake();
     char cmd[400];
     snprintf(cmd, sizeof cmd, "rm -rf %s", unit_dir);
