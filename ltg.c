@@ -104,7 +104,7 @@
  * may change the operator-facing ones. The process-wide state -- options,
  * the loop, the listeners -- is one global struct, `S`; each later section
  * keeps its own state in statics beside its code (the structs ST, LOG, LG,
- * CACHE, TLS, PINS, ALOG; tables such as PEERS, INF_IDEM, METRICS, hosts;
+ * CACHE, TLS, PINS, ALOG, METERS; tables such as PEERS, INF_IDEM, METRICS, hosts;
  * the API kinds' WIRE), so a reader finds it where it is used. Nothing
  * else is global.
  */

@@ -340,11 +340,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) {
     chunk_checked(b + body, n - body, h, &out);
     sse_walk(out.p, out.len, h);
     sse_walk(b + body, n - body, h >> 7); /* a body without chunked coding */
-    long long in, ot;
     int no_choices;
     char *dec = copy(out.p, out.len);
-    usage_read(&WIRE[0], NULL, dec, out.len, &in, &ot, &no_choices);
-    usage_read(&WIRE[3], WIRE[3].event_usage, dec, out.len, &in, &ot, &no_choices);
+    for (size_t k = 0; k < sizeof WIRE / sizeof *WIRE; k++) { /* every kind's usage, classes and all: none trusts the input */
+        usage_counts uc = {0};
+        long long tok[NTOK];
+        usage_read(&WIRE[k], WIRE[k].event_usage, dec, out.len, &uc, &no_choices);
+        if (usage_classes(&WIRE[k], &uc, tok) == 0)
+            for (int c = 0; c < NTOK; c++) REQUIRE(tok[c] >= 0 && tok[c] <= 3LL * MAX_USAGE_TOKENS, "class %d: %lld", c, tok[c]);
+        usage_read(&WIRE[k], NULL, dec, out.len, &uc, &no_choices);
+    }
     attempt_context_length(status == 413 ? 413 : 400, dec, out.len);
     free(dec);
     buf_free(&out);
