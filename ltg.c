@@ -7859,8 +7859,9 @@ static void exchange_end(exchange *x) {
     conn *c = x->c;
     x->c = NULL;
     if (c) c->owner = NULL;
-    if (x->metering) {
+    if (x->metering) { /* what it holds but its meters goes now: the answer's connection, its group's slot, its timers */
         exchange_leave(x);
+        exchange_let_go(x);
         timer_stop(&x->deadline), timer_stop(&x->t);
     } else {
         exchange_free(x);
