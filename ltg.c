@@ -788,9 +788,20 @@ static int jp_name(jparser *p, size_t start, size_t end) {
     return 0;
 }
 
+static const jparser *jkey_doc; /* for the comparator: qsort has no context */
+
+/* By hash, then by the names themselves (equal names are neighbours even
+ * when other names share their hash), then by place. */
 static int jkey_cmp(const void *a, const void *b) {
     const jkey *x = a, *y = b;
-    return x->h != y->h ? (x->h > y->h) - (x->h < y->h) : (x->start > y->start) - (x->start < y->start);
+    if (x->h != y->h) return (x->h > y->h) - (x->h < y->h);
+    buf ta = {0}, tb = {0};
+    size_t na, nb;
+    const char *sa = jp_name_bytes(jkey_doc, x->start, x->end, &ta, &na), *sb = jp_name_bytes(jkey_doc, y->start, y->end, &tb, &nb);
+    int c = memcmp(sa, sb, na < nb ? na : nb);
+    if (!c) c = (na > nb) - (na < nb);
+    buf_free(&ta), buf_free(&tb);
+    return c ? c : (x->start > y->start) - (x->start < y->start);
 }
 
 /* json_scan: an object closed; its names are keys[base..]: each must be
@@ -798,6 +809,7 @@ static int jkey_cmp(const void *a, const void *b) {
 static int jp_names_unique(jparser *p, int base) {
     jkey *k = p->keys + base;
     int n = p->nkeys - base, dup = -1;
+    jkey_doc = p;
     qsort(k, (size_t)n, sizeof *k, jkey_cmp);
     buf ta = {0}, tb = {0};
     for (int i = 1; i < n && dup < 0; i++) {
@@ -2119,8 +2131,12 @@ static int cfg_prices(cfg *c, int v, const char *where, model *md) {
     if (cfg_int(c, lc, "above_input_tokens", at, 1, &md->long_above) < 0 || cfg_price(c, lc, "input_usd_per_mtok", at, &lusd[PRICE_IN]) < 0 ||
         cfg_price(c, lc, "output_usd_per_mtok", at, &lusd[PRICE_OUT]) < 0)
         return LTG_ERR;
-    for (int k = PRICE_CACHE_READ; k <= PRICE_CACHE_WRITE_1H; k++)
+    for (int k = PRICE_CACHE_READ; k <= PRICE_CACHE_WRITE_1H; k++) {
         lusd[k] = usd[PRICE_IN] > 0 ? usd[k] * lusd[PRICE_IN] / usd[PRICE_IN] : lusd[PRICE_IN] * by_api[k];
+        if (lusd[k] > MAX_PRICE_USD)
+            return cfg_fail(c, at, "input_usd_per_mtok", "makes %s %.2f USD per million tokens at this tier (the most is %.0f): the cache prices "
+                            "scale with the input price", names[k], lusd[k], MAX_PRICE_USD);
+    }
     prices_set(&md->long_price, lusd);
     return 0;
 }
@@ -5828,6 +5844,7 @@ typedef struct inf_idem {
     uint64_t off;
     uint32_t len;
     int64_t expires;      /* wall ms */
+    const buf *keep;      /* while its request's spend event waits for a meter: the answer, in the exchange */
 } inf_idem;
 
 static const void *inf_idem_key(const void *it, size_t *n) { *n = 32; return ((const inf_idem *)it)->key; }
@@ -6002,7 +6019,8 @@ static void rate_settle(allowance *a, int64_t sec, int64_t reserved, int64_t use
 typedef struct {
     int64_t cost;   /* micro-USD held against each budget */
     int64_t tok;    /* tokens counted in each window */
-    int64_t sec;    /* the second they are counted in (0: nothing held) */
+    int64_t sec;    /* the second they are counted in */
+    int held;       /* something is held (a later attempt adds to it) */
 } hold;
 
 typedef struct {
@@ -6012,12 +6030,12 @@ typedef struct {
 } hold_refusal;
 
 static int hold_reserve(allowance *const al[], int n, int64_t cost, int64_t tok, int64_t now, hold *h, hold_refusal *why) {
-    int more = h->sec != 0; /* a later attempt of a request held already: the request itself is counted */
+    int more = h->held; /* a later attempt of a request held already: the request itself is counted */
     for (int i = 0; i < n; i++)
         if ((why->wait = rate_check(al[i], !more, tok, &why->limit))) { why->who = i; return LTG_ERR; }
     for (int i = 0; i < n; i++)
         if (!budget_fits(al[i], cost, now)) { *why = (hold_refusal){i, "max_budget", 0}; return LTG_ERR; }
-    if (!more) *h = (hold){0, 0, S.now / 1000};
+    if (!more) *h = (hold){0, 0, S.now / 1000, 1};
     h->cost += cost, h->tok += tok;
     for (int i = 0; i < n; i++) al[i]->reserved += cost, rate_count(al[i], !more, tok, h->sec);
     return 0;
@@ -6026,13 +6044,26 @@ static int hold_reserve(allowance *const al[], int n, int64_t cost, int64_t tok,
 /* The request held *h: it was charged `charged` micro-USD and used `used`
  * tokens. An allowance gone meanwhile (its key or group deleted) is NULL. */
 static void hold_settle(allowance *const al[], int n, hold *h, int64_t charged, int64_t used, int64_t now) {
-    for (int i = 0; h->sec && i < n; i++) {
+    for (int i = 0; h->held && i < n; i++) {
         if (!al[i]) continue;
         budget_refresh(al[i], now);
         al[i]->reserved -= h->cost, al[i]->spend += charged;
         rate_settle(al[i], h->sec, h->tok, used);
     }
-    *h = (hold){0, 0, 0};
+    *h = (hold){0, 0, 0, 0};
+}
+
+/* One attempt of the request holding *h is billed: `less` micro-USD and
+ * `fewer` tokens of its worst case were not used, and are let go now, so
+ * that a later attempt is admitted against what was really spent (the
+ * rest of the hold is settled with the request). */
+static void hold_shrink(allowance *const al[], int n, hold *h, int64_t less, int64_t fewer) {
+    for (int i = 0; h->held && i < n; i++) {
+        if (!al[i]) continue;
+        al[i]->reserved -= less;
+        rate_settle(al[i], h->sec, fewer, 0);
+    }
+    if (h->held) h->cost -= less, h->tok -= fewer;
 }
 
 /* ---- response pins (previous_response_id) ---- */
@@ -7547,7 +7578,7 @@ struct exchange {
     char anthropic_version[64], anthropic_beta[256]; /* the client's, passed on to an Anthropic provider */
     int key, key_tries;   /* the provider key of the current attempt (-1: none); keys refused during it */
     int detached;         /* idempotent, its client gone: it runs on alone */
-    int64_t started, attempt_started;
+    int64_t started, attempt_started, answered_at;
     timer deadline, t;
     int last_status;      /* of the last failure: what the client gets when all fail */
     char last_reason[200];
@@ -7676,8 +7707,8 @@ static int usage_read(const wire_kind *k, const char *in, const char *s, size_t 
 static int usage_classes(const wire_kind *k, const usage_counts *uc, long long t[NTOK]) {
     memcpy(t, uc->raw, sizeof uc->raw);
     if (k->in_adds_cache) t[TOK_IN] += t[TOK_CACHE_READ] + t[TOK_CACHE_WRITE];
-    if (uc->bad || t[TOK_CACHE_READ] + t[TOK_CACHE_WRITE] > t[TOK_IN] || t[TOK_CACHE_WRITE_1H] > t[TOK_CACHE_WRITE] ||
-        t[TOK_REASONING] > t[TOK_OUT])
+    if (t[TOK_REASONING] > t[TOK_OUT]) t[TOK_OUT] += t[TOK_REASONING]; /* a provider that counts reasoning apart: output all the same */
+    if (uc->bad || t[TOK_CACHE_READ] + t[TOK_CACHE_WRITE] > t[TOK_IN] || t[TOK_CACHE_WRITE_1H] > t[TOK_CACHE_WRITE])
         return LTG_ERR;
     return 0;
 }
@@ -7954,18 +7985,17 @@ static int up_is_stream(const upstream *u);
  * message_start has that event's input counts, and the output estimated.
  * A whole answer the request gave up on is first read to its end without
  * a client (meter_start), so that the provider's own count bills it. */
-static void attempt_bill(exchange *x, attempt_entry *e, const upstream *u, const usage_counts *uc, size_t relayed) {
+static void attempt_price(exchange *x, attempt_entry *e, const upstream *u, const usage_counts *uc, size_t relayed) {
     model *m = x->chain[e->model];
     int reached = u && (u->wrote > 0 || u->have_head), status = u && u->have_head ? u->resp.status : 0;
     int whole = !x->stream || (u && u->have_head && !up_is_stream(u));
     long long t[NTOK] = {0}, out_est = whole ? e->w.out : (long long)(relayed / 3);
-    e->billed = 1;
     if (out_est > e->w.out) out_est = e->w.out;
     if (x->kind->free || !reached || status >= 300) return; /* nothing a provider bills */
     int ok = uc->seen && usage_classes(x->kind, uc, t) == 0;
     if (uc->seen && !ok)
         ltg_log("providers.%s: %s reported a usage that cannot be true (a count not a whole number from 0 to %d, or a part larger than "
-                "its whole): charged ltg's estimate", exchange_dep(x)->p->name, m->alias, MAX_USAGE_TOKENS);
+                "its whole): charged ltg's estimate", m->dep[e->dep].p->name, m->alias, MAX_USAGE_TOKENS);
     if (ok && !uc->final && !whole && t[TOK_OUT] < out_est) t[TOK_OUT] = out_est, e->estimated = 1; /* a cut stream's first count */
     if (ok) {
         memcpy(e->tok, t, sizeof t);
@@ -7974,10 +8004,24 @@ static void attempt_bill(exchange *x, attempt_entry *e, const upstream *u, const
         e->estimated = 1;
         e->tok[TOK_IN] = e->w.in, e->tok[TOK_OUT] = out_est;
         e->cost = whole ? e->w.cost : e->w.in_cost + (out_est * e->w.out_price + 999999) / 1000000;
+        if (e->cost > e->w.cost) e->cost = e->w.cost; /* two roundings up: never past what was held */
     }
-    if (ok && e->cost > e->w.cost) {
+}
+
+/* Bill attempt e (attempt_price), once: what its worst case held beyond
+ * that is let go at once (hold_shrink), so a later attempt is admitted
+ * against what was really spent. */
+static void attempt_bill(exchange *x, attempt_entry *e, const upstream *u, const usage_counts *uc, size_t relayed) {
+    model *m = x->chain[e->model];
+    attempt_price(x, e, u, uc, relayed);
+    e->billed = 1;
+    tkey *k = tkey_find(x->key_id);
+    group *g = group_find(x->group_id);
+    hold_shrink((allowance *[]){k ? &k->al : NULL, g ? &g->al : NULL}, 2, &x->hold, e->w.cost - e->cost,
+                e->w.in + e->w.out - e->tok[TOK_IN] - e->tok[TOK_OUT]);
+    if (!e->estimated && e->cost > e->w.cost) {
         ltg_log("%s: the provider reported more than ltg held for the attempt (%lld input, %lld output tokens, %.6f USD held): "
-                "its context_window, max_output_tokens or max_input_part_tokens may be wrong", m->alias, t[TOK_IN], t[TOK_OUT],
+                "its context_window, max_output_tokens or max_input_part_tokens may be wrong", m->alias, e->tok[TOK_IN], e->tok[TOK_OUT],
                 (double)e->w.cost / MICRO);
         metric_add(M_HOLD_EXCEEDED, 1, "model", m->alias, NULL);
     }
@@ -8041,7 +8085,7 @@ static void exchange_book(exchange *x, const char *keep, size_t keep_len) {
     tokens_json(&w, tok);
     jw_key(&w, "cost"), jw_usd(&w, cost);
     jw_key(&w, "usage_status"), jw_cstr(&w, estimated ? "estimated" : "reported");
-    jw_key(&w, "latency_ms"), jw_int(&w, S.now - x->started);
+    jw_key(&w, "latency_ms"), jw_int(&w, x->answered_at - x->started); /* to the answer, not to the last meter */
     jw_key(&w, "attempt_log"), exchange_attempts_json(x, &w);
     jw_close(&w, '}');
     /* An idempotent request keeps a whole answer (a success, or the
@@ -8063,7 +8107,11 @@ static void exchange_book(exchange *x, const char *keep, size_t keep_len) {
     int64_t day;
     uint64_t off;
     uint32_t len;
-    if (ledger_add(&v, now, &day, &off, &len) == 0 && replay.len) r->done = 1, r->expires = now + IDEM_TTL_MS, r->day = day, r->off = off, r->len = len;
+    int written = ledger_add(&v, now, &day, &off, &len) == 0;
+    if (r && replay.len) { /* replayed from the ledger from now on (or, not written, run again) */
+        r->done = written, r->keep = NULL;
+        if (written) r->expires = now + IDEM_TTL_MS, r->day = day, r->off = off, r->len = len;
+    }
     buf_free(&e), buf_free(&replay);
 }
 
@@ -8078,6 +8126,7 @@ static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int 
     if (e && !e->billed && !e->pending) attempt_bill(x, e, x->u, &x->usage, x->relayed);
     if (x->pin_id[0] && e && e->billed) pin_tokens(x->pin_id, e->tok[TOK_IN] + e->tok[TOK_OUT]);
     x->http_status = http_status, x->ev_status = ev_status, x->served = served, x->cache_hit = cache_hit, x->settled = 1;
+    x->answered_at = S.now;
     long long tok[NTOK];
     int estimated;
     int64_t cost = exchange_sum(x, tok, &estimated);
@@ -8088,7 +8137,13 @@ static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int 
         memcpy(f->tok, tok, sizeof tok);
     }
     if (!x->metering) exchange_book(x, keep, keep_len);
-    else if (keep && x->idem && keep_len <= REPLAY_MAX_BYTES) buf_append(&x->keep, keep, keep_len), x->keep_set = 1;
+    else if (keep && x->idem && keep_len <= REPLAY_MAX_BYTES) { /* a retry meanwhile is answered from memory */
+        inf_idem *r = x->idem;
+        buf_append(&x->keep, keep, keep_len), x->keep_set = 1;
+        r->done = 1, r->keep = &x->keep, r->expires = wall_ms() + IDEM_TTL_MS;
+        r->status = http_status, r->stream = x->state == X_RELAYING;
+        snprintf(r->served, sizeof r->served, "%s", served >= 0 ? x->chain[served]->alias : "");
+    }
     return cost;
 }
 
@@ -8349,10 +8404,13 @@ static int attempt_hold(exchange *x) {
     if (a && why.wait)
         snprintf(msg, sizeof msg, "the next attempt, on %s, may use up to %lld tokens, and %s allows %lld a minute: the request ends here",
                  m->alias, x->w.in + x->w.out, whose, a->tpm_limit);
+    else if (!a)
+        snprintf(msg, sizeof msg, "the next attempt, on %s, may cost more than %.0f USD (its output limit times the answers asked for): "
+                 "the request ends here", m->alias, MAX_CHARGE / MICRO);
     else
         snprintf(msg, sizeof msg, "the next attempt, on %s, may cost up to %.6f USD, and the budget of %s has %.6f USD left: the request ends here",
-                 m->alias, (double)x->w.cost / MICRO, whose, a ? budget_remaining(a) : 0.0);
-    exchange_fail(x, a && why.wait ? 429 : 403, a && why.wait ? "rate_limited" : "budget_exceeded", msg);
+                 m->alias, (double)x->w.cost / MICRO, whose, budget_remaining(a));
+    exchange_fail(x, !a ? 400 : why.wait ? 429 : 403, !a ? "invalid_request" : why.wait ? "rate_limited" : "budget_exceeded", msg);
     return LTG_ERR;
 }
 
@@ -8534,9 +8592,10 @@ static void exchange_upstream(void *owner) {
 }
 
 /* The client went away (see conn_close). Without an Idempotency-Key the
- * request is cancelled -- the running attempt is logged as cut, not ended:
- * nothing follows from it -- with one it runs on, and its answer waits for
- * the client's retry. */
+ * request is cancelled -- the running attempt is logged as cut
+ * (indeterminate, its breaker told nothing) and billed, a whole answer
+ * metered (attempt_over); the request is abandoned, 499 -- with one it
+ * runs on, and its answer waits for the client's retry. */
 static void exchange_abort(void *owner) {
     exchange *x = owner;
     x->c->owner = NULL;
@@ -8565,7 +8624,8 @@ static const conn_owner exchange_owner = {exchange_abort, exchange_drained};
  * from its spend event. */
 static void inference_replay(conn *c, const inf_idem *r) {
     buf h = {0}, answer = {0};
-    if (inf_idem_answer(r, &answer) < 0) {
+    if (r->keep) buf_append(&answer, r->keep->p ? r->keep->p : "", r->keep->len);
+    else if (inf_idem_answer(r, &answer) < 0) {
         conn_error(c, 503, "storage_unavailable", NULL, "the first answer to this Idempotency-Key cannot be read back from the ledger (see ltg's log)");
         return;
     }
@@ -8654,9 +8714,10 @@ static int admit_key(admission *a, refusal *r) {
  * API's shape (a "type" that names one). */
 static void count_part(void *ctx, const char *name, size_t nlen, const char *v, size_t vlen) {
     static const char *const kinds[] = {"image_url", "input_image", "image", "input_audio", "input_file", "file", "document", NULL};
-    if (nlen != 4 || memcmp(name, "type", 4) != 0) return;
+    json_tok tn = {JSON_STRING, 0, (uint32_t)nlen, 0, 1}, tv = {JSON_STRING, 0, (uint32_t)vlen, 0, 1}; /* compared unescaped */
+    if (!json_eq(name, &tn, 0, "type")) return;
     for (int i = 0; kinds[i]; i++)
-        if (strlen(kinds[i]) == vlen && memcmp(v, kinds[i], vlen) == 0) (*(long long *)ctx)++;
+        if (json_eq(v, &tv, 0, kinds[i])) (*(long long *)ctx)++;
 }
 
 /* A JSON object, each member name once in every object, with a "model". */
@@ -8674,7 +8735,9 @@ static int admit_body(admission *a, refusal *r) {
     if (json_scan(a->body, a->c->body.len, count_part, &a->shape.parts, &res) < 0) { /* the same, deeper: "stream_options" twice... */
         const char *at = a->body + res.err_offset;
         size_t n = 0;
-        while (n < 100 && res.err_offset + n < a->c->body.len && at[n] != '"') n++;
+        while (n < 100 && res.err_offset + n < a->c->body.len && (at[n] != '"' || (n && at[n - 1] == '\\'))) n++;
+        if (!strstr(res.err, "repeated"))
+            return refuse(r, 400, "invalid_request", NULL, "the request body is refused: %s (byte offset %zu)", res.err, res.err_offset);
         return refuse(r, 400, "invalid_request", NULL, "the request body has the member \"%.*s\" twice in one object (byte offset %zu): send each "
                       "member once -- ltg and a provider could read it differently", (int)n, at, res.err_offset);
     }

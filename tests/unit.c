@@ -48,6 +48,23 @@ static int parses(const char *s) {
     return json_parse(g, strlen(s), t, 256, -1, &r) == 0;
 }
 
+/* json_scan's duplicate check: names compared unescaped at every depth,
+ * also when another name shares their hash (sorted by hash, then name). */
+static void test_json_scan(void) {
+    json_result res;
+    static const char *const dups[] = {"{\"a\":1,\"a\":2}", "{\"a\":1,\"\\u0061\":2}", "[{\"x\":{},\"x\":[]}]",
+                                       "{\"s\":{\"include_usage\":true,\"include_usage\":false}}", "{\"a\":1,\"b\":2,\"c\":3,\"a\":4}"};
+    for (size_t i = 0; i < sizeof dups / sizeof *dups; i++)
+        CHECK(json_scan(dups[i], strlen(dups[i]), NULL, NULL, &res) < 0 && strstr(res.err, "repeated"), "a repeated name: %s", dups[i]);
+    static const char *const fine[] = {"{\"a\":{\"a\":1}}", "[{\"a\":1},{\"a\":2}]", "{}", "[]", "{\"a\":1,\"A\":2}"};
+    for (size_t i = 0; i < sizeof fine / sizeof *fine; i++) CHECK(json_scan(fine[i], strlen(fine[i]), NULL, NULL, &res) == 0, "taken: %s", fine[i]);
+    /* Names whose hashes collide, repeated around one that does not repeat: found all the same. */
+    jparser p = {.s = "{\"ab\":0,\"cd\":0,\"ab\":0}", .res = &res};
+    jkey k[3] = {{2, 4, 7}, {9, 11, 7}, {16, 18, 7}}; /* three names, one hash */
+    p.keys = k, p.nkeys = 3;
+    CHECK(jp_names_unique(&p, 0) < 0, "a repeated name between two others of its hash");
+}
+
 static void test_json_reader(void) {
     static const char *valid[] = {
         "{}", "[]", "0", "-0", "1.5e10", "-1.25E-3", "\"\"", "true", "false", "null", " \t\r\n{\"a\" : [1, 2, {\"b\":null}]} ",
@@ -1520,9 +1537,12 @@ static void test_ledger_pieces(void) {
     static const char *const hostile[] = {"{\"usage\":{\"prompt_tokens\":-5,\"completion_tokens\":1}}", "{\"usage\":{\"prompt_tokens\":12.5}}",
                                       "{\"usage\":{\"prompt_tokens\":\"12\"}}", "{\"usage\":{\"prompt_tokens\":1000000000000000}}",
                                       "{\"usage\":{\"prompt_tokens\":10,\"prompt_tokens_details\":{\"cached_tokens\":11}}}",
-                                      "{\"usage\":{\"completion_tokens\":10,\"completion_tokens_details\":{\"reasoning_tokens\":11}}}"};
+                                      "{\"usage\":{\"prompt_tokens\":5,\"prompt_tokens_details\":{\"cached_tokens\":-1}}}"};
     for (size_t i = 0; i < sizeof hostile / sizeof *hostile; i++)
         CHECK(UREAD(&WIRE[0], NULL, hostile[i]) == 1 && uc.seen && usage_classes(&WIRE[0], &uc, tk) < 0, "a usage that cannot be true: %s", hostile[i]);
+    const char *apart = "{\"usage\":{\"completion_tokens\":10,\"completion_tokens_details\":{\"reasoning_tokens\":11}}}";
+    CHECK(UREAD(&WIRE[0], NULL, apart) == 1 && usage_classes(&WIRE[0], &uc, tk) == 0 && tk[TOK_OUT] == 21 && tk[TOK_REASONING] == 11,
+          "reasoning counted apart from the output (more than it): billed as output all the same");
     /* A thousand embeddings, then the usage: the answer's size does not matter. */
     buf big = {0};
     buf_puts(&big, "{\"data\":[");
@@ -1716,6 +1736,7 @@ int main(void) {
     setvbuf(stdout, NULL, _IOLBF, 0); /* a crash keeps the lines before it */
     S.ledger_days = 90;                /* main()'s default */
     test_json_reader();
+    test_json_scan();
     test_json_writer();
     test_http_request();
     test_http_response();
