@@ -117,6 +117,7 @@
 #define READ_CHUNK 16384
 #define OUT_HIGH_WATER (256 * 1024)      /* unsent output past this: stop reading the upstream, or the client */
 #define BODY_MIN_RATE 4096               /* bytes/s a request body must keep up, after --head-timeout */
+#define RAW_BODY_MAX(max) (2 * (max) + 65536) /* raw bytes of a chunked body of at most `max` decoded: its framing bounded too */
 #define EPISODE_QUIET_MS 10000           /* an episode of refused connections ends after this long without one */
 #define LINGER_MS 2000                   /* after an answer that closes, what the client still sends is read and dropped this long */
 #define POOL_IDLE_MS 30000               /* idle pooled upstream connection lifetime */
@@ -171,6 +172,7 @@ static struct {
     /* options */
     const char *config_path, *data_dir, *resolv_conf;
     const char *listen_addr, *admin_addr;
+    const char *trusted_proxies; /* --trusted-proxies (section 15) */
     int max_conns, drain_seconds;
     int max_per_ip;           /* inference connections from one client address */
     int max_stream_s;         /* a started stream is cut after this long */
@@ -209,11 +211,12 @@ static struct {
 
     /* state */
     catalog *cat;
-    uint64_t rng[4];
+    br_hmac_drbg_context rng; /* every id and jitter: seeded from getrandom (section 2) */
+    uint8_t rng_pool[512];    /* its output not yet used */
+    size_t rng_left;
     uint64_t request_seq;
 
     /* name resolution */
-    int dns_fd;
     struct sockaddr_storage dns_servers[3];
     int ndns_servers;
     dns_entry *dns_cache;
@@ -261,20 +264,31 @@ static double clock_s(void) { /* finer, for what takes less than a millisecond (
     return (double)ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
-static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
-
+/* Random numbers for every id ltg makes (request ids, resource UUIDs, DNS
+ * query ids) and for retry jitter: BearSSL's HMAC-DRBG (SHA-256), seeded
+ * with 32 bytes from getrandom(), so that no id tells anything of the
+ * next. It is drawn 512 bytes at a time: a request costs a fraction of one
+ * generate call. Without getrandom() (it never fails on Linux since 3.17
+ * once the pool is ready, which it is long before ltg starts) ltg refuses
+ * to make ids from something weaker and stops. */
 static void rng_seed(void) {
-    if (getrandom(S.rng, sizeof S.rng, 0) != sizeof S.rng) {
-        S.rng[0] = (uint64_t)clock_ms() ^ (uint64_t)getpid() << 32; /* kernel without getrandom: weak but usable for ids */
-        S.rng[1] = 0x9e3779b97f4a7c15ULL, S.rng[2] = 0xbf58476d1ce4e5b9ULL, S.rng[3] = 0x94d049bb133111ebULL;
+    uint8_t seed[32];
+    if (getrandom(seed, sizeof seed, 0) != (ssize_t)sizeof seed) {
+        ltg_log("getrandom: %s: no seed for the random ids", strerror(errno));
+        abort();
     }
+    br_hmac_drbg_init(&S.rng, &br_sha256_vtable, seed, sizeof seed);
+    S.rng_left = 0;
 }
 
 static uint64_t rng_next(void) {
-    if (!(S.rng[0] | S.rng[1] | S.rng[2] | S.rng[3])) rng_seed(); /* never from an all-zero state: it stays zero */
-    uint64_t *s = S.rng, result = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
-    s[2] ^= s[0], s[3] ^= s[1], s[1] ^= s[2], s[0] ^= s[3], s[2] ^= t, s[3] = rotl(s[3], 45);
-    return result;
+    if (!S.rng.digest_class) rng_seed();
+    if (S.rng_left < 8) br_hmac_drbg_generate(&S.rng, S.rng_pool, sizeof S.rng_pool), S.rng_left = sizeof S.rng_pool;
+    uint64_t v;
+    S.rng_left -= 8;
+    memcpy(&v, S.rng_pool + S.rng_left, 8);
+    memset(S.rng_pool + S.rng_left, 0, 8); /* used once */
+    return v;
 }
 
 static void *xmalloc(size_t n) {
@@ -402,9 +416,9 @@ static void os_random(void *p, size_t n) {
     }
 }
 
-/* A random (version 4) UUID: 8-4-4-4-12 hex digits, the version nibble 4.
- * An id, not a secret: from the generator (a spend event makes one per
- * request, and a system call each would show). */
+/* A random (version 4) UUID: 8-4-4-4-12 hex digits, the version nibble 4,
+ * from the generator above (a spend event makes one per request, and a
+ * system call each would show). */
 static void uuid_new(char out[37]) {
     uint8_t b[16];
     char h[33];
@@ -1260,6 +1274,7 @@ int http_parse_response(const char *b, size_t len, http_response *r) {
     }
     r->minor = b[7] - '0';
     r->status = (b[9] - '0') * 100 + (b[10] - '0') * 10 + (b[11] - '0');
+    if (r->status < 100 || r->status > 599) { r->err = "a status outside 100-599"; return LTG_ERR; } /* RFC 9110 15 */
     size_t i = 12;
     if (b[i] == ' ') i++;
     size_t s = i;
@@ -1289,8 +1304,8 @@ long chunk_decode(chunk_decoder *d, const char *in, size_t n, buf *out) {
             break;
         }
         case CHUNK_SIZE_WS: /* white space after the size: then ";" and an extension, or the line's end */
-            if (c == ';') d->state = CHUNK_EXT, d->line = 0;
-            else if (c == ' ' || c == '\t') d->state = CHUNK_SIZE_WS;
+            if (c == ';') d->state = CHUNK_EXT;
+            else if ((c == ' ' || c == '\t') && ++d->line <= 1024) d->state = CHUNK_SIZE_WS; /* bounded, as an extension */
             else if (c == '\r') d->state = CHUNK_SIZE_LF;
             else goto bad;
             i++;
@@ -1542,6 +1557,7 @@ struct dns_entry {
     int64_t expires;              /* S.now ms; for a pending entry: unused */
     uint16_t qid;
     int tries;
+    int fd;                       /* the socket of its query in flight (-1: none), connected to its server */
     timer t;
     upstream *waiters;
     const char *err;
@@ -1660,12 +1676,24 @@ static int dns_skip_name(const uint8_t *p, size_t n, size_t *i) {
     return LTG_ERR;
 }
 
-/* Parse a DNS answer to query `id`: the first A record, and the smallest
- * TTL of the records on the way to it. Returns 0, or LTG_ERR with *why. */
-static int dns_parse_answer(const uint8_t *p, size_t n, uint16_t id, struct in_addr *addr, uint32_t *ttl, const char **why) {
+/* Does the answer p[0..n) ask the one question of query q[0..qn) (its
+ * name compared without case, as DNS does)? */
+static int dns_same_question(const uint8_t *p, size_t n, const uint8_t *q, size_t qn) {
+    if (n < qn || p[4] != 0 || p[5] != 1) return 0;
+    for (size_t i = 12; i < qn; i++)
+        if (tolower(p[i]) != tolower(q[i])) return 0;
+    return 1;
+}
+
+/* Parse a DNS answer to query q (qn bytes: its id and its question): the
+ * first A record, and the smallest TTL of the records on the way to it.
+ * Returns 0, or LTG_ERR with *why. An answer whose id or question is not
+ * the query's is not an answer to it: a spoofed reply must guess both, and
+ * the source port of a socket opened for this query alone. */
+static int dns_parse_answer(const uint8_t *p, size_t n, const uint8_t *q, size_t qn, struct in_addr *addr, uint32_t *ttl, const char **why) {
     *why = "malformed DNS answer";
     if (n < 12) return LTG_ERR;
-    if ((uint16_t)(p[0] << 8 | p[1]) != id || !(p[2] & 0x80)) { *why = "DNS answer to another query"; return LTG_ERR; }
+    if (p[0] != q[0] || p[1] != q[1] || !(p[2] & 0x80) || !dns_same_question(p, n, q, qn)) { *why = "DNS answer to another query"; return LTG_ERR; }
     int rcode = p[3] & 0x0F;
     if (rcode == 3) { *why = "no such host (NXDOMAIN)"; return LTG_ERR; }
     if (rcode != 0) { *why = "DNS server failure"; return LTG_ERR; }
@@ -1700,6 +1728,7 @@ static upstream **up_wait_link(upstream *u); /* the link of an upstream in a wai
 
 static void dns_finish(dns_entry *e, const char *err) {
     timer_stop(&e->t);
+    if (e->fd >= 0) loop_close(e->fd), e->fd = -1;
     e->state = err ? DNS_FAILED : DNS_OK;
     e->err = err;
     if (err) e->expires = S.now + DNS_NEGATIVE_TTL_S * 1000;
@@ -1713,14 +1742,21 @@ static void dns_finish(dns_entry *e, const char *err) {
     }
 }
 
+static void dns_readable(void *ctx, int revents);
+
+/* Send e's query to its next server, from a socket of its own (a new
+ * random source port each try, answers from that server alone). */
 static void dns_send(dns_entry *e) {
     uint8_t q[300];
     int n = dns_build_query(e->name, e->qid, q, sizeof q);
     const struct sockaddr_storage *srv = &S.dns_servers[e->tries % S.ndns_servers];
     e->tries++;
     if (n < 0) { dns_finish(e, "invalid host name"); return; }
-    if (sendto(S.dns_fd, q, (size_t)n, 0, (const struct sockaddr *)srv, addr_len(srv)) < 0)
+    if (e->fd >= 0) loop_close(e->fd);
+    e->fd = socket(AF_INET, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (e->fd < 0 || connect(e->fd, (const struct sockaddr *)srv, addr_len(srv)) < 0 || send(e->fd, q, (size_t)n, 0) < 0)
         ltg_log("DNS query for %s: %s", e->name, strerror(errno)); /* the timer retries */
+    if (e->fd >= 0) loop_watch(e->fd, POLLIN, dns_readable, e);
     timer_set(&e->t, DNS_TIMEOUT_MS);
 }
 
@@ -1730,31 +1766,28 @@ static void dns_timeout(void *ctx) {
     else dns_send(e);
 }
 
+/* Datagrams on e's socket (connected: only its server's). One that is not
+ * an answer to its query is dropped, and the query waits on. */
 static void dns_readable(void *ctx, int revents) {
-    (void)ctx, (void)revents;
-    uint8_t p[1500];
-    struct sockaddr_storage from;
-    for (;;) {
-        socklen_t fl = sizeof from;
-        ssize_t n = recvfrom(S.dns_fd, p, sizeof p, 0, (struct sockaddr *)&from, &fl);
-        if (n < 0) return; /* EAGAIN, or an ICMP error for a query: its timer retries */
-        if (n < 2) continue;
-        uint16_t id = (uint16_t)(p[0] << 8 | p[1]);
-        for (dns_entry *e = S.dns_cache; e; e = e->next) {
-            if (e->state != DNS_PENDING || e->qid != id) continue;
-            const struct sockaddr_storage *srv = &S.dns_servers[(e->tries - 1) % S.ndns_servers];
-            if (fl != addr_len(srv) || memcmp(&from, srv, fl) != 0) continue; /* not the server we asked */
-            struct in_addr a;
-            uint32_t ttl;
-            const char *why;
-            if (dns_parse_answer(p, (size_t)n, id, &a, &ttl, &why) < 0) { dns_finish(e, why); break; }
-            memset(&e->addr, 0, sizeof e->addr);
-            ((struct sockaddr_in *)&e->addr)->sin_family = AF_INET;
-            ((struct sockaddr_in *)&e->addr)->sin_addr = a;
-            e->expires = S.now + (int64_t)ttl * 1000;
-            dns_finish(e, NULL);
-            break;
+    (void)revents;
+    dns_entry *e = ctx;
+    uint8_t p[1500], q[300];
+    int qn = dns_build_query(e->name, e->qid, q, sizeof q);
+    while (e->fd >= 0) {
+        ssize_t n = recv(e->fd, p, sizeof p, 0);
+        if (n < 0) return; /* EAGAIN, or an ICMP error for the query: its timer retries */
+        struct in_addr a;
+        uint32_t ttl;
+        const char *why;
+        if (dns_parse_answer(p, (size_t)n, q, (size_t)qn, &a, &ttl, &why) < 0) {
+            if (strcmp(why, "DNS answer to another query") != 0) dns_finish(e, why);
+            continue;
         }
+        memset(&e->addr, 0, sizeof e->addr);
+        ((struct sockaddr_in *)&e->addr)->sin_family = AF_INET;
+        ((struct sockaddr_in *)&e->addr)->sin_addr = a;
+        e->expires = S.now + (int64_t)ttl * 1000;
+        dns_finish(e, NULL);
     }
 }
 
@@ -1770,13 +1803,13 @@ static int dns_resolve(const char *host, upstream *u, struct sockaddr_storage *a
     if (e && e->state != DNS_PENDING && e->expires <= S.now) e->state = DNS_PENDING, e->tries = 0, e->qid = 0;
     if (e && e->state == DNS_OK) { *addr = e->addr; return 0; }
     if (e && e->state == DNS_FAILED) { *err = e->err; return LTG_ERR; }
-    if (!S.ndns_servers || S.dns_fd < 0) { *err = "no DNS server (nameserver in /etc/resolv.conf)"; return LTG_ERR; }
+    if (!S.ndns_servers) { *err = "no DNS server (nameserver in /etc/resolv.conf)"; return LTG_ERR; }
     if (strlen(host) >= sizeof e->name) { *err = "host name too long"; return LTG_ERR; }
     if (!e) {
         e = xcalloc(1, sizeof *e);
         snprintf(e->name, sizeof e->name, "%s", host);
         timer_init(&e->t, dns_timeout, e);
-        e->state = DNS_PENDING;
+        e->state = DNS_PENDING, e->fd = -1;
         e->next = S.dns_cache, S.dns_cache = e;
     }
     *up_wait_link(u) = e->waiters;
@@ -1800,8 +1833,6 @@ static void dns_init(void) {
     for_each_line("/etc/hosts", hosts_line);
     for_each_line(S.resolv_conf, resolv_line);
     if (!S.ndns_servers) resolv_line((char *[]){"nameserver", "127.0.0.1"}, 2); /* the resolver's documented default */
-    S.dns_fd = socket(AF_INET, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (S.dns_fd >= 0) loop_watch(S.dns_fd, POLLIN, dns_readable, NULL);
 }
 
 /* ===== 7. Catalog config =====
@@ -2579,6 +2610,7 @@ static int tls_pump(tls_conn *t, int fd, const char *out, size_t outlen, size_t 
                     int *ready, short *events, char *why, size_t whylen) {
     br_ssl_engine_context *eng = &t->sc.eng;
     int out_blocked = 0, in_blocked = 0, rc = PUMP_OK;
+    size_t took = 0; /* bytes from the socket this call: at most 4 x READ_CHUNK, as a plain read (poll comes back for the rest) */
     unsigned st;
     for (;;) {
         st = br_ssl_engine_current_state(eng);
@@ -2615,10 +2647,10 @@ static int tls_pump(tls_conn *t, int fd, const char *out, size_t outlen, size_t 
             if (*sent == outlen) br_ssl_engine_flush(eng, 0); /* the request is whole: send its last record now */
             continue;
         }
-        if ((st & BR_SSL_RECVREC) && !in_blocked && reading) {
+        if ((st & BR_SSL_RECVREC) && !in_blocked && reading && took < 4 * READ_CHUNK) {
             p = br_ssl_engine_recvrec_buf(eng, &n);
             ssize_t r = recv(fd, p, n, 0);
-            if (r > 0) { br_ssl_engine_recvrec_ack(eng, (size_t)r); continue; }
+            if (r > 0) { br_ssl_engine_recvrec_ack(eng, (size_t)r), took += (size_t)r; continue; }
             if (r < 0 && errno == EINTR) continue;
             if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) in_blocked = 1;
             else if (r == 0) { rc = PUMP_EOF; break; } /* without close_notify: the HTTP framing decides */
@@ -2984,6 +3016,8 @@ static void up_release(upstream *u) {
     u->state = UP_IDLE;
     u->owner = NULL;
     u->body.len = 0;
+    if (u->out.cap > (1 << 20)) buf_free(&u->out); /* an idle connection keeps no large request's memory */
+    if (u->body.cap > (1 << 20)) buf_free(&u->body);
     loop_events(u->fd, 0);
     timer_set(&u->t, POOL_IDLE_MS);
     u->link = p->idle, p->idle = u, p->nidle++;
@@ -5801,6 +5835,12 @@ static void cache_keyof(const char *group_id, const char *path, const char *alia
     br_sha256_out(&h, out);
 }
 
+/* Is there a live answer under key? (It changes nothing: no LRU move.) */
+static int cache_holds(const uint8_t key[32]) {
+    cache_entry *e = hmap_get(&CACHE.map, key, 32);
+    return e && e->expires > S.now;
+}
+
 static cache_entry *cache_get(const uint8_t key[32]) {
     cache_entry *e = hmap_get(&CACHE.map, key, 32);
     if (!e) return NULL;
@@ -5845,14 +5885,19 @@ typedef struct inf_idem {
     uint32_t len;
     int64_t expires;      /* wall ms */
     const buf *keep;      /* while its request's spend event waits for a meter: the answer, in the exchange */
+    int cached;           /* the first answer came from the cache: no copy is kept (a tenant could fill the disk
+                             with copies of one answer); a retry gets it from the cache while it is there, else runs again */
+    uint8_t cache_key[32];
 } inf_idem;
 
 static const void *inf_idem_key(const void *it, size_t *n) { *n = 32; return ((const inf_idem *)it)->key; }
 static hmap INF_IDEM = {.key = inf_idem_key};
 
+static int cache_holds(const uint8_t key[32]);
+
 static inf_idem *inf_idem_find(const uint8_t key[32], int64_t now) {
     inf_idem *r = hmap_get(&INF_IDEM, key, 32);
-    if (r && r->done && r->expires <= now) {
+    if (r && r->done && (r->expires <= now || (r->cached && !cache_holds(r->cache_key)))) {
         hmap_del(&INF_IDEM, key, 32);
         free(r);
         return NULL;
@@ -6074,7 +6119,7 @@ typedef struct {
     int64_t at;      /* S.now when made */
     size_t idlen;
     long long tokens;/* its input and output: what a follow-up's provider adds to the input (-1: unknown) */
-    char text[];     /* the response id, NUL, the alias, NUL, the deployment's name, NUL */
+    char text[];     /* the group's id (36), the response id: the key (idlen bytes); NUL, the alias, NUL, the deployment, NUL */
 } pin;
 
 static const void *pin_key(const void *it, size_t *n) { *n = ((const pin *)it)->idlen; return ((const pin *)it)->text; }
@@ -6095,32 +6140,46 @@ static void pins_expire(void) {
     while (PINS.n && PINS.ring[PINS.head]->at + PIN_TTL_MS <= S.now) pin_drop_oldest();
 }
 
-/* Response `id` (n bytes) was made by `alias` on deployment `dep`. */
-static void pin_put(const char *id, size_t n, const char *alias, const char *dep) {
+/* A pin is the group's: another group's key neither finds it nor learns
+ * that it exists (its follow-up goes where it asks, and the provider,
+ * which holds the conversation under its own account, decides). */
+static pin *pin_find(const char *gid, const char *id, size_t n) {
+    char k[36 + 256];
+    if (n > 256) return NULL;
+    memcpy(k, gid, 36), memcpy(k + 36, id, n);
+    return hmap_get(&PINS.map, k, 36 + n);
+}
+
+/* Response `id` (n bytes) of a request of `group` was made by `alias` on
+ * deployment `dep` (gid: the group's id). */
+static void pin_put(const char *gid, const char *id, size_t n, const char *alias, const char *dep) {
     if (!n || n > 256) return; /* an id is short; a long one is not a provider's */
     if (!PINS.ring) PINS.ring = xcalloc(PIN_MAX, sizeof *PINS.ring);
     pins_expire();
     if (PINS.n == PIN_MAX) pin_drop_oldest(); /* full: the oldest makes room */
-    size_t an = strlen(alias), dn = strlen(dep);
-    pin *p = xcalloc(1, sizeof *p + n + an + dn + 3);
-    p->at = S.now, p->idlen = n, p->tokens = -1;
-    memcpy(p->text, id, n), memcpy(p->text + n + 1, alias, an), memcpy(p->text + n + an + 2, dep, dn);
+    size_t kn = 36 + n, an = strlen(alias), dn = strlen(dep);
+    pin *p = xcalloc(1, sizeof *p + kn + an + dn + 3);
+    p->at = S.now, p->idlen = kn, p->tokens = -1;
+    memcpy(p->text, gid, 36), memcpy(p->text + 36, id, n);
+    memcpy(p->text + kn + 1, alias, an), memcpy(p->text + kn + an + 2, dep, dn);
     hmap_put(&PINS.map, p); /* an id made twice: the newer wins; the older leaves with its ring slot */
     PINS.ring[(PINS.head + PINS.n++) % PIN_MAX] = p;
 }
 
-/* The alias that made response `id`, or NULL; *dep gets its deployment's
- * name, *tokens its usage (-1: unknown). */
-static const char *pin_get(const char *id, size_t n, const char **dep, long long *tokens) {
+/* The alias that made response `id` for `group`, or NULL; *dep gets its
+ * deployment's name, *tokens its usage (-1: unknown). */
+static const char *pin_get(const char *gid, const char *id, size_t n, const char **dep, long long *tokens) {
     pins_expire();
-    pin *p = hmap_get(&PINS.map, id, n);
-    if (p) *dep = p->text + n + strlen(p->text + n + 1) + 2, *tokens = p->tokens;
-    return p ? p->text + n + 1 : NULL;
+    pin *p = pin_find(gid, id, n);
+    if (!p) return NULL;
+    const char *alias = p->text + p->idlen + 1;
+    *dep = alias + strlen(alias) + 1, *tokens = p->tokens;
+    return alias;
 }
 
-/* Response `id` used `tokens` in all, input and output. */
-static void pin_tokens(const char *id, long long tokens) {
-    pin *p = hmap_get(&PINS.map, id, strlen(id));
+/* Response `id` of `group` used `tokens` in all, input and output. */
+static void pin_tokens(const char *gid, const char *id, long long tokens) {
+    pin *p = pin_find(gid, id, strlen(id));
     if (p) p->tokens = tokens;
 }
 
@@ -6185,7 +6244,8 @@ struct conn {
     conn_state state;
     buf in;                   /* received bytes; the current request's head first */
     size_t scan;              /* http_head_end's resume point */
-    size_t head_len, body_raw;/* bytes of `in` taken by the current head and body */
+    size_t head_len, body_raw;/* bytes of `in` taken by the current head and body (until it is decoded) */
+    size_t body_in;           /* the raw bytes the body took, once decoded (the access log's bytes_in) */
     http_request req;
     chunk_decoder cd;
     buf body;                 /* the current request's decoded body */
@@ -6202,6 +6262,9 @@ struct conn {
     int64_t state_at;         /* S.now: when its state began (shedding takes the oldest) */
     uint64_t served;          /* requests answered: one that had none yet is new, not idle */
     struct peer *peer;        /* its client address, counted (inference connections) */
+    uint8_t client[16];       /* that address: the socket's, or what a trusted proxy says (the access log's "client") */
+    int trusted;              /* it comes from --trusted-proxies */
+    int proxy_pending;        /* ... and may still begin with a PROXY protocol header */
     void *owner;              /* what serves the current request over several turns (an exchange), or NULL */
     const conn_owner *owner_ops; /* and how it is told of the client (ltg.h) */
     char rid[32];             /* the current request's id */
@@ -6419,7 +6482,7 @@ static void conn_done(conn *c) {
     if (S.ended) S.ended(c);
     conn_fresh(c);
     buf_consume(&c->in, c->head_len + c->body_raw);
-    c->head_len = c->body_raw = c->scan = 0;
+    c->head_len = c->body_raw = c->body_in = c->scan = 0;
     c->body.len = 0;
     if (c->body.cap > (1 << 20)) buf_free(&c->body); /* a large body's memory is not kept for the next request */
     if (c->in.cap > (1 << 20) && c->in.len < 65536) {
@@ -6520,17 +6583,22 @@ static void conn_arm_timer(conn *c) {
     if (kind == c->timer_kind && kind != TK_BODY) return; /* a head's limit counts from its first byte */
     c->timer_kind = kind;
     c->written_mark = c->written;
-    int64_t body = (int64_t)(c->in.len - c->head_len); /* a body has --head-timeout, and a second more per BODY_MIN_RATE bytes */
+    /* A body has --head-timeout, and a second more per BODY_MIN_RATE bytes of it -- decoded bytes: framing earns no time. */
+    int64_t body = c->req.chunked ? (int64_t)c->body.len : (int64_t)(c->in.len - c->head_len);
     if (kind == TK_NONE) timer_stop(&c->t);
     else if (kind == TK_BODY) timer_set(&c->t, c->state_at + S.head_timeout_ms + body * 1000 / BODY_MIN_RATE - S.now);
     else timer_set(&c->t, kind == TK_HEAD ? S.head_timeout_ms : S.idle_timeout_ms);
 }
+
+static int conn_proxy(conn *c);
+static int conn_forwarded(conn *c);
 
 /* Parse and serve as many buffered requests as may be served now. */
 static void conn_process(conn *c) {
     assert(!c->processing); /* see conn_done: nothing up the stack is parsing this connection */
     c->processing = 1;
     while (!c->closing && c->state != CONN_BUSY && !c->close_after && conn_unsent(c) < OUT_HIGH_WATER) {
+        if (c->state == CONN_HEAD && c->proxy_pending && conn_proxy(c) <= 0) break;
         if (c->state == CONN_HEAD) {
             int n = http_head_end(c->in.p, c->in.len, &c->scan);
             if (n == LTG_AGAIN && c->in.len <= MAX_HEAD_BYTES) break;
@@ -6556,6 +6624,10 @@ static void conn_process(conn *c) {
             if (k < 0) { conn_fail(c, 400, "bad_request", "malformed chunked request body"); break; }
             c->body_raw += (size_t)k;
             if ((long long)c->body.len > S.max_body) { conn_fail(c, 413, "body_too_large", "the request body is too large"); break; }
+            if ((long long)c->body_raw > RAW_BODY_MAX(S.max_body)) { /* framing is bytes too: 1-byte chunks or long extensions */
+                conn_fail(c, 413, "body_too_large", "the chunked request body's framing is too large for its data: send larger chunks");
+                break;
+            }
             if (c->cd.state != CHUNK_DONE) break;
         } else if (c->req.content_length > 0) {
             size_t cl = (size_t)c->req.content_length;
@@ -6564,7 +6636,15 @@ static void conn_process(conn *c) {
             c->body_raw = cl;
         }
         if (!c->body.p) buf_reserve(&c->body, 0);
+        /* The body is decoded: its raw bytes leave the input, so that a request is held once (c->body). */
+        memmove(c->in.p + c->head_len, c->in.p + c->head_len + c->body_raw, c->in.len - c->head_len - c->body_raw + 1);
+        c->in.len -= c->body_raw;
+        c->body_in = c->body_raw, c->body_raw = 0;
         c->state = CONN_BUSY, c->state_at = S.now;
+        if (c->trusted && conn_forwarded(c) < 0) {
+            conn_error(c, 429, "too_many_connections", "Retry-After: 1\r\n", "your address holds --max-conns-per-ip connections through the gateway's load balancer: retry shortly");
+            continue;
+        }
         S.serve(c);
     }
     c->processing = 0;
@@ -6643,16 +6723,119 @@ static int conn_shed(int admin) {
     return victim != NULL;
 }
 
-/* The client address of a new connection (for --max-conns-per-ip): the
- * entry that counts its connections, made if it has none (a refused
- * newcomer's new entry, left at 0, goes with peer_drop). */
-static peer *peer_of(const struct sockaddr_storage *sa) {
-    uint8_t a[16] = {0};
+/* ---- behind a load balancer: --trusted-proxies ----
+ *
+ * Behind a balancer every connection comes from the balancer's address, so
+ * a per-address cap would cap everyone at once. A connection from an
+ * address of --trusted-proxies is not capped itself; the client it speaks
+ * for is, and is the one the access log names: given by a PROXY protocol
+ * header (v1 or v2, HAProxy's send-proxy) at the connection's start, or by
+ * X-Forwarded-For on each request (the rightmost address that is not a
+ * trusted proxy: what nginx's $proxy_add_x_forwarded_for appends). From
+ * any other address both are ignored -- a PROXY header is bad HTTP, and a
+ * client cannot name itself someone else. IPv6 clients are counted per /64
+ * (one host has a /64 to pick addresses from). */
+#define MAX_TRUSTED 32
+
+static struct {
+    uint8_t a[MAX_TRUSTED][16]; /* IPv6, or IPv4 mapped into it */
+    int bits[MAX_TRUSTED];
+    int n;
+} TRUSTED;
+
+/* The 16-byte form of a socket address (IPv4 mapped into IPv6). */
+static void addr16(const struct sockaddr_storage *sa, uint8_t a[16]) {
+    memset(a, 0, 16);
     if (sa->ss_family == AF_INET6) memcpy(a, &((const struct sockaddr_in6 *)sa)->sin6_addr, 16);
-    else {
-        a[10] = a[11] = 0xff;
-        memcpy(a + 12, &((const struct sockaddr_in *)sa)->sin_addr, 4);
+    else a[10] = a[11] = 0xff, memcpy(a + 12, &((const struct sockaddr_in *)sa)->sin_addr, 4);
+}
+
+static int addr16_parse(const char *s, size_t n, uint8_t a[16]) {
+    char t[64];
+    struct sockaddr_storage ss;
+    if (n >= sizeof t) return LTG_ERR;
+    memcpy(t, s, n), t[n] = 0;
+    if (addr_parse(t, &ss) < 0) return LTG_ERR;
+    addr16(&ss, a);
+    return 0;
+}
+
+static int addr_is_v4(const uint8_t a[16]) {
+    static const uint8_t mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+    return memcmp(a, mapped, 12) == 0;
+}
+
+static int addr_trusted(const uint8_t a[16]) {
+    for (int i = 0; i < TRUSTED.n; i++) {
+        int bits = TRUSTED.bits[i], whole = bits / 8, rest = bits % 8;
+        if (memcmp(a, TRUSTED.a[i], (size_t)whole) == 0 && (!rest || ((a[whole] ^ TRUSTED.a[i][whole]) >> (8 - rest)) == 0)) return 1;
     }
+    return 0;
+}
+
+/* --trusted-proxies ADDR[/BITS][,...]: 0, or LTG_ERR with *why. */
+static int trusted_parse(const char *list, const char **why) {
+    *why = "expected addresses or networks, comma-separated: 10.0.0.0/8,192.168.1.5,fd00::/8";
+    for (const char *p = list; *p;) {
+        const char *end = strchr(p, ','), *slash;
+        size_t n = end ? (size_t)(end - p) : strlen(p);
+        slash = memchr(p, '/', n);
+        if (TRUSTED.n == MAX_TRUSTED) { *why = "at most 32 addresses or networks"; return LTG_ERR; }
+        uint8_t *a = TRUSTED.a[TRUSTED.n];
+        if (addr16_parse(p, slash ? (size_t)(slash - p) : n, a) < 0) return LTG_ERR;
+        long long bits = addr_is_v4(a) ? 32 : 128, max = bits;
+        if (slash && (parse_ll(slash + 1, n - (size_t)(slash + 1 - p), max, &bits) < 0)) return LTG_ERR;
+        TRUSTED.bits[TRUSTED.n++] = (int)bits + (addr_is_v4(a) ? 96 : 0);
+        p += n + (end ? 1 : 0);
+    }
+    return 0;
+}
+
+/* A PROXY protocol header at the start of in[0..n): its length, with the
+ * client's address in a[16]; 0 when in does not start with one; LTG_AGAIN
+ * when it is not whole yet; LTG_ERR when it is malformed. (v2 LOCAL, a
+ * balancer's own health check, and v1 UNKNOWN leave a as it was.) */
+static int proxy_header(const char *in, size_t n, uint8_t a[16]) {
+    static const char v2[12] = {'\r', '\n', '\r', '\n', 0, '\r', '\n', 'Q', 'U', 'I', 'T', '\n'};
+    if (n >= 1 && memcmp(in, v2, n < 12 ? n : 12) == 0) {
+        if (n < 16) return LTG_AGAIN;
+        const uint8_t *h = (const uint8_t *)in;
+        size_t len = 16 + ((size_t)h[14] << 8 | h[15]);
+        if (len > 16 + 512) return LTG_ERR;
+        if (n < len) return LTG_AGAIN;
+        if (h[12] >> 4 != 2 || (h[12] & 0x0F) > 1) return LTG_ERR;
+        if ((h[12] & 0x0F) == 0) return (int)len; /* LOCAL */
+        if (h[13] == 0x11 && len >= 16 + 12) memset(a, 0, 10), a[10] = a[11] = 0xff, memcpy(a + 12, h + 16, 4);
+        else if (h[13] == 0x21 && len >= 16 + 36) memcpy(a, h + 16, 16);
+        else if (h[13] >> 4 != 0) return LTG_ERR; /* AF_UNIX or garbage; 0x00: UNSPEC, a as it was */
+        return (int)len;
+    }
+    if (n < 6 ? memcmp(in, "PROXY ", n) != 0 : memcmp(in, "PROXY ", 6) != 0) return 0;
+    const char *eol = memchr(in, '\n', n < 107 ? n : 107);
+    if (!eol) return n < 107 ? LTG_AGAIN : LTG_ERR;
+    if (eol == in || eol[-1] != '\r') return LTG_ERR;
+    const char *w[6];
+    size_t wl[6];
+    int nw = 0;
+    for (const char *p = in + 6; p < eol - 1 && nw < 6;) {
+        const char *sp = memchr(p, ' ', (size_t)(eol - 1 - p));
+        size_t l = sp ? (size_t)(sp - p) : (size_t)(eol - 1 - p);
+        w[nw] = p, wl[nw++] = l;
+        p += l + 1;
+    }
+    if (nw >= 1 && wl[0] == 7 && memcmp(w[0], "UNKNOWN", 7) == 0) return (int)(eol - in + 1);
+    if (nw != 5 || wl[0] != 4 || (memcmp(w[0], "TCP4", 4) != 0 && memcmp(w[0], "TCP6", 4) != 0) || addr16_parse(w[1], wl[1], a) < 0)
+        return LTG_ERR;
+    return (int)(eol - in + 1);
+}
+
+/* The entry that counts a client address's inference connections (for
+ * --max-conns-per-ip), made if it has none (a refused newcomer's new
+ * entry, left at 0, goes with peer_drop). An IPv6 client is its /64. */
+static peer *peer_of(const uint8_t addr[16]) {
+    uint8_t a[16];
+    memcpy(a, addr, 16);
+    if (!addr_is_v4(a)) memset(a + 8, 0, 8);
     peer *p = hmap_get(&PEERS, a, 16);
     if (p) return p;
     p = xcalloc(1, sizeof *p);
@@ -6660,6 +6843,67 @@ static peer *peer_of(const struct sockaddr_storage *sa) {
     hmap_put(&PEERS, p);
     return p;
 }
+
+static episode ep_per_ip;
+
+/* A connection from a trusted proxy: its PROXY protocol header, if it
+ * starts with one, names the client it is counted for. 1 when the head
+ * may be read now, 0 to wait for more bytes, LTG_ERR when it was closed. */
+static int conn_proxy(conn *c) {
+    int n = proxy_header(c->in.p ? c->in.p : "", c->in.len, c->client);
+    if (n == LTG_AGAIN) return 0;
+    if (n < 0) { conn_fail(c, 400, "bad_request", "malformed PROXY protocol header"); return LTG_ERR; }
+    c->proxy_pending = 0;
+    if (!n) return 1;
+    buf_consume(&c->in, (size_t)n);
+    if (c->admin) return 1;
+    peer *p = peer_of(c->client);
+    if (p->n >= S.max_per_ip) {
+        episode_note(&ep_per_ip);
+        peer_drop(p);
+        conn_close(c);
+        return LTG_ERR;
+    }
+    p->n++, c->peer = p;
+    return 1;
+}
+
+/* A request through a trusted proxy names its client in X-Forwarded-For
+ * (the last such header): the rightmost address that is not a trusted
+ * proxy. The connection counts for that client from now on; LTG_ERR when
+ * that client holds --max-conns-per-ip connections already. */
+static int conn_forwarded(conn *c) {
+    const char *v = NULL;
+    size_t n = 0;
+    for (int i = 0; i < c->req.nh; i++)
+        if (ascii_casecmp_n(c->in.p + c->req.h[i].name.off, c->req.h[i].name.len, "x-forwarded-for") == 0)
+            v = c->in.p + c->req.h[i].value.off, n = c->req.h[i].value.len;
+    uint8_t a[16];
+    int found = 0;
+    for (size_t end = n; v && end > 0 && !found;) {
+        size_t start = end, s, e;
+        while (start > 0 && v[start - 1] != ',') start--;
+        for (s = start; s < end && (v[s] == ' ' || v[s] == '\t'); s++) {}
+        for (e = end; e > s && (v[e - 1] == ' ' || v[e - 1] == '\t'); e--) {}
+        if (addr16_parse(v + s, e - s, a) < 0) break; /* not an address: nothing to its left is believed */
+        found = !addr_trusted(a);
+        end = start ? start - 1 : 0;
+    }
+    if (!found) return 0;
+    memcpy(c->client, a, 16);
+    if (c->admin) return 0;
+    peer *p = peer_of(a);
+    if (p == c->peer) return 0;
+    if (p->n >= S.max_per_ip) {
+        episode_note(&ep_per_ip);
+        peer_drop(p);
+        return LTG_ERR;
+    }
+    if (c->peer) c->peer->n--, peer_drop(c->peer);
+    p->n++, c->peer = p;
+    return 0;
+}
+
 
 /* The bearer token of the request, or NULL. */
 static const char *request_bearer(conn *c, size_t *n) {
@@ -7574,6 +7818,7 @@ struct exchange {
     int avoid_model;      /* ... the chain index of that model */
     int probe;            /* the current attempt is its deployment's breaker probe */
     int pinned;           /* its response id is pinned to its model (section 14) */
+    int shortened;        /* its client set a timeout or deadline shorter than its group's: its timeouts are not the provider's */
     char pin_id[257];     /* ... that id ("" when none) */
     char anthropic_version[64], anthropic_beta[256]; /* the client's, passed on to an Anthropic provider */
     int key, key_tries;   /* the provider key of the current attempt (-1: none); keys refused during it */
@@ -7754,23 +7999,17 @@ static int provider_key(provider *p) {
 static void exchange_build(exchange *x) {
     deployment *d = exchange_dep(x);
     provider *p = d->p;
-    buf name = {0}, body = {0};
+    buf name = {0};
     jwriter w;
     jw_init(&w, &name);
     jw_cstr(&w, d->upstream);
     x->edit[0].text = name.p; /* edit 0 is always "model" */
-    uint32_t at = 0;
-    for (int i = 0; i < x->nedit; i++) {
-        buf_append(&body, x->body.p + at, x->edit[i].at - at);
-        buf_puts(&body, x->edit[i].text);
-        at = x->edit[i].end;
-    }
-    buf_append(&body, x->body.p + at, x->body.len - at);
-    x->edit[0].text = NULL;
+    size_t len = x->body.len;
+    for (int i = 0; i < x->nedit; i++) len += strlen(x->edit[i].text) - (x->edit[i].end - x->edit[i].at);
     x->req.len = 0;
     buf_printf(&x->req, "POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %zu\r\n"
                         "Accept: %s\r\nAccept-Encoding: identity\r\nUser-Agent: ltg/0.1\r\n",
-               p->base_path, x->kind->upstream, p->hostport, body.len, x->stream ? "text/event-stream" : "application/json");
+               p->base_path, x->kind->upstream, p->hostport, len, x->stream ? "text/event-stream" : "application/json");
     x->key = provider_key(p);
     const char *key = x->key >= 0 ? p->keys[x->key] : NULL;
     if (p->api == API_ANTHROPIC) {
@@ -7779,8 +8018,15 @@ static void exchange_build(exchange *x) {
         if (x->anthropic_beta[0]) buf_printf(&x->req, "anthropic-beta: %s\r\n", x->anthropic_beta);
     } else if (key) buf_printf(&x->req, "Authorization: Bearer %s\r\n", key);
     buf_puts(&x->req, "\r\n");
-    buf_append(&x->req, body.p, body.len);
-    buf_free(&name), buf_free(&body);
+    uint32_t at = 0; /* the body with its edits, straight into the request: no copy between */
+    for (int i = 0; i < x->nedit; i++) {
+        buf_append(&x->req, x->body.p + at, x->edit[i].at - at);
+        buf_puts(&x->req, x->edit[i].text);
+        at = x->edit[i].end;
+    }
+    buf_append(&x->req, x->body.p + at, x->body.len - at);
+    x->edit[0].text = NULL;
+    buf_free(&name);
 }
 
 /* A Responses API answer (or, in a stream, the event whose "response"
@@ -7799,7 +8045,7 @@ static void response_pin(exchange *x, const char *s, size_t n, int event) {
     if (id < 0 || t[id].type != JSON_STRING) return;
     buf v = {0};
     json_unescape(s, t, id, &v);
-    pin_put(v.p, v.len, exchange_model(x)->alias, exchange_dep(x)->name);
+    pin_put(x->group_id, v.p, v.len, exchange_model(x)->alias, exchange_dep(x)->name);
     x->pinned = 1;
     snprintf(x->pin_id, sizeof x->pin_id, "%s", v.len < sizeof x->pin_id ? v.p : ""); /* its usage follows: exchange_settle */
     buf_free(&v);
@@ -8093,7 +8339,11 @@ static void exchange_book(exchange *x, const char *keep, size_t keep_len) {
      * an answer too large to keep, is not kept, so a retry tries afresh. */
     buf replay = {0};
     inf_idem *r = x->idem;
-    if (r && keep && keep_len <= REPLAY_MAX_BYTES) {
+    if (r && x->cache_hit) { /* see inf_idem.cached */
+        r->done = 1, r->cached = 1, r->status = 200, r->expires = now + IDEM_TTL_MS;
+        memcpy(r->cache_key, x->cache_key, 32);
+        snprintf(r->served, sizeof r->served, "%s", m ? m->alias : "");
+    } else if (r && keep && keep_len <= REPLAY_MAX_BYTES) {
         r->status = x->http_status, r->stream = x->state == X_RELAYING;
         snprintf(r->served, sizeof r->served, "%s", m ? m->alias : "");
         inf_idem_json(&replay, r, keep, keep_len);
@@ -8124,7 +8374,7 @@ static void exchange_book(exchange *x, const char *keep, size_t keep_len) {
 static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int served, int cache_hit, const char *keep, size_t keep_len) {
     attempt_entry *e = x->nlog ? &x->log[x->nlog - 1] : NULL;
     if (e && !e->billed && !e->pending) attempt_bill(x, e, x->u, &x->usage, x->relayed);
-    if (x->pin_id[0] && e && e->billed) pin_tokens(x->pin_id, e->tok[TOK_IN] + e->tok[TOK_OUT]);
+    if (x->pin_id[0] && e && e->billed) pin_tokens(x->group_id, x->pin_id, e->tok[TOK_IN] + e->tok[TOK_OUT]);
     x->http_status = http_status, x->ev_status = ev_status, x->served = served, x->cache_hit = cache_hit, x->settled = 1;
     x->answered_at = S.now;
     long long tok[NTOK];
@@ -8426,8 +8676,12 @@ static void attempt_end(exchange *x, const attempt_result *r) {
     else snprintf(why, sizeof why, "answered %d", r->status);
     attempt_log(x, r->status, o, o == OUTCOME_OK ? NULL : why);
     deployment *d = r->skipped ? NULL : exchange_dep(x);
-    if (d && u && u->local && x->probe) breaker_forget_probe(d); /* ltg's own shortage says nothing about the provider */
-    else if (d && (!u || !u->local)) breaker_record(d, o, x->probe, S.now);
+    /* Told to the breaker: what ltg would have seen of the provider without this client. ltg's own
+     * shortage says nothing of it, nor does a timeout the client set shorter than its group's (a
+     * tenant must not open another tenant's breaker with x-ltg-request-timeout: 100). */
+    if (d && ((u && u->local) || (r->timeout && x->shortened))) {
+        if (x->probe) breaker_forget_probe(d);
+    } else if (d) breaker_record(d, o, x->probe, S.now);
     if (d && o == OUTCOME_NO_WORK) x->avoid |= 1u << x->dep;
     x->probe = 0;
     timer_stop(&x->t);
@@ -8480,6 +8734,7 @@ static void exchange_attempt(exchange *x) {
     if (x->rp.request_timeout_ms > 0) timer_set(&x->t, x->rp.request_timeout_ms);
     x->busy = exchange_dep(x), x->busy->inflight++;
     x->u = S.up_open(x->busy->p, x, exchange_upstream, x->req.p, x->req.len);
+    buf_free(&x->req); /* the connection has its own copy; the next attempt builds its own */
 }
 
 /* `t` fired: what it means is the exchange's state. */
@@ -8624,12 +8879,15 @@ static const conn_owner exchange_owner = {exchange_abort, exchange_drained};
  * from its spend event. */
 static void inference_replay(conn *c, const inf_idem *r) {
     buf h = {0}, answer = {0};
-    if (r->keep) buf_append(&answer, r->keep->p ? r->keep->p : "", r->keep->len);
+    cache_entry *hit = r->cached ? cache_get(r->cache_key) : NULL; /* inf_idem_find saw it there */
+    if (hit) buf_append(&answer, hit->body, hit->len);
+    else if (r->keep) buf_append(&answer, r->keep->p ? r->keep->p : "", r->keep->len);
     else if (inf_idem_answer(r, &answer) < 0) {
         conn_error(c, 503, "storage_unavailable", NULL, "the first answer to this Idempotency-Key cannot be read back from the ledger (see ltg's log)");
         return;
     }
-    buf_printf(&h, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: 0\r\nx-ltg-replayed: true\r\n", c->rid, c->rid);
+    buf_printf(&h, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: 0\r\nx-ltg-replayed: true\r\n%s", c->rid, c->rid,
+               hit ? "x-ltg-cache: hit\r\n" : "");
     if (r->status >= 200 && r->status < 300) buf_printf(&h, "x-ltg-served-model: %s\r\n", r->served);
     if (r->stream) {
         char size[32];
@@ -8668,6 +8926,7 @@ typedef struct {
     inf_idem *replay;         /* an earlier request with the same key */
     hold hold;                /* its worst case, once held */
     int pin_dep;              /* previous_response_id's deployment of chain[0], or -1 */
+    int shortened;            /* a timeout or deadline shorter than the group's (see exchange.shortened) */
     char retry_after[40];     /* a rate limit's Retry-After header line */
 } admission;
 
@@ -8764,7 +9023,7 @@ static int admit_model(admission *a, refusal *r) {
         buf id = {0};
         a->shape.added = -1; /* the conversation the provider adds: the model's context_window, or what the pin knows */
         json_unescape(a->body, a->t, prev, &id);
-        pinned = id.p ? pin_get(id.p, id.len, &dep, &a->shape.added) : NULL; /* it lives in the pin, not in id */
+        pinned = id.p ? pin_get(a->g->id, id.p, id.len, &dep, &a->shape.added) : NULL; /* it lives in the pin, not in id */
         buf_free(&id);
     }
     if (pinned) {
@@ -8833,8 +9092,10 @@ static int admit_overrides(admission *a, refusal *r) {
     size_t n;
     for (int i = 0; i < 4; i++) {
         const char *h = http_header_get(a->c->in.p, q->h, q->nh, ov[i].name, &n);
+        long long own = v[i];
         if (h && (parse_ll(h, n, LLONG_MAX / 2, &v[i]) < 0 || v[i] < ov[i].lo || v[i] > ov[i].hi))
             return refuse(r, 400, "invalid_request", NULL, "the header %s must be a whole number from %lld to %lld", ov[i].name, ov[i].lo, ov[i].hi);
+        if (h && i >= 2 && (v[i] < own || (i == 2 && own == 0))) a->shortened = 1; /* a request timeout of 0 is none */
     }
     a->rp.max_attempts = (int)v[0], a->rp.retry_delay_ms = (int)v[1], a->rp.request_timeout_ms = (int)v[2], a->deadline_ms = v[3];
     const char *b = http_header_get(a->c->in.p, q->h, q->nh, "x-ltg-backoff", &n);
@@ -8878,9 +9139,9 @@ static int admit_parallel(admission *a, refusal *r) {
 
 /* Nothing is served that cannot be metered (section 13). */
 static int admit_storage(admission *a, refusal *r) {
-    const char *why;
+    const char *why; /* for ltg's log, which has said it: a tenant learns nothing of the disk */
     if (a->kind->free || ledger_writable(&why)) return ADMIT; /* a free request leaves no event */
-    return refuse(r, 503, "storage_unavailable", "Retry-After: 1\r\n", "spend events cannot be recorded now (%.300s): nothing is sent upstream until they can", why);
+    return refuse(r, 503, "storage_unavailable", "Retry-After: 1\r\n", "spend events cannot be recorded now: nothing is sent upstream until they can");
 }
 
 /* The worst case -- of cost (section 14) and of tokens (the prompt's
@@ -8941,7 +9202,6 @@ static exchange *exchange_new(admission *a) {
     memcpy(x->chain, a->chain, sizeof x->chain), x->nchain = a->nchain;
     conn_header(a->c, "anthropic-version", x->anthropic_version, sizeof x->anthropic_version);
     conn_header(a->c, "anthropic-beta", x->anthropic_beta, sizeof x->anthropic_beta);
-    buf_append(&x->body, a->body, a->c->body.len);
     x->edit[x->nedit++] = (body_edit){a->t[a->mv].start - 1, a->t[a->mv].end + 1, NULL}; /* "model": see exchange_build */
     if (a->usage.text) x->edit[x->nedit++] = a->usage, a->usage.text = NULL;
     if (x->nedit == 2 && x->edit[1].at < x->edit[0].at) {
@@ -8950,7 +9210,7 @@ static exchange *exchange_new(admission *a) {
     }
     x->rp = a->rp, x->deadline_ms = a->deadline_ms;
     x->plan = plan_start(a->nchain, a->rp.max_attempts);
-    x->pin = a->pin_dep;
+    x->pin = a->pin_dep, x->shortened = a->shortened;
     x->started = S.now;
     x->hold = a->hold; /* held by admit_hold */
     x->shape = a->shape;
@@ -8959,6 +9219,7 @@ static exchange *exchange_new(admission *a) {
     timer_init(&x->t, exchange_timer, x);
     if (a->g->cache_ttl > 0) x->cache_mode = a->stream || a->bypass ? CACHE_BYPASS : CACHE_MISS;
     if (x->cache_mode == CACHE_MISS) cache_keyof(a->g->id, a->kind->path, a->name.p, a->body, a->c->body.len, x->cache_key);
+    x->body = a->c->body, a->c->body = (buf){0}; /* the body moves to the exchange: a request is held once */
     if (a->ik) { /* the replay record this request fills (a cached answer too: its retry gets the same) */
         x->idem = xcalloc(1, sizeof *x->idem);
         memcpy(x->idem->key, a->idem_key, 32), memcpy(x->idem->body, a->body_hash, 32);
@@ -9163,12 +9424,15 @@ static void request_ended(conn *c) {
     jw_open(&w, '{');
     jw_key(&w, "ts"), jw_cstr(&w, ts);
     jw_key(&w, "request_id"), jw_str_or_null(&w, c->rid);
+    char client[INET6_ADDRSTRLEN];
+    inet_ntop(addr_is_v4(c->client) ? AF_INET : AF_INET6, addr_is_v4(c->client) ? c->client + 12 : c->client, client, sizeof client);
+    jw_key(&w, "client"), jw_cstr(&w, client);
     jw_key(&w, "plane"), jw_cstr(&w, c->admin ? "admin" : "inference");
     jw_key(&w, "method"), jw_str(&w, c->in.p + c->req.method.off, c->req.method.len);
     jw_key(&w, "path"), jw_str_or_null(&w, path);
     jw_key(&w, "status"), jw_int(&w, status);
     jw_key(&w, "ms"), jw_int(&w, ms);
-    jw_key(&w, "bytes_in"), jw_int(&w, (long long)(c->head_len + c->body_raw));
+    jw_key(&w, "bytes_in"), jw_int(&w, (long long)(c->head_len + c->body_raw + c->body_in));
     jw_key(&w, "bytes_out"), jw_int(&w, (long long)(c->queued - c->queued_mark));
     jw_key(&w, "token_key_id"), jw_str_or_null(&w, f->key_id);
     jw_key(&w, "token_group_id"), jw_str_or_null(&w, f->group_id);
@@ -9309,16 +9573,15 @@ static void metrics_reply(conn *c) {
  */
 /* GET (or HEAD: some load balancers probe with it) /healthz, the liveness
  * check, always 200; /readyz, 503 while draining or while a log cannot be
- * written (section 12: what cannot be recorded is refused), with why. */
+ * written (section 12: what cannot be recorded is refused), saying which
+ * -- never its path or the system's error: anyone may ask, and ltg's own
+ * log has them. */
 static void probe_reply(conn *c, int ready) {
     if (!method_is(c, "HEAD") && !method_is(c, "GET")) { conn_error(c, 405, "method_not_allowed", NULL, "use GET for %s", ready ? "/readyz" : "/healthz"); return; }
-    const char *status = ready ? "ready" : "ok", *why = NULL;
+    const char *status = ready ? "ready" : "ok", *why = NULL, *unused;
     if (ready && S.draining) status = "draining";
-    else if (ready && !ledger_writable(&why)) status = "storage_unavailable";
-    else if (ready && LOG.f.failing) {
-        status = "storage_unavailable";
-        why = LOG.f.why;
-    }
+    else if (ready && !ledger_writable(&unused)) status = "storage_unavailable", why = "the ledger cannot be written (see ltg's log)";
+    else if (ready && LOG.f.failing) status = "storage_unavailable", why = "the state log cannot be written (see ltg's log)";
     buf b = {0};
     jwriter w;
     jw_init(&w, &b), jw_open(&w, '{'), jw_key(&w, "status"), jw_cstr(&w, status);
@@ -9407,13 +9670,17 @@ static void listener_accept(void *ctx, int revents) {
             return;
         }
         if (shedding) ltg_log("accepting connections again"), shedding = 0;
-        peer *p = admin ? NULL : peer_of(&sa);
+        uint8_t a[16];
+        addr16(&sa, a);
+        int trusted = addr_trusted(a); /* a balancer: the client it speaks for is counted, not it */
+        peer *p = admin || trusted ? NULL : peer_of(a);
         int full = admin ? S.nadmin >= S.max_admin : S.nconns - S.nadmin >= S.max_conns;
         if (p && p->n >= S.max_per_ip) episode_note(&ep_per_ip);
         else if (full && !conn_shed(admin)) episode_note(&ep_full);
         else if (fd < S.nfds_cap) {
             if (full) episode_note(&ep_shed);
             conn_new(fd, admin, p);
+            memcpy(conns->client, a, 16), conns->trusted = conns->proxy_pending = trusted;
             continue;
         }
         close(fd); /* refused: closed at once */
@@ -9511,6 +9778,7 @@ static const char USAGE[] =
     "  --cache-mb N             memory for the response cache (default 64)\n"
     "  --max-conns N            inference connections (default 1024)\n"
     "  --max-conns-per-ip N     inference connections per client address (default a quarter of --max-conns)\n"
+    "  --trusted-proxies LIST   load balancers (ADDR[/BITS],...) whose PROXY header or X-Forwarded-For names the client\n"
     "  --drain-seconds N        on SIGTERM, how long requests in flight may finish (default 10)\n"
     "  --max-body-mb N          request body limit (default 8)\n"
     "  --head-timeout S         a request head must arrive within S seconds (default 10)\n"
@@ -9541,7 +9809,7 @@ typedef struct {
 static const option options[] = {
     {"--config", .str = &S.config_path}, {"--data", .str = &S.data_dir}, {"--listen", .str = &S.listen_addr},
     {"--admin-listen", .str = &S.admin_addr}, {"--resolv-conf", .str = &S.resolv_conf}, {"--ca-file", .str = &TLS.ca_file},
-    {"--access-log", .str = &ALOG.path}, {"--metrics-auth", .i = &S.metrics_auth, .flag = 1},
+    {"--access-log", .str = &ALOG.path}, {"--metrics-auth", .i = &S.metrics_auth, .flag = 1}, {"--trusted-proxies", .str = &S.trusted_proxies},
     {"--max-conns", NULL, &S.max_conns, NULL, 1, 1000000, 1, 0},
     {"--max-conns-per-ip", NULL, &S.max_per_ip, NULL, 1, 1000000, 1, 0},
     {"--drain-seconds", NULL, &S.drain_seconds, NULL, 1, 1000000, 1, 0},
@@ -9650,6 +9918,7 @@ int main(int argc, char **argv) {
     if (!S.config_path) usage("--config FILE is required: the catalog of providers, models and admin keys");
     if (!S.data_dir) usage("--data DIR is required: the directory that keeps token groups, keys and the ledger");
     if (access_open(err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
+    if (S.trusted_proxies && trusted_parse(S.trusted_proxies, &why) < 0) { fprintf(stderr, "ltg: --trusted-proxies %s: %s\n", S.trusted_proxies, why); return 2; }
     signal(SIGPIPE, SIG_IGN);
     rng_seed();
     S.now = clock_ms();

@@ -296,6 +296,8 @@ def t_storage_disk_full():
             answered += 1
         check(refused is not None, "100 calls answered 200 on a full disk")
         it.check_openai_error(refused, 503, "storage_unavailable")
+        check(a.data_dir.encode() not in refused.body and b"No space" not in refused.body,
+              "the refusal shows a tenant the data path or the system's error: %r" % refused.body)
         upstream = L.upstream_calls()
         for i in range(5):
             it.check_openai_error(L.call(token, body(200 + i), port=a.port), 503, "storage_unavailable")
@@ -303,6 +305,8 @@ def t_storage_disk_full():
         for p in (a.port, a.admin_port):
             r = readyz(p)
             check(r.status == 503 and r.json().get("status") == "storage_unavailable", "/readyz on a full disk: %s" % r.brief())
+            check(b"/" not in r.body.replace(b"ltg's log", b"") and b"No space" not in r.body,
+                  "/readyz shows the data path or the system's error to anyone: %r" % r.body)
             check(it.one_request(p, "GET", "/healthz", auth=None).status == 200, "/healthz stays 200 (liveness)")
         made = []                                 # a change may still fit in a page the state log had
         for i in range(50):

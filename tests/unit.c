@@ -431,6 +431,7 @@ static void test_dns(void) {
     CHECK(n == (int)sizeof want && memcmp(q, want, sizeof want) == 0, "query bytes");
     CHECK(dns_build_query("a..b", 1, q, sizeof q) < 0, "empty label");
     CHECK(dns_build_query("example.com.", 1, q, sizeof q) > 0, "trailing dot");
+    n = dns_build_query("api.example.com", 0x1234, q, sizeof q); /* the query the answers below answer */
 
     /* An answer: the question, a CNAME (ttl 300) then an A record (ttl 60), names compressed. */
     uint8_t a[512];
@@ -444,15 +445,25 @@ static void test_dns(void) {
     struct in_addr addr;
     uint32_t ttl;
     const char *why;
-    CHECK(dns_parse_answer(a, i, 0x1234, &addr, &ttl, &why) == 0 && ttl == 60 && ntohl(addr.s_addr) == 0x0A010203, "A after CNAME");
-    CHECK(dns_parse_answer(a, i, 0x9999, &addr, &ttl, &why) < 0, "wrong id");
+    CHECK(dns_parse_answer(a, i, q, (size_t)n, &addr, &ttl, &why) == 0 && ttl == 60 && ntohl(addr.s_addr) == 0x0A010203, "A after CNAME");
+    uint8_t other[300];
+    int on = dns_build_query("api.example.com", 0x9999, other, sizeof other);
+    CHECK(dns_parse_answer(a, i, other, (size_t)on, &addr, &ttl, &why) < 0 && strstr(why, "another query"), "wrong id");
+    on = dns_build_query("api.example.org", 0x1234, other, sizeof other);
+    CHECK(dns_parse_answer(a, i, other, (size_t)on, &addr, &ttl, &why) < 0 && strstr(why, "another query"), "another name, the same id");
+    on = dns_build_query("API.Example.COM", 0x1234, other, sizeof other);
+    CHECK(dns_parse_answer(a, i, other, (size_t)on, &addr, &ttl, &why) == 0, "the same name in other case");
+    a[5] = 2;
+    CHECK(dns_parse_answer(a, i, q, (size_t)n, &addr, &ttl, &why) < 0, "two questions: not an answer to ours");
+    a[5] = 1;
     for (size_t cut = 0; cut < i; cut++) /* every truncation fails cleanly (the guard page catches over-reads) */
-        CHECK(dns_parse_answer((const uint8_t *)guarded((const char *)a, cut), cut, 0x1234, &addr, &ttl, &why) < 0, "truncated at %zu", cut);
+        CHECK(dns_parse_answer((const uint8_t *)guarded((const char *)a, cut), cut, q, (size_t)n, &addr, &ttl, &why) < 0, "truncated at %zu", cut);
     a[3] = 0x83;
-    CHECK(dns_parse_answer(a, i, 0x1234, &addr, &ttl, &why) < 0 && strstr(why, "NXDOMAIN"), "nxdomain");
-    /* A compression loop must not hang. */
-    uint8_t loop[] = {0x12, 0x34, 0x81, 0x80, 0, 0, 0, 1, 0, 0, 0, 0, 0xC0, 12, 0, 1, 0, 1, 0, 0, 0, 1, 0, 4, 1, 2, 3, 4};
-    CHECK(dns_parse_answer(loop, sizeof loop, 0x1234, &addr, &ttl, &why) == 0, "pointer answer parses");
+    CHECK(dns_parse_answer(a, i, q, (size_t)n, &addr, &ttl, &why) < 0 && strstr(why, "NXDOMAIN"), "nxdomain");
+    /* A compression loop must not hang: a question and an answer both named by a pointer to themselves. */
+    uint8_t loop[] = {0x12, 0x34, 0x81, 0x80, 0, 1, 0, 1, 0, 0, 0, 0, 0xC0, 12, 0, 1, 0, 1,
+                      0xC0, 12, 0, 1, 0, 1, 0, 0, 0, 1, 0, 4, 1, 2, 3, 4};
+    CHECK(dns_parse_answer(loop, sizeof loop, loop, 18, &addr, &ttl, &why) == 0, "pointer answer parses");
 }
 
 /* ---- the store: validation ---- */
@@ -1585,22 +1596,24 @@ static void test_ledger_pieces(void) {
     /* Response pins: found by id, gone after 24 hours, the oldest out first past PIN_MAX. */
     int64_t now0 = S.now;
     const char *pd = NULL;
-    pin_put("resp_a", 6, "Kimi-K3", "local/kimi-k3");
+    const char *G1 = unit_id('g', 1), *G2 = unit_id('g', 2);
+    pin_put(G1, "resp_a", 6, "Kimi-K3", "local/kimi-k3");
     long long ptok;
-    CHECK(pin_get("resp_a", 6, &pd, &ptok) && strcmp(pin_get("resp_a", 6, &pd, &ptok), "Kimi-K3") == 0 && strcmp(pd, "local/kimi-k3") == 0 &&
-          ptok == -1 && !pin_get("resp_b", 6, &pd, &ptok), "a pin");
-    pin_tokens("resp_a", 1234);
-    CHECK(pin_get("resp_a", 6, &pd, &ptok) && ptok == 1234, "its usage, once known");
-    pin_put("resp_a", 6, "GLM", "eu/glm");
-    CHECK(strcmp(pin_get("resp_a", 6, &pd, &ptok), "GLM") == 0 && strcmp(pd, "eu/glm") == 0, "the same id again: the newer wins");
+    CHECK(!pin_get(G2, "resp_a", 6, &pd, &ptok), "another group's pin: not found");
+    CHECK(pin_get(G1, "resp_a", 6, &pd, &ptok) && strcmp(pin_get(G1, "resp_a", 6, &pd, &ptok), "Kimi-K3") == 0 && strcmp(pd, "local/kimi-k3") == 0 &&
+          ptok == -1 && !pin_get(G1, "resp_b", 6, &pd, &ptok), "a pin");
+    pin_tokens(G1, "resp_a", 1234);
+    CHECK(pin_get(G1, "resp_a", 6, &pd, &ptok) && ptok == 1234, "its usage, once known");
+    pin_put(G1, "resp_a", 6, "GLM", "eu/glm");
+    CHECK(strcmp(pin_get(G1, "resp_a", 6, &pd, &ptok), "GLM") == 0 && strcmp(pd, "eu/glm") == 0, "the same id again: the newer wins");
     S.now += PIN_TTL_MS;
-    CHECK(!pin_get("resp_a", 6, &pd, &ptok) && PINS.n == 0, "expired after 24 hours");
+    CHECK(!pin_get(G1, "resp_a", 6, &pd, &ptok) && PINS.n == 0, "expired after 24 hours");
     char pid[32];
     for (int i = 0; i < PIN_MAX + 10; i++) {
         int k = snprintf(pid, sizeof pid, "resp_%d", i);
-        pin_put(pid, (size_t)k, "M", "p/m");
+        pin_put(G1, pid, (size_t)k, "M", "p/m");
     }
-    CHECK(PINS.n == PIN_MAX && !pin_get("resp_9", 6, &pd, &ptok) && pin_get("resp_10", 7, &pd, &ptok) && PINS.map.live == PIN_MAX, "bounded: the oldest out first (%d, %zu)", PINS.n, PINS.map.live);
+    CHECK(PINS.n == PIN_MAX && !pin_get(G1, "resp_9", 6, &pd, &ptok) && pin_get(G1, "resp_10", 7, &pd, &ptok) && PINS.map.live == PIN_MAX, "bounded: the oldest out first (%d, %zu)", PINS.n, PINS.map.live);
     while (PINS.n) pin_drop_oldest();
     S.now = now0;
 
