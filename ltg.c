@@ -104,7 +104,7 @@
  * may change the operator-facing ones. The process-wide state -- options,
  * the loop, the listeners -- is one global struct, `S`; each later section
  * keeps its own state in statics beside its code (the structs ST, LOG, LG,
- * CACHE, TLS, PINS, ALOG, METERS; tables such as PEERS, INF_IDEM, METRICS, hosts;
+ * CACHE, TLS, PINS, ALOG, METERS, TRUSTED; tables such as PEERS, INF_IDEM, METRICS, hosts;
  * the API kinds' WIRE), so a reader finds it where it is used. Nothing
  * else is global.
  */
@@ -6265,6 +6265,7 @@ struct conn {
     uint8_t client[16];       /* that address: the socket's, or what a trusted proxy says (the access log's "client") */
     int trusted;              /* it comes from --trusted-proxies */
     int proxy_pending;        /* ... and may still begin with a PROXY protocol header */
+    int forwarded;            /* its peer is the X-Forwarded-For client of the request in service */
     void *owner;              /* what serves the current request over several turns (an exchange), or NULL */
     const conn_owner *owner_ops; /* and how it is told of the client (ltg.h) */
     char rid[32];             /* the current request's id */
@@ -6480,6 +6481,7 @@ static void conn_fresh(conn *c) {
 /* The current request is answered: make room for the next one. */
 static void conn_done(conn *c) {
     if (S.ended) S.ended(c);
+    if (c->forwarded) c->peer->n--, peer_drop(c->peer), c->peer = NULL, c->forwarded = 0;
     conn_fresh(c);
     buf_consume(&c->in, c->head_len + c->body_raw);
     c->head_len = c->body_raw = c->body_in = c->scan = 0;
@@ -6824,8 +6826,15 @@ static int proxy_header(const char *in, size_t n, uint8_t a[16]) {
         p += l + 1;
     }
     if (nw >= 1 && wl[0] == 7 && memcmp(w[0], "UNKNOWN", 7) == 0) return (int)(eol - in + 1);
-    if (nw != 5 || wl[0] != 4 || (memcmp(w[0], "TCP4", 4) != 0 && memcmp(w[0], "TCP6", 4) != 0) || addr16_parse(w[1], wl[1], a) < 0)
+    uint8_t src[16], dst[16];
+    long long port;
+    int v4 = nw == 5 && wl[0] == 4 && memcmp(w[0], "TCP4", 4) == 0, v6 = nw == 5 && wl[0] == 4 && memcmp(w[0], "TCP6", 4) == 0;
+    if ((!v4 && !v6) || addr16_parse(w[1], wl[1], src) < 0 || addr16_parse(w[2], wl[2], dst) < 0 || addr_is_v4(src) != v4 ||
+        addr_is_v4(dst) != v4)
         return LTG_ERR;
+    for (int k = 3; k < 5; k++)
+        if (parse_ll(w[k], wl[k], 65535, &port) < 0) return LTG_ERR;
+    memcpy(a, src, 16);
     return (int)(eol - in + 1);
 }
 
@@ -6900,7 +6909,7 @@ static int conn_forwarded(conn *c) {
         return LTG_ERR;
     }
     if (c->peer) c->peer->n--, peer_drop(c->peer);
-    p->n++, c->peer = p;
+    p->n++, c->peer = p, c->forwarded = 1; /* for this request: a balancer's pooled connection is no one's between requests */
     return 0;
 }
 

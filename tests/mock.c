@@ -113,6 +113,10 @@
  *     junk_after_ms=N      after a whole answer, junk on the same connection
  *                          N ms later (0: in the same write); nothing more
  *     content_kb=N         a whole answer whose text is N KiB of "x"
+ *     raw_status=N         write N (0..999, three digits: raw_status=0 is
+ *                          "HTTP/1.1 000 OK") as the status line's number in
+ *                          place of the real status, the rest of the answer
+ *                          unchanged
  *
  * After broken framing, a trickle or junk the mock answers nothing more on
  * that connection and waits (at most a minute) for the peer to close. A
@@ -450,11 +454,13 @@ struct directive {
     long garble_after, trickle_ms;
     long junk_after_ms;          /* -1: no junk */
     long content_kb;             /* a whole answer's text: N KiB of "x" (0: the usual greeting) */
+    long raw_status;             /* -1: the status line says the real status; else this number */
     struct usage usage;
 };
 
 static const struct directive directive_ok = {
     .retry_after = -1, .events = 3, .cut_after = -1, .framing = FRAMING_LENGTH, .junk_after_ms = -1,
+    .raw_status = -1,
     .usage = { .input = -1, .output = -1 },
 };
 
@@ -481,6 +487,7 @@ static const struct { const char *name; size_t offset; enum token_kind kind; } d
     { "trickle_ms", offsetof(struct directive, trickle_ms), TOKEN_NUMBER },
     { "junk_after_ms", offsetof(struct directive, junk_after_ms), TOKEN_NUMBER },
     { "content_kb", offsetof(struct directive, content_kb), TOKEN_NUMBER },
+    { "raw_status", offsetof(struct directive, raw_status), TOKEN_NUMBER },
     { "input_tokens", offsetof(struct directive, usage.input), TOKEN_COUNT },
     { "cached_tokens", offsetof(struct directive, usage.cached), TOKEN_COUNT },
     { "cache_write", offsetof(struct directive, usage.cache_write), TOKEN_COUNT },
@@ -560,6 +567,10 @@ static int directive_parse(const char *text, struct directive *d, char *why, siz
     }
     if (d->head_kb > 16384 || d->head_lines > 100000) {
         snprintf(why, why_cap, "mock directive head_kb (at most 16384) or head_lines (at most 100000) too large");
+        return -1;
+    }
+    if (d->raw_status > 999) {
+        snprintf(why, why_cap, "mock directive raw_status=%ld is more than three digits", d->raw_status);
         return -1;
     }
     if (d->context_length && !d->status)
@@ -1008,7 +1019,8 @@ static void put_head(struct conn *c, long status, const char *content_type,
                      const struct directive *d, int keep)
 {
     c->out.len = 0;
-    buf_printf(&c->out, "HTTP/1.1 %ld %s\r\nContent-Type: %s\r\n", status, status_info(status).reason, content_type);
+    buf_printf(&c->out, d->raw_status >= 0 ? "HTTP/1.1 %03ld %s\r\nContent-Type: %s\r\n" : "HTTP/1.1 %ld %s\r\nContent-Type: %s\r\n",
+               d->raw_status >= 0 ? d->raw_status : status, status_info(status).reason, content_type);
     if (d->retry_after >= 0)
         buf_printf(&c->out, "Retry-After: %ld\r\n", d->retry_after);
     if (!keep)
