@@ -123,9 +123,17 @@ def t_responses_pin():
     pid = p.json()["id"]
     f = post("/v1/responses", resp_body(previous_response_id=pid), token)
     check(f.header("x-ltg-served-model") == "GLM-5.3-Flash", "pinned by a non-streamed answer: %r" % f.header("x-ltg-served-model"))
-    # A key whose group may not call the pinned model: 403.
+    # Another group's key naming the id learns nothing of it: the pin is the group's, and its
+    # request goes to the model it asked for (its provider decides what the id means to it).
     _, other = key_for(["Kimi-K3"])
     f = post("/v1/responses", resp_body(previous_response_id=pid), other)
+    check(f.status == 200 and f.header("x-ltg-served-model") == "Kimi-K3" and b"GLM" not in f.body,
+          "another group's key: %s" % f.brief())
+    # The group itself, once it may no longer call the pinned model: 403, naming it.
+    d, v = it.get_group(g["id"])
+    it.check_admin_ok(it.admin("PATCH", "/token_groups/" + g["id"], {"allowed_models": ["Kimi-K3"], "fallbacks": {}}, if_match=v),
+                      200, "PATCH allowed_models")
+    f = post("/v1/responses", resp_body(previous_response_id=pid), token)
     it.check_openai_error(f, 403, "model_not_allowed")
     check("GLM-5.3-Flash" in f.json()["error"]["message"], "the refusal names the model: %r" % f.body)
     # An id ltg does not know goes to the model asked for.
