@@ -1058,6 +1058,10 @@ void jw_str(jwriter *w, const char *s, size_t n) {
     buf_reserve(b, n + 2);
     b->p[b->len++] = '"';
     for (size_t i = 0; i < n;) {
+        size_t j = i; /* a run of bytes written as they are: most of a string, in one copy */
+        while (j < n && (unsigned char)s[j] >= 0x20 && (unsigned char)s[j] < 0x80 && s[j] != '"' && s[j] != '\\') j++;
+        if (j > i) buf_append(b, s + i, j - i), i = j;
+        if (i == n) break;
         unsigned char c = (unsigned char)s[i];
         buf_reserve(b, 8);
         if (c == '"' || c == '\\') {
@@ -1081,7 +1085,21 @@ void jw_cstr(jwriter *w, const char *s) {
     if (s) jw_str(w, s, strlen(s));
     else jw_null(w);
 }
-void jw_int(jwriter *w, long long v) { jw_sep(w); buf_printf(w->out, "%lld", v); }
+/* v's decimal digits at the end of out (no printf: the event and the access
+ * log write a dozen numbers a request). */
+static void buf_uint(buf *out, unsigned long long v) {
+    char d[24];
+    int k = 24;
+    do d[--k] = (char)('0' + v % 10), v /= 10;
+    while (v);
+    buf_append(out, d + k, (size_t)(24 - k));
+}
+
+void jw_int(jwriter *w, long long v) {
+    jw_sep(w);
+    if (v < 0) buf_append(w->out, "-", 1);
+    buf_uint(w->out, v < 0 ? 0 - (unsigned long long)v : (unsigned long long)v);
+}
 void jw_num(jwriter *w, double v) {
     jw_sep(w);
     if (!isfinite(v)) { buf_puts(w->out, "null"); return; }
@@ -1098,11 +1116,19 @@ static void jw_int_or_null(jwriter *w, int known, long long v) {
 }
 
 /* Money: micro-USD written as a plain decimal, "0.000096" (never 9.6e-05). */
+/* micro-USD as USD with six decimals, at the end of out. */
+static void buf_usd(buf *out, int64_t micro) {
+    uint64_t u = micro < 0 ? 0 - (uint64_t)micro : (uint64_t)micro; /* no overflow, even at INT64_MIN */
+    char frac[8] = {'.'};
+    if (micro < 0) buf_puts(out, "-");
+    buf_uint(out, u / 1000000);
+    for (int i = 6, f = (int)(u % 1000000); i >= 1; i--, f /= 10) frac[i] = (char)('0' + f % 10);
+    buf_append(out, frac, 7);
+}
+
 static void jw_usd(jwriter *w, int64_t micro) {
     jw_sep(w);
-    uint64_t u = micro < 0 ? 0 - (uint64_t)micro : (uint64_t)micro; /* no overflow, even at INT64_MIN */
-    if (micro < 0) buf_puts(w->out, "-");
-    buf_printf(w->out, "%llu.%06llu", (unsigned long long)(u / 1000000), (unsigned long long)(u % 1000000));
+    buf_usd(w->out, micro);
 }
 
 /* ===== 4. HTTP/1.1 messages: heads, chunked coding, SSE =====
@@ -5701,11 +5727,13 @@ static void budget_refresh(allowance *a, int64_t now) {
 
 /* USD left in a's current period, or -1 when uncapped (a's period must be
  * up to date: budget_refresh). */
-static double budget_remaining(const allowance *a) {
+static int64_t budget_left(const allowance *a) {
     if (!a->has_budget) return -1;
     int64_t left = usd_to_micro(a->max_budget) - a->spend - a->reserved;
-    return (double)(left > 0 ? left : 0) / MICRO;
+    return left > 0 ? left : 0;
 }
+
+static double budget_remaining(const allowance *a) { return a->has_budget ? (double)budget_left(a) / MICRO : -1; }
 
 /* Would `worst` more micro-USD fit a's budget now? */
 static int budget_fits(allowance *a, int64_t more, int64_t now) {
@@ -8166,11 +8194,13 @@ static void exchange_headers(exchange *x, int status, buf *h) {
 
 /* What a non-streaming answer cost, and what the group has left (API.md 4.1). */
 static void exchange_cost_headers(exchange *x, int64_t cost, buf *h) {
-    buf_printf(h, "x-ltg-cost: %.6f\r\n", cost > 0 ? (double)cost / MICRO : 0.0);
+    buf_puts(h, "x-ltg-cost: ");
+    buf_usd(h, cost > 0 ? cost : 0);
     group *g = group_find(x->group_id);
     if (g) budget_refresh(&g->al, wall_ms());
-    double left = g ? budget_remaining(&g->al) : -1;
-    if (left >= 0) buf_printf(h, "x-ltg-budget-remaining: %.6f\r\n", left);
+    int64_t left = g ? budget_left(&g->al) : -1;
+    if (left >= 0) buf_puts(h, "\r\nx-ltg-budget-remaining: "), buf_usd(h, left);
+    buf_puts(h, "\r\n");
 }
 
 /* The token classes of tok, as members of the object being written. */
@@ -9601,7 +9631,11 @@ static void probe_reply(conn *c, int ready) {
 }
 
 static void route(conn *c) {
-    snprintf(c->rid, sizeof c->rid, "req_%016llx%08llx", (unsigned long long)rng_next(), (unsigned long long)(++S.request_seq & 0xffffffff));
+    uint64_t r = rng_next(), seq = ++S.request_seq & 0xffffffff; /* "req_%016llx%08llx", without printf: every request makes one */
+    memcpy(c->rid, "req_", 4);
+    for (int i = 0; i < 16; i++) c->rid[4 + i] = "0123456789abcdef"[(r >> (60 - 4 * i)) & 15];
+    for (int i = 0; i < 8; i++) c->rid[20 + i] = "0123456789abcdef"[(seq >> (28 - 4 * i)) & 15];
+    c->rid[28] = 0;
     if (path_is(c, "/healthz") || path_is(c, "/readyz")) {
         probe_reply(c, path_is(c, "/readyz"));
         return;

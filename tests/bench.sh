@@ -32,6 +32,7 @@
 #   BENCH_TRAFFIC_BASE    the revision measured as "before" in the traffic section (b40c800,
 #                   the last before deployments and rate limits; empty skips that section)
 #   BENCH_TRAFFIC_ROUNDS  its interleaved rounds (4)
+#   BENCH_TRAFFIC_SAME=1  give that base the same catalog, limits and budgets (a base that has them)
 #   BENCH_BASE      the git revision measured as "before" there (2a946e7; empty skips it)
 #
 # The 1-connection runs are pinned (taskset) to one core: wrk, the mock and the
@@ -735,18 +736,27 @@ if [ -n "$TRAFFIC_BASE" ] && git -C "$ROOT" cat-file -e "$TRAFFIC_BASE^{commit}"
   "admin_keys": [ { "key_env": "LTG_BENCH_ADMIN_KEY", "permissions": ["*"] } ]
 }
 EOF
+    # traffic_key ADMIN_PORT VAR: a group and a key with the limits, the key's secret into VAR
+    traffic_key() {
+        local ta="http://127.0.0.1:$1/v2/llm_token_gateway" limits='"rpm_limit":1000000,"tpm_limit":1000000000,"max_budget":1000000,"budget_duration":"1mo"' gid
+        gid=$(curl -s "$ta/token_groups" -H "Authorization: Bearer $LTG_BENCH_ADMIN_KEY" -H "Idempotency-Key: bench-tg-$$-$1" \
+              -d "{\"name\":\"bench\",\"allowed_models\":[\"$ALIAS\"],$limits}" | sed -n 's/.*"id":"\([^"]*\)".*/\1/p' | head -n 1)
+        printf -v "$2" '%s' "$(curl -s "$ta/token_keys" -H "Authorization: Bearer $LTG_BENCH_ADMIN_KEY" -H "Idempotency-Key: bench-tk-$$-$1" \
+              -d "{\"name\":\"bench\",\"token_group_id\":\"$gid\",$limits}" | sed -n 's/.*"token":"\(ltg_sk_[^"]*\)".*/\1/p')"
+        [ -n "${!2}" ] || die "could not provision the traffic section's group and key"
+    }
     launch_ltg ltg-traffic "$T/ltg-traffic.json"
     TR_PORT=$L_PORT TR_PID=$L_PID
-    TA="http://127.0.0.1:$L_ADMIN_PORT/v2/llm_token_gateway"
-    LIMITS='"rpm_limit":1000000,"tpm_limit":1000000000,"max_budget":1000000,"budget_duration":"1mo"'
-    TR_GID=$(curl -s "$TA/token_groups" -H "Authorization: Bearer $LTG_BENCH_ADMIN_KEY" -H "Idempotency-Key: bench-tg-$$" \
-          -d "{\"name\":\"bench\",\"allowed_models\":[\"$ALIAS\"],$LIMITS}" | sed -n 's/.*"id":"\([^"]*\)".*/\1/p' | head -n 1)
-    TR_KEY=$(curl -s "$TA/token_keys" -H "Authorization: Bearer $LTG_BENCH_ADMIN_KEY" -H "Idempotency-Key: bench-tk-$$" \
-          -d "{\"name\":\"bench\",\"token_group_id\":\"$TR_GID\",$LIMITS}" | sed -n 's/.*"token":"\(ltg_sk_[^"]*\)".*/\1/p')
-    [ -n "$TR_KEY" ] || die "could not provision the traffic section's group and key"
-    LTG_BIN=$T/ltg-before launch_ltg ltg-before "$T/ltg.json"
-    BEFORE_PORT=$L_PORT BEFORE_PID=$L_PID
-    provision_key "$L_ADMIN_PORT" BEFORE_KEY
+    traffic_key "$L_ADMIN_PORT" TR_KEY
+    if [ "${BENCH_TRAFFIC_SAME:-0}" = 1 ]; then # the base with the same catalog and limits (one that has them): the cost of what came since
+        LTG_BIN=$T/ltg-before launch_ltg ltg-before "$T/ltg-traffic.json"
+        BEFORE_PORT=$L_PORT BEFORE_PID=$L_PID
+        traffic_key "$L_ADMIN_PORT" BEFORE_KEY
+    else
+        LTG_BIN=$T/ltg-before launch_ltg ltg-before "$T/ltg.json"
+        BEFORE_PORT=$L_PORT BEFORE_PID=$L_PID
+        provision_key "$L_ADMIN_PORT" BEFORE_KEY
+    fi
     write_lua "$T/post-traffic.lua" "$TR_KEY"
     write_lua "$T/post-before.lua" "$BEFORE_KEY"
     URL[ltg-traffic]=http://127.0.0.1:$TR_PORT URL[ltg-before]=http://127.0.0.1:$BEFORE_PORT
@@ -776,8 +786,13 @@ EOF
     done
     echo "### deployments and limits on the hot path (same run, interleaved)"
     echo
-    echo "- ltg-before: $TRAFFIC_BASE (before issue 15), one deployment, no limits; ltg-traffic: this build, the alias"
-    echo "  over two deployments (1:1) and rpm_limit, tpm_limit and a 1mo budget on both the group and the key (never reached)"
+    if [ "${BENCH_TRAFFIC_SAME:-0}" = 1 ]; then
+        echo "- ltg-before: $TRAFFIC_BASE; ltg-traffic: this build; both with the alias over two deployments (1:1) and"
+    else
+        echo "- ltg-before: $TRAFFIC_BASE (before issue 15), one deployment, no limits; ltg-traffic: this build, the alias"
+        echo -n "  over two deployments (1:1) and"
+    fi
+    echo "  rpm_limit, tpm_limit and a 1mo budget on both the group and the key (never reached)"
     echo "- $TRAFFIC_ROUNDS rounds, each: ${WARM} s warm-up and ${SECS} s at 64 connections of each, in the order A B, B A, A B..."
     echo
     echo "| metric | ltg-before | ltg-traffic | ratio |"
