@@ -24,8 +24,9 @@
  *   2. route() (19) sends it to inference_call() (17): parse, admit, start.
  *      Admission is a list of checks, each a refusal or nothing: the token
  *      key resolves to its group, the body's model must be allowed, the
- *      ledger must be writable, the worst case must fit the key's and the
- *      group's budgets and rate limits and is held (hold_reserve, 14); an
+ *      ledger must be writable, the first attempt's worst case must fit the
+ *      key's and the group's budgets and rate limits and is held
+ *      (hold_reserve, 14; each later attempt holds its own); an
  *      idempotent replay or a cached answer may answer here.
  *   3. exchange_attempt() (17) picks a deployment of the current model of
  *      the chain [M] + fallbacks[M] (deployment_pick, 10), rewrites "model"
@@ -37,11 +38,15 @@
  *      to attempt_end() (17), which classifies it and asks plan_next() (10):
  *      answer, retry the same model after a backoff (or at once on another
  *      of its deployments), move to the next one, or give up.
- *   5. exchange_settle() (17) replaces the reservation by the real cost
- *      (hold_settle, 14) and adds the spend event to today's segment (13);
- *      the upstream connection returns to the pool and the client
- *      connection waits for its next request (15), once request_ended()
- *      (18) has counted it in the metrics and written its access log line.
+ *   5. Every attempt is billed when it is over (attempt_bill, 17: its
+ *      provider's usage at its model's prices, or ltg's estimate; a whole
+ *      answer given up on is first read to its end by a meter);
+ *      exchange_settle() bills the answer, and exchange_book() -- once no
+ *      meter is left -- replaces the hold by what was charged (hold_settle,
+ *      14) and adds the spend event to today's segment (13); the upstream
+ *      connection returns to the pool and the client connection waits for
+ *      its next request (15), once request_ended() (18) has counted it in
+ *      the metrics and written its access log line.
  *
  * Sections (banners below carry the same names):
  *   1. Limits and global state
