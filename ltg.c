@@ -8333,29 +8333,13 @@ static int64_t exchange_sum(const exchange *x, long long tok[NTOK], int *estimat
     return cost;
 }
 
-/* The spend event is written (API.md 3.4) and the hold replaced by what
- * the request was charged: when it is settled and no attempt of it is
- * metered any more. `keep`: the answer its replay record keeps, if any. */
-static void exchange_book(exchange *x, const char *keep, size_t keep_len) {
-    long long tok[NTOK];
-    int estimated;
-    int64_t cost = exchange_sum(x, tok, &estimated);
-    model *m = x->served >= 0 ? x->chain[x->served] : NULL;
-    group *g = group_find(x->group_id);
-    tkey *k = tkey_find(x->key_id);
-    int64_t now = wall_ms() > LG.last_at ? wall_ms() : LG.last_at; /* the ledger never goes back in time */
-    hold_settle((allowance *[]){k ? &k->al : NULL, g ? &g->al : NULL}, 2, &x->hold, cost, x->cache_hit ? 0 : tok[TOK_IN] + tok[TOK_OUT], now);
-    for (int i = 0; i < x->nlog; i++)
-        for (int c = 0; c < NTOK; c++) {
-            static const char *const type[NTOK] = {"input", "cache_read", "cache_write", NULL, "output", "reasoning"};
-            if (type[c] && x->log[i].tok[c]) metric_add(M_TOKENS, (double)x->log[i].tok[c], "model", x->chain[x->log[i].model]->alias, "type", type[c], NULL);
-        }
-    if (cost > 0 && g) metric_add(M_SPEND, (double)cost / MICRO, "token_group", g->name, "model", m ? m->alias : x->chain[0]->alias, NULL);
-    if (x->kind->free) return; /* counting tokens costs nothing and leaves no event */
+/* The spend event (README "The consumption ledger") into e: its figures
+ * (tok, cost, estimated: the attempts' sums), made at `now`. */
+static void exchange_event_json(exchange *x, const model *m, const long long tok[NTOK], int64_t cost, int estimated,
+                                int64_t now, buf *e) {
     char id[37], ts[64];
-    buf e = {0};
     jwriter w;
-    jw_init(&w, &e);
+    jw_init(&w, e);
     uuid_new(id);
     iso_time(now, ts);
     jw_open(&w, '{');
@@ -8378,6 +8362,29 @@ static void exchange_book(exchange *x, const char *keep, size_t keep_len) {
     jw_key(&w, "latency_ms"), jw_int(&w, x->answered_at - x->started); /* to the answer, not to the last meter */
     jw_key(&w, "attempt_log"), exchange_attempts_json(x, &w);
     jw_close(&w, '}');
+}
+
+/* The spend event is written (API.md 3.4) and the hold replaced by what
+ * the request was charged: when it is settled and no attempt of it is
+ * metered any more. `keep`: the answer its replay record keeps, if any. */
+static void exchange_book(exchange *x, const char *keep, size_t keep_len) {
+    long long tok[NTOK];
+    int estimated;
+    int64_t cost = exchange_sum(x, tok, &estimated);
+    model *m = x->served >= 0 ? x->chain[x->served] : NULL;
+    group *g = group_find(x->group_id);
+    tkey *k = tkey_find(x->key_id);
+    int64_t now = wall_ms() > LG.last_at ? wall_ms() : LG.last_at; /* the ledger never goes back in time */
+    hold_settle((allowance *[]){k ? &k->al : NULL, g ? &g->al : NULL}, 2, &x->hold, cost, x->cache_hit ? 0 : tok[TOK_IN] + tok[TOK_OUT], now);
+    for (int i = 0; i < x->nlog; i++)
+        for (int c = 0; c < NTOK; c++) {
+            static const char *const type[NTOK] = {"input", "cache_read", "cache_write", NULL, "output", "reasoning"};
+            if (type[c] && x->log[i].tok[c]) metric_add(M_TOKENS, (double)x->log[i].tok[c], "model", x->chain[x->log[i].model]->alias, "type", type[c], NULL);
+        }
+    if (cost > 0 && g) metric_add(M_SPEND, (double)cost / MICRO, "token_group", g->name, "model", m ? m->alias : x->chain[0]->alias, NULL);
+    if (x->kind->free) return; /* counting tokens costs nothing and leaves no event */
+    buf e = {0};
+    exchange_event_json(x, m, tok, cost, estimated, now, &e);
     /* An idempotent request keeps a whole answer (a success, or the
      * provider's own refusal) in its event for its retries; a failure, or
      * an answer too large to keep, is not kept, so a retry tries afresh. */

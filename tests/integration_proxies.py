@@ -349,24 +349,23 @@ backend be
 """
 
 
-class HAProxy:
-    def __init__(self, ltg_port):
-        self.bin = debian_tool("haproxy", "haproxy")
-        self.dir = os.path.join(it.H.tmp, "haproxy-%d" % ltg_port)
+class Balancer:
+    """A balancer in front of ltg, run in the foreground while the `with` block lasts: argv, its
+    output to out_log; ready once its port answers (its log, logpath, says why not)."""
+
+    def __init__(self, name, ltg_port):
+        self.bin = debian_tool(name, name)
+        self.name = name
+        self.dir = os.path.join(it.H.tmp, "%s-%d" % (name, ltg_port))
         os.makedirs(self.dir, exist_ok=True)
         self.port = it.free_port()
-        self.cfg = os.path.join(self.dir, "haproxy.cfg")
-        with open(self.cfg, "w") as f:
-            f.write(HAPROXY_CFG % {"front": self.port, "ltg": ltg_port})
-        self.logpath = os.path.join(self.dir, "haproxy.log")
         self.proc = None
 
     def __enter__(self):
-        with open(self.logpath, "ab") as logf:
-            self.proc = subprocess.Popen([self.bin, "-f", self.cfg, "-db"], stdin=subprocess.DEVNULL,
-                                         stdout=logf, stderr=logf)
+        with open(self.out_log, "ab") as logf:
+            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf)
         try:
-            wait_proxy_ready(self.port, self.proc, self.logpath, "haproxy")
+            wait_proxy_ready(self.port, self.proc, self.logpath, self.name)
         except BaseException:
             stop_proc(self.proc)
             raise
@@ -375,6 +374,16 @@ class HAProxy:
     def __exit__(self, *a):
         stop_proc(self.proc)
         return False
+
+
+class HAProxy(Balancer):
+    def __init__(self, ltg_port):
+        Balancer.__init__(self, "haproxy", ltg_port)
+        self.cfg = os.path.join(self.dir, "haproxy.cfg")
+        with open(self.cfg, "w") as f:
+            f.write(HAPROXY_CFG % {"front": self.port, "ltg": ltg_port})
+        self.logpath = self.out_log = os.path.join(self.dir, "haproxy.log")
+        self.argv = [self.bin, "-f", self.cfg, "-db"]
 
 
 @it.test("proxies: behind HAProxy (send-proxy-v2): one client's 10 connections, at most 4 served, others served "
@@ -468,33 +477,16 @@ http {
 """
 
 
-class Nginx:
+class Nginx(Balancer):
     def __init__(self, ltg_port):
-        self.bin = debian_tool("nginx", "nginx")
-        self.dir = os.path.join(it.H.tmp, "nginx-%d" % ltg_port)
-        os.makedirs(self.dir, exist_ok=True)
-        self.port = it.free_port()
+        Balancer.__init__(self, "nginx", ltg_port)
         self.cfg = os.path.join(self.dir, "nginx.conf")
         with open(self.cfg, "w") as f:
             f.write(NGINX_CFG % {"user": "user root;\n" if os.geteuid() == 0 else "", "dir": self.dir,
                                  "ltg": ltg_port, "front": self.port})
         self.logpath = os.path.join(self.dir, "error.log")
-        self.proc = None
-
-    def __enter__(self):
-        with open(os.path.join(self.dir, "stderr.log"), "ab") as logf:
-            self.proc = subprocess.Popen([self.bin, "-p", self.dir, "-e", self.logpath, "-c", self.cfg, "-g", "daemon off;"],
-                                         stdin=subprocess.DEVNULL, stdout=logf, stderr=logf)
-        try:
-            wait_proxy_ready(self.port, self.proc, self.logpath, "nginx")
-        except BaseException:
-            stop_proc(self.proc)
-            raise
-        return self
-
-    def __exit__(self, *a):
-        stop_proc(self.proc)
-        return False
+        self.out_log = os.path.join(self.dir, "stderr.log")
+        self.argv = [self.bin, "-p", self.dir, "-e", self.logpath, "-c", self.cfg, "-g", "daemon off;"]
 
 
 @it.test("proxies: behind nginx (X-Forwarded-For): one client's 10 concurrent requests, at most 4 served, the others "
