@@ -745,43 +745,9 @@ def t_metrics_prometheus():
 
 # ===== promtool and Prometheus ======================================================================
 
-_INSTALL = {"tried": False, "why": ""}
-
-
 def prometheus_tool(name):
-    """The path of promtool or prometheus (Debian package `prometheus`): installed with apt-get when
-    missing and we are root; TestSkip when it cannot be had."""
-    path = shutil.which(name) or (os.path.exists("/usr/bin/" + name) and "/usr/bin/" + name)
-    if path:
-        return path
-    if not _INSTALL["tried"]:
-        _INSTALL["tried"] = True
-        if os.geteuid() != 0:
-            _INSTALL["why"] = "not root, so not installed by the test"
-        elif not shutil.which("apt-get"):
-            _INSTALL["why"] = "no apt-get"
-        else:
-            logpath = os.path.join(it.H.tmp, "apt-prometheus.log")
-            env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-            install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=120", "prometheus"]
-            ok = False
-            with open(logpath, "ab") as logf:
-                for cmd in (install, ["apt-get", "update", "-q"], install):
-                    try:
-                        rc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, env=env,
-                                            timeout=900).returncode
-                    except (OSError, subprocess.TimeoutExpired) as e:
-                        rc = "%s" % e
-                    if cmd is install and rc == 0:
-                        ok = True
-                        break
-            if not ok:
-                _INSTALL["why"] = "apt-get install -y prometheus failed (see %s)" % logpath
-    path = shutil.which(name) or (os.path.exists("/usr/bin/" + name) and "/usr/bin/" + name)
-    if path:
-        return path
-    raise it.TestSkip("%s not found: install the Debian package prometheus (apt-get install -y prometheus)%s"
-                      % (name, "; " + _INSTALL["why"] if _INSTALL["why"] else ""))
+    """The path of promtool or prometheus (Debian package `prometheus`), installed when missing."""
+    return it.debian_tool(name, "prometheus")
 
 
 def promtool_check(promtool, body):

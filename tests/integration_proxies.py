@@ -44,64 +44,6 @@ HELD_MS = 6000          # how long the abusive client's requests are held by the
 
 # ===== Debian packages: haproxy, nginx ============================================================
 
-_INSTALLED = {}         # package -> why it could not be installed ("" when it was, or not tried)
-
-
-def debian_tool(name, package):
-    """The path of the command `name` (Debian package `package`): installed with apt-get when missing
-    and we are root; TestSkip saying what to install when it cannot be had."""
-    def find():
-        return shutil.which(name) or next((p for p in ("/usr/sbin/" + name, "/usr/bin/" + name) if os.access(p, os.X_OK)), None)
-    path = find()
-    if path:
-        return path
-    if package not in _INSTALLED:
-        why = ""
-        if os.geteuid() != 0:
-            why = "not root, so not installed by the test"
-        elif not shutil.which("apt-get"):
-            why = "no apt-get"
-        else:
-            logpath = os.path.join(it.H.tmp, "apt-%s.log" % package)
-            env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-            # Keep the package from starting its system service (nginx on port 80) while it installs.
-            policy, made = "/usr/sbin/policy-rc.d", False
-            if not os.path.exists(policy):
-                try:
-                    with open(policy, "w") as f:
-                        f.write("#!/bin/sh\nexit 101\n")
-                    os.chmod(policy, 0o755)
-                    made = True
-                except OSError:
-                    pass
-            install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=120", package]
-            ok = False
-            try:
-                with open(logpath, "ab") as logf:
-                    for cmd in (install, ["apt-get", "update", "-q"], install):
-                        try:
-                            rc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, env=env,
-                                                timeout=900).returncode
-                        except (OSError, subprocess.TimeoutExpired) as e:
-                            rc = "%s" % e
-                        if cmd is install and rc == 0:
-                            ok = True
-                            break
-            finally:
-                if made:
-                    try:
-                        os.unlink(policy)
-                    except OSError:
-                        pass
-            if not ok:
-                why = "apt-get install -y %s failed (see %s)" % (package, logpath)
-        _INSTALLED[package] = why
-    path = find()
-    if path:
-        return path
-    why = _INSTALLED.get(package, "")
-    raise it.TestSkip("%s not found: install the Debian package %s (apt-get install -y %s)%s"
-                      % (name, package, package, "; " + why if why else ""))
 
 
 def stop_proc(p, timeout=10):
@@ -354,7 +296,7 @@ class Balancer:
     output to out_log; ready once its port answers (its log, logpath, says why not)."""
 
     def __init__(self, name, ltg_port):
-        self.bin = debian_tool(name, name)
+        self.bin = it.debian_tool(name, name)
         self.name = name
         self.dir = os.path.join(it.H.tmp, "%s-%d" % (name, ltg_port))
         os.makedirs(self.dir, exist_ok=True)
