@@ -8301,14 +8301,21 @@ static void attempt_price(exchange *x, attempt_entry *e, const upstream *u, cons
 /* Bill attempt e (attempt_price), once: what its worst case held beyond
  * that is let go at once (hold_shrink), so a later attempt is admitted
  * against what was really spent. */
-static void attempt_bill(exchange *x, attempt_entry *e, const upstream *u, const usage_counts *uc, size_t relayed) {
-    model *m = x->chain[e->model];
-    attempt_price(x, e, u, uc, relayed);
-    e->billed = 1;
+/* The allowances the request answers to, by id: its key's and its group's
+ * (NULL for one deleted meanwhile). */
+static void exchange_allowances(const exchange *x, allowance *al[2]) {
     tkey *k = tkey_find(x->key_id);
     group *g = group_find(x->group_id);
-    hold_shrink((allowance *[]){k ? &k->al : NULL, g ? &g->al : NULL}, 2, &x->hold, e->w.cost - e->cost,
-                e->w.in + e->w.out - e->tok[TOK_IN] - e->tok[TOK_OUT]);
+    al[0] = k ? &k->al : NULL, al[1] = g ? &g->al : NULL;
+}
+
+static void attempt_bill(exchange *x, attempt_entry *e, const upstream *u, const usage_counts *uc, size_t relayed) {
+    model *m = x->chain[e->model];
+    allowance *al[2];
+    attempt_price(x, e, u, uc, relayed);
+    e->billed = 1;
+    exchange_allowances(x, al);
+    hold_shrink(al, 2, &x->hold, e->w.cost - e->cost, e->w.in + e->w.out - e->tok[TOK_IN] - e->tok[TOK_OUT]);
     if (!e->estimated && e->cost > e->w.cost) {
         ltg_log("%s: the provider reported more than ltg held for the attempt (%lld input, %lld output tokens, %.6f USD held): "
                 "its context_window, max_output_tokens or max_input_part_tokens may be wrong", m->alias, e->tok[TOK_IN], e->tok[TOK_OUT],
@@ -8373,9 +8380,10 @@ static void exchange_book(exchange *x, const char *keep, size_t keep_len) {
     int64_t cost = exchange_sum(x, tok, &estimated);
     model *m = x->served >= 0 ? x->chain[x->served] : NULL;
     group *g = group_find(x->group_id);
-    tkey *k = tkey_find(x->key_id);
+    allowance *al[2];
     int64_t now = wall_ms() > LG.last_at ? wall_ms() : LG.last_at; /* the ledger never goes back in time */
-    hold_settle((allowance *[]){k ? &k->al : NULL, g ? &g->al : NULL}, 2, &x->hold, cost, x->cache_hit ? 0 : tok[TOK_IN] + tok[TOK_OUT], now);
+    exchange_allowances(x, al);
+    hold_settle(al, 2, &x->hold, cost, x->cache_hit ? 0 : tok[TOK_IN] + tok[TOK_OUT], now);
     for (int i = 0; i < x->nlog; i++)
         for (int c = 0; c < NTOK; c++) {
             static const char *const type[NTOK] = {"input", "cache_read", "cache_write", NULL, "output", "reasoning"};
