@@ -41,10 +41,10 @@ ltg-valgrind: ltg.c ltg.h | deps
 
 # The unit tests include ltg.c without its main(), so the start-up helpers
 # that only main() calls are unused there: hence -Wno-unused-function.
-tests/unit: tests/unit.c ltg.c ltg.h | deps
+tests/unit: tests/unit.c tests/reset.h ltg.c ltg.h | deps
 	$(CC) -O1 -g $(WARN) -Wno-unused-function $(CFLAGS_EXTRA) -o $@ tests/unit.c $(BEARSSL) -lm
 
-tests/unit-asan: tests/unit.c ltg.c ltg.h | deps
+tests/unit-asan: tests/unit.c tests/reset.h ltg.c ltg.h | deps
 	$(CC) $(SAN) $(WARN) -Wno-unused-function $(CFLAGS_EXTRA) -o $@ tests/unit.c $(BEARSSL) -lm
 
 # The benchmark's history: spend events written through ltg's own ledger code.
@@ -54,7 +54,7 @@ tests/ledger-gen: tests/ledger-gen.c ltg.c ltg.h | deps
 tests/mock: tests/mock.c | deps
 	$(CC) -O2 -std=c11 -Wall -Wextra $(CFLAGS_EXTRA) -pthread -o $@ tests/mock.c $(BEARSSL)
 
-test: ltg ltg-asan tests/unit tests/unit-asan tests/mock
+test: ltg ltg-asan tests/unit tests/unit-asan tests/mock tests/ledger-gen
 	./test.sh
 
 demo: ltg tests/mock
@@ -135,7 +135,7 @@ fuzz: | deps
 	[ $$fail = 0 ]
 
 # tests/fuzz-<name>: the target FUZZ_<NAME> of tests/fuzz.c.
-tests/fuzz-%: tests/fuzz.c ltg.c ltg.h | deps
+tests/fuzz-%: tests/fuzz.c tests/reset.h ltg.c ltg.h | deps
 	$(FUZZ_CC) $(FUZZ_FLAGS) $(WARN) -Wno-unused-function $(CFLAGS_EXTRA) -DFUZZ_$$(echo $* | tr a-z A-Z) -o $@ tests/fuzz.c $(BEARSSL) -lm
 
 # install: the files an operator needs, where a Debian box looks for them.

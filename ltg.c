@@ -184,6 +184,7 @@ static struct {
     int meter_s;              /* an abandoned whole answer is read this long for its usage (0: closed at once) */
     int max_meters;           /* ... so many at a time: METER_MAX, or fewer when fds are short */
     int ledger_days;          /* days of spend events kept (section 13) */
+    long long ledger_index;   /* bytes today's index may hold in memory before it is spilled (section 13) */
     int metrics_auth;         /* GET /metrics needs an admin key (section 18) */
     long long max_body;
     int head_timeout_ms, idle_timeout_ms;
@@ -4425,9 +4426,11 @@ static const uint8_t *log_bytes(int fd, buf *b, off_t *base, off_t at, size_t n)
 }
 
 /* Open (or create) DIR/NAME and replay it: apply(ctx, ...) gets every
- * record's payload and its offset in the file. Returns 0, or LTG_ERR with
- * a message for the operator in err. */
-static int log_open(logfile *l, const char *dir, const char *name, const char *magic, log_apply_fn *apply, void *ctx, char *err, size_t errlen) {
+ * record's payload and its offset in the file, from the record at `from`
+ * (0: the first; a ledger day whose index file holds the first ones
+ * starts past them). Returns 0, or LTG_ERR with a message for the
+ * operator in err. */
+static int log_open(logfile *l, const char *dir, const char *name, const char *magic, off_t from, log_apply_fn *apply, void *ctx, char *err, size_t errlen) {
     if (strlen(dir) > 200) { snprintf(err, errlen, "--data: the path is longer than 200 bytes"); return LTG_ERR; }
     log_init(l, dir, name, magic);
     int fd = open(l->path, O_RDWR | O_APPEND | O_CLOEXEC);
@@ -4440,7 +4443,7 @@ static int log_open(logfile *l, const char *dir, const char *name, const char *m
     }
     l->fd = fd;
     int64_t t0 = clock_ms();
-    off_t end = st.st_size, off = 8, base = 0;
+    off_t end = st.st_size, off = from > 8 ? from : 8, base = 0;
     size_t records = 0;
     buf b = {0};
     const uint8_t *h = log_bytes(fd, &b, &base, 0, 8);
@@ -4563,12 +4566,17 @@ static void compact_step(int64_t now) {
  * spend event (API.md 3.4). The ledger keeps them in one file per UTC day,
  * DATA/ledger/YYYY-MM-DD.log, framed like the state log (section 12). The
  * day's file is the open segment; when the day ends it is sealed, never to
- * be written again, and an index file is written beside it,
- * YYYY-MM-DD.idx, from the day's index in memory. So memory holds the
- * index of one day whatever the history, and older days are read from
- * disk with pread(): a few small reads for each day a query touches.
+ * be written again. Beside each log is its index file, YYYY-MM-DD.idx, a
+ * sequence of chunks, each the index of the events that follow the last
+ * chunk's. The open day indexes its newest events in memory; when they
+ * would hold more than --ledger-index-mb (16 MiB: a few hundred thousand
+ * events), they are appended to the index file as a chunk and memory
+ * starts again; at midnight the rest becomes the last chunk. So memory
+ * holds at most that much whatever the day or the history, and the rest
+ * is read from disk with pread(): a few small reads for each chunk a
+ * query touches.
  *
- *   OPEN --(the day ends)--> SEALING --(its index file written)--> SEALED
+ *   OPEN --(the day ends)--> SEALING --(its last chunk written)--> SEALED
  *
  * A record's payload is a fixed binary head -- what the index needs: time,
  * charge, every token class, status, key, group, model -- then the
@@ -4581,26 +4589,32 @@ static void compact_step(int64_t now) {
  * The index in memory (ledger_mem) keeps 72 bytes per event in file order,
  * which is time order (created_at never goes back: a clock stepping
  * backwards is clamped), and for each key and group the positions of its
- * events (4 bytes each). An index file holds the same, laid out to be
+ * events, each with its time and the running sum of their charges (16
+ * bytes). It counts what it allocates; before an event that could take it
+ * past the limit, it is spilled. A chunk holds the same, laid out to be
  * read in place:
  *
- *   head       counts, each section's place, the log's size, the CRCs
+ *   head       counts, the log bytes it covers, each section's place, CRCs
  *   offsets    each event's record in the log (and one past the last)
- *   names      the day's keys, groups and models, sorted (binary search),
+ *   names      its keys, groups and models, sorted (binary search),
  *              each with what its events charged
  *   positions  a key's events, and a group's, each with its time and the
  *              running sum of their charges (a budget period that starts
  *              mid-day needs what was spent after its start)
- *   rows       the day's rollups: usage per (group, model), and per model
+ *   rows       its rollups: usage per (group, model), and per model
  *   replays    the events that carry an idempotent answer
  *
  * It is written in the host's byte order (the head says which; another is
- * rebuilt), checked whole against its CRC when ltg starts, and rebuilt from
- * its log when it is missing, damaged, or describes a log of another size.
- * It is never fsynced: it can always be made again, and a crash leaves no
- * file or one whose CRC fails. Every read from it is bounds-checked and
+ * rebuilt). At start-up each chunk is checked whole against its CRCs and
+ * against the one before it (the next events, the next log bytes); the
+ * first that fails, and all after it, are cut off, and the log is
+ * replayed from the last good chunk on: a crash mid-chunk, a missing or
+ * damaged file, an older format all end as a rebuilt index. It is never
+ * fsynced: it can always be made again (the records a chunk names are
+ * fsynced before it is written). Every read from it is bounds-checked and
  * every event read back is checked against its own record's CRC, so a file
  * damaged while ltg runs gives wrong answers at worst, never a crash.
+ * Queries read a day part by part, chunk after chunk, then memory.
  *
  * Retention: a sealed day older than --ledger-days is deleted (log and
  * index, logged with size and count). A budget period may not be longer
@@ -4613,10 +4627,12 @@ static void compact_step(int64_t now) {
  * A failed write or fsync keeps the events in memory (section 12) and
  * ledger_writable() says so: inference then refuses new requests with 503
  * before dispatch, since nothing may be served that cannot be metered, and
- * a timer retries every second until the disk takes them.
+ * a timer retries every second until the disk takes them. So does a chunk
+ * of today that cannot be written: its events stay in memory (past the
+ * limit only by the requests already in flight), tried again every 10 s.
  */
 #define SEG_MAGIC "LTGSEG1\n"
-#define IDX_MAGIC "LTGIDX3\n"       /* 3: rollups count every token class and abandoned requests (1, 2 are rebuilt) */
+#define IDX_MAGIC "LTGIDX4\n"       /* 4: a file of chunks (1-3, one index a file, are rebuilt) */
 #define LEDGER_V1_MAGIC "LTGLED1\n"      /* DATA/ledger.log of earlier versions, migrated once */
 #define DAY_MS 86400000LL
 #define LEDGER_SYNC_MS 20
@@ -4683,21 +4699,26 @@ static int rec_decode(const char *p, size_t n, rec_view *v) {
     return (v->flags & EVF_REPLAY) && !v->replay_len ? LTG_ERR : 0;
 }
 
-/* ---- a day's index in memory ---- */
+/* ---- a day's index: the events in memory ---- */
 
 typedef struct {
     int64_t at;                 /* created_at, wall ms */
     uint64_t off;               /* the record's payload in its segment's log */
     uint32_t len;
-    uint32_t key, group, model; /* in the day's name table */
+    uint32_t key, group, model; /* in the name table */
     uint32_t tok[NTOK];
     uint8_t status, flags;      /* EV_*, EVF_* */
     int64_t charged;            /* micro-USD charged to the group's budget (the cost is in the event) */
 } ledger_entry;
 
+/* One event of a key or a group: its position, its time (ms after
+ * midnight), and what that name's events charged up to it. */
+typedef struct { uint32_t pos, ms; int64_t cum; } idx_gpos;
+
 typedef struct {
     uint32_t idx;
-    uint32_t *pos, npos, cap;   /* a key's or group's events: their positions, in order */
+    idx_gpos *pos;              /* a key's or group's events, in order */
+    uint32_t npos, cap;
     char s[];                   /* 'k' key, 'g' group or 'm' model, then the id or alias */
 } lname;
 
@@ -4707,61 +4728,97 @@ static const void *lname_key(const void *it, size_t *n) {
 }
 
 typedef struct {
+    int64_t day;                /* its midnight: positions' times are kept from it */
     ledger_entry *ix;
-    size_t n, cap;
+    uint32_t n, cap;
+    uint32_t *rep, nrep, repcap; /* the events that carry an idempotent answer */
     lname **names;
     uint32_t nnames, names_cap;
+    uint32_t pos_cap_max;       /* the largest name's `cap` */
     hmap by_name;
+    size_t bytes;               /* what all of it allocated: at most --ledger-index-mb */
 } ledger_mem;
 
-/* The index of name kind+s[0..n) in m, added when `add`; UINT32_MAX when absent. */
-static uint32_t mem_name(ledger_mem *m, char kind, const char *s, size_t n, int add) {
+#define MEM_FIRST 16            /* elements of an index array's first allocation; each growth doubles it */
+
+/* Room for one more element after the n of array p (*cap of them, of `size` bytes each), counted in *bytes. */
+static void *mem_grow(void *p, uint32_t n, uint32_t *cap, size_t size, size_t *bytes) {
+    if (n < *cap) return p;
+    uint32_t more = *cap ? *cap : MEM_FIRST;
+    *cap += more;
+    *bytes += (size_t)more * size;
+    return xrealloc(p, (size_t)*cap * size);
+}
+
+/* What mem_grow would add to that array. */
+static size_t grow_bytes(uint32_t n, uint32_t cap, size_t size) { return n < cap ? 0 : (size_t)(cap ? cap : MEM_FIRST) * size; }
+
+/* The most indexing one more event can allocate: every array grows, the
+ * key, group and model are all new names, and each of the two position
+ * lists it joins is the largest. */
+static size_t mem_worst(const ledger_mem *m) {
+    size_t slots = (m->by_name.used + 3) * 4 > m->by_name.cap * 3 ? (m->by_name.cap ? m->by_name.cap : 64) : 0;
+    size_t names = 3 * (sizeof(lname) + ALIAS_MAX + 2) + grow_bytes(m->nnames + 2, m->names_cap, sizeof(lname *)) + slots * sizeof(void *);
+    size_t lists = 2 * (size_t)(m->pos_cap_max > MEM_FIRST ? m->pos_cap_max : MEM_FIRST) * sizeof(idx_gpos);
+    return grow_bytes(m->n, m->cap, sizeof(ledger_entry)) + grow_bytes(m->nrep, m->repcap, sizeof *m->rep) + names + lists;
+}
+
+/* The index of name kind+s[0..n) in m, UINT32_MAX when absent. */
+static uint32_t mem_find(const ledger_mem *m, char kind, const char *s, size_t n) {
     char k[ALIAS_MAX + 2];
     if (n > ALIAS_MAX) n = ALIAS_MAX;
-    k[0] = kind, memcpy(k + 1, s, n), k[n + 1] = 0;
-    lname *it = hmap_get(&m->by_name, k, n + 1);
-    if (it) return it->idx;
-    if (!add) return UINT32_MAX;
-    it = xcalloc(1, sizeof *it + n + 2);
-    memcpy(it->s, k, n + 2);
+    k[0] = kind;
+    memcpy(k + 1, s, n);
+    const lname *it = hmap_get(&m->by_name, k, n + 1);
+    return it ? it->idx : UINT32_MAX;
+}
+
+/* The same, added when absent. */
+static uint32_t mem_name(ledger_mem *m, char kind, const char *s, size_t n) {
+    uint32_t i = mem_find(m, kind, s, n);
+    if (i != UINT32_MAX) return i;
+    if (n > ALIAS_MAX) n = ALIAS_MAX;
+    lname *it = xcalloc(1, sizeof *it + n + 2);
+    m->bytes += sizeof *it + n + 2;
+    it->s[0] = kind;
+    memcpy(it->s + 1, s, n);
     it->idx = m->nnames;
-    if (m->nnames == m->names_cap) m->names_cap = m->names_cap ? m->names_cap * 2 : 256, m->names = xrealloc(m->names, m->names_cap * sizeof *m->names);
+    m->names = mem_grow(m->names, m->nnames, &m->names_cap, sizeof *m->names, &m->bytes);
     m->names[m->nnames++] = it;
+    size_t slots = m->by_name.cap;
     hmap_put(&m->by_name, it);
+    m->bytes += (m->by_name.cap - slots) * sizeof(void *);
     return it->idx;
 }
 
-static void posting_add(lname *it, uint32_t at) {
-    if (it->npos == it->cap) it->cap = it->cap ? it->cap * 2 : 16, it->pos = xrealloc(it->pos, it->cap * sizeof *it->pos);
-    it->pos[it->npos++] = at;
+static void posting_add(ledger_mem *m, lname *it, const ledger_entry *e) {
+    it->pos = mem_grow(it->pos, it->npos, &it->cap, sizeof *it->pos, &m->bytes);
+    if (it->cap > m->pos_cap_max) m->pos_cap_max = it->cap;
+    int64_t ms = e->at - m->day, cum = it->npos ? it->pos[it->npos - 1].cum : 0;
+    idx_gpos g = {m->n, (uint32_t)(ms < 0 ? 0 : ms > DAY_MS ? DAY_MS : ms), cum + e->charged};
+    it->pos[it->npos++] = g;
 }
 
 /* Index one record (its payload at file offset `off`). */
 static void mem_add(ledger_mem *m, const rec_view *v, uint64_t off, uint32_t len) {
-    ledger_entry e = {v->at, off, len, mem_name(m, 'k', v->key, 36, 1), mem_name(m, 'g', v->group, 36, 1),
-                      mem_name(m, 'm', v->model, v->model_len, 1), {0}, v->status, v->flags, v->charged};
+    ledger_entry e = {v->at, off, len, mem_name(m, 'k', v->key, 36), mem_name(m, 'g', v->group, 36),
+                      mem_name(m, 'm', v->model, v->model_len), {0}, v->status, v->flags, v->charged};
     memcpy(e.tok, v->tok, sizeof e.tok);
     assert(!m->n || e.at >= m->ix[m->n - 1].at); /* file order is time order: the index's searches rely on it */
-    if (m->n == m->cap) m->cap = m->cap ? m->cap * 2 : 4096, m->ix = xrealloc(m->ix, m->cap * sizeof *m->ix);
-    posting_add(m->names[e.key], (uint32_t)m->n), posting_add(m->names[e.group], (uint32_t)m->n); /* filters need no scan */
+    m->ix = mem_grow(m->ix, m->n, &m->cap, sizeof *m->ix, &m->bytes);
+    posting_add(m, m->names[e.key], &e); /* filters need no scan */
+    posting_add(m, m->names[e.group], &e);
+    if (e.flags & EVF_REPLAY) {
+        m->rep = mem_grow(m->rep, m->nrep, &m->repcap, sizeof *m->rep, &m->bytes);
+        m->rep[m->nrep++] = m->n;
+    }
     m->ix[m->n++] = e;
 }
 
 static void mem_free(ledger_mem *m) {
     for (uint32_t i = 0; i < m->nnames; i++) free(m->names[i]->pos), free(m->names[i]);
-    free(m->ix), free(m->names), free(m->by_name.slot);
-    *m = (ledger_mem){.by_name.key = lname_key};
-}
-
-/* The first position in a name's list at or after index position `at`. */
-static size_t posting_lower(const lname *it, size_t at) {
-    size_t lo = 0, hi = it->npos;
-    while (lo < hi) {
-        size_t mid = lo + (hi - lo) / 2;
-        if (it->pos[mid] < at) lo = mid + 1;
-        else hi = mid;
-    }
-    return lo;
+    free(m->ix), free(m->rep), free(m->names), free(m->by_name.slot);
+    *m = (ledger_mem){.day = m->day, .by_name.key = lname_key};
 }
 
 /* ---- segments and their index files ---- */
@@ -4776,18 +4833,20 @@ typedef struct {
 } usage_row;
 
 typedef struct { uint32_t str, len, first, n; int64_t spent; } idx_name; /* a name; its positions in KEYPOS or GROUPPOS; what its events charged */
-typedef struct { uint32_t pos, ms; int64_t cum; } idx_gpos;   /* ms after midnight; charged up to this one */
 typedef struct { char group[36]; uint32_t model; usage_row u; } idx_row; /* model: in NAMES; "" group: all */
 
 static const size_t sec_elem[NSEC] = {8, sizeof(idx_name), 1, sizeof(idx_gpos), sizeof(idx_gpos), sizeof(idx_row), sizeof(idx_row), 4};
 
+/* The head of one chunk of an index file. */
 typedef struct {
     char magic[8];
     uint32_t endian, nevents;
+    uint32_t first, unused;     /* the day's number of its first event */
     int64_t day, last_at;
-    uint64_t log_size;          /* the log it describes */
-    uint64_t sec[NSEC][2];      /* each section's offset and length */
-    uint32_t crc;               /* of every byte after the head */
+    uint64_t log_from, log_to;  /* the log bytes its events' records fill */
+    uint64_t end;               /* where in the file the chunk ends: the next one begins */
+    uint64_t sec[NSEC][2];      /* each section's place in the file, and its length */
+    uint32_t crc;               /* of the chunk's bytes after its head */
     uint32_t head_crc;          /* of the head before this field */
 } idx_header;
 
@@ -4795,9 +4854,11 @@ typedef struct {
     int64_t day;                /* its midnight, UTC wall ms */
     seg_state state;
     logfile f;                  /* OPEN, SEALING: its log, and the events not yet fsynced */
-    ledger_mem mem;             /* OPEN, SEALING: its index */
-    idx_header h;               /* SEALED: the head of its index file */
-    int64_t retry_at;           /* SEALING: when to try its index file again (S.now) */
+    idx_header *chunk;          /* the chunks of its index file, in order */
+    uint32_t nchunk, chunk_cap;
+    ledger_mem mem;             /* OPEN, SEALING: the events after the last chunk */
+    int idx_failing;            /* a chunk could not be written: said once, tried again at retry_at */
+    int64_t retry_at;           /* (S.now) */
 } segment;
 
 static struct {
@@ -4805,7 +4866,6 @@ static struct {
     segment **seg;              /* the retained days, oldest first: the open one is last */
     int nseg, cap;
     int64_t last_at;            /* the latest event's created_at: the ledger's time never goes back */
-    int idx_told;               /* an index file could not be written: said once */
 } LG;
 
 static int64_t day_of(int64_t ms) { return ms - ((ms % DAY_MS) + DAY_MS) % DAY_MS; }
@@ -4821,7 +4881,8 @@ static void seg_path(int64_t day, const char *ext, const char *dir, char *out, s
 static segment *seg_new(int64_t day) {
     segment *s = xcalloc(1, sizeof *s);
     char name[32];
-    s->day = day, s->state = SEG_OPEN, s->mem.by_name.key = lname_key;
+    s->day = day, s->state = SEG_OPEN;
+    s->mem = (ledger_mem){.day = day, .by_name.key = lname_key};
     seg_path(day, ".log", NULL, name, sizeof name);
     log_init(&s->f, LG.dir, name, SEG_MAGIC);
     int i = LG.nseg;
@@ -4831,12 +4892,29 @@ static segment *seg_new(int64_t day) {
     return s;
 }
 
+static void seg_free(segment *s) {
+    buf_free(&s->f.pending);
+    mem_free(&s->mem);
+    free(s->chunk);
+    free(s);
+}
+
 static segment *seg_open(void) {
     segment *s = LG.nseg ? LG.seg[LG.nseg - 1] : NULL;
     return s && s->state == SEG_OPEN ? s : NULL;
 }
 
-static uint32_t seg_count(const segment *s) { return s->state == SEG_SEALED ? s->h.nevents : (uint32_t)s->mem.n; }
+/* The events of s in its index file's chunks, and in all. */
+static uint32_t seg_chunked(const segment *s) { return s->nchunk ? s->chunk[s->nchunk - 1].first + s->chunk[s->nchunk - 1].nevents : 0; }
+static uint32_t seg_count(const segment *s) { return seg_chunked(s) + s->mem.n; }
+
+/* The time of s's last event (its midnight when it has none). */
+static int64_t seg_last_at(const segment *s) {
+    if (s->mem.n) return s->mem.ix[s->mem.n - 1].at;
+    return s->nchunk ? s->chunk[s->nchunk - 1].last_at : s->day;
+}
+
+static void seg_index(segment *s, const rec_view *v, uint64_t off, uint32_t len);
 
 /* Replay one record of a segment into its index (log_open's callback).
  * Its time is kept within the day and after the event before it, as it
@@ -4845,18 +4923,27 @@ static int seg_apply(void *ctx, const char *p, size_t n, off_t at, char *why, si
     segment *s = ctx;
     rec_view v;
     if (rec_decode(p, n, &v) < 0) { snprintf(why, whylen, "not a spend event record"); return LTG_ERR; }
-    int64_t first = s->mem.n ? s->mem.ix[s->mem.n - 1].at : s->day;
+    int64_t first = seg_last_at(s);
     v.at = v.at < first ? first : v.at >= s->day + DAY_MS ? s->day + DAY_MS - 1 : v.at;
-    mem_add(&s->mem, &v, (uint64_t)at, (uint32_t)n);
+    seg_index(s, &v, (uint64_t)at, (uint32_t)n);
     return 0;
 }
 
-/* Element i (count of them) of section `sec` of an index file open as fd:
- * 0, or LTG_ERR when out of bounds or unreadable. */
-static int idx_read(const segment *s, int fd, int sec, uint64_t i, size_t count, void *out) {
-    uint64_t n = s->h.sec[sec][1] / sec_elem[sec], bytes = count * sec_elem[sec];
+/* Element i (count of them) of section `sec` of chunk h of an index file
+ * open as fd: 0, or LTG_ERR when out of bounds or unreadable. */
+static int idx_read(const idx_header *h, int fd, int sec, uint64_t i, size_t count, void *out) {
+    uint64_t n = h->sec[sec][1] / sec_elem[sec], bytes = count * sec_elem[sec];
     if (i > n || count > n - i) return LTG_ERR;
-    return pread(fd, out, bytes, (off_t)(s->h.sec[sec][0] + i * sec_elem[sec])) == (ssize_t)bytes ? 0 : LTG_ERR;
+    return pread(fd, out, bytes, (off_t)(h->sec[sec][0] + i * sec_elem[sec])) == (ssize_t)bytes ? 0 : LTG_ERR;
+}
+
+/* One more chunk of s's index file, its head kept in memory. */
+static void seg_add_chunk(segment *s, const idx_header *h) {
+    if (s->nchunk == s->chunk_cap) {
+        s->chunk_cap = s->chunk_cap ? s->chunk_cap * 2 : 4;
+        s->chunk = xrealloc(s->chunk, s->chunk_cap * sizeof *s->chunk);
+    }
+    s->chunk[s->nchunk++] = *h;
 }
 
 /* Writes an index file through a buffer, summing its CRC. */
@@ -4909,7 +4996,7 @@ static void usage_sum(usage_row *r, const usage_row *x) {
     r->spend += x->spend;
 }
 
-/* The rollups of a day: one row per (group, model) in `rows`, sorted,
+/* The rollups of a chunk: one row per (group, model) in `rows`, sorted,
  * and one per model (group "") in `models`. Models are named by their
  * rank in the sorted name table. A group's events are its position list,
  * so the rows are made group by group, a model's row found through
@@ -4921,7 +5008,7 @@ static void idx_rollups(const ledger_mem *m, const uint32_t *rank, buf *rows, bu
         const lname *gn = m->names[g];
         size_t first = rows->len / sizeof(idx_row);
         for (uint32_t k = 0; gn->s[0] == 'g' && k < gn->npos; k++) {
-            const ledger_entry *e = &m->ix[gn->pos[k]];
+            const ledger_entry *e = &m->ix[gn->pos[k].pos];
             if (last[e->model] <= first) { /* the model's first event in this group: a new row */
                 idx_row r = {{0}, rank[e->model], {0}};
                 memcpy(r.group, gn->s + 1, 36);
@@ -4941,11 +5028,10 @@ static void idx_rollups(const ledger_mem *m, const uint32_t *rank, buf *rows, bu
     free(per_model), free(last);
 }
 
-/* The names of a day, sorted (order: their indexes in sorted order, rank:
- * the inverse), their strings, and the positions of each key's and
- * group's events. */
-static void idx_names(idx_out *o, idx_header *h, const segment *s, uint32_t *order, uint32_t *rank) {
-    const ledger_mem *m = &s->mem;
+/* The names of a chunk, sorted (order: their indexes in sorted order,
+ * rank: the inverse), their strings, and each key's and group's
+ * positions: in memory already as the file keeps them. */
+static void idx_names(idx_out *o, idx_header *h, const ledger_mem *m, uint32_t *order, uint32_t *rank) {
     for (uint32_t i = 0; i < m->nnames; i++) order[i] = i;
     sort_mem = m;
     if (m->nnames) qsort(order, m->nnames, sizeof *order, name_cmp);
@@ -4954,8 +5040,7 @@ static void idx_names(idx_out *o, idx_header *h, const segment *s, uint32_t *ord
     io_begin(o, h, SEC_NAMES);
     for (uint32_t r = 0; r < m->nnames; r++) {
         const lname *nm = m->names[order[r]];
-        idx_name d = {str, (uint32_t)strlen(nm->s), nm->s[0] == 'k' ? kfirst : gfirst, nm->npos, 0};
-        for (uint32_t k = 0; k < nm->npos; k++) d.spent += m->ix[nm->pos[k]].charged;
+        idx_name d = {str, (uint32_t)strlen(nm->s), nm->s[0] == 'k' ? kfirst : gfirst, nm->npos, nm->npos ? nm->pos[nm->npos - 1].cum : 0};
         if (nm->s[0] == 'k') kfirst += nm->npos;
         else if (nm->s[0] == 'g') gfirst += nm->npos;
         str += d.len;
@@ -4969,87 +5054,127 @@ static void idx_names(idx_out *o, idx_header *h, const segment *s, uint32_t *ord
         io_begin(o, h, sec);
         for (uint32_t r = 0; r < m->nnames; r++) {
             const lname *nm = m->names[order[r]];
-            int64_t cum = 0;
-            for (uint32_t k = 0; nm->s[0] == (sec == SEC_KEYPOS ? 'k' : 'g') && k < nm->npos; k++) {
-                const ledger_entry *e = &m->ix[nm->pos[k]];
-                int64_t ms = e->at - s->day;
-                cum += e->charged;
-                idx_gpos g = {nm->pos[k], (uint32_t)(ms < 0 ? 0 : ms > DAY_MS ? DAY_MS : ms), cum};
-                io_put(o, &g, sizeof g);
-            }
+            if (nm->s[0] == (sec == SEC_KEYPOS ? 'k' : 'g')) io_put(o, nm->pos, nm->npos * sizeof *nm->pos);
         }
         io_end(o, h, sec);
     }
 }
 
-/* Write s's index file from its index in memory (see the notes above).
- * 0, or LTG_ERR with errno set. */
+/* Append s's events in memory to its index file as a chunk (see the notes
+ * above), written where the last chunk ends; their records must be
+ * durable. 0, or LTG_ERR with errno set (a chunk half written is cut off,
+ * or written over by the next try). */
 static int idx_write(segment *s) {
     const ledger_mem *m = &s->mem;
-    char path[300], tmp[310];
+    char path[300];
     seg_path(s->day, ".idx", LG.dir, path, sizeof path);
-    snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    idx_out o = {.fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600)};
-    if (o.fd < 0) return LTG_ERR;
-    idx_header h = {.endian = IDX_ENDIAN, .nevents = (uint32_t)m->n, .day = s->day, .log_size = (uint64_t)s->f.size};
+    uint64_t at = s->nchunk ? s->chunk[s->nchunk - 1].end : 0;
+    idx_header h = {.endian = IDX_ENDIAN, .nevents = m->n, .first = seg_chunked(s), .day = s->day, .last_at = seg_last_at(s)};
     memcpy(h.magic, IDX_MAGIC, 8);
-    h.last_at = m->n ? m->ix[m->n - 1].at : s->day;
-    o.off = sizeof h;
-    if (lseek(o.fd, (off_t)sizeof h, SEEK_SET) < 0) o.err = errno;
+    h.log_from = s->nchunk ? s->chunk[s->nchunk - 1].log_to : 8;
+    h.log_to = m->n ? m->ix[m->n - 1].off + m->ix[m->n - 1].len : h.log_from;
+    idx_out o = {.fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC | (at ? 0 : O_TRUNC), 0600), .off = at + sizeof h};
+    if (o.fd < 0) return LTG_ERR;
+    if (lseek(o.fd, (off_t)o.off, SEEK_SET) < 0) o.err = errno;
     io_begin(&o, &h, SEC_OFFSETS);
     for (size_t i = 0; i <= m->n; i++) {
-        uint64_t off = i < m->n ? m->ix[i].off : h.log_size + 8; /* one past the last: every record's length is a difference */
+        uint64_t off = i < m->n ? m->ix[i].off : h.log_to + 8; /* one past the last: every record's length is a difference */
         io_put(&o, &off, 8);
     }
     io_end(&o, &h, SEC_OFFSETS);
     uint32_t *order = xcalloc(m->nnames, sizeof *order), *rank = xcalloc(m->nnames, sizeof *rank);
-    idx_names(&o, &h, s, order, rank);
+    idx_names(&o, &h, m, order, rank);
     buf rows = {0}, models = {0};
     idx_rollups(m, rank, &rows, &models);
     io_begin(&o, &h, SEC_ROWS), io_put(&o, rows.p, rows.len), io_end(&o, &h, SEC_ROWS);
     io_begin(&o, &h, SEC_MODELROWS), io_put(&o, models.p, models.len), io_end(&o, &h, SEC_MODELROWS);
     buf_free(&rows), buf_free(&models), free(order), free(rank);
-    io_begin(&o, &h, SEC_REPLAYS);
-    for (uint32_t i = 0; i < m->n; i++)
-        if (m->ix[i].flags & EVF_REPLAY) io_put(&o, &i, 4);
-    io_end(&o, &h, SEC_REPLAYS);
+    io_begin(&o, &h, SEC_REPLAYS), io_put(&o, m->rep, m->nrep * sizeof *m->rep), io_end(&o, &h, SEC_REPLAYS);
     if (!o.err && write_all(o.fd, o.b.p, o.b.len) < 0) o.err = errno;
     buf_free(&o.b);
+    h.end = o.off;
     h.crc = o.crc;
     h.head_crc = crc32(&h, offsetof(idx_header, head_crc));
-    if (!o.err && pwrite(o.fd, &h, sizeof h, 0) != (ssize_t)sizeof h) o.err = errno ? errno : EIO;
+    if (!o.err && pwrite(o.fd, &h, sizeof h, (off_t)at) != (ssize_t)sizeof h) o.err = errno ? errno : EIO;
+    if (o.err && ftruncate(o.fd, (off_t)at) < 0) { /* the next start cuts it */ }
     if (close(o.fd) < 0 && !o.err) o.err = errno;
-    if (!o.err && rename(tmp, path) < 0) o.err = errno;
-    if (o.err) { unlink(tmp); errno = o.err; return LTG_ERR; }
-    s->h = h;
+    if (o.err) { errno = o.err; return LTG_ERR; }
+    seg_add_chunk(s, &h);
     return 0;
 }
 
-/* Is s's index file whole and about its log (of `log_size` bytes)? Fills s->h. */
-static int idx_check(segment *s, off_t log_size) {
+/* Is h, read at offset `at` of an index file of `size` bytes, the head of
+ * the next chunk of s, about log bytes from `from` within `log_size`? */
+static int idx_head_ok(const segment *s, const idx_header *h, uint64_t at, uint64_t size, uint64_t from, uint64_t log_size) {
+    if (memcmp(h->magic, IDX_MAGIC, 8) || h->endian != IDX_ENDIAN || h->head_crc != crc32(h, offsetof(idx_header, head_crc))) return 0;
+    if (h->day != s->day || h->first != seg_chunked(s) || h->log_from != from || h->log_to < from || h->log_to > log_size) return 0;
+    if (h->end > size || h->end < at + sizeof *h || h->sec[SEC_OFFSETS][1] != ((uint64_t)h->nevents + 1) * 8) return 0;
+    for (int i = 0; i < NSEC; i++)
+        if (h->sec[i][0] < at + sizeof *h || h->sec[i][0] > h->end || h->sec[i][1] > h->end - h->sec[i][0] || h->sec[i][1] % sec_elem[i]) return 0;
+    return 1;
+}
+
+/* Read s's index file at start-up: its chunks, in order, each whole (its
+ * CRCs), of this day, and about the log bytes after the one before,
+ * within the log's `log_size` bytes. What follows the last of them -- a
+ * chunk a crash cut short, or a file of an older format -- is cut off.
+ * Returns where in the log the events no chunk holds begin. */
+static uint64_t idx_load(segment *s, uint64_t log_size) {
     char path[300];
     seg_path(s->day, ".idx", LG.dir, path, sizeof path);
-    int fd = open(path, O_RDONLY | O_CLOEXEC), ok = 0;
+    int fd = open(path, O_RDWR | O_CLOEXEC);
     struct stat st;
-    idx_header *h = &s->h;
-    if (fd < 0 || fstat(fd, &st) < 0 || pread(fd, h, sizeof *h, 0) != (ssize_t)sizeof *h) goto done;
-    if (memcmp(h->magic, IDX_MAGIC, 8) || h->endian != IDX_ENDIAN || h->head_crc != crc32(h, offsetof(idx_header, head_crc)) ||
-        h->day != s->day || h->log_size != (uint64_t)log_size || h->sec[SEC_OFFSETS][1] != ((uint64_t)h->nevents + 1) * 8)
-        goto done;
-    for (int i = 0; i < NSEC; i++)
-        if (h->sec[i][0] < sizeof *h || h->sec[i][0] > (uint64_t)st.st_size || h->sec[i][1] > (uint64_t)st.st_size - h->sec[i][0] ||
-            h->sec[i][1] % sec_elem[i])
-            goto done;
-    uint32_t crc = 0;
+    uint64_t at = 0, from = 8; /* a log's first record follows its magic */
+    if (fd < 0 || fstat(fd, &st) < 0) {
+        if (fd >= 0) close(fd);
+        return from;
+    }
     char *chunk = xmalloc(LOG_READ_CHUNK);
-    off_t at = sizeof *h;
-    ssize_t r = 1;
-    while (at < st.st_size && (r = pread(fd, chunk, LOG_READ_CHUNK, at)) > 0) crc = crc32_more(crc, chunk, (size_t)r), at += r;
+    idx_header h;
+    while (at + sizeof h <= (uint64_t)st.st_size && pread(fd, &h, sizeof h, (off_t)at) == (ssize_t)sizeof h &&
+           idx_head_ok(s, &h, at, (uint64_t)st.st_size, from, log_size)) {
+        uint32_t crc = 0;
+        ssize_t r = 1;
+        for (uint64_t o = at + sizeof h; o < h.end && r > 0; o += (uint64_t)r) {
+            size_t want = h.end - o < LOG_READ_CHUNK ? (size_t)(h.end - o) : LOG_READ_CHUNK;
+            if ((r = pread(fd, chunk, want, (off_t)o)) > 0) crc = crc32_more(crc, chunk, (size_t)r);
+        }
+        if (r <= 0 || crc != h.crc) break;
+        seg_add_chunk(s, &h);
+        at = h.end, from = h.log_to;
+    }
+    if (at < (uint64_t)st.st_size && ftruncate(fd, (off_t)at) < 0) ltg_log("ledger: cannot cut %s back to its whole chunks: %s", path, strerror(errno));
     free(chunk);
-    ok = r > 0 && crc == h->crc;
-done:
-    if (fd >= 0) close(fd);
-    return ok;
+    close(fd);
+    return from;
+}
+
+/* Write s's events in memory out as a chunk of its index file, first
+ * making their records durable, and let them go from memory: 0, or
+ * LTG_ERR (said once; tried again after IDX_RETRY_MS). */
+static int seg_spill(segment *s) {
+    if (log_sync(&s->f) < 0) {
+        s->retry_at = S.now + LEDGER_RETRY_MS;
+        return LTG_ERR;
+    }
+    if (idx_write(s) < 0) {
+        if (!s->idx_failing) ltg_log("ledger: the index of %s cannot be written (%s): its events stay in memory, tried again every %d s", s->f.path, strerror(errno), IDX_RETRY_MS / 1000);
+        s->idx_failing = 1;
+        s->retry_at = S.now + IDX_RETRY_MS;
+        return LTG_ERR;
+    }
+    if (s->idx_failing) ltg_log("ledger: the index of %s is written", s->f.path);
+    s->idx_failing = 0;
+    mem_free(&s->mem);
+    return 0;
+}
+
+/* Index one event of s. When the events in memory may not take one more
+ * within --ledger-index-mb, they are first spilled to the index file;
+ * while that fails they stay, and ledger_writable() refuses new requests. */
+static void seg_index(segment *s, const rec_view *v, uint64_t off, uint32_t len) {
+    if (s->mem.n && s->mem.bytes + mem_worst(&s->mem) > (size_t)S.ledger_index && S.now >= s->retry_at) seg_spill(s);
+    mem_add(&s->mem, v, off, len);
 }
 
 /* s's index is on disk: let its memory and its log go. */
@@ -5061,38 +5186,45 @@ static void seg_sealed(segment *s) {
     s->state = SEG_SEALED;
 }
 
-/* Write a sealing segment's index file once its events are durable. */
+/* Write a sealing segment's last chunk once its events are durable. */
 static void seg_seal_step(segment *s) {
     if (s->state != SEG_SEALING || s->f.pending.len || s->f.failing || S.now < s->retry_at) return;
-    if (idx_write(s) == 0) {
-        if (LG.idx_told) ltg_log("ledger: the index of %s is written", s->f.path), LG.idx_told = 0;
-        seg_sealed(s);
-        return;
-    }
-    if (!LG.idx_told++) ltg_log("ledger: the index of %s cannot be written (%s): the day stays in memory, retried every %d s", s->f.path, strerror(errno), IDX_RETRY_MS / 1000);
-    s->retry_at = S.now + IDX_RETRY_MS;
+    if ((s->mem.n || !s->nchunk) && seg_spill(s) < 0) return;
+    seg_sealed(s);
 }
 
-/* ---- what a query sees of one day ---- */
+/* ---- what a query sees of one day ----
+ *
+ * A day is read in parts: each chunk of its index file, then the events
+ * still in memory. The part being read is v->h (NULL: memory); the few
+ * functions below that read one part are the only ones that tell memory
+ * from file, and every query is written once, over them. Positions are
+ * the day's: an event's number in it. */
 
 typedef struct {
     segment *s;
-    int fd, log_fd;             /* SEALED: its index and its log, open for the query */
+    int fd, log_fd;             /* its index file and (a sealed day) its log, open for the query */
     uint32_t limit;             /* the events it may see: a snapshot's bound */
     char kind;                  /* 0: every event; 'k' or 'g': those of one key or group */
-    const lname *nm;            /* in memory: that name, or NULL */
-    idx_name dn;                /* on disk: that name (n = 0 when absent) */
+    const char *id;
+    const idx_header *h;        /* the part being read: a chunk, or NULL for the events in memory */
+    uint32_t first, n;          /* its first event's position, its events */
+    const lname *nm;            /* the name looked up (view_name) -- in memory: it, or NULL; */
+    idx_name dn;                /* its events in the part (n = 0 when absent); */
+    int sec;                    /* in a chunk: the section of its positions */
 } seg_view;
 
-/* The name kind+id in a sealed day's table: 1 found, 0 absent, LTG_ERR. */
-static int idx_find(seg_view *v, char kind, const char *id, idx_name *out) {
+static uint32_t seg_parts(const segment *s) { return s->nchunk + (s->state != SEG_SEALED); }
+
+/* The name kind+id in a chunk's sorted table: 1 found, 0 absent, LTG_ERR. */
+static int idx_find(const seg_view *v, char kind, const char *id, idx_name *out) {
     char want[ALIAS_MAX + 2], got[ALIAS_MAX + 2];
     size_t wn = (size_t)snprintf(want, sizeof want, "%c%s", kind, id);
-    uint64_t lo = 0, hi = v->s->h.sec[SEC_NAMES][1] / sizeof(idx_name);
+    uint64_t lo = 0, hi = v->h->sec[SEC_NAMES][1] / sizeof(idx_name);
     while (lo < hi) {
         uint64_t mid = lo + (hi - lo) / 2;
         idx_name nm;
-        if (idx_read(v->s, v->fd, SEC_NAMES, mid, 1, &nm) < 0 || nm.len > ALIAS_MAX + 1 || idx_read(v->s, v->fd, SEC_STRINGS, nm.str, nm.len, got) < 0)
+        if (idx_read(v->h, v->fd, SEC_NAMES, mid, 1, &nm) < 0 || nm.len > ALIAS_MAX + 1 || idx_read(v->h, v->fd, SEC_STRINGS, nm.str, nm.len, got) < 0)
             return LTG_ERR;
         int c = memcmp(got, want, nm.len < wn ? nm.len : wn);
         if (!c) c = (nm.len > wn) - (nm.len < wn);
@@ -5103,57 +5235,81 @@ static int idx_find(seg_view *v, char kind, const char *id, idx_name *out) {
     return 0;
 }
 
-/* The position of the rank-th event the view shows: 0, or LTG_ERR. */
+/* Look up name kind+id in the part: how many events it has there, or LTG_ERR. */
+static int64_t view_name(seg_view *v, char kind, const char *id) {
+    v->nm = NULL;
+    v->dn = (idx_name){0};
+    v->sec = kind == 'k' ? SEC_KEYPOS : SEC_GROUPPOS;
+    if (v->h) return idx_find(v, kind, id, &v->dn) < 0 ? LTG_ERR : (int64_t)v->dn.n;
+    uint32_t k = mem_find(&v->s->mem, kind, id, strlen(id));
+    if (k == UINT32_MAX) return 0;
+    v->nm = v->s->mem.names[k];
+    v->dn.n = v->nm->npos;
+    v->dn.spent = v->nm->npos ? v->nm->pos[v->nm->npos - 1].cum : 0;
+    return v->dn.n;
+}
+
+/* The rank-th event of the part's name. */
+static int view_gpos(const seg_view *v, uint64_t rank, idx_gpos *g) {
+    if (!v->h) { *g = v->nm->pos[rank]; return 0; }
+    return idx_read(v->h, v->fd, v->sec, v->dn.first + rank, 1, g);
+}
+
+/* The position of the rank-th event the view shows in its part: 0, or LTG_ERR. */
 static int view_pos(const seg_view *v, uint64_t rank, uint32_t *pos) {
-    if (!v->kind) { *pos = (uint32_t)rank; return 0; }
-    if (v->s->state != SEG_SEALED) { *pos = v->nm->pos[rank]; return 0; }
-    idx_gpos g;
-    if (idx_read(v->s, v->fd, v->kind == 'k' ? SEC_KEYPOS : SEC_GROUPPOS, v->dn.first + rank, 1, &g) < 0) return LTG_ERR;
-    *pos = g.pos;
+    idx_gpos g = {(uint32_t)rank, 0, 0};
+    if (v->kind && view_gpos(v, rank, &g) < 0) return LTG_ERR;
+    *pos = v->first + g.pos;
     return 0;
 }
 
-/* How many events the view shows (those before its limit), or LTG_ERR. */
+/* How many events of the part the view shows (those before its limit), or LTG_ERR. */
 static int64_t view_count(const seg_view *v) {
-    uint32_t all = seg_count(v->s);
-    if (!v->kind) return v->limit < all ? v->limit : all;
-    if (v->s->state != SEG_SEALED) return v->nm ? (int64_t)posting_lower(v->nm, v->limit) : 0;
+    uint32_t lim = v->limit > v->first ? v->limit - v->first : 0;
+    if (!v->kind) return lim < v->n ? lim : v->n;
     uint64_t lo = 0, hi = v->dn.n;
-    if (v->limit >= all) return hi;
+    if (lim >= v->n) return hi;
     while (lo < hi) { /* the first of its events at or after the limit */
         uint64_t mid = lo + (hi - lo) / 2;
-        uint32_t pos;
-        if (view_pos(v, mid, &pos) < 0) return LTG_ERR;
-        if (pos < v->limit) lo = mid + 1;
+        idx_gpos g;
+        if (view_gpos(v, mid, &g) < 0) return LTG_ERR;
+        if (g.pos < lim) lo = mid + 1;
         else hi = mid;
     }
     return (int64_t)lo;
 }
 
-/* Open the view of s: every event, or those of kind+id. Returns how many
- * it shows, or LTG_ERR (a file that cannot be read; logged). */
-static int64_t view_open(seg_view *v, segment *s, char kind, const char *id, uint32_t limit) {
-    *v = (seg_view){.s = s, .fd = -1, .log_fd = -1, .limit = limit, .kind = kind};
-    if (s->state != SEG_SEALED) {
-        uint32_t k = kind ? mem_name(&s->mem, kind, id, strlen(id), 0) : 0;
-        if (kind && k != UINT32_MAX) v->nm = s->mem.names[k];
-        return view_count(v);
-    }
-    char path[300];
-    seg_path(s->day, ".idx", LG.dir, path, sizeof path);
-    v->fd = open(path, O_RDONLY | O_CLOEXEC);
-    seg_path(s->day, ".log", LG.dir, path, sizeof path);
-    v->log_fd = open(path, O_RDONLY | O_CLOEXEC);
-    int found = v->fd < 0 || v->log_fd < 0 ? LTG_ERR : kind ? idx_find(v, kind, id, &v->dn) : 1;
-    int64_t n = found < 0 ? LTG_ERR : found ? view_count(v) : 0;
-    if (n < 0) ltg_log("ledger: cannot read %s or its index: %s", path, strerror(errno));
-    return n;
+/* Read part c of the view's day (chunk c; c == nchunk: the events in
+ * memory): how many of its events the view shows, or LTG_ERR. */
+static int64_t view_part(seg_view *v, uint32_t c) {
+    const segment *s = v->s;
+    v->h = c < s->nchunk ? &s->chunk[c] : NULL;
+    v->first = v->h ? v->h->first : seg_chunked(s);
+    v->n = v->h ? v->h->nevents : s->mem.n;
+    if (v->kind && view_name(v, v->kind, v->id) < 0) return LTG_ERR;
+    return view_count(v);
 }
 
 static void view_close(seg_view *v) {
     if (v->fd >= 0) close(v->fd);
     if (v->log_fd >= 0) close(v->log_fd);
     v->fd = v->log_fd = -1;
+}
+
+/* Open the view of s: every event, or those of kind+id, before position
+ * `limit`. 0, or LTG_ERR (a file that cannot be read; logged). */
+static int view_open(seg_view *v, segment *s, char kind, const char *id, uint32_t limit) {
+    *v = (seg_view){.s = s, .fd = -1, .log_fd = -1, .limit = limit, .kind = kind, .id = id};
+    char path[300];
+    seg_path(s->day, ".idx", LG.dir, path, sizeof path);
+    if (s->nchunk && (v->fd = open(path, O_RDONLY | O_CLOEXEC)) < 0) goto fail;
+    seg_path(s->day, ".log", LG.dir, path, sizeof path);
+    if (s->state == SEG_SEALED && (v->log_fd = open(path, O_RDONLY | O_CLOEXEC)) < 0) goto fail;
+    return 0;
+fail:
+    ltg_log("ledger: cannot read %s: %s", path, strerror(errno));
+    view_close(v);
+    return LTG_ERR;
 }
 
 /* Bytes [off, off + n) of a segment's log: from the file, or, for what is
@@ -5169,16 +5325,26 @@ static int seg_read(const seg_view *v, uint64_t off, size_t n, char *out) {
     return pread(fd, out, n, (off_t)off) == (ssize_t)n ? 0 : LTG_ERR;
 }
 
-/* Where the record at index position `pos` is: its payload's offset and length. */
+/* Where the record at position `pos` of the day is: its payload's offset and length. */
 static int view_loc(const seg_view *v, uint32_t pos, uint64_t *off, uint32_t *len) {
-    if (v->s->state != SEG_SEALED) {
-        if (pos >= v->s->mem.n) return LTG_ERR;
-        *off = v->s->mem.ix[pos].off, *len = v->s->mem.ix[pos].len;
+    const segment *s = v->s;
+    uint32_t lo = 0, hi = s->nchunk, inmem = seg_chunked(s);
+    if (pos >= inmem) {
+        if (pos - inmem >= s->mem.n) return LTG_ERR;
+        *off = s->mem.ix[pos - inmem].off;
+        *len = s->mem.ix[pos - inmem].len;
         return 0;
     }
+    while (hi - lo > 1) { /* the chunk that holds it */
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (s->chunk[mid].first <= pos) lo = mid;
+        else hi = mid;
+    }
     uint64_t o[2];
-    if (idx_read(v->s, v->fd, SEC_OFFSETS, pos, 2, o) < 0 || o[0] < 16 || o[1] < o[0] + 8 || o[1] - o[0] - 8 > LOG_MAX_RECORD) return LTG_ERR;
-    *off = o[0], *len = (uint32_t)(o[1] - o[0] - 8);
+    if (idx_read(&s->chunk[lo], v->fd, SEC_OFFSETS, pos - s->chunk[lo].first, 2, o) < 0 || o[0] < 16 || o[1] < o[0] + 8 || o[1] - o[0] - 8 > LOG_MAX_RECORD)
+        return LTG_ERR;
+    *off = o[0];
+    *len = (uint32_t)(o[1] - o[0] - 8);
     return 0;
 }
 
@@ -5195,7 +5361,7 @@ static int seg_record_at(const seg_view *v, uint64_t off, uint32_t len, buf *rec
     return 0;
 }
 
-/* The record at index position `pos` (see seg_record_at): 0, or LTG_ERR (logged). */
+/* The record at position `pos` of the day (see seg_record_at): 0, or LTG_ERR (logged). */
 static int view_record(const seg_view *v, uint32_t pos, buf *rec, rec_view *rv) {
     uint64_t off;
     uint32_t len;
@@ -5204,32 +5370,50 @@ static int view_record(const seg_view *v, uint32_t pos, buf *rec, rec_view *rv) 
     return LTG_ERR;
 }
 
-/* What group or key `id` (kind 'g' or 'k') spent in s at or after
- * `since` (wall ms). */
+/* What the part's name (view_name) charged at or after `since` (wall ms):
+ * all of it, less the running sum before its first event since then. */
+static int64_t view_spent_since(const seg_view *v, int64_t since) {
+    int64_t ms = since - v->s->day;
+    uint64_t lo = 0, hi = v->dn.n;
+    idx_gpos g;
+    while (lo < hi) { /* the first event at or after `since` */
+        uint64_t mid = lo + (hi - lo) / 2;
+        if (view_gpos(v, mid, &g) < 0) return 0;
+        if ((int64_t)g.ms < ms) lo = mid + 1;
+        else hi = mid;
+    }
+    return v->dn.spent - (lo > 0 && view_gpos(v, lo - 1, &g) == 0 ? g.cum : 0);
+}
+
+/* What group or key `id` (kind 'g' or 'k') spent in s at or after `since` (wall ms). */
 static int64_t seg_spent_since(segment *s, char kind, const char *id, int64_t since) {
     seg_view v;
-    int64_t n = view_open(&v, s, kind, id, UINT32_MAX), sum = 0;
-    int sec = kind == 'k' ? SEC_KEYPOS : SEC_GROUPPOS;
-    if (n > 0 && s->state != SEG_SEALED) {
-        for (uint32_t k = 0; k < v.nm->npos; k++)
-            if (s->mem.ix[v.nm->pos[k]].at >= since) sum += s->mem.ix[v.nm->pos[k]].charged;
-    } else if (n > 0) { /* the running sums: all of it, less what came before `since` */
-        int64_t ms = since - s->day;
-        uint64_t lo = 0, hi = (uint64_t)n;
-        idx_gpos g, last;
-        if (idx_read(s, v.fd, sec, v.dn.first + n - 1, 1, &last) == 0) {
-            sum = last.cum;
-            while (lo < hi) { /* the first event at or after `since` */
-                uint64_t mid = lo + (hi - lo) / 2;
-                if (idx_read(s, v.fd, sec, v.dn.first + mid, 1, &g) < 0) break;
-                if ((int64_t)g.ms < ms) lo = mid + 1;
-                else hi = mid;
-            }
-            if (lo > 0 && idx_read(s, v.fd, sec, v.dn.first + lo - 1, 1, &g) == 0) sum -= g.cum;
-        }
-    }
+    int64_t sum = 0;
+    if (view_open(&v, s, kind, id, UINT32_MAX) == 0)
+        for (uint32_t c = 0; c < seg_parts(s); c++)
+            if (view_part(&v, c) > 0) sum += view_spent_since(&v, since);
     view_close(&v);
     return sum;
+}
+
+/* The names of the part, each with what its events charged there: fn(the
+ * view, "k<id>", "g<id>" or "m<alias>", its length, that sum, ctx). */
+static void view_names(seg_view *v, void (*fn)(seg_view *v, const char *name, size_t len, int64_t spent, void *ctx), void *ctx) {
+    if (!v->h) {
+        for (uint32_t k = 0; k < v->s->mem.nnames; k++) {
+            const lname *nm = v->s->mem.names[k];
+            fn(v, nm->s, strlen(nm->s), nm->npos ? nm->pos[nm->npos - 1].cum : 0, ctx);
+        }
+        return;
+    }
+    uint64_t nn = v->h->sec[SEC_NAMES][1] / sizeof(idx_name), ns = v->h->sec[SEC_STRINGS][1];
+    idx_name *names = xmalloc(nn * sizeof *names + 1);
+    char *str = xmalloc(ns + 1);
+    if (idx_read(v->h, v->fd, SEC_NAMES, 0, nn, names) == 0 && idx_read(v->h, v->fd, SEC_STRINGS, 0, ns, str) == 0)
+        for (uint64_t r = 0; r < nn; r++)
+            if (names[r].len > 0 && names[r].len <= ALIAS_MAX + 1 && names[r].str <= ns && names[r].len <= ns - names[r].str)
+                fn(v, str + names[r].str, names[r].len, names[r].spent, ctx);
+    free(names), free(str);
 }
 
 static void budget_refresh(allowance *a, int64_t now);
@@ -5243,30 +5427,40 @@ static allowance *name_allowance(const char *name) {
     return g ? &g->al : k && k->al.has_budget ? &k->al : NULL;
 }
 
-/* For each group, and each key with a budget, that has events in sealed
- * day s and whose current period (brought up to `now`) takes in some of
- * the day: fn(its name, its allowance, what it spent in s within that
- * period). The day's names are read whole, with each one's total; only
- * for the day a period starts in are the running sums searched: a few
- * reads a day, whatever its events. */
-static void seg_spends(segment *s, int64_t now, void (*fn)(const char *name, allowance *a, int64_t spent, void *ctx), void *ctx) {
+typedef void spend_fn(const char *name, allowance *a, int64_t spent, void *ctx);
+typedef struct { int64_t now; spend_fn *fn; void *ctx; } spends_walk;
+
+static void spends_one(seg_view *v, const char *s, size_t len, int64_t spent, void *ctx) {
+    spends_walk *w = ctx;
+    char name[38];
+    if (len != 37 || (s[0] != 'g' && s[0] != 'k')) return;
+    memcpy(name, s, 37);
+    name[37] = 0;
+    allowance *a = name_allowance(name);
+    if (!a) return;
+    budget_refresh(a, w->now);
+    if (v->s->day + DAY_MS <= a->period_start) return;
+    if (v->s->day < a->period_start) { /* the period starts within the day: the running sums say what came after */
+        view_name(v, name[0], name + 1);
+        spent = view_spent_since(v, a->period_start);
+    }
+    w->fn(name, a, spent, w->ctx);
+}
+
+/* For each group, and each key with a budget, that has events in day s
+ * and whose current period (brought up to `now`) takes in some of the
+ * day: fn(its name, its allowance, what it spent in one part of s within
+ * that period), once for each part it has events in. A chunk's names are
+ * read whole, with each one's total; only for the day a period starts
+ * in are the running sums searched: a few reads a chunk, whatever its
+ * events. */
+static void seg_spends(segment *s, int64_t now, spend_fn *fn, void *ctx) {
     seg_view v;
-    uint64_t nn = s->h.sec[SEC_NAMES][1] / sizeof(idx_name), ns = s->h.sec[SEC_STRINGS][1];
-    idx_name *names = xmalloc(nn * sizeof *names + 1);
-    char *str = xmalloc(ns + 1), name[38];
-    if (view_open(&v, s, 0, NULL, UINT32_MAX) > 0 && idx_read(s, v.fd, SEC_NAMES, 0, nn, names) == 0 && idx_read(s, v.fd, SEC_STRINGS, 0, ns, str) == 0)
-        for (uint64_t r = 0; r < nn; r++) {
-            const idx_name *nm = &names[r];
-            if (nm->len != 37 || ns < 37 || nm->str > ns - 37 || (str[nm->str] != 'g' && str[nm->str] != 'k')) continue;
-            memcpy(name, str + nm->str, 37), name[37] = 0;
-            allowance *a = name_allowance(name);
-            if (!a) continue;
-            budget_refresh(a, now);
-            if (s->day + DAY_MS <= a->period_start) continue;
-            fn(name, a, s->day >= a->period_start ? nm->spent : seg_spent_since(s, name[0], name + 1, a->period_start), ctx);
-        }
+    spends_walk w = {now, fn, ctx};
+    if (view_open(&v, s, 0, NULL, UINT32_MAX) == 0)
+        for (uint32_t c = 0; c < seg_parts(s); c++)
+            if (view_part(&v, c) > 0) view_names(&v, spends_one, &w);
     view_close(&v);
-    free(names), free(str);
 }
 
 /* ---- writing ---- */
@@ -5286,10 +5480,14 @@ static void ledger_sync(void *ctx) {
     if (failing) timer_set(&ledger_sync_timer, LEDGER_RETRY_MS);
 }
 
-/* May events be recorded now? Not while a day's log fails to take them. */
+/* May events be recorded now? Not while a day's log fails to take them,
+ * nor while today's index is full and cannot be spilled. */
 static int ledger_writable(const char **why) {
-    for (int i = 0; i < LG.nseg; i++)
-        if (LG.seg[i]->state != SEG_SEALED && LG.seg[i]->f.failing) { *why = LG.seg[i]->f.why; return 0; }
+    for (int i = 0; i < LG.nseg; i++) {
+        const segment *s = LG.seg[i];
+        if (s->state != SEG_SEALED && s->f.failing) { *why = s->f.why; return 0; }
+        if (s->state == SEG_OPEN && s->idx_failing) { *why = "today's index file cannot be written (see the log)"; return 0; }
+    }
     return 1;
 }
 
@@ -5313,7 +5511,7 @@ static int ledger_add(rec_view *v, int64_t now, int64_t *day, uint64_t *off, uin
     int rc = rec_decode(p.p, p.len, &back) < 0 ? LTG_ERR : log_append(&s->f, p.p, p.len, 0, &why); /* never a ledger ltg cannot start on */
     if (rc < 0) ltg_log("ledger: an event was not recorded: %s", why);
     else {
-        mem_add(&s->mem, v, *off, *len);
+        seg_index(s, v, *off, *len);
         metric_add(M_LEDGER, 1, NULL);
         if (ledger_sync_timer.slot < 0) timer_set(&ledger_sync_timer, LEDGER_SYNC_MS);
     }
@@ -5327,56 +5525,50 @@ typedef struct { allowance *a; int64_t carry, start, to; } carry_undo; /* a carr
 static void budget_carry(allowance *a, int64_t spent, segment *s, carry_undo *undo);
 static void budget_uncarry(const carry_undo *undo);
 static void budget_forget(group *g, int64_t spent);
-static void seg_spends(segment *s, int64_t now, void (*fn)(const char *name, allowance *a, int64_t spent, void *ctx), void *ctx);
+static int carried_covers(const allowance *a, const segment *s);
 
 /* What ledger_retire carries: the state log's ops, the undo of each. */
 typedef struct { jwriter *w; carry_undo *ch; int nch; segment *s; } carrying;
 
-static void carry_one(carrying *c, allowance *a, int64_t spent) {
+/* A group with a budget, or a key with one, spent in the day retention
+ * deletes, in its current period: carried once, all of the day's. */
+static void carry_spend(const char *name, allowance *a, int64_t spent, void *ctx) {
+    (void)spent;
+    carrying *c = ctx;
+    group *g = name[0] == 'g' ? group_find(name + 1) : NULL;
+    tkey *k = name[0] == 'k' ? tkey_find(name + 1) : NULL;
+    if ((!g || !g->al.has_budget) && !k) return;
+    if (carried_covers(a, c->s)) return; /* carried already: by another part of the day, or before */
     c->ch = xrealloc(c->ch, (size_t)(c->nch + 1) * sizeof *c->ch);
-    budget_carry(a, spent, c->s, &c->ch[c->nch++]);
+    budget_carry(a, seg_spent_since(c->s, name[0], name + 1, a->period_start), c->s, &c->ch[c->nch++]);
+    jw_open(c->w, '{');
+    jw_key(c->w, g ? "put_group" : "put_key");
+    if (g) group_json(c->w, g, 1);
+    else tkey_json(c->w, k, 1);
+    jw_close(c->w, '}');
 }
 
-/* A key with a budget spent `spent` in the day retention deletes, in its
- * current period (the groups' are carried from the day's rows). */
-static void carry_key(const char *name, allowance *a, int64_t spent, void *ctx) {
-    carrying *c = ctx;
-    tkey *k = name[0] == 'k' ? tkey_find(name + 1) : NULL;
-    if (!k || (a->carry_to > c->s->day && a->carry_start == a->period_start)) return; /* carried already */
-    carry_one(c, a, spent);
-    jw_open(c->w, '{'), jw_key(c->w, "put_key"), tkey_json(c->w, k, 1), jw_close(c->w, '}');
+/* A group without a budget shows what its kept days spent: this one's goes. */
+static void forget_spend(seg_view *v, const char *s, size_t len, int64_t spent, void *ctx) {
+    (void)v, (void)ctx;
+    char id[37];
+    if (len != 37 || s[0] != 'g') return;
+    memcpy(id, s + 1, 36);
+    id[36] = 0;
+    group *g = group_find(id);
+    if (g && !g->al.has_budget) budget_forget(g, spent);
 }
 
 /* Delete the oldest day, a sealed one. What a group or a key with a budget
  * spent in it within its current period (a lifetime budget's) is first
  * carried into its record in the state log; a group without a budget shows
- * the spend of the days kept, so it loses the day's. Its rows name the
- * groups, its names the keys. */
+ * the spend of the days kept, so it loses the day's. */
 static int ledger_retire(segment *s, int64_t now) {
-    seg_view v;
-    idx_row row;
-    int64_t n = view_open(&v, s, 0, NULL, UINT32_MAX);
-    uint64_t nrows = s->h.sec[SEC_ROWS][1] / sizeof(idx_row);
-    char prev[36] = {0};
     buf ops = {0};
     jwriter w;
     carrying c = {&w, NULL, 0, s};
     jw_init(&w, &ops), jw_open(&w, '[');
-    for (uint64_t r = 0; n > 0 && r < nrows && idx_read(s, v.fd, SEC_ROWS, r, 1, &row) == 0; r++) {
-        if (memcmp(row.group, prev, 36) == 0) continue; /* a group's rows are together: one look per group */
-        memcpy(prev, row.group, 36);
-        char id[37];
-        memcpy(id, row.group, 36), id[36] = 0;
-        group *g = group_find(id);
-        int64_t start, end;
-        if (!g || !g->al.has_budget) continue;
-        allow_period(&g->al, now, &start, &end);
-        if (start >= s->day + DAY_MS || (g->al.carry_to > s->day && g->al.carry_start == start)) continue; /* not its period, or carried already */
-        budget_refresh(&g->al, now);
-        carry_one(&c, &g->al, seg_spent_since(s, 'g', g->id, start));
-        jw_open(&w, '{'), jw_key(&w, "put_group"), group_json(&w, g, 1), jw_close(&w, '}');
-    }
-    if (n > 0) seg_spends(s, now, carry_key, &c); /* and what keys with a budget spent in it */
+    seg_spends(s, now, carry_spend, &c);
     jw_close(&w, ']');
     const char *why = "";
     buf rec = {0};
@@ -5386,27 +5578,26 @@ static int ledger_retire(segment *s, int64_t now) {
     buf_free(&ops), buf_free(&rec), free(c.ch);
     int nch = c.nch;
     char path[300];
+    seg_view v = {.fd = -1, .log_fd = -1};
+    int readable = rc == 0 && view_open(&v, s, 0, NULL, UINT32_MAX) == 0; /* before the log goes */
     seg_path(s->day, ".log", LG.dir, path, sizeof path);
     if (rc < 0) ltg_log("ledger: %s not deleted yet: the state log refused what it carries (%s)", path, why);
     else if (unlink(path) < 0 && errno != ENOENT) {
         ltg_log("ledger: cannot delete %s: %s", path, strerror(errno));
         rc = LTG_ERR;
     }
-    for (uint64_t r = 0; rc == 0 && n > 0 && r < nrows && idx_read(s, v.fd, SEC_ROWS, r, 1, &row) == 0; r++) {
-        char id[37]; /* a group without a budget shows what its kept days spent: this one's goes */
-        memcpy(id, row.group, 36), id[36] = 0;
-        group *g = group_find(id);
-        if (g && !g->al.has_budget) budget_forget(g, row.u.spend);
-    }
+    for (uint32_t k = 0; rc == 0 && readable && k < seg_parts(s); k++)
+        if (view_part(&v, k) > 0) view_names(&v, forget_spend, NULL);
     view_close(&v);
     if (rc < 0) return LTG_ERR;
     seg_path(s->day, ".idx", LG.dir, path, sizeof path);
     unlink(path);
     fsync_dir(LG.dir);
-    ltg_log("ledger: deleted %s (%llu bytes, %u events): older than --ledger-days %d%s", s->f.path, (unsigned long long)s->h.log_size,
-            seg_count(s), S.ledger_days, nch ? "; what lifetime budgets spent in it is carried in their groups and keys" : "");
+    ltg_log("ledger: deleted %s (%llu bytes, %u events): older than --ledger-days %d%s", s->f.path,
+            (unsigned long long)(s->nchunk ? s->chunk[s->nchunk - 1].log_to : 0), seg_count(s), S.ledger_days,
+            nch ? "; what lifetime budgets spent in it is carried in their groups and keys" : "");
     memmove(LG.seg, LG.seg + 1, (size_t)--LG.nseg * sizeof *LG.seg);
-    free(s);
+    seg_free(s);
     return 0;
 }
 
@@ -5414,13 +5605,15 @@ static int ledger_retire(segment *s, int64_t now) {
 static int64_t ledger_retained_from(int64_t now) { return day_of(now) - (int64_t)S.ledger_days * DAY_MS; }
 
 /* Called each loop turn: the turn's events are written, a day that ended
- * is sealed, a sealed day's index file written, one expired day deleted. */
+ * is sealed, a chunk that could not be written tried again, one expired
+ * day deleted. */
 static void ledger_tick(int64_t now) {
     for (int i = 0; i < LG.nseg; i++) {
         segment *s = LG.seg[i];
         if (s->state != SEG_SEALED && !s->f.failing && s->f.written < s->f.pending.len && log_write(&s->f) < 0)
             timer_set(&ledger_sync_timer, LEDGER_RETRY_MS);
         if (s->state == SEG_OPEN && s->day < day_of(now)) s->state = SEG_SEALING;
+        if (s->state == SEG_OPEN && s->idx_failing && S.now >= s->retry_at) seg_spill(s);
         seg_seal_step(s);
     }
     if (LG.nseg && LG.seg[0]->state == SEG_SEALED && LG.seg[0]->day < ledger_retained_from(now)) ledger_retire(LG.seg[0], now);
@@ -5495,11 +5688,11 @@ static int ledger_migrate(const char *data, char *err, size_t errlen) {
     segment *cur = NULL;
     logfile f = {.fd = -1};
     ltg_log("ledger: migrating %s into daily segments under %s", old, dir);
-    int rc = log_open(&f, data, "ledger.log", LEDGER_V1_MAGIC, ledger_migrate_apply, &cur, err, errlen);
+    int rc = log_open(&f, data, "ledger.log", LEDGER_V1_MAGIC, 0, ledger_migrate_apply, &cur, err, errlen);
     if (f.fd >= 0) close(f.fd);
     if (rc == 0 && cur && (log_sync(&cur->f) < 0 || close(cur->f.fd) < 0)) rc = LTG_ERR, snprintf(err, errlen, "%s", cur->f.why);
     int nseg = LG.nseg;
-    while (LG.nseg) buf_free(&LG.seg[LG.nseg - 1]->f.pending), free(LG.seg[--LG.nseg]); /* start-up opens them again */
+    while (LG.nseg) seg_free(LG.seg[--LG.nseg]); /* start-up opens them again */
     memcpy(LG.dir, dir, sizeof dir);
     LG.last_at = 0;
     if (rc < 0) return LTG_ERR;
@@ -5542,20 +5735,21 @@ static int ledger_open(const char *data, int64_t now, char *err, size_t errlen) 
         segment *s = seg_new(days[i]);
         struct stat st;
         int open_day = i == ndays - 1 && days[i] >= day_of(now);
-        if (!open_day && stat(s->f.path, &st) == 0 && idx_check(s, st.st_size)) { s->state = SEG_SEALED; continue; }
+        uint64_t from = stat(s->f.path, &st) == 0 ? idx_load(s, (uint64_t)st.st_size) : 8;
+        if (!open_day && s->nchunk && from == (uint64_t)st.st_size) {
+            s->state = SEG_SEALED;
+            continue;
+        }
         char name[32];
         seg_path(s->day, ".log", NULL, name, sizeof name);
-        if (!open_day) ltg_log("ledger: rebuilding the index of %s from its log", s->f.path);
-        rc = log_open(&s->f, LG.dir, name, SEG_MAGIC, seg_apply, s, err, errlen);
+        if (!open_day) ltg_log("ledger: rebuilding the index of %s from its log%s", s->f.path, s->nchunk ? " (past the chunks its index file holds)" : "");
+        rc = log_open(&s->f, LG.dir, name, SEG_MAGIC, (off_t)from, seg_apply, s, err, errlen);
         if (!open_day && rc == 0) s->state = SEG_SEALING, seg_seal_step(s);
     }
     free(days);
     if (rc < 0) return LTG_ERR;
-    for (int i = 0; i < LG.nseg; i++) {
-        segment *s = LG.seg[i];
-        int64_t last = s->state == SEG_SEALED ? s->h.last_at : s->mem.n ? s->mem.ix[s->mem.n - 1].at : 0;
-        if (last > LG.last_at) LG.last_at = last;
-    }
+    for (int i = 0; i < LG.nseg; i++)
+        if (seg_count(LG.seg[i]) && seg_last_at(LG.seg[i]) > LG.last_at) LG.last_at = seg_last_at(LG.seg[i]);
     while (LG.nseg && LG.seg[0]->state == SEG_SEALED && LG.seg[0]->day < ledger_retained_from(now) && ledger_retire(LG.seg[0], now) == 0) {}
     return 0;
 }
@@ -5580,13 +5774,18 @@ static size_t ledger_page(const ledger_query *q, size_t skip, size_t size, jwrit
         seg_view v;
         rec_view rv;
         uint32_t pos;
-        int64_t n = view_open(&v, s, q->key ? 'k' : q->group ? 'g' : 0, q->key ? q->key : q->group, s->day == q->snap_day ? q->snap_n : UINT32_MAX);
-        /* A key belongs to one group for life: with both filters, the key's first event says whether any match. */
-        if (n > 0 && q->key && q->group && (view_pos(&v, 0, &pos) < 0 || view_record(&v, pos, &rec, &rv) < 0 || memcmp(rv.group, q->group, 36) != 0))
-            n = 0;
-        for (int64_t r = skip > total ? (int64_t)(skip - total) : 0; n > 0 && r < n && total + (size_t)r < skip + size; r++)
-            if (view_pos(&v, (uint64_t)r, &pos) == 0 && view_record(&v, pos, &rec, &rv) == 0) jw_raw(w, rv.event, rv.event_len);
-        if (n > 0) total += (size_t)n;
+        const char *id = q->key ? q->key : q->group;
+        if (view_open(&v, s, q->key ? 'k' : q->group ? 'g' : 0, id, s->day == q->snap_day ? q->snap_n : UINT32_MAX) == 0)
+            for (uint32_t c = 0; c < seg_parts(s); c++) {
+                int64_t n = view_part(&v, c);
+                /* A key belongs to one group for life: with both filters, its first event says whether any match. */
+                if (n > 0 && q->key && q->group &&
+                    (view_pos(&v, 0, &pos) < 0 || view_record(&v, pos, &rec, &rv) < 0 || memcmp(rv.group, q->group, 36) != 0))
+                    n = 0;
+                for (int64_t r = skip > total ? (int64_t)(skip - total) : 0; n > 0 && r < n && total + (size_t)r < skip + size; r++)
+                    if (view_pos(&v, (uint64_t)r, &pos) == 0 && view_record(&v, pos, &rec, &rv) == 0) jw_raw(w, rv.event, rv.event_len);
+                if (n > 0) total += (size_t)n;
+            }
         view_close(&v);
     }
     buf_free(&rec);
@@ -5611,6 +5810,44 @@ static void model_usage_add(model_usage **mu, int *n, const char *alias, size_t 
     usage_sum(&(*mu)[i].u, u);
 }
 
+/* The part's usage, of the view's group or of all, per model: into day
+ * and, by alias, into *mu. In memory its events are summed; a chunk has
+ * its rollups, the group's rows or the per-model ones. */
+static void view_usage(const seg_view *v, usage_row *day, model_usage **mu, int *nmu) {
+    const ledger_mem *m = &v->s->mem;
+    if (!v->h) {
+        usage_row *per = xcalloc(m->nnames, sizeof *per);
+        uint32_t n = v->kind ? v->nm->npos : m->n;
+        for (uint32_t k = 0; k < n; k++) {
+            const ledger_entry *e = &m->ix[v->kind ? v->nm->pos[k].pos : k];
+            usage_add(&per[e->model], e);
+        }
+        for (uint32_t k = 0; k < m->nnames; k++)
+            if (per[k].requests) usage_sum(day, &per[k]), model_usage_add(mu, nmu, m->names[k]->s + 1, strlen(m->names[k]->s + 1), &per[k]);
+        free(per);
+        return;
+    }
+    int sec = v->kind ? SEC_ROWS : SEC_MODELROWS;
+    uint64_t nrows = v->h->sec[sec][1] / sizeof(idx_row), lo = 0, hi = nrows;
+    idx_row row;
+    char want[36] = {0};
+    if (v->kind) memcpy(want, v->id, 36);
+    while (v->kind && lo < hi) { /* the group's first row */
+        uint64_t mid = lo + (hi - lo) / 2;
+        if (idx_read(v->h, v->fd, sec, mid, 1, &row) < 0) return;
+        if (memcmp(row.group, want, 36) < 0) lo = mid + 1;
+        else hi = mid;
+    }
+    for (uint64_t r = lo; r < nrows && idx_read(v->h, v->fd, sec, r, 1, &row) == 0 && memcmp(row.group, want, 36) == 0; r++) {
+        idx_name nm;
+        char alias[ALIAS_MAX + 2];
+        if (idx_read(v->h, v->fd, SEC_NAMES, row.model, 1, &nm) < 0 || nm.len < 2 || nm.len > ALIAS_MAX + 1 ||
+            idx_read(v->h, v->fd, SEC_STRINGS, nm.str, nm.len, alias) < 0)
+            continue;
+        usage_sum(day, &row.u), model_usage_add(mu, nmu, alias + 1, nm.len - 1, &row.u);
+    }
+}
+
 /* Usage of the days [start, start + days), of one group or all: per day
  * (by_day[days]), per model (*mu, *nmu) and in all (total). */
 static void ledger_usage(int64_t start, int days, const char *gid, usage_row *by_day, usage_row *total, model_usage **mu, int *nmu) {
@@ -5619,35 +5856,9 @@ static void ledger_usage(int64_t start, int days, const char *gid, usage_row *by
         if (s->day < start || s->day >= start + days * DAY_MS) continue;
         usage_row *day = &by_day[(s->day - start) / DAY_MS];
         seg_view v;
-        if (view_open(&v, s, gid ? 'g' : 0, gid, UINT32_MAX) <= 0) { view_close(&v); continue; }
-        if (s->state != SEG_SEALED) { /* today: sum the events */
-            usage_row *per = xcalloc(s->mem.nnames, sizeof *per);
-            size_t n = gid ? v.nm->npos : s->mem.n;
-            for (size_t k = 0; k < n; k++) usage_add(&per[s->mem.ix[gid ? v.nm->pos[k] : k].model], &s->mem.ix[gid ? v.nm->pos[k] : k]);
-            for (uint32_t k = 0; k < s->mem.nnames; k++)
-                if (per[k].requests) usage_sum(day, &per[k]), model_usage_add(mu, nmu, s->mem.names[k]->s + 1, strlen(s->mem.names[k]->s + 1), &per[k]);
-            free(per);
-        } else { /* a sealed day: its rollups, the group's rows or the per-model ones */
-            int sec = gid ? SEC_ROWS : SEC_MODELROWS;
-            uint64_t nrows = s->h.sec[sec][1] / sizeof(idx_row), lo = 0, hi = nrows;
-            idx_row row;
-            char want[36];
-            memcpy(want, gid ? gid : "", gid ? 36 : 0);
-            while (gid && lo < hi) { /* the group's first row */
-                uint64_t mid = lo + (hi - lo) / 2;
-                if (idx_read(s, v.fd, sec, mid, 1, &row) < 0) break;
-                if (memcmp(row.group, want, 36) < 0) lo = mid + 1;
-                else hi = mid;
-            }
-            for (uint64_t r = lo; r < nrows && idx_read(s, v.fd, sec, r, 1, &row) == 0 && (!gid || memcmp(row.group, want, 36) == 0); r++) {
-                idx_name nm;
-                char alias[ALIAS_MAX + 2];
-                if (idx_read(s, v.fd, SEC_NAMES, row.model, 1, &nm) < 0 || nm.len < 2 || nm.len > ALIAS_MAX + 1 ||
-                    idx_read(s, v.fd, SEC_STRINGS, nm.str, nm.len, alias) < 0)
-                    continue;
-                usage_sum(day, &row.u), model_usage_add(mu, nmu, alias + 1, nm.len - 1, &row.u);
-            }
-        }
+        if (view_open(&v, s, gid ? 'g' : 0, gid, UINT32_MAX) == 0)
+            for (uint32_t c = 0; c < seg_parts(s); c++)
+                if (view_part(&v, c) > 0) view_usage(&v, day, mu, nmu);
         usage_sum(total, day);
         view_close(&v);
     }
@@ -5659,16 +5870,20 @@ static void ledger_replays(int64_t since, void (*fn)(const rec_view *rv, int64_t
     buf rec = {0};
     for (int i = 0; i < LG.nseg; i++) {
         segment *s = LG.seg[i];
-        if (s->day + DAY_MS <= since) continue;
         seg_view v;
         rec_view rv;
-        uint32_t n = view_open(&v, s, 0, NULL, UINT32_MAX) > 0 ? (uint32_t)(s->state == SEG_SEALED ? s->h.sec[SEC_REPLAYS][1] / 4 : s->mem.n) : 0;
-        for (uint32_t k = 0; k < n; k++) {
-            uint32_t pos = k;
-            if (s->state == SEG_SEALED ? idx_read(s, v.fd, SEC_REPLAYS, k, 1, &pos) < 0 : !(s->mem.ix[k].flags & EVF_REPLAY)) continue;
-            uint64_t off;
-            uint32_t len;
-            if (view_record(&v, pos, &rec, &rv) == 0 && rv.at >= since && view_loc(&v, pos, &off, &len) == 0) fn(&rv, s->day, off, len);
+        if (s->day + DAY_MS <= since || view_open(&v, s, 0, NULL, UINT32_MAX) < 0) continue;
+        for (uint32_t c = 0; c < seg_parts(s); c++) {
+            view_part(&v, c);
+            uint32_t n = v.h ? (uint32_t)(v.h->sec[SEC_REPLAYS][1] / 4) : s->mem.nrep;
+            for (uint32_t k = 0; k < n; k++) {
+                uint32_t pos = v.h ? 0 : s->mem.rep[k];
+                uint64_t off;
+                uint32_t len;
+                if (v.h && idx_read(v.h, v.fd, SEC_REPLAYS, k, 1, &pos) < 0) continue;
+                pos += v.first;
+                if (view_record(&v, pos, &rec, &rv) == 0 && rv.at >= since && view_loc(&v, pos, &off, &len) == 0) fn(&rv, s->day, off, len);
+            }
         }
         view_close(&v);
     }
@@ -5810,16 +6025,7 @@ static void budget_rebuild(int64_t now) {
         budget_refresh(a, now);
         warn_long_period(a, g ? "token group" : "token key", g ? g->id : k->id);
     }
-    for (int i = 0; i < LG.nseg; i++) {
-        segment *s = LG.seg[i];
-        if (s->state == SEG_SEALED) { seg_spends(s, now, rebuild_add, s); continue; }
-        for (uint32_t k = 0; k < s->mem.nnames; k++) { /* a day in memory: its groups' and keys' events */
-            const lname *nm = s->mem.names[k];
-            allowance *a = name_allowance(nm->s);
-            for (uint32_t p = 0; a && !carried_covers(a, s) && p < nm->npos; p++)
-                if (s->mem.ix[nm->pos[p]].at >= a->period_start) a->spend += s->mem.ix[nm->pos[p]].charged;
-        }
-    }
+    for (int i = 0; i < LG.nseg; i++) seg_spends(LG.seg[i], now, rebuild_add, LG.seg[i]);
 }
 
 /* ---- the cache ---- */
@@ -9828,6 +10034,14 @@ static int mkdir_p(const char *dir) {
     return mkdir(p, 0700) < 0 && errno != EEXIST ? LTG_ERR : 0;
 }
 
+/* The options' defaults (the tests start from them too). */
+static void options_default(void) {
+    S.resolv_conf = "/etc/resolv.conf", S.listen_addr = "127.0.0.1:8080", S.admin_addr = "127.0.0.1:8081";
+    S.max_conns = 1024, S.drain_seconds = 10, S.max_body = 8LL << 20;
+    S.head_timeout_ms = 10000, S.idle_timeout_ms = 120000, S.cache_mb = 64, S.max_stream_s = 600, S.meter_s = 300, S.ledger_days = 90;
+    S.ledger_index = 16LL << 20;
+}
+
 #ifndef LTG_NO_MAIN
 static const char USAGE[] =
     "usage: ltg --config FILE --data DIR [options]\n"
@@ -9838,6 +10052,7 @@ static const char USAGE[] =
     "  --access-log FILE|off    one JSON line per request (default: stderr); reopened on SIGUSR1\n"
     "  --metrics-auth           GET /metrics needs an admin key with llm_token_gateway.metrics.read\n"
     "  --ledger-days N          days of spend events kept (default 90)\n"
+    "  --ledger-index-mb N      memory for today's ledger index (default 16): past it, spilled to its index file\n"
     "  --cache-mb N             memory for the response cache (default 64)\n"
     "  --max-conns N            inference connections (default 1024)\n"
     "  --max-conns-per-ip N     inference connections per client address (default a quarter of --max-conns)\n"
@@ -9883,13 +10098,12 @@ static const option options[] = {
     {"--max-stream-seconds", NULL, &S.max_stream_s, NULL, 1, 1000000, 1, 0},
     {"--meter-abandoned-seconds", NULL, &S.meter_s, NULL, 0, 3600, 1, 0},
     {"--ledger-days", NULL, &S.ledger_days, NULL, 1, 3650, 1, 0},
+    {"--ledger-index-mb", NULL, NULL, &S.ledger_index, 1, 4096, 1 << 20, 0},
 };
 
 /* The defaults, then the command line over them; exits 2 on a bad one. */
 static void options_parse(int argc, char **argv) {
-    S.resolv_conf = "/etc/resolv.conf", S.listen_addr = "127.0.0.1:8080", S.admin_addr = "127.0.0.1:8081";
-    S.max_conns = 1024, S.drain_seconds = 10, S.max_body = 8LL << 20;
-    S.head_timeout_ms = 10000, S.idle_timeout_ms = 120000, S.cache_mb = 64, S.max_stream_s = 600, S.meter_s = 300, S.ledger_days = 90;
+    options_default();
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--version") == 0) { printf("ltg %s\n", LTG_VERSION); exit(0); }
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) { fputs(USAGE, stdout); exit(0); }
@@ -9932,7 +10146,7 @@ static int state_open(char *err, size_t errlen) {
     store_init();
     snprintf(LOG.tmp, sizeof LOG.tmp, "%.200s/state.log.tmp", S.data_dir);
     unlink(LOG.tmp); /* a compaction that a crash interrupted: the old file is whole */
-    if (log_open(&LOG.f, S.data_dir, "state.log", LOG_MAGIC, store_apply, NULL, err, errlen) < 0) return LTG_ERR;
+    if (log_open(&LOG.f, S.data_dir, "state.log", LOG_MAGIC, 0, store_apply, NULL, err, errlen) < 0) return LTG_ERR;
     int64_t now = wall_ms();
     LOG.last_compaction = now;
     if (ledger_open(S.data_dir, now, err, errlen) < 0) return LTG_ERR;

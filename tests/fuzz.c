@@ -544,7 +544,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) {
 
 static void target_init(void) {
     scratch_make();
-    S.ledger_days = 90;
+    options_default();
+    S.ledger_index = 8192; /* a few events a chunk: every day of a few dozen is read in parts */
     store_reset();
 }
 
@@ -608,7 +609,7 @@ static void ledger_answers(buf *out) {
         seg_view v;
         buf rec = {0};
         rec_view rv;
-        if (view_open(&v, LG.seg[0], 0, NULL, UINT32_MAX) > 0 && view_record(&v, 0, &rec, &rv) == 0)
+        if (view_open(&v, LG.seg[0], 0, NULL, UINT32_MAX) == 0 && view_record(&v, 0, &rec, &rv) == 0)
             memcpy(key, rv.key, 36), memcpy(grp, rv.group, 36), key[36] = grp[36] = 0;
         view_close(&v), buf_free(&rec);
     }
@@ -700,14 +701,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) {
         write_input(path, f, n);
         err[0] = 0;
         snprintf(LOG.tmp, sizeof LOG.tmp, "%.200s/state.log.tmp", scratch);
-        if (log_open(&LOG.f, scratch, "state.log", LOG_MAGIC, store_apply, NULL, err, sizeof err) == 0) {
+        if (log_open(&LOG.f, scratch, "state.log", LOG_MAGIC, 0, store_apply, NULL, err, sizeof err) == 0) {
             struct stat st;
             REQUIRE(stat(path, &st) == 0 && st.st_size == LOG.f.size, "after replay the file has %lld bytes, the log says %lld",
                     (long long)st.st_size, (long long)LOG.f.size);
             use_state();
             if ((size_t)LOG.f.size != n) { /* a torn tail was cut (or the file made): it now replays whole */
                 store_reset();
-                REQUIRE(log_open(&LOG.f, scratch, "state.log", LOG_MAGIC, store_apply, NULL, err, sizeof err) == 0,
+                REQUIRE(log_open(&LOG.f, scratch, "state.log", LOG_MAGIC, 0, store_apply, NULL, err, sizeof err) == 0,
                         "a log cut back to its last whole record does not replay: %s", err);
                 REQUIRE(stat(path, &st) == 0 && st.st_size == LOG.f.size, "a second replay changed the file");
             }
@@ -792,7 +793,7 @@ static void group_log_json(const group *g, buf *out) {
 
 static void target_init(void) {
     char err[512];
-    S.ledger_days = 90; /* main()'s default: a 30d period fits */
+    options_default(); /* main()'s: a 30d period fits */
     cat = catalog_load("t.json", "{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{"
                                  "\"A\":{\"provider\":\"p\",\"upstream_model\":\"a\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1},"
                                  "\"B\":{\"provider\":\"p\",\"upstream_model\":\"b\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1},"
@@ -878,7 +879,7 @@ static void key_log_json(const tkey *k, buf *out) {
 }
 
 static void target_init(void) {
-    S.ledger_days = 90;
+    options_default();
     store_init();
     group *g = group_new();
     memcpy(g->id, "22222222-2222-4222-8222-222222222222", 37);

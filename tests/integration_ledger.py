@@ -23,7 +23,9 @@ import json
 import math
 import os
 import random
+import re
 import struct
+import subprocess
 import threading
 import time
 
@@ -1365,6 +1367,237 @@ def t_ledger_torn():
         a.stop()
     finally:
         a.close()
+
+
+# ===== 9. a busy day: today's index spilled in chunks ==============================================
+
+def idx_chunks(path):
+    """The chunks of an index file: its LTGIDX4 magics (every chunk starts with one)."""
+    with open(path, "rb") as f:
+        return f.read().count(b"LTGIDX4\n")
+
+
+def replayed_of(text, log_path):
+    """N of the "LOG: replayed N records in M ms" line ltg logged for log_path, or None."""
+    m = re.findall(re.escape(log_path) + r": replayed (\d+) records in \d+ ms", text)
+    return int(m[-1]) if m else None
+
+
+@it.test("ledger: a busy day (--ledger-index-mb 1): today's index spilled in chunks; totals, pages in order, filters, "
+         "usage, live events and a restart that replays only past the last chunk")
+def t_ledger_busy_day():
+    gen = os.path.join(os.path.dirname(it.H.mock_bin), "ledger-gen")
+    check(os.access(gen, os.X_OK), "no %s: build it with make tests/ledger-gen" % gen)
+    n, ngroups = 30000, 10
+    nkeys = 2 * ngroups                 # tests/ledger-gen: event i is of key i % nkeys, of group key / 2
+    a = it.Aux("ledger-busy-" + os.urandom(3).hex(), args=["--ledger-index-mb", "1"])
+    try:
+        r = subprocess.run([gen, a.data_dir, str(n), "0", str(ngroups), "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           timeout=300 * it.SLOW)
+        check(r.returncode == 0, "tests/ledger-gen exited with %d: %r" % (r.returncode, r.stderr[-400:]))
+        ids = r.stdout.decode().split()
+        check(len(ids) == 2, "tests/ledger-gen printed %r, want a group id and a key id" % r.stdout)
+        gen_gid, gen_kid = ids              # group 3 and key 6 (its first key)
+        ldir = os.path.join(a.data_dir, "ledger")
+        logs = sorted(f for f in os.listdir(ldir) if f.endswith(".log"))
+        check(len(logs) == 1, "tests/ledger-gen with DAYS 0 wrote %r, want one day" % logs)
+        gday = logs[0][:10]                 # today, when it ran (a run across midnight queries from it on)
+        log_path = os.path.join(ldir, logs[0])
+        idx_path = os.path.join(ldir, gday + ".idx")
+        check(os.path.exists(idx_path), "tests/ledger-gen wrote no index file: %r" % os.listdir(ldir))
+        chunks = idx_chunks(idx_path)
+        check(chunks > 1, "%s holds %d chunk(s), want more than one (%d events, --ledger-index-mb 1)" % (idx_path, chunks, n))
+        d1 = (datetime.date.fromisoformat(gday) + datetime.timedelta(days=2)).isoformat()
+        rng = "start_date=%s&end_date=%s" % (gday, d1)
+        key_n = len(range(6, n, nkeys))
+        group_n = key_n + len(range(7, n, nkeys))
+        by_model = {"Bench-Fallback": 0, "Bench-Mini": 0, "Bench-Model": 0}
+        for i in range(n):
+            by_model["Bench-Fallback" if i % 7 == 0 else "Bench-Mini" if i % 5 == 0 else "Bench-Model"] += 1
+
+        def total(q):
+            return spend_page(rng + q + "&page[size]=1", port=a.admin_port)["meta"]["total_results"]
+
+        def walk():
+            """Every event of the range, pages of 1000 under one snapshot."""
+            out, page, snap = [], 1, None
+            while True:
+                j = spend_page(rng + "&page[size]=1000&page[number]=%d" % page + ("&page[snapshot]=" + snap if snap else ""),
+                               port=a.admin_port)
+                snap = snap or j["meta"].get("snapshot")
+                out += j["data"]
+                if not j["meta"].get("has_more"):
+                    return out
+                check(page < 1000, "more than 1000 pages of 1000 events")
+                page += 1
+
+        def check_day(extra, what):
+            """The generated day as ledger-gen wrote it, plus `extra` events of this test's own."""
+            p = a.admin_port
+            t = spend_page(rng + "&page[size]=1", port=p)["meta"]["total_results"]
+            check(t == n + extra, "%s: /spend/events total_results %d, want %d" % (what, t, n + extra))
+            evs = walk()
+            check(len(evs) == n + extra, "%s: the pages hold %d events, want %d" % (what, len(evs), n + extra))
+            key_of = [evs[i]["token_key_id"] for i in range(nkeys)]
+            for i, ev in enumerate(evs[:n]):     # in the generator's order, each of its key (round robin)
+                if ev["request_id"] != "req_%024x" % i or ev["token_key_id"] != key_of[i % nkeys]:
+                    raise it.TestFailure("%s: event %d of the day is %r of key %r, want req_%024x of key %r (chunk "
+                                         "boundaries mixed up?)" % (what, i, ev["request_id"], ev["token_key_id"], i,
+                                                                    key_of[i % nkeys]))
+            check(key_of[6] == gen_kid and evs[6]["token_group_id"] == gen_gid, "%s: event 6 is of key %r group %r, "
+                  "ledger-gen printed %r %r" % (what, key_of[6], evs[6]["token_group_id"], gen_kid, gen_gid))
+            at = [iso_ms(ev["created_at"]) for ev in evs]
+            for i in range(1, len(at)):
+                if at[i] < at[i - 1]:
+                    raise it.TestFailure("%s: event %d at %s comes after event %d at %s" % (what, i, evs[i]["created_at"],
+                                                                                             i - 1, evs[i - 1]["created_at"]))
+            # Pages of a size that does not divide the day: page 1, one in the middle, the last, each with
+            # the next (or the one before), sizes right and created_at never going back across them.
+            size = 700
+            pages = (n + extra + size - 1) // size
+            mid = pages // 2
+            got = {}
+            for pg in (1, 2, mid, mid + 1, pages - 1, pages):
+                j = spend_page(rng + "&page[size]=%d&page[number]=%d" % (size, pg), port=p)
+                want = min(size, n + extra - (pg - 1) * size)
+                check(len(j["data"]) == want, "%s: page %d of %d holds %d events, want %d" % (what, pg, size, len(j["data"]), want))
+                check(j["meta"]["total_pages"] == pages and j["meta"]["has_more"] == (pg < pages),
+                      "%s: page %d: meta %r, want %d pages" % (what, pg, j["meta"], pages))
+                check([e["id"] for e in j["data"]] == [e["id"] for e in evs[(pg - 1) * size:pg * size]],
+                      "%s: page %d of %d is not the walk's events %d..%d" % (what, pg, size, (pg - 1) * size, pg * size - 1))
+                got[pg] = [iso_ms(e["created_at"]) for e in j["data"]]
+            for pg in (1, mid, pages - 1):
+                check(got[pg][-1] <= got[pg + 1][0], "%s: page %d ends at %d ms, page %d starts earlier at %d ms"
+                      % (what, pg, got[pg][-1], pg + 1, got[pg + 1][0]))
+            # One key, one group: the round robin's counts, their pages in the day's order.
+            j = spend_page(rng + "&token_key_id=%s&page[size]=100&page[number]=3" % gen_kid, port=p)
+            check(j["meta"]["total_results"] == key_n, "%s: key %s: total_results %d, want %d (every %d-th event)"
+                  % (what, gen_kid, j["meta"]["total_results"], key_n, nkeys))
+            check([e["request_id"] for e in j["data"]] == ["req_%024x" % i for i in range(6 + 200 * nkeys, n, nkeys)][:100],
+                  "%s: page 3 of key %s is not its events 200..299" % (what, gen_kid))
+            j = spend_page(rng + "&token_group_id=%s&page[size]=100&page[number]=%d" % (gen_gid, group_n // 100 // 2), port=p)
+            check(j["meta"]["total_results"] == group_n, "%s: group %s: total_results %d, want %d"
+                  % (what, gen_gid, j["meta"]["total_results"], group_n))
+            gi = [i for i in range(n) if i % nkeys in (6, 7)]
+            first = (group_n // 100 // 2 - 1) * 100
+            check([e["request_id"] for e in j["data"]] == ["req_%024x" % i for i in gi[first:first + 100]],
+                  "%s: a middle page of group %s is not its events %d..%d" % (what, gen_gid, first, first + 99))
+            # /usage/summary of the range: the day's events, by model, and one group's.
+            u = it.check_admin_ok(a.admin("GET", "/usage/summary?" + rng), 200, "%s: /usage/summary" % what)["data"]
+            check(u["totals"]["requests"] == n + extra and u["totals"]["succeeded_requests"] == n + extra,
+                  "%s: /usage/summary totals %r, want %d requests" % (what, u["totals"], n + extra))
+            check(sum(d["requests"] for d in u["by_day"]) == n + extra and u["by_day"][0]["date"] == gday,
+                  "%s: /usage/summary by_day %r" % (what, [(d["date"], d["requests"]) for d in u["by_day"]]))
+            m = dict((r["model"], r["requests"]) for r in u["by_model"])
+            for model, c in by_model.items():
+                check(m.get(model) == c, "%s: /usage/summary by_model %r: %r requests, want %d" % (what, model, m.get(model), c))
+            g = it.check_admin_ok(a.admin("GET", "/usage/summary?%s&token_group_id=%s" % (rng, gen_gid)), 200,
+                                  "%s: /usage/summary of a group" % what)["data"]
+            check(g["totals"]["requests"] == group_n and micro(g["totals"]["spend"]) == 20 * group_n,
+                  "%s: /usage/summary of group %s: %r, want %d requests and %d micro-USD"
+                  % (what, gen_gid, g["totals"], group_n, 20 * group_n))
+            return evs
+
+        a.start()
+        text = a.text_since_start()
+        rep = replayed_of(text, log_path)
+        check(rep is not None and rep < n // 2, "start-up replayed %r records of %s (want well under %d: the chunks are "
+              "loaded, not replayed): %r" % (rep, log_path, n, text[-600:]))
+        check_day(0, "after ledger-gen")
+        # A few live requests: the day's totals grow by exactly that many, the last events.
+        gid = new_group("busy-day", port=a.admin_port)
+        k, s = it.create_key(gid, port=a.admin_port)
+        live = 3
+        for i in range(live):
+            ok200(call(s, it.chat_body(content="busy day %d" % i), port=a.port), "live call %d" % i)
+        wait_events(gid, live, port=a.admin_port)
+        evs = check_day(live, "after %d live calls" % live)
+        check([e["token_key_id"] for e in evs[n:]] == [k["id"]] * live,
+              "the live events are not the last of the day: %r" % [e["request_id"] for e in evs[n - 1:]])
+        check(total("&token_group_id=" + gid) == live, "the live group's events")
+        a.stop()
+        chunks2 = idx_chunks(idx_path)
+        check(chunks2 >= chunks, "%s held %d chunks, %d after a restart" % (idx_path, chunks, chunks2))
+        a.start()
+        text = a.text_since_start()
+        rep2 = replayed_of(text, log_path)
+        check(rep2 is not None and rep2 < n // 2, "the restart replayed %r records of %s (want well under %d): %r"
+              % (rep2, log_path, n, text[-600:]))
+        evs2 = check_day(live, "after a restart")
+        check(evs2 == evs, "the events changed across the restart")
+        a.stop()
+    finally:
+        a.close()
+    # A spill by ltg itself, under live requests: a day that fills the events in memory up to a few
+    # short of a chunk (the chunks of the first are all alike: (events - replayed) / chunks each), then
+    # requests past it. The chunk appears while ltg runs; a snapshot taken before it still reads.
+    per = (n - rep) // chunks
+    check(per > 100, "%d events in %d chunks" % (n - rep, chunks))
+    n2 = 3 * per + per - 4
+    b = it.Aux("ledger-busy2-" + os.urandom(3).hex(), args=["--ledger-index-mb", "1"])
+    try:
+        r = subprocess.run([gen, b.data_dir, str(n2), "0", str(ngroups), "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           timeout=300 * it.SLOW)
+        check(r.returncode == 0, "tests/ledger-gen exited with %d: %r" % (r.returncode, r.stderr[-400:]))
+        ldir = os.path.join(b.data_dir, "ledger")
+        gday = sorted(f for f in os.listdir(ldir) if f.endswith(".log"))[0][:10]
+        log_path, idx_path = os.path.join(ldir, gday + ".log"), os.path.join(ldir, gday + ".idx")
+        rng = "start_date=%s&end_date=%s" % (gday, (datetime.date.fromisoformat(gday) + datetime.timedelta(days=2)).isoformat())
+        check(idx_chunks(idx_path) == 3, "%d events at %d a chunk: %d chunks, want 3" % (n2, per, idx_chunks(idx_path)))
+        b.start()
+        rep = replayed_of(b.text_since_start(), log_path)
+        check(rep is not None and per - 12 <= rep < per, "start-up replayed %r records of %s, want a few short of a "
+              "chunk's %d" % (rep, log_path, per))
+        j = spend_page(rng + "&page[size]=1000", port=b.admin_port)
+        snap, total0 = j["meta"]["snapshot"], j["meta"]["total_results"]
+        check(total0 == n2, "total_results %d, want %d" % (total0, n2))
+        last = spend_page(rng + "&page[size]=1000&page[number]=%d" % j["meta"]["total_pages"], port=b.admin_port)["data"]
+        gid = new_group("busy-day-spill", port=b.admin_port)
+        k, s = it.create_key(gid, port=b.admin_port)
+        live = per - rep + 8                # past a chunk's worth
+        for i in range(live):
+            ok200(call(s, it.chat_body(content="busy day spill %d" % i), port=b.port), "live call %d" % i)
+        wait_events(gid, live, port=b.admin_port)
+        check(idx_chunks(idx_path) == 4, "after %d live events past a chunk's worth: %d chunks in %s, want 4"
+              % (live, idx_chunks(idx_path), idx_path))
+
+        def walk(q, snap=None):
+            out, page = [], 1
+            while True:
+                j = spend_page(rng + q + "&page[size]=1000&page[number]=%d" % page + ("&page[snapshot]=" + snap if snap else ""),
+                               port=b.admin_port)
+                out += j["data"]
+                if not j["meta"].get("has_more"):
+                    return out, j["meta"]["total_results"]
+                page += 1
+        for what in ("live", "after a restart"):
+            evs, t = walk("")
+            check(t == len(evs) == n2 + live, "%s: %d events (total_results %d), want %d" % (what, len(evs), t, n2 + live))
+            check([e["request_id"] for e in evs[:n2]] == ["req_%024x" % i for i in range(n2)],
+                  "%s: the generated events are not all there in order" % what)
+            check([e["token_key_id"] for e in evs[n2:]] == [k["id"]] * live, "%s: the live events are not the last" % what)
+            at = [iso_ms(e["created_at"]) for e in evs]
+            check(all(at[i - 1] <= at[i] for i in range(1, len(at))), "%s: created_at goes back" % what)
+            ks, t = walk("&token_key_id=" + k["id"])
+            check(t == live and [e["id"] for e in ks] == [e["id"] for e in evs[n2:]], "%s: the live key's events %d, want %d"
+                  % (what, t, live))
+            old, t = walk("", snap)
+            check(t == n2 and old[-len(last):] == last and len(old) == n2,
+                  "%s: under the snapshot taken before the spill: %d events (total_results %d), want %d" % (what, len(old), t, n2))
+            u = it.check_admin_ok(b.admin("GET", "/usage/summary?" + rng), 200, "/usage/summary")["data"]["totals"]
+            check(u["requests"] == n2 + live, "%s: /usage/summary requests %d, want %d" % (what, u["requests"], n2 + live))
+            g = it.check_admin_ok(b.admin("GET", "/usage/summary?%s&token_group_id=%s" % (rng, gid)), 200,
+                                  "/usage/summary of the live group")["data"]["totals"]
+            check(g["requests"] == live, "%s: /usage/summary of the live group: %d requests, want %d" % (what, g["requests"], live))
+            if what == "live":
+                b.stop()
+                b.start()
+                rep2 = replayed_of(b.text_since_start(), log_path)
+                check(rep2 is not None and rep2 < live, "the restart replayed %r records, want fewer than the %d live events "
+                      "(the %d before them, and some of them, are in the new chunk)" % (rep2, live, rep))
+        b.stop()
+    finally:
+        b.close()
 
 
 if __name__ == "__main__":   # this file alone: python3 tests/integration_ledger.py --ltg ./ltg --mock tests/mock

@@ -17,9 +17,7 @@ static void store_reset(void) {
     while (LG.nseg) {
         segment *s = LG.seg[--LG.nseg];
         if (s->f.fd >= 0) close(s->f.fd);
-        buf_free(&s->f.pending);
-        mem_free(&s->mem);
-        free(s);
+        seg_free(s);
     }
     free(LG.seg);
     memset(&LG, 0, sizeof LG);
