@@ -6946,18 +6946,22 @@ static void conn_new(int fd, int admin, peer *p) {
     conn_arm_timer(c);
 }
 
-/* A listener's table is full: close the connection that has waited
- * longest without a request in service, idle ones first. 0 when every
- * connection is being served. */
+/* A listener's table is full: close a connection without a request in
+ * service -- an idle keep-alive one first, then one of the client that
+ * holds the most connections (behind a balancer, the real client), then
+ * the one that has waited longest. 0 when every connection is being served. */
 static int conn_shed(int admin) {
     conn *victim = NULL;
-    int victim_idle = 0;
+    int victim_idle = 0, victim_n = 0;
     for (conn *c = conns; c; c = c->next) {
         int idle = c->state == CONN_HEAD && c->served && !c->in.len && !conn_unsent(c); /* a keep-alive waiting */
+        int n = c->peer ? c->peer->n : 0;
         if (c->admin != admin || c->state == CONN_BUSY || c->closing) continue;
-        if (!victim || idle > victim_idle || (idle == victim_idle && c->state_at <= victim->state_at)) { /* ties: the older (the list is newest first) */
+        int same = victim && idle == victim_idle; /* then: more connections, then older (the list is newest first) */
+        if (!victim || idle > victim_idle || (same && (n > victim_n || (n == victim_n && c->state_at <= victim->state_at)))) {
             victim = c;
             victim_idle = idle;
+            victim_n = n;
         }
     }
     if (victim) conn_close(victim);

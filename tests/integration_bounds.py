@@ -17,6 +17,8 @@ these:
    one address: slowloris, slow body and slow read, 1000 connections each, on each listener, while a
    client on another loopback address (127.0.0.2) calls once a second: every one of its calls
    succeeds.
+5. A full listener sheds a connection of the client that holds the most, not the oldest one of
+   another client.
 
 Each test runs an ltg of its own (it.Aux) with short timeouts.
 """
@@ -116,6 +118,45 @@ def t_bounds_per_ip():
         a.stop()
     finally:
         HC.close_all([c.sock for c in held])
+        a.close()
+
+
+@it.test("bounds: a full listener sheds an idle connection of the client holding the most connections, "
+         "not an older one of another client")
+def t_bounds_shed_most():
+    a = it.Aux("bounds-shed-" + os.urandom(3).hex(), args=["--max-conns", "6", "--max-conns-per-ip", "5"])
+    conns = []
+
+    def idle(source):           # a keep-alive connection that has been served once
+        c = it.Conn(a.port, source=source)
+        conns.append(c)
+        c.send(it.http_request("GET", "/healthz", auth=None))
+        check(c.read_final_response(5).status == 200, "a first request from %s" % source)
+        return c
+
+    def served(c):
+        c.send(it.http_request("GET", "/healthz", auth=None))
+        return c.read_final_response(5).status == 200
+
+    try:
+        a.start()
+        other = idle(OTHER)     # the oldest, of a client with one connection
+        time.sleep(0.1)
+        hog = []
+        for _ in range(5):      # a client with five, the listener full
+            hog.append(idle("127.0.0.1"))
+            time.sleep(0.02)
+        with it.Conn(a.port, source="127.0.0.3") as new:
+            new.send(it.http_request("GET", "/healthz", auth=None, headers={"Connection": "close"}))
+            check(new.read_final_response(5).status == 200, "the newcomer was not served")
+        check(hog[0].wait_closed(4), "the oldest connection of the client holding five was not closed to make room")
+        check(served(other), "the other client's connection, older but its only one, was shed")
+        for c in hog[1:]:
+            check(served(c), "another connection of the client holding five was closed too")
+        a.stop()
+    finally:
+        for c in conns:
+            c.close()
         a.close()
 
 
