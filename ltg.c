@@ -105,7 +105,7 @@
 /* ===== 1. Limits and global state =====
  *
  * IMPLEMENTATION NOTES
- * The limits of API.md section 5 live here as defaults; the command line
+ * The limits of the README's "Limits and bad input" live here as defaults; the command line
  * may change the operator-facing ones. The process-wide state -- options,
  * the loop, the listeners -- is one global struct, `S`; each later section
  * keeps its own state in statics beside its code (the structs ST, LOG, LG,
@@ -129,7 +129,7 @@
 #define POOL_MAX_IDLE 64                 /* idle connections kept per provider */
 #define KEY_REST_MS 60000                /* a provider key answered 401/403: unused this long (when there are others) */
 #define CONNECT_TIMEOUT_MS 10000
-#define DEFAULT_DEADLINE_MS 600000       /* x-ltg-deadline default (API.md 4.2): a reasoning model may think for minutes */
+#define DEFAULT_DEADLINE_MS 600000       /* x-ltg-deadline default (README "Per-request overrides"): a reasoning model may think for minutes */
 #define STREAM_IDLE_MS 120000            /* a started stream may go quiet this long */
 #define DNS_TIMEOUT_MS 2000
 #define DNS_TRIES 3
@@ -1870,7 +1870,7 @@ static void dns_init(void) {
 /* ===== 7. Catalog config =====
  *
  * IMPLEMENTATION NOTES
- * The catalog (API.md section 2) names the providers, the model aliases
+ * The catalog (README "The catalog config") names the providers, the model aliases
  * clients may ask for, their prices, and the admin keys. It is loaded at
  * start-up and again on SIGHUP; a catalog that fails any check is refused
  * whole, with a message naming the file, the field and the problem, and the
@@ -1900,7 +1900,7 @@ struct provider {
 };
 
 /* One route to a model: a provider and its name for the model. A model
- * alias has one, or several (API.md 9): an attempt picks one (section 10). */
+ * alias has one, or several (README "Deployments"): an attempt picks one (section 10). */
 typedef struct {
     provider *p;
     char *upstream;              /* the provider's name for the model */
@@ -3262,7 +3262,7 @@ static int deployment_other(const model *m, uint32_t avoid, int64_t now) {
  * A change is made on a copy: group_parse() (a key's: tkey_parse()) lays
  * the request's fields over it (PATCH: omitted kept, null clears),
  * group_validate() (tkey_validate()) checks the whole result against the
- * rules of API.md 3.1 and 9, and only a copy that passed is written to the
+ * rules of the README's "Token groups" and "Deployments", and only a copy that passed is written to the
  * log (section 12) and then swapped in. A refused change therefore leaves
  * nothing behind, in memory or on disk. A group and a key each carry an
  * allowance -- a budget and rate limits -- parsed, checked and shown by
@@ -3270,7 +3270,7 @@ static int deployment_other(const model *m, uint32_t avoid, int64_t now) {
  *
  * Validation errors carry a JSON pointer (RFC 6901) to the offending value
  * and a message that says what is allowed. Catalog membership is checked
- * before every other rule, as API.md asks, so a typo in a model name is
+ * before every other rule, so a typo in a model name is
  * reported as such rather than as a fallback rule it happens to break.
  *
  * Idempotency records remember the answer to a change for 24 hours, keyed
@@ -3303,7 +3303,7 @@ typedef struct {
     int deadline_ms;          /* the whole request until its answer starts; 0: DEFAULT_DEADLINE_MS */
 } retry_policy;
 
-/* What a token group or a token key may spend and use (API.md 4.5, 9):
+/* What a token group or a token key may spend and use (README "Budgets that cannot be overspent", "Deployments"):
  * the policy the API sets, and the use ltg counts against it. Only the
  * reservation path of section 14 writes the counts. */
 #define BUDGET_MONTH (-1)     /* budget_days of "1mo": the calendar month, UTC */
@@ -3755,7 +3755,7 @@ static int group_parse(const char *s, const json_tok *t, int obj, group *g, int 
     return 0;
 }
 
-/* The rules of API.md 3.1 over a whole group (after a PATCH: the merged
+/* The rules of the README's "Token groups" over a whole group (after a PATCH: the merged
  * result). Catalog membership first. */
 static int group_validate(const group *g, const catalog *cat, verr *e) {
     if (!g->name) return verr_at(e, "name", NULL, "is required (a name for the group)");
@@ -4563,7 +4563,7 @@ static void compact_step(int64_t now) {
  *
  * IMPLEMENTATION NOTES
  * Every inference request that reached dispatch or the cache leaves one
- * spend event (API.md 3.4). The ledger keeps them in one file per UTC day,
+ * spend event (README "The consumption ledger"). The ledger keeps them in one file per UTC day,
  * DATA/ledger/YYYY-MM-DD.log, framed like the state log (section 12). The
  * day's file is the open segment; when the day ends it is sealed, never to
  * be written again. Beside each log is its index file, YYYY-MM-DD.idx, a
@@ -5913,7 +5913,7 @@ static void ledger_replays(int64_t since, void (*fn)(const rec_view *rv, int64_t
  * model, body), for the group's cache_ttl, least recently used out first
  * within --cache-mb.
  *
- * Idempotent inference (API.md 4.4): the first answer to a request with an
+ * Idempotent inference (README "Idempotent inference"): the first answer to a request with an
  * Idempotency-Key is kept in that request's spend event, on disk; memory
  * keeps only where it is (about 200 bytes a request, for 24 hours), and a
  * replay reads it back.
@@ -6111,7 +6111,7 @@ static void cache_put(const uint8_t key[32], const char *body, size_t n, const c
     CACHE.bytes += n + sizeof *e;
 }
 
-/* ---- idempotent inference (API.md 4.4) ---- */
+/* ---- idempotent inference ---- */
 
 typedef struct inf_idem {
     uint8_t key[32];      /* SHA-256 of the token key id and the Idempotency-Key */
@@ -6773,7 +6773,7 @@ static void error_open(jwriter *w, int status, int anthropic, const char *msg, c
 }
 
 /* An error in the shape of the listener's API: OpenAI's on the inference
- * plane, JSON:API's on the admin plane (API.md 3 and 4); `headers`: extra
+ * plane, JSON:API's on the admin plane (README "The inference plane", "The control plane"); `headers`: extra
  * header lines (each ending in CRLF), or NULL. */
 static void conn_error(conn *c, int status, const char *code, const char *headers, const char *fmt, ...) __attribute__((format(printf, 5, 6)));
 static void conn_error(conn *c, int status, const char *code, const char *headers, const char *fmt, ...) {
@@ -7169,7 +7169,7 @@ static const char *request_bearer(conn *c, size_t *n) {
 /* ===== 16. The control plane =====
  *
  * IMPLEMENTATION NOTES
- * /v2/llm_token_gateway on the admin listener (API.md 3). Every request
+ * /v2/llm_token_gateway on the admin listener (README "The control plane"). Every request
  * names an admin key from the catalog; a key's permissions decide what it
  * may do (a write permission includes the matching read). Bodies and errors
  * follow JSON:API's shape: {"data":...}, {"errors":[...]}.
@@ -7304,7 +7304,7 @@ static const char *query_get(conn *c, const char *name, const char *alias, char 
     return NULL;
 }
 
-/* page[number] and page[size] (API.md 3.5); 0, or LTG_ERR after a 400. */
+/* page[number] and page[size] (README "The consumption ledger"); 0, or LTG_ERR after a 400. */
 static int page_params(conn *c, int *number, int *size) {
     char v[32];
     long long n;
@@ -7742,7 +7742,7 @@ static void retained_from_meta(jwriter *w, int64_t start) {
     jw_key(w, "retained_from"), jw_cstr(w, d);
 }
 
-/* GET /spend/events (API.md 3.4). A snapshot is the ledger's last day and
+/* GET /spend/events (README "The consumption ledger"). A snapshot is the ledger's last day and
  * how many events it had: later pages see the days before it and that
  * many of its events, however many arrive meanwhile. */
 static void spend_events(conn *c, const admin_who *who, const char *id) {
@@ -7794,7 +7794,7 @@ static void usage_json(jwriter *w, const usage_row *r) {
     jw_key(w, "reserved_spend"), jw_usd(w, r->reserved);
 }
 
-/* GET /usage/summary (API.md 3.4): totals, every day of the range, each
+/* GET /usage/summary (README "The consumption ledger"): totals, every day of the range, each
  * model -- from the days' rollups, and today's events. */
 static void usage_summary(conn *c, const admin_who *who, const char *id) {
     (void)who, (void)id;
@@ -8398,7 +8398,7 @@ static void exchange_end(exchange *x) {
     if (c) conn_done(c);
 }
 
-/* The x-ltg headers every chat and embeddings answer carries (API.md 4.1). */
+/* The x-ltg headers every chat and embeddings answer carries (README "Retries and fallback"). */
 static void exchange_headers(exchange *x, int status, buf *h) {
     buf_printf(h, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: %d\r\n", x->rid, x->rid, x->attempts);
     if (status >= 200 && status < 300) buf_printf(h, "x-ltg-served-model: %s\r\n", exchange_model(x)->alias);
@@ -8407,7 +8407,7 @@ static void exchange_headers(exchange *x, int status, buf *h) {
     if (x->cache_mode == CACHE_HIT) buf_puts(h, "x-ltg-cache: hit\r\n");
 }
 
-/* What a non-streaming answer cost, and what the group has left (API.md 4.1). */
+/* What a non-streaming answer cost, and what the group has left (README "Budgets that cannot be overspent"). */
 static void exchange_cost_headers(exchange *x, int64_t cost, buf *h) {
     buf_puts(h, "x-ltg-cost: ");
     buf_usd(h, cost > 0 ? cost : 0);
@@ -8581,7 +8581,7 @@ static void exchange_event_json(exchange *x, const model *m, const long long tok
     jw_close(&w, '}');
 }
 
-/* The spend event is written (API.md 3.4) and the hold replaced by what
+/* The spend event is written (README "The consumption ledger") and the hold replaced by what
  * the request was charged: when it is settled and no attempt of it is
  * metered any more. `keep`: the answer its replay record keeps, if any. */
 static void exchange_book(exchange *x, const char *keep, size_t keep_len) {
@@ -8788,11 +8788,11 @@ static void exchange_give_up(exchange *x, int late) {
     }
 }
 
-/* An attempt ended: the one place where that is classified (API.md 4.3),
+/* An attempt ended: the one place where that is classified (README "Retries and fallback"),
  * logged, told to the breaker, and acted on as plan_next() says. */
 /* A provider with several keys answered 401 or 403: that key rests for
  * KEY_REST_MS and the attempt is made again at once with the next one,
- * not counted as an attempt (API.md 9). 0 when there is no other key. */
+ * not counted as an attempt (README "The catalog config": api_key_envs). 0 when there is no other key. */
 static int key_rotate(exchange *x, int status) {
     provider *p = exchange_dep(x)->p;
     if ((status != 401 && status != 403) || x->key < 0 || x->key_tries >= p->nkeys - 1) return 0;
@@ -9144,7 +9144,7 @@ static void exchange_abort(void *owner) {
 /* The exchange as its client connection's owner (ltg.h). */
 static const conn_owner exchange_owner = {exchange_abort, exchange_drained};
 
-/* An idempotent request's first answer, again (API.md 4.4), read back
+/* An idempotent request's first answer, again (README "Idempotent inference"), read back
  * from its spend event. */
 static void inference_replay(conn *c, const inf_idem *r) {
     buf h = {0}, answer = {0};
@@ -9351,7 +9351,7 @@ static int admit_options(admission *a, refusal *r) {
     return ADMIT;
 }
 
-/* The group's retry policy with the request's x-ltg-* overrides (API.md 4.2). */
+/* The group's retry policy with the request's x-ltg-* overrides (README "Per-request overrides"). */
 static int admit_overrides(admission *a, refusal *r) {
     static const struct { const char *name; long long lo, hi; } ov[] = {
         {"x-ltg-max-attempts", 1, 5}, {"x-ltg-retry-delay", 0, 60000}, {"x-ltg-request-timeout", 100, 600000}, {"x-ltg-deadline", 100, 3600000}};
@@ -9378,7 +9378,7 @@ static int admit_overrides(admission *a, refusal *r) {
     return ADMIT;
 }
 
-/* Idempotency-Key (API.md 4.4), keyed by the token key: one client's keys
+/* Idempotency-Key (README "Idempotent inference"), keyed by the token key: one client's keys
  * never meet another's. A finished first request is replayed. */
 static int admit_idempotency(admission *a, refusal *r) {
     a->ik = http_header_get(a->c->in.p, a->c->req.h, a->c->req.nh, "idempotency-key", &a->ikn);
@@ -9449,7 +9449,7 @@ static int (*const admission_checks[])(admission *, refusal *) = {
 };
 
 /* A refused request's answer: the error, and what it cost (nothing) and
- * what the group has left (API.md 4.1). */
+ * what the group has left (README "Budgets that cannot be overspent"). */
 static void inference_refuse(admission *a, const refusal *r) {
     buf h = {0};
     if (r->headers) buf_puts(&h, r->headers);

@@ -196,7 +196,7 @@ int sse_event_data(const char *ev, size_t n, buf *out);
 /* ===== The attempt planner =====
  * For a requested model M the plan is [M] + fallbacks[M], each model with up
  * to max_attempts attempts. Every attempt ends in one outcome; the outcome
- * alone decides what happens next (API.md 4.3). These functions are pure:
+ * alone decides what happens next (README "Retries and fallback"). These functions are pure:
  * no sockets, no clock, so the table can be tested row by row. */
 typedef enum { BACKOFF_CONSTANT, BACKOFF_LINEAR, BACKOFF_EXPONENTIAL } backoff_kind;
 

@@ -1456,7 +1456,7 @@ static void test_exchange_fake(void) {
 /* ---- the attempt plan ---- */
 
 static void test_plan(void) {
-    /* The outcome table of API.md 4.3, row by row. */
+    /* The outcome table of the README's "Retries and fallback", row by row. */
     attempt_plan p = plan_start(2, 3);
     CHECK(plan_next(&p, OUTCOME_OK) == PLAN_ANSWER && p.model == 0 && p.attempt == 1, "ok answers");
     p = plan_start(2, 3);
