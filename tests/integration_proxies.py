@@ -237,6 +237,15 @@ OTHERS = ["127.0.0.%d" % i for i in range(3, 8)]      # the well-behaved clients
 ABUSER = "127.0.0.2"
 
 
+def inference_conns(g):
+    """ltg_client_connections{listener="inference"}, from the admin listener's /metrics."""
+    text = it.one_request(g.a.admin_port, "GET", "/metrics", auth=None, timeout=30).body.decode("utf-8", "replace")
+    for line in text.splitlines():
+        if line.startswith('ltg_client_connections{listener="inference"} '):
+            return float(line.rsplit(" ", 1)[1])
+    check(False, "no ltg_client_connections{listener=\"inference\"} in /metrics")
+
+
 def check_others_served(others, what):
     bad = [(OTHERS[i], o) for i, o in enumerate(others) if not (o.kind == "answer" and o.status == 200)]
     check(not bad, "%s: the other clients' requests, meanwhile, were not all answered 200: %r" % (what, bad))
@@ -372,7 +381,13 @@ def t_proxies_haproxy():
               "(%.1f s vs %.1f s)" % (t_others - t_sent, min(o.t for o in served) - t_sent))
         check("max-conns-per-ip" in g.a.text_since_start(), "ltg's log does not say a client address held "
               "--max-conns-per-ip connections: %s" % g.a.text_since_start()[-600:])
-        # Its connections gone, the abusive client is served again.
+        # Its connections gone, the abusive client is served again. Gone means ltg has seen HAProxy
+        # close them (asynchronously, after the client did): until then they still count.
+        deadline = time.monotonic() + 15
+        while inference_conns(g) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        check(inference_conns(g) == 0, "ltg still counts %r inference connections 15 s after the client closed them"
+              % inference_conns(g))
         again = one_via(hp.port, g.chat(tag="abuse-again", keep_alive=False), ABUSER)
         check(again.kind == "answer" and again.status == 200, "the abusive client, its connections closed, "
               "is not served again: %r" % again)
