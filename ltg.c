@@ -35,9 +35,10 @@
  *      blocking, 6).
  *   4. The upstream connection calls exchange_upstream() back; a success is
  *      relayed (a stream event by event), and every attempt's result goes
- *      to attempt_end() (17), which classifies it and asks plan_next() (10):
- *      answer, retry the same model after a backoff (or at once on another
- *      of its deployments), move to the next one, or give up.
+ *      to attempt_decide() (17), which classifies it and asks plan_next()
+ *      (10): answer, retry the same model after a backoff (or at once on
+ *      another of its deployments, or with the provider's next key), move
+ *      to the next one, or give up; exchange_step() acts on it.
  *   5. Every attempt is billed when it is over (attempt_bill, 17: its
  *      provider's usage at its model's prices, or ltg's estimate; a whole
  *      answer given up on is first read to its end by a meter);
@@ -3079,10 +3080,13 @@ static void up_release(upstream *u) {
  * model is a fresh chance; a context-length error is a property of the
  * request, and every other 4xx says the request itself is wrong.
  *
- * plan_next() is that table, line for line, and attempt_end() (section 17)
- * acts on each of its answers. The timing around it (backoff, Retry-After,
- * the deadline) is the exchange's; both use the pure helpers here, which
- * the unit tests drive without sockets.
+ * plan_next() is the whole decision: that table, line for line, and what
+ * the facts of the moment add to it -- the deadline (no attempt starts at
+ * or after it; a wait that would end past it moves to the next model), the
+ * backoff or Retry-After, another deployment free now, a provider key
+ * refused. It is pure (no sockets, no clock: the facts carry the time),
+ * so the unit tests drive it row by row; attempt_decide() (section 17)
+ * gathers the facts and exchange_step() acts on the answer.
  *
  * The circuit breaker, per deployment (a model's route: a provider and
  * its name for the model; a model has one or several): after 5
@@ -3105,27 +3109,47 @@ static void up_release(upstream *u) {
 #define BACKOFF_CAP_MS 10000
 
 /* see ltg.h */
-attempt_plan plan_start(int nmodels, int max_attempts) { return (attempt_plan){nmodels, 0, 1, max_attempts}; }
-
-/* see ltg.h */
-plan_action plan_next_model(attempt_plan *p) {
-    if (p->model + 1 >= p->nmodels) return PLAN_GIVE_UP;
-    p->model++, p->attempt = 1;
-    return PLAN_NEXT_MODEL;
+attempt_plan plan_start(int nmodels, int max_attempts, int backoff, int delay_ms) {
+    return (attempt_plan){nmodels, 0, 1, max_attempts, backoff, delay_ms};
 }
 
 /* see ltg.h */
-plan_action plan_next(attempt_plan *p, attempt_outcome o) {
-    switch (o) {
-    case OUTCOME_OK:            return PLAN_ANSWER;
-    case OUTCOME_NO_WORK:       if (p->attempt < p->max_attempts) { p->attempt++; return PLAN_RETRY_SAME; }
-                                return plan_next_model(p);
-    case OUTCOME_INDETERMINATE: return plan_next_model(p);
-    case OUTCOME_TERMINAL:      return PLAN_ANSWER;
-    case OUTCOME_UNKNOWN_MODEL: return plan_next_model(p);
-    case OUTCOME_CIRCUIT_OPEN:  return plan_next_model(p);
+plan_step plan_next(attempt_plan *p, const plan_facts *f) {
+    plan_step s = {PLAN_GIVE_UP, 0, 0, 0};
+    if (f->outcome == OUTCOME_OK || (f->outcome == OUTCOME_TERMINAL && !f->key_refused)) {
+        s.action = PLAN_ANSWER;
+        return s;
     }
-    return PLAN_GIVE_UP;
+    if (f->now >= f->deadline) {
+        s.late = 1;
+        return s;
+    }
+    if (f->key_refused) { /* the key, not the request: the same attempt again, not counted */
+        s.action = PLAN_RETRY_NOW;
+        s.next_key = 1;
+        return s;
+    }
+    if (f->outcome == OUTCOME_NO_WORK && p->attempt < p->max_attempts) {
+        p->attempt++;
+        if (f->other_deployment) { /* its 429 says nothing of the model's other routes */
+            s.action = PLAN_RETRY_NOW;
+            return s;
+        }
+        unsigned jitter = f->jitter_permille;
+        s.delay_ms = f->retry_after_ms >= 0 ? f->retry_after_ms : backoff_ms(p->backoff, p->delay_ms, p->attempt, jitter);
+        if (f->now + s.delay_ms < f->deadline) {
+            s.action = PLAN_RETRY_AFTER;
+            return s;
+        }
+        s.late = 1; /* the wait would end past the deadline: the next model may answer sooner */
+    }
+    if (p->model + 1 < p->nmodels) { /* no_work out of attempts, indeterminate, unknown_model, circuit_open */
+        p->model++;
+        p->attempt = 1;
+        s.action = PLAN_NEXT_MODEL;
+        s.late = 0;
+    }
+    return s;
 }
 
 /* see ltg.h */
@@ -7916,19 +7940,21 @@ static void admin_route(conn *c) {
  *     here), parallel, storage, the hold (budgets and rate limits) -- then
  *     a cached answer, or the exchange:
  *
- *   exchange_attempt() -> up_start() ... exchange_upstream() -> attempt_end()
- *        ^                                                          |
- *        +--- PLAN_NEXT_MODEL, PLAN_RETRY_SAME (after the backoff, or --+
- *             at once on another deployment of the model)
+ *   exchange_step() -> exchange_attempt() -> up_start() ... exchange_upstream()
+ *        ^                                                         |
+ *        |          attempt_decide(): outcome, log, breaker, plan_next()
+ *        +--- PLAN_RETRY_NOW, PLAN_NEXT_MODEL (a loop)                 |
+ *        +--- PLAN_RETRY_AFTER: X_BACKOFF, the timer ------------------+
  *             PLAN_ANSWER: the answer is relayed, or the stream starts
- *             PLAN_GIVE_UP (or past the deadline): the error
+ *             PLAN_GIVE_UP: the error (504 when the deadline ended it)
  *
  *   exchange_settle(): the answering attempt is billed; exchange_book(),
  *   once no attempt is metered any more: what every attempt was charged
  *   replaces the hold, the spend event is written, the replay record
  *   filled
  *
- * attempt_end() alone turns an attempt's result into an outcome; x_state
+ * attempt_decide() alone turns an attempt's result into an outcome and
+ * asks the plan; exchange_step() alone acts on the plan's step; x_state
  * says what the timer means meanwhile. A client that leaves cuts the
  * attempt: it is logged indeterminate (its breaker hears nothing of it)
  * and billed like any attempt given up on.
@@ -8064,7 +8090,6 @@ struct exchange {
     x_state state;        /* X_RELAYING: the client has the answer's head, no failover after this */
     int dep;              /* the current attempt's deployment of its model */
     deployment *busy;     /* the deployment its connection counts in flight on (NULL: none) */
-    int key_retry;        /* the next attempt repeats this one with the provider's next key */
     int pin;              /* previous_response_id's deployment of chain[0] (-1: none): its attempts while its breaker lets them */
     uint32_t avoid;       /* deployments of the current model that answered no_work (bit i: dep[i]) */
     int avoid_model;      /* ... the chain index of that model */
@@ -8447,15 +8472,15 @@ static void exchange_attempts_json(exchange *x, jwriter *w) {
     jw_close(w, ']');
 }
 
-/* Log the current attempt: its upstream status (0 when none came), its
+/* Log the current attempt (`at`: its place in the plan): its upstream status (0 when none came), its
  * outcome, and why it failed (NULL for a success). A skipped model's
  * entry costs nothing; an attempt's is billed when it is over. */
-static void attempt_log(exchange *x, int status, attempt_outcome o, const char *why) {
-    metric_add(M_ATTEMPTS, 1, "model", exchange_model(x)->alias, "outcome", outcome_name(o), NULL);
+static void attempt_log(exchange *x, const attempt_plan *at, int status, attempt_outcome o, const char *why) {
+    metric_add(M_ATTEMPTS, 1, "model", x->chain[at->model]->alias, "outcome", outcome_name(o), NULL);
     assert(x->nlog < MAX_ATTEMPT_LOG); /* at most max_attempts (5) entries per model of the chain */
     int skipped = o == OUTCOME_CIRCUIT_OPEN, ms = skipped ? 0 : (int)(S.now - x->attempt_started);
     attempt_entry *e = &x->log[x->nlog++];
-    *e = (attempt_entry){x->plan.model, skipped ? -1 : x->dep, x->plan.attempt, status, o, ms, "", x->w, {0}, 0, 0, skipped, 0};
+    *e = (attempt_entry){at->model, skipped ? -1 : x->dep, at->attempt, status, o, ms, "", x->w, {0}, 0, 0, skipped, 0};
     if (why) snprintf(e->error, sizeof e->error, "%.99s", why);
 }
 
@@ -8729,7 +8754,6 @@ static void exchange_relay(exchange *x) {
     exchange_end(x);
 }
 
-static void exchange_attempt(exchange *x);
 static void exchange_upstream(void *owner);
 
 /* How an attempt ended, as the exchange saw it. */
@@ -8763,49 +8787,43 @@ static void exchange_answer(exchange *x) {
     timer_set(&x->deadline, (int64_t)S.max_stream_s * 1000); /* from now on the deadline is the stream's limit */
 }
 
-/* PLAN_RETRY_SAME: wait the backoff (or Retry-After), unless the retry
- * could not start before the deadline: then the next model, which may. */
-static plan_action exchange_backoff(exchange *x, long retry_after) {
-    long delay = retry_after >= 0 ? retry_after : backoff_ms(x->rp.backoff, x->rp.retry_delay_ms, x->plan.attempt, (unsigned)(rng_next() % 201));
-    if (S.now + delay >= x->started + x->deadline_ms) return plan_next_model(&x->plan);
-    x->state = X_BACKOFF;
-    timer_set(&x->t, delay); /* exchange_timer starts the attempt when it fires */
-    return PLAN_RETRY_SAME;
-}
-
-/* PLAN_GIVE_UP (or no attempt can start before the deadline): the error
- * with every attempt. */
+/* PLAN_GIVE_UP: the error, with every attempt. */
 static void exchange_give_up(exchange *x, int late) {
     char msg[400];
-    if (late || S.now >= x->started + x->deadline_ms) {
-        snprintf(msg, sizeof msg, "no answer within the deadline of %lld ms; the last failure: %s", x->deadline_ms, x->last_reason);
+    if (late) {
+        snprintf(msg, sizeof msg, "no answer within the deadline of %lld ms; the last failure: %s", x->deadline_ms,
+                 x->last_reason);
         exchange_fail(x, 504, "deadline_exceeded", msg);
     } else if (!x->attempts) {
-        exchange_fail(x, 503, "circuit_open", "every model of this request is failing (circuit breaker open): retry in a few seconds");
+        exchange_fail(x, 503, "circuit_open",
+                      "every model of this request is failing (circuit breaker open): retry in a few seconds");
     } else {
         snprintf(msg, sizeof msg, "every attempt failed; the last: %s", x->last_reason);
         exchange_fail(x, x->last_status, "upstream_error", msg);
     }
 }
 
-/* An attempt ended: the one place where that is classified (README "Retries and fallback"),
- * logged, told to the breaker, and acted on as plan_next() says. */
-/* A provider with several keys answered 401 or 403: that key rests for
- * KEY_REST_MS and the attempt is made again at once with the next one,
- * not counted as an attempt (README "The catalog config": api_key_envs). 0 when there is no other key. */
-static int key_rotate(exchange *x, int status) {
+/* A provider with several keys answered 401 or 403: may its next key be
+ * tried (README "The catalog config": api_key_envs)? */
+static int key_refused(exchange *x, const attempt_result *r) {
     provider *p = exchange_dep(x)->p;
-    if ((status != 401 && status != 403) || x->key < 0 || x->key_tries >= p->nkeys - 1) return 0;
+    if (r->error || r->skipped || (r->status != 401 && r->status != 403)) return 0;
+    return x->key >= 0 && x->key_tries < p->nkeys - 1;
+}
+
+/* ... it is: that key rests for KEY_REST_MS, and the attempt is made again
+ * at once with the next one, not counted as an attempt. */
+static void key_rest(exchange *x, int status) {
+    provider *p = exchange_dep(x)->p;
     p->key_bad_until[x->key] = S.now + KEY_REST_MS;
-    ltg_log("providers.%s: key %d (of 0..%d) answered %d: not used for %d s", p->name, x->key, p->nkeys - 1, status, KEY_REST_MS / 1000);
+    ltg_log("providers.%s: key %d (of 0..%d) answered %d: not used for %d s", p->name, x->key, p->nkeys - 1, status,
+            KEY_REST_MS / 1000);
     char idx[16];
     snprintf(idx, sizeof idx, "%d", x->key);
     metric_add(M_KEY_FAILS, 1, "provider", p->name, "key", idx, NULL);
-    x->key_tries++, x->attempts--;
+    x->key_tries++;
+    x->attempts--;
     exchange_let_go(x);
-    x->key_retry = 1; /* the same deployment (and the same probe, if it is one), the next key */
-    exchange_attempt(x);
-    return 1;
 }
 
 /* ---- metering: an abandoned whole answer, read to its end ----
@@ -8933,77 +8951,130 @@ static int attempt_hold(exchange *x) {
     return LTG_ERR;
 }
 
-static void attempt_end(exchange *x, const attempt_result *r) {
+/* An attempt ended: the one place where its result becomes an outcome
+ * (README "Retries and fallback"), is logged and told to the breaker, and
+ * the plan decides what comes next; the caller acts on the step. */
+static plan_step attempt_decide(exchange *x, const attempt_result *r) {
     model *m = exchange_model(x);
     upstream *u = x->u;
-    if (u && !r->error && !r->skipped && key_rotate(x, r->status)) return;
+    deployment *d = r->skipped ? NULL : exchange_dep(x);
+    attempt_outcome o = r->skipped ? OUTCOME_CIRCUIT_OPEN
+                        : r->error ? attempt_classify(0, r->reached)
+                                   : attempt_classify(r->status, 1);
+    if (d && o == OUTCOME_NO_WORK) x->avoid |= 1u << x->dep;
+    size_t n;
+    const char *v = u && u->have_head ? http_header_get(u->head.p, u->resp.h, u->resp.nh, "retry-after", &n) : NULL;
+    plan_facts f = {
+        .outcome = o,
+        .key_refused = key_refused(x, r),
+        .other_deployment = x->pin < 0 && deployment_other(m, x->avoid, S.now),
+        .retry_after_ms = v ? retry_after_ms(v, n, (long long)(wall_ms() / 1000)) : -1,
+        .jitter_permille = (unsigned)(rng_next() % 201),
+        .now = S.now,
+        .deadline = x->started + x->deadline_ms,
+    };
+    attempt_plan was = x->plan;
+    plan_step s = plan_next(&x->plan, &f);
+    timer_stop(&x->t);
+    if (s.next_key) {
+        key_rest(x, r->status);
+        return s;
+    }
     x->key_tries = 0;
-    attempt_outcome o = r->skipped ? OUTCOME_CIRCUIT_OPEN : r->error ? attempt_classify(0, r->reached) : attempt_classify(r->status, 1);
     char why[200];
     if (r->error) snprintf(why, sizeof why, "%s", r->error); /* before the release: it may be u->err */
-    else if (u && attempt_context_length(r->status, u->body.p, u->body.len)) snprintf(why, sizeof why, "context length exceeded (%d)", r->status);
+    else if (u && attempt_context_length(r->status, u->body.p, u->body.len))
+        snprintf(why, sizeof why, "context length exceeded (%d)", r->status);
     else snprintf(why, sizeof why, "answered %d", r->status);
-    attempt_log(x, r->status, o, o == OUTCOME_OK ? NULL : why);
-    deployment *d = r->skipped ? NULL : exchange_dep(x);
+    attempt_log(x, &was, r->status, o, o == OUTCOME_OK ? NULL : why);
     /* Told to the breaker: what ltg would have seen of the provider without this client. ltg's own
      * shortage says nothing of it, nor does a timeout the client set shorter than its group's (a
      * tenant must not open another tenant's breaker with x-ltg-request-timeout: 100). */
     if (d && ((u && u->local) || (r->timeout && x->shortened))) {
         if (x->probe) breaker_forget_probe(d);
-    } else if (d) breaker_record(d, o, x->probe, S.now);
-    if (d && o == OUTCOME_NO_WORK) x->avoid |= 1u << x->dep;
+    } else if (d) {
+        breaker_record(d, o, x->probe, S.now);
+    }
     x->probe = 0;
-    timer_stop(&x->t);
-    plan_action next = plan_next(&x->plan, o);
-    if (next == PLAN_ANSWER) { exchange_answer(x); return; }
+    if (s.action == PLAN_ANSWER) return s;
     if (!r->skipped) {
         x->last_status = r->error ? (r->timeout ? 504 : 502) : r->status;
         snprintf(x->last_reason, sizeof x->last_reason, "%.60s: %.130s", m->alias, why);
     }
-    long retry_after = -1;
-    size_t n;
-    const char *v = u && u->have_head ? http_header_get(u->head.p, u->resp.h, u->resp.nh, "retry-after", &n) : NULL;
-    if (v) retry_after = retry_after_ms(v, n, (long long)(wall_ms() / 1000));
     attempt_over(x);
-    if (next == PLAN_RETRY_SAME && x->pin < 0 && deployment_other(m, x->avoid, S.now)) { exchange_attempt(x); return; } /* another deployment, at once */
-    int late = 0;
-    if (next == PLAN_RETRY_SAME) {
-        next = exchange_backoff(x, retry_after);
-        late = next != PLAN_RETRY_SAME;
-    }
-    if (next == PLAN_NEXT_MODEL) exchange_attempt(x);
-    else if (next == PLAN_GIVE_UP) exchange_give_up(x, late);
+    return s;
 }
 
+enum { ATTEMPT_STARTED, ATTEMPT_REFUSED, ATTEMPT_SKIPPED };
+
 /* Start the attempt the plan points at, on a deployment of its model
- * (section 10; a key retry stays on its own, a follow-up of a Responses
- * answer on the one that made it while its breaker lets it): none after the deadline, and
- * a model whose every breaker is open is skipped (an attempt_end of its
- * own). */
-static void exchange_attempt(exchange *x) {
+ * (section 10; the next key stays on the same one, a follow-up of a
+ * Responses answer goes to the one that made it while its breaker lets
+ * it). ATTEMPT_REFUSED: its worst case does not fit (the request ended);
+ * ATTEMPT_SKIPPED: every breaker of the model is open, no call made. */
+static int exchange_attempt(exchange *x, int next_key) {
     model *m = exchange_model(x);
     x->state = X_ATTEMPTING;
-    if (S.now >= x->started + x->deadline_ms) { exchange_give_up(x, 1); return; }
-    if (x->avoid_model != x->plan.model) x->avoid = 0, x->avoid_model = x->plan.model;
-    if (x->key_retry) x->key_retry = 0;
-    else {
-        x->dep = x->pin >= 0 && breaker_ready(&m->dep[x->pin], S.now) ? x->pin : deployment_pick(m, x->avoid, S.now);
-        if (x->dep < 0) {
-            attempt_end(x, &(attempt_result){.error = "skipped: the circuit breaker is open", .skipped = 1});
-            return;
-        }
-        if (attempt_hold(x) < 0) return;
+    if (x->avoid_model != x->plan.model) {
+        x->avoid = 0;
+        x->avoid_model = x->plan.model;
+    }
+    if (!next_key) {
+        int pinned = x->pin >= 0 && breaker_ready(&m->dep[x->pin], S.now);
+        x->dep = pinned ? x->pin : deployment_pick(m, x->avoid, S.now);
+        if (x->dep < 0) return ATTEMPT_SKIPPED;
+        if (attempt_hold(x) < 0) return ATTEMPT_REFUSED;
         breaker_allows(&m->dep[x->dep], S.now, &x->probe);
     }
-    assert(!x->u); /* the last attempt's connection went back in attempt_end */
-    x->usage = (usage_counts){0}, x->relayed = 0; /* an earlier attempt's usage is not this one's */
+    assert(!x->u); /* the last attempt's connection went back in attempt_decide */
+    x->usage = (usage_counts){0}; /* an earlier attempt's usage is not this one's */
+    x->relayed = 0;
     exchange_build(x);
     x->attempts++;
     x->attempt_started = S.now;
     if (x->rp.request_timeout_ms > 0) timer_set(&x->t, x->rp.request_timeout_ms);
-    x->busy = exchange_dep(x), x->busy->inflight++;
+    x->busy = exchange_dep(x);
+    x->busy->inflight++;
     x->u = S.up_open(x->busy->p, x, exchange_upstream, x->req.p, x->req.len);
     buf_free(&x->req); /* the connection has its own copy; the next attempt builds its own */
+    return ATTEMPT_STARTED;
+}
+
+/* Act on the plan's step. An attempt to start now may find its model's
+ * every breaker open: that is an attempt's end of its own (circuit_open),
+ * decided here again -- a loop, never a recursion. */
+static void exchange_step(exchange *x, plan_step s) {
+    while (s.action == PLAN_RETRY_NOW || s.action == PLAN_NEXT_MODEL) {
+        if (exchange_attempt(x, s.next_key) != ATTEMPT_SKIPPED) return;
+        s = attempt_decide(x, &(attempt_result){.error = "skipped: the circuit breaker is open", .skipped = 1});
+    }
+    if (s.action == PLAN_ANSWER) {
+        exchange_answer(x);
+    } else if (s.action == PLAN_RETRY_AFTER) {
+        x->state = X_BACKOFF;
+        timer_set(&x->t, s.delay_ms); /* exchange_timer starts the attempt when it fires */
+    } else {
+        exchange_give_up(x, s.late);
+    }
+}
+
+static void attempt_end(exchange *x, const attempt_result *r) { exchange_step(x, attempt_decide(x, r)); }
+
+/* The attempt the plan points at, now: the first, or after the backoff. */
+static void exchange_start(exchange *x) { exchange_step(x, (plan_step){.action = PLAN_RETRY_NOW}); }
+
+/* The current attempt failed without an answer: `why`, a timeout or not. */
+static void attempt_failed(exchange *x, const char *why, int timeout) {
+    upstream *u = x->u;
+    int reached = u->wrote > 0 || u->have_head; /* a byte of the request went out, or an answer came */
+    attempt_end(x, &(attempt_result){.status = u->have_head ? u->resp.status : 0, .reached = reached, .error = why,
+                                     .timeout = timeout});
+}
+
+/* The current attempt was answered with `status`; `why`: the answer is
+ * not what it must be (NULL: it is). */
+static void attempt_answered(exchange *x, int status, const char *why) {
+    attempt_end(x, &(attempt_result){.status = status, .reached = 1, .error = why});
 }
 
 /* `t` fired: what it means is the exchange's state. */
@@ -9013,11 +9084,11 @@ static void exchange_timer(void *ctx) {
     upstream *u = x->u;
     switch (x->state) {
     case X_BACKOFF: /* the wait before the next attempt is over */
-        exchange_attempt(x);
+        exchange_start(x);
         return;
     case X_ATTEMPTING: /* the attempt's request timeout */
         snprintf(msg, sizeof msg, "no %s within the request timeout of %d ms", x->stream ? "first event" : "answer", x->rp.request_timeout_ms);
-        attempt_end(x, &(attempt_result){u->have_head ? u->resp.status : 0, u->wrote > 0, msg, 1, 0});
+        attempt_failed(x, msg, 1);
         return;
     case X_RELAYING: /* a started stream went quiet */
         if (u && u->paused) snprintf(msg, sizeof msg, "the client did not take the stream for %d s", STREAM_IDLE_MS / 1000);
@@ -9033,15 +9104,15 @@ static void exchange_timer(void *ctx) {
 static void exchange_deadline(void *ctx) {
     exchange *x = ctx;
     char msg[160];
-    upstream *u = x->u;
     if (x->state == X_RELAYING) {
-        snprintf(msg, sizeof msg, "the stream from %s ran past the limit of %d s (--max-stream-seconds)", exchange_model(x)->alias, S.max_stream_s);
+        snprintf(msg, sizeof msg, "the stream from %s ran past the limit of %d s (--max-stream-seconds)",
+                 exchange_model(x)->alias, S.max_stream_s);
         exchange_fail(x, 504, "stream_interrupted", msg);
     } else if (x->state == X_BACKOFF) {
         exchange_give_up(x, 1);
     } else {
         snprintf(msg, sizeof msg, "no answer within the deadline of %lld ms", x->deadline_ms);
-        attempt_end(x, &(attempt_result){u->have_head ? u->resp.status : 0, u->wrote > 0 || u->have_head, msg, 1, 0});
+        attempt_failed(x, msg, 1);
     }
 }
 
@@ -9049,7 +9120,10 @@ static void exchange_deadline(void *ctx) {
  * attempt fails over; after that the client's stream ends with the error
  * event. */
 static void stream_broken(exchange *x, const char *why) {
-    if (x->state != X_RELAYING) { attempt_end(x, &(attempt_result){200, 1, why, 0, 0}); return; }
+    if (x->state != X_RELAYING) {
+        attempt_answered(x, 200, why);
+        return;
+    }
     char msg[256];
     snprintf(msg, sizeof msg, "%s: %s", exchange_model(x)->alias, why);
     exchange_fail(x, 502, "stream_interrupted", msg);
@@ -9066,7 +9140,7 @@ static void exchange_relay_stream(exchange *x) {
         int r = stream_event(x, ev, n);
         if (r < 0) { stream_broken(x, "an SSE event whose data is not JSON"); return; }
         if (r == SSE_HIDE || (r == SSE_EMPTY && x->state != X_RELAYING)) continue; /* a comment is not the answer's start */
-        if (x->state != X_RELAYING) attempt_end(x, &(attempt_result){200, 1, NULL, 0, 0}); /* the first event: a success */
+        if (x->state != X_RELAYING) attempt_answered(x, 200, NULL); /* the first event: a success */
         exchange_chunk(x, ev, n);
     }
     buf_consume(&u->body, off);
@@ -9098,13 +9172,16 @@ static void exchange_upstream(void *owner) {
     exchange *x = owner;
     upstream *u = x->u;
     if (u->failed && x->state == X_RELAYING) { stream_broken(x, u->err); return; } /* no failover once it started */
-    if (u->failed) { attempt_end(x, &(attempt_result){u->have_head ? u->resp.status : 0, u->wrote > 0 || u->have_head, u->err, 0, 0}); return; }
+    if (u->failed) {
+        attempt_failed(x, u->err, 0);
+        return;
+    }
     if (!u->have_head) return;
     int status = u->resp.status;
     if (x->stream && up_is_stream(u)) { exchange_relay_stream(x); return; }
     timer_stop(&x->t); /* the head came: the attempt's timeout is met; the deadline bounds the body */
     if (u->body.len > UP_MAX_BODY_BYTES || u->resp.content_length > UP_MAX_BODY_BYTES) {
-        attempt_end(x, &(attempt_result){status, 1, "an answer larger than 64 MiB", 0, 0});
+        attempt_answered(x, status, "an answer larger than 64 MiB");
         return;
     }
     if (!u->complete) return;
@@ -9112,7 +9189,7 @@ static void exchange_upstream(void *owner) {
     char reason[100];
     snprintf(reason, sizeof reason, "answered %d with a body that is not JSON", status); /* a success must be JSON */
     x->usage.final = r > 0;
-    attempt_end(x, &(attempt_result){status, 1, r < 0 ? reason : NULL, 0, 0});
+    attempt_answered(x, status, r < 0 ? reason : NULL);
 }
 
 /* The client went away (see conn_close). Without an Idempotency-Key the
@@ -9130,7 +9207,7 @@ static void exchange_abort(void *owner) {
         return;
     }
     if (x->u && x->state == X_ATTEMPTING) { /* not the provider's doing: its breaker hears nothing of it */
-        attempt_log(x, x->u->have_head ? x->u->resp.status : 0, OUTCOME_INDETERMINATE, "the client closed the connection");
+        attempt_log(x, &x->plan, x->u->have_head ? x->u->resp.status : 0, OUTCOME_INDETERMINATE, "the client closed the connection");
         if (x->probe) breaker_forget_probe(exchange_dep(x));
         x->probe = 0;
         attempt_over(x);
@@ -9478,7 +9555,7 @@ static exchange *exchange_new(admission *a) {
         x->edit[0] = x->edit[1], x->edit[1] = e;
     }
     x->rp = a->rp, x->deadline_ms = a->deadline_ms;
-    x->plan = plan_start(a->nchain, a->rp.max_attempts);
+    x->plan = plan_start(a->nchain, a->rp.max_attempts, a->rp.backoff, a->rp.retry_delay_ms);
     x->pin = a->pin_dep, x->shortened = a->shortened;
     x->started = S.now;
     x->hold = a->hold; /* held by admit_hold */
@@ -9519,7 +9596,7 @@ static void inference_start(admission *a) {
     if (!hit) {
         timer_set(&x->deadline, a->deadline_ms);
         a->c->owner = x, a->c->owner_ops = &exchange_owner;
-        exchange_attempt(x);
+        exchange_start(x);
         return;
     }
     memcpy(x->cache_tok, hit->tok, sizeof x->cache_tok);

@@ -210,10 +210,11 @@ typedef enum {
 } attempt_outcome;
 
 typedef enum {
-    PLAN_ANSWER,     /* the outcome's answer goes to the client */
-    PLAN_RETRY_SAME, /* the same model again, after the backoff delay */
-    PLAN_NEXT_MODEL, /* the next model of the chain, at once */
-    PLAN_GIVE_UP     /* nothing left to try */
+    PLAN_ANSWER,      /* the outcome's answer goes to the client */
+    PLAN_RETRY_NOW,   /* the same model again at once: another of its deployments, or the next key */
+    PLAN_RETRY_AFTER, /* the same model again after step.delay_ms: the backoff, or Retry-After */
+    PLAN_NEXT_MODEL,  /* the next model of the chain, at once */
+    PLAN_GIVE_UP      /* nothing left to try, or no time left (step.late) */
 } plan_action;
 
 typedef struct {
@@ -221,16 +222,32 @@ typedef struct {
     int model;        /* the current model's index in the chain */
     int attempt;      /* the current attempt's number on that model, from 1 */
     int max_attempts; /* per model, 1..5 */
+    int backoff;      /* backoff_kind */
+    int delay_ms;     /* the backoff's base delay */
 } attempt_plan;
 
+/* What is known when an attempt ends, besides its outcome. */
+typedef struct {
+    attempt_outcome outcome;
+    int key_refused;          /* a 401/403, and the provider has another key to try */
+    int other_deployment;     /* another deployment of the model could take the attempt now */
+    long retry_after_ms;      /* the provider's Retry-After (-1: none) */
+    unsigned jitter_permille; /* 0..200, for the backoff */
+    long long now, deadline;  /* ms: no attempt starts at or after the deadline */
+} plan_facts;
+
+typedef struct {
+    plan_action action;
+    long delay_ms; /* PLAN_RETRY_AFTER: the wait */
+    int next_key;  /* PLAN_RETRY_NOW: the same deployment with the provider's next key */
+    int late;      /* PLAN_GIVE_UP: because of the deadline */
+} plan_step;
+
 /* A plan at its first attempt. */
-attempt_plan plan_start(int nmodels, int max_attempts);
-/* After an attempt with outcome o: moves the plan to the next attempt and
- * says what it is. */
-plan_action plan_next(attempt_plan *p, attempt_outcome o);
-/* Give up on the current model (its next attempt could not start before the
- * deadline): PLAN_NEXT_MODEL or PLAN_GIVE_UP. */
-plan_action plan_next_model(attempt_plan *p);
+attempt_plan plan_start(int nmodels, int max_attempts, int backoff, int delay_ms);
+/* After an attempt: the whole decision of what comes next (README "Retries
+ * and fallback", row by row); the plan moves to the attempt it names. */
+plan_step plan_next(attempt_plan *p, const plan_facts *f);
 /* The outcome of an answer with HTTP `status`, or of a failure with no
  * status (status 0): `reached` says whether any byte of the request was
  * handed to the provider's connection. */

@@ -1230,7 +1230,7 @@ static exchange *fake_exchange(catalog *cat, int max_attempts, long long deadlin
     buf_puts(&x->body, "{\"model\":\"A\"}");
     x->edit[x->nedit++] = (body_edit){9, 12, NULL};
     x->rp = (retry_policy){max_attempts, 100, BACKOFF_CONSTANT, 0, 0};
-    x->deadline_ms = deadline_ms, x->plan = plan_start(2, max_attempts), x->started = S.now;
+    x->deadline_ms = deadline_ms, x->plan = plan_start(2, max_attempts, BACKOFF_CONSTANT, 100), x->started = S.now;
     timer_init(&x->deadline, exchange_deadline, x), timer_init(&x->t, exchange_timer, x);
     timer_set(&x->deadline, deadline_ms);
     return x;
@@ -1405,7 +1405,7 @@ static void test_exchange_fake(void) {
     /* 503 on A (indeterminate): the next model at once; B answers. */
     nfake = 0;
     exchange *x = fake_exchange(cat, 2, 10000);
-    exchange_attempt(x);
+    exchange_start(x);
     CHECK(nfake == 1 && strstr(fake_ups[0]->out.p, "\"model\":\"a\""), "the first attempt goes to A, renamed");
     fake_answer(fake_ups[0], 503, "{\"error\":{}}");
     CHECK(nfake == 2 && strstr(fake_ups[1]->out.p, "\"model\":\"b\"") && x->state == X_ATTEMPTING, "503 is indeterminate: B at once");
@@ -1418,7 +1418,7 @@ static void test_exchange_fake(void) {
     /* 429 (no work): the same model after the backoff, on the timer. */
     nfake = 0;
     x = fake_exchange(cat, 2, 10000);
-    exchange_attempt(x);
+    exchange_start(x);
     fake_answer(fake_ups[0], 429, "{}");
     CHECK(nfake == 1 && x->state == X_BACKOFF && x->t.slot >= 0, "429: waiting the backoff");
     S.now += 200;
@@ -1431,7 +1431,7 @@ static void test_exchange_fake(void) {
     /* A provider that never answers: cut at the deadline, nothing after it. */
     nfake = 0;
     x = fake_exchange(cat, 1, 3000);
-    exchange_attempt(x);
+    exchange_start(x);
     fake_ups[0]->wrote = fake_ups[0]->out.len;
     S.now += 3000;
     timers_run();
@@ -1440,7 +1440,7 @@ static void test_exchange_fake(void) {
     /* A 200 that is not JSON: indeterminate, not a success. */
     nfake = 0;
     x = fake_exchange(cat, 1, 10000);
-    exchange_attempt(x);
+    exchange_start(x);
     fake_answer(fake_ups[0], 200, "<html>");
     CHECK(nfake == 2, "a 200 that is not JSON moves to B");
     fake_answer(fake_ups[1], 502, "{}");
@@ -1456,28 +1456,67 @@ static void test_exchange_fake(void) {
 /* ---- the attempt plan ---- */
 
 static void test_plan(void) {
-    /* The outcome table of the README's "Retries and fallback", row by row. */
-    attempt_plan p = plan_start(2, 3);
-    CHECK(plan_next(&p, OUTCOME_OK) == PLAN_ANSWER && p.model == 0 && p.attempt == 1, "ok answers");
-    p = plan_start(2, 3);
-    CHECK(plan_next(&p, OUTCOME_TERMINAL) == PLAN_ANSWER && p.model == 0, "terminal answers, no other attempt");
-    p = plan_start(2, 3);
-    CHECK(plan_next(&p, OUTCOME_NO_WORK) == PLAN_RETRY_SAME && p.model == 0 && p.attempt == 2, "no_work retries the same model");
-    CHECK(plan_next(&p, OUTCOME_NO_WORK) == PLAN_RETRY_SAME && p.attempt == 3, "no_work again");
-    CHECK(plan_next(&p, OUTCOME_NO_WORK) == PLAN_NEXT_MODEL && p.model == 1 && p.attempt == 1, "attempts spent: next model");
-    CHECK(plan_next(&p, OUTCOME_NO_WORK) == PLAN_RETRY_SAME && p.model == 1 && p.attempt == 2, "the fallback gets its own attempts");
-    p = plan_start(2, 3);
-    CHECK(plan_next(&p, OUTCOME_INDETERMINATE) == PLAN_NEXT_MODEL && p.model == 1 && p.attempt == 1, "indeterminate never retries the same model");
-    CHECK(plan_next(&p, OUTCOME_INDETERMINATE) == PLAN_GIVE_UP, "indeterminate on the last model: give up");
-    p = plan_start(3, 5);
-    CHECK(plan_next(&p, OUTCOME_UNKNOWN_MODEL) == PLAN_NEXT_MODEL && p.model == 1, "404: next model");
-    CHECK(plan_next(&p, OUTCOME_CIRCUIT_OPEN) == PLAN_NEXT_MODEL && p.model == 2, "circuit open: next model");
-    CHECK(plan_next(&p, OUTCOME_UNKNOWN_MODEL) == PLAN_GIVE_UP, "chain spent");
-    p = plan_start(1, 1);
-    CHECK(plan_next(&p, OUTCOME_NO_WORK) == PLAN_GIVE_UP, "one attempt, one model");
-    p = plan_start(2, 2);
-    CHECK(plan_next_model(&p) == PLAN_NEXT_MODEL && p.model == 1 && p.attempt == 1 && plan_next_model(&p) == PLAN_GIVE_UP, "skip a model");
-
+    /* The plan, row by row: the README's "Retries and fallback" table and what the deadline, the
+     * other deployments, Retry-After and a refused key add to it. Each row starts from a plan at
+     * (model, attempt) of a chain of `models`, max 3 attempts, a constant backoff of 100 ms; the facts
+     * are {outcome, key refused, another deployment free, Retry-After, jitter, now, deadline}. */
+#define OK OUTCOME_OK
+#define NW OUTCOME_NO_WORK
+#define IND OUTCOME_INDETERMINATE
+#define TERM OUTCOME_TERMINAL
+#define UNK OUTCOME_UNKNOWN_MODEL
+#define OPEN OUTCOME_CIRCUIT_OPEN
+    static const struct {
+        const char *what;
+        int models, model, attempt;
+        plan_facts f;
+        plan_action want;
+        int model_after, attempt_after;
+        long delay;
+        int next_key, late;
+    } steps[] = {
+        {"ok answers", 2, 0, 1, {OK, 0, 0, -1, 0, 0, 1000}, PLAN_ANSWER, 0, 1, 0, 0, 0},
+        {"terminal answers, no other attempt", 2, 0, 1, {TERM, 0, 0, -1, 0, 0, 1000}, PLAN_ANSWER, 0, 1, 0, 0, 0},
+        {"an answer past the deadline is still the answer", 2, 0, 1, {OK, 0, 0, -1, 0, 2000, 1000}, PLAN_ANSWER, 0, 1, 0, 0, 0},
+        {"no_work: the same model after the backoff", 2, 0, 1, {NW, 0, 0, -1, 0, 0, 1000}, PLAN_RETRY_AFTER, 0, 2, 100, 0, 0},
+        {"no_work: Retry-After replaces the backoff", 2, 0, 1, {NW, 0, 0, 300, 0, 0, 1000}, PLAN_RETRY_AFTER, 0, 2, 300, 0, 0},
+        {"no_work with another deployment free: at once", 2, 0, 2, {NW, 0, 1, -1, 0, 0, 1000}, PLAN_RETRY_NOW, 0, 3, 0, 0, 0},
+        {"no_work, attempts spent: the next model", 2, 0, 3, {NW, 0, 1, -1, 0, 0, 1000}, PLAN_NEXT_MODEL, 1, 1, 0, 0, 0},
+        {"the fallback gets its own attempts", 2, 1, 1, {NW, 0, 0, -1, 0, 0, 1000}, PLAN_RETRY_AFTER, 1, 2, 100, 0, 0},
+        {"no_work, attempts spent on the last model: give up", 2, 1, 3, {NW, 0, 0, -1, 0, 0, 1000}, PLAN_GIVE_UP, 1, 3, 0, 0, 0},
+        {"no_work whose wait ends past the deadline: the next model", 2, 0, 1, {NW, 0, 0, -1, 0, 950, 1000}, PLAN_NEXT_MODEL, 1, 1, 0, 0, 0},
+        {"... on the last model: give up, late", 2, 1, 1, {NW, 0, 0, 200, 0, 950, 1000}, PLAN_GIVE_UP, 1, 2, 200, 0, 1},
+        {"indeterminate: never the same model again", 2, 0, 1, {IND, 0, 1, -1, 0, 0, 1000}, PLAN_NEXT_MODEL, 1, 1, 0, 0, 0},
+        {"indeterminate on the last model: give up", 2, 1, 1, {IND, 0, 0, -1, 0, 0, 1000}, PLAN_GIVE_UP, 1, 1, 0, 0, 0},
+        {"unknown_model: the next model", 3, 0, 1, {UNK, 0, 1, -1, 0, 0, 1000}, PLAN_NEXT_MODEL, 1, 1, 0, 0, 0},
+        {"circuit_open: the next model", 3, 1, 1, {OPEN, 0, 0, -1, 0, 0, 1000}, PLAN_NEXT_MODEL, 2, 1, 0, 0, 0},
+        {"a failure at the deadline: give up, late", 2, 0, 1, {IND, 0, 0, -1, 0, 1000, 1000}, PLAN_GIVE_UP, 0, 1, 0, 0, 1},
+        {"a refused key with another: the same attempt, the next key", 2, 0, 1, {TERM, 1, 0, -1, 0, 0, 1000}, PLAN_RETRY_NOW, 0, 1, 0, 1, 0},
+        {"... but an answer first: terminal answers when no key is left", 2, 0, 1, {TERM, 0, 0, -1, 0, 0, 1000}, PLAN_ANSWER, 0, 1, 0, 0, 0},
+        {"a refused key at the deadline: give up, late", 2, 0, 1, {TERM, 1, 0, -1, 0, 1000, 1000}, PLAN_GIVE_UP, 0, 1, 0, 0, 1},
+    };
+#undef OK
+#undef NW
+#undef IND
+#undef TERM
+#undef UNK
+#undef OPEN
+    for (size_t i = 0; i < sizeof steps / sizeof *steps; i++) {
+        attempt_plan p = plan_start(steps[i].models, 3, BACKOFF_CONSTANT, 100);
+        p.model = steps[i].model, p.attempt = steps[i].attempt;
+        plan_step st = plan_next(&p, &steps[i].f);
+        CHECK(st.action == steps[i].want && p.model == steps[i].model_after && p.attempt == steps[i].attempt_after &&
+                  (st.action != PLAN_RETRY_AFTER || st.delay_ms == steps[i].delay) && st.next_key == steps[i].next_key &&
+                  st.late == steps[i].late,
+              "plan: %s: action %d at (%d, %d), delay %ld, next_key %d, late %d", steps[i].what, st.action, p.model, p.attempt,
+              st.delay_ms, st.next_key, st.late);
+    }
+    attempt_plan pe = plan_start(1, 5, BACKOFF_EXPONENTIAL, 250);
+    pe.attempt = 3;
+    plan_facts fe = {.outcome = OUTCOME_NO_WORK, .retry_after_ms = -1, .jitter_permille = 200, .deadline = 100000};
+    plan_step se = plan_next(&pe, &fe);
+    CHECK(se.action == PLAN_RETRY_AFTER && se.delay_ms == 1200 && pe.attempt == 4, "plan: the group's backoff for attempt 4, "
+          "jitter included: %d, %ld", se.action, se.delay_ms);
     /* Classification of statuses and of failures without one. */
     static const struct { int status, reached; attempt_outcome want; } rows[] = {
         {200, 1, OUTCOME_OK}, {201, 1, OUTCOME_OK}, {429, 1, OUTCOME_NO_WORK}, {529, 1, OUTCOME_NO_WORK},
