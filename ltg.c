@@ -3876,6 +3876,16 @@ static void allow_period(const allowance *a, int64_t now, int64_t *start, int64_
  * the ledger deleted (section 13). */
 static int64_t allow_carried(const allowance *a, int64_t start) { return a->carry_to && a->carry_start == start ? a->carry : 0; }
 
+/* What a has spent in the period that holds `now`: a pure read. The
+ * period itself moves only in budget_refresh, at admission and settlement;
+ * a read past its end sees the new period's start (what was carried). */
+static int64_t budget_spent(const allowance *a, int64_t now) {
+    if (a->period_end && now >= a->period_start && now < a->period_end) return a->spend;
+    int64_t start, end;
+    allow_period(a, now, &start, &end);
+    return start == a->period_start ? a->spend : allow_carried(a, start);
+}
+
 /* An allowance's policy, as the API sets it. */
 static void allow_json(jwriter *w, const allowance *a) {
     char d[16];
@@ -3906,7 +3916,7 @@ static void allow_state_json(jwriter *w, const allowance *a, int for_log, int tr
     int64_t start, end;
     allow_period(a, wall_ms(), &start, &end);
     jw_key(w, "spend");
-    if (tracked) jw_usd(w, start == a->period_start ? a->spend : 0);
+    if (tracked) jw_usd(w, budget_spent(a, wall_ms()));
     else jw_null(w);
     jw_key(w, "reserved_spend"), jw_usd(w, a->reserved);
     jw_key(w, "budget_started_at");
@@ -4134,18 +4144,19 @@ static void store_put_idem(idem *r, size_t rec_bytes) {
     ST.live_bytes += rec_bytes;
 }
 
-/* The idempotency record for `key`, or NULL (an expired one is dropped). */
+/* The live idempotency record for `key`, or NULL (an expired one waits for store_purge). */
 static idem *idem_find(const uint8_t key[32], int64_t now) {
     idem *r = hmap_get(&ST.idems, key, 32);
-    if (r && r->expires <= now) {
-        hmap_del(&ST.idems, key, 32);
-        vec_del(&ST.iv, r);
-        ST.live_bytes -= r->e.rec_bytes;
-        ST.expired++;
-        idem_free(r);
-        return NULL;
-    }
-    return r;
+    return r && r->expires > now ? r : NULL;
+}
+
+/* An expired record leaves memory (and the live state). */
+static void idem_drop(idem *r) {
+    hmap_del(&ST.idems, r->key, 32);
+    vec_del(&ST.iv, r);
+    ST.live_bytes -= r->e.rec_bytes;
+    ST.expired++;
+    idem_free(r);
 }
 
 static void idem_json(jwriter *w, const idem *r) {
@@ -5969,20 +5980,20 @@ static void budget_refresh(allowance *a, int64_t now) {
     a->period_end = end;
 }
 
-/* USD left in a's current period, or -1 when uncapped (a's period must be
- * up to date: budget_refresh). */
-static int64_t budget_left(const allowance *a) {
+/* Micro-USD left in a's period at `now`, or -1 when uncapped. */
+static int64_t budget_left(const allowance *a, int64_t now) {
     if (!a->has_budget) return -1;
-    int64_t left = usd_to_micro(a->max_budget) - a->spend - a->reserved;
+    int64_t left = usd_to_micro(a->max_budget) - budget_spent(a, now) - a->reserved;
     return left > 0 ? left : 0;
 }
 
-static double budget_remaining(const allowance *a) { return a->has_budget ? (double)budget_left(a) / MICRO : -1; }
+static double budget_remaining(const allowance *a, int64_t now) {
+    return a->has_budget ? (double)budget_left(a, now) / MICRO : -1;
+}
 
-/* Would `worst` more micro-USD fit a's budget now? */
-static int budget_fits(allowance *a, int64_t more, int64_t now) {
-    budget_refresh(a, now);
-    return !a->has_budget || a->spend + a->reserved + more <= usd_to_micro(a->max_budget);
+/* Would `more` micro-USD fit a's budget at `now`? */
+static int budget_fits(const allowance *a, int64_t more, int64_t now) {
+    return !a->has_budget || budget_spent(a, now) + a->reserved + more <= usd_to_micro(a->max_budget);
 }
 
 static void budget_recount(allowance *a, char kind, const char *id, int64_t now);
@@ -6233,7 +6244,7 @@ static void store_purge(int64_t now) {
     ST.frozen = 1; /* no squeeze under the walk */
     for (int i = 0; i < ST.iv.n; i++) {
         idem *r = ST.iv.p[i];
-        if (r && r->expires <= now) idem_find(r->key, now);
+        if (r && r->expires <= now) idem_drop(r);
     }
     ST.frozen = 0;
     vec_squeeze(&ST.iv);
@@ -6339,6 +6350,7 @@ typedef struct {
 
 static int hold_reserve(allowance *const al[], int n, int64_t cost, int64_t tok, int64_t now, hold *h, hold_refusal *why) {
     int more = h->held; /* a later attempt of a request held already: the request itself is counted */
+    for (int i = 0; i < n; i++) budget_refresh(al[i], now); /* admission: where a budget period ends */
     for (int i = 0; i < n; i++)
         if ((why->wait = rate_check(al[i], !more, tok, &why->limit))) { why->who = i; return LTG_ERR; }
     for (int i = 0; i < n; i++)
@@ -6632,27 +6644,46 @@ static void conn_linger(conn *c) {
     timer_set(&c->t, LINGER_MS);
 }
 
-static void conn_flush(conn *c) {
+/* Write what the connection has queued: 1 when all of it is written, 0
+ * when the rest waits for POLLOUT (or the connection broke: closed). */
+static int conn_flush(conn *c) {
     while (c->out_off < c->out.len) {
         ssize_t n = send(c->fd, c->out.p + c->out_off, c->out.len - c->out_off, MSG_NOSIGNAL);
-        if (n > 0) { c->out_off += (size_t)n, c->written += (uint64_t)n; continue; }
+        if (n > 0) {
+            c->out_off += (size_t)n;
+            c->written += (uint64_t)n;
+            continue;
+        }
         if (n < 0 && errno == EINTR) continue;
         if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
             if (c->out_off > 65536) buf_consume(&c->out, c->out_off), c->out_off = 0;
             c->want_out = 1;
             conn_watch(c);
-            return;
+            return 0;
         }
         conn_close(c); /* the client went away */
-        return;
+        return 0;
     }
     c->out.len = c->out_off = 0;
     c->want_out = 0;
-    if (c->close_after && c->linger && !c->lingering) { conn_linger(c); return; }
-    if (c->close_after) { conn_close(c); return; }
+    return 1;
+}
+
+/* Everything queued is written: the connection closes (or lingers), its
+ * owner hears it drained, or it goes on to its next request -- serving
+ * may have stopped while the client did not read. */
+static void conn_drained(conn *c) {
+    if (c->close_after && c->linger && !c->lingering) {
+        conn_linger(c);
+        return;
+    }
+    if (c->close_after) {
+        conn_close(c);
+        return;
+    }
     conn_watch(c);
     if (c->owner) c->owner_ops->drained(c->owner);
-    else conn_process(c); /* serving may have stopped while the client did not read */
+    else conn_process(c);
 }
 
 static void conn_flush_all(void) {
@@ -6660,7 +6691,7 @@ static void conn_flush_all(void) {
         conn *c = S.pending_writes;
         S.pending_writes = c->next_pending;
         c->pending = 0;
-        if (!c->closing) conn_flush(c);
+        if (!c->closing && conn_flush(c)) conn_drained(c);
     }
 }
 
@@ -6950,7 +6981,7 @@ static void conn_read(conn *c) {
 
 static void conn_io(void *ctx, int revents) {
     conn *c = ctx;
-    if (revents & POLLOUT) conn_flush(c);
+    if ((revents & POLLOUT) && conn_flush(c)) conn_drained(c);
     if (!c->closing && (revents & (POLLIN | POLLHUP | POLLERR))) conn_read(c);
 }
 
@@ -8117,6 +8148,7 @@ struct exchange {
     int keep_set;         /* ... there is one */
     inf_idem *idem;       /* the replay record this request fills */
     buf record;           /* a stream's events, for that record */
+    buf event;            /* the data of the stream's event being read (stream_take) */
     int record_full;      /* too long to keep for a replay */
     uint8_t cache_key[32];
 };
@@ -8139,7 +8171,7 @@ static void exchange_let_go(exchange *x) {
  * it sends (exchange_build: the client's body with "model" rewritten, and
  * a stream's request for its usage), the usage it reads from an answer or
  * an event (usage_read), the edit that asks a stream for it (usage_edit),
- * what one SSE event is (stream_event), and how a stream broken after its
+ * what one SSE event is (stream_take), and how a stream broken after its
  * start is ended (stream_cut). Another API kind is another row. */
 enum { CUT_DATA, CUT_EVENT, CUT_ANTHROPIC }; /* how a broken stream ends: see stream_cut() */
 
@@ -8328,17 +8360,18 @@ static void response_pin(exchange *x, const char *s, size_t n, int event) {
     buf_free(&v);
 }
 
-/* One SSE event of a stream: LTG_ERR when its data is neither JSON nor
- * [DONE]; SSE_EMPTY when it has none (a comment, a keep-alive); SSE_HIDE
- * for the usage chunk ltg asked for on its own (kept from the client);
- * else SSE_RELAY. Its usage, if any, is noted. */
+/* Take one SSE event of a stream: its usage, if any, is noted in the
+ * exchange, a Responses answer's id pinned to its model. Returns LTG_ERR
+ * when its data is neither JSON nor [DONE]; SSE_EMPTY when it has none (a
+ * comment, a keep-alive); SSE_HIDE for the usage chunk ltg asked for on
+ * its own (kept from the client); else SSE_RELAY. */
 enum { SSE_RELAY, SSE_EMPTY, SSE_HIDE };
-static int stream_event(exchange *x, const char *ev, size_t n) {
-    static buf data;
-    if (!sse_event_data(ev, n, &data) || !data.len) return SSE_EMPTY;
-    if (data.len == 6 && memcmp(data.p, "[DONE]", 6) == 0) return SSE_RELAY;
-    response_pin(x, data.p, data.len, 1);
-    int no_choices, r = usage_read(x->kind, x->kind->event_usage, data.p, data.len, &x->usage, &no_choices);
+static int stream_take(exchange *x, const char *ev, size_t n) {
+    buf *data = &x->event;
+    if (!sse_event_data(ev, n, data) || !data->len) return SSE_EMPTY;
+    if (data->len == 6 && memcmp(data->p, "[DONE]", 6) == 0) return SSE_RELAY;
+    response_pin(x, data->p, data->len, 1);
+    int no_choices, r = usage_read(x->kind, x->kind->event_usage, data->p, data->len, &x->usage, &no_choices);
     if (r <= 0) return r < 0 ? LTG_ERR : SSE_RELAY;
     x->usage.final |= r == 1 || x->kind->event_usage_final; /* message_start's count is not the last word */
     return x->hide_usage && no_choices ? SSE_HIDE : SSE_RELAY;
@@ -8399,7 +8432,7 @@ static void exchange_free(exchange *x) {
     timer_stop(&x->deadline), timer_stop(&x->t);
     exchange_let_go(x);
     for (int i = 0; i < x->nedit; i++) free(x->edit[i].text);
-    buf_free(&x->req), buf_free(&x->body), buf_free(&x->record), buf_free(&x->keep);
+    buf_free(&x->req), buf_free(&x->body), buf_free(&x->record), buf_free(&x->keep), buf_free(&x->event);
     catalog_release(x->cat);
     S.nexchanges--;
     free(x);
@@ -8437,8 +8470,7 @@ static void exchange_cost_headers(exchange *x, int64_t cost, buf *h) {
     buf_puts(h, "x-ltg-cost: ");
     buf_usd(h, cost > 0 ? cost : 0);
     group *g = group_find(x->group_id);
-    if (g) budget_refresh(&g->al, wall_ms());
-    int64_t left = g ? budget_left(&g->al) : -1;
+    int64_t left = g ? budget_left(&g->al, wall_ms()) : -1;
     if (left >= 0) buf_puts(h, "\r\nx-ltg-budget-remaining: "), buf_usd(h, left);
     buf_puts(h, "\r\n");
 }
@@ -8946,7 +8978,7 @@ static int attempt_hold(exchange *x) {
                  "the request ends here", m->alias, MAX_CHARGE / MICRO);
     else
         snprintf(msg, sizeof msg, "the next attempt, on %s, may cost up to %.6f USD, and the budget of %s has %.6f USD left: the request ends here",
-                 m->alias, (double)x->w.cost / MICRO, whose, budget_remaining(a));
+                 m->alias, (double)x->w.cost / MICRO, whose, budget_remaining(a, wall_ms()));
     exchange_fail(x, !a ? 400 : why.wait ? 429 : 403, !a ? "invalid_request" : why.wait ? "rate_limited" : "budget_exceeded", msg);
     return LTG_ERR;
 }
@@ -9137,7 +9169,7 @@ static void exchange_relay_stream(exchange *x) {
         char *ev = u->body.p + off;
         off += n;
         mask_provider_key(exchange_dep(x)->p, ev, n);
-        int r = stream_event(x, ev, n);
+        int r = stream_take(x, ev, n);
         if (r < 0) { stream_broken(x, "an SSE event whose data is not JSON"); return; }
         if (r == SSE_HIDE || (r == SSE_EMPTY && x->state != X_RELAYING)) continue; /* a comment is not the answer's start */
         if (x->state != X_RELAYING) attempt_answered(x, 200, NULL); /* the first event: a success */
@@ -9517,7 +9549,7 @@ static int admit_hold(admission *a, refusal *r) {
                       why.limit[0] == 'r' ? w->rpm_limit : w->tpm_limit, why.limit[0] == 'r' ? "requests" : "tokens", why.wait);
     }
     return refuse(r, 403, "budget_exceeded", NULL, "the budget of %s, %.6f USD%s, has %.6f USD left, and this request may cost up to %.6f USD", whose[why.who],
-                  w->max_budget, w->budget_days ? " per period" : "", budget_remaining(w), (double)cost / MICRO);
+                  w->max_budget, w->budget_days ? " per period" : "", budget_remaining(w, wall_ms()), (double)cost / MICRO);
 }
 
 /* The checks, in order: the first that does not admit decides. */
@@ -9531,8 +9563,8 @@ static void inference_refuse(admission *a, const refusal *r) {
     buf h = {0};
     if (r->headers) buf_puts(&h, r->headers);
     buf_puts(&h, "x-ltg-cost: 0.000000\r\n");
-    if (a->g) budget_refresh(&a->g->al, wall_ms());
-    if (a->g && a->g->al.has_budget) buf_printf(&h, "x-ltg-budget-remaining: %.6f\r\n", budget_remaining(&a->g->al));
+    if (a->g && a->g->al.has_budget)
+        buf_printf(&h, "x-ltg-budget-remaining: %.6f\r\n", budget_remaining(&a->g->al, wall_ms()));
     conn_error(a->c, r->status, r->code, h.p, "%s", r->msg);
     buf_free(&h);
 }
@@ -9848,7 +9880,8 @@ static void metrics_gauges(buf *b) {
     metric_head(b, "ltg_budget_remaining_usd", "gauge", "USD left in the current budget period (groups with a budget).");
     for (int i = 0; i < ST.gv.n; i++) {
         group *g = ST.gv.p[i];
-        if (g && g->al.has_budget) budget_refresh(&g->al, now), gauge(b, "ltg_budget_remaining_usd", budget_remaining(&g->al), "token_group", g->name, NULL);
+        if (g && g->al.has_budget)
+            gauge(b, "ltg_budget_remaining_usd", budget_remaining(&g->al, now), "token_group", g->name, NULL);
     }
     metric_head(b, "ltg_reserved_usd", "gauge", "USD held by requests in flight (groups with a budget).");
     for (int i = 0; i < ST.gv.n; i++) {
