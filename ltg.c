@@ -131,7 +131,6 @@
 #define KEY_REST_MS 60000                /* a provider key answered 401/403: unused this long (when there are others) */
 #define CONNECT_TIMEOUT_MS 10000
 #define DEFAULT_DEADLINE_MS 600000       /* x-ltg-deadline default (README "Per-request overrides"): a reasoning model may think for minutes */
-#define STREAM_IDLE_MS 120000            /* a started stream may go quiet this long */
 #define DNS_TIMEOUT_MS 2000
 #define DNS_TRIES 3
 #define DNS_NEGATIVE_TTL_S 5
@@ -182,6 +181,7 @@ static struct {
     int max_conns, drain_seconds;
     int max_per_ip;           /* inference connections from one client address */
     int max_stream_s;         /* a started stream is cut after this long */
+    int stream_idle_s;        /* ... and after this long without an event */
     int meter_s;              /* an abandoned whole answer is read this long for its usage (0: closed at once) */
     int max_meters;           /* ... so many at a time: METER_MAX, or fewer when fds are short */
     int ledger_days;          /* days of spend events kept (section 13) */
@@ -9123,8 +9123,8 @@ static void exchange_timer(void *ctx) {
         attempt_failed(x, msg, 1);
         return;
     case X_RELAYING: /* a started stream went quiet */
-        if (u && u->paused) snprintf(msg, sizeof msg, "the client did not take the stream for %d s", STREAM_IDLE_MS / 1000);
-        else snprintf(msg, sizeof msg, "the stream from %s stalled for %d s", exchange_model(x)->alias, STREAM_IDLE_MS / 1000);
+        if (u && u->paused) snprintf(msg, sizeof msg, "the client did not take the stream for %d s", S.stream_idle_s);
+        else snprintf(msg, sizeof msg, "the stream from %s stalled for %d s", exchange_model(x)->alias, S.stream_idle_s);
         exchange_fail(x, 504, "stream_interrupted", msg);
         return;
     }
@@ -9176,7 +9176,7 @@ static void exchange_relay_stream(exchange *x) {
         exchange_chunk(x, ev, n);
     }
     buf_consume(&u->body, off);
-    if (x->state == X_RELAYING) timer_set(&x->t, STREAM_IDLE_MS);
+    if (x->state == X_RELAYING) timer_set(&x->t, (int64_t)S.stream_idle_s * 1000);
     if (u->complete) {
         if (x->state != X_RELAYING) { stream_broken(x, "the stream ended before its first event"); return; }
         if (u->body.len) { /* no final blank line: pass the rest on */
@@ -10152,7 +10152,7 @@ static int mkdir_p(const char *dir) {
 static void options_default(void) {
     S.resolv_conf = "/etc/resolv.conf", S.listen_addr = "127.0.0.1:8080", S.admin_addr = "127.0.0.1:8081";
     S.max_conns = 1024, S.drain_seconds = 10, S.max_body = 8LL << 20;
-    S.head_timeout_ms = 10000, S.idle_timeout_ms = 120000, S.cache_mb = 64, S.max_stream_s = 600, S.meter_s = 300, S.ledger_days = 90;
+    S.head_timeout_ms = 10000, S.idle_timeout_ms = 120000, S.cache_mb = 64, S.max_stream_s = 600, S.stream_idle_s = 120, S.meter_s = 300, S.ledger_days = 90;
     S.ledger_index = 16LL << 20;
 }
 
@@ -10176,6 +10176,7 @@ static const char USAGE[] =
     "  --head-timeout S         a request head must arrive within S seconds (default 10)\n"
     "  --idle-timeout S         an idle keep-alive connection is closed after S seconds (default 120)\n"
     "  --max-stream-seconds S   a started stream is cut after S seconds (default 600)\n"
+    "  --stream-idle-seconds S  a started stream is cut after S seconds without an event (default 120)\n"
     "  --meter-abandoned-seconds S  an answer given up on is still read S seconds for its usage (default 300, 0: closed)\n"
     "  --ca-file FILE           trust anchors for https:// providers (default: the system bundle)\n"
     "  --resolv-conf FILE       where the name servers are (default /etc/resolv.conf)\n"
@@ -10210,6 +10211,7 @@ static const option options[] = {
     {"--head-timeout", NULL, &S.head_timeout_ms, NULL, 1, 1000000, 1000, 0},
     {"--idle-timeout", NULL, &S.idle_timeout_ms, NULL, 1, 1000000, 1000, 0},
     {"--max-stream-seconds", NULL, &S.max_stream_s, NULL, 1, 1000000, 1, 0},
+    {"--stream-idle-seconds", NULL, &S.stream_idle_s, NULL, 1, 1000000, 1, 0},
     {"--meter-abandoned-seconds", NULL, &S.meter_s, NULL, 0, 3600, 1, 0},
     {"--ledger-days", NULL, &S.ledger_days, NULL, 1, 3650, 1, 0},
     {"--ledger-index-mb", NULL, NULL, &S.ledger_index, 1, 4096, 1 << 20, 0},

@@ -484,9 +484,31 @@ def t_hp_endless_stream(a):
         b.close()
 
 
-@it.test("hostile provider: a started stream that goes quiet is cut after 120 s idle")
-def t_hp_quiet_stream():
-    raise it.TestSkip("120 s of silence is too long for this suite")
+@hptest("stream that goes quiet after its first event: cut after --stream-idle-seconds 2 (default 120) "
+        "with stream_interrupted, ledger partial")
+def t_hp_quiet_stream(a):
+    b = Ltg("hostile-stream-idle", ["--stream-idle-seconds", "2"])
+    try:
+        try:
+            b.start()
+        except it.TestFailure as e:
+            raise it.TestFailure("ltg --stream-idle-seconds 2 does not start: %s" % e)
+        A, B = fresh(2)
+        g = group(b, [A, B], {A: [B]})
+        script(A, ["events=3 first_event_delay_ms=0 event_delay_ms=20000"])   # one delta, then 20 s of silence
+        r = call(b, g, A, stream=True)
+        check_headers(r, 200, 1, A, "a quiet stream")
+        check_interrupted(r, up(A), 1, "a quiet stream")
+        msg = json.loads(stream_datas(r)[-1])["error"].get("message", "")
+        check("stalled for 2 s" in msg, "the error event should say the stream stalled for 2 s: %r" % msg)
+        check(r.elapsed >= 1.9, "the stream was cut after %.2f s, before --stream-idle-seconds 2" % r.elapsed)
+        check_elapsed(r, 15, "a quiet stream, --stream-idle-seconds 2 (the next event was 20 s away)")
+        check_calls({A: 1, B: 0}, "a quiet stream")
+        check_event(b, g, r, "partial", 200, A, [(A, 1, 200, "ok")], "a quiet stream")
+        check_healthy(b, "a quiet stream")
+        b.stop()
+    finally:
+        b.close()
 
 
 # ===== bytes after a whole answer =================================================================
