@@ -7,8 +7,8 @@
  * control plane (admin keys) manages token groups -- the policy -- and
  * issues token keys; the inference plane speaks the OpenAI API and accepts
  * only token keys. Changes to groups and keys are fsynced to an append-only
- * log before they are acknowledged; every request leaves a spend event in the
- * ledger, one log per UTC day, each sealed at midnight with an index file
+ * log before they are acknowledged; every admitted inference request leaves a
+ * spend event in the ledger (refusals and token counts do not), one log per UTC day, each sealed at midnight with an index file
  * beside it and deleted after --ledger-days. Memory, disk and start-up time
  * depend on what ltg holds now, never on how much it has served.
  *
@@ -111,8 +111,10 @@
  * the loop, the listeners -- is one global struct, `S`; each later section
  * keeps its own state in statics beside its code (the structs ST, LOG, LG,
  * CACHE, TLS, PINS, ALOG, METERS, TRUSTED; tables such as PEERS, INF_IDEM, METRICS, hosts;
- * the API kinds' WIRE), so a reader finds it where it is used. Nothing
- * else is global.
+ * the API kinds' WIRE), so a reader finds it where it is used. The few
+ * other file-scope variables sit beside the functions that use them: the
+ * loop's deferred closes, the client connection list, a handful of timers
+ * and refusal episodes, START_TIME.
  */
 #define MAX_HEAD_BYTES (16 * 1024)       /* request head; 431 beyond */
 #define UP_MAX_HEAD_BYTES (64 * 1024)    /* provider response head */
@@ -469,8 +471,11 @@ static uint32_t crc32(const void *data, size_t n) { return crc32_more(0, data, n
 
 /* A hash table of pointers to items that carry their own key (open
  * addressing, linear probing). `key` returns an item's key bytes. Every
- * lookup by name uses one: groups and keys by id, keys by secret hash,
- * idempotency records, the cache, client addresses, the ledger's names. */
+ * lookup in what grows with use goes through one: groups and keys by id,
+ * keys by secret hash, idempotency records, the cache, client addresses,
+ * the ledger's names. The short lists fixed by the catalog or a group --
+ * the catalog's models (catalog_model), a group's allowed models and
+ * fallbacks -- are scanned. */
 #define HMAP_TOMB ((void *)1)
 typedef struct {
     void **slot;
@@ -3233,7 +3238,8 @@ static void breaker_record(deployment *d, attempt_outcome o, int probe, int64_t 
     }
 }
 
-/* A probe that ended without an outcome (its client left): the next request probes. */
+/* A probe whose result says nothing of the provider (its client left, ltg's own shortage, a
+ * timeout its client shortened): its breaker hears nothing, and the next request probes. */
 static void breaker_forget_probe(deployment *d) { d->cb_probing = 0; }
 
 /* May deployment i of m take an attempt now, and is it not in `avoid`? */
@@ -6461,9 +6467,14 @@ static void pin_tokens(const char *gid, const char *id, long long tokens) {
 /* ===== 15. Client connections: the HTTP/1.1 server =====
  *
  * IMPLEMENTATION NOTES
- * A client connection is a small state machine:
+ * A client connection is a small state machine (conn_to asserts every
+ * transition and arms the timer for the state entered):
  *
- *   HEAD --(head parsed)--> BODY --(body complete)--> BUSY --(answered)--> HEAD
+ *   IDLE --(a byte)--> HEAD --(parsed)--> BODY --(complete)--> BUSY
+ *    ^                                                          |
+ *    +--------------------(answered: the next request)----------+
+ *
+ *   an answer that closes: --(written)--> LINGER --> CLOSED; any state --> CLOSED
  *
  * The current request's head stays at the front of `in` while it is served
  * (the parsed header slices point into it); its body is decoded into
@@ -6473,10 +6484,10 @@ static void pin_tokens(const char *gid, const char *id, long long tokens) {
  * conn_process()'s loop or after the next flush. A request is served only
  * when the one before it is answered, so answers leave in order.
  *
- * One timer per connection means one of three things, by state: the idle
- * keep-alive limit (no bytes of a next request), the head limit (counted
- * from the first byte of a head, not re-armed by a slow trickle: that is
- * what stops slowloris), or the body's inactivity limit. While an answer
+ * One timer per connection means what the state says: IDLE, the idle
+ * keep-alive limit; HEAD, the head limit (counted from the head's first
+ * byte, not re-armed by a slow trickle: that is what stops slowloris);
+ * BODY, the body's rate; BUSY, none; LINGER, LINGER_MS. While an answer
  * waits to be written, it fires only if the client took nothing since it
  * started: a client that stops reading is closed, not kept for ever.
  *
@@ -6496,8 +6507,7 @@ static void pin_tokens(const char *gid, const char *id, long long tokens) {
  * closed to make room, so the newcomer is refused only when every
  * connection is being served. Each episode is logged once.
  */
-typedef enum { CONN_HEAD, CONN_BODY, CONN_BUSY } conn_state;
-enum { TK_NONE, TK_IDLE, TK_HEAD, TK_BODY };
+typedef enum { CONN_IDLE, CONN_HEAD, CONN_BODY, CONN_BUSY, CONN_LINGER, CONN_CLOSED } conn_state;
 
 /* What the gateway learns of the request it serves, for the access log
  * and the metrics (section 18): cleared by the server for each request. */
@@ -6530,10 +6540,8 @@ struct conn {
     int keep_alive;           /* the current answer keeps the connection */
     int close_after;          /* close once `out` is written */
     int linger;               /* ... and first read and drop what the client still sends (conn_fail) */
-    int lingering;            /* doing that: our side is shut down */
-    int processing, closing, pending, want_out, read_paused;
-    int timer_kind;
-    timer t;
+    int processing, pending, want_out, read_paused;
+    timer t;                  /* what it means is the state's */
     int64_t state_at;         /* S.now: when its state began (shedding takes the oldest) */
     uint64_t served;          /* requests answered: one that had none yet is new, not idle */
     struct peer *peer;        /* its client address, counted (inference connections) */
@@ -6590,16 +6598,18 @@ static void admin_error(conn *c, int status, const char *code, const char *point
     __attribute__((format(printf, 6, 7)));
 
 static void conn_watch(conn *c) {
-    if (!c->closing) loop_events(c->fd, (short)((c->read_paused ? 0 : POLLIN) | (c->want_out ? POLLOUT : 0)));
+    if (c->state != CONN_CLOSED) loop_events(c->fd, (short)((c->read_paused ? 0 : POLLIN) | (c->want_out ? POLLOUT : 0)));
 }
 
+static void conn_to(conn *c, conn_state to);
+
 static void conn_close(conn *c) {
-    if (c->closing) return;
-    c->closing = 1;
-    timer_stop(&c->t);
+    if (c->state == CONN_CLOSED) return;
+    int busy = c->state == CONN_BUSY;
+    conn_to(c, CONN_CLOSED);
     if (c->owner) c->owner_ops->gone(c->owner); /* it lets go of c */
     c->owner = NULL;
-    if (c->state == CONN_BUSY && S.ended) S.ended(c); /* a request left unanswered, or half-sent */
+    if (busy && S.ended) S.ended(c); /* a request left unanswered, or half-sent */
     loop_close(c->fd);
     if (c->prev) c->prev->next = c->next;
     else conns = c->next;
@@ -6623,7 +6633,7 @@ static void conn_reap(void) {
 }
 
 static void conn_send(conn *c, const void *p, size_t n) {
-    if (c->closing) return;
+    if (c->state == CONN_CLOSED) return;
     buf_append(&c->out, p, n);
     c->queued += n;
     if (!c->pending) c->pending = 1, c->next_pending = S.pending_writes, S.pending_writes = c;
@@ -6637,11 +6647,10 @@ static void conn_process(conn *c);
  * and drop what still comes, for LINGER_MS at most (nginx's
  * lingering_close): time bounds it, the bytes are not kept. */
 static void conn_linger(conn *c) {
-    c->lingering = 1;
+    conn_to(c, CONN_LINGER);
     shutdown(c->fd, SHUT_WR);
     c->read_paused = 0;
     conn_watch(c);
-    timer_set(&c->t, LINGER_MS);
 }
 
 /* Write what the connection has queued: 1 when all of it is written, 0
@@ -6673,7 +6682,7 @@ static int conn_flush(conn *c) {
  * owner hears it drained, or it goes on to its next request -- serving
  * may have stopped while the client did not read. */
 static void conn_drained(conn *c) {
-    if (c->close_after && c->linger && !c->lingering) {
+    if (c->close_after && c->linger && c->state != CONN_LINGER) {
         conn_linger(c);
         return;
     }
@@ -6691,7 +6700,7 @@ static void conn_flush_all(void) {
         conn *c = S.pending_writes;
         S.pending_writes = c->next_pending;
         c->pending = 0;
-        if (!c->closing && conn_flush(c)) conn_drained(c);
+        if (c->state != CONN_CLOSED && conn_flush(c)) conn_drained(c);
     }
 }
 
@@ -6763,7 +6772,6 @@ static int method_is(conn *c, const char *m) {
     return c->req.method.len == strlen(m) && memcmp(c->in.p + c->req.method.off, m, c->req.method.len) == 0;
 }
 
-static void conn_arm_timer(conn *c);
 
 /* Before a request: nothing known of it yet. */
 static void conn_fresh(conn *c) {
@@ -6788,18 +6796,12 @@ static void conn_done(conn *c) {
         c->in = rest;
     }
     c->cd = (chunk_decoder){0};
-    c->state = CONN_HEAD, c->state_at = S.now;
     c->rid[0] = 0;
     c->served++;
-    if (!c->keep_alive) {
-        c->close_after = 1;
-        conn_send(c, "", 0); /* joins the pending list: closes after the flush */
-        c->timer_kind = TK_IDLE, c->written_mark = c->written; /* and not later than a client that takes nothing allows */
-        timer_set(&c->t, S.idle_timeout_ms);
-        return;
-    }
+    c->close_after |= !c->keep_alive;
+    /* IDLE for a closing answer too: its timer bounds a client that takes nothing */
+    conn_to(c, c->in.len && !c->close_after ? CONN_HEAD : CONN_IDLE);
     conn_send(c, "", 0); /* the next request is parsed after the flush, on the server's own turn: a reply never re-enters the parser */
-    conn_arm_timer(c);   /* meanwhile: the idle limit, or a head's if one is in */
 }
 
 /* A whole answer with a body. */
@@ -6846,7 +6848,7 @@ static void conn_error(conn *c, int status, const char *code, const char *header
     jw_key(&w, "code"), jw_cstr(&w, code);
     jw_close(&w, '}'), jw_close(&w, '}');
     if (c->rid[0]) buf_printf(&extra, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: 0\r\n", c->rid, c->rid);
-    c->state = CONN_BUSY;
+    conn_to(c, CONN_BUSY);
     conn_reply(c, status, "application/json", extra.p, b.p, b.len);
     buf_free(&b), buf_free(&extra);
 }
@@ -6862,28 +6864,54 @@ static void conn_fail(conn *c, int status, const char *code, const char *msg) {
 
 static void conn_timer(void *ctx) {
     conn *c = ctx;
-    if (c->lingering) { conn_close(c); return; }
+    if (c->state == CONN_LINGER) {
+        conn_close(c);
+        return;
+    }
     if (conn_unsent(c) && c->written != c->written_mark) { /* still writing: not idle */
         c->written_mark = c->written;
         timer_set(&c->t, S.idle_timeout_ms);
         return;
     }
-    if (c->timer_kind == TK_IDLE || conn_unsent(c)) { conn_close(c); return; } /* idle, or not reading what it asked for */
-    conn_fail(c, 408, "request_timeout", c->timer_kind == TK_HEAD ? "the request head did not arrive in time"
-                                                                  : "the request body arrived too slowly (it must keep up 4 KiB/s)");
+    if (c->state == CONN_IDLE || conn_unsent(c)) { /* idle, or not reading what it asked for */
+        conn_close(c);
+        return;
+    }
+    conn_fail(c, 408, "request_timeout", c->state == CONN_HEAD ? "the request head did not arrive in time"
+                                         : "the request body arrived too slowly (it must keep up 4 KiB/s)");
 }
 
-static void conn_arm_timer(conn *c) {
-    if (c->closing || c->lingering) return;
-    int kind = c->state == CONN_BUSY ? TK_NONE : c->state == CONN_BODY ? TK_BODY : c->in.len ? TK_HEAD : TK_IDLE;
-    if (kind == c->timer_kind && kind != TK_BODY) return; /* a head's limit counts from its first byte */
-    c->timer_kind = kind;
-    c->written_mark = c->written;
-    /* A body has --head-timeout, and a second more per BODY_MIN_RATE bytes of it -- decoded bytes: framing earns no time. */
+/* A body has --head-timeout, and a second more per BODY_MIN_RATE bytes of
+ * it -- decoded bytes: framing earns no time. */
+static void conn_body_timer(conn *c) {
     int64_t body = c->req.chunked ? (int64_t)c->body.len : (int64_t)(c->in.len - c->head_len);
-    if (kind == TK_NONE) timer_stop(&c->t);
-    else if (kind == TK_BODY) timer_set(&c->t, c->state_at + S.head_timeout_ms + body * 1000 / BODY_MIN_RATE - S.now);
-    else timer_set(&c->t, kind == TK_HEAD ? S.head_timeout_ms : S.idle_timeout_ms);
+    timer_set(&c->t, c->state_at + S.head_timeout_ms + body * 1000 / BODY_MIN_RATE - S.now);
+}
+
+/* The one place a connection changes state: the transition is checked and
+ * the timer armed for the state entered (see the notes above). */
+static void conn_to(conn *c, conn_state to) {
+    static const unsigned char next[] = {
+        [CONN_IDLE] = 1 << CONN_HEAD | 1 << CONN_BUSY | 1 << CONN_LINGER | 1 << CONN_CLOSED,
+        [CONN_HEAD] = 1 << CONN_BODY | 1 << CONN_BUSY | 1 << CONN_CLOSED,
+        [CONN_BODY] = 1 << CONN_BUSY | 1 << CONN_CLOSED,
+        [CONN_BUSY] = 1 << CONN_IDLE | 1 << CONN_HEAD | 1 << CONN_BUSY | 1 << CONN_CLOSED,
+        [CONN_LINGER] = 1 << CONN_CLOSED,
+        [CONN_CLOSED] = 0,
+    };
+    assert(next[c->state] >> to & 1);
+    if (to == CONN_BUSY && c->state == CONN_BUSY) return; /* an error answer of a request in service */
+    c->state = to;
+    c->state_at = S.now;
+    c->written_mark = c->written;
+    switch (to) {
+    case CONN_IDLE: timer_set(&c->t, S.idle_timeout_ms); break;
+    case CONN_HEAD: timer_set(&c->t, S.head_timeout_ms); break;
+    case CONN_BODY: conn_body_timer(c); break;
+    case CONN_LINGER: timer_set(&c->t, LINGER_MS); break;
+    case CONN_BUSY:
+    case CONN_CLOSED: timer_stop(&c->t); break;
+    }
 }
 
 static int conn_proxy(conn *c);
@@ -6893,7 +6921,9 @@ static int conn_forwarded(conn *c);
 static void conn_process(conn *c) {
     assert(!c->processing); /* see conn_done: nothing up the stack is parsing this connection */
     c->processing = 1;
-    while (!c->closing && c->state != CONN_BUSY && !c->close_after && conn_unsent(c) < OUT_HIGH_WATER) {
+    while (c->state <= CONN_BODY && !c->close_after && conn_unsent(c) < OUT_HIGH_WATER) {
+        if (c->state == CONN_IDLE && !c->in.len) break;
+        if (c->state == CONN_IDLE) conn_to(c, CONN_HEAD); /* its first byte: the head's limit starts */
         if (c->state == CONN_HEAD && c->proxy_pending && conn_proxy(c) <= 0) break;
         if (c->state == CONN_HEAD) {
             int n = http_head_end(c->in.p, c->in.len, &c->scan);
@@ -6911,7 +6941,8 @@ static void conn_process(conn *c) {
                 conn_fail(c, 413, "body_too_large", m);
                 break;
             }
-            c->state = CONN_BODY, c->state_at = c->began = S.now;
+            c->began = S.now;
+            conn_to(c, CONN_BODY);
             int has_body = c->req.chunked || c->req.content_length > 0;
             if (has_body && c->req.expect_continue && c->in.len == c->head_len) conn_send(c, "HTTP/1.1 100 Continue\r\n\r\n", 25);
         }
@@ -6936,7 +6967,7 @@ static void conn_process(conn *c) {
         memmove(c->in.p + c->head_len, c->in.p + c->head_len + c->body_raw, c->in.len - c->head_len - c->body_raw + 1);
         c->in.len -= c->body_raw;
         c->body_in = c->body_raw, c->body_raw = 0;
-        c->state = CONN_BUSY, c->state_at = S.now;
+        conn_to(c, CONN_BUSY);
         if (c->trusted && conn_forwarded(c) < 0) {
             conn_error(c, 429, "too_many_connections", "Retry-After: 1\r\n", "your address holds --max-conns-per-ip connections through the gateway's load balancer: retry shortly");
             continue;
@@ -6944,15 +6975,15 @@ static void conn_process(conn *c) {
         S.serve(c);
     }
     c->processing = 0;
-    if (c->closing) return;
+    if (c->state == CONN_CLOSED) return;
     /* Stop reading while answers wait past the high-water mark, or a request is served and 64 KiB of the next ones wait. */
     int paused = conn_unsent(c) >= OUT_HIGH_WATER || (c->state == CONN_BUSY && c->in.len > c->head_len + c->body_raw + 65536);
     if (paused != c->read_paused) c->read_paused = paused, conn_watch(c);
-    conn_arm_timer(c);
+    if (c->state == CONN_BODY) conn_body_timer(c); /* more of it came: more time */
 }
 
 static void conn_read(conn *c) {
-    while (c->lingering) { /* dropped: the answer is out, the connection closes */
+    while (c->state == CONN_LINGER) { /* dropped: the answer is out, the connection closes */
         char drop[READ_CHUNK];
         ssize_t n = recv(c->fd, drop, sizeof drop, 0);
         if (n < 0 && errno == EINTR) continue;
@@ -6982,7 +7013,7 @@ static void conn_read(conn *c) {
 static void conn_io(void *ctx, int revents) {
     conn *c = ctx;
     if ((revents & POLLOUT) && conn_flush(c)) conn_drained(c);
-    if (!c->closing && (revents & (POLLIN | POLLHUP | POLLERR))) conn_read(c);
+    if (c->state != CONN_CLOSED && (revents & (POLLIN | POLLHUP | POLLERR))) conn_read(c);
 }
 
 static void conn_new(int fd, int admin, peer *p) {
@@ -6998,7 +7029,7 @@ static void conn_new(int fd, int admin, peer *p) {
     conns = c;
     S.nconns++, S.nadmin += admin;
     loop_watch(fd, POLLIN, conn_io, c);
-    conn_arm_timer(c);
+    timer_set(&c->t, S.idle_timeout_ms); /* CONN_IDLE's */
 }
 
 /* A listener's table is full: close a connection without a request in
@@ -7009,9 +7040,9 @@ static int conn_shed(int admin) {
     conn *victim = NULL;
     int victim_idle = 0, victim_n = 0;
     for (conn *c = conns; c; c = c->next) {
-        int idle = c->state == CONN_HEAD && c->served && !c->in.len && !conn_unsent(c); /* a keep-alive waiting */
+        int idle = (c->state == CONN_IDLE && c->served && !conn_unsent(c)) || c->state == CONN_LINGER; /* a keep-alive waiting */
         int n = c->peer ? c->peer->n : 0;
-        if (c->admin != admin || c->state == CONN_BUSY || c->closing) continue;
+        if (c->admin != admin || c->state == CONN_BUSY || c->state == CONN_CLOSED) continue;
         int same = victim && idle == victim_idle; /* then: more connections, then older (the list is newest first) */
         if (!victim || idle > victim_idle || (same && (n > victim_n || (n == victim_n && c->state_at <= victim->state_at)))) {
             victim = c;
@@ -7279,7 +7310,7 @@ static void admin_error(conn *c, int status, const char *code, const char *point
     jw_close(&w, '}'), jw_close(&w, ']'), jw_close(&w, '}');
     buf_printf(&h, "Cache-Control: no-store\r\nX-Request-ID: %s\r\n", c->rid);
     if (status == 401) buf_puts(&h, "WWW-Authenticate: Bearer\r\n");
-    c->state = CONN_BUSY;
+    conn_to(c, CONN_BUSY);
     conn_reply(c, status, "application/json", h.p, b.p, b.len);
     buf_free(&b), buf_free(&h);
 }
@@ -10104,7 +10135,7 @@ static void drain_start(void) {
     S.listen_fd = S.admin_fd = -1;
     for (conn *c = conns, *next; c; c = next) {
         next = c->next;
-        if (c->state == CONN_HEAD && !c->in.len && !conn_unsent(c)) conn_close(c);
+        if (c->state == CONN_IDLE && !c->in.len && !conn_unsent(c)) conn_close(c);
     }
 }
 

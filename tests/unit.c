@@ -1805,14 +1805,15 @@ static void test_ledger_pieces(void) {
         exchange x;
         memset(&x, 0, sizeof x);
         x.hide_usage = 1, x.kind = &WIRE[0];
-        CHECK(stream_event(&x, ": ping\n\n", 8) == SSE_EMPTY, "a comment");
-        CHECK(stream_event(&x, "data:\n\n", 7) == SSE_EMPTY, "empty data");
-        CHECK(stream_event(&x, "data: [DONE]\n\n", 14) == SSE_RELAY, "[DONE]");
-        CHECK(stream_event(&x, "data: <html>\n\n", 14) == LTG_ERR, "not JSON");
+        CHECK(stream_take(&x, ": ping\n\n", 8) == SSE_EMPTY, "a comment");
+        CHECK(stream_take(&x, "data:\n\n", 7) == SSE_EMPTY, "empty data");
+        CHECK(stream_take(&x, "data: [DONE]\n\n", 14) == SSE_RELAY, "[DONE]");
+        CHECK(stream_take(&x, "data: <html>\n\n", 14) == LTG_ERR, "not JSON");
         const char *ev = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":4}}\n\n";
-        CHECK(stream_event(&x, ev, strlen(ev)) == SSE_HIDE && x.usage.final && x.usage.raw[TOK_OUT] == 4, "the usage chunk ltg asked for");
+        CHECK(stream_take(&x, ev, strlen(ev)) == SSE_HIDE && x.usage.final && x.usage.raw[TOK_OUT] == 4, "the usage chunk ltg asked for");
         x.hide_usage = 0;
-        CHECK(stream_event(&x, ev, strlen(ev)) == SSE_RELAY, "the usage chunk the client asked for");
+        CHECK(stream_take(&x, ev, strlen(ev)) == SSE_RELAY, "the usage chunk the client asked for");
+        buf_free(&x.event);
     }
 
     /* Rate limits: a sliding minute of one-second slots; Retry-After is when enough leaves. */
