@@ -5660,7 +5660,11 @@ static void ledger_tick(int64_t now) {
     if (LG.nseg && LG.seg[0]->state == SEG_SEALED && LG.seg[0]->day < ledger_retained_from(now)) ledger_retire(LG.seg[0], now);
 }
 
-/* ---- start-up ---- */
+/* ---- the migration from the single-file ledger (version 1) ----
+ *
+ * Earlier versions kept every event in one DATA/ledger.log. At the first
+ * start-up of this one, its events are rewritten into daily segments and
+ * the file removed; nothing else in this section knows it existed. */
 
 /* One event of a version-1 ledger.log, rewritten into the day's segment. */
 static int ledger_migrate_apply(void *ctx, const char *p, size_t n, off_t at, char *err, size_t errlen) {
@@ -5746,6 +5750,8 @@ static int ledger_migrate(const char *data, char *err, size_t errlen) {
 }
 
 static int day_cmp(const void *a, const void *b) { return (*(const int64_t *)a > *(const int64_t *)b) - (*(const int64_t *)a < *(const int64_t *)b); }
+
+/* ---- start-up ---- */
 
 /* Open DATA/ledger at start-up: migrate an old ledger.log, check every
  * sealed day's index file (or rebuild it from its log, one day in memory
@@ -6374,6 +6380,7 @@ static void hold_settle(allowance *const al[], int n, hold *h, int64_t charged, 
         if (!al[i]) continue;
         budget_refresh(al[i], now);
         al[i]->reserved -= h->cost, al[i]->spend += charged;
+        assert(al[i]->reserved >= 0); /* what is held is what requests in flight hold: no more is let go */
         rate_settle(al[i], h->sec, h->tok, used);
     }
     *h = (hold){0, 0, 0, 0};
@@ -6571,6 +6578,7 @@ static const void *peer_key(const void *it, size_t *n) { *n = 16; return ((const
 static hmap PEERS = {.key = peer_key};
 
 static void peer_drop(peer *p) {
+    assert(!p || p->n >= 0);
     if (p && !p->n) free(hmap_del(&PEERS, p->addr, 16));
 }
 
@@ -8192,7 +8200,9 @@ static deployment *exchange_dep(exchange *x) { return &exchange_model(x)->dep[x-
 static void exchange_let_go(exchange *x) {
     if (!x->u) return;
     up_release(x->u), x->u = NULL;
-    x->busy->inflight--, x->busy = NULL;
+    x->busy->inflight--;
+    assert(x->busy->inflight >= 0);
+    x->busy = NULL;
 }
 
 /* ---- the wire format: one row per API kind ----
