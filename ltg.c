@@ -8879,9 +8879,8 @@ static void exchange_give_up(exchange *x, int late) {
 /* A provider with several keys answered 401 or 403: may its next key be
  * tried (README "The catalog config": api_key_envs)? */
 static int key_refused(exchange *x, const attempt_result *r) {
-    provider *p = exchange_dep(x)->p;
-    if (r->error || r->skipped || (r->status != 401 && r->status != 403)) return 0;
-    return x->key >= 0 && x->key_tries < p->nkeys - 1;
+    if (r->error || r->skipped || (r->status != 401 && r->status != 403) || x->key < 0) return 0;
+    return x->key_tries < exchange_dep(x)->p->nkeys - 1; /* not skipped: x->dep is a deployment */
 }
 
 /* ... it is: that key rests for KEY_REST_MS, and the attempt is made again
