@@ -8,7 +8,8 @@
  * issues token keys; the inference plane speaks the OpenAI API and accepts
  * only token keys. Changes to groups and keys are fsynced to an append-only
  * log before they are acknowledged; every admitted inference request leaves a
- * spend event in the ledger (refusals and token counts do not), one log per UTC day, each sealed at midnight with an index file
+ * spend event in the ledger (refusals and token counts do not; nor does a
+ * request still running when a drain ends), one log per UTC day, each sealed at midnight with an index file
  * beside it and deleted after --ledger-days. Memory, disk and start-up time
  * depend on what ltg holds now, never on how much it has served.
  *
@@ -40,7 +41,8 @@
  *      another of its deployments, or with the provider's next key), move
  *      to the next one, or give up; exchange_step() acts on it.
  *   5. Every attempt is billed when it is over (attempt_bill, 17: its
- *      provider's usage at its model's prices, or ltg's estimate; a whole
+ *      provider's usage at its model's prices; nothing if nothing reached
+ *      the provider or it answered an error; else ltg's estimate; a whole
  *      answer given up on is first read to its end by a meter);
  *      exchange_settle() bills the answer, and exchange_book() -- once no
  *      meter is left -- replaces the hold by what was charged (hold_settle,
@@ -106,7 +108,8 @@
 /* ===== 1. Limits and global state =====
  *
  * IMPLEMENTATION NOTES
- * The limits of the README's "Limits and bad input" live here as defaults; the command line
+ * Most limits of the README's "Limits and bad input" live here as defaults (a few sit beside
+ * the code they bound: the parsers' in ltg.h, LOG_MAX_RECORD, MAX_PRICE_USD...); the command line
  * may change the operator-facing ones. The process-wide state -- options,
  * the loop, the listeners -- is one global struct, `S`; each later section
  * keeps its own state in statics beside its code (the structs ST, LOG, LG,
@@ -198,7 +201,7 @@ static struct {
     server_serve *serve;      /* what the server hands each request to: route() */
     server_ended *ended;      /* and tells when it is over: request_ended() */
     upstream *(*up_open)(provider *p, void *owner, upstream_event *event, const char *req, size_t n); /* up_start(); a test's fake */
-    int64_t now;              /* monotonic ms, cached once per loop turn */
+    int64_t now;              /* monotonic ms: read before the timers run and after poll() returns */
     fd_watch *fds;            /* indexed by fd */
     int nfds_cap, fd_high;    /* table size; highest watched fd + 1 */
     struct pollfd *pfds;
@@ -238,10 +241,11 @@ static struct {
  * Also here: CRC-32 for log records, UUIDs for ids, one hash table (open
  * addressing) that every index of the store uses, and the table of metric
  * series that every section counts into (section 18 writes it out).
- * `S.now` is read once per loop turn (libuv does the same): every timer set
- * during one turn agrees on what "now" is. Random numbers for ids and jitter
- * come from xoshiro256**, seeded from the kernel; secrets (when the control
- * plane issues keys) come from getrandom() directly.
+ * `S.now` is read before the timers run and again after poll() returns
+ * (libuv does the same): every timer set in between agrees on what "now"
+ * is. Random numbers for ids and jitter come from BearSSL's HMAC-DRBG,
+ * seeded from getrandom(); secrets (when the control plane issues keys)
+ * come from getrandom() directly.
  */
 static void ltg_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void ltg_log(const char *fmt, ...) {
@@ -1434,8 +1438,9 @@ int sse_event_data(const char *ev, size_t n, buf *out) {
  *
  * IMPLEMENTATION NOTES
  * One handler per fd, kept in a table indexed by the fd (Redis's ae.c).
- * Each turn rebuilds the pollfd array from that table, polls with the
- * timeout of the nearest timer, dispatches, then runs due timers.
+ * Each turn runs the due timers and the before-sleep hooks, closes the
+ * deferred fds, then rebuilds the pollfd array from that table, polls
+ * with the timeout of the nearest timer, and dispatches.
  *
  * Closing is deferred twice over. A closed connection is only marked and
  * queued; it is freed at the end of the turn, so no handler frees what a
@@ -1453,7 +1458,7 @@ int sse_event_data(const char *ev, size_t n, buf *out) {
  * interrupting it at an unknown point.
  *
  * The loop knows nothing of what it runs: it calls the hooks it was given
- * (S.hooks, loop_hooks in ltg.h: the server's flush, then the store's turn).
+ * (S.hooks, loop_hooks in ltg.h: the server's flush, the store's turn, then the access log's write).
  */
 static int *fds_to_close;
 static int nclose, close_cap;
@@ -1576,7 +1581,7 @@ static void loop_run(void) {
  * getaddrinfo() blocks, and in a static binary it would drag in NSS, so ltg
  * resolves names itself: a numeric address is used as it is; then
  * /etc/hosts (read at start-up); then a DNS query over UDP to the servers of
- * /etc/resolv.conf (A records, recursion desired). Answers are cached for
+ * --resolv-conf (default /etc/resolv.conf; A records, recursion desired). Answers are cached for
  * their TTL (at most an hour), failures for a few seconds, so a dead name
  * does not cost a query per request. Every upstream connection that waits
  * for the same name joins one pending entry; one query serves them all.
@@ -2386,7 +2391,7 @@ static catalog *catalog_load(const char *path, const char *text, char *err, size
     } else {
         static const char *const top[] = {"providers", "models", "admin_keys", NULL};
         if (json_get(b.p, c.t, 0, "dev_keys") >= 0) {
-            cfg_fail(&c, "dev_keys", NULL, "was removed: create a token group and a token key through the control plane (README: provisioning)");
+            cfg_fail(&c, "dev_keys", NULL, "was removed: create a token group and a token key through the control plane (README \"Token groups\", \"Token keys\")");
         } else
         ok = cfg_only(&c, 0, "", top) == 0 && cfg_providers(&c, cat, json_get(b.p, c.t, 0, "providers")) == 0 &&
              cfg_models(&c, cat, json_get(b.p, c.t, 0, "models")) == 0 &&
@@ -3292,14 +3297,14 @@ static int deployment_other(const model *m, uint32_t avoid, int64_t now) {
  * A change is made on a copy: group_parse() (a key's: tkey_parse()) lays
  * the request's fields over it (PATCH: omitted kept, null clears),
  * group_validate() (tkey_validate()) checks the whole result against the
- * rules of the README's "Token groups" and "Deployments", and only a copy that passed is written to the
+ * rules of the README's "Token groups" (a key's: "Token keys"), and only a copy that passed is written to the
  * log (section 12) and then swapped in. A refused change therefore leaves
  * nothing behind, in memory or on disk. A group and a key each carry an
  * allowance -- a budget and rate limits -- parsed, checked and shown by
  * the same allow_* functions; what it counts is section 14's.
  *
  * Validation errors carry a JSON pointer (RFC 6901) to the offending value
- * and a message that says what is allowed. Catalog membership is checked
+ * and a message that says what is allowed. Catalog membership is checked, right after the required fields,
  * before every other rule, so a typo in a model name is
  * reported as such rather than as a fallback rule it happens to break.
  *
@@ -3333,9 +3338,10 @@ typedef struct {
     int deadline_ms;          /* the whole request until its answer starts; 0: DEFAULT_DEADLINE_MS */
 } retry_policy;
 
-/* What a token group or a token key may spend and use (README "Budgets that cannot be overspent", "Deployments"):
- * the policy the API sets, and the use ltg counts against it. Only the
- * reservation path of section 14 writes the counts. */
+/* What a token group or a token key may spend and use (README "Budgets that cannot be overspent"):
+ * the policy the API sets, and the use ltg counts against it. Only section
+ * 14 writes the counts: the reservation path, period changes, retention and
+ * the start-up sum. */
 #define BUDGET_MONTH (-1)     /* budget_days of "1mo": the calendar month, UTC */
 #define MICRO 1000000.0       /* money is counted in micro-USD */
 
@@ -3347,7 +3353,7 @@ typedef struct {
     int budget_days;          /* 1, 7 or 30; BUDGET_MONTH; 0 = lifetime */
     long long rpm_limit, tpm_limit; /* requests, tokens per minute; UNSET = null: unlimited */
     int64_t budget_anchor;    /* wall ms the budget was set (its first period starts there); 0 = no budget */
-    int64_t carry, carry_start, carry_to; /* a group's: spent in days retention deleted (section 13): in the period
+    int64_t carry, carry_start, carry_to; /* a group's or a key's: spent in days retention deleted (section 13): in the period
                                              from carry_start, by events before carry_to; carry_to 0: none */
     /* Runtime, not logged (rebuilt from the ledger at start-up): */
     struct rl_window *rl;     /* the last minute's requests and tokens, once a limit is met (section 14) */
@@ -3878,12 +3884,13 @@ static void allow_period(const allowance *a, int64_t now, int64_t *start, int64_
     *end = *start + len;
 }
 
-/* What a group carries into the period that starts at `start` from days
+/* What a group or key carries into the period that starts at `start` from days
  * the ledger deleted (section 13). */
 static int64_t allow_carried(const allowance *a, int64_t start) { return a->carry_to && a->carry_start == start ? a->carry : 0; }
 
 /* What a has spent in the period that holds `now`: a pure read. The
- * period itself moves only in budget_refresh, at admission and settlement;
+ * period moves in budget_refresh (admission, settlement) and when a change
+ * or start-up sets it again (allow_start, budget_recount, budget_rebuild);
  * a read past its end sees the new period's start (what was carried). */
 static int64_t budget_spent(const allowance *a, int64_t now) {
     if (a->period_end && now >= a->period_start && now < a->period_end) return a->spend;
@@ -4604,7 +4611,7 @@ static void compact_step(int64_t now) {
  *
  * IMPLEMENTATION NOTES
  * Every inference request that reached dispatch or the cache leaves one
- * spend event (README "The consumption ledger"). The ledger keeps them in one file per UTC day,
+ * spend event (README "The consumption ledger"), but a free one (count_tokens). The ledger keeps them in one file per UTC day,
  * DATA/ledger/YYYY-MM-DD.log, framed like the state log (section 12). The
  * day's file is the open segment; when the day ends it is sealed, never to
  * be written again. Beside each log is its index file, YYYY-MM-DD.idx, a
@@ -4661,9 +4668,10 @@ static void compact_step(int64_t now) {
  * index, logged with size and count). A budget period may not be longer
  * than the retention (group_validate), so deleting a day never takes
  * events of a current period -- but for a lifetime budget (or a retention
- * lowered under a period): what the group spent in that day is first
- * carried into its record in the state log (`carried`, the period it
- * belongs to, and the day it runs to), so a group's spend never shrinks.
+ * lowered under a period): what a group or key with a budget spent in that
+ * day is first carried into its record in the state log (`carried`, the
+ * period it belongs to, and the day it runs to), so its spend never
+ * shrinks; a group without a budget shows only the days kept.
  *
  * A failed write or fsync keeps the events in memory (section 12) and
  * ledger_writable() says so: inference then refuses new requests with 503
@@ -5192,7 +5200,8 @@ static uint64_t idx_load(segment *s, uint64_t log_size) {
 
 /* Write s's events in memory out as a chunk of its index file, first
  * making their records durable, and let them go from memory: 0, or
- * LTG_ERR (said once; tried again after IDX_RETRY_MS). */
+ * LTG_ERR: a log that will not sync is tried again after LEDGER_RETRY_MS,
+ * an index file that will not be written (said once) after IDX_RETRY_MS. */
 static int seg_spill(segment *s) {
     if (log_sync(&s->f) < 0) {
         s->retry_at = S.now + LEDGER_RETRY_MS;
@@ -5238,8 +5247,9 @@ static void seg_seal_step(segment *s) {
  *
  * A day is read in parts: each chunk of its index file, then the events
  * still in memory. The part being read is v->h (NULL: memory); the few
- * functions below that read one part are the only ones that tell memory
- * from file, and every query is written once, over them. Positions are
+ * functions below that read one part are the ones that tell memory from
+ * file (with view_usage and ledger_replays), and every query is written
+ * once, over them. Positions are
  * the day's: an event's number in it. */
 
 typedef struct {
@@ -5956,19 +5966,20 @@ static void ledger_replays(int64_t since, void (*fn)(const rec_view *rv, int64_t
  * from the running sums of its events), plus what retention carried: no
  * sealed log is read, and a day costs a few reads however busy it was.
  *
- * The cache holds whole non-streaming 200 answers by (group, requested
- * model, body), for the group's cache_ttl, least recently used out first
+ * The cache holds whole non-streaming 200 answers whose usage the
+ * provider reported, by (group, endpoint, requested model, body), for the group's cache_ttl, least recently used out first
  * within --cache-mb.
  *
- * Idempotent inference (README "Idempotent inference"): the first answer to a request with an
- * Idempotency-Key is kept in that request's spend event, on disk; memory
- * keeps only where it is (about 200 bytes a request, for 24 hours), and a
- * replay reads it back.
+ * Idempotent inference (README "Idempotent inference"): the first whole answer to a request with
+ * an Idempotency-Key (up to REPLAY_MAX_BYTES; not a failure, not a cached one) is kept in that
+ * request's spend event, on disk; memory keeps only where it is (about 300 bytes a request, for
+ * 24 hours), and a replay reads it back.
  *
  * Rate limits (a group's or a key's rpm_limit, tpm_limit) slide over the last 60
  * seconds, counted in one slot per second (1.4 KiB a limited group or key): a
  * request is admitted only if it fits both, with its worst case of tokens
- * (the prompt's bytes / 3, plus its output limit), and the worst case is
+ * (the body's bytes / 3, what a previous response and file parts add, and
+ * its output limit times the answers asked for), and the worst case is
  * replaced by the real usage when it settles. The check and the count
  * happen in the same admission, on one thread: concurrent requests cannot
  * together pass a limit, as with budgets.
@@ -5981,7 +5992,7 @@ static void ledger_replays(int64_t since, void (*fn)(const rec_view *rv, int64_t
  */
 
 /* Bring a's period up to date: a new period starts with nothing spent
- * (but what a group carried into it). Within the period it knows the end
+ * (but what a group or key carried into it). Within the period it knows the end
  * of, nothing is computed (a calendar month's takes the C library's date
  * functions; every request asks several times). */
 static void budget_refresh(allowance *a, int64_t now) {
@@ -6039,8 +6050,8 @@ static void budget_forget(group *g, int64_t spent) { g->al.spend -= spent; }
 static int carried_covers(const allowance *a, const segment *s) { return a->carry_to > s->day && a->carry_start == a->period_start; }
 
 /* The spend in its current period of a, the allowance of group or key
- * `id` (kind 'g' or 'k'), summed again from the ledger: after a change
- * that moved the period's start, and for a key at start-up. */
+ * `id` (kind 'g' or 'k'), summed again from the ledger after a change
+ * that moved the period's start. */
 static void budget_recount(allowance *a, char kind, const char *id, int64_t now) {
     int64_t start, end;
     allow_period(a, now, &start, &end);
@@ -6494,7 +6505,8 @@ static void pin_tokens(const char *gid, const char *id, long long tokens) {
  * One timer per connection means what the state says: IDLE, the idle
  * keep-alive limit; HEAD, the head limit (counted from the head's first
  * byte, not re-armed by a slow trickle: that is what stops slowloris);
- * BODY, the body's rate; BUSY, none; LINGER, LINGER_MS. While an answer
+ * BODY, the body's rate (--head-timeout from the head, and a second more
+ * per BODY_MIN_RATE bytes); BUSY, none; LINGER, LINGER_MS. While an answer
  * waits to be written, it fires only if the client took nothing since it
  * started: a client that stops reading is closed, not kept for ever.
  *
@@ -6509,10 +6521,12 @@ static void pin_tokens(const char *gid, const char *id, long long tokens) {
  * reads): a head must be complete within --head-timeout of its first byte,
  * a body must keep up BODY_MIN_RATE after that; one client address may
  * hold --max-conns-per-ip inference connections (its next are closed); and
- * when a listener's table is full, the connection waiting longest without
- * a request in service -- idle first, then the slowest head or body -- is
- * closed to make room, so the newcomer is refused only when every
- * connection is being served. Each episode is logged once.
+ * when a listener's table is full, a connection without a request in
+ * service -- an idle keep-alive one first, then one of the client holding
+ * the most connections, then the one waiting longest -- is closed to make
+ * room, so the newcomer is refused only when every connection is being
+ * served. Each episode is logged when it starts and when it ends, with
+ * its count.
  */
 typedef enum { CONN_IDLE, CONN_HEAD, CONN_BODY, CONN_BUSY, CONN_LINGER, CONN_CLOSED } conn_state;
 
@@ -6809,7 +6823,7 @@ static void conn_done(conn *c) {
     c->close_after |= !c->keep_alive;
     /* IDLE for a closing answer too: its timer bounds a client that takes nothing */
     conn_to(c, c->in.len && !c->close_after ? CONN_HEAD : CONN_IDLE);
-    conn_send(c, "", 0); /* the next request is parsed after the flush, on the server's own turn: a reply never re-enters the parser */
+    conn_send(c, "", 0); /* the next request: conn_process()'s loop, or after the flush; a reply never re-enters the parser */
 }
 
 /* A whole answer with a body. */
@@ -7997,8 +8011,8 @@ static void admin_route(conn *c) {
 /* ===== 17. Inference: the proxy path =====
  *
  * IMPLEMENTATION NOTES
- * An exchange is one inference request on its way through ltg. It owns a
- * copy of the request body, the plan (section 10), the log of its attempts,
+ * An exchange is one inference request on its way through ltg. It owns
+ * the request body (moved from the connection), the plan (section 10), the log of its attempts,
  * the upstream connection of the current attempt, its hold on the key's
  * and the group's budgets and rate limits,
  * and two timers: the deadline of the whole request, and `t`, which is by
@@ -8023,8 +8037,9 @@ static void admin_route(conn *c) {
  *   replaces the hold, the spend event is written, the replay record
  *   filled
  *
- * attempt_decide() alone turns an attempt's result into an outcome and
- * asks the plan; exchange_step() alone acts on the plan's step; x_state
+ * attempt_decide() turns an attempt's result into an outcome and asks the
+ * plan (a client that leaves is logged by exchange_abort); exchange_step()
+ * alone acts on the plan's step; x_state
  * says what the timer means meanwhile. A client that leaves cuts the
  * attempt: it is logged indeterminate (its breaker hears nothing of it)
  * and billed like any attempt given up on.
@@ -8068,10 +8083,12 @@ static void admin_route(conn *c) {
  * 600 s by default) bounds everything before the answer starts: no attempt
  * starts after it (a retry whose backoff would end past it is skipped), a
  * running attempt is cut when it passes, and the client gets 504 at once.
- * A stream that has started is then bounded by inactivity instead.
+ * A started stream is then bounded by --stream-idle-seconds and
+ * --max-stream-seconds instead.
  *
- * A client that goes away cancels its upstream request (the connection is
- * closed, never returned to the pool mid-answer) -- unless the request
+ * A client that goes away cancels its upstream request (a stream's
+ * connection is closed; a whole answer is read on by a meter for its
+ * usage) -- unless the request
  * carries an Idempotency-Key: then it runs to its end without the client,
  * and its answer waits for the client's retry, which is the point of the
  * key. Back-pressure: when the client does not read and more than
@@ -8497,7 +8514,7 @@ static void exchange_end(exchange *x) {
     if (c) conn_done(c);
 }
 
-/* The x-ltg headers every chat and embeddings answer carries (README "Retries and fallback"). */
+/* The x-ltg headers every inference answer carries (README "Retries and fallback"). */
 static void exchange_headers(exchange *x, int status, buf *h) {
     buf_printf(h, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: %d\r\n", x->rid, x->rid, x->attempts);
     if (status >= 200 && status < 300) buf_printf(h, "x-ltg-served-model: %s\r\n", exchange_model(x)->alias);
@@ -8606,9 +8623,6 @@ static void attempt_price(exchange *x, attempt_entry *e, const upstream *u, cons
     }
 }
 
-/* Bill attempt e (attempt_price), once: what its worst case held beyond
- * that is let go at once (hold_shrink), so a later attempt is admitted
- * against what was really spent. */
 /* The allowances the request answers to, by id: its key's and its group's
  * (NULL for one deleted meanwhile). */
 static void exchange_allowances(const exchange *x, allowance *al[2]) {
@@ -8616,6 +8630,10 @@ static void exchange_allowances(const exchange *x, allowance *al[2]) {
     group *g = group_find(x->group_id);
     al[0] = k ? &k->al : NULL, al[1] = g ? &g->al : NULL;
 }
+
+/* Bill attempt e (attempt_price), once: what its worst case held beyond
+ * that is let go at once (hold_shrink), so a later attempt is admitted
+ * against what was really spent. */
 
 static void attempt_bill(exchange *x, attempt_entry *e, const upstream *u, const usage_counts *uc, size_t relayed) {
     model *m = x->chain[e->model];
@@ -8764,7 +8782,7 @@ static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int 
     return cost;
 }
 
-/* No answer to relay: an OpenAI-shaped error whose error.attempts lists
+/* No answer to relay: an error in the endpoint's API shape whose attempts list
  * every attempt; or, once a stream has started, the SSE error event. */
 static void exchange_fail(exchange *x, int status, const char *code, const char *msg) {
     buf b = {0}, h = {0};
@@ -9024,6 +9042,7 @@ static int attempt_hold(exchange *x) {
 }
 
 /* An attempt ended: the one place where its result becomes an outcome
+ * (but for a cut by its client: exchange_abort)
  * (README "Retries and fallback"), is logged and told to the breaker, and
  * the plan decides what comes next; the caller acts on the step. */
 static plan_step attempt_decide(exchange *x, const attempt_result *r) {
@@ -9685,7 +9704,7 @@ static void inference_start(admission *a) {
     buf_free(&h);
 }
 
-/* POST /v1/chat/completions and /v1/embeddings: parse, admit, start. */
+/* POST to an inference endpoint (a row of WIRE): parse, admit, start. */
 static void inference_call(conn *c, const wire_kind *kind) {
     json_tok t[MAX_BODY_FIELDS];
     admission a = {.c = c, .kind = kind, .t = t, .pin_dep = -1};
@@ -9987,8 +10006,9 @@ static void metrics_reply(conn *c) {
  * IMPLEMENTATION NOTES
  * Both listeners share the HTTP server; `conn.admin` says which one a
  * connection came from, and so which endpoints and which error shape it
- * gets: the control plane (section 16) on the admin listener, the OpenAI
- * API (section 17) on the inference listener, /healthz on both.
+ * gets: the control plane (section 16) and /metrics on the admin listener,
+ * the OpenAI and Anthropic APIs (section 17) on the inference listener,
+ * /healthz and /readyz on both.
  */
 /* GET (or HEAD: some load balancers probe with it) /healthz, the liveness
  * check, always 200; /readyz, 503 while draining or while a log cannot be
@@ -10043,7 +10063,7 @@ static void route(conn *c) {
         else inference_models(c, q > 11 ? id : NULL);
         return;
     }
-    conn_error(c, 404, "not_found", NULL, "no such endpoint (ltg serves /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings and /v1/models)");
+    conn_error(c, 404, "not_found", NULL, "no such endpoint (ltg serves /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings, /v1/messages and /v1/models)");
 }
 
 /* ===== 20. main =====
@@ -10068,13 +10088,13 @@ static void listeners_watch(short events) {
 
 static void accept_resume(void *ctx) { (void)ctx, listeners_watch(POLLIN); }
 
-/* Out of fds (or kernel memory), accept() fails and the listener stays
- * readable: rather than spin, stop watching it for 100 ms, and say so once
- * per episode. The connections wait in the kernel's backlog meanwhile. */
 static episode ep_per_ip = {.what = "connections: a client address holds --max-conns-per-ip inference connections; its next ones are closed at once"},
                ep_shed = {.what = "connections: a listener is full; the connections waiting longest without a request in service are closed to make room"},
                ep_full = {.what = "connections: every connection of a listener is being served; new ones are closed at once"};
 
+/* Out of fds (or kernel memory), accept() fails and the listener stays
+ * readable: rather than spin, stop watching it for 100 ms, and say so once
+ * per episode. The connections wait in the kernel's backlog meanwhile. */
 static void listener_accept(void *ctx, int revents) {
     static int shedding;
     (void)revents;
