@@ -4,6 +4,10 @@
  * Every parser is fed each case whole and one byte at a time, and the input
  * is placed right before an unmapped page, so a read past the end crashes
  * here instead of passing by luck. Ends with "N passed, M failed".
+ *
+ *   tests/unit                 every test
+ *   tests/unit ledger test_plan  only the tests whose name contains one of these
+ *                              (a whole name, e.g. test_log: that test alone)
  */
 #define LTG_NO_MAIN
 #include "../ltg.c"
@@ -590,7 +594,7 @@ static void test_group_validation(void) {
 
 /* ---- the store: the log ---- */
 
-static char unit_dir[256];
+static char unit_dir[256]; /* a new, empty directory for each test (main) */
 
 /* Log g as the handlers do (one record), then put it in memory. */
 /* Append {"ops":[{op: item}]} to the state log: the record's size. */
@@ -665,9 +669,6 @@ static off_t file_size(const char *path) {
 }
 
 static void test_log(void) {
-    /* tmpfs when there is one: thousands of fsyncs are the test's, not the disk's. */
-    snprintf(unit_dir, sizeof unit_dir, "%s/ltg-unit-XXXXXX", access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp");
-    if (!mkdtemp(unit_dir)) { CHECK(0, "mkdtemp"); return; }
     char err[512], path[300];
     snprintf(path, sizeof path, "%s/state.log", unit_dir);
     store_reset();
@@ -1929,35 +1930,63 @@ static void test_timers(void) {
     CHECK(S.nheap == 0 && t[2].slot == -1, "heap empty");
 }
 
-int main(void) {
+/* ---- the runner ---- */
+
+static void test_ledger_budgets_16m(void) { test_ledger_budgets(16LL << 20); }
+static void test_ledger_budgets_16k(void) { test_ledger_budgets(16 << 10); }
+
+#define T(fn) {#fn, fn}
+static const struct { const char *name; void (*fn)(void); } TESTS[] = {
+    T(test_json_reader), T(test_json_scan), T(test_json_writer), T(test_http_request), T(test_http_response),
+    T(test_chunked), T(test_sse), T(test_config), T(test_dns), T(test_timers), T(test_plan),
+    T(test_group_validation), T(test_ledger_pieces), T(test_log), T(test_log_failures), T(test_compaction_on_time),
+    T(test_ledger_days), T(test_ledger_budgets_16m), T(test_ledger_budgets_16k), T(test_ledger_chunks),
+    T(test_ledger_migration), T(test_ledger_extremes), T(test_exchange_fake),
+};
+#define NTESTS (sizeof TESTS / sizeof *TESTS)
+
+/* tests/unit [NAME...]: the tests whose function name contains one of the
+ * NAMEs (all without one; a test's whole name runs it alone). Each starts from main()'s defaults, an empty
+ * store and a new, empty unit_dir, so that any test runs alone or in any
+ * order. */
+int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0); /* a crash keeps the lines before it */
-    options_default();                 /* main()'s defaults */
-    test_json_reader();
-    test_json_scan();
-    test_json_writer();
-    test_http_request();
-    test_http_response();
-    test_chunked();
-    test_sse();
-    test_config();
-    test_dns();
-    test_timers();
-    test_plan();
-    test_group_validation();
-    test_ledger_pieces();
-    test_log();
-    test_log_failures();
-    test_compaction_on_time();
-    test_ledger_days();
-    test_ledger_budgets(16LL << 20);
-    test_ledger_budgets(16 << 10);
-    test_ledger_chunks();
-    test_ledger_migration();
-    test_ledger_extremes();
-    test_exchange_fake();
-    char cmd[400];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", unit_dir);
-    CHECK(system(cmd) == 0, "cleanup");
+    int run[NTESTS] = {0}, nrun = 0;
+    for (int a = 1; a < argc; a++) {
+        int any = 0; /* a test's own name: that test alone, else those whose name contains it */
+        for (size_t i = 0; i < NTESTS; i++)
+            if (strcmp(TESTS[i].name, argv[a]) == 0) run[i] = any = 1;
+        if (!any)
+            for (size_t i = 0; i < NTESTS; i++)
+                if (strstr(TESTS[i].name, argv[a])) run[i] = any = 1;
+        if (!any) {
+            printf("unit: no test named like \"%s\"; the tests:", argv[a]);
+            for (size_t i = 0; i < NTESTS; i++) printf(" %s", TESTS[i].name);
+            printf("\n");
+            return 2;
+        }
+    }
+    /* tmpfs when there is one: thousands of fsyncs are the tests', not the disk's. */
+    const char *tmp = access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp";
+    for (size_t i = 0; i < NTESTS; i++) {
+        if (argc > 1 && !run[i]) continue;
+        store_reset();
+        options_default(); /* main()'s defaults */
+        unit_nevents = nfired = 0;
+        snprintf(unit_dir, sizeof unit_dir, "%s/ltg-unit-XXXXXX", tmp);
+        if (!mkdtemp(unit_dir)) {
+            CHECK(0, "mkdtemp %s", unit_dir);
+            break;
+        }
+        int before = failed;
+        TESTS[i].fn();
+        nrun++;
+        if (argc > 1 || failed != before) printf("%s %s\n", failed != before ? "FAIL" : "ok", TESTS[i].name);
+        store_reset(); /* closes the files the test left open in unit_dir */
+        char cmd[400];
+        snprintf(cmd, sizeof cmd, "rm -rf %s", unit_dir);
+        CHECK(system(cmd) == 0, "cleanup of %s", unit_dir);
+    }
     printf("unit: %d passed, %d failed\n", passed, failed);
     return failed != 0;
 }
