@@ -40,8 +40,10 @@ Standard library only.
 """
 
 import argparse
+import contextlib
 import datetime
 import errno
+import fcntl
 import hashlib
 import http.client
 import itertools
@@ -49,6 +51,8 @@ import json
 import os
 import random
 import re
+import resource
+import selectors
 import shlex
 import shutil
 import signal
@@ -377,6 +381,50 @@ def sse_events(r):
     return events
 
 
+def sse_datas(r):
+    """The data of each event of an SSE answer."""
+    return [event_data(t) for _, t in sse_events(r)]
+
+
+def check_whole_stream(r, upstream_model, what):
+    """A complete stream: event-stream, chunked, 3 content events from upstream_model, finish stop, one
+    [DONE] last."""
+    ct = r.header("content-type") or ""
+    check(ct.startswith("text/event-stream"), "%s: Content-Type %r, want text/event-stream" % (what, ct))
+    check(r.chunked, "%s: a stream must be chunked" % what)
+    datas = sse_datas(r)
+    check(datas and datas[-1] == "[DONE]" and datas.count("[DONE]") == 1,
+          "%s: the stream does not end with one [DONE]: %r" % (what, [d[:80] for d in datas[-3:]]))
+    contents, finish = 0, None
+    for d in datas[:-1]:
+        try:
+            o = json.loads(d)
+        except ValueError:
+            raise TestFailure("%s: an event that is not JSON was relayed: %r" % (what, d[:100]))
+        check("error" not in o, "%s: an error event in a whole stream: %r" % (what, d[:200]))
+        check(o.get("model") == upstream_model, "%s: an event from %r, want %r" % (what, o.get("model"), upstream_model))
+        ch = o.get("choices") or []
+        if ch and ch[0].get("delta", {}).get("content"):
+            contents += 1
+        if ch and ch[0].get("finish_reason"):
+            finish = ch[0]["finish_reason"]
+    check(contents == 3 and finish == "stop", "%s: %d content events and finish %r, want 3 and stop"
+          % (what, contents, finish))
+
+
+def proc_status_kib(pid, field):
+    """A size (KiB) of /proc/PID/status: VmRSS, VmHWM..."""
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise TestFailure("no %s in /proc/%d/status" % (field, pid))
+
+
+def rss_kib(pid):
+    return proc_status_kib(pid, "VmRSS")
+
+
 def event_data(ev_text):
     """The data: payload of an SSE event (data lines joined)."""
     lines = [l[5:].lstrip(" ") if l.startswith("data:") else None for l in ev_text.split("\n")]
@@ -395,52 +443,61 @@ def debian_tool(name, package):
     if path:
         return path
     if package not in _INSTALLED:
-        why = ""
-        if os.geteuid() != 0:
-            why = "not root, so not installed by the test"
-        elif not shutil.which("apt-get"):
-            why = "no apt-get"
-        else:
-            logpath = os.path.join(H.tmp, "apt-%s.log" % package)
-            env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-            # Keep the package from starting its system service (nginx on port 80) while it installs.
-            policy, made = "/usr/sbin/policy-rc.d", False
-            if not os.path.exists(policy):
-                try:
-                    with open(policy, "w") as f:
-                        f.write("#!/bin/sh\nexit 101\n")
-                    os.chmod(policy, 0o755)
-                    made = True
-                except OSError:
-                    pass
-            install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=120", package]
-            ok = False
-            try:
-                with open(logpath, "ab") as logf:
-                    for cmd in (install, ["apt-get", "update", "-q"], install):
-                        try:
-                            rc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, env=env,
-                                                timeout=900).returncode
-                        except (OSError, subprocess.TimeoutExpired) as e:
-                            rc = "%s" % e
-                        if cmd is install and rc == 0:
-                            ok = True
-                            break
-            finally:
-                if made:
-                    try:
-                        os.unlink(policy)
-                    except OSError:
-                        pass
-            if not ok:
-                why = "apt-get install -y %s failed (see %s)" % (package, logpath)
-        _INSTALLED[package] = why
+        with install_lock():
+            _install_debian(find, package)
     path = find()
     if path:
         return path
     why = _INSTALLED.get(package, "")
     raise TestSkip("%s not found: install the Debian package %s (apt-get install -y %s)%s"
                       % (name, package, package, "; " + why if why else ""))
+
+
+def _install_debian(find, package):
+    """debian_tool's apt-get install of `package` (under install_lock()): its outcome in _INSTALLED."""
+    why = ""
+    if find():
+        pass            # another run installed it while we waited for the lock
+    elif os.geteuid() != 0:
+        why = "not root, so not installed by the test"
+    elif not shutil.which("apt-get"):
+        why = "no apt-get"
+    else:
+        logpath = os.path.join(H.tmp, "apt-%s.log" % package)
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        # Keep the package from starting its system service (nginx on port 80) while it installs.
+        policy, made = "/usr/sbin/policy-rc.d", False
+        if not os.path.exists(policy):
+            try:
+                with open(policy, "w") as f:
+                    f.write("#!/bin/sh\nexit 101\n")
+                os.chmod(policy, 0o755)
+                made = True
+            except OSError:
+                pass
+        install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=120", package]
+        ok = False
+        try:
+            with open(logpath, "ab") as logf:
+                for cmd in (install, ["apt-get", "update", "-q"], install):
+                    try:
+                        rc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, env=env,
+                                            timeout=900).returncode
+                    except (OSError, subprocess.TimeoutExpired) as e:
+                        rc = "%s" % e
+                    if cmd is install and rc == 0:
+                        ok = True
+                        break
+        finally:
+            if made:
+                try:
+                    os.unlink(policy)
+                except OSError:
+                    pass
+        if not ok:
+            why = "apt-get install -y %s failed (see %s)" % (package, logpath)
+    _INSTALLED[package] = why
+
 
 def ledger_event(a, g, rid, wait=15.0):
     """The spend event of request rid in group g (g.gid) of ltg a, waited for (bounded): an attempt
@@ -501,12 +558,87 @@ def ltg_argv(argv):
     return WRAP + argv
 
 
+class _PortBlock:
+    """The loopback ports this process gives out: a block of PORT_BLOCK ports below the kernel's
+    ephemeral range, claimed with an flock held until the process exits, so that the runs of
+    --jobs (and any other run of this suite on the machine) never pick the same port, and no
+    outgoing connection (whose source port is ephemeral) can take one between free_port() and
+    the bind of the process it is meant for. Without a free block (or room below the ephemeral
+    range), the kernel picks, as bind(port 0) does."""
+
+    def __init__(self):
+        self.base = None        # the first port of the block; None: not claimed yet
+        self.lock = None        # the open lock file (its flock is the claim)
+        self.next = 0
+
+    def _claim(self):
+        self.base = 0
+        try:
+            with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+                eph_lo = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            eph_lo = 32768
+        nblocks = (eph_lo - PORT_LOW) // PORT_BLOCK
+        d = os.path.join(tempfile.gettempdir(), "ltg-it-ports")
+        try:
+            os.makedirs(d, exist_ok=True)
+        except OSError:
+            return
+        for b in range(max(nblocks, 0)):
+            try:
+                f = open(os.path.join(d, "block-%d.lock" % b), "a")
+            except OSError:
+                return
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                f.close()
+                continue
+            self.lock, self.base = f, PORT_LOW + b * PORT_BLOCK
+            return
+
+    def take(self):
+        """A port of the block that nothing is bound to now (nor in TIME_WAIT on: no SO_REUSEADDR)."""
+        if self.base is None:
+            self._claim()
+        for _ in range(2 * PORT_BLOCK if self.base else 0):
+            port = self.base + self.next
+            self.next = (self.next + 1) % PORT_BLOCK
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+            finally:
+                s.close()
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        return port
+
+
+PORT_LOW, PORT_BLOCK = 10000, 1000
+_PORTS = _PortBlock()
+
+
 def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
+    """A loopback port nobody listens on, for a process this run starts (see _PortBlock)."""
+    return _PORTS.take()
+
+
+@contextlib.contextmanager
+def install_lock():
+    """Held while a test installs a tool (apt-get, npm): one install at a time among the
+    concurrent runs of --jobs, which would otherwise race for dpkg's lock or tests/node_modules.
+    Check again whether the tool is there once it is held."""
+    with open(os.path.join(tempfile.gettempdir(), "ltg-it-install.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def port_open(port):
@@ -522,21 +654,11 @@ class Harness:
         self.ltg_bin = os.path.abspath(ltg)
         self.mock_bin = os.path.abspath(mock)
         self.tmp = tempfile.mkdtemp(prefix="ltg-it-")
-        # Pick the ports while all sockets are held, so that none is picked twice.
-        socks = []
-        ports = []
-        for _ in range(3):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
-        for s in socks:
-            s.close()
-        self.mock_port, self.port, self.admin_port = ports
+        self.mock_port, self.port, self.admin_port = free_port(), free_port(), free_port()
         # A port that is bound but never listens: connecting to it is refused, and nobody else
         # can take it while we hold it. The "down" provider points here.
         self.dead_sock = socket.socket()
-        self.dead_sock.bind(("127.0.0.1", 0))
+        self.dead_sock.bind(("127.0.0.1", free_port()))
         self.dead_port = self.dead_sock.getsockname()[1]
         self.config_path = os.path.join(self.tmp, "catalog.json")
         self.data_dir = os.path.join(self.tmp, "data")
@@ -3393,6 +3515,26 @@ def write_catalog(cfg, name):
     return path
 
 
+_CATALOGS = {}      # name -> the path catalog_file() wrote
+
+
+def catalog_file(name, build):
+    """The catalog of a test file's own ltg: build() (a catalog) written as {tmp}/catalog-NAME.json on
+    first use; its path."""
+    if name not in _CATALOGS:
+        _CATALOGS[name] = write_catalog(build(), name)
+    return _CATALOGS[name]
+
+
+def start_refused(aux):
+    """Start `aux` expecting ltg to refuse to start (a bad catalog): (exit code, what it logged).
+    The Aux is closed after."""
+    try:
+        return aux.start_fails()
+    finally:
+        aux.close()
+
+
 def timed_call(port, token, model, stream=False, headers=None, timeout=60.0, path="/v1/chat/completions", body=None,
                **extra):
     """One inference request on a connection of its own; the Response has .t0 (when it was sent)
@@ -3411,15 +3553,90 @@ def timed_call(port, token, model, stream=False, headers=None, timeout=60.0, pat
 # kill it, or use the README's ports, without touching the main one.
 
 def free_ports(n):
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
+    return [free_port() for _ in range(n)]
+
+
+# Sockets of hostile clients (integration_hostile_clients.py, integration_bounds.py).
+
+def raise_fd_limit(need):
+    """This process will hold `need` sockets: raise the soft RLIMIT_NOFILE (up to the hard one)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        if new < need:
+            raise TestSkip("needs %d open files, the hard limit is %d" % (need, hard))
+
+
+def closed_by_peer(socks, timeout):
+    """Wait until the peer closes each socket (EOF or reset): {socket: bytes received} of those
+    that closed within timeout."""
+    sel = selectors.DefaultSelector()
+    got = {}
     for s in socks:
-        s.close()
-    return ports
+        sel.register(s, selectors.EVENT_READ)
+        got[s] = b""
+    closed = {}
+    deadline = time.monotonic() + timeout
+    while got and time.monotonic() < deadline:
+        for key, _ in sel.select(max(0.0, min(0.5, deadline - time.monotonic()))):
+            s = key.fileobj
+            try:
+                data = s.recv(65536)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if data:
+                got[s] += data
+                continue
+            sel.unregister(s)
+            closed[s] = got.pop(s)
+    sel.close()
+    return closed
+
+
+def close_all(socks):
+    for s in socks:
+        try:
+            s.close()
+        except OSError:
+            pass
+
+
+def healthz_ok(port, timeout=5.0, source=None):
+    """GET /healthz with Connection: close, read until ltg closes: when this returns, the connection
+    no longer counts against --max-conns. `source`: another loopback address to call from."""
+    try:
+        with Conn(port, timeout=timeout, source=source) as c:
+            c.send(http_request("GET", "/healthz", auth=None, headers={"Connection": "close"}))
+            r = c.read_final_response(timeout)
+            c.wait_closed(timeout)
+        return r.status == 200
+    except (OSError, EOFError, TestFailure):
+        return False
+
+
+def wait_until(what, fn, timeout, step=0.2):
+    """Poll fn() until true, within timeout; fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if fn():
+            return
+        time.sleep(step)
+    raise TestFailure("%s: not within %.0f s" % (what, timeout))
+
+
+def held_conns(port, n):
+    """n connections ltg has accepted (each answered one GET /healthz), kept open."""
+    out = []
+    for _ in range(n):
+        c = Conn(port)
+        out.append(c)
+        c.send(http_request("GET", "/healthz", auth=None))
+        r = c.read_final_response()
+        check(r.status == 200, "a connection within the cap: %s" % r.brief())
+    return out
 
 
 class Aux:
@@ -3930,15 +4147,17 @@ def t_sdk():
     if installed_openai_sdk() != version:
         if not npm:
             raise TestSkip("no npm, and tests/node_modules has no %s" % want)
-        try:
-            p = subprocess.run([npm, "install", "--prefix", HERE, "--no-audit", "--no-fund",
-                                "--no-save", want],
-                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, timeout=120)
-        except subprocess.TimeoutExpired:
-            raise TestSkip("npm install %s took more than 120 s" % want)
-        if p.returncode != 0 or installed_openai_sdk() != version:
-            raise TestSkip("npm install %s failed: %s" % (want, p.stdout.decode(errors="replace")[-300:]))
+        with install_lock():
+            if installed_openai_sdk() != version:
+                try:
+                    p = subprocess.run([npm, "install", "--prefix", HERE, "--no-audit", "--no-fund",
+                                        "--no-save", want],
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, timeout=120)
+                except subprocess.TimeoutExpired:
+                    raise TestSkip("npm install %s took more than 120 s" % want)
+                if p.returncode != 0 or installed_openai_sdk() != version:
+                    raise TestSkip("npm install %s failed: %s" % (want, p.stdout.decode(errors="replace")[-300:]))
     p = subprocess.run([node, os.path.join(HERE, "sdk_test.mjs"),
                         "http://127.0.0.1:%d/v1" % H.port, H.token],
                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -3949,9 +4168,17 @@ def t_sdk():
 
 # ===== runner =====================================================================================
 
+def test_files():
+    """The files of the suite, by module name: this one ("integration") and each integration_*.py."""
+    import glob
+    return ["integration"] + sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(HERE, "integration_*.py")))
+
+
 def main(only=None):
     """Run every test (integration.py and each tests/integration_*.py), or only those of the
-    module `only` (a file run on its own: `python3 tests/integration_ledger.py --ltg ... --mock ...`)."""
+    module `only` (a file run on its own: `python3 tests/integration_ledger.py --ltg ... --mock ...`).
+    Every file at once, --jobs of them running at a time, each in a process of its own (run_jobs);
+    --jobs 1: one after the other in this process, on one harness."""
     global H, VERBOSE, WRAP, SLOW
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ltg", required=True)
@@ -3960,6 +4187,13 @@ def main(only=None):
     ap.add_argument("-v", action="store_true", help="show ltg's log tail on failures")
     ap.add_argument("--wrap", default="", help="a command put before every ltg started, e.g. \"valgrind -q\"")
     ap.add_argument("--slow", type=float, help="the factor for start-up and shutdown waits (5 with --wrap)")
+    ap.add_argument("--jobs", "-j", type=int,
+                    help="how many files run at a time, each in its own process with its own mock, ports and "
+                         "directories (default %d, %d with --wrap; 1: all in this process, one after the other)"
+                         % (JOBS, JOBS_WRAP))
+    ap.add_argument("--file", help="only the tests of this file: integration (integration.py's own) or "
+                                   "integration_NAME (or NAME)")
+    ap.add_argument("--shard", help="I/N: only the I-th of N slices of the tests of --file (how --jobs splits a long file)")
     args = ap.parse_args()
     VERBOSE = args.v
     WRAP = shlex.split(args.wrap)
@@ -3969,15 +4203,35 @@ def main(only=None):
             print("FAIL - setup: %s binary %s is missing or not executable" % (what, path))
             print("0 passed, 1 failed")
             return 1
+    shard = (1, 1)
+    if args.shard:
+        m = re.match(r"^(\d+)/(\d+)$", args.shard)
+        if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+            ap.error("--shard wants I/N with 1 <= I <= N: %r" % args.shard)
+        shard = (int(m.group(1)), int(m.group(2)))
 
     # More tests live in tests/integration_*.py (retries and fallback, the ledger...): they
     # `import integration` (this file, the harness) and register themselves with @test. Run on
     # its own, a file calls main(only=its module) and only its tests run.
-    import glob
     import importlib
+    if args.file:
+        f = os.path.basename(args.file)
+        f = f[:-3] if f.endswith(".py") else f
+        if f != "integration" and not f.startswith("integration_"):
+            f = "integration_" + f
+        if f not in test_files():
+            ap.error("--file: no tests/%s.py (the files: %s)" % (f, " ".join(test_files())))
+        if f == "integration":
+            only = __name__     # this file's own tests ("__main__" when it is the script)
+        else:
+            importlib.import_module(f)
+            only = f
     if only is None:
-        for path in sorted(glob.glob(os.path.join(HERE, "integration_*.py"))):
-            importlib.import_module(os.path.basename(path)[:-3])
+        jobs = args.jobs or (JOBS_WRAP if WRAP else JOBS)
+        if jobs > 1:
+            return run_jobs(args, jobs)
+        for f in test_files()[1:]:
+            importlib.import_module(f)
 
     passed = failed = skipped = 0
     prev_crashed = False     # the last test failed with ltg dead
@@ -3995,11 +4249,10 @@ def main(only=None):
             print("FAIL - setup: %s" % e)
             print("0 passed, 1 failed")
             return 1
-        for name, fn, ltg_args, fresh, needs in TESTS:
-            if args.k and not any(k.lower() in name.lower() for k in args.k):
-                continue
-            if only is not None and fn.test_module != only:
-                continue
+        selected = [t for t in TESTS if (not args.k or any(k.lower() in t[0].lower() for k in args.k))
+                    and (only is None or t[1].test_module == only)]
+        i, n = shard
+        for name, fn, ltg_args, fresh, needs in selected[len(selected) * (i - 1) // n:len(selected) * i // n]:
             try:
                 if needs:
                     needs()
@@ -4058,7 +4311,7 @@ def main(only=None):
                 failed += 1
         # Last: every ltg this run stopped (and the one still running) exited 0 on SIGTERM, and no
         # sanitizer complained (leaks are reported at exit).
-        if not args.k and only is None:
+        if not args.k:
             H.stop_ltg()
             problems = list(H.exit_problems)
             san = H.sanitizer_report(0)
@@ -4092,6 +4345,115 @@ def main(only=None):
             print("# logs kept in %s" % H.tmp, file=sys.stderr)
     print("%d passed, %d failed" % (passed, failed) + (", %d skipped" % skipped if skipped else ""))
     return 1 if failed else 0
+
+
+# ===== --jobs: every file at once ==================================================================
+
+JOBS = 6            # files running at a time: mostly they wait (timeouts, sleeps), so more than the cores
+JOBS_WRAP = 2       # with --wrap (valgrind): each ltg takes a core
+
+# How many slices (--shard) a long file is run in, so that it does not end long after the others.
+SHARDS = {"integration": 3, "integration_retries": 3}
+
+# Roughly how long each file takes (s, release build, this 2-core machine): only to start the
+# longest first, so that the run ends soon after the longest one. Wrong or missing values only
+# cost balance.
+EXPECTED_S = {"integration_retries": 165, "integration_bounds": 92, "integration": 87, "integration_hostile_clients": 53,
+              "integration_ledger": 24, "integration_tls": 22, "integration_proxies": 20, "integration_deployments": 18}
+
+
+def run_jobs(args, jobs):
+    """Run each file (each slice of a sharded one) as `integration.py --file F [--shard I/N]`, `jobs`
+    at a time, longest first; print each one's lines whole once it ends, headed by its file and
+    summary; the last line sums them all. A run that prints no summary, or exits non-zero, fails."""
+    here = os.path.join(HERE, "integration.py")
+    common = ["--ltg", args.ltg, "--mock", args.mock] + [a for k in args.k for a in ("-k", k)]
+    common += (["-v"] if args.v else []) + (["--wrap", args.wrap] if args.wrap else [])
+    common += ["--slow", str(args.slow)] if args.slow else []
+    units = []      # (label, argv, expected seconds)
+    for f in test_files():
+        n = SHARDS.get(f, 1)
+        for i in range(1, n + 1):
+            label = f + ".py" + (" %d/%d" % (i, n) if n > 1 else "")
+            argv = [sys.executable, here, "--file", f] + (["--shard", "%d/%d" % (i, n)] if n > 1 else []) + common
+            units.append((label, argv, EXPECTED_S.get(f, os.path.getsize(os.path.join(HERE, f + ".py")) / 500) / n))
+    units.sort(key=lambda u: -u[2])
+    out_dir = tempfile.mkdtemp(prefix="ltg-it-jobs-")
+    summary = re.compile(r"^(\d+) passed, (\d+) failed(?:, (\d+) skipped)?$")
+    passed = failed = skipped = 0
+    running = []    # (proc, label, output file, start time)
+    pending = list(units)
+    limit = 1800 * SLOW     # a file that runs longer than this is stuck: stopped, and failed
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt()
+    signal.signal(signal.SIGTERM, on_signal)
+
+    def report(label, path, rc, seconds, note=""):
+        nonlocal passed, failed, skipped
+        with open(path, "rb") as f:
+            lines = f.read().decode("utf-8", "replace").splitlines()
+        last = None
+        for j, line in enumerate(lines):
+            if summary.match(line):
+                last = j
+        body = [l for j, l in enumerate(lines) if j != last]
+        if last is None:
+            body.append("FAIL - %s: ended without a summary line%s, exit status %s" % (label, note, rc))
+            failed += 1
+            head = "no summary"
+        else:
+            m = summary.match(lines[last])
+            p, f, k = int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+            passed, failed, skipped = passed + p, failed + f, skipped + k
+            head = lines[last]
+            if rc != 0 and f == 0:
+                body.append("FAIL - %s: exited with status %s after \"%s\"" % (label, rc, lines[last]))
+                failed += 1
+        print("--- %s: %s (%.0f s)" % (label, head, seconds))
+        for l in body:
+            print(l)
+        sys.stdout.flush()
+
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                label, argv, _ = pending.pop(0)
+                path = os.path.join(out_dir, label.replace(" ", "-").replace("/", "of") + ".out")
+                with open(path, "wb") as outf:
+                    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=outf, stderr=subprocess.STDOUT)
+                running.append((proc, label, path, time.monotonic()))
+            time.sleep(0.2)
+            for r in list(running):
+                proc, label, path, t0 = r
+                note = ""
+                if proc.poll() is None:
+                    if time.monotonic() - t0 < limit:
+                        continue
+                    note = " (still running after %.0f s: stopped)" % limit
+                    _stop_child(proc)
+                running.remove(r)
+                report(label, path, proc.returncode, time.monotonic() - t0, note)
+    except KeyboardInterrupt:
+        for proc, label, path, t0 in running:
+            _stop_child(proc)
+            report(label, path, proc.returncode, time.monotonic() - t0, " (interrupted)")
+        print("FAIL - interrupted (%s not run)" % (", ".join(u[0] for u in pending) or "all files started"))
+        failed += 1
+    shutil.rmtree(out_dir, ignore_errors=True)
+    print("%d passed, %d failed" % (passed, failed) + (", %d skipped" % skipped if skipped else ""))
+    return 1 if failed else 0
+
+
+def _stop_child(proc):
+    """SIGTERM (the run stops what it started and prints its summary), then SIGKILL after 60 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 if __name__ == "__main__":

@@ -72,7 +72,8 @@ def ensure_sdks():
     """The node binary, with every pinned package in tests/node_modules (one npm install of them
     all when one is missing or differs); TestSkip when that cannot be."""
     if not _ready:
-        _ready.update(_ensure())
+        with it.install_lock():     # one npm install at a time in tests/node_modules (--jobs)
+            _ready.update(_ensure())
     if "skip" in _ready:
         raise it.TestSkip(_ready["skip"])
     return _ready["node"]
