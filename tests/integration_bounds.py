@@ -33,8 +33,6 @@ import subprocess
 import threading
 import time
 
-import integration_hostile_clients as HC
-
 check = it.check
 OTHER = "127.0.0.2"      # a second client address (all of 127/8 is loopback on Linux)
 
@@ -62,7 +60,7 @@ def t_bounds_pipelining():
     try:
         a.start()
         pid = a.proc.pid
-        rss0 = HC.rss_kib(pid)
+        rss0 = it.rss_kib(pid)
         s = socket.create_connection(("127.0.0.1", a.port), timeout=5)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         one = it.http_request("GET", "/healthz", auth=None)
@@ -80,15 +78,15 @@ def t_bounds_pipelining():
         th.start()
         th.join(30)
         stop[0] = True
-        grown = HC.rss_kib(pid) - rss0
+        grown = it.rss_kib(pid) - rss0
         it.log("pipelined %d bytes before TCP pushed back; ltg's RSS grew by %d KiB" % (sent[0], grown))
         bound = (64 if it.WRAP else 8) * 1024       # under valgrind the process measured is valgrind, shadow memory and all
         check(grown < bound, "ltg's RSS grew by %d KiB for a client that never reads (it sent %d bytes)" % (grown, sent[0]))
         check(sent[0] < 48 << 20, "all 48 MiB went in: ltg kept reading from a client that does not read")
-        closed = HC.closed_by_peer([s], 30)
+        closed = it.closed_by_peer([s], 30)
         check(s in closed, "the connection that takes nothing was not closed within 30 s")
         s.close()
-        check(HC.healthz_ok(a.port), "ltg serves others after it")
+        check(it.healthz_ok(a.port), "ltg serves others after it")
         a.stop()
     finally:
         a.close()
@@ -102,22 +100,22 @@ def t_bounds_per_ip():
     try:
         a.start()
         token = provisioned(a)
-        held = HC.held_conns(a.port, 4)
+        held = it.held_conns(a.port, 4)
         for i in range(3):
             with it.Conn(a.port) as fifth:
                 check(fifth.wait_closed(4), "connection %d over the cap of one address was not closed" % (5 + i))
                 check(not fifth.buf, "it got %r" % fifth.buf[:100])
         r = other_call(a.port, "POST", "/v1/chat/completions", it.chat_body(), auth=token)
         check(r.status == 200, "another address, while the first is at its cap: %s" % r.brief())
-        check(HC.healthz_ok(a.admin_port), "the control plane is not counted against the address")
+        check(it.healthz_ok(a.admin_port), "the control plane is not counted against the address")
         text = a.text_since_start()
         starts = [l for l in text.splitlines() if "holds --max-conns-per-ip" in l and ": over," not in l]
         check(len(starts) == 1, "the episode is not logged once: %r" % text[-600:])
         held.pop().close()
-        HC.wait_until("a new connection from the address after one of its four closed", lambda: HC.healthz_ok(a.port, 3), 10)
+        it.wait_until("a new connection from the address after one of its four closed", lambda: it.healthz_ok(a.port, 3), 10)
         a.stop()
     finally:
-        HC.close_all([c.sock for c in held])
+        it.close_all([c.sock for c in held])
         a.close()
 
 
@@ -204,10 +202,13 @@ def need_slowhttptest():
     if shutil.which("slowhttptest"):
         return
     if os.geteuid() == 0 and shutil.which("apt-get"):
-        it.log("installing slowhttptest (Debian package)")
-        for cmd in (["apt-get", "install", "-y", "-qq", "slowhttptest"], ["apt-get", "update", "-qq"],
-                    ["apt-get", "install", "-y", "-qq", "slowhttptest"]):
-            subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
+        with it.install_lock():     # one apt-get at a time (--jobs)
+            it.log("installing slowhttptest (Debian package)")
+            for cmd in (["apt-get", "install", "-y", "-qq", "slowhttptest"], ["apt-get", "update", "-qq"],
+                        ["apt-get", "install", "-y", "-qq", "slowhttptest"]):
+                if shutil.which("slowhttptest"):
+                    return
+                subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
             if shutil.which("slowhttptest"):
                 return
     raise it.TestSkip("slowhttptest is not installed and cannot be: sudo apt-get install slowhttptest")
@@ -224,7 +225,7 @@ ATTACKS = [
          "listeners: every call from another address succeeds meanwhile")
 def t_bounds_slowhttptest():
     need_slowhttptest()
-    HC.raise_fd_limit(4096)
+    it.raise_fd_limit(4096)
     a = it.Aux("bounds-slowhttp-" + os.urandom(3).hex(), args=["--head-timeout", "10"])
     try:
         a.start()
@@ -259,7 +260,7 @@ def t_bounds_slowhttptest():
                 check(not fails, "%s on the %s listener: %d of %d calls from another address failed: %r"
                       % (name, plane, len(fails), done, fails[:3]))
                 check(a.proc.poll() is None, "ltg exited during the %s on the %s listener" % (name, plane))
-                HC.wait_until("the attack's connections gone", lambda: HC.healthz_ok(port, 3), 30)
+                it.wait_until("the attack's connections gone", lambda: it.healthz_ok(port, 3), 30)
         text = a.text_since_start()
         check("holds --max-conns-per-ip" in text, "no word of the address over its cap in the log: %r" % text[-500:])
         a.stop()

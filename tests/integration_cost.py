@@ -77,9 +77,6 @@ MODELS = {
     "Cost-Max":      ("mock", "cost-max", {"in": "10000", "out": "10000"}),   # the largest price allowed
 }
 
-_S = {"config": None}
-
-
 # ===== prices, computed here ======================================================================
 
 class Price:
@@ -177,9 +174,7 @@ def _catalog():
 
 
 def _config_path():
-    if _S["config"] is None:
-        _S["config"] = it.write_catalog(_catalog(), "cost")
-    return _S["config"]
+    return it.catalog_file("cost", _catalog)
 
 
 def access_log_path(a):
@@ -402,7 +397,7 @@ def check_spend_is_sum(a, g, what):
 
 def sse_datas(r, what):
     check(r.status == 200, "%s: %s" % (what, r.brief()))
-    return [it.event_data(t) for _, t in it.sse_events(r)]
+    return it.sse_datas(r)
 
 
 # ===== exact costs ================================================================================
@@ -871,11 +866,7 @@ def t_cost_catalog_refusals():
         m = {"provider": "cost-anth", "upstream_model": "bad"}
         m.update(prices)
         cfg["models"]["Bad"] = m
-        aux = it.Aux("cost-bad-%d" % i, config=it.write_catalog(cfg, "cost-bad-%d" % i))
-        try:
-            rc, text = aux.start_fails()
-        finally:
-            aux.close()
+        rc, text = it.start_refused(it.Aux("cost-bad-%d" % i, config=it.write_catalog(cfg, "cost-bad-%d" % i)))
         if rc == 0:
             failures.append("%s: exit code 0" % what)
         elif field not in text or "models.Bad" not in text:

@@ -56,7 +56,7 @@ NPAIRS = 24          # Dep-P01..Dep-P24
 NREFUSED = 4         # Dep-R1..Dep-R4
 NFALLBACK = 12       # DP-FB-01..DP-FB-12
 
-_S = {"pair": 0, "refused": 0, "fb": 0, "config": None}
+_S = {"pair": 0, "refused": 0, "fb": 0}
 
 
 # ===== the dedicated ltg ==========================================================================
@@ -89,9 +89,7 @@ def _catalog():
 
 
 def _config_path():
-    if _S["config"] is None:
-        _S["config"] = it.write_catalog(_catalog(), "deployments")
-    return _S["config"]
+    return it.catalog_file("deployments", _catalog)
 
 
 _LTG = it.AuxSlot(lambda n: it.Aux("deployments-%d" % n, config=_config_path()))
@@ -724,11 +722,7 @@ def t_dep_catalog_refused():
     failures = []
     for i, (what, model, prov, field, phrase) in enumerate(cases):
         path = it.write_catalog(bad_catalog(model, prov), "deployments-bad-%d" % i)
-        aux = it.Aux("deployments-bad-%d" % i, config=path)
-        try:
-            rc, text = aux.start_fails()
-        finally:
-            aux.close()
+        rc, text = it.start_refused(it.Aux("deployments-bad-%d" % i, config=path))
         if rc == 0:
             failures.append("%s: exit code 0" % what)
         elif (field + ":") not in text or (phrase and phrase not in text):

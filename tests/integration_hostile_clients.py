@@ -53,19 +53,15 @@ import threading
 import time
 
 check = it.check
+raise_fd_limit = it.raise_fd_limit
+closed_by_peer = it.closed_by_peer
+close_all = it.close_all
+healthz_ok = it.healthz_ok
+wait_until = it.wait_until
+held_conns = it.held_conns
 
 
 # ===== helpers ====================================================================================
-
-def raise_fd_limit(need):
-    """This process will hold `need` sockets: raise the soft RLIMIT_NOFILE (up to the hard one)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < need:
-        new = need if hard == resource.RLIM_INFINITY else min(need, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-        if new < need:
-            raise it.TestSkip("needs %d open files, the hard limit is %d" % (need, hard))
-
 
 def raw_exchange(port, raw, timeout=10.0):
     """Send raw bytes on a new connection: (the first answer or None if closed without one,
@@ -93,71 +89,12 @@ def open_conns(port, n):
     return out
 
 
-def closed_by_peer(socks, timeout):
-    """Wait until the peer closes each socket (EOF or reset): {socket: bytes received} of those
-    that closed within timeout."""
-    sel = selectors.DefaultSelector()
-    got = {}
-    for s in socks:
-        sel.register(s, selectors.EVENT_READ)
-        got[s] = b""
-    closed = {}
-    deadline = time.monotonic() + timeout
-    while got and time.monotonic() < deadline:
-        for key, _ in sel.select(max(0.0, min(0.5, deadline - time.monotonic()))):
-            s = key.fileobj
-            try:
-                data = s.recv(65536)
-            except BlockingIOError:
-                continue
-            except OSError:
-                data = b""
-            if data:
-                got[s] += data
-                continue
-            sel.unregister(s)
-            closed[s] = got.pop(s)
-    sel.close()
-    return closed
-
-
-def close_all(socks):
-    for s in socks:
-        try:
-            s.close()
-        except OSError:
-            pass
-
-
-def healthz_ok(port, timeout=5.0, source=None):
-    """GET /healthz with Connection: close, read until ltg closes: when this returns, the connection
-    no longer counts against --max-conns. `source`: another loopback address to call from."""
-    try:
-        with it.Conn(port, timeout=timeout, source=source) as c:
-            c.send(it.http_request("GET", "/healthz", auth=None, headers={"Connection": "close"}))
-            r = c.read_final_response(timeout)
-            c.wait_closed(timeout)
-        return r.status == 200
-    except (OSError, EOFError, it.TestFailure):
-        return False
-
-
 def chat_ok(port, token=it.TOKEN, timeout=10.0):
     try:
         return it.one_request(port, "POST", "/v1/chat/completions", it.chat_body(), auth=token,
                               timeout=timeout).status == 200
     except (OSError, EOFError, it.TestFailure):
         return False
-
-
-def wait_until(what, fn, timeout, step=0.2):
-    """Poll fn() until true, within timeout; fail naming `what`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if fn():
-            return
-        time.sleep(step)
-    raise it.TestFailure("%s: not within %.0f s" % (what, timeout))
 
 
 def check_serves(port, admin_port, token=it.TOKEN, what=""):
@@ -170,14 +107,6 @@ def check_serves(port, admin_port, token=it.TOKEN, what=""):
 
 def mock_requests():
     return it.H.mock_stats()["requests"]
-
-
-def rss_kib(pid):
-    with open("/proc/%d/status" % pid) as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise it.TestFailure("no VmRSS for pid %d" % pid)
 
 
 def open_fds(pid):
@@ -436,18 +365,6 @@ def t_slowloris():
 MAX_CONNS = 8
 
 
-def held_conns(port, n):
-    """n connections ltg has accepted (each answered one GET /healthz), kept open."""
-    out = []
-    for _ in range(n):
-        c = it.Conn(port)
-        out.append(c)
-        c.send(it.http_request("GET", "/healthz", auth=None))
-        r = c.read_final_response()
-        check(r.status == 200, "a connection within the cap: %s" % r.brief())
-    return out
-
-
 def check_burst_refused(port, n, what):
     """n new connections at once: each closed by ltg within 5 s, with no answer or a 503."""
     socks = open_conns(port, n)
@@ -629,7 +546,7 @@ def wait_mock_stall(pid, rss0, sent0, timeout=30):
     deadline = time.monotonic() + (timeout if shutil.which("ss") else 5)
     while time.monotonic() < deadline:
         time.sleep(0.5)
-        grown = rss_kib(pid) - rss0
+        grown = it.rss_kib(pid) - rss0
         check(grown < RSS_SLACK_KIB, "ltg's RSS grew by %d KiB while its client read nothing" % grown)
         samples.append(mock_socket_bytes())
         if samples[-1] is not None and len(samples) >= 4 and samples[-1] == samples[-4] > sent0 + (256 << 10):
@@ -646,7 +563,7 @@ def t_never_reads():
     H = it.H
     pid = H.ltg_proc.pid
     it.read_stream(it.chat_body(stream=True, directive="events=2000 event_delay_ms=0"))  # warm up
-    rss0 = rss_kib(pid)
+    rss0 = it.rss_kib(pid)
     sent0 = mock_socket_bytes()
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -656,7 +573,7 @@ def t_never_reads():
                                   it.chat_body(stream=True, directive="events=%d event_delay_ms=0" % STREAM_EVENTS)))
         stalled = wait_mock_stall(pid, rss0, sent0)
         time.sleep(2)
-        grown = rss_kib(pid) - rss0
+        grown = it.rss_kib(pid) - rss0
         it.log("never-reading client: RSS +%d KiB; the mock's sockets took %s bytes"
                % (grown, None if stalled is None else stalled - sent0))
         check(grown < RSS_SLACK_KIB, "ltg's RSS grew by %d KiB while its client read nothing (bound %d KiB)"
@@ -675,7 +592,7 @@ def t_never_reads():
         check(last.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), "the stream does not end with [DONE]: %r" % last)
     finally:
         s.close()
-    grown = rss_kib(pid) - rss0
+    grown = it.rss_kib(pid) - rss0
     check(grown < RSS_SLACK_KIB, "ltg's RSS grew by %d KiB after the stream" % grown)
     check_serves(H.port, H.admin_port, what="after the never-reading client: ")
 

@@ -47,7 +47,7 @@ NSOLO = 4            # HPS-1..HPS-4, one provider each
 MIB = 1 << 20
 RSS_SLACK_MIB = 100  # ltg's RSS may grow by at most this much over its RSS at start (ASan: see rss_slack_kib)
 
-_S = {"next": 0, "config": None}
+_S = {"next": 0}
 
 
 check = it.check
@@ -55,17 +55,19 @@ check = it.check
 
 # ===== the dedicated ltg ==========================================================================
 
+def _catalog():
+    cfg = it.catalog_copy()
+    for i in range(1, NPOOL + 1):
+        cfg["models"]["HP-%02d" % i] = it.catalog_model("mock", "hp-%02d" % i)
+    for i in range(1, NSOLO + 1):
+        cfg["providers"]["hp-solo-%d" % i] = {"base_url": "http://127.0.0.1:%d/v1" % it.H.mock_port,
+                                              "api_key_env": "MOCK_KEY"}
+        cfg["models"]["HPS-%d" % i] = it.catalog_model("hp-solo-%d" % i, "hps-%d" % i)
+    return cfg
+
+
 def _config_path():
-    if _S["config"] is None:
-        cfg = it.catalog_copy()
-        for i in range(1, NPOOL + 1):
-            cfg["models"]["HP-%02d" % i] = it.catalog_model("mock", "hp-%02d" % i)
-        for i in range(1, NSOLO + 1):
-            cfg["providers"]["hp-solo-%d" % i] = {"base_url": "http://127.0.0.1:%d/v1" % it.H.mock_port,
-                                                  "api_key_env": "MOCK_KEY"}
-            cfg["models"]["HPS-%d" % i] = it.catalog_model("hp-solo-%d" % i, "hps-%d" % i)
-        _S["config"] = it.write_catalog(cfg, "hostile")
-    return _S["config"]
+    return it.catalog_file("hostile", _catalog)
 
 
 class Ltg(it.Aux):
@@ -77,7 +79,7 @@ class Ltg(it.Aux):
 
     def start(self, timeout=20):
         it.Aux.start(self, timeout)
-        self.rss0 = rss_kib(self)
+        self.rss0 = it.rss_kib(self.proc.pid)
 
 
 def _env():
@@ -93,18 +95,6 @@ def _env():
 _LTG = it.AuxSlot(lambda n: Ltg("hostile-%d" % n, args=("--meter-abandoned-seconds", "2")))
 
 
-def proc_status_kib(a, field):
-    with open("/proc/%d/status" % a.proc.pid) as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise it.TestFailure("no %s in /proc/%d/status" % (field, a.proc.pid))
-
-
-def rss_kib(a):
-    return proc_status_kib(a, "VmRSS")
-
-
 def rss_slack_kib():
     # Under ASan a growing buffer is copied on every realloc (the release build's glibc moves a
     # large block with mremap), and freed blocks wait in the quarantine (see _env): more slack.
@@ -117,7 +107,7 @@ def rss_slack_kib():
 def check_rss(a, what):
     """ltg's resident memory now (VmRSS) and at its peak so far (VmHWM: malloc gives large blocks
     back at once, so the peak is what shows a body held whole) within its start + the slack."""
-    rss, hwm = rss_kib(a), proc_status_kib(a, "VmHWM")
+    rss, hwm = it.rss_kib(a.proc.pid), it.proc_status_kib(a.proc.pid, "VmHWM")
     it.log("%s: ltg's VmRSS %d KiB, VmHWM %d KiB (VmRSS at start %d KiB)" % (what, rss, hwm, a.rss0))
     for name, v in (("VmRSS", rss), ("VmHWM (its peak)", hwm)):
         check(v <= a.rss0 + rss_slack_kib(), "%s: ltg's %s is %d MiB, its start %d MiB + %d MiB allowed"
@@ -243,36 +233,12 @@ def check_event(a, g, r, status, http_status, model, expect, what):
     return e
 
 
-def stream_datas(r):
-    return [it.event_data(t) for _, t in it.sse_events(r)]
-
-
-def check_whole_stream(r, upstream_model, what):
-    """A complete stream: event-stream, chunked, 3 content events from upstream_model, finish, [DONE]."""
-    ct = r.header("content-type") or ""
-    check(ct.startswith("text/event-stream"), "%s: Content-Type %r, want text/event-stream" % (what, ct))
-    datas = stream_datas(r)
-    check(datas and datas[-1] == "[DONE]" and datas.count("[DONE]") == 1,
-          "%s: the stream does not end with one [DONE]: %r" % (what, [d[:80] for d in datas[-3:]]))
-    contents = 0
-    for d in datas[:-1]:
-        try:
-            o = json.loads(d)
-        except ValueError:
-            raise it.TestFailure("%s: an event that is not JSON was relayed: %r" % (what, d[:100]))
-        check("error" not in o, "%s: an error event in a whole stream: %r" % (what, d[:200]))
-        check(o.get("model") == upstream_model, "%s: an event from %r, want %r" % (what, o.get("model"), upstream_model))
-        ch = o.get("choices") or []
-        contents += bool(ch and ch[0].get("delta", {}).get("content"))
-    check(contents == 3, "%s: %d content events, want 3" % (what, contents))
-
-
 def check_interrupted(r, upstream_model, n_before, what):
     """A started stream cut by ltg: n_before content events of upstream_model, then the SSE error
     event stream_interrupted as the last event, no [DONE]."""
     check((r.header("content-type") or "").startswith("text/event-stream"),
           "%s: Content-Type %r" % (what, r.header("content-type")))
-    datas = stream_datas(r)
+    datas = it.sse_datas(r)
     check("[DONE]" not in datas, "%s: a cut stream must not carry [DONE]: %r" % (what, [d[:80] for d in datas]))
     check(len(datas) >= 2, "%s: want content events and the error event, got %r" % (what, [d[:80] for d in datas]))
     for d in datas[:-1]:
@@ -393,7 +359,7 @@ def stream_before_test(what, directive, status):
         script(A, [directive, "ok"])
         r = call(a, g, A, stream=True)
         check_headers(r, 200, 2, B, what)
-        check_whole_stream(r, up(B), what)
+        it.check_whole_stream(r, up(B), what)
         check_elapsed(r, 10, what)
         check_calls({A: 1, B: 1}, what)
         check_event(a, g, r, "succeeded", 200, B, [(A, 1, status, "indeterminate"), (B, 1, 200, "ok")], what)
@@ -471,7 +437,7 @@ def t_hp_endless_stream(a):
         check_interrupted(r, up(A), None, "endless stream")
         check(r.elapsed >= 1.9, "the stream was cut after %.2f s, before --max-stream-seconds 2" % r.elapsed)
         check_elapsed(r, 8, "an endless stream, --max-stream-seconds 2")
-        n = len(stream_datas(r)) - 1
+        n = len(it.sse_datas(r)) - 1
         check(n >= 5, "only %d events relayed in %.1f s of a stream of 10 a second" % (n, r.elapsed))
         check_calls({A: 1, B: 0}, "endless stream")
         check_event(b, g, r, "partial", 200, A, [(A, 1, 200, "ok")], "endless stream")

@@ -60,9 +60,6 @@ MODELS = {
     "ISO-Status-FB": "iso-status-fb",
 }
 
-_S = {"config": None}
-
-
 # ===== the dedicated ltg ==========================================================================
 
 def _catalog():
@@ -75,9 +72,7 @@ def _catalog():
 
 
 def _config_path():
-    if _S["config"] is None:
-        _S["config"] = it.write_catalog(_catalog(), "isolation")
-    return _S["config"]
+    return it.catalog_file("isolation", _catalog)
 
 
 def _resolv_path():
@@ -116,14 +111,6 @@ def mock_calls(up):
 def script(up, steps):
     """The mock's next answers for upstream model `up` (a directive in the body would reach a fallback too)."""
     it.H.mock_post("/_mock/script", {"model": up, "steps": list(steps)})
-
-
-def rss_kib(pid):
-    with open("/proc/%d/status" % pid) as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise it.TestFailure("no VmRSS in /proc/%d/status" % pid)
 
 
 def events_of(a, g):
@@ -208,7 +195,7 @@ def t_iso_chunk_framing_bound(a):
     piece = one_byte_chunks(256)                     # ~252 KiB
     limit = 40 << 20
     for what, port, path in LISTENERS:
-        rss0 = rss_kib(pid)
+        rss0 = it.rss_kib(pid)
         peak = rss0
         sent = 0
         with it.Conn(port(a), timeout=30) as c:
@@ -218,8 +205,8 @@ def t_iso_chunk_framing_bound(a):
                 if ok:
                     sent += len(piece)
                 if (sent // len(piece)) % 8 == 0:
-                    peak = max(peak, rss_kib(pid))
-            peak = max(peak, rss_kib(pid))
+                    peak = max(peak, it.rss_kib(pid))
+            peak = max(peak, it.rss_kib(pid))
             check(answered(c) or not ok or select.select([c.sock], [], [], 15)[0],
                   "%s listener: no answer after %d raw bytes of 1-byte chunks with 1000-byte extensions (%d decoded; "
                   "the bound is %d raw bytes): ltg keeps reading framing; its RSS grew by %.1f MiB"

@@ -43,7 +43,7 @@ import time
 NPOOL = 240          # RT-001..RT-240 on the mock
 NDOWN = 12           # RD-01..RD-12 on the refusing port
 
-_S = {"next": 0, "next_down": 0, "config": None}
+_S = {"next": 0, "next_down": 0}
 
 
 check = it.check
@@ -51,20 +51,21 @@ check = it.check
 
 # ===== the dedicated ltg ==========================================================================
 
+def _catalog():
+    cfg = it.catalog_copy()
+    for i in range(1, NPOOL + 1):
+        cfg["models"]["RT-%03d" % i] = it.catalog_model("mock", "rt-%03d" % i)
+    for i in range(1, NDOWN + 1):
+        cfg["models"]["RD-%02d" % i] = it.catalog_model("down", "rd-%02d" % i)
+    cfg["providers"]["rt-blackhole"] = {"base_url": "http://127.0.0.1:%d/v1" % _blackhole_port(),
+                                        "api_key_env": "MOCK_KEY"}
+    for i in range(1, 4):
+        cfg["models"]["RB-%d" % i] = it.catalog_model("rt-blackhole", "rb-%d" % i)
+    return cfg
+
+
 def _config_path():
-    if _S["config"] is None:
-        cfg = it.catalog_copy()
-        for i in range(1, NPOOL + 1):
-            cfg["models"]["RT-%03d" % i] = it.catalog_model("mock", "rt-%03d" % i)
-        for i in range(1, NDOWN + 1):
-            cfg["models"]["RD-%02d" % i] = it.catalog_model("down", "rd-%02d" % i)
-        cfg["providers"]["rt-blackhole"] = {"base_url": "http://127.0.0.1:%d/v1" % _blackhole_port(),
-                                            "api_key_env": "MOCK_KEY"}
-        for i in range(1, 4):
-            cfg["models"]["RB-%d" % i] = it.catalog_model("rt-blackhole", "rb-%d" % i)
-        path = it.write_catalog(cfg, "retries")
-        _S["config"] = path
-    return _S["config"]
+    return it.catalog_file("retries", _catalog)
 
 
 def _blackhole_port():
@@ -229,32 +230,6 @@ def check_gaps(alias, want_ms, what, slack=450):
     return g
 
 
-def stream_datas(r):
-    return [it.event_data(t) for _, t in it.sse_events(r)]
-
-
-def check_whole_stream(r, upstream_model, what):
-    """A complete stream: event-stream, chunked, 3 content events from upstream_model, finish, [DONE]."""
-    ct = r.header("content-type") or ""
-    check(ct.startswith("text/event-stream"), "%s: Content-Type %r, want text/event-stream" % (what, ct))
-    check(r.chunked, "%s: a stream must be chunked" % what)
-    datas = stream_datas(r)
-    check(datas and datas[-1] == "[DONE]", "%s: the stream does not end with [DONE]: %r" % (what, datas[-3:]))
-    check(datas.count("[DONE]") == 1, "%s: [DONE] more than once" % what)
-    contents, finish = 0, None
-    for d in datas[:-1]:
-        o = json.loads(d)
-        check("error" not in o, "%s: an error event in a whole stream: %r" % (what, d))
-        check(o.get("model") == upstream_model, "%s: an event from %r, want %r" % (what, o.get("model"), upstream_model))
-        ch = o.get("choices") or []
-        if ch and ch[0].get("delta", {}).get("content"):
-            contents += 1
-        if ch and ch[0].get("finish_reason"):
-            finish = ch[0]["finish_reason"]
-    check(contents == 3 and finish == "stop", "%s: %d content events and finish %r, want 3 and stop"
-          % (what, contents, finish))
-
-
 def content_of(r):
     return r.json()["choices"][0]["message"]["content"]
 
@@ -275,7 +250,7 @@ def t_rt_healthy(a):
     check_served_body(r, A, "non-stream")
     r = call(a, g, A, stream=True)
     it.check_x_headers(r, 200, 1, A, "stream")
-    check_whole_stream(r, up(A), "stream")
+    it.check_whole_stream(r, up(A), "stream")
     check_calls({A: 2, B: 0}, "healthy primary")
     e = ledger_event(a, g, r.header("x-ltg-request-id"))
     check_attempt_list(e.get("attempt_log"), [(A, 1, 200, "ok")], "the ledger's attempt_log")
@@ -849,7 +824,7 @@ def t_rt_stream_seed_demo(a):
     script(A, ["first_event_delay_ms=3000"])
     r = call(a, g, A, stream=True, headers={"x-ltg-request-timeout": "1000", "x-ltg-max-attempts": "1"})
     it.check_x_headers(r, 200, 2, B)
-    check_whole_stream(r, up(B), "the fallback's stream")
+    it.check_whole_stream(r, up(B), "the fallback's stream")
     check(r.elapsed < 2.9, "the stream was served after %.2f s: the primary's first event (3 s) was waited for"
           % r.elapsed)
     check_calls({A: 1, B: 1}, "seed demo")
@@ -867,7 +842,7 @@ def t_rt_stream_failover(a):
         script(A, [d, "ok", "ok"])
         r = call(a, g, A, stream=True)
         it.check_x_headers(r, 200, 2, B, d)
-        check_whole_stream(r, up(B), d)
+        it.check_whole_stream(r, up(B), d)
         check_calls({A: 1, B: 1}, d)
     # Every attempt failing before the first byte: an ordinary JSON error with every attempt.
     A, B = fresh(2)
@@ -888,7 +863,7 @@ def t_rt_stream_cut(a):
     r = call(a, g, A, stream=True)
     it.check_x_headers(r, 200, 1, A)
     check((r.header("content-type") or "").startswith("text/event-stream"), "Content-Type %r" % r.header("content-type"))
-    datas = stream_datas(r)
+    datas = it.sse_datas(r)
     check("[DONE]" not in datas, "a cut stream must not carry [DONE]: %r" % datas)
     check(len(datas) == 2, "want the one event sent before the cut and the error event, got %r" % datas)
     first = json.loads(datas[0])

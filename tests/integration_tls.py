@@ -104,7 +104,7 @@ PROVIDER_MOCK = {"tls-good": "good", "tls-count": "count", "tls-resume": "resume
 
 STOP_LINE_RE = re.compile(r"TLS handshakes: (\d+) full, (\d+) resumed")
 
-_S = {"certs": None, "certs_error": None, "mocks": {}, "config": None, "auxes": {}, "tokens": {}, "n": 0}
+_S = {"certs": None, "certs_error": None, "mocks": {}, "auxes": {}, "tokens": {}, "n": 0}
 
 
 check = it.check
@@ -233,19 +233,21 @@ def calls_of(st, upstream_model):
 
 # ===== the catalog and the ltgs ===================================================================
 
+def _catalog():
+    for role in MOCK_ROLES:
+        mock(role)
+    cfg = it.catalog_copy()
+    for name, role in PROVIDER_MOCK.items():
+        cfg["providers"][name] = {"base_url": "https://localhost:%d/v1" % _S["mocks"][role].port,
+                                  "api_key_env": "MOCK_KEY"}
+    cfg["providers"]["tls-noverify"]["tls_verify"] = False
+    for alias, (prov, up) in TLS_MODELS.items():
+        cfg["models"][alias] = it.catalog_model(prov, up)
+    return cfg
+
+
 def config_path():
-    if _S["config"] is None:
-        for role in MOCK_ROLES:
-            mock(role)
-        cfg = it.catalog_copy()
-        for name, role in PROVIDER_MOCK.items():
-            cfg["providers"][name] = {"base_url": "https://localhost:%d/v1" % _S["mocks"][role].port,
-                                      "api_key_env": "MOCK_KEY"}
-        cfg["providers"]["tls-noverify"]["tls_verify"] = False
-        for alias, (prov, up) in TLS_MODELS.items():
-            cfg["models"][alias] = it.catalog_model(prov, up)
-        _S["config"] = it.write_catalog(cfg, "tls")
-    return _S["config"]
+    return it.catalog_file("tls", _catalog)
 
 
 def tls_aux(tag, extra, config=None):
