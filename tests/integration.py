@@ -2,6 +2,13 @@
 """Integration tests for ltg: the real binary against the mock provider, over loopback sockets.
 
     python3 tests/integration.py --ltg ./ltg --mock tests/mock [-k SUBSTRING] [-v] [--wrap CMD [--slow N]]
+                                 [--jobs N | --file NAME [--shard I/N]]
+
+Every file (this one and each tests/integration_*.py) runs in a process of its own, --jobs (6) at a
+time, with its own harness: mock, ports, temporary and data directories. Its lines are printed
+whole when it ends, under a `--- FILE: N passed, M failed` line; the last line sums them all.
+--jobs 1 runs every file in this process, one after the other, on one harness. --file NAME (or
+`python3 tests/integration_NAME.py ...`) runs one file.
 
 It picks free loopback ports, writes a catalog config into a temporary directory, starts the mock
 provider and ltg, waits for both /healthz, runs every test and stops what it started (also when a
@@ -4410,10 +4417,11 @@ def run_jobs(args, jobs):
             if rc != 0 and f == 0:
                 body.append("FAIL - %s: exited with status %s after \"%s\"" % (label, rc, lines[last]))
                 failed += 1
-        print("--- %s: %s (%.0f s)" % (label, head, seconds))
-        for l in body:
-            print(l)
-        sys.stdout.flush()
+        if body or head != "0 passed, 0 failed":    # (-k: the files none of whose tests match say nothing)
+            print("--- %s: %s (%.0f s)" % (label, head, seconds))
+            for l in body:
+                print(l)
+            sys.stdout.flush()
 
     try:
         while pending or running:
