@@ -465,7 +465,7 @@ def t_hp_quiet_stream(a):
         r = call(b, g, A, stream=True)
         check_headers(r, 200, 1, A, "a quiet stream")
         check_interrupted(r, up(A), 1, "a quiet stream")
-        msg = json.loads(stream_datas(r)[-1])["error"].get("message", "")
+        msg = json.loads(it.sse_datas(r)[-1])["error"].get("message", "")
         check("stalled for 2 s" in msg, "the error event should say the stream stalled for 2 s: %r" % msg)
         check(r.elapsed >= 1.9, "the stream was cut after %.2f s, before --stream-idle-seconds 2" % r.elapsed)
         check_elapsed(r, 15, "a quiet stream, --stream-idle-seconds 2 (the next event was 20 s away)")
