@@ -297,11 +297,12 @@ static void sse_walk(const char *s, size_t n, uint64_t h) {
         free(prefix);
         REQUIRE(kp == 0 || kp == k, "sse: the first event is %zu bytes, in a prefix of %zu bytes %zu", k, m, kp);
         char *ev = copy(c + off, k);
-        stream_event(&x, ev, k);
+        stream_take(&x, ev, k);
         free(ev);
         off += k;
         h = h * 6364136223846793005ULL + 1442695040888963407ULL;
     }
+    buf_free(&x.event);
     free(c);
 }
 
