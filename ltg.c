@@ -9053,17 +9053,20 @@ static plan_step attempt_decide(exchange *x, const attempt_result *r) {
                         : r->error ? attempt_classify(0, r->reached)
                                    : attempt_classify(r->status, 1);
     if (d && o == OUTCOME_NO_WORK) x->avoid |= 1u << x->dep;
-    size_t n;
-    const char *v = u && u->have_head ? http_header_get(u->head.p, u->resp.h, u->resp.nh, "retry-after", &n) : NULL;
     plan_facts f = {
         .outcome = o,
         .key_refused = key_refused(x, r),
-        .other_deployment = x->pin < 0 && deployment_other(m, x->avoid, S.now),
-        .retry_after_ms = v ? retry_after_ms(v, n, (long long)(wall_ms() / 1000)) : -1,
-        .jitter_permille = (unsigned)(rng_next() % 201),
+        .retry_after_ms = -1,
         .now = S.now,
         .deadline = x->started + x->deadline_ms,
     };
+    if (o == OUTCOME_NO_WORK) { /* what only a retry of the same model needs */
+        size_t n;
+        const char *v = u && u->have_head ? http_header_get(u->head.p, u->resp.h, u->resp.nh, "retry-after", &n) : NULL;
+        f.other_deployment = x->pin < 0 && deployment_other(m, x->avoid, S.now);
+        f.retry_after_ms = v ? retry_after_ms(v, n, (long long)(wall_ms() / 1000)) : -1;
+        f.jitter_permille = (unsigned)(rng_next() % 201);
+    }
     attempt_plan was = x->plan;
     plan_step s = plan_next(&x->plan, &f);
     timer_stop(&x->t);
