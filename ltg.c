@@ -3294,11 +3294,17 @@ static int deployment_other(const model *m, uint32_t avoid, int64_t now) {
  * them). Token keys are also hashed by the SHA-256 of their secret, which
  * is all ltg ever keeps of a secret.
  *
- * A change is made on a copy: group_parse() (a key's: tkey_parse()) lays
- * the request's fields over it (PATCH: omitted kept, null clears),
- * group_validate() (tkey_validate()) checks the whole result against the
- * rules of the README's "Token groups" (a key's: "Token keys"), and only a copy that passed is written to the
- * log (section 12) and then swapped in. A refused change therefore leaves
+ * Both kinds start with the same header (`stored`: id, name, allowance,
+ * version, times) and are described by a row, a store_kind: its log
+ * operations, its tables, and the functions that parse, validate, show
+ * and place an item. The code that stores, replays and serves items is
+ * written once over the row (store_put, store_apply, section 16's item_*).
+ *
+ * A change is made on a copy: the row's parse lays the request's fields
+ * over it (PATCH: omitted kept, null clears), its validate checks the
+ * whole result against the rules of the README's "Token groups" (a key's:
+ * "Token keys"), and only a copy that passed is written to the log
+ * (section 12) and then swapped in. A refused change therefore leaves
  * nothing behind, in memory or on disk. A group and a key each carry an
  * allowance -- a budget and rate limits -- parsed, checked and shown by
  * the same allow_* functions; what it counts is section 14's.
@@ -3364,35 +3370,36 @@ typedef struct {
 /* The longest a's budget period lasts, in days (0: lifetime). */
 static int allow_days(const allowance *a) { return a->budget_days == BUDGET_MONTH ? 31 : a->budget_days; }
 
+/* What a token group and a token key have in common, first in both: the
+ * store's rows (store_kind, below) and the control plane's handlers work on
+ * it whatever the kind. */
 typedef struct {
     entry e;
     char id[37];
     char *name;
+    allowance al;             /* its budget and rate limits (a key's beside its group's) */
+    int blocked;
+    long long version;
+    int64_t created_at, updated_at; /* wall ms */
+} stored;
+
+typedef struct {
+    stored s;
     char **allowed;
     int nallowed;
     fallback *fb;
     int nfb;
     int has_retries;          /* 0: "retries": null, the defaults apply */
     retry_policy retries;
-    allowance al;             /* its budget and rate limits */
     long long cache_ttl;      /* seconds; UNSET = null */
     long long max_parallel;   /* UNSET = null: unlimited */
-    int blocked;
-    long long version;
-    int64_t created_at, updated_at; /* wall ms */
     int inflight;             /* requests in flight (runtime, not logged) */
 } group;
 
 typedef struct {
-    entry e;
-    char id[37];
+    stored s;
     char group_id[37];
-    char *name;
     uint8_t hash[32];         /* SHA-256 of the secret */
-    allowance al;             /* its own budget and rate limits, beside its group's */
-    int blocked;
-    long long version;
-    int64_t created_at, updated_at;
 } tkey;
 
 typedef struct {
@@ -3418,8 +3425,8 @@ static struct {
     int expired;              /* idempotency records expired since the last compaction: still in the log */
 } ST;
 
-static const void *group_key(const void *it, size_t *n) { *n = 36; return ((const group *)it)->id; }
-static const void *tkey_key(const void *it, size_t *n) { *n = 36; return ((const tkey *)it)->id; }
+static const void *group_key(const void *it, size_t *n) { *n = 36; return ((const group *)it)->s.id; }
+static const void *tkey_key(const void *it, size_t *n) { *n = 36; return ((const tkey *)it)->s.id; }
 static const void *tkey_hash_key(const void *it, size_t *n) { *n = 32; return ((const tkey *)it)->hash; }
 static const void *idem_key(const void *it, size_t *n) { *n = 32; return ((const idem *)it)->key; }
 
@@ -3536,29 +3543,40 @@ static void group_clear_fallbacks(group *g) {
     g->fb = NULL, g->nfb = 0;
 }
 
-static void group_free(group *g) {
+static void group_free(stored *it) {
+    group *g = (group *)it;
     if (!g) return;
-    free(g->name);
+    free(g->s.name);
     for (int i = 0; i < g->nallowed; i++) free(g->allowed[i]);
     free(g->allowed);
     group_clear_fallbacks(g);
-    free(g->al.rl);
+    free(g->s.al.rl);
     free(g);
 }
 
-static group *group_new(void) {
+static stored *group_new(void) {
     group *g = xcalloc(1, sizeof *g);
-    g->cache_ttl = UNSET, g->max_parallel = UNSET, g->al.rpm_limit = UNSET, g->al.tpm_limit = UNSET;
-    return g;
+    g->cache_ttl = UNSET;
+    g->max_parallel = UNSET;
+    g->s.al.rpm_limit = UNSET;
+    g->s.al.tpm_limit = UNSET;
+    return &g->s;
 }
 
 static char *xstrdup(const char *s) { return xstrndup(s, strlen(s)); }
 
-static group *group_clone(const group *src) {
+/* A copy a change is made on: the rate window stays the live item's
+ * (store_put moves it to the one that replaces it). */
+static void stored_clone(stored *it, const stored *src) {
+    it->al.rl = NULL;
+    it->name = xstrdup(src->name);
+}
+
+static stored *group_clone(const stored *from) {
+    const group *src = (const group *)from;
     group *g = xmalloc(sizeof *g);
     *g = *src;
-    g->al.rl = NULL; /* the rate window stays the live group's: store_put_group moves it to the one that replaces it */
-    g->name = xstrdup(src->name);
+    stored_clone(&g->s, &src->s);
     g->allowed = xcalloc((size_t)src->nallowed, sizeof *g->allowed);
     for (int i = 0; i < src->nallowed; i++) g->allowed[i] = xstrdup(src->allowed[i]);
     g->fb = xcalloc((size_t)src->nfb, sizeof *g->fb);
@@ -3567,7 +3585,7 @@ static group *group_clone(const group *src) {
         g->fb[i].n = src->fb[i].n;
         for (int k = 0; k < src->fb[i].n; k++) g->fb[i].to[k] = xstrdup(src->fb[i].to[k]);
     }
-    return g;
+    return &g->s;
 }
 
 /* The defaults of a retry policy: also what "retries": null means. */
@@ -3741,7 +3759,8 @@ static int field_refused(const char *s, const json_tok *t, int i, const char *ke
  * take the API's writable fields; PARSE_LOG also takes what only the log
  * knows (id, version, timestamps). Checks types and field names only: the
  * rules are group_validate()'s. */
-static int group_parse(const char *s, const json_tok *t, int obj, group *g, int mode, verr *e) {
+static int group_parse(const char *s, const json_tok *t, int obj, stored *it, int mode, verr *e) {
+    group *g = (group *)it;
     if (t[obj].type != JSON_OBJECT) return verr_at(e, NULL, NULL, "the body must be a JSON object");
     if (no_duplicate_keys(s, t, obj, NULL, e) < 0) return LTG_ERR;
     int i = obj + 1;
@@ -3751,10 +3770,10 @@ static int group_parse(const char *s, const json_tok *t, int obj, group *g, int 
         snprintf(key, sizeof key, "%.*s", (int)(t[i].end - t[i].start < 100 ? t[i].end - t[i].start : 100), s + t[i].start);
         long long n;
         int r;
-        if (mode == PARSE_LOG && parse_log_common(s, t, i, g->id, &g->version, &g->created_at, &g->updated_at)) {
+        if (mode == PARSE_LOG && parse_log_common(s, t, i, g->s.id, &g->s.version, &g->s.created_at, &g->s.updated_at)) {
             /* what only the log knows */
         } else if (json_eq(s, t, i, "name")) {
-            if (parse_name(s, t, v, &g->name, e) < 0) return LTG_ERR;
+            if (parse_name(s, t, v, &g->s.name, e) < 0) return LTG_ERR;
         } else if (json_eq(s, t, i, "allowed_models")) {
             if (t[v].type != JSON_ARRAY) return verr_at(e, "allowed_models", NULL, "must be a list of model aliases (it cannot be null)");
             for (int k = 0; k < g->nallowed; k++) free(g->allowed[k]);
@@ -3772,7 +3791,7 @@ static int group_parse(const char *s, const json_tok *t, int obj, group *g, int 
             if (parse_fallbacks(s, t, v, g, e) < 0) return LTG_ERR;
         } else if (json_eq(s, t, i, "retries")) {
             if (parse_retries(s, t, v, g, e) < 0) return LTG_ERR;
-        } else if ((r = allow_parse(s, t, i, &g->al, mode, e)) != 0) {
+        } else if ((r = allow_parse(s, t, i, &g->s.al, mode, e)) != 0) {
             if (r < 0) return LTG_ERR;
         } else if (json_eq(s, t, i, "cache_ttl")) {
             if (t[v].type == JSON_NULL) g->cache_ttl = UNSET;
@@ -3783,7 +3802,7 @@ static int group_parse(const char *s, const json_tok *t, int obj, group *g, int 
             else if (json_int(s, t, v, &n) < 0) return verr_at(e, key, NULL, "must be a whole number (or null for no limit)");
             else g->max_parallel = n;
         } else if (json_eq(s, t, i, "blocked")) {
-            if (parse_bool(s, t, v, &g->blocked, e) < 0) return LTG_ERR;
+            if (parse_bool(s, t, v, &g->s.blocked, e) < 0) return LTG_ERR;
         } else {
             return field_refused(s, t, i, key, "a token group has name, allowed_models, fallbacks, retries, max_budget, budget_duration, cache_ttl, max_parallel_requests, rpm_limit, tpm_limit, blocked", e);
         }
@@ -3793,8 +3812,9 @@ static int group_parse(const char *s, const json_tok *t, int obj, group *g, int 
 
 /* The rules of the README's "Token groups" over a whole group (after a PATCH: the merged
  * result). Catalog membership first. */
-static int group_validate(const group *g, const catalog *cat, verr *e) {
-    if (!g->name) return verr_at(e, "name", NULL, "is required (a name for the group)");
+static int group_validate(const stored *it, const catalog *cat, verr *e) {
+    const group *g = (const group *)it;
+    if (!g->s.name) return verr_at(e, "name", NULL, "is required (a name for the group)");
     if (!g->allowed) return verr_at(e, "allowed_models", NULL, "is required (the model aliases this group may call; [] permits none)");
     for (int i = 0; i < g->nallowed; i++)
         if (!catalog_model((catalog *)cat, g->allowed[i], strlen(g->allowed[i]))) {
@@ -3816,7 +3836,7 @@ static int group_validate(const group *g, const catalog *cat, verr *e) {
                 return verr_index(e, k);
             }
     }
-    if (!*g->name || strlen(g->name) > NAME_MAX_LEN) return verr_at(e, "name", NULL, "must be 1 to %d characters", NAME_MAX_LEN);
+    if (!*g->s.name || strlen(g->s.name) > NAME_MAX_LEN) return verr_at(e, "name", NULL, "must be 1 to %d characters", NAME_MAX_LEN);
     for (int i = 0; i < g->nallowed; i++)
         for (int k = 0; k < i; k++)
             if (strcmp(g->allowed[i], g->allowed[k]) == 0) {
@@ -3847,7 +3867,7 @@ static int group_validate(const group *g, const catalog *cat, verr *e) {
         if (r->deadline_ms && (r->deadline_ms < 1000 || r->deadline_ms > 3600000))
             return verr_at(e, "retries", "deadline_ms", "must be between 1000 and 3600000 (ms: the whole request until its answer starts)");
     }
-    if (allow_validate(&g->al, e) < 0) return LTG_ERR;
+    if (allow_validate(&g->s.al, e) < 0) return LTG_ERR;
     if (g->cache_ttl != UNSET && (g->cache_ttl < 0 || g->cache_ttl > 30 * 86400))
         return verr_at(e, "cache_ttl", NULL, "must be between 0 and 2592000 seconds (or null)");
     if (g->max_parallel != UNSET && (g->max_parallel < 1 || g->max_parallel > 100000))
@@ -3970,11 +3990,12 @@ static void stored_times_json(jwriter *w, int64_t created, int64_t updated, int 
 
 /* A group as JSON: the API's shape, or the log's (exact integers, only
  * what cannot be derived). */
-static void group_json(jwriter *w, const group *g, int for_log) {
+static void group_json(jwriter *w, const stored *it, int for_log) {
+    const group *g = (const group *)it;
     jw_open(w, '{');
-    jw_key(w, "id"), jw_cstr(w, g->id);
+    jw_key(w, "id"), jw_cstr(w, g->s.id);
     if (!for_log) jw_key(w, "record_type"), jw_cstr(w, "token_group");
-    jw_key(w, "name"), jw_cstr(w, g->name);
+    jw_key(w, "name"), jw_cstr(w, g->s.name);
     jw_key(w, "allowed_models"), jw_open(w, '[');
     for (int i = 0; i < g->nallowed; i++) jw_cstr(w, g->allowed[i]);
     jw_close(w, ']');
@@ -3996,13 +4017,13 @@ static void group_json(jwriter *w, const group *g, int for_log) {
         if (g->retries.deadline_ms) jw_key(w, "deadline_ms"), jw_int(w, g->retries.deadline_ms); /* absent: the default */
         jw_close(w, '}');
     }
-    allow_json(w, &g->al);
+    allow_json(w, &g->s.al);
     jw_key(w, "cache_ttl"), jw_int_or_null(w, g->cache_ttl != UNSET, g->cache_ttl);
     jw_key(w, "max_parallel_requests"), jw_int_or_null(w, g->max_parallel != UNSET, g->max_parallel);
-    jw_key(w, "blocked"), jw_bool(w, g->blocked);
-    jw_key(w, "version"), jw_int(w, g->version);
-    stored_times_json(w, g->created_at, g->updated_at, for_log);
-    allow_state_json(w, &g->al, for_log, 1);
+    jw_key(w, "blocked"), jw_bool(w, g->s.blocked);
+    jw_key(w, "version"), jw_int(w, g->s.version);
+    stored_times_json(w, g->s.created_at, g->s.updated_at, for_log);
+    allow_state_json(w, &g->s.al, for_log, 1);
     jw_close(w, '}');
 }
 
@@ -4010,29 +4031,34 @@ static group *group_find(const char *id) { return strlen(id) == 36 ? hmap_get(&S
 
 /* ---- token keys ---- */
 
-static void tkey_free(tkey *k) {
-    if (k) free(k->name), free(k->al.rl), free(k);
+static void tkey_free(stored *it) {
+    if (!it) return;
+    free(it->name);
+    free(it->al.rl);
+    free(it);
 }
 
-static tkey *tkey_new(void) {
+static stored *tkey_new(void) {
     tkey *k = xcalloc(1, sizeof *k);
-    k->al.rpm_limit = k->al.tpm_limit = UNSET;
-    return k;
+    k->s.al.rpm_limit = UNSET;
+    k->s.al.tpm_limit = UNSET;
+    return &k->s;
 }
 
-static tkey *tkey_clone(const tkey *src) {
+static stored *tkey_clone(const stored *src) {
     tkey *k = xmalloc(sizeof *k);
-    *k = *src;
-    k->al.rl = NULL; /* as for a group: the live key's window moves in store_put_key */
-    k->name = xstrdup(src->name);
-    return k;
+    *k = *(const tkey *)src;
+    stored_clone(&k->s, src);
+    return &k->s;
 }
 
 /* Lay the members of JSON object `obj` over k, as group_parse() does for
  * a group: name, token_group_id (not in PARSE_PATCH: a key stays in its
  * group), blocked and the allowance; PARSE_LOG also what only the log
  * knows (id, sha256, version, times, the budget's anchor). */
-static int tkey_parse(const char *s, const json_tok *t, int obj, tkey *k, int mode, verr *e) {
+static int tkey_parse(const char *s, const json_tok *t, int obj, stored *it, int mode, verr *e) {
+    tkey *k = (tkey *)it;
+    int hashed = 0;
     if (t[obj].type != JSON_OBJECT) return verr_at(e, NULL, NULL, "the body must be a JSON object: {\"name\": ..., \"token_group_id\": ...}");
     if (no_duplicate_keys(s, t, obj, NULL, e) < 0) return LTG_ERR;
     int i = obj + 1, r;
@@ -4040,104 +4066,173 @@ static int tkey_parse(const char *s, const json_tok *t, int obj, tkey *k, int mo
         int v = i + 1;
         char key[128];
         snprintf(key, sizeof key, "%.*s", (int)(t[i].end - t[i].start < 100 ? t[i].end - t[i].start : 100), s + t[i].start);
-        if (mode == PARSE_LOG && parse_log_common(s, t, i, k->id, &k->version, &k->created_at, &k->updated_at)) {
+        if (mode == PARSE_LOG && parse_log_common(s, t, i, k->s.id, &k->s.version, &k->s.created_at, &k->s.updated_at)) {
             /* what only the log knows */
         } else if (mode == PARSE_LOG && json_eq(s, t, i, "sha256")) {
             if (t[v].end - t[v].start != 64 || hex_decode(s + t[v].start, 64, k->hash) < 0) return verr_at(e, key, NULL, "must be 64 hex digits");
-        } else if ((r = allow_parse(s, t, i, &k->al, mode, e)) != 0) {
+            hashed = 1;
+        } else if ((r = allow_parse(s, t, i, &k->s.al, mode, e)) != 0) {
             if (r < 0) return LTG_ERR;
         } else if (json_eq(s, t, i, "name")) {
-            if (parse_name(s, t, v, &k->name, e) < 0) return LTG_ERR;
+            if (parse_name(s, t, v, &k->s.name, e) < 0) return LTG_ERR;
         } else if (json_eq(s, t, i, "token_group_id") && mode != PARSE_PATCH) {
             if (!is_uuid(s, t, v)) return verr_at(e, key, NULL, "must be the id of a token group");
             memcpy(k->group_id, s + t[v].start, 36), k->group_id[36] = 0;
         } else if (json_eq(s, t, i, "token_group_id")) {
             return verr_at(e, key, NULL, "cannot change: a key stays in its group (create a key in the other group, then revoke this one)");
         } else if (json_eq(s, t, i, "blocked")) {
-            if (parse_bool(s, t, v, &k->blocked, e) < 0) return LTG_ERR;
+            if (parse_bool(s, t, v, &k->s.blocked, e) < 0) return LTG_ERR;
         } else {
             return field_refused(s, t, i, key, "a token key has name, token_group_id, max_budget, budget_duration, rpm_limit, tpm_limit, blocked", e);
         }
     }
+    if (mode == PARSE_LOG && (!k->group_id[0] || !hashed)) return verr_at(e, NULL, NULL, "a logged key has its token_group_id and sha256");
     return 0;
 }
 
 /* The rules over a whole key (after a PATCH: the merged result). */
-static int tkey_validate(const tkey *k, verr *e) {
-    if (!k->name) return verr_at(e, "name", NULL, "is required: a string of 1 to %d bytes, without NUL", NAME_MAX_LEN);
+static int tkey_validate(const stored *it, const catalog *cat, verr *e) {
+    const tkey *k = (const tkey *)it;
+    (void)cat;
+    if (!k->s.name) return verr_at(e, "name", NULL, "is required: a string of 1 to %d bytes, without NUL", NAME_MAX_LEN);
     if (!k->group_id[0]) return verr_at(e, "token_group_id", NULL, "is required: the id of a token group");
     if (!group_find(k->group_id)) return verr_at(e, "token_group_id", NULL, "no token group has this id");
-    return allow_validate(&k->al, e);
+    return allow_validate(&k->s.al, e);
 }
 
-static void tkey_json(jwriter *w, const tkey *k, int for_log) {
+static void tkey_json(jwriter *w, const stored *it, int for_log) {
+    const tkey *k = (const tkey *)it;
     char hex[65];
     jw_open(w, '{');
-    jw_key(w, "id"), jw_cstr(w, k->id);
+    jw_key(w, "id"), jw_cstr(w, k->s.id);
     if (!for_log) jw_key(w, "record_type"), jw_cstr(w, "token_key");
-    jw_key(w, "name"), jw_cstr(w, k->name);
+    jw_key(w, "name"), jw_cstr(w, k->s.name);
     jw_key(w, "token_group_id"), jw_cstr(w, k->group_id);
-    allow_json(w, &k->al);
-    jw_key(w, "blocked"), jw_bool(w, k->blocked);
-    jw_key(w, "version"), jw_int(w, k->version);
+    allow_json(w, &k->s.al);
+    jw_key(w, "blocked"), jw_bool(w, k->s.blocked);
+    jw_key(w, "version"), jw_int(w, k->s.version);
     if (for_log) hex_encode(k->hash, 32, hex), jw_key(w, "sha256"), jw_cstr(w, hex);
-    stored_times_json(w, k->created_at, k->updated_at, for_log);
-    allow_state_json(w, &k->al, for_log, k->al.has_budget);
+    stored_times_json(w, k->s.created_at, k->s.updated_at, for_log);
+    allow_state_json(w, &k->s.al, for_log, k->s.al.has_budget);
     jw_close(w, '}');
 }
 
 static tkey *tkey_find(const char *id) { return strlen(id) == 36 ? hmap_get(&ST.keys, id, 36) : NULL; }
 
+/* A new key's secret: "ltg_sk_" and 256 random bits as 43 base64url
+ * characters. Only its SHA-256 is kept. */
+static void tkey_secret(stored *it, char out[64]) {
+    static const char b64url[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    uint8_t raw[32];
+    os_random(raw, sizeof raw);
+    memcpy(out, "ltg_sk_", 8);
+    for (int b = 0, o = 7; b < 256; b += 6) {
+        int byte = b / 8, shift = b % 8;
+        unsigned v = (unsigned)raw[byte] << 8 | (byte + 1 < 32 ? raw[byte + 1] : 0);
+        out[o++] = b64url[(v >> (10 - shift)) & 63];
+        out[o] = 0;
+    }
+    sha256(out, strlen(out), ((tkey *)it)->hash);
+    memset(raw, 0, sizeof raw);
+}
+
+static const char *tkey_group(const stored *it) { return ((const tkey *)it)->group_id; }
+
+/* ---- the kinds: a row each ---- */
+
+/* What the store, the log and the control plane know of a kind of item, in
+ * one row (Redis's command table): the handlers of section 16, the log's
+ * replay and the snapshot work through it, whatever the kind. */
+typedef struct store_kind {
+    const char *noun;                      /* "token group": in messages */
+    const char *put_op, *del_op;           /* the state log's operations */
+    char ledger;                           /* the ledger names its items by this letter and their id */
+    hmap *ids;                             /* by id */
+    vec *all;                              /* in creation order */
+    stored *(*make)(void);                 /* an empty item with its defaults */
+    stored *(*clone)(const stored *it);    /* the copy a change is made on */
+    void (*drop)(stored *it);
+    int (*parse)(const char *s, const json_tok *t, int obj, stored *it, int mode, verr *e);
+    int (*validate)(const stored *it, const catalog *cat, verr *e); /* the rules over a whole item */
+    void (*json)(jwriter *w, const stored *it, int for_log);
+    void (*placed)(stored *it, stored *old); /* it is in the store, in place of old (or NULL): what else to do */
+    void (*forget)(stored *it);            /* it leaves the store: what else to do */
+    void (*secret)(stored *it, char out[64]); /* made at creation, shown in that answer only */
+    const char *filter;                    /* a list's query parameter: only the items of this parent */
+    const char *(*parent)(const stored *it);
+} store_kind;
+
+static void group_placed(stored *it, stored *old) {
+    if (old) ((group *)it)->inflight = ((group *)old)->inflight;
+}
+
+static void group_forget(stored *it);
+
+static void tkey_placed(stored *it, stored *old) {
+    (void)old;
+    hmap_put(&ST.keys_by_hash, it); /* the same secret as old's: replaces it */
+}
+
+static void tkey_forget(stored *it) { hmap_del(&ST.keys_by_hash, ((tkey *)it)->hash, 32); }
+
+static const store_kind GROUPS = {
+    "token group", "put_group", "del_group", 'g', &ST.groups, &ST.gv, group_new, group_clone, group_free,
+    group_parse, group_validate, group_json, group_placed, group_forget, NULL, NULL, NULL,
+};
+static const store_kind KEYS = {
+    "token key", "put_key", "del_key", 'k', &ST.keys, &ST.kv, tkey_new, tkey_clone, tkey_free,
+    tkey_parse, tkey_validate, tkey_json, tkey_placed, tkey_forget, tkey_secret, "token_group_id", tkey_group,
+};
+static const store_kind *const KINDS[] = {&GROUPS, &KEYS};
+
+static stored *store_find(const store_kind *K, const char *id) { return strlen(id) == 36 ? hmap_get(K->ids, id, 36) : NULL; }
+
 /* ---- applying changes (from a handler, or from the log at start-up) ---- */
 
-static void store_put_group(group *g, size_t rec_bytes) {
-    group *old = hmap_get(&ST.groups, g->id, 36);
-    hmap_put(&ST.groups, g); /* replaces old: before old is freed, since the table compares ids */
+/* `it` replaces the item with its id, if any: what memory alone knows --
+ * the money its requests in flight hold, the last minute's rate window --
+ * moves over (its spend came with it: see item_commit). */
+static void store_put(const store_kind *K, stored *it, size_t rec_bytes) {
+    stored *old = hmap_get(K->ids, it->id, 36);
+    hmap_put(K->ids, it); /* replaces old: before old is freed, since the table compares ids */
     if (old) {
-        g->inflight = old->inflight, g->al.reserved = old->al.reserved; /* spend comes with g: see group_commit */
-        g->al.rl = old->al.rl, old->al.rl = NULL; /* the last minute stays counted across a change */
-        g->e.vi = old->e.vi;
-        ST.gv.p[g->e.vi] = g;
+        it->al.reserved = old->al.reserved;
+        it->al.rl = old->al.rl;
+        old->al.rl = NULL;
+        it->e.vi = old->e.vi;
+        K->all->p[it->e.vi] = it;
         ST.live_bytes -= old->e.rec_bytes;
-        group_free(old);
-    } else vec_add(&ST.gv, g);
-    g->e.rec_bytes = rec_bytes;
+    } else {
+        vec_add(K->all, it);
+    }
+    K->placed(it, old);
+    if (old) K->drop(old);
+    it->e.rec_bytes = rec_bytes;
     ST.live_bytes += rec_bytes;
 }
 
-static void store_del_key(const char *id) {
-    tkey *k = hmap_del(&ST.keys, id, 36);
-    if (!k) return;
-    hmap_del(&ST.keys_by_hash, k->hash, 32);
-    vec_del(&ST.kv, k);
-    ST.live_bytes -= k->e.rec_bytes;
-    tkey_free(k);
+static void store_del(const store_kind *K, const char *id) {
+    stored *it = hmap_del(K->ids, id, 36);
+    if (!it) return;
+    K->forget(it);
+    vec_del(K->all, it);
+    ST.live_bytes -= it->e.rec_bytes;
+    K->drop(it);
 }
 
-static void store_del_group(const char *id) {
-    group *g = hmap_del(&ST.groups, id, 36);
-    if (!g) return;
-    metric_forget(M_SPEND, "token_group", g->name, NULL);
-    metric_forget(M_RATE_LIMITED, "token_group", g->name, NULL);
-    vec_del(&ST.gv, g);
-    ST.live_bytes -= g->e.rec_bytes;
-    group_free(g);
-}
-
-static void store_put_key(tkey *k, size_t rec_bytes) {
-    tkey *old = hmap_get(&ST.keys, k->id, 36);
-    hmap_put(&ST.keys, k); /* each replaces old (the same id, the same secret): before old is freed */
-    hmap_put(&ST.keys_by_hash, k);
-    if (old) {
-        k->al.reserved = old->al.reserved; /* spend comes with k: see keys_update */
-        k->al.rl = old->al.rl, old->al.rl = NULL;
-        k->e.vi = old->e.vi;
-        ST.kv.p[k->e.vi] = k;
-        ST.live_bytes -= old->e.rec_bytes;
-        tkey_free(old);
-    } else vec_add(&ST.kv, k);
-    k->e.rec_bytes = rec_bytes;
-    ST.live_bytes += rec_bytes;
+/* A group leaves with its keys (logs before this version also name each
+ * key in a del_key op of the same record: by then it is gone). */
+static void group_forget(stored *it) {
+    int frozen = ST.frozen;
+    metric_forget(M_SPEND, "token_group", it->name, NULL);
+    metric_forget(M_RATE_LIMITED, "token_group", it->name, NULL);
+    ST.frozen = 1; /* the walk below must not have the vector squeezed under it */
+    for (int i = 0; i < ST.kv.n; i++) {
+        tkey *k = ST.kv.p[i];
+        if (k && strcmp(k->group_id, it->id) == 0) store_del(&KEYS, k->s.id);
+    }
+    ST.frozen = frozen;
+    vec_squeeze(&ST.kv);
 }
 
 static void idem_free(idem *r) {
@@ -4184,19 +4279,6 @@ static void idem_json(jwriter *w, const idem *r) {
     jw_close(w, '}');
 }
 
-/* A token key from the log: 0, or LTG_ERR. */
-static int store_apply_key(const char *p, const json_tok *t, int v, size_t n) {
-    tkey *key = tkey_new();
-    verr e = {0};
-    if (tkey_parse(p, t, v, key, PARSE_LOG, &e) < 0 || !key->id[0] || !key->group_id[0] || !key->name || !key->version ||
-        json_get(p, t, v, "sha256") < 0) {
-        tkey_free(key);
-        return LTG_ERR;
-    }
-    store_put_key(key, n + 8);
-    return 0;
-}
-
 /* The idempotency record of a change, unless it has expired: 0, or LTG_ERR. */
 static int store_apply_idem(const char *p, const json_tok *t, int iv, size_t n) {
     int k = json_get(p, t, iv, "k"), b = json_get(p, t, iv, "b"), r = json_get(p, t, iv, "r");
@@ -4229,24 +4311,28 @@ static int store_apply(void *ctx, const char *p, size_t n, off_t at, char *err, 
         int name = o + 1, v = o + 2; /* an op is an object of one member */
         char id[37];
         if (t[o].type != JSON_OBJECT || t[o].size != 1) { snprintf(err, errlen, "unknown operation"); goto done; }
-        if (json_eq(p, t, name, "put_group")) {
-            group *g = group_new();
-            if (group_parse(p, t, v, g, PARSE_LOG, &e) < 0 || !g->id[0]) {
-                snprintf(err, errlen, "bad group: %.60s %.100s", e.pointer, e.detail);
-                group_free(g);
-                goto done;
-            }
-            store_put_group(g, n + 8);
-        } else if (json_eq(p, t, name, "put_key")) {
-            if (store_apply_key(p, t, v, n) < 0) { snprintf(err, errlen, "bad token key"); goto done; }
-        } else if ((json_eq(p, t, name, "del_group") || json_eq(p, t, name, "del_key")) && is_uuid(p, t, v)) {
-            memcpy(id, p + t[v].start, 36), id[36] = 0;
-            if (json_eq(p, t, name, "del_group")) store_del_group(id);
-            else store_del_key(id);
-        } else {
+        const store_kind *K = NULL;
+        int put = 0;
+        for (size_t r = 0; r < sizeof KINDS / sizeof *KINDS; r++) {
+            if (json_eq(p, t, name, KINDS[r]->put_op)) K = KINDS[r], put = 1;
+            if (json_eq(p, t, name, KINDS[r]->del_op)) K = KINDS[r];
+        }
+        if (!K || (!put && !is_uuid(p, t, v))) {
             snprintf(err, errlen, "unknown operation");
             goto done;
         }
+        if (!put) {
+            memcpy(id, p + t[v].start, 36), id[36] = 0;
+            store_del(K, id);
+            continue;
+        }
+        stored *it = K->make();
+        if (K->parse(p, t, v, it, PARSE_LOG, &e) < 0 || !it->id[0] || !it->name || !it->version) {
+            snprintf(err, errlen, "bad %s: %.60s %.100s", K->noun, e.pointer, e.detail);
+            K->drop(it);
+            goto done;
+        }
+        store_put(K, it, n + 8);
     }
     if (iv >= 0 && store_apply_idem(p, t, iv, n) < 0) { snprintf(err, errlen, "bad idempotency record"); goto done; }
     rc = 0;
@@ -4529,16 +4615,16 @@ done:
     return rc;
 }
 
-/* The record that recreates one stored item, for the snapshot. */
-static void snapshot_item(buf *out, const char *op, void *item) {
+/* The record that recreates one stored item (K NULL: an idempotency
+ * record), for the snapshot. */
+static void snapshot_item(buf *out, const store_kind *K, void *item) {
     buf p = {0};
     jwriter w;
     jw_init(&w, &p);
     jw_open(&w, '{');
-    if (op) {
-        jw_key(&w, "ops"), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, op);
-        if (strcmp(op, "put_group") == 0) group_json(&w, item, 1);
-        else tkey_json(&w, item, 1);
+    if (K) {
+        jw_key(&w, "ops"), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, K->put_op);
+        K->json(&w, item, 1);
         jw_close(&w, '}'), jw_close(&w, ']');
     } else {
         jw_key(&w, "ops"), jw_open(&w, '['), jw_close(&w, ']');
@@ -4581,9 +4667,9 @@ static void compact_step(int64_t now) {
     buf out = {0};
     int budget = COMPACT_STEP;
     for (; LOG.gi < LOG.gend && budget; LOG.gi++)
-        if (ST.gv.p[LOG.gi]) snapshot_item(&out, "put_group", ST.gv.p[LOG.gi]), budget--;
+        if (ST.gv.p[LOG.gi]) snapshot_item(&out, &GROUPS, ST.gv.p[LOG.gi]), budget--;
     for (; LOG.gi == LOG.gend && LOG.ki < LOG.kend && budget; LOG.ki++)
-        if (ST.kv.p[LOG.ki]) snapshot_item(&out, "put_key", ST.kv.p[LOG.ki]), budget--;
+        if (ST.kv.p[LOG.ki]) snapshot_item(&out, &KEYS, ST.kv.p[LOG.ki]), budget--;
     for (; LOG.ki == LOG.kend && LOG.ii < LOG.iend && budget; LOG.ii++) {
         idem *r = ST.iv.p[LOG.ii];
         if (r && r->expires > now) snapshot_item(&out, NULL, r), budget--;
@@ -5475,7 +5561,7 @@ static void budget_refresh(allowance *a, int64_t now);
 static allowance *name_allowance(const char *name) {
     group *g = name[0] == 'g' ? group_find(name + 1) : NULL;
     tkey *k = name[0] == 'k' ? tkey_find(name + 1) : NULL;
-    return g ? &g->al : k && k->al.has_budget ? &k->al : NULL;
+    return g ? &g->s.al : k && k->s.al.has_budget ? &k->s.al : NULL;
 }
 
 typedef void spend_fn(const char *name, allowance *a, int64_t spent, void *ctx);
@@ -5588,14 +5674,14 @@ static void carry_spend(const char *name, allowance *a, int64_t spent, void *ctx
     carrying *c = ctx;
     group *g = name[0] == 'g' ? group_find(name + 1) : NULL;
     tkey *k = name[0] == 'k' ? tkey_find(name + 1) : NULL;
-    if ((!g || !g->al.has_budget) && !k) return;
+    if ((!g || !g->s.al.has_budget) && !k) return;
     if (carried_covers(a, c->s)) return; /* carried already: by another part of the day, or before */
     c->ch = xrealloc(c->ch, (size_t)(c->nch + 1) * sizeof *c->ch);
     budget_carry(a, seg_spent_since(c->s, name[0], name + 1, a->period_start), c->s, &c->ch[c->nch++]);
     jw_open(c->w, '{');
-    jw_key(c->w, g ? "put_group" : "put_key");
-    if (g) group_json(c->w, g, 1);
-    else tkey_json(c->w, k, 1);
+    jw_key(c->w, g ? GROUPS.put_op : KEYS.put_op);
+    if (g) group_json(c->w, &g->s, 1);
+    else tkey_json(c->w, &k->s, 1);
     jw_close(c->w, '}');
 }
 
@@ -5607,7 +5693,7 @@ static void forget_spend(seg_view *v, const char *s, size_t len, int64_t spent, 
     memcpy(id, s + 1, 36);
     id[36] = 0;
     group *g = group_find(id);
-    if (g && !g->al.has_budget) budget_forget(g, spent);
+    if (g && !g->s.al.has_budget) budget_forget(g, spent);
 }
 
 /* Delete the oldest day, a sealed one. What a group or a key with a budget
@@ -6044,7 +6130,7 @@ static void budget_uncarry(const carry_undo *u) { u->a->carry = u->carry, u->a->
 
 /* A day of a group without a budget is deleted: what it spent goes from
  * the spend it shows, which counts the days kept. */
-static void budget_forget(group *g, int64_t spent) { g->al.spend -= spent; }
+static void budget_forget(group *g, int64_t spent) { g->s.al.spend -= spent; }
 
 /* Does the carried spend of a cover day s (it was counted before s was deleted)? */
 static int carried_covers(const allowance *a, const segment *s) { return a->carry_to > s->day && a->carry_start == a->period_start; }
@@ -6077,11 +6163,11 @@ static void budget_rebuild(int64_t now) {
     for (int i = 0; i < ST.gv.n + ST.kv.n; i++) {
         group *g = i < ST.gv.n ? ST.gv.p[i] : NULL;
         tkey *k = i < ST.gv.n ? NULL : ST.kv.p[i - ST.gv.n];
-        allowance *a = g ? &g->al : k ? &k->al : NULL;
+        allowance *a = g ? &g->s.al : k ? &k->s.al : NULL;
         if (!a) continue;
         a->period_start = -1, a->period_end = 0; /* no period yet: budget_refresh starts the current one */
         budget_refresh(a, now);
-        warn_long_period(a, g ? "token group" : "token key", g ? g->id : k->id);
+        warn_long_period(a, g ? "token group" : "token key", g ? g->s.id : k->s.id);
     }
     for (int i = 0; i < LG.nseg; i++) seg_spends(LG.seg[i], now, rebuild_add, LG.seg[i]);
 }
@@ -7291,6 +7377,9 @@ static const char *request_bearer(conn *c, size_t *n) {
  *   3. Parse and validate on a copy (section 11): 400 changes nothing.
  *   4. One log record with the change and its idempotency record, fsynced
  *      (section 12); only then the copy replaces the original in memory.
+ * Groups and keys are served by the same handlers (item_get, item_list,
+ * item_create, item_update, item_delete) over their row of section 11;
+ * admin_change is the one step every change takes.
  */
 #define API_PREFIX "/v2/llm_token_gateway"
 
@@ -7491,24 +7580,18 @@ static int idem_begin(conn *c, const admin_who *who, idem_ticket *tk) {
     return 0;
 }
 
-/* What a change does to memory once its record is on disk, and how its
- * item is let go when the log refused it. */
-typedef struct {
-    void (*apply)(void *item, size_t rec_bytes);
-    void (*drop)(void *item);
-} change_kind;
-
 /* Step 4 of every change: log `ops` (a JSON array) with the idempotency
- * record of its answer -- `stored` (a body) with `stored_status` and
- * `version` -- fsync, and only then apply it to memory and answer `reply`
- * with `status`. (They differ for a key's creation alone: its answer shows
- * the secret once, a replay of it does not.) When the log refuses: 503,
- * nothing applied, the item dropped. */
-static void admin_change(conn *c, const idem_ticket *tk, const buf *ops, const change_kind *kind, void *item, int status, long long version,
-                         const buf *reply, int stored_status, const buf *stored) {
+ * record of its answer -- `kept` (a body) with `kept_status` and
+ * `version` -- fsync, and only then apply it to memory (`it` put in the
+ * store, or, with `del`, deleted from it) and answer `reply` with
+ * `status`. (They differ for a key's creation alone: its answer shows the
+ * secret once, a replay of it does not.) When the log refuses: 503,
+ * nothing applied, a new item dropped. */
+static void admin_change(conn *c, const idem_ticket *tk, const buf *ops, const store_kind *K, stored *it, int del, int status,
+                         long long version, const buf *reply, int kept_status, const buf *kept) {
     idem *r = xcalloc(1, sizeof *r);
     memcpy(r->key, tk->key, 32), memcpy(r->body, tk->body, 32);
-    r->status = stored_status, r->version = version, r->response = xstrdup(stored->p);
+    r->status = kept_status, r->version = version, r->response = xstrdup(kept->p);
     r->expires = wall_ms() + IDEM_TTL_MS;
     buf p = {0};
     jwriter w;
@@ -7523,38 +7606,15 @@ static void admin_change(conn *c, const idem_ticket *tk, const buf *ops, const c
     buf_free(&p);
     if (rc < 0) {
         idem_free(r);
-        if (kind->drop) kind->drop(item);
+        if (!del) K->drop(it);
         admin_error(c, 503, "storage_unavailable", NULL, 0, "%s", why);
         return;
     }
     store_put_idem(r, idem_bytes);
-    kind->apply(item, ops->len + 8); /* what the change alone would take in a snapshot */
+    if (del) store_del(K, it->id);
+    else store_put(K, it, ops->len + 8); /* what the change alone would take in a snapshot */
     admin_reply(c, status, version, 0, reply->p, reply->len);
 }
-
-static void put_group_apply(void *g, size_t rec) { store_put_group(g, rec); }
-static void group_drop(void *g) { group_free(g); }
-static void put_key_apply(void *k, size_t rec) { store_put_key(k, rec); }
-static void key_drop(void *k) { tkey_free(k); }
-static void del_key_apply(void *k, size_t rec) { (void)rec, store_del_key(((tkey *)k)->id); }
-
-/* A group's deletion revokes its keys in the same record. */
-static void del_group_apply(void *item, size_t rec) {
-    group *g = item;
-    int frozen = ST.frozen;
-    (void)rec;
-    ST.frozen = 1; /* the walk below must not have the vector squeezed under it */
-    for (int i = 0; i < ST.kv.n; i++) {
-        tkey *k = ST.kv.p[i];
-        if (k && strcmp(k->group_id, g->id) == 0) store_del_key(k->id);
-    }
-    ST.frozen = frozen;
-    vec_squeeze(&ST.kv);
-    store_del_group(g->id);
-}
-
-static const change_kind PUT_GROUP = {put_group_apply, group_drop}, DEL_GROUP = {del_group_apply, NULL},
-                         PUT_KEY = {put_key_apply, key_drop}, DEL_KEY = {del_key_apply, NULL};
 
 /* Parse an admin request body; 0, or LTG_ERR after a 400 invalid_json. */
 static int admin_body(conn *c, json_tok **t) {
@@ -7572,142 +7632,160 @@ static int admin_body(conn *c, json_tok **t) {
 
 static void data_open(jwriter *w, buf *b) { jw_init(w, b), jw_open(w, '{'), jw_key(w, "data"); }
 
-/* The {id} of a path names nothing: 404 -- unless it is a change whose
- * Idempotency-Key has a kept answer (the retry of a DELETE that did
- * succeed): that answer, again. */
-static void admin_missing(conn *c, const admin_who *who, const char *what) {
+/* {"data": it}, as the API shows it. */
+static void item_body(buf *b, const store_kind *K, const stored *it) {
+    jwriter w;
+    data_open(&w, b);
+    K->json(&w, it, 0);
+    jw_close(&w, '}');
+}
+
+/* The {id} of a path names no item of kind K: 404 -- unless it is a
+ * change whose Idempotency-Key has a kept answer (the retry of a DELETE
+ * that did succeed): that answer, again. NULL when answered. */
+static stored *admin_item(conn *c, const admin_who *who, const store_kind *K, const char *id) {
+    stored *it = store_find(K, id);
+    if (it) return it;
     idem_ticket tk;
     size_t n;
-    if (!method_is(c, "GET") && http_header_get(c->in.p, c->req.h, c->req.nh, "idempotency-key", &n) && !idem_begin(c, who, &tk)) return;
-    admin_error(c, 404, "not_found", NULL, 0, "%s", what);
+    if (!method_is(c, "GET") && http_header_get(c->in.p, c->req.h, c->req.nh, "idempotency-key", &n) && !idem_begin(c, who, &tk)) return NULL;
+    admin_error(c, 404, "not_found", NULL, 0, "no %s has this id", K->noun);
+    return NULL;
+}
+
+/* Step 3: lay the body over `it` and check the result; 0, or LTG_ERR
+ * after a 400 (it dropped). Frees the tokens either way. */
+static int item_parse(conn *c, const store_kind *K, json_tok *t, stored *it, int mode) {
+    verr e = {0};
+    int bad = K->parse(c->body.p, t, 0, it, mode, &e) < 0 || K->validate(it, S.cat, &e) < 0;
+    free(t);
+    if (!bad) return 0;
+    admin_verr(c, &e);
+    K->drop(it);
+    return LTG_ERR;
 }
 
 /* GET /token_groups/{id}, GET /token_keys/{id} */
-static void groups_get(conn *c, const admin_who *who, const char *id) {
-    group *g = group_find(id);
-    if (!g) { admin_missing(c, who, "no token group has this id"); return; }
+static void item_get(conn *c, const admin_who *who, const char *id, const store_kind *K) {
+    stored *it = admin_item(c, who, K, id);
+    if (!it) return;
     buf b = {0};
-    jwriter w;
-    data_open(&w, &b), group_json(&w, g, 0), jw_close(&w, '}');
-    admin_reply(c, 200, g->version, 0, b.p, b.len);
+    item_body(&b, K, it);
+    admin_reply(c, 200, it->version, 0, b.p, b.len);
     buf_free(&b);
 }
 
-static void keys_get(conn *c, const admin_who *who, const char *id) {
-    tkey *k = tkey_find(id);
-    if (!k) { admin_missing(c, who, "no token key has this id"); return; }
-    buf b = {0};
+/* Step 4 for a new or changed item: log its new state with the answer,
+ * then swap it in (or drop it when the log refused). A new key's answer
+ * also shows its secret. */
+static void item_commit(conn *c, const idem_ticket *tk, const store_kind *K, stored *it, int status, const char *secret) {
+    budget_follow(&it->al, K->ledger, it->id, wall_ms());
+    buf ops = {0}, body = {0}, shown = {0};
     jwriter w;
-    data_open(&w, &b), tkey_json(&w, k, 0), jw_close(&w, '}');
-    admin_reply(c, 200, k->version, 0, b.p, b.len);
-    buf_free(&b);
+    jw_init(&w, &ops);
+    jw_open(&w, '[');
+    jw_open(&w, '{');
+    jw_key(&w, K->put_op);
+    K->json(&w, it, 1);
+    jw_close(&w, '}');
+    jw_close(&w, ']');
+    item_body(&body, K, it);
+    if (secret) { /* the answer is the replay's data plus the secret */
+        buf_append(&shown, body.p, body.len - 2);
+        buf_printf(&shown, ",\"token\":\"%s\"}}", secret);
+    }
+    admin_change(c, tk, &ops, K, it, 0, status, it->version, secret ? &shown : &body, secret ? 200 : status, &body);
+    if (secret) memset(shown.p, 0, shown.len);
+    buf_free(&ops), buf_free(&body), buf_free(&shown);
 }
 
-/* Step 4 for a group: log its new state with the answer, then swap it in
- * (or drop it when the log refused). */
-static void group_commit(conn *c, const idem_ticket *tk, group *g, int status) {
-    budget_follow(&g->al, 'g', g->id, wall_ms());
-    buf ops = {0}, body = {0};
-    jwriter w;
-    jw_init(&w, &ops), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, "put_group"), group_json(&w, g, 1), jw_close(&w, '}'), jw_close(&w, ']');
-    data_open(&w, &body), group_json(&w, g, 0), jw_close(&w, '}');
-    admin_change(c, tk, &ops, &PUT_GROUP, g, status, g->version, &body, status, &body);
-    buf_free(&ops), buf_free(&body);
-}
-
-/* POST /token_groups */
-static void groups_create(conn *c, const admin_who *who, const char *id) {
+/* POST /token_groups, POST /token_keys (a key's secret is shown in this
+ * answer and never again). */
+static void item_create(conn *c, const admin_who *who, const char *id, const store_kind *K) {
     (void)id;
     idem_ticket tk;
     json_tok *t;
     if (!idem_begin(c, who, &tk) || admin_body(c, &t) < 0) return;
-    group *g = group_new();
-    verr e = {0};
-    if (group_parse(c->body.p, t, 0, g, PARSE_CREATE, &e) < 0 || group_validate(g, S.cat, &e) < 0) {
-        admin_verr(c, &e);
-        group_free(g), free(t);
-        return;
-    }
-    free(t);
-    uuid_new(g->id);
-    g->version = 1;
-    g->created_at = g->updated_at = wall_ms();
-    allow_start(&g->al, g->created_at);
-    group_commit(c, &tk, g, 201);
+    stored *it = K->make();
+    if (item_parse(c, K, t, it, PARSE_CREATE) < 0) return;
+    uuid_new(it->id);
+    it->version = 1;
+    it->created_at = it->updated_at = wall_ms();
+    allow_start(&it->al, it->created_at);
+    char secret[64] = "";
+    if (K->secret) K->secret(it, secret);
+    item_commit(c, &tk, K, it, 201, K->secret ? secret : NULL);
+    memset(secret, 0, sizeof secret);
 }
 
-/* PATCH /token_groups/{id} */
-static void groups_update(conn *c, const admin_who *who, const char *id) {
-    group *cur = group_find(id);
-    if (!cur) { admin_missing(c, who, "no token group has this id"); return; }
+/* PATCH /token_groups/{id}, PATCH /token_keys/{id}: omitted fields kept,
+ * null clears; a change that changes nothing makes no new version. */
+static void item_update(conn *c, const admin_who *who, const char *id, const store_kind *K) {
+    stored *cur = admin_item(c, who, K, id);
+    if (!cur) return;
     idem_ticket tk;
     json_tok *t;
     if (!idem_begin(c, who, &tk) || !if_match(c, cur->version) || admin_body(c, &t) < 0) return;
-    group *g = group_clone(cur);
-    verr e = {0};
-    if (group_parse(c->body.p, t, 0, g, PARSE_PATCH, &e) < 0 || group_validate(g, S.cat, &e) < 0) {
-        admin_verr(c, &e);
-        group_free(g), free(t);
-        return;
-    }
-    free(t);
+    stored *it = K->clone(cur);
+    if (item_parse(c, K, t, it, PARSE_PATCH) < 0) return;
     buf before = {0}, after = {0};
     jwriter w;
-    jw_init(&w, &before), group_json(&w, cur, 1);
-    jw_init(&w, &after), group_json(&w, g, 1);
+    jw_init(&w, &before), K->json(&w, cur, 1);
+    jw_init(&w, &after), K->json(&w, it, 1);
     int same = before.len == after.len && memcmp(before.p, after.p, before.len) == 0;
     buf_free(&before), buf_free(&after);
-    if (same) { /* nothing changes: no new version, nothing to log */
-        buf b = {0};
-        data_open(&w, &b), group_json(&w, cur, 0), jw_close(&w, '}');
-        admin_reply(c, 200, cur->version, 0, b.p, b.len);
-        buf_free(&b), group_free(g);
+    if (same) { /* nothing to log */
+        K->drop(it);
+        item_get(c, who, id, K);
         return;
     }
-    g->version = cur->version + 1;
-    g->updated_at = wall_ms();
-    allow_reanchor(&g->al, &cur->al, g->updated_at);
-    group_commit(c, &tk, g, 200);
+    it->version = cur->version + 1;
+    it->updated_at = wall_ms();
+    allow_reanchor(&it->al, &cur->al, it->updated_at);
+    item_commit(c, &tk, K, it, 200, NULL);
 }
 
-/* DELETE /token_groups/{id}: the group and all its keys, in one record. */
-static void groups_delete(conn *c, const admin_who *who, const char *id) {
-    group *g = group_find(id);
-    if (!g) { admin_missing(c, who, "no token group has this id"); return; }
+/* DELETE /token_groups/{id} (the group and all its keys, in one record),
+ * DELETE /token_keys/{id}: from now on its key or keys get 401. */
+static void item_delete(conn *c, const admin_who *who, const char *id, const store_kind *K) {
+    stored *it = admin_item(c, who, K, id);
+    if (!it) return;
     idem_ticket tk;
-    if (!idem_begin(c, who, &tk) || !if_match(c, g->version)) return;
+    if (!idem_begin(c, who, &tk) || !if_match(c, it->version)) return;
     buf ops = {0}, body = {0};
     jwriter w;
-    jw_init(&w, &ops), jw_open(&w, '[');
-    jw_open(&w, '{'), jw_key(&w, "del_group"), jw_cstr(&w, g->id), jw_close(&w, '}');
-    for (int i = 0; i < ST.kv.n; i++) {
-        tkey *k = ST.kv.p[i];
-        if (k && strcmp(k->group_id, g->id) == 0) jw_open(&w, '{'), jw_key(&w, "del_key"), jw_cstr(&w, k->id), jw_close(&w, '}');
-    }
+    jw_init(&w, &ops);
+    jw_open(&w, '[');
+    jw_open(&w, '{');
+    jw_key(&w, K->del_op);
+    jw_cstr(&w, it->id);
+    jw_close(&w, '}');
     jw_close(&w, ']');
-    data_open(&w, &body), group_json(&w, g, 0), jw_close(&w, '}');
-    admin_change(c, &tk, &ops, &DEL_GROUP, g, 200, 0, &body, 200, &body);
+    item_body(&body, K, it);
+    admin_change(c, &tk, &ops, K, it, 1, 200, 0, &body, 200, &body);
     buf_free(&ops), buf_free(&body);
 }
 
 /* GET /token_groups, GET /token_keys (a token_group_id filter: only that
  * group's keys): a page of them in creation order. */
-static void store_list(conn *c, const vec *v, int keys) {
+static void item_list(conn *c, const admin_who *who, const char *id, const store_kind *K) {
+    (void)who, (void)id;
     int number, size;
     if (page_params(c, &number, &size) < 0) return;
-    char gid[64];
-    const char *filter = keys ? query_get(c, "token_group_id", "filter[token_group_id]", gid, sizeof gid) : NULL;
+    char parent[64], alias[64];
+    snprintf(alias, sizeof alias, "filter[%s]", K->filter ? K->filter : "");
+    const char *filter = K->filter ? query_get(c, K->filter, alias, parent, sizeof parent) : NULL;
     buf b = {0};
     jwriter w;
     jw_init(&w, &b), jw_open(&w, '{'), jw_key(&w, "data"), jw_open(&w, '[');
     long long skip = (long long)(number - 1) * size;
     int shown = 0, total = 0;
-    for (int i = 0; i < v->n; i++) {
-        if (!v->p[i] || (filter && strcmp(((const tkey *)v->p[i])->group_id, filter) != 0)) continue;
+    for (int i = 0; i < K->all->n; i++) {
+        const stored *it = K->all->p[i];
+        if (!it || (filter && strcmp(K->parent(it), filter) != 0)) continue;
         total++;
-        if (skip) { skip--; continue; }
-        if (shown < size && keys) tkey_json(&w, v->p[i], 0), shown++;
-        else if (shown < size) group_json(&w, v->p[i], 0), shown++;
+        if (skip) skip--;
+        else if (shown < size) K->json(&w, it, 0), shown++;
     }
     jw_close(&w, ']');
     page_meta(&w, number, size, total);
@@ -7715,110 +7793,6 @@ static void store_list(conn *c, const vec *v, int keys) {
     admin_reply(c, 200, 0, 0, b.p, b.len);
     buf_free(&b);
 }
-
-static void groups_list(conn *c, const admin_who *who, const char *id) { (void)who, (void)id, store_list(c, &ST.gv, 0); }
-
-/* The state log's ops that store key k as it is now. */
-static void key_ops(buf *ops, const tkey *k) {
-    jwriter w;
-    jw_init(&w, ops), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, "put_key"), tkey_json(&w, k, 1), jw_close(&w, '}'), jw_close(&w, ']');
-}
-
-/* POST /token_keys: the secret is shown in this answer and never again. */
-static void keys_create(conn *c, const admin_who *who, const char *id) {
-    (void)id;
-    idem_ticket tk;
-    json_tok *t;
-    if (!idem_begin(c, who, &tk) || admin_body(c, &t) < 0) return;
-    tkey *k = tkey_new();
-    verr e = {0};
-    if (tkey_parse(c->body.p, t, 0, k, PARSE_CREATE, &e) < 0 || tkey_validate(k, &e) < 0) {
-        admin_verr(c, &e);
-        tkey_free(k), free(t);
-        return;
-    }
-    free(t);
-    uuid_new(k->id);
-    k->version = 1;
-    k->created_at = k->updated_at = wall_ms();
-    allow_start(&k->al, k->created_at);
-    uint8_t raw[32];
-    char secret[64] = "ltg_sk_";
-    static const char b64url[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
-    os_random(raw, sizeof raw);
-    for (int b = 0, o = 7; b < 256; b += 6) { /* 256 bits as 43 base64url characters */
-        int byte = b / 8, shift = b % 8;
-        unsigned v = (unsigned)raw[byte] << 8 | (byte + 1 < 32 ? raw[byte + 1] : 0);
-        secret[o++] = b64url[(v >> (10 - shift)) & 63];
-        secret[o] = 0;
-    }
-    sha256(secret, strlen(secret), k->hash);
-    memset(raw, 0, sizeof raw);
-    buf ops = {0}, body = {0}, replay = {0};
-    jwriter w;
-    key_ops(&ops, k);
-    data_open(&w, &replay), tkey_json(&w, k, 0), jw_close(&w, '}');
-    /* The answer is the replay's data plus the secret. */
-    buf_append(&body, replay.p, replay.len - 2);
-    buf_printf(&body, ",\"token\":\"%s\"}}", secret);
-    memset(secret, 0, sizeof secret);
-    admin_change(c, &tk, &ops, &PUT_KEY, k, 201, 1, &body, 200, &replay);
-    memset(body.p, 0, body.len);
-    buf_free(&ops), buf_free(&body), buf_free(&replay);
-}
-
-/* PATCH /token_keys/{id}: its name, allowance, blocked -- as a group's PATCH. */
-static void keys_update(conn *c, const admin_who *who, const char *id) {
-    tkey *cur = tkey_find(id);
-    if (!cur) { admin_missing(c, who, "no token key has this id"); return; }
-    idem_ticket tk;
-    json_tok *t;
-    if (!idem_begin(c, who, &tk) || !if_match(c, cur->version) || admin_body(c, &t) < 0) return;
-    tkey *k = tkey_clone(cur);
-    verr e = {0};
-    if (tkey_parse(c->body.p, t, 0, k, PARSE_PATCH, &e) < 0 || tkey_validate(k, &e) < 0) {
-        admin_verr(c, &e);
-        tkey_free(k), free(t);
-        return;
-    }
-    free(t);
-    buf before = {0}, after = {0}, ops = {0}, body = {0};
-    jwriter w;
-    jw_init(&w, &before), tkey_json(&w, cur, 1);
-    jw_init(&w, &after), tkey_json(&w, k, 1);
-    int same = before.len == after.len && memcmp(before.p, after.p, before.len) == 0;
-    buf_free(&before), buf_free(&after);
-    if (same) { /* nothing changes: no new version, nothing to log */
-        data_open(&w, &body), tkey_json(&w, cur, 0), jw_close(&w, '}');
-        admin_reply(c, 200, cur->version, 0, body.p, body.len);
-        buf_free(&body), tkey_free(k);
-        return;
-    }
-    k->version = cur->version + 1;
-    k->updated_at = wall_ms();
-    allow_reanchor(&k->al, &cur->al, k->updated_at);
-    budget_follow(&k->al, 'k', k->id, k->updated_at);
-    key_ops(&ops, k);
-    data_open(&w, &body), tkey_json(&w, k, 0), jw_close(&w, '}');
-    admin_change(c, &tk, &ops, &PUT_KEY, k, 200, k->version, &body, 200, &body);
-    buf_free(&ops), buf_free(&body);
-}
-
-/* DELETE /token_keys/{id}: from now on the key gets 401. */
-static void keys_delete(conn *c, const admin_who *who, const char *id) {
-    tkey *k = tkey_find(id);
-    if (!k) { admin_missing(c, who, "no token key has this id"); return; }
-    idem_ticket tk;
-    if (!idem_begin(c, who, &tk) || !if_match(c, k->version)) return;
-    buf ops = {0}, body = {0};
-    jwriter w;
-    jw_init(&w, &ops), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, "del_key"), jw_cstr(&w, k->id), jw_close(&w, '}'), jw_close(&w, ']');
-    data_open(&w, &body), tkey_json(&w, k, 0), jw_close(&w, '}');
-    admin_change(c, &tk, &ops, &DEL_KEY, k, 200, 0, &body, 200, &body);
-    buf_free(&ops), buf_free(&body);
-}
-
-static void keys_list(conn *c, const admin_who *who, const char *id) { (void)who, (void)id, store_list(c, &ST.kv, 1); }
 
 /* The half-open UTC date range [start_date, end_date) of a ledger query:
  * both or neither (neither: yesterday), at most 31 days. 0, or LTG_ERR
@@ -7853,7 +7827,8 @@ static void retained_from_meta(jwriter *w, int64_t start) {
 /* GET /spend/events (README "The consumption ledger"). A snapshot is the ledger's last day and
  * how many events it had: later pages see the days before it and that
  * many of its events, however many arrive meanwhile. */
-static void spend_events(conn *c, const admin_who *who, const char *id) {
+static void spend_events(conn *c, const admin_who *who, const char *id, const store_kind *K) {
+    (void)K;
     (void)who, (void)id;
     int64_t start, end;
     int number, size;
@@ -7904,7 +7879,8 @@ static void usage_json(jwriter *w, const usage_row *r) {
 
 /* GET /usage/summary (README "The consumption ledger"): totals, every day of the range, each
  * model -- from the days' rollups, and today's events. */
-static void usage_summary(conn *c, const admin_who *who, const char *id) {
+static void usage_summary(conn *c, const admin_who *who, const char *id, const store_kind *K) {
+    (void)K;
     (void)who, (void)id;
     int64_t start, end;
     if (range_params(c, &start, &end) < 0) return;
@@ -7918,8 +7894,8 @@ static void usage_summary(conn *c, const admin_who *who, const char *id) {
     if (now >= start && now < end) /* what requests in flight hold now belongs to today */
         for (int i = 0; i < ST.gv.n; i++) {
             group *g = ST.gv.p[i];
-            if (g && (!gf || strcmp(gid, g->id) == 0))
-                total.reserved += g->al.reserved, by_day[(now - start) / DAY_MS].reserved += g->al.reserved;
+            if (g && (!gf || strcmp(gid, g->s.id) == 0))
+                total.reserved += g->s.al.reserved, by_day[(now - start) / DAY_MS].reserved += g->s.al.reserved;
         }
     buf b = {0};
     jwriter w;
@@ -7947,26 +7923,28 @@ static void usage_summary(conn *c, const admin_who *who, const char *id) {
 }
 
 /* The control plane's endpoints: a path under API_PREFIX ("{id}" is one
- * segment), a method, the permission it needs, and its handler. */
+ * segment), a method, the permission it needs, its handler, and the kind
+ * of item it serves (NULL: none). */
 typedef struct {
     const char *method, *path;
     int perm;
-    void (*serve)(conn *c, const admin_who *who, const char *id);
+    void (*serve)(conn *c, const admin_who *who, const char *id, const store_kind *K);
+    const store_kind *kind;
 } admin_endpoint;
 
 static const admin_endpoint admin_endpoints[] = {
-    {"GET", "/token_groups", PERM_GROUPS_READ, groups_list},
-    {"POST", "/token_groups", PERM_GROUPS_WRITE, groups_create},
-    {"GET", "/token_groups/{id}", PERM_GROUPS_READ, groups_get},
-    {"PATCH", "/token_groups/{id}", PERM_GROUPS_WRITE, groups_update},
-    {"PATCH", "/token_keys/{id}", PERM_KEYS_WRITE, keys_update},
-    {"DELETE", "/token_groups/{id}", PERM_GROUPS_WRITE, groups_delete},
-    {"GET", "/token_keys", PERM_KEYS_READ, keys_list},
-    {"POST", "/token_keys", PERM_KEYS_WRITE, keys_create},
-    {"GET", "/token_keys/{id}", PERM_KEYS_READ, keys_get},
-    {"DELETE", "/token_keys/{id}", PERM_KEYS_WRITE, keys_delete},
-    {"GET", "/spend/events", PERM_SPEND_READ, spend_events},
-    {"GET", "/usage/summary", PERM_USAGE_READ, usage_summary},
+    {"GET", "/token_groups", PERM_GROUPS_READ, item_list, &GROUPS},
+    {"POST", "/token_groups", PERM_GROUPS_WRITE, item_create, &GROUPS},
+    {"GET", "/token_groups/{id}", PERM_GROUPS_READ, item_get, &GROUPS},
+    {"PATCH", "/token_groups/{id}", PERM_GROUPS_WRITE, item_update, &GROUPS},
+    {"DELETE", "/token_groups/{id}", PERM_GROUPS_WRITE, item_delete, &GROUPS},
+    {"GET", "/token_keys", PERM_KEYS_READ, item_list, &KEYS},
+    {"POST", "/token_keys", PERM_KEYS_WRITE, item_create, &KEYS},
+    {"GET", "/token_keys/{id}", PERM_KEYS_READ, item_get, &KEYS},
+    {"PATCH", "/token_keys/{id}", PERM_KEYS_WRITE, item_update, &KEYS},
+    {"DELETE", "/token_keys/{id}", PERM_KEYS_WRITE, item_delete, &KEYS},
+    {"GET", "/spend/events", PERM_SPEND_READ, spend_events, NULL},
+    {"GET", "/usage/summary", PERM_USAGE_READ, usage_summary, NULL},
 };
 
 /* Does `path` match `pattern`? The {id} segment goes to id. */
@@ -8004,7 +7982,7 @@ static void admin_route(conn *c) {
     } else if (!hit) {
         admin_error(c, 405, "method_not_allowed", NULL, 0, "use %s on %.100s", allow, path);
     } else if (admin_allowed(c, &who, hit->perm)) {
-        hit->serve(c, &who, id);
+        hit->serve(c, &who, id, hit->kind);
     }
 }
 
@@ -8528,7 +8506,7 @@ static void exchange_cost_headers(exchange *x, int64_t cost, buf *h) {
     buf_puts(h, "x-ltg-cost: ");
     buf_usd(h, cost > 0 ? cost : 0);
     group *g = group_find(x->group_id);
-    int64_t left = g ? budget_left(&g->al, wall_ms()) : -1;
+    int64_t left = g ? budget_left(&g->s.al, wall_ms()) : -1;
     if (left >= 0) buf_puts(h, "\r\nx-ltg-budget-remaining: "), buf_usd(h, left);
     buf_puts(h, "\r\n");
 }
@@ -8628,7 +8606,7 @@ static void attempt_price(exchange *x, attempt_entry *e, const upstream *u, cons
 static void exchange_allowances(const exchange *x, allowance *al[2]) {
     tkey *k = tkey_find(x->key_id);
     group *g = group_find(x->group_id);
-    al[0] = k ? &k->al : NULL, al[1] = g ? &g->al : NULL;
+    al[0] = k ? &k->s.al : NULL, al[1] = g ? &g->s.al : NULL;
 }
 
 /* Bill attempt e (attempt_price), once: what its worst case held beyond
@@ -8715,7 +8693,7 @@ static void exchange_book(exchange *x, const char *keep, size_t keep_len) {
             static const char *const type[NTOK] = {"input", "cache_read", "cache_write", NULL, "output", "reasoning"};
             if (type[c] && x->log[i].tok[c]) metric_add(M_TOKENS, (double)x->log[i].tok[c], "model", x->chain[x->log[i].model]->alias, "type", type[c], NULL);
         }
-    if (cost > 0 && g) metric_add(M_SPEND, (double)cost / MICRO, "token_group", g->name, "model", m ? m->alias : x->chain[0]->alias, NULL);
+    if (cost > 0 && g) metric_add(M_SPEND, (double)cost / MICRO, "token_group", g->s.name, "model", m ? m->alias : x->chain[0]->alias, NULL);
     if (x->kind->free) return; /* counting tokens costs nothing and leaves no event */
     buf e = {0};
     exchange_event_json(x, m, tok, cost, estimated, now, &e);
@@ -9021,12 +8999,12 @@ static int attempt_hold(exchange *x) {
     group *g = group_find(x->group_id);
     allowance *al[2];
     int n = 0;
-    if (k) al[n++] = &k->al;
-    if (g) al[n++] = &g->al;
+    if (k) al[n++] = &k->s.al;
+    if (g) al[n++] = &g->s.al;
     hold_refusal why = {0, "max_budget", 0};
     if (x->w.cost <= MAX_CHARGE && hold_reserve(al, n, x->w.cost, x->w.in + x->w.out, wall_ms(), &x->hold, &why) == 0) return 0;
     const allowance *a = x->w.cost <= MAX_CHARGE ? al[why.who] : NULL;
-    const char *whose = a && g && a == &g->al ? "this key's group" : "this key";
+    const char *whose = a && g && a == &g->s.al ? "this key's group" : "this key";
     char msg[400];
     if (a && why.wait)
         snprintf(msg, sizeof msg, "the next attempt, on %s, may use up to %lld tokens, and %s allows %lld a minute: the request ends here",
@@ -9405,8 +9383,8 @@ static int admit_key(admission *a, refusal *r) {
         a->g = NULL;
         return refuse(r, 401, "invalid_api_key", NULL, "invalid API key: unknown or revoked (admin keys are not accepted here)");
     }
-    if (a->key->blocked) return refuse(r, 403, "key_blocked", NULL, "this token key is blocked (an admin unblocks it: PATCH /token_keys/{id} with \"blocked\": false)");
-    return a->g->blocked ? refuse(r, 403, "group_blocked", NULL, "this key's token group is blocked") : ADMIT;
+    if (a->key->s.blocked) return refuse(r, 403, "key_blocked", NULL, "this token key is blocked (an admin unblocks it: PATCH /token_keys/{id} with \"blocked\": false)");
+    return a->g->s.blocked ? refuse(r, 403, "group_blocked", NULL, "this key's token group is blocked") : ADMIT;
 }
 
 /* json_scan's callback: an image, audio or file part of a prompt, in any
@@ -9463,7 +9441,7 @@ static int admit_model(admission *a, refusal *r) {
         buf id = {0};
         a->shape.added = -1; /* the conversation the provider adds: the model's context_window, or what the pin knows */
         json_unescape(a->body, a->t, prev, &id);
-        pinned = id.p ? pin_get(a->g->id, id.p, id.len, &dep, &a->shape.added) : NULL; /* it lives in the pin, not in id */
+        pinned = id.p ? pin_get(a->g->s.id, id.p, id.len, &dep, &a->shape.added) : NULL; /* it lives in the pin, not in id */
         buf_free(&id);
     }
     if (pinned) {
@@ -9557,7 +9535,7 @@ static int admit_idempotency(admission *a, refusal *r) {
     if (a->ikn == 0 || a->ikn > 255) return refuse(r, 400, "invalid_request", NULL, "Idempotency-Key must be 1 to 255 characters");
     br_sha256_context h;
     br_sha256_init(&h);
-    br_sha256_update(&h, a->key->id, 36);
+    br_sha256_update(&h, a->key->s.id, 36);
     br_sha256_update(&h, a->ik, a->ikn);
     br_sha256_out(&h, a->idem_key);
     sha256(a->body, a->c->body.len, a->body_hash);
@@ -9590,7 +9568,7 @@ static int admit_storage(admission *a, refusal *r) {
  * refused by another holds nothing. */
 static int admit_hold(admission *a, refusal *r) {
     if (a->kind->free) return ADMIT;
-    allowance *al[2] = {&a->key->al, &a->g->al};
+    allowance *al[2] = {&a->key->s.al, &a->g->s.al};
     static const char *const whose[2] = {"this key", "this key's group"};
     worst w0 = worst_case(&a->shape, a->chain[0]); /* the first attempt's: each later one is held when it starts */
     int64_t cost = w0.cost, tok = w0.in + w0.out;
@@ -9605,7 +9583,7 @@ static int admit_hold(admission *a, refusal *r) {
     if (hold_reserve(al, 2, cost, tok, wall_ms(), &a->hold, &why) == 0) return ADMIT;
     const allowance *w = al[why.who];
     if (why.wait) {
-        metric_add(M_RATE_LIMITED, 1, "token_group", a->g->name, "scope", why.who ? "group" : "key", "limit", why.limit, NULL);
+        metric_add(M_RATE_LIMITED, 1, "token_group", a->g->s.name, "scope", why.who ? "group" : "key", "limit", why.limit, NULL);
         snprintf(a->retry_after, sizeof a->retry_after, "Retry-After: %ld\r\n", why.wait);
         return refuse(r, 429, "rate_limited", a->retry_after, "%s allows %lld %s a minute and the last minute used them: retry after %ld s", whose[why.who],
                       why.limit[0] == 'r' ? w->rpm_limit : w->tpm_limit, why.limit[0] == 'r' ? "requests" : "tokens", why.wait);
@@ -9625,8 +9603,8 @@ static void inference_refuse(admission *a, const refusal *r) {
     buf h = {0};
     if (r->headers) buf_puts(&h, r->headers);
     buf_puts(&h, "x-ltg-cost: 0.000000\r\n");
-    if (a->g && a->g->al.has_budget)
-        buf_printf(&h, "x-ltg-budget-remaining: %.6f\r\n", budget_remaining(&a->g->al, wall_ms()));
+    if (a->g && a->g->s.al.has_budget)
+        buf_printf(&h, "x-ltg-budget-remaining: %.6f\r\n", budget_remaining(&a->g->s.al, wall_ms()));
     conn_error(a->c, r->status, r->code, h.p, "%s", r->msg);
     buf_free(&h);
 }
@@ -9638,7 +9616,7 @@ static exchange *exchange_new(admission *a) {
     x->cat->refs++;
     S.nexchanges++;
     memcpy(x->rid, a->c->rid, sizeof x->rid);
-    memcpy(x->group_id, a->g->id, 37), memcpy(x->key_id, a->key->id, 37);
+    memcpy(x->group_id, a->g->s.id, 37), memcpy(x->key_id, a->key->s.id, 37);
     memcpy(x->chain, a->chain, sizeof x->chain), x->nchain = a->nchain;
     conn_header(a->c, "anthropic-version", x->anthropic_version, sizeof x->anthropic_version);
     conn_header(a->c, "anthropic-beta", x->anthropic_beta, sizeof x->anthropic_beta);
@@ -9658,7 +9636,7 @@ static exchange *exchange_new(admission *a) {
     timer_init(&x->deadline, exchange_deadline, x);
     timer_init(&x->t, exchange_timer, x);
     if (a->g->cache_ttl > 0) x->cache_mode = a->stream || a->bypass ? CACHE_BYPASS : CACHE_MISS;
-    if (x->cache_mode == CACHE_MISS) cache_keyof(a->g->id, a->kind->path, a->name.p, a->body, a->c->body.len, x->cache_key);
+    if (x->cache_mode == CACHE_MISS) cache_keyof(a->g->s.id, a->kind->path, a->name.p, a->body, a->c->body.len, x->cache_key);
     x->body = a->c->body, a->c->body = (buf){0}; /* the body moves to the exchange: a request is held once */
     if (a->ik) { /* the replay record this request fills (a cached answer too: its retry gets the same) */
         x->idem = xcalloc(1, sizeof *x->idem);
@@ -9672,8 +9650,8 @@ static exchange *exchange_new(admission *a) {
  * the key, its group, and the model asked for when the catalog has it. */
 static void admission_facts(const admission *a) {
     req_facts *f = &a->c->f;
-    if (a->key) memcpy(f->key_id, a->key->id, 37);
-    if (a->g) memcpy(f->group_id, a->g->id, 37);
+    if (a->key) memcpy(f->key_id, a->key->s.id, 37);
+    if (a->g) memcpy(f->group_id, a->g->s.id, 37);
     model *m = a->name.p ? catalog_model(S.cat, a->name.p, a->name.len) : NULL; /* a client cannot mint a label value */
     if (m) snprintf(f->requested, sizeof f->requested, "%s", m->alias);
 }
@@ -9942,13 +9920,13 @@ static void metrics_gauges(buf *b) {
     metric_head(b, "ltg_budget_remaining_usd", "gauge", "USD left in the current budget period (groups with a budget).");
     for (int i = 0; i < ST.gv.n; i++) {
         group *g = ST.gv.p[i];
-        if (g && g->al.has_budget)
-            gauge(b, "ltg_budget_remaining_usd", budget_remaining(&g->al, now), "token_group", g->name, NULL);
+        if (g && g->s.al.has_budget)
+            gauge(b, "ltg_budget_remaining_usd", budget_remaining(&g->s.al, now), "token_group", g->s.name, NULL);
     }
     metric_head(b, "ltg_reserved_usd", "gauge", "USD held by requests in flight (groups with a budget).");
     for (int i = 0; i < ST.gv.n; i++) {
         group *g = ST.gv.p[i];
-        if (g && g->al.has_budget) gauge(b, "ltg_reserved_usd", (double)g->al.reserved / MICRO, "token_group", g->name, NULL);
+        if (g && g->s.al.has_budget) gauge(b, "ltg_reserved_usd", (double)g->s.al.reserved / MICRO, "token_group", g->s.name, NULL);
     }
     metric_head(b, "ltg_circuit_open", "gauge", "1 while the circuit breaker of the model's deployment is open.");
     for (int i = 0; i < S.cat->nmodels; i++)

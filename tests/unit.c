@@ -485,9 +485,9 @@ static group *try_group(const char *body, const group *base, verr *e) {
         e->code = "invalid_json";
         return NULL;
     }
-    group *g = base ? group_clone(base) : group_new();
-    if (group_parse(body, t, 0, g, base ? PARSE_PATCH : PARSE_CREATE, e) < 0 || group_validate(g, unit_cat, e) < 0) {
-        group_free(g);
+    group *g = base ? (group *)group_clone(&base->s) : (group *)group_new();
+    if (group_parse(body, t, 0, &g->s, base ? PARSE_PATCH : PARSE_CREATE, e) < 0 || group_validate(&g->s, unit_cat, e) < 0) {
+        group_free(&g->s);
         return NULL;
     }
     return g;
@@ -498,7 +498,7 @@ static void expect_refused(const char *body, const group *base, const char *code
     group *g = try_group(body, base, &e);
     CHECK(!g && e.code && strcmp(e.code, code) == 0 && strcmp(e.pointer, pointer) == 0 && strstr(e.detail, words),
           "%s: got %s %s \"%s\", want %s %s \"%s\"", body, e.code ? e.code : "(accepted)", e.pointer, e.detail, code, pointer, words);
-    group_free(g);
+    group_free(&g->s);
 }
 
 static void test_group_validation(void) {
@@ -517,10 +517,10 @@ static void test_group_validation(void) {
                          "\"retries\":{\"max_attempts\":5,\"retry_delay_ms\":60000,\"backoff\":\"linear\",\"request_timeout_ms\":100},"
                          "\"max_budget\":0.123456,\"budget_duration\":\"7d\",\"cache_ttl\":0,\"max_parallel_requests\":1,\"blocked\":true}", NULL, &e);
     CHECK(g && g->nfb == 1 && g->fb[0].n == 3 && g->retries.max_attempts == 5 && g->retries.backoff == BACKOFF_LINEAR &&
-          g->al.max_budget == 0.123456 && g->al.budget_days == 7 && g->cache_ttl == 0 && g->max_parallel == 1 && g->blocked, "full group: %s %s", e.pointer, e.detail);
+          g->s.al.max_budget == 0.123456 && g->s.al.budget_days == 7 && g->cache_ttl == 0 && g->max_parallel == 1 && g->s.blocked, "full group: %s %s", e.pointer, e.detail);
     group *min = try_group("{\"name\":\"m\",\"allowed_models\":[]}", NULL, &e);
-    CHECK(min && !min->has_retries && !min->al.has_budget && min->cache_ttl == UNSET && min->max_parallel == UNSET, "minimal group");
-    group_free(min);
+    CHECK(min && !min->has_retries && !min->s.al.has_budget && min->cache_ttl == UNSET && min->max_parallel == UNSET, "minimal group");
+    group_free(&min->s);
 
     /* The catalog is checked first, whatever else is wrong. */
     expect_refused("{\"name\":\"g\",\"allowed_models\":[\"A\",\"Nope\"],\"retries\":{\"max_attempts\":9}}", NULL, "model_not_in_catalog", "/allowed_models/1", "Nope");
@@ -575,21 +575,21 @@ static void test_group_validation(void) {
     /* PATCH: omitted kept, null clears, nested objects replaced whole, rules on the merged result. */
     if (g) {
         group *p = try_group("{\"name\":\"renamed\"}", g, &e);
-        CHECK(p && strcmp(p->name, "renamed") == 0 && p->nfb == 1 && p->retries.max_attempts == 5 && p->al.has_budget, "patch keeps the rest");
-        group_free(p);
+        CHECK(p && strcmp(p->s.name, "renamed") == 0 && p->nfb == 1 && p->retries.max_attempts == 5 && p->s.al.has_budget, "patch keeps the rest");
+        group_free(&p->s);
         p = try_group("{\"retries\":null,\"fallbacks\":null,\"max_budget\":null,\"cache_ttl\":null,\"max_parallel_requests\":null}", g, &e);
-        CHECK(p && !p->has_retries && p->nfb == 0 && !p->al.has_budget && p->cache_ttl == UNSET && p->max_parallel == UNSET, "null clears");
-        group_free(p);
+        CHECK(p && !p->has_retries && p->nfb == 0 && !p->s.al.has_budget && p->cache_ttl == UNSET && p->max_parallel == UNSET, "null clears");
+        group_free(&p->s);
         p = try_group("{\"retries\":{\"max_attempts\":3}}", g, &e);
         CHECK(p && p->retries.max_attempts == 3 && p->retries.retry_delay_ms == 250 && p->retries.backoff == BACKOFF_EXPONENTIAL &&
               p->retries.request_timeout_ms == 0, "retries replaced whole, not merged");
-        group_free(p);
+        group_free(&p->s);
         expect_refused("{\"allowed_models\":[\"A\"]}", g, "invalid_request", "/fallbacks/A/0", "must also be in allowed_models");
         expect_refused("{\"name\":null}", g, "invalid_request", "/name", "cannot be null");
         expect_refused("{\"allowed_models\":null}", g, "invalid_request", "/allowed_models", "cannot be null");
-        CHECK(strcmp(g->name, "g") == 0 && g->nallowed == 5, "a refused patch leaves the original untouched");
+        CHECK(strcmp(g->s.name, "g") == 0 && g->nallowed == 5, "a refused patch leaves the original untouched");
     }
-    group_free(g);
+    group_free(&g->s);
 }
 
 /* ---- the store: the log ---- */
@@ -611,21 +611,21 @@ static size_t unit_log_put(const char *op, const buf *item) {
 static group *log_put_group(group *g) {
     buf item = {0};
     jwriter w;
-    jw_init(&w, &item), group_json(&w, g, 1);
-    store_put_group(g, unit_log_put("put_group", &item));
+    jw_init(&w, &item), group_json(&w, &g->s, 1);
+    store_put(&GROUPS, &g->s, unit_log_put("put_group", &item));
     buf_free(&item);
     return g;
 }
 
 /* Log and apply a group as the handlers do: one record, then memory. */
 static group *log_group(const char *name, int i) {
-    group *g = group_new();
-    uuid_new(g->id);
+    group *g = (group *)group_new();
+    uuid_new(g->s.id);
     char nm[64];
     snprintf(nm, sizeof nm, "%s-%d", name, i);
-    g->name = xstrdup(nm);
+    g->s.name = xstrdup(nm);
     g->allowed = xcalloc(1, sizeof *g->allowed), g->allowed[0] = xstrdup("A"), g->nallowed = 1;
-    g->version = 1, g->created_at = g->updated_at = 1700000000000LL + i;
+    g->s.version = 1, g->s.created_at = g->s.updated_at = 1700000000000LL + i;
     return log_put_group(g);
 }
 
@@ -634,7 +634,7 @@ static void log_delete_group(const char *id) {
     snprintf(p, sizeof p, "{\"ops\":[{\"del_group\":\"%s\"}]}", id);
     const char *why;
     CHECK(state_append(p, strlen(p), &why) == 0, "append delete");
-    store_del_group(id);
+    store_del(&GROUPS, id);
 }
 
 /* A fingerprint of the store: every group's log JSON, in id order. */
@@ -645,14 +645,14 @@ static void store_fingerprint(buf *out) {
     for (int i = 0; i < ST.gv.n; i++)
         if (ST.gv.p[i]) all[n++] = ST.gv.p[i];
     for (int i = 1; i < n; i++) /* insertion sort by id: small n */
-        for (int k = i; k > 0 && strcmp(all[k - 1]->id, all[k]->id) > 0; k--) {
+        for (int k = i; k > 0 && strcmp(all[k - 1]->s.id, all[k]->s.id) > 0; k--) {
             group *t = all[k];
             all[k] = all[k - 1], all[k - 1] = t;
         }
     jwriter w;
     jw_init(&w, out);
     jw_open(&w, '[');
-    for (int i = 0; i < n; i++) group_json(&w, all[i], 1);
+    for (int i = 0; i < n; i++) group_json(&w, &all[i]->s, 1);
     jw_close(&w, ']');
     free(all);
 }
@@ -675,11 +675,11 @@ static void test_log(void) {
     CHECK(reopen(err) == 0 && file_size(path) == 8, "new log: %s", err);
     group *g1 = log_group("a", 1);
     char id1[37];
-    memcpy(id1, g1->id, 37);
+    memcpy(id1, g1->s.id, 37);
     log_group("b", 2);
     group *g3 = log_group("c", 3);
     char id3[37];
-    memcpy(id3, g3->id, 37);
+    memcpy(id3, g3->s.id, 37);
     log_delete_group(id3);
     buf before = {0}, after = {0};
     store_fingerprint(&before);
@@ -729,7 +729,7 @@ static void test_log(void) {
     unlink(path);
     CHECK(reopen(err) == 0, "fresh");
     static char ids[4000][37];
-    for (int i = 0; i < 4000; i++) memcpy(ids[i], log_group("g", i)->id, 37);
+    for (int i = 0; i < 4000; i++) memcpy(ids[i], log_group("g", i)->s.id, 37);
     for (int i = 0; i < 2000; i++) log_delete_group(ids[i]); /* 2000 live groups, 6000 records */
     off_t grown = LOG.f.size;
     CHECK(compact_due(wall_ms()), "compaction due: log %lld, live %zu", (long long)LOG.f.size, ST.live_bytes);
@@ -812,24 +812,24 @@ static int unit_reopen_ledger(int64_t now, char *err) {
 }
 
 static group *unit_group(int i, int budget_days, int64_t anchor) {
-    group *g = group_new();
-    memcpy(g->id, unit_id('g', i), 37);
-    g->name = xstrdup("u"), g->allowed = xcalloc(1, sizeof *g->allowed), g->nallowed = 0;
-    g->version = 1, g->created_at = g->updated_at = anchor;
-    g->al.has_budget = 1, g->al.max_budget = 1000, g->al.budget_days = budget_days, g->al.budget_anchor = anchor;
+    group *g = (group *)group_new();
+    memcpy(g->s.id, unit_id('g', i), 37);
+    g->s.name = xstrdup("u"), g->allowed = xcalloc(1, sizeof *g->allowed), g->nallowed = 0;
+    g->s.version = 1, g->s.created_at = g->s.updated_at = anchor;
+    g->s.al.has_budget = 1, g->s.al.max_budget = 1000, g->s.al.budget_days = budget_days, g->s.al.budget_anchor = anchor;
     return log_put_group(g);
 }
 
 /* A token key of group `grp` with a budget (budget_days as a group's; -2: none), logged and applied. */
 static tkey *unit_key(int i, int grp, int budget_days, int64_t anchor) {
-    tkey *k = tkey_new();
-    memcpy(k->id, unit_id('k', i), 37), memcpy(k->group_id, unit_id('g', grp), 37);
-    k->name = xstrdup("k"), k->version = 1, k->created_at = k->updated_at = anchor, k->hash[0] = (uint8_t)i;
-    if (budget_days > -2) k->al.has_budget = 1, k->al.max_budget = 1000, k->al.budget_days = budget_days, k->al.budget_anchor = anchor;
+    tkey *k = (tkey *)tkey_new();
+    memcpy(k->s.id, unit_id('k', i), 37), memcpy(k->group_id, unit_id('g', grp), 37);
+    k->s.name = xstrdup("k"), k->s.version = 1, k->s.created_at = k->s.updated_at = anchor, k->hash[0] = (uint8_t)i;
+    if (budget_days > -2) k->s.al.has_budget = 1, k->s.al.max_budget = 1000, k->s.al.budget_days = budget_days, k->s.al.budget_anchor = anchor;
     buf item = {0};
     jwriter w;
-    jw_init(&w, &item), tkey_json(&w, k, 1);
-    store_put_key(k, unit_log_put("put_key", &item));
+    jw_init(&w, &item), tkey_json(&w, &k->s, 1);
+    store_put(&KEYS, &k->s, unit_log_put("put_key", &item));
     buf_free(&item);
     return k;
 }
@@ -1019,13 +1019,13 @@ static void test_ledger_budgets(long long index_bytes) {
             }
         view_close(&v), buf_free(&rec);
     }
-    CHECK(g0->al.spend == life_want && g1->al.spend == daily_want && g2->al.spend == weekly_want && daily_want > 0,
-          "budgets from rollups and running sums: %lld/%lld %lld/%lld %lld/%lld", (long long)g0->al.spend, (long long)life_want,
-          (long long)g1->al.spend, (long long)daily_want, (long long)g2->al.spend, (long long)weekly_want);
+    CHECK(g0->s.al.spend == life_want && g1->s.al.spend == daily_want && g2->s.al.spend == weekly_want && daily_want > 0,
+          "budgets from rollups and running sums: %lld/%lld %lld/%lld %lld/%lld", (long long)g0->s.al.spend, (long long)life_want,
+          (long long)g1->s.al.spend, (long long)daily_want, (long long)g2->s.al.spend, (long long)weekly_want);
     tkey *k0 = tkey_find(unit_id('k', 0)), *k2 = tkey_find(unit_id('k', 2)), *k3 = tkey_find(unit_id('k', 3));
-    CHECK(k0 && k2 && k3 && k0->al.spend == klife_want && k2->al.spend == kdaily_want && kdaily_want > 0 && k3->al.spend == 0,
-          "keys' budgets from their running sums: %lld/%lld %lld/%lld", k0 ? (long long)k0->al.spend : -1LL, (long long)klife_want,
-          k2 ? (long long)k2->al.spend : -1LL, (long long)kdaily_want);
+    CHECK(k0 && k2 && k3 && k0->s.al.spend == klife_want && k2->s.al.spend == kdaily_want && kdaily_want > 0 && k3->s.al.spend == 0,
+          "keys' budgets from their running sums: %lld/%lld %lld/%lld", k0 ? (long long)k0->s.al.spend : -1LL, (long long)klife_want,
+          k2 ? (long long)k2->s.al.spend : -1LL, (long long)kdaily_want);
     /* Retention takes the 29th: the lifetime budget carries it, through a restart. */
     S.ledger_days = 2;
     verr e = {0};
@@ -1035,35 +1035,35 @@ static void test_ledger_budgets(long long index_bytes) {
     CHECK(system(cmd) == 0, "save the 29th");
     unit_tick(now);
     CHECK(LG.nseg == 3 && LG.seg[0]->day == UDAY + DAY_MS, "the 29th deleted");
-    CHECK(g0->al.spend == life_want && g0->al.carry == spent[0][0] && g0->al.carry_to == UDAY + DAY_MS, "carried: %lld of %lld",
-          (long long)g0->al.carry, (long long)spent[0][0]);
+    CHECK(g0->s.al.spend == life_want && g0->s.al.carry == spent[0][0] && g0->s.al.carry_to == UDAY + DAY_MS, "carried: %lld of %lld",
+          (long long)g0->s.al.carry, (long long)spent[0][0]);
     k0 = tkey_find(unit_id('k', 0));
-    CHECK(k0->al.spend == klife_want && k0->al.carry == kspent[0][0] && k0->al.carry_to == UDAY + DAY_MS && kspent[0][0] > 0,
-          "a key's lifetime budget carried too: %lld of %lld", (long long)k0->al.carry, (long long)kspent[0][0]);
+    CHECK(k0->s.al.spend == klife_want && k0->s.al.carry == kspent[0][0] && k0->s.al.carry_to == UDAY + DAY_MS && kspent[0][0] > 0,
+          "a key's lifetime budget carried too: %lld of %lld", (long long)k0->s.al.carry, (long long)kspent[0][0]);
     CHECK(unit_reopen_ledger(now, err) == 0, "reopen: %s", err);
     k0 = tkey_find(unit_id('k', 0));
-    CHECK(k0 && k0->al.spend == klife_want, "after a restart the key's lifetime spend is the same: %lld", k0 ? (long long)k0->al.spend : -1LL);
+    CHECK(k0 && k0->s.al.spend == klife_want, "after a restart the key's lifetime spend is the same: %lld", k0 ? (long long)k0->s.al.spend : -1LL);
     g0 = group_find(unit_id('g', 0));
     g2 = group_find(unit_id('g', 2));
-    CHECK(g0 && g0->al.spend == life_want, "after a restart the lifetime spend is the same: %lld", g0 ? (long long)g0->al.spend : -1LL);
-    CHECK(g2 && g2->al.spend == weekly_want, "and so is a weekly one's, under a retention lowered to 2 days: %lld", g2 ? (long long)g2->al.spend : -1LL);
+    CHECK(g0 && g0->s.al.spend == life_want, "after a restart the lifetime spend is the same: %lld", g0 ? (long long)g0->s.al.spend : -1LL);
+    CHECK(g2 && g2->s.al.spend == weekly_want, "and so is a weekly one's, under a retention lowered to 2 days: %lld", g2 ? (long long)g2->s.al.spend : -1LL);
     /* A crash after the carried spend was logged but before the day was deleted: not counted twice. */
     snprintf(saved, sizeof saved, "cp %s/saved.log %s/ledger/2026-11-29.log && cp %s/saved.idx %s/ledger/2026-11-29.idx", ledger_data, ledger_data, ledger_data, ledger_data);
     CHECK(system(saved) == 0, "put the 29th back");
     S.ledger_days = 30;
     CHECK(unit_reopen_ledger(now, err) == 0 && LG.nseg == 4, "reopen with the day back: %s", err);
     g0 = group_find(unit_id('g', 0));
-    CHECK(g0 && g0->al.spend == life_want, "the carried day is not counted twice: %lld", g0 ? (long long)g0->al.spend : -1LL);
+    CHECK(g0 && g0->s.al.spend == life_want, "the carried day is not counted twice: %lld", g0 ? (long long)g0->s.al.spend : -1LL);
     k0 = tkey_find(unit_id('k', 0));
-    CHECK(k0 && k0->al.spend == klife_want, "nor a key's: %lld", k0 ? (long long)k0->al.spend : -1LL);
+    CHECK(k0 && k0->s.al.spend == klife_want, "nor a key's: %lld", k0 ? (long long)k0->s.al.spend : -1LL);
     /* A budget period longer than the retention is refused. */
     S.ledger_days = 5;
-    g = group_new();
-    g->name = xstrdup("x"), g->allowed = xcalloc(1, sizeof *g->allowed), g->al.has_budget = 1, g->al.max_budget = 1, g->al.budget_days = 7;
-    CHECK(group_validate(g, NULL, &e) < 0 && strcmp(e.pointer, "/budget_duration") == 0 && strstr(e.detail, "--ledger-days"), "7d over 5 days kept: %s", e.detail);
-    g->al.budget_days = 1;
-    CHECK(group_validate(g, NULL, &e) == 0, "1d is fine");
-    group_free(g);
+    g = (group *)group_new();
+    g->s.name = xstrdup("x"), g->allowed = xcalloc(1, sizeof *g->allowed), g->s.al.has_budget = 1, g->s.al.max_budget = 1, g->s.al.budget_days = 7;
+    CHECK(group_validate(&g->s, NULL, &e) < 0 && strcmp(e.pointer, "/budget_duration") == 0 && strstr(e.detail, "--ledger-days"), "7d over 5 days kept: %s", e.detail);
+    g->s.al.budget_days = 1;
+    CHECK(group_validate(&g->s, NULL, &e) == 0, "1d is fine");
+    group_free(&g->s);
     S.ledger_days = 90, S.ledger_index = 16LL << 20;
     store_reset();
 }
@@ -1321,7 +1321,7 @@ static void chunk_answers(const char *pass, int64_t now) {
     free(mu);
     budget_rebuild(now); /* the events were added without admission */
     group *g = group_find(unit_id('g', 2));
-    CHECK(g && g->al.spend == spend_g2, "%s: a lifetime budget counts every chunk: %lld of %lld", pass, g ? (long long)g->al.spend : -1LL, (long long)spend_g2);
+    CHECK(g && g->s.al.spend == spend_g2, "%s: a lifetime budget counts every chunk: %lld of %lld", pass, g ? (long long)g->s.al.spend : -1LL, (long long)spend_g2);
 }
 
 static void test_ledger_chunks(void) {
@@ -1612,21 +1612,21 @@ static void test_ledger_pieces(void) {
 
     /* Budget periods: anchored, rolling over by themselves; a new period starts empty. */
     group g = {0};
-    g.al.has_budget = 1, g.al.max_budget = 1, g.al.budget_days = 1, g.al.budget_anchor = 1000;
+    g.s.al.has_budget = 1, g.s.al.max_budget = 1, g.s.al.budget_days = 1, g.s.al.budget_anchor = 1000;
     int64_t start, end;
-    allow_period(&g.al, 1000 + 5 * 86400000LL + 7, &start, &end);
+    allow_period(&g.s.al, 1000 + 5 * 86400000LL + 7, &start, &end);
     CHECK(start == 1000 + 5 * 86400000LL && end == start + 86400000LL, "the sixth daily period");
-    budget_refresh(&g.al, 2000);
-    g.al.spend = 500;
-    budget_refresh(&g.al, 1000 + 86400000LL - 1);
-    CHECK(g.al.spend == 500, "same period: spend kept");
-    budget_refresh(&g.al, 1000 + 86400000LL);
-    CHECK(g.al.spend == 0 && g.al.period_start == 1000 + 86400000LL, "rolled over at the anchor's hour, not at midnight");
-    g.al.budget_days = 0;
-    allow_period(&g.al, 99 * 86400000LL, &start, &end);
+    budget_refresh(&g.s.al, 2000);
+    g.s.al.spend = 500;
+    budget_refresh(&g.s.al, 1000 + 86400000LL - 1);
+    CHECK(g.s.al.spend == 500, "same period: spend kept");
+    budget_refresh(&g.s.al, 1000 + 86400000LL);
+    CHECK(g.s.al.spend == 0 && g.s.al.period_start == 1000 + 86400000LL, "rolled over at the anchor's hour, not at midnight");
+    g.s.al.budget_days = 0;
+    allow_period(&g.s.al, 99 * 86400000LL, &start, &end);
     CHECK(start == 1000 && end == 0, "a lifetime budget never resets");
-    g.al.has_budget = 0;
-    allow_period(&g.al, 5000, &start, &end);
+    g.s.al.has_budget = 0;
+    allow_period(&g.s.al, 5000, &start, &end);
     CHECK(start == 0 && end == 0, "no budget, no period");
 
     /* A calendar month (1mo), UTC: the first period starts at the anchor, the next ones on the 1st. */
@@ -1820,25 +1820,25 @@ static void test_ledger_pieces(void) {
     /* Rate limits: a sliding minute of one-second slots; Retry-After is when enough leaves. */
     {
         int64_t rl_now0 = S.now;
-        group *rg = group_new();
-        rg->al.rpm_limit = 3, rg->al.tpm_limit = 100;
+        group *rg = (group *)group_new();
+        rg->s.al.rpm_limit = 3, rg->s.al.tpm_limit = 100;
         const char *which = NULL;
         S.now = 1000000;
-        CHECK(rate_check(&rg->al, 1, 10, &which) == 0, "an empty window admits");
+        CHECK(rate_check(&rg->s.al, 1, 10, &which) == 0, "an empty window admits");
         int64_t sec = S.now / 1000;
-        rate_count(&rg->al, 1, 40, sec);
-        S.now += 10000, rate_count(&rg->al, 1, 40, S.now / 1000);
+        rate_count(&rg->s.al, 1, 40, sec);
+        S.now += 10000, rate_count(&rg->s.al, 1, 40, S.now / 1000);
         S.now += 10000;
-        CHECK(rate_check(&rg->al, 1, 30, &which) == 40 && strcmp(which, "tpm_limit") == 0, "tokens: free in 40 s, when the first leaves (%s)", which);
-        rate_settle(&rg->al, sec, 40, 5);
-        CHECK(rate_check(&rg->al, 1, 30, &which) == 0, "settled with its real usage: room again");
-        rate_count(&rg->al, 1, 5, S.now / 1000);
-        CHECK(rate_check(&rg->al, 1, 1, &which) == 40 && strcmp(which, "rpm_limit") == 0, "requests: 3 in the minute, wait 40 s");
+        CHECK(rate_check(&rg->s.al, 1, 30, &which) == 40 && strcmp(which, "tpm_limit") == 0, "tokens: free in 40 s, when the first leaves (%s)", which);
+        rate_settle(&rg->s.al, sec, 40, 5);
+        CHECK(rate_check(&rg->s.al, 1, 30, &which) == 0, "settled with its real usage: room again");
+        rate_count(&rg->s.al, 1, 5, S.now / 1000);
+        CHECK(rate_check(&rg->s.al, 1, 1, &which) == 40 && strcmp(which, "rpm_limit") == 0, "requests: 3 in the minute, wait 40 s");
         S.now += 40000;
-        CHECK(rate_check(&rg->al, 1, 1, &which) == 0, "the first request left the window");
-        rate_settle(&rg->al, sec, 40, 5); /* its second has left: nothing to settle */
-        CHECK(rl_used(rg->al.rl, S.now / 1000, 1) == 45, "the tokens of the window: %lld", (long long)rl_used(rg->al.rl, S.now / 1000, 1));
-        group_free(rg);
+        CHECK(rate_check(&rg->s.al, 1, 1, &which) == 0, "the first request left the window");
+        rate_settle(&rg->s.al, sec, 40, 5); /* its second has left: nothing to settle */
+        CHECK(rl_used(rg->s.al.rl, S.now / 1000, 1) == 45, "the tokens of the window: %lld", (long long)rl_used(rg->s.al.rl, S.now / 1000, 1));
+        group_free(&rg->s);
         S.now = rl_now0;
     }
 
