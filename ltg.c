@@ -200,6 +200,7 @@ static struct {
     loop_hooks hooks;         /* what the loop calls (ltg.h): set by main */
     server_serve *serve;      /* what the server hands each request to: route() */
     server_ended *ended;      /* and tells when it is over: request_ended() */
+    server_error *error;      /* and has answer the errors it finds: route_error() */
     upstream *(*up_open)(provider *p, void *owner, upstream_event *event, const char *req, size_t n); /* up_start(); a test's fake */
     int64_t now;              /* monotonic ms: read before the timers run and after poll() returns */
     fd_watch *fds;            /* indexed by fd */
@@ -1331,73 +1332,66 @@ int http_parse_response(const char *b, size_t len, http_response *r) {
     return (int)len;
 }
 
+/* One byte of the framing around the data (every state but CHUNK_DATA):
+ * the state it leads to, CHUNK_ERROR when it cannot be there. */
+static chunk_state chunk_frame(chunk_decoder *d, char c) {
+    switch (d->state) {
+    case CHUNK_SIZE: {
+        int h = hexval((unsigned char)c);
+        if (h >= 0 && d->digits < 15) {
+            d->left = d->left * 16 + (uint64_t)h;
+            d->digits++;
+            return CHUNK_SIZE;
+        }
+        if (h >= 0 || !d->digits) return CHUNK_ERROR;
+        d->state = CHUNK_SIZE_WS; /* the size is over: the same byte, looked at in that state */
+        return chunk_frame(d, c);
+    }
+    case CHUNK_SIZE_WS: /* white space after the size: then ";" and an extension, or the line's end */
+        if (c == ';') return CHUNK_EXT;
+        if ((c == ' ' || c == '\t') && ++d->line <= 1024) return CHUNK_SIZE_WS; /* bounded, as an extension */
+        return c == '\r' ? CHUNK_SIZE_LF : CHUNK_ERROR;
+    case CHUNK_EXT: /* chunk extensions are allowed and ignored */
+        if (c == '\r') return CHUNK_SIZE_LF;
+        if (((unsigned char)c < 32 && c != '\t') || c == 127 || ++d->line > 1024) return CHUNK_ERROR;
+        return CHUNK_EXT;
+    case CHUNK_SIZE_LF:
+        if (c != '\n') return CHUNK_ERROR;
+        d->digits = 0;
+        d->line = 0;
+        return d->left ? CHUNK_DATA : CHUNK_TRAILER;
+    case CHUNK_DATA_CR: return c == '\r' ? CHUNK_DATA_LF : CHUNK_ERROR;
+    case CHUNK_DATA_LF: return c == '\n' ? CHUNK_SIZE : CHUNK_ERROR;
+    case CHUNK_TRAILER: /* trailer fields are read and dropped */
+        if (c == '\r') return CHUNK_TRAILER_LF;
+        if (c == '\n' || c == 0 || ++d->trailer > 8192) return CHUNK_ERROR;
+        d->line++;
+        return CHUNK_TRAILER;
+    case CHUNK_TRAILER_LF: {
+        if (c != '\n') return CHUNK_ERROR;
+        int more = d->line;
+        d->line = 0;
+        return more ? CHUNK_TRAILER : CHUNK_DONE;
+    }
+    default: return CHUNK_ERROR; /* CHUNK_DATA is the caller's; DONE and ERROR take nothing */
+    }
+}
+
 /* see ltg.h */
 long chunk_decode(chunk_decoder *d, const char *in, size_t n, buf *out) {
     size_t i = 0;
-    if (d->state == CHUNK_ERROR) return LTG_ERR; /* errors are sticky */
-    while (i < n && d->state != CHUNK_DONE) {
-        char c = in[i];
-        switch (d->state) {
-        case CHUNK_SIZE: {
-            int h = hexval((unsigned char)c);
-            if (h >= 0 && d->digits < 15) { d->left = d->left * 16 + (uint64_t)h, d->digits++, i++; break; }
-            if (h >= 0 || !d->digits) goto bad;
-            d->state = CHUNK_SIZE_WS; /* the size is over: the same byte, looked at in that state */
-            break;
-        }
-        case CHUNK_SIZE_WS: /* white space after the size: then ";" and an extension, or the line's end */
-            if (c == ';') d->state = CHUNK_EXT;
-            else if ((c == ' ' || c == '\t') && ++d->line <= 1024) d->state = CHUNK_SIZE_WS; /* bounded, as an extension */
-            else if (c == '\r') d->state = CHUNK_SIZE_LF;
-            else goto bad;
-            i++;
-            break;
-        case CHUNK_EXT: /* chunk extensions are allowed and ignored */
-            if (c == '\r') d->state = CHUNK_SIZE_LF;
-            else if (((unsigned char)c < 32 && c != '\t') || c == 127 || ++d->line > 1024) goto bad;
-            i++;
-            break;
-        case CHUNK_SIZE_LF:
-            if (c != '\n') goto bad;
-            i++;
-            d->digits = 0, d->line = 0;
-            d->state = d->left ? CHUNK_DATA : CHUNK_TRAILER;
-            break;
-        case CHUNK_DATA: {
+    while (i < n && d->state != CHUNK_DONE && d->state != CHUNK_ERROR) { /* errors are sticky */
+        if (d->state == CHUNK_DATA) {
             size_t take = n - i < d->left ? n - i : (size_t)d->left;
             buf_append(out, in + i, take);
-            i += take, d->left -= take;
+            i += take;
+            d->left -= take;
             if (!d->left) d->state = CHUNK_DATA_CR;
-            break;
-        }
-        case CHUNK_DATA_CR:
-            if (c != '\r') goto bad;
-            i++, d->state = CHUNK_DATA_LF;
-            break;
-        case CHUNK_DATA_LF:
-            if (c != '\n') goto bad;
-            i++, d->state = CHUNK_SIZE;
-            break;
-        case CHUNK_TRAILER: /* trailer fields are read and dropped */
-            if (c == '\r') d->state = CHUNK_TRAILER_LF;
-            else if (c == '\n' || c == 0 || ++d->trailer > 8192) goto bad;
-            else d->line++;
-            i++;
-            break;
-        case CHUNK_TRAILER_LF:
-            if (c != '\n') goto bad;
-            i++;
-            d->state = d->line ? CHUNK_TRAILER : CHUNK_DONE;
-            d->line = 0;
-            break;
-        case CHUNK_DONE:
-        case CHUNK_ERROR: break;
+        } else {
+            d->state = chunk_frame(d, in[i++]);
         }
     }
-    return (long)i;
-bad:
-    d->state = CHUNK_ERROR;
-    return LTG_ERR;
+    return d->state == CHUNK_ERROR ? LTG_ERR : (long)i;
 }
 
 /* see ltg.h */
@@ -2709,19 +2703,35 @@ static int tls_pump(tls_conn *t, int fd, const char *out, size_t outlen, size_t 
 /* ===== 9. Upstream connections and the pool =====
  *
  * IMPLEMENTATION NOTES
- * An upstream connection carries one request at a time to one provider:
+ * An upstream connection carries one request at a time to one provider.
+ * It is one state machine, and up_to() is the only place its state
+ * changes: the transition is checked and the timer armed for the state
+ * entered, so what the timer means follows from the state alone.
  *
- *   RESOLVING -> CONNECTING -> SENDING -> READING -> (pool) IDLE -> SENDING ...
+ *   RESOLVING -> CONNECTING -> [HANDSHAKE] -> SENDING -> HEAD -> BODY -> DONE
+ *                                                         \       \-> EOF -> DONE
+ *   any of them -> FAILED                    DONE -> (pool) IDLE -> SENDING ...
+ *
+ *   state      polled for   the timer means
+ *   RESOLVING  --           -- (the DNS client calls up_resolved)
+ *   CONNECTING POLLOUT      the connect deadline (CONNECT_TIMEOUT_MS)
+ *   HANDSHAKE  the pump's   the same deadline, run on (https only)
+ *   SENDING    POLLOUT      --
+ *   HEAD, BODY POLLIN       -- (the exchange times the attempt)
+ *   EOF        --           now: the provider closed as data came; the
+ *                           data is handed on first, the close next turn
+ *   DONE       --           -- (the answer is whole)
+ *   FAILED     --           now: tell the owner on the next turn (`err`)
+ *   IDLE       --           the pool's idle timeout (POOL_IDLE_MS)
  *
  * It knows nothing of retries or clients. Its owner (an exchange) hears of
- * it through upstream_event (ltg.h) and reads `have_head`, the decoded body
- * in `body`, `complete`, or `failed` with `err`; a failure comes on the
- * next turn, through the connection's timer.
+ * it through upstream_event (ltg.h) and reads the state, the head (once
+ * up_has_head()), the decoded body in `body`, or `err`.
  *
- * What a failure means for a retry depends on how far the request got, so
- * the connection records it: `wrote` (bytes of the request handed on)
- * and `got_bytes` (anything came back). Nothing written means nothing
- * reached the provider.
+ * What a failure means for a retry depends on how far the request got:
+ * `wrote` counts the bytes of the request handed on, and nothing written
+ * means nothing reached the provider. `local` marks a failure that was
+ * ltg's own (out of fds), which no breaker should count.
  *
  * The pool keeps idle keep-alive connections per provider, most recent
  * first (the warmest), so the ones a burst left behind age out after
@@ -2732,7 +2742,9 @@ static int tls_pump(tls_conn *t, int fd, const char *out, size_t outlen, size_t 
  * (section 8) the engine sits between this code and the socket: up_write
  * and up_read hand bytes to tls_pump() instead of the kernel.
  */
-typedef enum { UP_RESOLVING, UP_CONNECTING, UP_SENDING, UP_READING, UP_IDLE } up_state;
+typedef enum {
+    UP_RESOLVING, UP_CONNECTING, UP_HANDSHAKE, UP_SENDING, UP_HEAD, UP_BODY, UP_EOF, UP_DONE, UP_FAILED, UP_IDLE
+} up_state;
 
 struct upstream {
     upstream *link;     /* next DNS waiter, or next idle connection in the pool */
@@ -2743,23 +2755,58 @@ struct upstream {
     upstream_event *event; /* how it tells the owner of news (ltg.h) */
     buf out;            /* the request */
     size_t wrote;       /* bytes of `out` handed on: to the kernel, or over TLS to the engine */
-    buf in;             /* bytes from the provider not yet parsed */
+    buf in;             /* bytes from the provider not yet parsed (after DONE: bytes past the answer) */
     size_t scan;        /* http_head_end's resume point */
-    buf head;           /* the response head; `resp` points into it */
+    buf head;           /* the response head, once it came (else empty); `resp` points into it */
     http_response resp;
-    int have_head, complete, failed, reused, got_bytes, paused, until_eof, leftover;
-    int eof_pending;    /* the provider closed, and data came with the close: handled next turn */
+    int paused;         /* the owner asked not to read (a slow client) */
     int local;          /* the failure was ltg's own (out of fds): the provider is not to blame */
     chunk_decoder cd;
     long long body_left;
     buf body;           /* decoded body bytes the exchange has not taken yet */
-    timer t;            /* connect/handshake timeout, failure notice, or pool idle timeout */
+    timer t;            /* its meaning: see the table above */
     tls_conn *tls;      /* the TLS engine of an https provider (section 8), else NULL */
-    int tls_ready;      /* its handshake completed */
     char err[200];
 };
 
 static upstream **up_wait_link(upstream *u) { return &u->link; }
+
+static int up_has_head(const upstream *u) { return u->head.len > 0; }
+
+/* The answer is framed by the provider's close (no length, not chunked). */
+static int up_until_eof(const upstream *u) { return !u->resp.chunked && u->resp.content_length < 0; }
+
+/* The one place a connection changes state (see the table above). */
+static void up_to(upstream *u, up_state to) {
+    static const unsigned short next[] = {
+        [UP_RESOLVING] = 1 << UP_CONNECTING | 1 << UP_HANDSHAKE | 1 << UP_SENDING | 1 << UP_FAILED,
+        [UP_CONNECTING] = 1 << UP_HANDSHAKE | 1 << UP_SENDING | 1 << UP_FAILED,
+        [UP_HANDSHAKE] = 1 << UP_SENDING | 1 << UP_FAILED,
+        [UP_SENDING] = 1 << UP_HEAD | 1 << UP_BODY | 1 << UP_EOF | 1 << UP_DONE | 1 << UP_FAILED,
+        [UP_HEAD] = 1 << UP_BODY | 1 << UP_EOF | 1 << UP_DONE | 1 << UP_FAILED,
+        [UP_BODY] = 1 << UP_EOF | 1 << UP_DONE | 1 << UP_FAILED,
+        [UP_EOF] = 1 << UP_DONE | 1 << UP_FAILED,
+        [UP_DONE] = 1 << UP_IDLE,
+        [UP_FAILED] = 0,
+        [UP_IDLE] = 1 << UP_SENDING,
+    };
+    assert(next[u->state] >> to & 1);
+    up_state from = u->state;
+    u->state = to;
+    switch (to) {
+    case UP_CONNECTING: timer_set(&u->t, CONNECT_TIMEOUT_MS); break;
+    case UP_HANDSHAKE:
+        if (from != UP_CONNECTING) timer_set(&u->t, CONNECT_TIMEOUT_MS); /* else the deadline runs on */
+        break;
+    case UP_EOF: timer_set(&u->t, 0); break;
+    case UP_FAILED:
+        if (u->fd >= 0) loop_events(u->fd, 0);
+        timer_set(&u->t, 0);
+        break;
+    case UP_IDLE: timer_set(&u->t, POOL_IDLE_MS); break;
+    default: timer_stop(&u->t); break;
+    }
+}
 
 static void up_free(upstream *u) {
     timer_stop(&u->t);
@@ -2769,43 +2816,51 @@ static void up_free(upstream *u) {
     free(u);
 }
 
-static int up_eof(upstream *u);
+/* Record a failure; the owner hears of it on the next loop turn. A whole
+ * answer stands: nothing after it is a failure of the request. */
+static void up_fail(upstream *u, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void up_fail(upstream *u, const char *fmt, ...) {
+    if (u->state == UP_FAILED || u->state == UP_DONE) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(u->err, sizeof u->err, fmt, ap);
+    va_end(ap);
+    up_to(u, UP_FAILED);
+}
+
+/* The provider closed the connection: the end of an answer framed by the
+ * close, or a failure. Returns 1 when the answer is complete. */
+static int up_eof(upstream *u) {
+    if (up_has_head(u) && up_until_eof(u)) {
+        up_to(u, UP_DONE);
+        return 1;
+    }
+    if (!up_has_head(u) && u->in.len == 0) up_fail(u, "%s closed the connection before answering", u->p->host);
+    else up_fail(u, "%s closed the connection in the middle of its answer", u->p->host);
+    return 0;
+}
 
 static void up_notify(void *ctx) {
     upstream *u = ctx;
-    if (u->eof_pending) { /* see up_tls() */
-        u->eof_pending = 0;
-        if (up_eof(u)) loop_events(u->fd, 0), u->event(u->owner);
-        return; /* or up_eof() failed it: the failure is reported on the next turn */
-    }
-    if (u->state == UP_IDLE) { /* the pool's idle timeout */
+    switch (u->state) {
+    case UP_CONNECTING: up_fail(u, "connect to %s:%d timed out", u->p->host, u->p->port); return;
+    case UP_HANDSHAKE: up_fail(u, "TLS handshake with %s timed out", u->p->host); return;
+    case UP_EOF: /* see up_tls() */
+        if (up_eof(u)) {
+            loop_events(u->fd, 0);
+            u->event(u->owner);
+        }
+        return; /* or up_eof() failed it: the failure is told on the next turn */
+    case UP_FAILED: u->event(u->owner); return;
+    case UP_IDLE: { /* the pool's idle timeout */
         provider *p = u->p;
         for (upstream **pp = &p->idle; *pp; pp = &(*pp)->link)
             if (*pp == u) { *pp = u->link, p->nidle--; break; }
         up_free(u);
         return;
     }
-    if (u->state == UP_CONNECTING && !u->failed) {
-        snprintf(u->err, sizeof u->err, "connect to %s:%d timed out", u->p->host, u->p->port);
-        u->failed = 1;
-    } else if (u->tls && !u->tls_ready && !u->failed) {
-        snprintf(u->err, sizeof u->err, "TLS handshake with %s timed out", u->p->host);
-        u->failed = 1;
+    default: assert(!"an upstream timer in a state without one"); return;
     }
-    u->event(u->owner);
-}
-
-/* Record a failure; the exchange hears of it on the next loop turn. */
-static void up_fail(upstream *u, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void up_fail(upstream *u, const char *fmt, ...) {
-    if (u->failed) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(u->err, sizeof u->err, fmt, ap);
-    va_end(ap);
-    u->failed = 1;
-    if (u->fd >= 0) loop_events(u->fd, 0);
-    timer_set(&u->t, 0);
 }
 
 static void up_io(void *ctx, int revents);
@@ -2822,7 +2877,7 @@ static void up_write(upstream *u) {
         up_fail(u, "write to %s: %s", u->p->host, n < 0 ? strerror(errno) : "closed");
         return;
     }
-    u->state = UP_READING;
+    up_to(u, UP_HEAD);
     loop_events(u->fd, u->paused ? 0 : POLLIN);
 }
 
@@ -2842,12 +2897,14 @@ static void up_connect(upstream *u, const struct sockaddr_storage *addr) {
     const char *why;
     if (u->p->tls && !(u->tls = tls_new(u->p, &why))) { up_fail(u, "%s", why); return; }
     if (connect(u->fd, (struct sockaddr *)&a, addr_len(&a)) == 0) {
-        u->state = UP_SENDING;
-        if (u->tls) timer_set(&u->t, CONNECT_TIMEOUT_MS); /* the pump starts on POLLOUT */
-        else up_write(u);
+        if (u->tls) {
+            up_to(u, UP_HANDSHAKE); /* the pump starts on POLLOUT */
+        } else {
+            up_to(u, UP_SENDING);
+            up_write(u);
+        }
     } else if (errno == EINPROGRESS) {
-        u->state = UP_CONNECTING;
-        timer_set(&u->t, CONNECT_TIMEOUT_MS);
+        up_to(u, UP_CONNECTING);
     } else {
         up_fail(u, "connect to %s:%d: %s", u->p->host, u->p->port, strerror(errno));
     }
@@ -2860,9 +2917,11 @@ static void up_resolved(upstream *u, const struct sockaddr_storage *addr, const 
     else up_connect(u, addr);
 }
 
-/* Parse what arrived: the head once, then body bytes into u->body. */
+/* Parse what arrived: the head once (HEAD -> BODY or DONE; over TLS an
+ * answer may come while the request is still SENDING), then body bytes
+ * into u->body. */
 static void up_parse(upstream *u) {
-    while (!u->have_head) {
+    while (u->state == UP_SENDING || u->state == UP_HEAD) {
         int n = http_head_end(u->in.p, u->in.len, &u->scan);
         if (n == LTG_AGAIN) {
             if (u->in.len > UP_MAX_HEAD_BYTES) up_fail(u, "response head from %s larger than %d KiB", u->p->host, UP_MAX_HEAD_BYTES / 1024);
@@ -2873,42 +2932,37 @@ static void up_parse(upstream *u) {
         buf_consume(&u->in, (size_t)n);
         u->scan = 0;
         if (http_parse_response(u->head.p, u->head.len, &u->resp) < 0) {
+            u->head.len = 0;
             up_fail(u, "malformed response from %s: %s", u->p->host, u->resp.err);
             return;
         }
-        if (u->resp.status >= 100 && u->resp.status < 200) continue; /* 100 Continue and friends: wait for the real one */
-        u->have_head = 1;
-        u->until_eof = !u->resp.chunked && u->resp.content_length < 0;
+        if (u->resp.status >= 100 && u->resp.status < 200) { /* 100 Continue and friends: wait for the real one */
+            u->head.len = 0;
+            continue;
+        }
         u->body_left = u->resp.content_length;
-        if (u->resp.status == 204 || u->resp.status == 304 || (!u->resp.chunked && u->resp.content_length == 0))
-            u->complete = 1;
+        int empty = u->resp.status == 204 || u->resp.status == 304 || (!u->resp.chunked && u->resp.content_length == 0);
+        up_to(u, empty ? UP_DONE : UP_BODY);
     }
-    if (u->complete) { u->leftover = u->in.len > 0; return; }
+    if (u->state != UP_BODY) return;
+    int whole;
     if (u->resp.chunked) {
         long k = chunk_decode(&u->cd, u->in.p, u->in.len, &u->body);
         if (k < 0) { up_fail(u, "invalid chunked encoding from %s", u->p->host); return; }
         buf_consume(&u->in, (size_t)k);
-        u->complete = u->cd.state == CHUNK_DONE;
-    } else if (!u->until_eof) {
+        whole = u->cd.state == CHUNK_DONE;
+    } else if (!up_until_eof(u)) {
         size_t take = u->in.len < (size_t)u->body_left ? u->in.len : (size_t)u->body_left;
         buf_append(&u->body, u->in.p, take);
         buf_consume(&u->in, take);
         u->body_left -= (long long)take;
-        u->complete = u->body_left == 0;
+        whole = u->body_left == 0;
     } else {
         buf_append(&u->body, u->in.p, u->in.len);
         u->in.len = 0;
+        whole = 0; /* until the close */
     }
-    if (u->complete) u->leftover = u->in.len > 0;
-}
-
-/* The provider closed the connection: the end of an answer framed by the
- * close, or a failure. Returns 1 when the answer is complete. */
-static int up_eof(upstream *u) {
-    if (u->have_head && u->until_eof) return u->complete = 1;
-    if (!u->got_bytes) up_fail(u, "%s closed the connection before answering", u->p->host);
-    else up_fail(u, "%s closed the connection in the middle of its answer", u->p->host);
-    return 0;
+    if (whole) up_to(u, UP_DONE);
 }
 
 /* An https connection: the pump moves the handshake, the request and the
@@ -2917,40 +2971,41 @@ static void up_tls(upstream *u) {
     char why[160];
     short events;
     size_t had = u->in.len;
-    int was_ready = u->tls_ready;
-    int r = tls_pump(u->tls, u->fd, u->out.p, u->out.len, &u->wrote, &u->in, !u->paused, &u->tls_ready, &events, why, sizeof why);
-    if (!was_ready && u->tls_ready) {
-        tls_handshake_done(u->p, u->tls);
-        timer_stop(&u->t); /* the connect and handshake deadline is met */
-    }
+    int ready = u->state != UP_HANDSHAKE;
+    int r = tls_pump(u->tls, u->fd, u->out.p, u->out.len, &u->wrote, &u->in, !u->paused, &ready, &events, why, sizeof why);
     if (r == PUMP_ERR) { up_fail(u, "TLS with %s: %s", u->p->host, why); return; }
-    if (u->state == UP_SENDING && u->tls_ready && u->wrote == u->out.len) u->state = UP_READING;
+    if (u->state == UP_HANDSHAKE && ready) {
+        tls_handshake_done(u->p, u->tls);
+        up_to(u, UP_SENDING); /* the connect and handshake deadline is met */
+    }
+    if (u->state == UP_SENDING && u->wrote == u->out.len) up_to(u, UP_HEAD);
     loop_events(u->fd, events);
     int got = u->in.len > had;
     if (got) {
-        u->got_bytes = 1;
         up_parse(u);
-        if (u->failed) return;
+        if (u->state == UP_FAILED) return;
     }
-    if (r == PUMP_EOF && !got && !u->complete && !up_eof(u)) return;
-    if (r == PUMP_EOF && got && !u->complete) u->eof_pending = 1, timer_set(&u->t, 0); /* the data first, the EOF next turn */
-    if (u->state == UP_READING && (got || u->complete)) {
-        if (u->complete) loop_events(u->fd, 0);
+    if (r == PUMP_EOF && u->state != UP_DONE) {
+        if (got) up_to(u, UP_EOF); /* the data first, the close next turn */
+        else if (!up_eof(u)) return;
+    }
+    int reading = u->state == UP_HEAD || u->state == UP_BODY || u->state == UP_EOF;
+    if ((reading && got) || u->state == UP_DONE) {
+        if (u->state == UP_DONE) loop_events(u->fd, 0);
         u->event(u->owner);
     }
 }
 
 static void up_read(upstream *u) {
     if (u->tls) { up_tls(u); return; }
-    for (int rounds = 0; rounds < 4 && !u->complete; rounds++) {
+    for (int rounds = 0; rounds < 4 && u->state != UP_DONE; rounds++) {
         buf_reserve(&u->in, READ_CHUNK);
         ssize_t n = recv(u->fd, u->in.p + u->in.len, READ_CHUNK, 0);
         if (n > 0) {
             u->in.len += (size_t)n;
             u->in.p[u->in.len] = 0;
-            u->got_bytes = 1;
             up_parse(u);
-            if (u->failed) return;
+            if (u->state == UP_FAILED) return;
             if (n < READ_CHUNK) break;
             continue;
         }
@@ -2960,33 +3015,28 @@ static void up_read(upstream *u) {
         if (n < 0) up_fail(u, "read from %s: %s", u->p->host, strerror(errno));
         return;
     }
-    if (u->complete) loop_events(u->fd, 0);
+    if (u->state == UP_DONE) loop_events(u->fd, 0);
     u->event(u->owner);
 }
 
 static void up_io(void *ctx, int revents) {
     upstream *u = ctx;
     (void)revents; /* the state says what to do; errors surface from the call itself */
-    if (u->failed) return;
     switch (u->state) {
     case UP_CONNECTING: {
         int err = 0;
         socklen_t len = sizeof err;
         getsockopt(u->fd, SOL_SOCKET, SO_ERROR, &err, &len);
         if (err) { up_fail(u, "connect to %s:%d: %s", u->p->host, u->p->port, strerror(err)); return; }
-        if (!u->tls) timer_stop(&u->t); /* over TLS the deadline runs on through the handshake */
-        u->state = UP_SENDING;
+        up_to(u, u->tls ? UP_HANDSHAKE : UP_SENDING);
         up_write(u);
         return;
     }
-    case UP_SENDING:
-        up_write(u);
-        return;
-    case UP_READING:
-        up_read(u);
-        return;
-    case UP_IDLE: /* not polled: see pool_take() */
-    case UP_RESOLVING: return;
+    case UP_HANDSHAKE:
+    case UP_SENDING: up_write(u); return;
+    case UP_HEAD:
+    case UP_BODY: up_read(u); return;
+    default: return; /* RESOLVING, EOF, DONE, FAILED, IDLE: not polled (IDLE: see pool_take) */
     }
 }
 
@@ -3010,13 +3060,13 @@ static upstream *pool_take(provider *p) {
  * on the next turn. */
 static upstream *up_start(provider *p, void *owner, upstream_event *event, const char *req, size_t n) {
     upstream *u = pool_take(p);
-    if (u) {
-        u->reused = 1;
+    int reused = u != NULL;
+    if (reused) {
         u->out.len = u->wrote = 0, u->in.len = u->scan = u->head.len = u->body.len = 0;
-        u->have_head = u->complete = u->failed = u->got_bytes = u->paused = u->until_eof = u->leftover = u->eof_pending = 0;
+        u->paused = 0;
         u->cd = (chunk_decoder){0};
     } else {
-        u = xcalloc(1, sizeof *u);
+        u = xcalloc(1, sizeof *u); /* UP_RESOLVING */
         u->fd = -1;
         u->p = p;
         timer_init(&u->t, up_notify, u);
@@ -3024,13 +3074,12 @@ static upstream *up_start(provider *p, void *owner, upstream_event *event, const
     u->owner = owner, u->event = event;
     p->nbusy++;
     buf_append(&u->out, req, n);
-    if (u->reused) {
-        u->state = UP_SENDING;
+    if (reused) {
+        up_to(u, UP_SENDING);
         loop_watch(u->fd, POLLOUT, up_io, u);
         if (!u->tls) up_write(u); /* a TLS pump may read an answer: it runs from the loop, never inside up_start() */
         return u;
     }
-    u->state = UP_RESOLVING;
     struct sockaddr_storage addr;
     const char *err = NULL;
     int r = dns_resolve(p->host, u, &addr, &err);
@@ -3043,7 +3092,7 @@ static upstream *up_start(provider *p, void *owner, upstream_event *event, const
 static void up_pause(upstream *u, int pause) {
     if (u->paused == pause) return;
     u->paused = pause;
-    if (u->state == UP_READING && !u->failed && !u->complete) loop_events(u->fd, pause ? 0 : POLLIN);
+    if (u->state == UP_HEAD || u->state == UP_BODY) loop_events(u->fd, pause ? 0 : POLLIN);
 }
 
 /* The exchange is done with u: back to the pool if it can carry another
@@ -3052,17 +3101,17 @@ static void up_release(upstream *u) {
     provider *p = u->p;
     p->nbusy--;
     if (u->state == UP_RESOLVING) dns_cancel(u);
-    int reusable = u->complete && !u->failed && !u->leftover && u->resp.keep_alive && !u->until_eof &&
-                   p->cat == S.cat && p->nidle < POOL_MAX_IDLE && !S.draining;
-    if (u->leftover) ltg_log("%s sent bytes after its answer: connection closed, not pooled", p->host);
+    int whole = u->state == UP_DONE && u->wrote == u->out.len, leftover = whole && u->in.len > 0;
+    int reusable = whole && !leftover && u->resp.keep_alive && !up_until_eof(u) && p->cat == S.cat &&
+                   p->nidle < POOL_MAX_IDLE && !S.draining;
+    if (leftover) ltg_log("%s sent bytes after its answer: connection closed, not pooled", p->host);
     if (!reusable) { up_free(u); return; }
-    u->state = UP_IDLE;
+    up_to(u, UP_IDLE);
     u->owner = NULL;
     u->body.len = 0;
     if (u->out.cap > (1 << 20)) buf_free(&u->out); /* an idle connection keeps no large request's memory */
     if (u->body.cap > (1 << 20)) buf_free(&u->body);
     loop_events(u->fd, 0);
-    timer_set(&u->t, POOL_IDLE_MS);
     u->link = p->idle, p->idle = u, p->nidle++;
 }
 
@@ -3812,10 +3861,9 @@ static int group_parse(const char *s, const json_tok *t, int obj, stored *it, in
 
 /* The rules of the README's "Token groups" over a whole group (after a PATCH: the merged
  * result). Catalog membership first. */
-static int group_validate(const stored *it, const catalog *cat, verr *e) {
-    const group *g = (const group *)it;
-    if (!g->s.name) return verr_at(e, "name", NULL, "is required (a name for the group)");
-    if (!g->allowed) return verr_at(e, "allowed_models", NULL, "is required (the model aliases this group may call; [] permits none)");
+/* Every model the group names is in the catalog (checked before every
+ * other rule: see the notes). */
+static int group_in_catalog(const group *g, const catalog *cat, verr *e) {
     for (int i = 0; i < g->nallowed; i++)
         if (!catalog_model((catalog *)cat, g->allowed[i], strlen(g->allowed[i]))) {
             verr_at(e, "allowed_models", NULL, "\"%.100s\" is not a model of this gateway's catalog (GET /v1/models with a key lists them)", g->allowed[i]);
@@ -3836,6 +3884,14 @@ static int group_validate(const stored *it, const catalog *cat, verr *e) {
                 return verr_index(e, k);
             }
     }
+    return 0;
+}
+
+static int group_validate(const stored *it, const catalog *cat, verr *e) {
+    const group *g = (const group *)it;
+    if (!g->s.name) return verr_at(e, "name", NULL, "is required (a name for the group)");
+    if (!g->allowed) return verr_at(e, "allowed_models", NULL, "is required (the model aliases this group may call; [] permits none)");
+    if (group_in_catalog(g, cat, e) < 0) return LTG_ERR;
     if (!*g->s.name || strlen(g->s.name) > NAME_MAX_LEN) return verr_at(e, "name", NULL, "must be 1 to %d characters", NAME_MAX_LEN);
     for (int i = 0; i < g->nallowed; i++)
         for (int k = 0; k < i; k++)
@@ -6702,9 +6758,6 @@ static void episode_note(episode *e) {
     timer_set(&e->t, EPISODE_QUIET_MS);
 }
 
-static void admin_error(conn *c, int status, const char *code, const char *pointer, long long current_version, const char *fmt, ...)
-    __attribute__((format(printf, 6, 7)));
-
 static void conn_watch(conn *c) {
     if (c->state != CONN_CLOSED) loop_events(c->fd, (short)((c->read_paused ? 0 : POLLIN) | (c->want_out ? POLLOUT : 0)));
 }
@@ -6919,27 +6972,9 @@ static void conn_reply(conn *c, int status, const char *ctype, const char *extra
     conn_done(c);
 }
 
-/* An inference error's body up to its "code": OpenAI's
- * {"error":{"message","type","param"..., or Anthropic's
- * {"type":"error","error":{"type","message"...; the caller adds what it
- * has and closes both objects. `type`: OpenAI's error type, or NULL for
- * the one of the status. */
-static void error_open(jwriter *w, int status, int anthropic, const char *msg, const char *openai_type) {
-    const char *type = openai_type && !anthropic ? openai_type : status == 401 ? "authentication_error" : status == 403 ? "permission_error"
-                     : status == 404 ? "not_found_error" : status == 429 ? "rate_limit_error"
-                     : anthropic && status == 413 ? "request_too_large" : anthropic && status == 529 ? "overloaded_error"
-                     : status >= 500 ? "api_error" : "invalid_request_error";
-    jw_open(w, '{');
-    if (anthropic) jw_key(w, "type"), jw_cstr(w, "error");
-    jw_key(w, "error"), jw_open(w, '{');
-    if (anthropic) jw_key(w, "type"), jw_cstr(w, type);
-    jw_key(w, "message"), jw_cstr(w, msg);
-    if (!anthropic) jw_key(w, "type"), jw_cstr(w, type), jw_key(w, "param"), jw_null(w);
-}
-
-/* An error in the shape of the listener's API: OpenAI's on the inference
- * plane, JSON:API's on the admin plane (README "The inference plane", "The control plane"); `headers`: extra
- * header lines (each ending in CRLF), or NULL. */
+/* An error answered in the shape of the listener's API (S.error: the
+ * gateway's route_error, section 19); `headers`: extra header lines (each
+ * ending in CRLF), or NULL. */
 static void conn_error(conn *c, int status, const char *code, const char *headers, const char *fmt, ...) __attribute__((format(printf, 5, 6)));
 static void conn_error(conn *c, int status, const char *code, const char *headers, const char *fmt, ...) {
     char msg[512];
@@ -6947,18 +6982,8 @@ static void conn_error(conn *c, int status, const char *code, const char *header
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    if (c->admin) { admin_error(c, status, code, NULL, 0, "%s", msg); return; }
-    buf b = {0}, extra = {0};
-    if (headers) buf_puts(&extra, headers);
-    jwriter w;
-    jw_init(&w, &b);
-    error_open(&w, status, c->f.anthropic, msg, NULL);
-    jw_key(&w, "code"), jw_cstr(&w, code);
-    jw_close(&w, '}'), jw_close(&w, '}');
-    if (c->rid[0]) buf_printf(&extra, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: 0\r\n", c->rid, c->rid);
     conn_to(c, CONN_BUSY);
-    conn_reply(c, status, "application/json", extra.p, b.p, b.len);
-    buf_free(&b), buf_free(&extra);
+    S.error(c, status, code, headers, msg);
 }
 
 /* Errors of the HTTP layer itself: the request's framing cannot be trusted,
@@ -7025,6 +7050,69 @@ static void conn_to(conn *c, conn_state to) {
 static int conn_proxy(conn *c);
 static int conn_forwarded(conn *c);
 
+/* The next request's head, once it is all in: parsed and checked (HEAD ->
+ * BODY). 0: not yet, or refused (the connection is failing). */
+static int conn_take_head(conn *c) {
+    if (c->proxy_pending && conn_proxy(c) <= 0) return 0;
+    int n = http_head_end(c->in.p, c->in.len, &c->scan);
+    if (n == LTG_AGAIN && c->in.len <= MAX_HEAD_BYTES) return 0;
+    if (n == LTG_AGAIN || n > MAX_HEAD_BYTES) {
+        conn_fail(c, 431, "headers_too_large", "the request head is larger than 16 KiB");
+        return 0;
+    }
+    c->head_len = (size_t)n;
+    if (http_parse_request(c->in.p, (size_t)n, &c->req) < 0) {
+        int st = c->req.status;
+        const char *code = st == 431 ? "headers_too_large" : st == 501 ? "not_implemented" : st == 417 ? "expectation_failed" : "bad_request";
+        conn_fail(c, st, code, c->req.err);
+        return 0;
+    }
+    if (c->req.content_length > S.max_body) {
+        char m[128];
+        snprintf(m, sizeof m, "the request body is larger than %lld bytes", S.max_body);
+        conn_fail(c, 413, "body_too_large", m);
+        return 0;
+    }
+    c->began = S.now;
+    conn_to(c, CONN_BODY);
+    int has_body = c->req.chunked || c->req.content_length > 0;
+    if (has_body && c->req.expect_continue && c->in.len == c->head_len) conn_send(c, "HTTP/1.1 100 Continue\r\n\r\n", 25);
+    return 1;
+}
+
+/* The body, decoded as far as it came. 1 once it is whole: its raw bytes
+ * then leave the input, so that a request is held once (c->body). */
+static int conn_take_body(conn *c) {
+    if (c->req.chunked) {
+        long k = chunk_decode(&c->cd, c->in.p + c->head_len + c->body_raw, c->in.len - c->head_len - c->body_raw, &c->body);
+        if (k < 0) {
+            conn_fail(c, 400, "bad_request", "malformed chunked request body");
+            return 0;
+        }
+        c->body_raw += (size_t)k;
+        if ((long long)c->body.len > S.max_body) {
+            conn_fail(c, 413, "body_too_large", "the request body is too large");
+            return 0;
+        }
+        if ((long long)c->body_raw > RAW_BODY_MAX(S.max_body)) { /* framing is bytes too: 1-byte chunks or long extensions */
+            conn_fail(c, 413, "body_too_large", "the chunked request body's framing is too large for its data: send larger chunks");
+            return 0;
+        }
+        if (c->cd.state != CHUNK_DONE) return 0;
+    } else if (c->req.content_length > 0) {
+        size_t cl = (size_t)c->req.content_length;
+        if (c->in.len - c->head_len < cl) return 0;
+        buf_append(&c->body, c->in.p + c->head_len, cl);
+        c->body_raw = cl;
+    }
+    if (!c->body.p) buf_reserve(&c->body, 0);
+    memmove(c->in.p + c->head_len, c->in.p + c->head_len + c->body_raw, c->in.len - c->head_len - c->body_raw + 1);
+    c->in.len -= c->body_raw;
+    c->body_in = c->body_raw;
+    c->body_raw = 0;
+    return 1;
+}
+
 /* Parse and serve as many buffered requests as may be served now. */
 static void conn_process(conn *c) {
     assert(!c->processing); /* see conn_done: nothing up the stack is parsing this connection */
@@ -7032,52 +7120,12 @@ static void conn_process(conn *c) {
     while (c->state <= CONN_BODY && !c->close_after && conn_unsent(c) < OUT_HIGH_WATER) {
         if (c->state == CONN_IDLE && !c->in.len) break;
         if (c->state == CONN_IDLE) conn_to(c, CONN_HEAD); /* its first byte: the head's limit starts */
-        if (c->state == CONN_HEAD && c->proxy_pending && conn_proxy(c) <= 0) break;
-        if (c->state == CONN_HEAD) {
-            int n = http_head_end(c->in.p, c->in.len, &c->scan);
-            if (n == LTG_AGAIN && c->in.len <= MAX_HEAD_BYTES) break;
-            if (n == LTG_AGAIN || n > MAX_HEAD_BYTES) { conn_fail(c, 431, "headers_too_large", "the request head is larger than 16 KiB"); break; }
-            c->head_len = (size_t)n;
-            if (http_parse_request(c->in.p, (size_t)n, &c->req) < 0) {
-                int st = c->req.status;
-                conn_fail(c, st, st == 431 ? "headers_too_large" : st == 501 ? "not_implemented" : st == 417 ? "expectation_failed" : "bad_request", c->req.err);
-                break;
-            }
-            if (c->req.content_length > S.max_body) {
-                char m[128];
-                snprintf(m, sizeof m, "the request body is larger than %lld bytes", S.max_body);
-                conn_fail(c, 413, "body_too_large", m);
-                break;
-            }
-            c->began = S.now;
-            conn_to(c, CONN_BODY);
-            int has_body = c->req.chunked || c->req.content_length > 0;
-            if (has_body && c->req.expect_continue && c->in.len == c->head_len) conn_send(c, "HTTP/1.1 100 Continue\r\n\r\n", 25);
-        }
-        if (c->req.chunked) {
-            long k = chunk_decode(&c->cd, c->in.p + c->head_len + c->body_raw, c->in.len - c->head_len - c->body_raw, &c->body);
-            if (k < 0) { conn_fail(c, 400, "bad_request", "malformed chunked request body"); break; }
-            c->body_raw += (size_t)k;
-            if ((long long)c->body.len > S.max_body) { conn_fail(c, 413, "body_too_large", "the request body is too large"); break; }
-            if ((long long)c->body_raw > RAW_BODY_MAX(S.max_body)) { /* framing is bytes too: 1-byte chunks or long extensions */
-                conn_fail(c, 413, "body_too_large", "the chunked request body's framing is too large for its data: send larger chunks");
-                break;
-            }
-            if (c->cd.state != CHUNK_DONE) break;
-        } else if (c->req.content_length > 0) {
-            size_t cl = (size_t)c->req.content_length;
-            if (c->in.len - c->head_len < cl) break;
-            buf_append(&c->body, c->in.p + c->head_len, cl);
-            c->body_raw = cl;
-        }
-        if (!c->body.p) buf_reserve(&c->body, 0);
-        /* The body is decoded: its raw bytes leave the input, so that a request is held once (c->body). */
-        memmove(c->in.p + c->head_len, c->in.p + c->head_len + c->body_raw, c->in.len - c->head_len - c->body_raw + 1);
-        c->in.len -= c->body_raw;
-        c->body_in = c->body_raw, c->body_raw = 0;
+        if (c->state == CONN_HEAD && !conn_take_head(c)) break;
+        if (!conn_take_body(c)) break;
         conn_to(c, CONN_BUSY);
         if (c->trusted && conn_forwarded(c) < 0) {
-            conn_error(c, 429, "too_many_connections", "Retry-After: 1\r\n", "your address holds --max-conns-per-ip connections through the gateway's load balancer: retry shortly");
+            conn_error(c, 429, "too_many_connections", "Retry-After: 1\r\n",
+                       "your address holds --max-conns-per-ip connections through the gateway's load balancer: retry shortly");
             continue;
         }
         S.serve(c);
@@ -8072,6 +8120,40 @@ static void admin_route(conn *c) {
  * key. Back-pressure: when the client does not read and more than
  * OUT_HIGH_WATER bytes wait for it, ltg stops reading the provider.
  */
+
+/* An inference error's body up to its "code": OpenAI's
+ * {"error":{"message","type","param"..., or Anthropic's
+ * {"type":"error","error":{"type","message"...; the caller adds what it
+ * has and closes both objects. `type`: OpenAI's error type, or NULL for
+ * the one of the status. */
+static void error_open(jwriter *w, int status, int anthropic, const char *msg, const char *openai_type) {
+    const char *type = openai_type && !anthropic ? openai_type : status == 401 ? "authentication_error" : status == 403 ? "permission_error"
+                     : status == 404 ? "not_found_error" : status == 429 ? "rate_limit_error"
+                     : anthropic && status == 413 ? "request_too_large" : anthropic && status == 529 ? "overloaded_error"
+                     : status >= 500 ? "api_error" : "invalid_request_error";
+    jw_open(w, '{');
+    if (anthropic) jw_key(w, "type"), jw_cstr(w, "error");
+    jw_key(w, "error"), jw_open(w, '{');
+    if (anthropic) jw_key(w, "type"), jw_cstr(w, type);
+    jw_key(w, "message"), jw_cstr(w, msg);
+    if (!anthropic) jw_key(w, "type"), jw_cstr(w, type), jw_key(w, "param"), jw_null(w);
+}
+
+/* An inference error: OpenAI's shape, or Anthropic's on its endpoints
+ * (the server's errors come here through route_error). */
+static void inference_error(conn *c, int status, const char *code, const char *headers, const char *msg) {
+    buf b = {0}, extra = {0};
+    if (headers) buf_puts(&extra, headers);
+    jwriter w;
+    jw_init(&w, &b);
+    error_open(&w, status, c->f.anthropic, msg, NULL);
+    jw_key(&w, "code"), jw_cstr(&w, code);
+    jw_close(&w, '}'), jw_close(&w, '}');
+    if (c->rid[0]) buf_printf(&extra, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: 0\r\n", c->rid, c->rid);
+    conn_reply(c, status, "application/json", extra.p, b.p, b.len);
+    buf_free(&b), buf_free(&extra);
+}
+
 #define MAX_CHAIN (1 + MAX_FALLBACKS)
 #define MAX_ATTEMPT_LOG (MAX_CHAIN * 5)
 #define REPLAY_MAX_BYTES (8 << 20) /* the largest answer kept for an idempotent replay */
@@ -8580,8 +8662,8 @@ static int up_is_stream(const upstream *u);
  * a client (meter_start), so that the provider's own count bills it. */
 static void attempt_price(exchange *x, attempt_entry *e, const upstream *u, const usage_counts *uc, size_t relayed) {
     model *m = x->chain[e->model];
-    int reached = u && (u->wrote > 0 || u->have_head), status = u && u->have_head ? u->resp.status : 0;
-    int whole = !x->stream || (u && u->have_head && !up_is_stream(u));
+    int reached = u && (u->wrote > 0 || up_has_head(u)), status = u && up_has_head(u) ? u->resp.status : 0;
+    int whole = !x->stream || (u && up_has_head(u) && !up_is_stream(u));
     long long t[NTOK] = {0}, out_est = whole ? e->w.out : (long long)(relayed / 3);
     if (out_est > e->w.out) out_est = e->w.out;
     if (x->kind->free || !reached || status >= 300) return; /* nothing a provider bills */
@@ -8837,8 +8919,20 @@ typedef struct {
 /* Is the upstream's answer a stream (200, text/event-stream)? */
 static int up_is_stream(const upstream *u) {
     size_t n;
-    const char *ct = u->have_head ? http_header_get(u->head.p, u->resp.h, u->resp.nh, "content-type", &n) : NULL;
+    const char *ct = up_has_head(u) ? http_header_get(u->head.p, u->resp.h, u->resp.nh, "content-type", &n) : NULL;
     return u->resp.status == 200 && ct && n >= 17 && ascii_casecmp_n(ct, 17, "text/event-stream") == 0;
+}
+
+/* The one place an exchange changes state: another attempt, a backoff,
+ * or the stream's start -- and nothing after a stream has started. */
+static void exchange_to(exchange *x, x_state to) {
+    static const unsigned char next[] = {
+        [X_ATTEMPTING] = 1 << X_ATTEMPTING | 1 << X_BACKOFF | 1 << X_RELAYING,
+        [X_BACKOFF] = 1 << X_ATTEMPTING,
+        [X_RELAYING] = 0,
+    };
+    assert(next[x->state] >> to & 1);
+    x->state = to;
 }
 
 /* PLAN_ANSWER: a whole answer is relayed (a success, or a terminal
@@ -8852,7 +8946,7 @@ static void exchange_answer(exchange *x) {
     buf_puts(&h, "Cache-Control: no-cache\r\n");
     x_head(x, 200, "text/event-stream", -1, h.p);
     buf_free(&h);
-    x->state = X_RELAYING;
+    exchange_to(x, X_RELAYING);
     timer_set(&x->deadline, (int64_t)S.max_stream_s * 1000); /* from now on the deadline is the stream's limit */
 }
 
@@ -8927,7 +9021,7 @@ static void meter_end(meter *m) {
     attempt_entry *e = &x->log[m->entry];
     usage_counts uc = {0};
     int no_choices;
-    if (u->complete && !u->failed && u->resp.status / 100 == 2)
+    if (u->state == UP_DONE && u->resp.status / 100 == 2)
         uc.final = usage_read(x->kind, NULL, u->body.p ? u->body.p : "", u->body.len, &uc, &no_choices) > 0;
     e->pending = 0;
     attempt_bill(x, e, u, &uc, 0);
@@ -8945,7 +9039,7 @@ static void meter_end(meter *m) {
 static void meter_event(void *owner) {
     meter *m = owner;
     upstream *u = m->u;
-    if (u->failed || u->complete || u->body.len > METER_MAX_BODY) meter_end(m);
+    if (u->state == UP_FAILED || u->state == UP_DONE || u->body.len > METER_MAX_BODY) meter_end(m);
 }
 
 static void meter_timer(void *ctx) { meter_end(ctx); }
@@ -8978,8 +9072,8 @@ static void meters_close(void) {
 static void attempt_over(exchange *x) {
     attempt_entry *e = &x->log[x->nlog - 1];
     upstream *u = x->u;
-    int refused = u && u->have_head && u->resp.status >= 300, big = u && (u->body.len > METER_MAX_BODY || u->resp.content_length > METER_MAX_BODY);
-    if (!e->billed && u && u->wrote > 0 && !u->complete && !u->failed && !refused && !big && !x->stream && !x->kind->free && S.meter_s > 0) {
+    int refused = u && up_has_head(u) && u->resp.status >= 300, big = u && (u->body.len > METER_MAX_BODY || u->resp.content_length > METER_MAX_BODY);
+    if (!e->billed && u && u->wrote > 0 && u->state != UP_DONE && u->state != UP_FAILED && !refused && !big && !x->stream && !x->kind->free && S.meter_s > 0) {
         meter_start(x, e);
         return;
     }
@@ -9040,7 +9134,7 @@ static plan_step attempt_decide(exchange *x, const attempt_result *r) {
     };
     if (o == OUTCOME_NO_WORK) { /* what only a retry of the same model needs */
         size_t n;
-        const char *v = u && u->have_head ? http_header_get(u->head.p, u->resp.h, u->resp.nh, "retry-after", &n) : NULL;
+        const char *v = u && up_has_head(u) ? http_header_get(u->head.p, u->resp.h, u->resp.nh, "retry-after", &n) : NULL;
         f.other_deployment = x->pin < 0 && deployment_other(m, x->avoid, S.now);
         f.retry_after_ms = v ? retry_after_ms(v, n, (long long)(wall_ms() / 1000)) : -1;
         f.jitter_permille = (unsigned)(rng_next() % 201);
@@ -9086,7 +9180,7 @@ enum { ATTEMPT_STARTED, ATTEMPT_REFUSED, ATTEMPT_SKIPPED };
  * ATTEMPT_SKIPPED: every breaker of the model is open, no call made. */
 static int exchange_attempt(exchange *x, int next_key) {
     model *m = exchange_model(x);
-    x->state = X_ATTEMPTING;
+    exchange_to(x, X_ATTEMPTING);
     if (x->avoid_model != x->plan.model) {
         x->avoid = 0;
         x->avoid_model = x->plan.model;
@@ -9123,7 +9217,7 @@ static void exchange_step(exchange *x, plan_step s) {
     if (s.action == PLAN_ANSWER) {
         exchange_answer(x);
     } else if (s.action == PLAN_RETRY_AFTER) {
-        x->state = X_BACKOFF;
+        exchange_to(x, X_BACKOFF);
         timer_set(&x->t, s.delay_ms); /* exchange_timer starts the attempt when it fires */
     } else {
         exchange_give_up(x, s.late);
@@ -9138,8 +9232,8 @@ static void exchange_start(exchange *x) { exchange_step(x, (plan_step){.action =
 /* The current attempt failed without an answer: `why`, a timeout or not. */
 static void attempt_failed(exchange *x, const char *why, int timeout) {
     upstream *u = x->u;
-    int reached = u->wrote > 0 || u->have_head; /* a byte of the request went out, or an answer came */
-    attempt_end(x, &(attempt_result){.status = u->have_head ? u->resp.status : 0, .reached = reached, .error = why,
+    int reached = u->wrote > 0 || up_has_head(u); /* a byte of the request went out, or an answer came */
+    attempt_end(x, &(attempt_result){.status = up_has_head(u) ? u->resp.status : 0, .reached = reached, .error = why,
                                      .timeout = timeout});
 }
 
@@ -9217,7 +9311,7 @@ static void exchange_relay_stream(exchange *x) {
     }
     buf_consume(&u->body, off);
     if (x->state == X_RELAYING) timer_set(&x->t, (int64_t)S.stream_idle_s * 1000);
-    if (u->complete) {
+    if (u->state == UP_DONE) {
         if (x->state != X_RELAYING) { stream_broken(x, "the stream ended before its first event"); return; }
         if (u->body.len) { /* no final blank line: pass the rest on */
             mask_provider_key(exchange_dep(x)->p, u->body.p, u->body.len);
@@ -9243,12 +9337,12 @@ static void exchange_drained(void *owner) {
 static void exchange_upstream(void *owner) {
     exchange *x = owner;
     upstream *u = x->u;
-    if (u->failed && x->state == X_RELAYING) { stream_broken(x, u->err); return; } /* no failover once it started */
-    if (u->failed) {
+    if (u->state == UP_FAILED && x->state == X_RELAYING) { stream_broken(x, u->err); return; } /* no failover once it started */
+    if (u->state == UP_FAILED) {
         attempt_failed(x, u->err, 0);
         return;
     }
-    if (!u->have_head) return;
+    if (!up_has_head(u)) return;
     int status = u->resp.status;
     if (x->stream && up_is_stream(u)) { exchange_relay_stream(x); return; }
     timer_stop(&x->t); /* the head came: the attempt's timeout is met; the deadline bounds the body */
@@ -9256,7 +9350,7 @@ static void exchange_upstream(void *owner) {
         attempt_answered(x, status, "an answer larger than 64 MiB");
         return;
     }
-    if (!u->complete) return;
+    if (u->state != UP_DONE) return;
     int no_choices, r = status >= 200 && status < 300 ? usage_read(x->kind, NULL, u->body.p ? u->body.p : "", u->body.len, &x->usage, &no_choices) : 0;
     char reason[100];
     snprintf(reason, sizeof reason, "answered %d with a body that is not JSON", status); /* a success must be JSON */
@@ -9279,7 +9373,7 @@ static void exchange_abort(void *owner) {
         return;
     }
     if (x->u && x->state == X_ATTEMPTING) { /* not the provider's doing: its breaker hears nothing of it */
-        attempt_log(x, &x->plan, x->u->have_head ? x->u->resp.status : 0, OUTCOME_INDETERMINATE, "the client closed the connection");
+        attempt_log(x, &x->plan, up_has_head(x->u) ? x->u->resp.status : 0, OUTCOME_INDETERMINATE, "the client closed the connection");
         if (x->probe) breaker_forget_probe(exchange_dep(x));
         x->probe = 0;
         attempt_over(x);
@@ -10011,6 +10105,13 @@ static void probe_reply(conn *c, int ready) {
     buf_free(&b);
 }
 
+/* S.error: JSON:API's shape on the admin listener (README "The control
+ * plane"), the OpenAI or Anthropic API's on the inference one. */
+static void route_error(conn *c, int status, const char *code, const char *headers, const char *msg) {
+    if (c->admin) admin_error(c, status, code, NULL, 0, "%s", msg); /* its own headers: the extra ones are the inference plane's */
+    else inference_error(c, status, code, headers, msg);
+}
+
 static void route(conn *c) {
     uint64_t r = rng_next(), seq = ++S.request_seq & 0xffffffff; /* "req_%016llx%08llx", without printf: every request makes one */
     memcpy(c->rid, "req_", 4);
@@ -10364,7 +10465,7 @@ int main(int argc, char **argv) {
     if (state_open(err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
     fds_budget();
     S.hooks = (loop_hooks){{conn_tick, store_tick, access_flush}, loop_signals, loop_should_exit};
-    S.serve = route, S.ended = request_ended, S.up_open = up_start;
+    S.serve = route, S.ended = request_ended, S.error = route_error, S.up_open = up_start;
     if (pipe2(S.sig_pipe, O_NONBLOCK | O_CLOEXEC) < 0) { perror("ltg: pipe"); return 1; }
     loop_watch(S.sig_pipe[0], POLLIN, sig_pipe_read, NULL);
     struct sigaction sa = {0};

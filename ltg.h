@@ -294,6 +294,12 @@ typedef void server_serve(conn *c);
  * request and what the server recorded of its answer (the access log and
  * the metrics, in ltg). */
 typedef void server_ended(conn *c);
+/* An error the server finds itself -- a head too large, a malformed body,
+ * a body too slow -- and every error a handler answers with conn_error:
+ * error(c, status, code, headers, message) answers it in the shape of the
+ * API the listener serves, with the server's reply functions. `headers`:
+ * extra header lines (each ending in CRLF), or NULL. */
+typedef void server_error(conn *c, int status, const char *code, const char *headers, const char *msg);
 
 /* A request served over several turns has an owner (the inference
  * exchange); the server tells it: */

@@ -472,6 +472,11 @@ static void test_dns(void) {
 
 /* ---- the store: validation ---- */
 
+/* A group the test made, or NULL. */
+static void group_drop(group *g) {
+    if (g) group_free(&g->s);
+}
+
 static catalog *unit_cat;
 
 /* Parse `body` as a create (or, with `base`, a PATCH over a clone of it)
@@ -487,7 +492,7 @@ static group *try_group(const char *body, const group *base, verr *e) {
     }
     group *g = base ? (group *)group_clone(&base->s) : (group *)group_new();
     if (group_parse(body, t, 0, &g->s, base ? PARSE_PATCH : PARSE_CREATE, e) < 0 || group_validate(&g->s, unit_cat, e) < 0) {
-        group_free(&g->s);
+        group_drop(g);
         return NULL;
     }
     return g;
@@ -498,7 +503,7 @@ static void expect_refused(const char *body, const group *base, const char *code
     group *g = try_group(body, base, &e);
     CHECK(!g && e.code && strcmp(e.code, code) == 0 && strcmp(e.pointer, pointer) == 0 && strstr(e.detail, words),
           "%s: got %s %s \"%s\", want %s %s \"%s\"", body, e.code ? e.code : "(accepted)", e.pointer, e.detail, code, pointer, words);
-    group_free(&g->s);
+    group_drop(g);
 }
 
 static void test_group_validation(void) {
@@ -520,7 +525,7 @@ static void test_group_validation(void) {
           g->s.al.max_budget == 0.123456 && g->s.al.budget_days == 7 && g->cache_ttl == 0 && g->max_parallel == 1 && g->s.blocked, "full group: %s %s", e.pointer, e.detail);
     group *min = try_group("{\"name\":\"m\",\"allowed_models\":[]}", NULL, &e);
     CHECK(min && !min->has_retries && !min->s.al.has_budget && min->cache_ttl == UNSET && min->max_parallel == UNSET, "minimal group");
-    group_free(&min->s);
+    group_drop(min);
 
     /* The catalog is checked first, whatever else is wrong. */
     expect_refused("{\"name\":\"g\",\"allowed_models\":[\"A\",\"Nope\"],\"retries\":{\"max_attempts\":9}}", NULL, "model_not_in_catalog", "/allowed_models/1", "Nope");
@@ -576,20 +581,20 @@ static void test_group_validation(void) {
     if (g) {
         group *p = try_group("{\"name\":\"renamed\"}", g, &e);
         CHECK(p && strcmp(p->s.name, "renamed") == 0 && p->nfb == 1 && p->retries.max_attempts == 5 && p->s.al.has_budget, "patch keeps the rest");
-        group_free(&p->s);
+        group_drop(p);
         p = try_group("{\"retries\":null,\"fallbacks\":null,\"max_budget\":null,\"cache_ttl\":null,\"max_parallel_requests\":null}", g, &e);
         CHECK(p && !p->has_retries && p->nfb == 0 && !p->s.al.has_budget && p->cache_ttl == UNSET && p->max_parallel == UNSET, "null clears");
-        group_free(&p->s);
+        group_drop(p);
         p = try_group("{\"retries\":{\"max_attempts\":3}}", g, &e);
         CHECK(p && p->retries.max_attempts == 3 && p->retries.retry_delay_ms == 250 && p->retries.backoff == BACKOFF_EXPONENTIAL &&
               p->retries.request_timeout_ms == 0, "retries replaced whole, not merged");
-        group_free(&p->s);
+        group_drop(p);
         expect_refused("{\"allowed_models\":[\"A\"]}", g, "invalid_request", "/fallbacks/A/0", "must also be in allowed_models");
         expect_refused("{\"name\":null}", g, "invalid_request", "/name", "cannot be null");
         expect_refused("{\"allowed_models\":null}", g, "invalid_request", "/allowed_models", "cannot be null");
         CHECK(strcmp(g->s.name, "g") == 0 && g->nallowed == 5, "a refused patch leaves the original untouched");
     }
-    group_free(&g->s);
+    group_drop(g);
 }
 
 /* ---- the store: the log ---- */
@@ -1063,7 +1068,7 @@ static void test_ledger_budgets(long long index_bytes) {
     CHECK(group_validate(&g->s, NULL, &e) < 0 && strcmp(e.pointer, "/budget_duration") == 0 && strstr(e.detail, "--ledger-days"), "7d over 5 days kept: %s", e.detail);
     g->s.al.budget_days = 1;
     CHECK(group_validate(&g->s, NULL, &e) == 0, "1d is fine");
-    group_free(&g->s);
+    group_drop(g);
     S.ledger_days = 90, S.ledger_index = 16LL << 20;
     store_reset();
 }
@@ -1206,7 +1211,7 @@ static int nfake;
 
 static upstream *fake_open(provider *p, void *owner, upstream_event *event, const char *req, size_t n) {
     upstream *u = xcalloc(1, sizeof *u);
-    u->fd = -1, u->p = p, u->owner = owner, u->event = event, u->state = UP_READING;
+    u->fd = -1, u->p = p, u->owner = owner, u->event = event, u->state = UP_HEAD;
     timer_init(&u->t, up_notify, u);
     buf_append(&u->out, req, n);
     if (nfake < 8) fake_ups[nfake] = u;
@@ -1216,7 +1221,8 @@ static upstream *fake_open(provider *p, void *owner, upstream_event *event, cons
 
 /* The fake's answer: a status and a whole body, then the news. */
 static void fake_answer(upstream *u, int status, const char *body) {
-    u->have_head = 1, u->resp.status = status, u->complete = 1, u->wrote = u->out.len;
+    buf_puts(&u->head, "HTTP/1.1\r\n\r\n"); /* up_has_head() */
+    u->resp.status = status, u->state = UP_DONE, u->wrote = u->out.len;
     buf_puts(&u->body, body);
     u->event(u->owner);
 }
@@ -1838,7 +1844,7 @@ static void test_ledger_pieces(void) {
         CHECK(rate_check(&rg->s.al, 1, 1, &which) == 0, "the first request left the window");
         rate_settle(&rg->s.al, sec, 40, 5); /* its second has left: nothing to settle */
         CHECK(rl_used(rg->s.al.rl, S.now / 1000, 1) == 45, "the tokens of the window: %lld", (long long)rl_used(rg->s.al.rl, S.now / 1000, 1));
-        group_free(&rg->s);
+        group_drop(rg);
         S.now = rl_now0;
     }
 
