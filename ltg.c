@@ -9,9 +9,10 @@
  * only token keys. Changes to groups and keys are fsynced to an append-only
  * log before they are acknowledged; every admitted inference request leaves a
  * spend event in the ledger (refusals and token counts do not; nor does a
- * request still running when a drain ends), one log per UTC day, each sealed at midnight with an index file
- * beside it and deleted after --ledger-days. Memory, disk and start-up time
- * depend on what ltg holds now, never on how much it has served.
+ * request still running when a drain ends), one log per UTC day, each
+ * sealed at midnight with an index file beside it and deleted after
+ * --ledger-days. Memory, disk and start-up time depend on what ltg holds
+ * now, never on how much it has served.
  *
  * One process, one thread, one poll() loop. Every socket is non-blocking;
  * every wait (a timeout, a backoff, a DNS answer, a slow client) is a timer
@@ -122,28 +123,31 @@
 #define MAX_HEAD_BYTES (16 * 1024)       /* request head; 431 beyond */
 #define UP_MAX_HEAD_BYTES (64 * 1024)    /* provider response head */
 #define UP_MAX_BODY_BYTES (64 * 1024 * 1024) /* non-streaming provider answer */
-#define ADMIN_MAX_CONNS 64               /* control-plane connections (at most --max-conns), counted apart */
+#define ADMIN_MAX_CONNS 64               /* control-plane connections, counted apart */
 #define MAX_BODY_FIELDS 512              /* top-level JSON tokens of a request body */
 #define ALIAS_MAX 128                    /* bytes of a model alias */
 #define READ_CHUNK 16384
-#define OUT_HIGH_WATER (256 * 1024)      /* unsent output past this: stop reading the upstream, or the client */
-#define BODY_MIN_RATE 4096               /* bytes/s a request body must keep up, after --head-timeout */
-#define RAW_BODY_MAX(max) (2 * (max) + 65536) /* raw bytes of a chunked body of at most `max` decoded: its framing bounded too */
-#define EPISODE_QUIET_MS 10000           /* an episode of refused connections ends after this long without one */
-#define LINGER_MS 2000                   /* after an answer that closes, what the client still sends is read and dropped this long */
+#define OUT_HIGH_WATER (256 * 1024)      /* unsent output past this: stop reading the other side */
+#define BODY_MIN_RATE 4096               /* bytes/s a request body keeps up after --head-timeout */
+/* The raw bytes of a chunked body of at most `max` decoded bytes: its framing is bounded too. */
+#define RAW_BODY_MAX(max) (2 * (max) + 65536)
+#define EPISODE_QUIET_MS 10000           /* quiet this long, an episode of refusals is over */
+#define LINGER_MS 2000                   /* after a closing answer: the client's bytes dropped */
 #define POOL_IDLE_MS 30000               /* idle pooled upstream connection lifetime */
 #define POOL_MAX_IDLE 64                 /* idle connections kept per provider */
-#define KEY_REST_MS 60000                /* a provider key answered 401/403: unused this long (when there are others) */
+#define KEY_REST_MS 60000                /* a provider key refused (401/403) rests this long */
 #define CONNECT_TIMEOUT_MS 10000
-#define DEFAULT_DEADLINE_MS 600000       /* x-ltg-deadline default (README "Per-request overrides"): a reasoning model may think for minutes */
+/* The x-ltg-deadline default (README "Per-request overrides"): a reasoning model may think
+ * for minutes. */
+#define DEFAULT_DEADLINE_MS 600000
 #define DNS_TIMEOUT_MS 2000
 #define DNS_TRIES 3
 #define DNS_NEGATIVE_TTL_S 5
 #define DNS_MAX_TTL_S 3600
-#define MAX_CHARGE 1000000000000LL       /* micro-USD: a million USD for one request is not a spend event */
-#define MAX_USAGE_TOKENS 10000000        /* a count past this in a provider's usage is a protocol violation */
-#define METER_MAX 256                    /* abandoned answers read to their end at a time (section 17) */
-#define METER_MAX_BODY (1 << 20)         /* ... each at most this long: past it, closed and charged the estimate */
+#define MAX_CHARGE 1000000000000LL       /* micro-USD: one request's million USD is no event */
+#define MAX_USAGE_TOKENS 10000000        /* a usage count past this violates the protocol */
+#define METER_MAX 256                    /* abandoned answers read to their end at once (17) */
+#define METER_MAX_BODY (1 << 20)         /* ... each this long at most, then charged the estimate */
 
 /* The token classes of a request's usage (README "Cost"). Input and output
  * are inclusive -- a cache read or write is an input token, a reasoning
@@ -187,10 +191,12 @@ static struct {
     int max_per_ip;           /* inference connections from one client address */
     int max_stream_s;         /* a started stream is cut after this long */
     int stream_idle_s;        /* ... and after this long without an event */
-    int meter_s;              /* an abandoned whole answer is read this long for its usage (0: closed at once) */
+    /* an abandoned whole answer is read this long for its usage (0: closed at once) */
+    int meter_s;
     int max_meters;           /* ... so many at a time: METER_MAX, or fewer when fds are short */
     int ledger_days;          /* days of spend events kept (section 13) */
-    long long ledger_index;   /* bytes today's index may hold in memory before it is spilled (section 13) */
+    /* bytes today's index may hold in memory before it is spilled (section 13) */
+    long long ledger_index;
     int metrics_auth;         /* GET /metrics needs an admin key (section 18) */
     long long max_body;
     int head_timeout_ms, idle_timeout_ms;
@@ -201,8 +207,11 @@ static struct {
     server_serve *serve;      /* what the server hands each request to: route() */
     server_ended *ended;      /* and tells when it is over: request_ended() */
     server_error *error;      /* and has answer the errors it finds: route_error() */
-    upstream *(*up_open)(provider *p, void *owner, upstream_event *event, const char *req, size_t n); /* up_start(); a test's fake */
-    int64_t now;              /* monotonic ms: read before the timers run and after poll() returns */
+    /* up_start(); a test's fake */
+    upstream *(*up_open)(provider *p, void *owner, upstream_event *event, const char *req,
+                         size_t n);
+    /* monotonic ms: read before the timers run and after poll() returns */
+    int64_t now;
     fd_watch *fds;            /* indexed by fd */
     int nfds_cap, fd_high;    /* table size; highest watched fd + 1 */
     struct pollfd *pfds;
@@ -218,7 +227,8 @@ static struct {
     int nconns;
     int nexchanges;           /* inference requests in flight, with or without their client */
     int ndetached;            /* of those, idempotent ones whose client left: at most max_conns */
-    int nadmin, max_admin;    /* control-plane connections, counted apart: an inference flood cannot lock the operator out */
+    /* control-plane connections, counted apart: an inference flood cannot lock the operator out */
+    int nadmin, max_admin;
     int draining;
     int64_t drain_until;
 
@@ -255,8 +265,9 @@ static void ltg_log(const char *fmt, ...) {
     struct tm tm;
     gmtime_r(&ts.tv_sec, &tm);
     char line[1024];
-    int n = snprintf(line, sizeof line, "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ ltg: ", tm.tm_year + 1900,
-                     tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000);
+    int n = snprintf(line, sizeof line,
+                     "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ ltg: ", tm.tm_year + 1900, tm.tm_mon + 1,
+                     tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000);
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(line + n, sizeof line - n - 1, fmt, ap);
@@ -297,7 +308,10 @@ static void rng_seed(void) {
 
 static uint64_t rng_next(void) {
     if (!S.rng.digest_class) rng_seed();
-    if (S.rng_left < 8) br_hmac_drbg_generate(&S.rng, S.rng_pool, sizeof S.rng_pool), S.rng_left = sizeof S.rng_pool;
+    if (S.rng_left < 8) {
+        br_hmac_drbg_generate(&S.rng, S.rng_pool, sizeof S.rng_pool);
+        S.rng_left = sizeof S.rng_pool;
+    }
     uint64_t v;
     S.rng_left -= 8;
     memcpy(&v, S.rng_pool + S.rng_left, 8);
@@ -361,7 +375,8 @@ void buf_consume(buf *b, size_t n) {
 }
 void buf_free(buf *b) {
     free(b->p);
-    b->p = NULL, b->len = b->cap = 0;
+    b->p = NULL;
+    b->len = b->cap = 0;
 }
 
 static int ascii_casecmp_n(const char *a, size_t an, const char *b) {
@@ -397,8 +412,8 @@ static void iso_time(int64_t ms, char out[64]) {
     time_t sec = (time_t)(ms / 1000);
     struct tm tm;
     gmtime_r(&sec, &tm);
-    snprintf(out, 64, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour,
-             tm.tm_min, tm.tm_sec, (int)(ms % 1000));
+    snprintf(out, 64, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900, tm.tm_mon + 1,
+             tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, (int)(ms % 1000));
 }
 
 /* "YYYY-MM-DD" as the wall ms of its midnight UTC; LTG_ERR when it is not a date. */
@@ -409,14 +424,18 @@ static int parse_day(const char *s, int64_t *ms) {
     int y = atoi(s), m = atoi(s + 5), d = atoi(s + 8);
     struct tm tm = {.tm_year = y - 1900, .tm_mon = m - 1, .tm_mday = d};
     time_t t = timegm(&tm);
-    if (tm.tm_year != y - 1900 || tm.tm_mon != m - 1 || tm.tm_mday != d) return LTG_ERR; /* 2026-02-30 */
+    /* 2026-02-30 */
+    if (tm.tm_year != y - 1900 || tm.tm_mon != m - 1 || tm.tm_mday != d) return LTG_ERR;
     *ms = (int64_t)t * 1000;
     return 0;
 }
 
 static void hex_encode(const uint8_t *p, size_t n, char *out) {
     static const char digits[] = "0123456789abcdef";
-    for (size_t i = 0; i < n; i++) out[2 * i] = digits[p[i] >> 4], out[2 * i + 1] = digits[p[i] & 15];
+    for (size_t i = 0; i < n; i++) {
+        out[2 * i] = digits[p[i] >> 4];
+        out[2 * i + 1] = digits[p[i] & 15];
+    }
     out[2 * n] = 0;
 }
 
@@ -438,13 +457,21 @@ static void uuid_new(char out[37]) {
     char h[33];
     uint64_t r[2] = {rng_next(), rng_next()};
     memcpy(b, r, 16);
-    b[6] = (uint8_t)((b[6] & 0x0F) | 0x40), b[8] = (uint8_t)((b[8] & 0x3F) | 0x80);
+    b[6] = (uint8_t)((b[6] & 0x0F) | 0x40);
+    b[8] = (uint8_t)((b[8] & 0x3F) | 0x80);
     hex_encode(b, 16, h);
     snprintf(out, 37, "%.8s-%.4s-%.4s-%.4s-%.12s", h, h + 8, h + 12, h + 16, h + 20);
 }
 
-static void put_le32(uint8_t *p, uint32_t v) { p[0] = (uint8_t)v, p[1] = (uint8_t)(v >> 8), p[2] = (uint8_t)(v >> 16), p[3] = (uint8_t)(v >> 24); }
-static uint32_t get_le32(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
+static void put_le32(uint8_t *p, uint32_t v) {
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+    p[2] = (uint8_t)(v >> 16);
+    p[3] = (uint8_t)(v >> 24);
+}
+static uint32_t get_le32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
 
 /* CRC-32 (IEEE 802.3), the checksum of every log record and index file,
  * continued from `crc` (0 to start). Eight bytes a step ("slicing by 8"):
@@ -530,7 +557,10 @@ static void hmap_put(hmap *m, void *item) {
     size_t n;
     const void *k = m->key(item, &n);
     size_t i = hmap_find(m, k, n);
-    if (!m->slot[i]) m->used++, m->live++;
+    if (!m->slot[i]) {
+        m->used++;
+        m->live++;
+    }
     m->slot[i] = item;
 }
 
@@ -559,12 +589,16 @@ enum { M_REQUESTS, M_DURATION, M_ATTEMPTS, M_TTFT, M_TOKENS, M_HOLD_EXCEEDED, M_
 
 typedef struct {
     double v;        /* a counter's value; a histogram's sum */
-    uint64_t *b;     /* a histogram's counts per bucket, then +Inf (the count); NULL for a counter */
+    /* a histogram's counts per bucket, then +Inf (the count); NULL for a counter */
+    uint64_t *b;
     size_t n;        /* bytes of key: the family (one byte), then the labels as written */
     char key[];
 } series;
 
-static const void *series_key(const void *it, size_t *n) { *n = ((const series *)it)->n; return ((const series *)it)->key; }
+static const void *series_key(const void *it, size_t *n) {
+    *n = ((const series *)it)->n;
+    return ((const series *)it)->key;
+}
 static hmap METRICS = {.key = series_key};
 
 /* A series' key: the family, then the labels, given as name, value pairs
@@ -575,7 +609,8 @@ static size_t series_keyv(char key[SERIES_KEY_MAX], int fam, va_list ap) {
     key[0] = (char)fam;
     for (const char *name; (name = va_arg(ap, const char *));) {
         const char *v = va_arg(ap, const char *);
-        if (n + strlen(name) + 8 > SERIES_KEY_MAX) break; /* never: names are words, values bounded (aliases, group names) */
+        /* never: names are words, values bounded (aliases, group names) */
+        if (n + strlen(name) + 8 > SERIES_KEY_MAX) break;
         n += (size_t)sprintf(key + n, "%s%s=\"", n > 1 ? "," : "", name);
         for (; v && *v && n + 3 < SERIES_KEY_MAX; v++) {
             if (*v == '\\' || *v == '"' || *v == '\n') key[n++] = '\\';
@@ -634,9 +669,12 @@ static void metric_forget(int fam, ...) {
     va_end(ap);
     for (size_t i = 0; i < METRICS.cap; i++) {
         series *s = METRICS.slot[i];
-        if (s == HMAP_TOMB || !s || s->n < n || memcmp(s->key, key, n) != 0 || (s->n > n && s->key[n] != ',')) continue;
+        if (s == HMAP_TOMB || !s || s->n < n || memcmp(s->key, key, n) != 0 ||
+            (s->n > n && s->key[n] != ','))
+            continue;
         hmap_del(&METRICS, s->key, s->n);
-        free(s->b), free(s);
+        free(s->b);
+        free(s);
     }
 }
 
@@ -644,7 +682,8 @@ static void metric_dropped(void) {
     series *s = hmap_get(&METRICS, (char[]){M_DROPPED}, 1);
     if (!s) { /* its own slot is kept free for it: made past the cap */
         s = xcalloc(1, sizeof *s + 1);
-        s->key[0] = M_DROPPED, s->n = 1;
+        s->key[0] = M_DROPPED;
+        s->n = 1;
         hmap_put(&METRICS, s);
     }
     s->v++;
@@ -661,7 +700,8 @@ static void metric_dropped(void) {
  * stay escaped (ltg.h) because most of them are never looked at. The
  * writer keeps one bit per nesting level: is a comma due?
  */
-typedef struct { uint32_t start, end; uint64_t h; } jkey; /* a member name of an open object (json_scan) */
+/* a member name of an open object (json_scan) */
+typedef struct { uint32_t start, end; uint64_t h; } jkey;
 
 typedef struct {
     const char *s;
@@ -685,17 +725,24 @@ static int jp_fail(jparser *p, const char *why) {
 }
 
 static void jp_ws(jparser *p) {
-    while (p->i < p->len && (p->s[p->i] == ' ' || p->s[p->i] == '\t' || p->s[p->i] == '\n' || p->s[p->i] == '\r')) p->i++;
+    while (p->i < p->len &&
+           (p->s[p->i] == ' ' || p->s[p->i] == '\t' || p->s[p->i] == '\n' || p->s[p->i] == '\r'))
+        p->i++;
 }
 
 /* Store a token if this depth is stored; returns its index, -1 when not
  * stored, or LTG_ERR (-1 is never both: see the callers). */
 static int jp_token(jparser *p, json_type type, int depth, int *idx) {
     *idx = -1;
-    if (!p->t || (p->store_depth >= 0 && depth > p->store_depth)) return 0; /* json_scan stores nothing */
+    /* json_scan stores nothing */
+    if (!p->t || (p->store_depth >= 0 && depth > p->store_depth)) return 0;
     if (p->n >= p->max) return jp_fail(p, "too many JSON values");
     json_tok *t = &p->t[p->n];
-    t->type = type, t->start = (uint32_t)p->i, t->end = (uint32_t)p->i, t->size = 0, t->next = p->n + 1;
+    t->type = type;
+    t->start = (uint32_t)p->i;
+    t->end = (uint32_t)p->i;
+    t->size = 0;
+    t->next = p->n + 1;
     *idx = p->n++;
     return 0;
 }
@@ -706,10 +753,19 @@ static int utf8_len(const unsigned char *s, size_t i, size_t len) {
     if (c < 0x80) return 1;
     int n;
     unsigned min, cp;
-    if (c >= 0xC2 && c <= 0xDF) n = 2, min = 0x80, cp = c & 0x1F;
-    else if (c >= 0xE0 && c <= 0xEF) n = 3, min = 0x800, cp = c & 0x0F;
-    else if (c >= 0xF0 && c <= 0xF4) n = 4, min = 0x10000, cp = c & 0x07;
-    else return 0;
+    if (c >= 0xC2 && c <= 0xDF) {
+        n = 2;
+        min = 0x80;
+        cp = c & 0x1F;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+        n = 3;
+        min = 0x800;
+        cp = c & 0x0F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+        n = 4;
+        min = 0x10000;
+        cp = c & 0x07;
+    } else return 0;
     if (i + n > len) return 0;
     for (int k = 1; k < n; k++) {
         if ((s[i + k] & 0xC0) != 0x80) return 0;
@@ -779,17 +835,24 @@ static int jp_number(jparser *p, int depth) {
     size_t i = p->i;
     if (i < p->len && s[i] == '-') i++;
     if (i < p->len && s[i] == '0') i++;
-    else if (i < p->len && s[i] >= '1' && s[i] <= '9') while (i < p->len && isdigit((unsigned char)s[i])) i++;
+    else if (i < p->len && s[i] >= '1' && s[i] <= '9')
+        while (i < p->len && isdigit((unsigned char)s[i])) i++;
     else { p->i = i; return jp_fail(p, "bad number"); }
     if (i < p->len && s[i] == '.') {
         i++;
-        if (i >= p->len || !isdigit((unsigned char)s[i])) { p->i = i; return jp_fail(p, "bad number: digit expected after '.'"); }
+        if (i >= p->len || !isdigit((unsigned char)s[i])) {
+            p->i = i;
+            return jp_fail(p, "bad number: digit expected after '.'");
+        }
         while (i < p->len && isdigit((unsigned char)s[i])) i++;
     }
     if (i < p->len && (s[i] == 'e' || s[i] == 'E')) {
         i++;
         if (i < p->len && (s[i] == '+' || s[i] == '-')) i++;
-        if (i >= p->len || !isdigit((unsigned char)s[i])) { p->i = i; return jp_fail(p, "bad number: digit expected in exponent"); }
+        if (i >= p->len || !isdigit((unsigned char)s[i])) {
+            p->i = i;
+            return jp_fail(p, "bad number: digit expected in exponent");
+        }
         while (i < p->len && isdigit((unsigned char)s[i])) i++;
     }
     p->i = i;
@@ -798,7 +861,8 @@ static int jp_number(jparser *p, int depth) {
 }
 
 /* The bytes of name [start, end) unescaped: in place when it has no escape, else in *tmp. */
-static const char *jp_name_bytes(const jparser *p, uint32_t start, uint32_t end, buf *tmp, size_t *n) {
+static const char *jp_name_bytes(const jparser *p, uint32_t start, uint32_t end, buf *tmp,
+                                 size_t *n) {
     if (!memchr(p->s + start, '\\', end - start)) { *n = end - start; return p->s + start; }
     json_tok t = {JSON_STRING, start, end, 0, 1};
     tmp->len = 0;
@@ -809,8 +873,12 @@ static const char *jp_name_bytes(const jparser *p, uint32_t start, uint32_t end,
 
 /* json_scan: a member name [start, end) of the innermost open object. */
 static int jp_name(jparser *p, size_t start, size_t end) {
-    if (p->nkeys == JSON_SCAN_MAX_KEYS) return jp_fail(p, "too many member names in the objects open at once");
-    if (p->nkeys == p->capkeys) p->capkeys = p->capkeys ? p->capkeys * 2 : 64, p->keys = xrealloc(p->keys, (size_t)p->capkeys * sizeof *p->keys);
+    if (p->nkeys == JSON_SCAN_MAX_KEYS)
+        return jp_fail(p, "too many member names in the objects open at once");
+    if (p->nkeys == p->capkeys) {
+        p->capkeys = p->capkeys ? p->capkeys * 2 : 64;
+        p->keys = xrealloc(p->keys, (size_t)p->capkeys * sizeof *p->keys);
+    }
     buf tmp = {0};
     size_t n;
     const char *b = jp_name_bytes(p, (uint32_t)start, (uint32_t)end, &tmp, &n);
@@ -828,10 +896,12 @@ static int jkey_cmp(const void *a, const void *b) {
     if (x->h != y->h) return (x->h > y->h) - (x->h < y->h);
     buf ta = {0}, tb = {0};
     size_t na, nb;
-    const char *sa = jp_name_bytes(jkey_doc, x->start, x->end, &ta, &na), *sb = jp_name_bytes(jkey_doc, y->start, y->end, &tb, &nb);
+    const char *sa = jp_name_bytes(jkey_doc, x->start, x->end, &ta, &na),
+               *sb = jp_name_bytes(jkey_doc, y->start, y->end, &tb, &nb);
     int c = memcmp(sa, sb, na < nb ? na : nb);
     if (!c) c = (na > nb) - (na < nb);
-    buf_free(&ta), buf_free(&tb);
+    buf_free(&ta);
+    buf_free(&tb);
     return c ? c : (x->start > y->start) - (x->start < y->start);
 }
 
@@ -846,10 +916,12 @@ static int jp_names_unique(jparser *p, int base) {
     for (int i = 1; i < n && dup < 0; i++) {
         size_t na, nb;
         if (k[i].h != k[i - 1].h) continue;
-        const char *a = jp_name_bytes(p, k[i - 1].start, k[i - 1].end, &ta, &na), *b = jp_name_bytes(p, k[i].start, k[i].end, &tb, &nb);
+        const char *a = jp_name_bytes(p, k[i - 1].start, k[i - 1].end, &ta, &na),
+                   *b = jp_name_bytes(p, k[i].start, k[i].end, &tb, &nb);
         if (na == nb && memcmp(a, b, na) == 0) dup = i;
     }
-    buf_free(&ta), buf_free(&tb);
+    buf_free(&ta);
+    buf_free(&tb);
     p->nkeys = base;
     if (dup < 0) return 0;
     p->i = k[dup].start;
@@ -875,9 +947,11 @@ static int jp_value(jparser *p, int depth) {
                 size_t name = 0, vat;
                 if (c == '{') {
                     jp_ws(p);
-                    if (p->i >= p->len || p->s[p->i] != '"') return jp_fail(p, "expected a string key");
+                    if (p->i >= p->len || p->s[p->i] != '"')
+                        return jp_fail(p, "expected a string key");
                     name = p->i + 1;
-                    if (jp_string(p, depth + 1) < 0 || (p->scan && jp_name(p, name, p->i - 1) < 0)) return LTG_ERR;
+                    if (jp_string(p, depth + 1) < 0 || (p->scan && jp_name(p, name, p->i - 1) < 0))
+                        return LTG_ERR;
                     jp_ws(p);
                     if (p->i >= p->len || p->s[p->i] != ':') return jp_fail(p, "expected ':'");
                     p->i++;
@@ -885,7 +959,9 @@ static int jp_value(jparser *p, int depth) {
                 }
                 vat = p->i;
                 if (jp_value(p, depth + 1) < 0) return LTG_ERR;
-                if (p->member && name && p->s[vat] == '"') p->member(p->ctx, p->s + name, p->keys[p->nkeys - 1].end - name, p->s + vat + 1, p->i - vat - 2);
+                if (p->member && name && p->s[vat] == '"')
+                    p->member(p->ctx, p->s + name, p->keys[p->nkeys - 1].end - name, p->s + vat + 1,
+                              p->i - vat - 2);
                 if (k >= 0) p->t[k].size++;
                 jp_ws(p);
                 if (p->i < p->len && p->s[p->i] == ',') { p->i++; continue; }
@@ -894,7 +970,10 @@ static int jp_value(jparser *p, int depth) {
             }
             if (p->scan && c == '{' && jp_names_unique(p, base) < 0) return LTG_ERR;
         }
-        if (k >= 0) p->t[k].end = (uint32_t)p->i, p->t[k].next = p->n;
+        if (k >= 0) {
+            p->t[k].end = (uint32_t)p->i;
+            p->t[k].next = p->n;
+        }
         return 0;
     }
     if (c == '"') return jp_string(p, depth);
@@ -917,7 +996,9 @@ static int jp_value(jparser *p, int depth) {
 /* see ltg.h */
 int json_parse(const char *s, size_t len, json_tok *t, int max, int store_depth, json_result *res) {
     jparser p = {.s = s, .len = len, .t = t, .max = max, .store_depth = store_depth, .res = res};
-    res->ntok = 0, res->err = NULL, res->err_offset = 0;
+    res->ntok = 0;
+    res->err = NULL;
+    res->err_offset = 0;
     if (len >= UINT32_MAX) return jp_fail(&p, "JSON document too large");
     if (jp_value(&p, 0) < 0) return LTG_ERR;
     jp_ws(&p);
@@ -929,7 +1010,9 @@ int json_parse(const char *s, size_t len, json_tok *t, int max, int store_depth,
 /* see ltg.h */
 int json_scan(const char *s, size_t len, json_member_fn *member, void *ctx, json_result *res) {
     jparser p = {.s = s, .len = len, .res = res, .scan = 1, .member = member, .ctx = ctx};
-    res->ntok = 0, res->err = NULL, res->err_offset = 0;
+    res->ntok = 0;
+    res->err = NULL;
+    res->err_offset = 0;
     int rc = len >= UINT32_MAX ? jp_fail(&p, "JSON document too large") : jp_value(&p, 0);
     if (rc == 0) {
         jp_ws(&p);
@@ -941,7 +1024,8 @@ int json_scan(const char *s, size_t len, json_member_fn *member, void *ctx, json
 
 /* see ltg.h */
 int json_get(const char *s, const json_tok *t, int obj, const char *key) {
-    if (obj < 0 || t[obj].type != JSON_OBJECT || t[obj].next == obj + 1) return -1; /* members not stored */
+    /* members not stored */
+    if (obj < 0 || t[obj].type != JSON_OBJECT || t[obj].next == obj + 1) return -1;
     int i = obj + 1;
     for (int m = 0; m < t[obj].size; m++) {
         if (json_eq(s, t, i, key)) return i + 1;
@@ -966,11 +1050,16 @@ void json_unescape(const char *s, const json_tok *t, int i, buf *out) {
         case 'r': cp = '\r'; break;
         case 't': cp = '\t'; break;
         case 'u':
-            cp = (unsigned)(hexval(p[0]) << 12 | hexval(p[1]) << 8 | hexval(p[2]) << 4 | hexval(p[3]));
+            cp = (unsigned)(hexval(p[0]) << 12 | hexval(p[1]) << 8 | hexval(p[2]) << 4 |
+                            hexval(p[3]));
             p += 4;
             if (cp >= 0xD800 && cp <= 0xDBFF && end - p >= 6 && p[0] == '\\' && p[1] == 'u') {
-                unsigned lo = (unsigned)(hexval(p[2]) << 12 | hexval(p[3]) << 8 | hexval(p[4]) << 4 | hexval(p[5]));
-                if (lo >= 0xDC00 && lo <= 0xDFFF) cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00), p += 6;
+                unsigned lo = (unsigned)(hexval(p[2]) << 12 | hexval(p[3]) << 8 |
+                                         hexval(p[4]) << 4 | hexval(p[5]));
+                if (lo >= 0xDC00 && lo <= 0xDFFF) {
+                    cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+                    p += 6;
+                }
             }
             if (cp >= 0xD800 && cp <= 0xDFFF) cp = 0xFFFD; /* a lone surrogate */
             break;
@@ -978,10 +1067,25 @@ void json_unescape(const char *s, const json_tok *t, int i, buf *out) {
         }
         char u[4];
         int n;
-        if (cp < 0x80) u[0] = (char)cp, n = 1;
-        else if (cp < 0x800) u[0] = (char)(0xC0 | cp >> 6), u[1] = (char)(0x80 | (cp & 0x3F)), n = 2;
-        else if (cp < 0x10000) u[0] = (char)(0xE0 | cp >> 12), u[1] = (char)(0x80 | ((cp >> 6) & 0x3F)), u[2] = (char)(0x80 | (cp & 0x3F)), n = 3;
-        else u[0] = (char)(0xF0 | cp >> 18), u[1] = (char)(0x80 | ((cp >> 12) & 0x3F)), u[2] = (char)(0x80 | ((cp >> 6) & 0x3F)), u[3] = (char)(0x80 | (cp & 0x3F)), n = 4;
+        if (cp < 0x80) {
+            u[0] = (char)cp;
+            n = 1;
+        } else if (cp < 0x800) {
+            u[0] = (char)(0xC0 | cp >> 6);
+            u[1] = (char)(0x80 | (cp & 0x3F));
+            n = 2;
+        } else if (cp < 0x10000) {
+            u[0] = (char)(0xE0 | cp >> 12);
+            u[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
+            u[2] = (char)(0x80 | (cp & 0x3F));
+            n = 3;
+        } else {
+            u[0] = (char)(0xF0 | cp >> 18);
+            u[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
+            u[2] = (char)(0x80 | ((cp >> 6) & 0x3F));
+            u[3] = (char)(0x80 | (cp & 0x3F));
+            n = 4;
+        }
         buf_reserve(out, (size_t)(end - p) + 4);
         memcpy(out->p + out->len, u, (size_t)n);
         out->len += (size_t)n;
@@ -998,7 +1102,8 @@ int json_duplicate_key(const char *s, const json_tok *t, int obj) {
     for (int m = 0; m < n && dup < 0; m++, i = t[i + 1].next) {
         json_unescape(s, t, i, &keys[m]);
         for (int k = 0; k < m && dup < 0; k++)
-            if (keys[k].len == keys[m].len && memcmp(keys[k].p, keys[m].p, keys[m].len) == 0) dup = i;
+            if (keys[k].len == keys[m].len && memcmp(keys[k].p, keys[m].p, keys[m].len) == 0)
+                dup = i;
     }
     for (int m = 0; m < n; m++) buf_free(&keys[m]);
     free(keys);
@@ -1009,7 +1114,8 @@ int json_duplicate_key(const char *s, const json_tok *t, int obj) {
 int json_eq(const char *s, const json_tok *t, int i, const char *lit) {
     if (i < 0 || t[i].type != JSON_STRING) return 0;
     size_t n = t[i].end - t[i].start;
-    if (!memchr(s + t[i].start, '\\', n)) return n == strlen(lit) && memcmp(s + t[i].start, lit, n) == 0;
+    if (!memchr(s + t[i].start, '\\', n))
+        return n == strlen(lit) && memcmp(s + t[i].start, lit, n) == 0;
     buf b = {0};
     json_unescape(s, t, i, &b);
     int eq = b.len == strlen(lit) && memcmp(b.p, lit, b.len) == 0;
@@ -1046,7 +1152,11 @@ static int json_int(const char *s, const json_tok *t, int i, long long *out) {
 }
 
 /* see ltg.h */
-void jw_init(jwriter *w, buf *out) { w->out = out, w->depth = 0, w->need_comma = 0; }
+void jw_init(jwriter *w, buf *out) {
+    w->out = out;
+    w->depth = 0;
+    w->need_comma = 0;
+}
 
 static void jw_sep(jwriter *w) {
     uint64_t bit = 1ULL << (w->depth & 63);
@@ -1076,24 +1186,46 @@ void jw_str(jwriter *w, const char *s, size_t n) {
     b->p[b->len++] = '"';
     for (size_t i = 0; i < n;) {
         size_t j = i; /* a run of bytes written as they are: most of a string, in one copy */
-        while (j < n && (unsigned char)s[j] >= 0x20 && (unsigned char)s[j] < 0x80 && s[j] != '"' && s[j] != '\\') j++;
-        if (j > i) buf_append(b, s + i, j - i), i = j;
+        while (j < n && (unsigned char)s[j] >= 0x20 && (unsigned char)s[j] < 0x80 && s[j] != '"' &&
+               s[j] != '\\')
+            j++;
+        if (j > i) {
+            buf_append(b, s + i, j - i);
+            i = j;
+        }
         if (i == n) break;
         unsigned char c = (unsigned char)s[i];
         buf_reserve(b, 8);
         if (c == '"' || c == '\\') {
-            b->p[b->len++] = '\\', b->p[b->len++] = (char)c, i++;
+            b->p[b->len++] = '\\';
+            b->p[b->len++] = (char)c;
+            i++;
         } else if (c < 0x20) {
             const char *esc = c == '\n' ? "\\n" : c == '\r' ? "\\r" : c == '\t' ? "\\t" : NULL;
-            if (esc) memcpy(b->p + b->len, esc, 2), b->len += 2;
-            else memcpy(b->p + b->len, "\\u00", 4), b->p[b->len + 4] = hex[c >> 4], b->p[b->len + 5] = hex[c & 15], b->len += 6;
+            if (esc) {
+                memcpy(b->p + b->len, esc, 2);
+                b->len += 2;
+            } else {
+                memcpy(b->p + b->len, "\\u00", 4);
+                b->p[b->len + 4] = hex[c >> 4];
+                b->p[b->len + 5] = hex[c & 15];
+                b->len += 6;
+            }
             i++;
         } else if (c < 0x80) {
-            b->p[b->len++] = (char)c, i++;
+            b->p[b->len++] = (char)c;
+            i++;
         } else {
             int k = utf8_len((const unsigned char *)s, i, n);
-            if (k) memcpy(b->p + b->len, s + i, (size_t)k), b->len += (size_t)k, i += (size_t)k;
-            else memcpy(b->p + b->len, "\xEF\xBF\xBD", 3), b->len += 3, i++;
+            if (k) {
+                memcpy(b->p + b->len, s + i, (size_t)k);
+                b->len += (size_t)k;
+                i += (size_t)k;
+            } else {
+                memcpy(b->p + b->len, "\xEF\xBF\xBD", 3);
+                b->len += 3;
+                i++;
+            }
         }
     }
     buf_append(b, "\"", 1);
@@ -1135,7 +1267,8 @@ static void jw_int_or_null(jwriter *w, int known, long long v) {
 /* Money: micro-USD written as a plain decimal, "0.000096" (never 9.6e-05). */
 /* micro-USD as USD with six decimals, at the end of out. */
 static void buf_usd(buf *out, int64_t micro) {
-    uint64_t u = micro < 0 ? 0 - (uint64_t)micro : (uint64_t)micro; /* no overflow, even at INT64_MIN */
+    /* no overflow, even at INT64_MIN */
+    uint64_t u = micro < 0 ? 0 - (uint64_t)micro : (uint64_t)micro;
     char frac[8] = {'.'};
     if (micro < 0) buf_puts(out, "-");
     buf_uint(out, u / 1000000);
@@ -1152,8 +1285,8 @@ static void jw_usd(jwriter *w, int64_t micro) {
  *
  * IMPLEMENTATION NOTES
  * Beyond ltg.h's contract (picohttpparser's), the parsers are strict where
- * leniency lets two parties disagree about where a message ends, which is how request smuggling works: lines end in CRLF,
- * obsolete line folding and NUL bytes are refused, a message with both
+ * leniency lets two parties disagree about where a message ends, which is
+ * how request smuggling works: lines end in CRLF, obsolete line folding and NUL bytes are refused, a message with both
  * Content-Length and Transfer-Encoding is refused, two different
  * Content-Lengths are refused, and the only transfer coding is "chunked".
  */
@@ -1176,7 +1309,8 @@ int http_head_end(const char *b, size_t len, size_t *scan) {
 }
 
 /* see ltg.h */
-const char *http_header_get(const char *b, const http_header *h, int nh, const char *name, size_t *n) {
+const char *http_header_get(const char *b, const http_header *h, int nh, const char *name,
+                            size_t *n) {
     for (int i = 0; i < nh; i++)
         if (ascii_casecmp_n(b + h[i].name.off, h[i].name.len, name) == 0) {
             *n = h[i].value.len;
@@ -1188,11 +1322,15 @@ const char *http_header_get(const char *b, const http_header *h, int nh, const c
 /* Parse header lines from b[i..len) into h[]; the head ends with an empty
  * line. Returns the index after it, or LTG_ERR with *err (and *status for
  * a request) set. */
-static int http_parse_headers(const char *b, size_t len, size_t i, http_header *h, int *nh, const char **err, int *status) {
+static int http_parse_headers(const char *b, size_t len, size_t i, http_header *h, int *nh,
+                              const char **err, int *status) {
     *nh = 0;
     for (;;) {
         if (i + 1 < len && b[i] == '\r' && b[i + 1] == '\n') return (int)(i + 2);
-        if (i < len && (b[i] == ' ' || b[i] == '\t')) { *err = "obsolete line folding is not allowed"; return LTG_ERR; }
+        if (i < len && (b[i] == ' ' || b[i] == '\t')) {
+            *err = "obsolete line folding is not allowed";
+            return LTG_ERR;
+        }
         size_t s = i;
         while (i < len && is_tchar((unsigned char)b[i])) i++;
         if (i == s || i >= len || b[i] != ':') { *err = "malformed header line"; return LTG_ERR; }
@@ -1202,13 +1340,23 @@ static int http_parse_headers(const char *b, size_t len, size_t i, http_header *
         s = i;
         while (i < len && b[i] != '\r' && b[i] != '\n') {
             unsigned char c = (unsigned char)b[i];
-            if ((c < 32 && c != '\t') || c == 127) { *err = "invalid character in a header value"; return LTG_ERR; }
+            if ((c < 32 && c != '\t') || c == 127) {
+                *err = "invalid character in a header value";
+                return LTG_ERR;
+            }
             i++;
         }
-        if (i + 1 >= len || b[i] != '\r' || b[i + 1] != '\n') { *err = "header lines must end with CRLF"; return LTG_ERR; }
+        if (i + 1 >= len || b[i] != '\r' || b[i + 1] != '\n') {
+            *err = "header lines must end with CRLF";
+            return LTG_ERR;
+        }
         size_t e = i;
         while (e > s && (b[e - 1] == ' ' || b[e - 1] == '\t')) e--;
-        if (*nh == HTTP_MAX_HEADERS) { *err = "too many header fields"; *status = 431; return LTG_ERR; }
+        if (*nh == HTTP_MAX_HEADERS) {
+            *err = "too many header fields";
+            *status = 431;
+            return LTG_ERR;
+        }
         h[*nh].name = name;
         h[*nh].value = (slice){(uint32_t)s, (uint32_t)(e - s)};
         (*nh)++;
@@ -1232,17 +1380,25 @@ static int header_has_token(const char *v, size_t n, const char *token) {
 
 /* The framing facts of a message: Content-Length, chunked, keep-alive.
  * Shared by requests and responses; returns 0 or LTG_ERR with *err. */
-static int http_framing(const char *b, const http_header *h, int nh, int minor, long long *cl, int *chunked,
-                        int *keep_alive, const char **err, int *status) {
-    *cl = -1, *chunked = 0, *keep_alive = minor >= 1;
+static int http_framing(const char *b, const http_header *h, int nh, int minor, long long *cl,
+                        int *chunked, int *keep_alive, const char **err, int *status) {
+    *cl = -1;
+    *chunked = 0;
+    *keep_alive = minor >= 1;
     int te = 0;
     for (int i = 0; i < nh; i++) {
         const char *n = b + h[i].name.off, *v = b + h[i].value.off;
         size_t nl = h[i].name.len, vl = h[i].value.len;
         if (ascii_casecmp_n(n, nl, "content-length") == 0) {
             long long x;
-            if (parse_ll(v, vl, LLONG_MAX / 2, &x) < 0) { *err = "invalid Content-Length"; return LTG_ERR; }
-            if (*cl >= 0 && *cl != x) { *err = "conflicting Content-Length headers"; return LTG_ERR; }
+            if (parse_ll(v, vl, LLONG_MAX / 2, &x) < 0) {
+                *err = "invalid Content-Length";
+                return LTG_ERR;
+            }
+            if (*cl >= 0 && *cl != x) {
+                *err = "conflicting Content-Length headers";
+                return LTG_ERR;
+            }
             *cl = x;
         } else if (ascii_casecmp_n(n, nl, "transfer-encoding") == 0) {
             if (te || ascii_casecmp_n(v, vl, "chunked") != 0) {
@@ -1257,15 +1413,20 @@ static int http_framing(const char *b, const http_header *h, int nh, int minor, 
         }
     }
     if (te && *cl >= 0) { *err = "both Content-Length and Transfer-Encoding"; return LTG_ERR; }
-    if (te && minor == 0) *keep_alive = 0; /* RFC 9112 6.1: its framing is not to be trusted for a next message */
+    /* RFC 9112 6.1: its framing is not to be trusted for a next message */
+    if (te && minor == 0) *keep_alive = 0;
     return 0;
 }
 
 /* see ltg.h */
 int http_parse_request(const char *b, size_t len, http_request *r) {
-    r->nh = 0, r->status = 400, r->err = NULL, r->expect_continue = 0;
+    r->nh = 0;
+    r->status = 400;
+    r->err = NULL;
+    r->expect_continue = 0;
     size_t i = 0;
-    while (i + 1 < len && b[i] == '\r' && b[i + 1] == '\n') i += 2; /* RFC 9112 2.2: ignore leading empty lines */
+    /* RFC 9112 2.2: ignore leading empty lines */
+    while (i + 1 < len && b[i] == '\r' && b[i + 1] == '\n') i += 2;
     size_t s = i;
     while (i < len && is_tchar((unsigned char)b[i])) i++;
     if (i == s || i >= len || b[i] != ' ') { r->err = "malformed request line"; return LTG_ERR; }
@@ -1274,16 +1435,23 @@ int http_parse_request(const char *b, size_t len, http_request *r) {
     while (i < len && (unsigned char)b[i] > 32 && (unsigned char)b[i] < 127) i++;
     if (i == s || i >= len || b[i] != ' ') { r->err = "malformed request target"; return LTG_ERR; }
     r->target = (slice){(uint32_t)s, (uint32_t)(i - s)};
-    if (b[s] != '/' && b[s] != '*') { /* absolute-form (RFC 9112 3.2.2): served as its path and query */
+    if (b[s] != '/' && b[s] != '*') {
+        /* absolute-form (RFC 9112 3.2.2): served as its path and query */
         size_t k = s;
-        while (k < i && (isalnum((unsigned char)b[k]) || b[k] == '+' || b[k] == '-' || b[k] == '.')) k++;
-        if (k == s || i - k < 3 || memcmp(b + k, "://", 3) != 0) { r->err = "malformed request target"; return LTG_ERR; }
+        while (k < i && (isalnum((unsigned char)b[k]) || b[k] == '+' || b[k] == '-' || b[k] == '.'))
+            k++;
+        if (k == s || i - k < 3 || memcmp(b + k, "://", 3) != 0) {
+            r->err = "malformed request target";
+            return LTG_ERR;
+        }
         k += 3;
         while (k < i && b[k] != '/' && b[k] != '?') k++;
-        r->target = (slice){(uint32_t)k, (uint32_t)(i - k)}; /* "http://h?q" is "?q": no path, no endpoint */
+        /* "http://h?q" is "?q": no path, no endpoint */
+        r->target = (slice){(uint32_t)k, (uint32_t)(i - k)};
     }
     i++;
-    if (len - i < 10 || memcmp(b + i, "HTTP/1.", 7) != 0 || !isdigit((unsigned char)b[i + 7]) || b[i + 8] != '\r' || b[i + 9] != '\n') {
+    if (len - i < 10 || memcmp(b + i, "HTTP/1.", 7) != 0 || !isdigit((unsigned char)b[i + 7]) ||
+        b[i + 8] != '\r' || b[i + 9] != '\n') {
         r->err = "malformed HTTP version (HTTP/1.0 or HTTP/1.1 expected)";
         return LTG_ERR;
     }
@@ -1291,16 +1459,22 @@ int http_parse_request(const char *b, size_t len, http_request *r) {
     int end = http_parse_headers(b, len, i + 10, r->h, &r->nh, &r->err, &r->status);
     if (end < 0) return LTG_ERR;
     if ((size_t)end != len) { r->err = "malformed request head"; return LTG_ERR; }
-    if (http_framing(b, r->h, r->nh, r->minor, &r->content_length, &r->chunked, &r->keep_alive, &r->err, &r->status) < 0)
+    if (http_framing(b, r->h, r->nh, r->minor, &r->content_length, &r->chunked, &r->keep_alive,
+                     &r->err, &r->status) < 0)
         return LTG_ERR;
     size_t n;
     const char *v = http_header_get(b, r->h, r->nh, "expect", &n);
     if (v) {
-        if (ascii_casecmp_n(v, n, "100-continue") != 0) { r->err = "unsupported Expect"; r->status = 417; return LTG_ERR; }
+        if (ascii_casecmp_n(v, n, "100-continue") != 0) {
+            r->err = "unsupported Expect";
+            r->status = 417;
+            return LTG_ERR;
+        }
         r->expect_continue = r->minor >= 1;
     }
     int hosts = 0;
-    for (int k = 0; k < r->nh; k++) hosts += ascii_casecmp_n(b + r->h[k].name.off, r->h[k].name.len, "host") == 0;
+    for (int k = 0; k < r->nh; k++)
+        hosts += ascii_casecmp_n(b + r->h[k].name.off, r->h[k].name.len, "host") == 0;
     if (r->minor >= 1 && !hosts) { r->err = "missing Host header"; return LTG_ERR; }
     if (hosts > 1) { r->err = "more than one Host header"; return LTG_ERR; }
     return (int)len;
@@ -1308,26 +1482,33 @@ int http_parse_request(const char *b, size_t len, http_request *r) {
 
 /* see ltg.h */
 int http_parse_response(const char *b, size_t len, http_response *r) {
-    r->nh = 0, r->err = NULL;
+    r->nh = 0;
+    r->err = NULL;
     int status_unused = 0;
     if (len < 14 || memcmp(b, "HTTP/1.", 7) != 0 || !isdigit((unsigned char)b[7]) || b[8] != ' ' ||
-        !isdigit((unsigned char)b[9]) || !isdigit((unsigned char)b[10]) || !isdigit((unsigned char)b[11])) {
+        !isdigit((unsigned char)b[9]) || !isdigit((unsigned char)b[10]) ||
+        !isdigit((unsigned char)b[11])) {
         r->err = "malformed status line";
         return LTG_ERR;
     }
     r->minor = b[7] - '0';
     r->status = (b[9] - '0') * 100 + (b[10] - '0') * 10 + (b[11] - '0');
-    if (r->status < 100 || r->status > 599) { r->err = "a status outside 100-599"; return LTG_ERR; } /* RFC 9110 15 */
+    /* RFC 9110 15 */
+    if (r->status < 100 || r->status > 599) { r->err = "a status outside 100-599"; return LTG_ERR; }
     size_t i = 12;
     if (b[i] == ' ') i++;
     size_t s = i;
     while (i < len && b[i] != '\r' && b[i] != '\n') i++;
-    if (i + 1 >= len || b[i] != '\r' || b[i + 1] != '\n') { r->err = "malformed status line"; return LTG_ERR; }
+    if (i + 1 >= len || b[i] != '\r' || b[i + 1] != '\n') {
+        r->err = "malformed status line";
+        return LTG_ERR;
+    }
     r->reason = (slice){(uint32_t)s, (uint32_t)(i - s)};
     int end = http_parse_headers(b, len, i + 2, r->h, &r->nh, &r->err, &status_unused);
     if (end < 0) return LTG_ERR;
     if ((size_t)end != len) { r->err = "malformed response head"; return LTG_ERR; }
-    if (http_framing(b, r->h, r->nh, r->minor, &r->content_length, &r->chunked, &r->keep_alive, &r->err, &status_unused) < 0)
+    if (http_framing(b, r->h, r->nh, r->minor, &r->content_length, &r->chunked, &r->keep_alive,
+                     &r->err, &status_unused) < 0)
         return LTG_ERR;
     return (int)len;
 }
@@ -1347,13 +1528,16 @@ static chunk_state chunk_frame(chunk_decoder *d, char c) {
         d->state = CHUNK_SIZE_WS; /* the size is over: the same byte, looked at in that state */
         return chunk_frame(d, c);
     }
-    case CHUNK_SIZE_WS: /* white space after the size: then ";" and an extension, or the line's end */
+    case CHUNK_SIZE_WS:
+        /* white space after the size: then ";" and an extension, or the line's end */
         if (c == ';') return CHUNK_EXT;
-        if ((c == ' ' || c == '\t') && ++d->line <= 1024) return CHUNK_SIZE_WS; /* bounded, as an extension */
+        /* bounded, as an extension */
+        if ((c == ' ' || c == '\t') && ++d->line <= 1024) return CHUNK_SIZE_WS;
         return c == '\r' ? CHUNK_SIZE_LF : CHUNK_ERROR;
     case CHUNK_EXT: /* chunk extensions are allowed and ignored */
         if (c == '\r') return CHUNK_SIZE_LF;
-        if (((unsigned char)c < 32 && c != '\t') || c == 127 || ++d->line > 1024) return CHUNK_ERROR;
+        if (((unsigned char)c < 32 && c != '\t') || c == 127 || ++d->line > 1024)
+            return CHUNK_ERROR;
         return CHUNK_EXT;
     case CHUNK_SIZE_LF:
         if (c != '\n') return CHUNK_ERROR;
@@ -1398,14 +1582,19 @@ long chunk_decode(chunk_decoder *d, const char *in, size_t n, buf *out) {
 size_t sse_event_len(const char *s, size_t n) {
     int line_empty = 1;
     for (size_t i = 0; i < n;) {
-        if (s[i] != '\n' && s[i] != '\r') { line_empty = 0, i++; continue; }
+        if (s[i] != '\n' && s[i] != '\r') {
+            line_empty = 0;
+            i++;
+            continue;
+        }
         size_t e = i + 1;
         if (s[i] == '\r') {
             if (e >= n) return 0; /* a CR at the end may be the first half of CRLF */
             if (s[e] == '\n') e++;
         }
         if (line_empty) return e;
-        line_empty = 1, i = e;
+        line_empty = 1;
+        i = e;
     }
     return 0;
 }
@@ -1452,13 +1641,17 @@ int sse_event_data(const char *ev, size_t n, buf *out) {
  * interrupting it at an unknown point.
  *
  * The loop knows nothing of what it runs: it calls the hooks it was given
- * (S.hooks, loop_hooks in ltg.h: the server's flush, the store's turn, then the access log's write).
+ * (S.hooks, loop_hooks in ltg.h: the server's flush, the store's turn,
+ * then the access log's write).
  */
 static int *fds_to_close;
 static int nclose, close_cap;
 
 static void loop_watch(int fd, short events, fd_handler *h, void *ctx) {
-    if (fd < 0 || fd >= S.nfds_cap) { ltg_log("fd %d beyond the fd table (%d)", fd, S.nfds_cap); abort(); }
+    if (fd < 0 || fd >= S.nfds_cap) {
+        ltg_log("fd %d beyond the fd table (%d)", fd, S.nfds_cap);
+        abort();
+    }
     S.fds[fd] = (fd_watch){h, ctx, events};
     if (fd >= S.fd_high) S.fd_high = fd + 1;
 }
@@ -1476,24 +1669,35 @@ static void loop_close(int fd) {
     fds_to_close[nclose++] = fd;
 }
 
-static void timer_init(timer *t, void (*fire)(void *), void *ctx) { t->slot = -1, t->fire = fire, t->ctx = ctx, t->when = 0; }
+static void timer_init(timer *t, void (*fire)(void *), void *ctx) {
+    t->slot = -1;
+    t->fire = fire;
+    t->ctx = ctx;
+    t->when = 0;
+}
 
 static int timer_less(int a, int b) { return S.heap[a]->when < S.heap[b]->when; }
 
 static void heap_swap(int a, int b) {
     timer *t = S.heap[a];
-    S.heap[a] = S.heap[b], S.heap[b] = t;
-    S.heap[a]->slot = a, S.heap[b]->slot = b;
+    S.heap[a] = S.heap[b];
+    S.heap[b] = t;
+    S.heap[a]->slot = a;
+    S.heap[b]->slot = b;
 }
 
 static void heap_fix(int i) {
-    while (i > 0 && timer_less(i, (i - 1) / 2)) heap_swap(i, (i - 1) / 2), i = (i - 1) / 2;
+    while (i > 0 && timer_less(i, (i - 1) / 2)) {
+        heap_swap(i, (i - 1) / 2);
+        i = (i - 1) / 2;
+    }
     for (;;) {
         int l = 2 * i + 1, r = l + 1, m = i;
         if (l < S.nheap && timer_less(l, m)) m = l;
         if (r < S.nheap && timer_less(r, m)) m = r;
         if (m == i) return;
-        heap_swap(i, m), i = m;
+        heap_swap(i, m);
+        i = m;
     }
 }
 
@@ -1549,8 +1753,10 @@ static void loop_run(void) {
         nclose = 0;
         if (S.hooks.done && S.hooks.done()) return;
         int n = 0;
-        for (int fd = 0; fd < S.fd_high; fd++) /* an fd that wants nothing is not polled at all: poll() costs per fd */
-            if (S.fds[fd].handler && S.fds[fd].events) S.pfds[n++] = (struct pollfd){fd, S.fds[fd].events, 0};
+        /* an fd that wants nothing is not polled at all: poll() costs per fd */
+        for (int fd = 0; fd < S.fd_high; fd++)
+            if (S.fds[fd].handler && S.fds[fd].events)
+                S.pfds[n++] = (struct pollfd){fd, S.fds[fd].events, 0};
         int timeout = busy ? 0 : -1;
         if (S.nheap && !busy) {
             int64_t d = S.heap[0]->when - clock_ms();
@@ -1563,7 +1769,8 @@ static void loop_run(void) {
             if (!S.pfds[i].revents) continue;
             ready--;
             fd_watch *w = &S.fds[S.pfds[i].fd];
-            if (w->handler) w->handler(w->ctx, S.pfds[i].revents); /* NULL: unwatched earlier this turn */
+            /* NULL: unwatched earlier this turn */
+            if (w->handler) w->handler(w->ctx, S.pfds[i].revents);
         }
         if (S.hooks.woke) S.hooks.woke();
     }
@@ -1594,7 +1801,8 @@ struct dns_entry {
     int64_t expires;              /* S.now ms; for a pending entry: unused */
     uint16_t qid;
     int tries;
-    int fd;                       /* the socket of its query in flight (-1: none), connected to its server */
+    /* the socket of its query in flight (-1: none), connected to its server */
+    int fd;
     timer t;
     upstream *waiters;
     const char *err;
@@ -1648,7 +1856,8 @@ static void for_each_line(const char *path, void (*fn)(char **w, int n)) {
         if (hash) *hash = 0;
         char *w[16], *s2 = NULL;
         int n = 0;
-        for (char *t = strtok_r(line, " \t\r", &s2); t && n < 16; t = strtok_r(NULL, " \t\r", &s2)) w[n++] = t;
+        for (char *t = strtok_r(line, " \t\r", &s2); t && n < 16; t = strtok_r(NULL, " \t\r", &s2))
+            w[n++] = t;
         if (n) fn(w, n);
     }
     buf_free(&b);
@@ -1661,7 +1870,8 @@ static void hosts_line(char **w, int n) {
         hosts_entry *h = xcalloc(1, sizeof *h);
         h->name = xstrndup(w[i], strlen(w[i]));
         h->addr = ss;
-        h->next = hosts, hosts = h;
+        h->next = hosts;
+        hosts = h;
     }
 }
 
@@ -1679,7 +1889,8 @@ static int dns_build_query(const char *name, uint16_t id, uint8_t *q, size_t cap
     size_t n = strlen(name), i = 12;
     if (n == 0 || n > 253 || cap < n + 18) return LTG_ERR;
     memset(q, 0, 12);
-    q[0] = (uint8_t)(id >> 8), q[1] = (uint8_t)id;
+    q[0] = (uint8_t)(id >> 8);
+    q[1] = (uint8_t)id;
     q[2] = 0x01; /* RD: recursion desired */
     q[5] = 1;    /* one question */
     for (const char *p = name; *p;) {
@@ -1695,8 +1906,12 @@ static int dns_build_query(const char *name, uint16_t id, uint8_t *q, size_t cap
         p += len + (dot ? 1 : 0);
     }
     q[i++] = 0;
-    q[i++] = 0, q[i++] = 1; /* QTYPE A */
-    q[i++] = 0, q[i++] = 1; /* QCLASS IN */
+    /* QTYPE A */
+    q[i++] = 0;
+    q[i++] = 1;
+    /* QCLASS IN */
+    q[i++] = 0;
+    q[i++] = 1;
     return (int)i;
 }
 
@@ -1727,10 +1942,14 @@ static int dns_same_question(const uint8_t *p, size_t n, const uint8_t *q, size_
  * Returns 0, or LTG_ERR with *why. An answer whose id or question is not
  * the query's is not an answer to it: a spoofed reply must guess both, and
  * the source port of a socket opened for this query alone. */
-static int dns_parse_answer(const uint8_t *p, size_t n, const uint8_t *q, size_t qn, struct in_addr *addr, uint32_t *ttl, const char **why) {
+static int dns_parse_answer(const uint8_t *p, size_t n, const uint8_t *q, size_t qn,
+                            struct in_addr *addr, uint32_t *ttl, const char **why) {
     *why = "malformed DNS answer";
     if (n < 12) return LTG_ERR;
-    if (p[0] != q[0] || p[1] != q[1] || !(p[2] & 0x80) || !dns_same_question(p, n, q, qn)) { *why = "DNS answer to another query"; return LTG_ERR; }
+    if (p[0] != q[0] || p[1] != q[1] || !(p[2] & 0x80) || !dns_same_question(p, n, q, qn)) {
+        *why = "DNS answer to another query";
+        return LTG_ERR;
+    }
     int rcode = p[3] & 0x0F;
     if (rcode == 3) { *why = "no such host (NXDOMAIN)"; return LTG_ERR; }
     if (rcode != 0) { *why = "DNS server failure"; return LTG_ERR; }
@@ -1745,7 +1964,8 @@ static int dns_parse_answer(const uint8_t *p, size_t n, const uint8_t *q, size_t
     for (int k = 0; k < an; k++) {
         if (dns_skip_name(p, n, &i) < 0 || i + 10 > n) return LTG_ERR;
         int type = p[i] << 8 | p[i + 1], rdlen = p[i + 8] << 8 | p[i + 9];
-        uint32_t t = (uint32_t)p[i + 4] << 24 | (uint32_t)p[i + 5] << 16 | (uint32_t)p[i + 6] << 8 | p[i + 7];
+        uint32_t t = (uint32_t)p[i + 4] << 24 | (uint32_t)p[i + 5] << 16 | (uint32_t)p[i + 6] << 8 |
+                     p[i + 7];
         i += 10;
         if (i + (size_t)rdlen > n) return LTG_ERR;
         if (t < min_ttl) min_ttl = t;
@@ -1765,7 +1985,10 @@ static upstream **up_wait_link(upstream *u); /* the link of an upstream in a wai
 
 static void dns_finish(dns_entry *e, const char *err) {
     timer_stop(&e->t);
-    if (e->fd >= 0) loop_close(e->fd), e->fd = -1;
+    if (e->fd >= 0) {
+        loop_close(e->fd);
+        e->fd = -1;
+    }
     e->state = err ? DNS_FAILED : DNS_OK;
     e->err = err;
     if (err) e->expires = S.now + DNS_NEGATIVE_TTL_S * 1000;
@@ -1791,7 +2014,8 @@ static void dns_send(dns_entry *e) {
     if (n < 0) { dns_finish(e, "invalid host name"); return; }
     if (e->fd >= 0) loop_close(e->fd);
     e->fd = socket(AF_INET, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (e->fd < 0 || connect(e->fd, (const struct sockaddr *)srv, addr_len(srv)) < 0 || send(e->fd, q, (size_t)n, 0) < 0)
+    if (e->fd < 0 || connect(e->fd, (const struct sockaddr *)srv, addr_len(srv)) < 0 ||
+        send(e->fd, q, (size_t)n, 0) < 0)
         ltg_log("DNS query for %s: %s", e->name, strerror(errno)); /* the timer retries */
     if (e->fd >= 0) loop_watch(e->fd, POLLIN, dns_readable, e);
     timer_set(&e->t, DNS_TIMEOUT_MS);
@@ -1830,24 +2054,34 @@ static void dns_readable(void *ctx, int revents) {
 
 /* Resolve `host` for upstream u. Returns 0 with *addr filled, LTG_AGAIN when
  * u will be called back through up_resolved(), or LTG_ERR with *err. */
-static int dns_resolve(const char *host, upstream *u, struct sockaddr_storage *addr, const char **err) {
+static int dns_resolve(const char *host, upstream *u, struct sockaddr_storage *addr,
+                       const char **err) {
     if (addr_parse(host, addr) == 0) return 0;
     for (hosts_entry *h = hosts; h; h = h->next)
         if (strcasecmp(h->name, host) == 0) { *addr = h->addr; return 0; }
     dns_entry *e;
     for (e = S.dns_cache; e; e = e->next)
         if (strcasecmp(e->name, host) == 0) break;
-    if (e && e->state != DNS_PENDING && e->expires <= S.now) e->state = DNS_PENDING, e->tries = 0, e->qid = 0;
+    if (e && e->state != DNS_PENDING && e->expires <= S.now) {
+        e->state = DNS_PENDING;
+        e->tries = 0;
+        e->qid = 0;
+    }
     if (e && e->state == DNS_OK) { *addr = e->addr; return 0; }
     if (e && e->state == DNS_FAILED) { *err = e->err; return LTG_ERR; }
-    if (!S.ndns_servers) { *err = "no DNS server (nameserver in /etc/resolv.conf)"; return LTG_ERR; }
+    if (!S.ndns_servers) {
+        *err = "no DNS server (nameserver in /etc/resolv.conf)";
+        return LTG_ERR;
+    }
     if (strlen(host) >= sizeof e->name) { *err = "host name too long"; return LTG_ERR; }
     if (!e) {
         e = xcalloc(1, sizeof *e);
         snprintf(e->name, sizeof e->name, "%s", host);
         timer_init(&e->t, dns_timeout, e);
-        e->state = DNS_PENDING, e->fd = -1;
-        e->next = S.dns_cache, S.dns_cache = e;
+        e->state = DNS_PENDING;
+        e->fd = -1;
+        e->next = S.dns_cache;
+        S.dns_cache = e;
     }
     *up_wait_link(u) = e->waiters;
     e->waiters = u;
@@ -1866,10 +2100,12 @@ static void dns_cancel(upstream *u) {
 }
 
 static void dns_init(void) {
-    hosts_line((char *[]){"127.0.0.1", "localhost"}, 2); /* even without /etc/hosts; entries go in front, so the file's own wins */
+    /* even without /etc/hosts; entries go in front, so the file's own wins */
+    hosts_line((char *[]){"127.0.0.1", "localhost"}, 2);
     for_each_line("/etc/hosts", hosts_line);
     for_each_line(S.resolv_conf, resolv_line);
-    if (!S.ndns_servers) resolv_line((char *[]){"nameserver", "127.0.0.1"}, 2); /* the resolver's documented default */
+    /* the resolver's documented default */
+    if (!S.ndns_servers) resolv_line((char *[]){"nameserver", "127.0.0.1"}, 2);
 }
 
 /* ===== 7. Catalog config =====
@@ -1933,7 +2169,8 @@ struct model {
     int ndep;
     int api;                     /* what its providers speak (API_*): every deployment the same */
     prices price;                /* its prices per token class */
-    prices long_price;           /* ... and those of a request whose input passes long_above (0: none) */
+    /* ... and those of a request whose input passes long_above (0: none) */
+    prices long_price;
     long long long_above;
     long long context_window, max_output_tokens, max_input_part_tokens;
 };
@@ -1984,9 +2221,10 @@ static const prices *model_prices(const model *m, long long in) {
  * integers, a whole request priced at one tier as providers bill it. */
 static int64_t tokens_cost(const model *m, const long long t[NTOK]) {
     const int64_t *p = model_prices(m, t[TOK_IN])->p;
-    int64_t pico = (t[TOK_IN] - t[TOK_CACHE_READ] - t[TOK_CACHE_WRITE]) * p[PRICE_IN] + t[TOK_CACHE_READ] * p[PRICE_CACHE_READ] +
-                   (t[TOK_CACHE_WRITE] - t[TOK_CACHE_WRITE_1H]) * p[PRICE_CACHE_WRITE] + t[TOK_CACHE_WRITE_1H] * p[PRICE_CACHE_WRITE_1H] +
-                   t[TOK_OUT] * p[PRICE_OUT];
+    int64_t pico = (t[TOK_IN] - t[TOK_CACHE_READ] - t[TOK_CACHE_WRITE]) * p[PRICE_IN] +
+                   t[TOK_CACHE_READ] * p[PRICE_CACHE_READ] +
+                   (t[TOK_CACHE_WRITE] - t[TOK_CACHE_WRITE_1H]) * p[PRICE_CACHE_WRITE] +
+                   t[TOK_CACHE_WRITE_1H] * p[PRICE_CACHE_WRITE_1H] + t[TOK_OUT] * p[PRICE_OUT];
     return (pico + 500000) / 1000000;
 }
 
@@ -2004,7 +2242,8 @@ static worst worst_of(const model *m, long long in, long long out) {
     int64_t dearest = 0;
     for (int k = PRICE_IN; k <= PRICE_CACHE_WRITE_1H; k++)
         if (p[k] > dearest) dearest = p[k];
-    double in_cost = ceil((double)in * (double)dearest / 1e6), cost = ceil(((double)in * (double)dearest + (double)out * (double)p[PRICE_OUT]) / 1e6);
+    double in_cost = ceil((double)in * (double)dearest / 1e6),
+           cost = ceil(((double)in * (double)dearest + (double)out * (double)p[PRICE_OUT]) / 1e6);
     worst w = {in, out, 0, 0, p[PRICE_OUT]};
     w.in_cost = in_cost > MAX_CHARGE ? MAX_CHARGE + 1 : (int64_t)in_cost;
     w.cost = cost > MAX_CHARGE ? MAX_CHARGE + 1 : (int64_t)cost;
@@ -2013,7 +2252,8 @@ static worst worst_of(const model *m, long long in, long long out) {
 
 static model *catalog_model(catalog *c, const char *s, size_t n) {
     for (int i = 0; i < c->nmodels; i++)
-        if (strlen(c->models[i].alias) == n && memcmp(c->models[i].alias, s, n) == 0) return &c->models[i];
+        if (strlen(c->models[i].alias) == n && memcmp(c->models[i].alias, s, n) == 0)
+            return &c->models[i];
     return NULL;
 }
 
@@ -2028,15 +2268,28 @@ static void catalog_free(catalog *c) {
             p->idle = *up_wait_link(u);
             up_free(u);
         }
-        free(p->name), free(p->host), free(p->base_path), free(p->hostport);
-        for (int k = 0; k < p->nkeys; k++) memset(p->keys[k], 0, strlen(p->keys[k])), free(p->keys[k]);
-        free(p->keys), free(p->key_bad_until);
+        free(p->name);
+        free(p->host);
+        free(p->base_path);
+        free(p->hostport);
+        for (int k = 0; k < p->nkeys; k++) {
+            memset(p->keys[k], 0, strlen(p->keys[k]));
+            free(p->keys[k]);
+        }
+        free(p->keys);
+        free(p->key_bad_until);
     }
     for (int i = 0; i < c->nmodels; i++) {
-        for (int k = 0; k < c->models[i].ndep; k++) free(c->models[i].dep[k].upstream), free(c->models[i].dep[k].name);
-        free(c->models[i].alias), free(c->models[i].dep);
+        for (int k = 0; k < c->models[i].ndep; k++) {
+            free(c->models[i].dep[k].upstream);
+            free(c->models[i].dep[k].name);
+        }
+        free(c->models[i].alias);
+        free(c->models[i].dep);
     }
-    free(c->prov), free(c->models), free(c->admins);
+    free(c->prov);
+    free(c->models);
+    free(c->admins);
     free(c);
 }
 
@@ -2047,9 +2300,15 @@ static void catalog_release(catalog *c) {
 /* Split "http://host[:port][/path]" into its parts. */
 static int url_parse(const char *url, provider *p, const char **why) {
     const char *s;
-    if (strncmp(url, "http://", 7) == 0) s = url + 7, p->tls = 0, p->port = 80;
-    else if (strncmp(url, "https://", 8) == 0) s = url + 8, p->tls = 1, p->port = 443;
-    else { *why = "must start with http:// or https://"; return LTG_ERR; }
+    if (strncmp(url, "http://", 7) == 0) {
+        s = url + 7;
+        p->tls = 0;
+        p->port = 80;
+    } else if (strncmp(url, "https://", 8) == 0) {
+        s = url + 8;
+        p->tls = 1;
+        p->port = 443;
+    } else { *why = "must start with http:// or https://"; return LTG_ERR; }
     const char *host_end, *rest;
     if (*s == '[') {
         host_end = strchr(s, ']');
@@ -2064,7 +2323,10 @@ static int url_parse(const char *url, provider *p, const char **why) {
     if (*rest == ':') {
         long long port;
         const char *pe = rest + 1 + strcspn(rest + 1, "/?#");
-        if (parse_ll(rest + 1, (size_t)(pe - rest - 1), 65535, &port) < 0 || port == 0) { *why = "has an invalid port"; return LTG_ERR; }
+        if (parse_ll(rest + 1, (size_t)(pe - rest - 1), 65535, &port) < 0 || port == 0) {
+            *why = "has an invalid port";
+            return LTG_ERR;
+        }
         p->port = (int)port;
         rest = pe;
     }
@@ -2088,9 +2350,11 @@ typedef struct {
 } cfg;
 
 /* The message "file: where.key: ...". key may be NULL; where "" is the top level. */
-static int cfg_fail(cfg *c, const char *where, const char *key, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static int cfg_fail(cfg *c, const char *where, const char *key, const char *fmt, ...)
+        __attribute__((format(printf, 4, 5)));
 static int cfg_fail(cfg *c, const char *where, const char *key, const char *fmt, ...) {
-    int n = snprintf(c->err, c->errlen, "%s: %s%s%s: ", c->file, where, *where && key ? "." : "", key ? key : "");
+    int n = snprintf(c->err, c->errlen, "%s: %s%s%s: ", c->file, where, *where && key ? "." : "",
+                     key ? key : "");
     va_list ap;
     va_start(ap, fmt);
     if (n > 0 && (size_t)n < c->errlen) vsnprintf(c->err + n, c->errlen - (size_t)n, fmt, ap);
@@ -2102,14 +2366,22 @@ static int cfg_fail(cfg *c, const char *where, const char *key, const char *fmt,
  * NULL after cfg_fail. A name that does not look like one (A-Z, 0-9, _)
  * may be a key pasted where its name belongs: it is not repeated. */
 static const char *cfg_env(cfg *c, int k, const char *where, const char *key) {
-    if (c->t[k].type != JSON_STRING) { cfg_fail(c, where, key, "must be the name of an environment variable"); return NULL; }
+    if (c->t[k].type != JSON_STRING) {
+        cfg_fail(c, where, key, "must be the name of an environment variable");
+        return NULL;
+    }
     char *name = json_strdup(c->s, c->t, k);
     const char *val = getenv(name);
     size_t n = strlen(name);
     if (!val || !*val) {
-        if (n && n <= 64 && strspn(name, "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_") == n) cfg_fail(c, where, key, "environment variable %s is not set", name);
-        else cfg_fail(c, where, key, "no environment variable of that name is set (the value is not shown: it does not look like "
-                                     "a variable name such as OPENAI_API_KEY; give the variable's name here, never the key)");
+        if (n && n <= 64 && strspn(name, "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_") == n)
+            cfg_fail(c, where, key, "environment variable %s is not set", name);
+        else
+            cfg_fail(c, where, key,
+                     "no environment variable of that name is set (the value is not shown: it does "
+                     "not look like "
+                     "a variable name such as OPENAI_API_KEY; give the variable's name here, never "
+                     "the key)");
         val = NULL;
     }
     free(name);
@@ -2119,12 +2391,16 @@ static const char *cfg_env(cfg *c, int k, const char *where, const char *key) {
 /* A provider's keys: "api_key_env" (one variable) or "api_key_envs" (a
  * list, used in turn), each naming a variable that is set. */
 static int cfg_keys(cfg *c, int v, const char *where, provider *p) {
-    int one = json_get(c->s, c->t, v, "api_key_env"), list = json_get(c->s, c->t, v, "api_key_envs");
-    if (one >= 0 && list >= 0) return cfg_fail(c, where, "api_key_envs", "give api_key_env or api_key_envs, not both");
+    int one = json_get(c->s, c->t, v, "api_key_env"),
+        list = json_get(c->s, c->t, v, "api_key_envs");
+    if (one >= 0 && list >= 0)
+        return cfg_fail(c, where, "api_key_envs", "give api_key_env or api_key_envs, not both");
     if (list >= 0 && (c->t[list].type != JSON_ARRAY || c->t[list].size < 1 || c->t[list].size > 16))
-        return cfg_fail(c, where, "api_key_envs", "must be a list of 1 to 16 environment variable names");
+        return cfg_fail(c, where, "api_key_envs",
+                        "must be a list of 1 to 16 environment variable names");
     int n = one >= 0 ? 1 : list >= 0 ? c->t[list].size : 0;
-    p->keys = xcalloc((size_t)n + 1, sizeof *p->keys), p->key_bad_until = xcalloc((size_t)n + 1, sizeof *p->key_bad_until);
+    p->keys = xcalloc((size_t)n + 1, sizeof *p->keys);
+    p->key_bad_until = xcalloc((size_t)n + 1, sizeof *p->key_bad_until);
     for (int i = 0, e = one >= 0 ? one : list + 1; i < n; i++, e = c->t[e].next) {
         const char *val = cfg_env(c, e, where, one >= 0 ? "api_key_env" : "api_key_envs");
         if (!val) return LTG_ERR;
@@ -2150,11 +2426,13 @@ static int cfg_price(cfg *c, int obj, const char *key, const char *where, double
     int v = json_get(c->s, c->t, obj, key);
     if (v < 0) return cfg_fail(c, where, key, "missing (a number: USD per million tokens)");
     if (json_number(c->s, c->t, v, out) < 0 || *out < 0 || *out > MAX_PRICE_USD)
-        return cfg_fail(c, where, key, "must be a number from 0 to %.0f (USD per million tokens)", MAX_PRICE_USD);
+        return cfg_fail(c, where, key, "must be a number from 0 to %.0f (USD per million tokens)",
+                        MAX_PRICE_USD);
     return 0;
 }
 
-static int cfg_int(cfg *c, int obj, const char *key, const char *where, long long min, long long *out) {
+static int cfg_int(cfg *c, int obj, const char *key, const char *where, long long min,
+                   long long *out) {
     int v = json_get(c->s, c->t, obj, key);
     if (v < 0) return 0;
     if (json_int(c->s, c->t, v, out) < 0 || *out < min || *out > 1000000000000LL)
@@ -2182,7 +2460,9 @@ static int cfg_prices(cfg *c, int v, const char *where, model *md) {
     for (int k = 0; k < NPRICE; k++) {
         int optional = k != PRICE_IN && k != PRICE_OUT;
         usd[k] = -1;
-        if ((!optional || json_get(c->s, c->t, v, names[k]) >= 0) && cfg_price(c, v, names[k], where, &usd[k]) < 0) return LTG_ERR;
+        if ((!optional || json_get(c->s, c->t, v, names[k]) >= 0) &&
+            cfg_price(c, v, names[k], where, &usd[k]) < 0)
+            return LTG_ERR;
     }
     for (int k = 0; k < NPRICE; k++)
         if (usd[k] < 0) usd[k] = usd[PRICE_IN] * by_api[k];
@@ -2192,18 +2472,27 @@ static int cfg_prices(cfg *c, int v, const char *where, model *md) {
     char at[340];
     snprintf(at, sizeof at, "%s.long_context", where);
     if (c->t[lc].type != JSON_OBJECT)
-        return cfg_fail(c, at, NULL, "must be an object {\"above_input_tokens\": N, \"input_usd_per_mtok\": ..., \"output_usd_per_mtok\": ...}");
+        return cfg_fail(c, at, NULL,
+                        "must be an object {\"above_input_tokens\": N, \"input_usd_per_mtok\": "
+                        "..., \"output_usd_per_mtok\": ...}");
     if (cfg_only(c, lc, at, long_fields) < 0) return LTG_ERR;
     if (json_get(c->s, c->t, lc, "above_input_tokens") < 0)
-        return cfg_fail(c, at, "above_input_tokens", "missing (the input tokens past which a request is priced at this tier, e.g. 200000)");
-    if (cfg_int(c, lc, "above_input_tokens", at, 1, &md->long_above) < 0 || cfg_price(c, lc, "input_usd_per_mtok", at, &lusd[PRICE_IN]) < 0 ||
+        return cfg_fail(c, at, "above_input_tokens",
+                        "missing (the input tokens past which a request is priced at this tier, "
+                        "e.g. 200000)");
+    if (cfg_int(c, lc, "above_input_tokens", at, 1, &md->long_above) < 0 ||
+        cfg_price(c, lc, "input_usd_per_mtok", at, &lusd[PRICE_IN]) < 0 ||
         cfg_price(c, lc, "output_usd_per_mtok", at, &lusd[PRICE_OUT]) < 0)
         return LTG_ERR;
     for (int k = PRICE_CACHE_READ; k <= PRICE_CACHE_WRITE_1H; k++) {
-        lusd[k] = usd[PRICE_IN] > 0 ? usd[k] * lusd[PRICE_IN] / usd[PRICE_IN] : lusd[PRICE_IN] * by_api[k];
+        lusd[k] = usd[PRICE_IN] > 0 ? usd[k] * lusd[PRICE_IN] / usd[PRICE_IN]
+                                    : lusd[PRICE_IN] * by_api[k];
         if (lusd[k] > MAX_PRICE_USD)
-            return cfg_fail(c, at, "input_usd_per_mtok", "makes %s %.2f USD per million tokens at this tier (the most is %.0f): the cache prices "
-                            "scale with the input price", names[k], lusd[k], MAX_PRICE_USD);
+            return cfg_fail(c, at, "input_usd_per_mtok",
+                            "makes %s %.2f USD per million tokens at this tier (the most is %.0f): "
+                            "the cache prices "
+                            "scale with the input price",
+                            names[k], lusd[k], MAX_PRICE_USD);
     }
     prices_set(&md->long_price, lusd);
     return 0;
@@ -2226,7 +2515,9 @@ static int cfg_providers(cfg *c, catalog *cat, int obj) {
         if (c->t[v].type != JSON_OBJECT) return cfg_fail(c, where, NULL, "must be an object");
         if (cfg_only(c, v, where, fields) < 0) return LTG_ERR;
         int u = json_get(c->s, c->t, v, "base_url");
-        if (u < 0 || c->t[u].type != JSON_STRING) return cfg_fail(c, where, "base_url", "missing (a string like \"http://127.0.0.1:9000/v1\")");
+        if (u < 0 || c->t[u].type != JSON_STRING)
+            return cfg_fail(c, where, "base_url",
+                            "missing (a string like \"http://127.0.0.1:9000/v1\")");
         char *url = json_strdup(c->s, c->t, u);
         const char *why;
         int r = url_parse(url, p, &why);
@@ -2234,12 +2525,16 @@ static int cfg_providers(cfg *c, catalog *cat, int obj) {
         if (r < 0) return cfg_fail(c, where, "base_url", "%s", why);
         if (cfg_keys(c, v, where, p) < 0) return LTG_ERR;
         int api = json_get(c->s, c->t, v, "api");
-        if (api >= 0 && !json_eq(c->s, c->t, api, "openai") && !json_eq(c->s, c->t, api, "anthropic"))
-            return cfg_fail(c, where, "api", "must be \"openai\" (the default: chat, completions, responses, embeddings) or \"anthropic\" (messages)");
+        if (api >= 0 && !json_eq(c->s, c->t, api, "openai") &&
+            !json_eq(c->s, c->t, api, "anthropic"))
+            return cfg_fail(c, where, "api",
+                            "must be \"openai\" (the default: chat, completions, responses, "
+                            "embeddings) or \"anthropic\" (messages)");
         p->api = api >= 0 && json_eq(c->s, c->t, api, "anthropic") ? API_ANTHROPIC : API_OPENAI;
         int tv = json_get(c->s, c->t, v, "tls_verify");
         if (tv >= 0) {
-            if (c->t[tv].type != JSON_TRUE && c->t[tv].type != JSON_FALSE) return cfg_fail(c, where, "tls_verify", "must be true or false");
+            if (c->t[tv].type != JSON_TRUE && c->t[tv].type != JSON_FALSE)
+                return cfg_fail(c, where, "tls_verify", "must be true or false");
             p->tls_verify = c->t[tv].type == JSON_TRUE;
         }
     }
@@ -2253,22 +2548,33 @@ static int cfg_deployment(cfg *c, catalog *cat, model *md, int v, const char *wh
     deployment *d = &md->dep[md->ndep++];
     long long w = 1;
     int pv = json_get(c->s, c->t, v, "provider"), uv = json_get(c->s, c->t, v, "upstream_model");
-    if (pv < 0 || c->t[pv].type != JSON_STRING) return cfg_fail(c, where, "provider", "missing (the name of a provider)");
+    if (pv < 0 || c->t[pv].type != JSON_STRING)
+        return cfg_fail(c, where, "provider", "missing (the name of a provider)");
     for (int k = 0; k < cat->nprov; k++)
         if (json_eq(c->s, c->t, pv, cat->prov[k].name)) d->p = &cat->prov[k];
-    if (!d->p) return cfg_fail(c, where, "provider", "no provider named \"%.*s\"", (int)(c->t[pv].end - c->t[pv].start), c->s + c->t[pv].start);
+    if (!d->p)
+        return cfg_fail(c, where, "provider", "no provider named \"%.*s\"",
+                        (int)(c->t[pv].end - c->t[pv].start), c->s + c->t[pv].start);
     if (uv < 0 || c->t[uv].type != JSON_STRING || c->t[uv].end == c->t[uv].start)
         return cfg_fail(c, where, "upstream_model", "missing (the provider's name for the model)");
-    if (json_get(c->s, c->t, v, "weight") >= 0 && (cfg_int(c, v, "weight", where, 1, &w) < 0 || w > 100))
+    if (json_get(c->s, c->t, v, "weight") >= 0 &&
+        (cfg_int(c, v, "weight", where, 1, &w) < 0 || w > 100))
         return cfg_fail(c, where, "weight", "must be a whole number from 1 to 100");
-    d->upstream = json_strdup(c->s, c->t, uv), d->m = md, d->weight = (int)w;
+    d->upstream = json_strdup(c->s, c->t, uv);
+    d->m = md;
+    d->weight = (int)w;
     size_t n = strlen(d->p->name) + strlen(d->upstream) + 2;
-    d->name = xmalloc(n), snprintf(d->name, n, "%s/%s", d->p->name, d->upstream);
+    d->name = xmalloc(n);
+    snprintf(d->name, n, "%s/%s", d->p->name, d->upstream);
     if (md->ndep > 1 && d->p->api != md->api)
-        return cfg_fail(c, where, "provider", "\"%s\" speaks another API than the model's first deployment: the deployments of one model must be interchangeable", d->p->name);
+        return cfg_fail(c, where, "provider",
+                        "\"%s\" speaks another API than the model's first deployment: the "
+                        "deployments of one model must be interchangeable",
+                        d->p->name);
     md->api = d->p->api;
     for (int k = 0; k < md->ndep - 1; k++)
-        if (strcmp(md->dep[k].name, d->name) == 0) return cfg_fail(c, where, NULL, "deployment %s is listed twice", d->name);
+        if (strcmp(md->dep[k].name, d->name) == 0)
+            return cfg_fail(c, where, NULL, "deployment %s is listed twice", d->name);
     return 0;
 }
 
@@ -2278,20 +2584,27 @@ static int cfg_routes(cfg *c, catalog *cat, model *md, int v, const char *where)
     static const char *const dep_fields[] = {"provider", "upstream_model", "weight", NULL};
     if (dv < 0) {
         md->dep = xcalloc(1, sizeof *md->dep);
-        return json_get(c->s, c->t, v, "weight") >= 0 ? cfg_fail(c, where, "weight", "belongs to an element of \"deployments\"")
-                                                       : cfg_deployment(c, cat, md, v, where);
+        return json_get(c->s, c->t, v, "weight") >= 0
+                       ? cfg_fail(c, where, "weight", "belongs to an element of \"deployments\"")
+                       : cfg_deployment(c, cat, md, v, where);
     }
-    if (json_get(c->s, c->t, v, "provider") >= 0 || json_get(c->s, c->t, v, "upstream_model") >= 0 || json_get(c->s, c->t, v, "weight") >= 0)
-        return cfg_fail(c, where, "deployments", "give provider and upstream_model, or deployments, not both");
+    if (json_get(c->s, c->t, v, "provider") >= 0 ||
+        json_get(c->s, c->t, v, "upstream_model") >= 0 || json_get(c->s, c->t, v, "weight") >= 0)
+        return cfg_fail(c, where, "deployments",
+                        "give provider and upstream_model, or deployments, not both");
     if (c->t[dv].type != JSON_ARRAY || c->t[dv].size < 1 || c->t[dv].size > MAX_DEPLOYMENTS)
-        return cfg_fail(c, where, "deployments", "must be a list of 1 to %d {provider, upstream_model, weight} objects", MAX_DEPLOYMENTS);
+        return cfg_fail(c, where, "deployments",
+                        "must be a list of 1 to %d {provider, upstream_model, weight} objects",
+                        MAX_DEPLOYMENTS);
     md->dep = xcalloc((size_t)c->t[dv].size, sizeof *md->dep);
     int e = dv + 1;
     for (int k = 0; k < c->t[dv].size; k++, e = c->t[e].next) {
         char at[340];
         snprintf(at, sizeof at, "%s.deployments[%d]", where, k);
-        if (c->t[e].type != JSON_OBJECT) return cfg_fail(c, at, NULL, "must be an object {provider, upstream_model, weight}");
-        if (cfg_only(c, e, at, dep_fields) < 0 || cfg_deployment(c, cat, md, e, at) < 0) return LTG_ERR;
+        if (c->t[e].type != JSON_OBJECT)
+            return cfg_fail(c, at, NULL, "must be an object {provider, upstream_model, weight}");
+        if (cfg_only(c, e, at, dep_fields) < 0 || cfg_deployment(c, cat, md, e, at) < 0)
+            return LTG_ERR;
     }
     return 0;
 }
@@ -2307,20 +2620,27 @@ static int cfg_models(cfg *c, catalog *cat, int obj) {
     for (int m = 0; m < c->t[obj].size; m++, i = c->t[i + 1].next) {
         model *md = &cat->models[cat->nmodels++];
         md->alias = json_strdup(c->s, c->t, i);
-        md->max_output_tokens = 4096, md->max_input_part_tokens = 2000, md->context_window = 200000;
+        md->max_output_tokens = 4096;
+        md->max_input_part_tokens = 2000;
+        md->context_window = 200000;
         char where[300];
         snprintf(where, sizeof where, "models.%s", md->alias);
         int v = i + 1;
         if (!*md->alias || strlen(md->alias) > ALIAS_MAX)
-            return cfg_fail(c, "models", NULL, "an alias must be 1 to %d bytes (\"%.40s...\" is not)", ALIAS_MAX, md->alias);
+            return cfg_fail(c, "models", NULL,
+                            "an alias must be 1 to %d bytes (\"%.40s...\" is not)", ALIAS_MAX,
+                            md->alias);
         if (c->t[v].type != JSON_OBJECT) return cfg_fail(c, where, NULL, "must be an object");
-        if (cfg_only(c, v, where, fields) < 0 || cfg_routes(c, cat, md, v, where) < 0) return LTG_ERR;
-        if (cfg_prices(c, v, where, md) < 0 || cfg_int(c, v, "context_window", where, 1, &md->context_window) < 0 ||
+        if (cfg_only(c, v, where, fields) < 0 || cfg_routes(c, cat, md, v, where) < 0)
+            return LTG_ERR;
+        if (cfg_prices(c, v, where, md) < 0 ||
+            cfg_int(c, v, "context_window", where, 1, &md->context_window) < 0 ||
             cfg_int(c, v, "max_output_tokens", where, 1, &md->max_output_tokens) < 0 ||
             cfg_int(c, v, "max_input_part_tokens", where, 1, &md->max_input_part_tokens) < 0)
             return LTG_ERR;
         for (int k = 0; k < cat->nmodels - 1; k++)
-            if (strcmp(cat->models[k].alias, md->alias) == 0) return cfg_fail(c, where, NULL, "the alias is defined twice");
+            if (strcmp(cat->models[k].alias, md->alias) == 0)
+                return cfg_fail(c, where, NULL, "the alias is defined twice");
     }
     return 0;
 }
@@ -2338,23 +2658,32 @@ static int cfg_admin_keys(cfg *c, catalog *cat, int arr) {
         if (c->t[v].type != JSON_OBJECT) return cfg_fail(c, where, NULL, "must be an object");
         if (cfg_only(c, v, where, fields) < 0) return LTG_ERR;
         int ke = json_get(c->s, c->t, v, "key_env"), ks = json_get(c->s, c->t, v, "key_sha256");
-        if ((ke < 0) == (ks < 0)) return cfg_fail(c, where, NULL, "give exactly one of key_env and key_sha256 (never the key itself)");
+        if ((ke < 0) == (ks < 0))
+            return cfg_fail(c, where, NULL,
+                            "give exactly one of key_env and key_sha256 (never the key itself)");
         if (ke >= 0) {
             const char *val = cfg_env(c, ke, where, "key_env");
             if (!val) return LTG_ERR;
             sha256(val, strlen(val), a->sha);
         } else {
-            if (c->t[ks].type != JSON_STRING || c->t[ks].end - c->t[ks].start != 64 || hex_decode(c->s + c->t[ks].start, 64, a->sha) < 0)
+            if (c->t[ks].type != JSON_STRING || c->t[ks].end - c->t[ks].start != 64 ||
+                hex_decode(c->s + c->t[ks].start, 64, a->sha) < 0)
                 return cfg_fail(c, where, "key_sha256", "must be 64 hex digits");
         }
         int pv = json_get(c->s, c->t, v, "permissions");
-        if (pv < 0 || c->t[pv].type != JSON_ARRAY || c->t[pv].size == 0) return cfg_fail(c, where, "permissions", "missing (a non-empty array, e.g. [\"*\"])");
+        if (pv < 0 || c->t[pv].type != JSON_ARRAY || c->t[pv].size == 0)
+            return cfg_fail(c, where, "permissions", "missing (a non-empty array, e.g. [\"*\"])");
         int e = pv + 1;
         for (int k = 0; k < c->t[pv].size; k++, e = c->t[e].next) {
             int bit = 0;
             for (int b = 0; b < (int)(sizeof perm_names / sizeof *perm_names); b++)
                 if (json_eq(c->s, c->t, e, perm_names[b])) bit = 1 << b;
-            if (!bit) return cfg_fail(c, where, "permissions", "unknown permission (allowed: \"*\", llm_token_gateway.{token_groups,token_keys}.{read,write}, llm_token_gateway.spend.read, llm_token_gateway.usage.read, llm_token_gateway.metrics.read)");
+            if (!bit)
+                return cfg_fail(c, where, "permissions",
+                                "unknown permission (allowed: \"*\", "
+                                "llm_token_gateway.{token_groups,token_keys}.{read,write}, "
+                                "llm_token_gateway.spend.read, llm_token_gateway.usage.read, "
+                                "llm_token_gateway.metrics.read)");
             a->perms |= bit;
         }
     }
@@ -2379,17 +2708,23 @@ static catalog *catalog_load(const char *path, const char *text, char *err, size
     json_result res;
     int ok = -1;
     if (json_parse(b.p, b.len, c.t, max, -1, &res) < 0) {
-        snprintf(err, errlen, "%s: not valid JSON: %s at byte offset %zu", path, res.err, res.err_offset);
+        snprintf(err, errlen, "%s: not valid JSON: %s at byte offset %zu", path, res.err,
+                 res.err_offset);
     } else if (c.t[0].type != JSON_OBJECT) {
         snprintf(err, errlen, "%s: the catalog must be a JSON object", path);
     } else {
         static const char *const top[] = {"providers", "models", "admin_keys", NULL};
         if (json_get(b.p, c.t, 0, "dev_keys") >= 0) {
-            cfg_fail(&c, "dev_keys", NULL, "was removed: create a token group and a token key through the control plane (README \"Token groups\", \"Token keys\")");
+            cfg_fail(&c, "dev_keys", NULL,
+                     "was removed: create a token group and a token key through the control plane "
+                     "(README \"Token groups\", \"Token keys\")");
         } else
-        ok = cfg_only(&c, 0, "", top) == 0 && cfg_providers(&c, cat, json_get(b.p, c.t, 0, "providers")) == 0 &&
-             cfg_models(&c, cat, json_get(b.p, c.t, 0, "models")) == 0 &&
-             cfg_admin_keys(&c, cat, json_get(b.p, c.t, 0, "admin_keys")) == 0 ? 0 : -1;
+            ok = cfg_only(&c, 0, "", top) == 0 &&
+                                 cfg_providers(&c, cat, json_get(b.p, c.t, 0, "providers")) == 0 &&
+                                 cfg_models(&c, cat, json_get(b.p, c.t, 0, "models")) == 0 &&
+                                 cfg_admin_keys(&c, cat, json_get(b.p, c.t, 0, "admin_keys")) == 0
+                         ? 0
+                         : -1;
     }
     free(c.t);
     buf_free(&b);
@@ -2447,20 +2782,28 @@ static int tls_add_anchor(const unsigned char *der, size_t n) {
     br_x509_decoder_push(&dc, der, n);
     const br_x509_pkey *pk = br_x509_decoder_get_pkey(&dc);
     if (!pk || br_x509_decoder_last_error(&dc)) { buf_free(&dn); return LTG_ERR; }
-    size_t keylen = pk->key_type == BR_KEYTYPE_RSA ? pk->key.rsa.nlen + pk->key.rsa.elen : pk->key.ec.qlen;
+    size_t keylen =
+            pk->key_type == BR_KEYTYPE_RSA ? pk->key.rsa.nlen + pk->key.rsa.elen : pk->key.ec.qlen;
     unsigned char *blob = xmalloc(dn.len + keylen + 1);
     memcpy(blob, dn.p ? dn.p : "", dn.len);
-    if (TLS.nta == TLS.cap) TLS.cap = TLS.cap ? TLS.cap * 2 : 256, TLS.ta = xrealloc(TLS.ta, TLS.cap * sizeof *TLS.ta);
+    if (TLS.nta == TLS.cap) {
+        TLS.cap = TLS.cap ? TLS.cap * 2 : 256;
+        TLS.ta = xrealloc(TLS.ta, TLS.cap * sizeof *TLS.ta);
+    }
     br_x509_trust_anchor *ta = &TLS.ta[TLS.nta++];
-    ta->dn.data = blob, ta->dn.len = dn.len;
+    ta->dn.data = blob;
+    ta->dn.len = dn.len;
     ta->flags = br_x509_decoder_isCA(&dc) ? BR_X509_TA_CA : 0;
     ta->pkey = *pk;
     unsigned char *k = blob + dn.len;
     if (pk->key_type == BR_KEYTYPE_RSA) {
-        memcpy(k, pk->key.rsa.n, pk->key.rsa.nlen), ta->pkey.key.rsa.n = k;
-        memcpy(k + pk->key.rsa.nlen, pk->key.rsa.e, pk->key.rsa.elen), ta->pkey.key.rsa.e = k + pk->key.rsa.nlen;
+        memcpy(k, pk->key.rsa.n, pk->key.rsa.nlen);
+        ta->pkey.key.rsa.n = k;
+        memcpy(k + pk->key.rsa.nlen, pk->key.rsa.e, pk->key.rsa.elen);
+        ta->pkey.key.rsa.e = k + pk->key.rsa.nlen;
     } else {
-        memcpy(k, pk->key.ec.q, pk->key.ec.qlen), ta->pkey.key.ec.q = k;
+        memcpy(k, pk->key.ec.q, pk->key.ec.qlen);
+        ta->pkey.key.ec.q = k;
     }
     buf_free(&dn);
     return 0;
@@ -2471,13 +2814,15 @@ static int tls_add_anchor(const unsigned char *der, size_t n) {
 static int tls_load_anchors(const char *path, char *err, size_t errlen) {
     buf f = {0}, der = {0};
     if (read_file(path, &f) < 0) {
-        snprintf(err, errlen, "%s: cannot read the CA bundle: %s (give another with --ca-file)", path, strerror(errno));
+        snprintf(err, errlen, "%s: cannot read the CA bundle: %s (give another with --ca-file)",
+                 path, strerror(errno));
         return LTG_ERR;
     }
     size_t before = TLS.nta;
     int skipped = 0;
     const unsigned char *p = (const unsigned char *)f.p;
-    if (f.len > 4 && p[0] == 0x30 && p[1] == 0x82 && (size_t)((p[2] << 8 | p[3]) + 4) == f.len) { /* one DER certificate */
+    if (f.len > 4 && p[0] == 0x30 && p[1] == 0x82 && (size_t)((p[2] << 8 | p[3]) + 4) == f.len) {
+        /* one DER certificate */
         skipped += tls_add_anchor(p, f.len) < 0;
     } else {
         br_pem_decoder_context pc;
@@ -2488,7 +2833,8 @@ static int tls_load_anchors(const char *path, char *err, size_t errlen) {
             off += br_pem_decoder_push(&pc, f.p + off, f.len - off);
             switch (br_pem_decoder_event(&pc)) {
             case BR_PEM_BEGIN_OBJ:
-                in_cert = strcmp(br_pem_decoder_name(&pc), "CERTIFICATE") == 0 || strcmp(br_pem_decoder_name(&pc), "X509 CERTIFICATE") == 0;
+                in_cert = strcmp(br_pem_decoder_name(&pc), "CERTIFICATE") == 0 ||
+                          strcmp(br_pem_decoder_name(&pc), "X509 CERTIFICATE") == 0;
                 der.len = 0;
                 br_pem_decoder_setdest(&pc, in_cert ? dn_append : NULL, &der);
                 break;
@@ -2498,18 +2844,25 @@ static int tls_load_anchors(const char *path, char *err, size_t errlen) {
                 break;
             case BR_PEM_ERROR:
                 snprintf(err, errlen, "%s: not a valid PEM file (near byte %zu)", path, off);
-                buf_free(&f), buf_free(&der);
+                buf_free(&f);
+                buf_free(&der);
                 while (TLS.nta > before) free(TLS.ta[--TLS.nta].dn.data); /* all or nothing */
                 return LTG_ERR;
             }
         }
     }
-    buf_free(&f), buf_free(&der);
+    buf_free(&f);
+    buf_free(&der);
     if (TLS.nta == before) {
-        snprintf(err, errlen, "%s: no usable certificate in it (%d skipped): give a PEM bundle of CA certificates with --ca-file", path, skipped);
+        snprintf(err, errlen,
+                 "%s: no usable certificate in it (%d skipped): give a PEM bundle of CA "
+                 "certificates with --ca-file",
+                 path, skipped);
         return LTG_ERR;
     }
-    if (skipped) ltg_log("%s: %d certificate(s) skipped (a key type or encoding BearSSL does not take)", path, skipped);
+    if (skipped)
+        ltg_log("%s: %d certificate(s) skipped (a key type or encoding BearSSL does not take)",
+                path, skipped);
     return (int)(TLS.nta - before);
 }
 
@@ -2527,9 +2880,14 @@ static int tls_prepare(catalog *cat, char *err, size_t errlen) {
             ltg_log("%s: %d trust anchor(s)", path, n);
         }
         struct sockaddr_storage ss;
-        if (!p->tls_verify) ltg_log("warning: providers.%s: tls_verify is false: its certificates are not checked at all", p->name);
+        if (!p->tls_verify)
+            ltg_log("warning: providers.%s: tls_verify is false: its certificates are not checked "
+                    "at all",
+                    p->name);
         else if (addr_parse(p->host, &ss) == 0)
-            ltg_log("warning: providers.%s: an IP address: its certificate chain is checked but not its name (BearSSL matches DNS names only)", p->name);
+            ltg_log("warning: providers.%s: an IP address: its certificate chain is checked but "
+                    "not its name (BearSSL matches DNS names only)",
+                    p->name);
     }
     return 0;
 }
@@ -2542,7 +2900,10 @@ typedef struct {
     int certs;
 } tls_noverify;
 
-static void nv_start_chain(const br_x509_class **ctx, const char *name) { (void)name; ((tls_noverify *)(void *)ctx)->certs = 0; }
+static void nv_start_chain(const br_x509_class **ctx, const char *name) {
+    (void)name;
+    ((tls_noverify *)(void *)ctx)->certs = 0;
+}
 static void nv_start_cert(const br_x509_class **ctx, uint32_t len) {
     (void)len;
     tls_noverify *nv = (tls_noverify *)(void *)ctx;
@@ -2577,18 +2938,25 @@ typedef struct {
 /* A BearSSL error in words, for the log, the attempt log and the answer. */
 static const char *tls_error_words(int err, char *tmp, size_t n) {
     switch (err) {
-    case BR_ERR_X509_NOT_TRUSTED: return "certificate not trusted (its CA is not in the trust anchors: see --ca-file)";
-    case BR_ERR_X509_BAD_SERVER_NAME: return "certificate name mismatch (it is not for this host name)";
+    case BR_ERR_X509_NOT_TRUSTED:
+        return "certificate not trusted (its CA is not in the trust anchors: see --ca-file)";
+    case BR_ERR_X509_BAD_SERVER_NAME:
+        return "certificate name mismatch (it is not for this host name)";
     case BR_ERR_X509_EXPIRED: return "certificate expired or not yet valid";
     case BR_ERR_X509_TIME_UNKNOWN: return "no clock to check the certificate's dates";
     case BR_ERR_BAD_VERSION: return "the server does not speak TLS 1.2";
-    case BR_ERR_RECV_FATAL_ALERT + 70: return "server requires a protocol version ltg lacks (TLS 1.3 only?)";
-    case BR_ERR_RECV_FATAL_ALERT + 40: return "the server refused the handshake (no common cipher suite?)";
+    case BR_ERR_RECV_FATAL_ALERT + 70:
+        return "server requires a protocol version ltg lacks (TLS 1.3 only?)";
+    case BR_ERR_RECV_FATAL_ALERT + 40:
+        return "the server refused the handshake (no common cipher suite?)";
     case BR_ERR_RECV_FATAL_ALERT + 112: return "the server does not know this host name (SNI)";
     }
-    if (err >= BR_ERR_SEND_FATAL_ALERT) snprintf(tmp, n, "TLS alert %d sent by ltg", err - BR_ERR_SEND_FATAL_ALERT);
-    else if (err >= BR_ERR_RECV_FATAL_ALERT) snprintf(tmp, n, "TLS alert %d from the server", err - BR_ERR_RECV_FATAL_ALERT);
-    else if (err >= 32 && err < 64) snprintf(tmp, n, "certificate rejected (BearSSL X.509 error %d)", err);
+    if (err >= BR_ERR_SEND_FATAL_ALERT)
+        snprintf(tmp, n, "TLS alert %d sent by ltg", err - BR_ERR_SEND_FATAL_ALERT);
+    else if (err >= BR_ERR_RECV_FATAL_ALERT)
+        snprintf(tmp, n, "TLS alert %d from the server", err - BR_ERR_RECV_FATAL_ALERT);
+    else if (err >= 32 && err < 64)
+        snprintf(tmp, n, "certificate rejected (BearSSL X.509 error %d)", err);
     else snprintf(tmp, n, "TLS error %d", err);
     return tmp;
 }
@@ -2608,7 +2976,10 @@ static tls_conn *tls_new(provider *p, const char **why) {
     br_ssl_engine_set_versions(eng, BR_TLS12, BR_TLS12);
     br_ssl_engine_set_suites(eng, tls_suites, sizeof tls_suites / sizeof *tls_suites);
     br_ssl_engine_add_flags(eng, BR_OPT_NO_RENEGOTIATION);
-    if (!p->tls_verify) t->nv.vtable = &tls_noverify_class, br_ssl_engine_set_x509(eng, &t->nv.vtable);
+    if (!p->tls_verify) {
+        t->nv.vtable = &tls_noverify_class;
+        br_ssl_engine_set_x509(eng, &t->nv.vtable);
+    }
     br_ssl_engine_set_buffer(eng, t->iobuf, sizeof t->iobuf, 1);
     uint8_t seed[32];
     os_random(seed, sizeof seed); /* mixed into BearSSL's own seeding */
@@ -2633,7 +3004,8 @@ static void tls_handshake_done(provider *p, tls_conn *t) {
     if (resumed) TLS.resumed++;
     else TLS.full++;
     metric_add(M_TLS, 1, "provider", p->name, "kind", resumed ? "resumed" : "full", NULL);
-    p->session = now, p->have_session = 1;
+    p->session = now;
+    p->have_session = 1;
 }
 
 enum { PUMP_OK, PUMP_EOF, PUMP_ERR };
@@ -2643,11 +3015,13 @@ enum { PUMP_OK, PUMP_EOF, PUMP_ERR };
  * `reading` says whether to take records from the socket (not while the
  * client is slow). Sets *events to the poll interest; *ready turns 1 when
  * the handshake completes. On PUMP_ERR, why holds the reason. */
-static int tls_pump(tls_conn *t, int fd, const char *out, size_t outlen, size_t *sent, buf *in, int reading,
-                    int *ready, short *events, char *why, size_t whylen) {
+static int tls_pump(tls_conn *t, int fd, const char *out, size_t outlen, size_t *sent, buf *in,
+                    int reading, int *ready, short *events, char *why, size_t whylen) {
     br_ssl_engine_context *eng = &t->sc.eng;
     int out_blocked = 0, in_blocked = 0, rc = PUMP_OK;
-    size_t took = 0; /* bytes from the socket this call: at most 4 x READ_CHUNK, as a plain read (poll comes back for the rest) */
+    /* bytes from the socket this call: at most 4 x READ_CHUNK, as a plain read (poll comes back
+     * for the rest) */
+    size_t took = 0;
     unsigned st;
     for (;;) {
         st = br_ssl_engine_current_state(eng);
@@ -2661,13 +3035,17 @@ static int tls_pump(tls_conn *t, int fd, const char *out, size_t outlen, size_t 
         if (!*ready && (st & (BR_SSL_SENDAPP | BR_SSL_RECVAPP))) *ready = 1;
         size_t n;
         unsigned char *p;
-        if ((st & BR_SSL_SENDREC) && !out_blocked) { /* records out first, as BearSSL's run_until does */
+        if ((st & BR_SSL_SENDREC) && !out_blocked) {
+            /* records out first, as BearSSL's run_until does */
             p = br_ssl_engine_sendrec_buf(eng, &n);
             ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
             if (w > 0) { br_ssl_engine_sendrec_ack(eng, (size_t)w); continue; }
             if (w < 0 && errno == EINTR) continue;
             if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) out_blocked = 1;
-            else { snprintf(why, whylen, "write: %s", w < 0 ? strerror(errno) : "closed"); return PUMP_ERR; }
+            else {
+                snprintf(why, whylen, "write: %s", w < 0 ? strerror(errno) : "closed");
+                return PUMP_ERR;
+            }
         }
         if (st & BR_SSL_RECVAPP) {
             p = br_ssl_engine_recvapp_buf(eng, &n);
@@ -2681,22 +3059,29 @@ static int tls_pump(tls_conn *t, int fd, const char *out, size_t outlen, size_t 
             memcpy(p, out + *sent, n);
             br_ssl_engine_sendapp_ack(eng, n);
             *sent += n;
-            if (*sent == outlen) br_ssl_engine_flush(eng, 0); /* the request is whole: send its last record now */
+            /* the request is whole: send its last record now */
+            if (*sent == outlen) br_ssl_engine_flush(eng, 0);
             continue;
         }
         if ((st & BR_SSL_RECVREC) && !in_blocked && reading && took < 4 * READ_CHUNK) {
             p = br_ssl_engine_recvrec_buf(eng, &n);
             ssize_t r = recv(fd, p, n, 0);
-            if (r > 0) { br_ssl_engine_recvrec_ack(eng, (size_t)r), took += (size_t)r; continue; }
+            if (r > 0) {
+                br_ssl_engine_recvrec_ack(eng, (size_t)r);
+                took += (size_t)r;
+                continue;
+            }
             if (r < 0 && errno == EINTR) continue;
             if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) in_blocked = 1;
-            else if (r == 0) { rc = PUMP_EOF; break; } /* without close_notify: the HTTP framing decides */
+            /* without close_notify: the HTTP framing decides */
+            else if (r == 0) { rc = PUMP_EOF; break; }
             else { snprintf(why, whylen, "read: %s", strerror(errno)); return PUMP_ERR; }
         }
         break;
     }
     st = br_ssl_engine_current_state(eng);
-    *events = (short)(((st & BR_SSL_SENDREC) ? POLLOUT : 0) | ((st & BR_SSL_RECVREC) && reading ? POLLIN : 0));
+    *events = (short)(((st & BR_SSL_SENDREC) ? POLLOUT : 0) |
+                      ((st & BR_SSL_RECVREC) && reading ? POLLIN : 0));
     return rc;
 }
 
@@ -2755,7 +3140,8 @@ struct upstream {
     upstream_event *event; /* how it tells the owner of news (ltg.h) */
     buf out;            /* the request */
     size_t wrote;       /* bytes of `out` handed on: to the kernel, or over TLS to the engine */
-    buf in;             /* bytes from the provider not yet parsed (after DONE: bytes past the answer) */
+    /* bytes from the provider not yet parsed (after DONE: bytes past the answer) */
+    buf in;
     size_t scan;        /* http_head_end's resume point */
     buf head;           /* the response head, once it came (else empty); `resp` points into it */
     http_response resp;
@@ -2774,7 +3160,9 @@ static upstream **up_wait_link(upstream *u) { return &u->link; }
 static int up_has_head(const upstream *u) { return u->head.len > 0; }
 
 /* The answer is framed by the provider's close (no length, not chunked). */
-static int up_until_eof(const upstream *u) { return !u->resp.chunked && u->resp.content_length < 0; }
+static int up_until_eof(const upstream *u) {
+    return !u->resp.chunked && u->resp.content_length < 0;
+}
 
 /* The one place a connection changes state (see the table above). */
 static void up_to(upstream *u, up_state to) {
@@ -2796,7 +3184,8 @@ static void up_to(upstream *u, up_state to) {
     switch (to) {
     case UP_CONNECTING: timer_set(&u->t, CONNECT_TIMEOUT_MS); break;
     case UP_HANDSHAKE:
-        if (from != UP_CONNECTING) timer_set(&u->t, CONNECT_TIMEOUT_MS); /* else the deadline runs on */
+        /* else the deadline runs on */
+        if (from != UP_CONNECTING) timer_set(&u->t, CONNECT_TIMEOUT_MS);
         break;
     case UP_EOF: timer_set(&u->t, 0); break;
     case UP_FAILED:
@@ -2812,7 +3201,10 @@ static void up_free(upstream *u) {
     timer_stop(&u->t);
     free(u->tls);
     if (u->fd >= 0) loop_close(u->fd);
-    buf_free(&u->out), buf_free(&u->in), buf_free(&u->head), buf_free(&u->body);
+    buf_free(&u->out);
+    buf_free(&u->in);
+    buf_free(&u->head);
+    buf_free(&u->body);
     free(u);
 }
 
@@ -2835,7 +3227,8 @@ static int up_eof(upstream *u) {
         up_to(u, UP_DONE);
         return 1;
     }
-    if (!up_has_head(u) && u->in.len == 0) up_fail(u, "%s closed the connection before answering", u->p->host);
+    if (!up_has_head(u) && u->in.len == 0)
+        up_fail(u, "%s closed the connection before answering", u->p->host);
     else up_fail(u, "%s closed the connection in the middle of its answer", u->p->host);
     return 0;
 }
@@ -2855,7 +3248,11 @@ static void up_notify(void *ctx) {
     case UP_IDLE: { /* the pool's idle timeout */
         provider *p = u->p;
         for (upstream **pp = &p->idle; *pp; pp = &(*pp)->link)
-            if (*pp == u) { *pp = u->link, p->nidle--; break; }
+            if (*pp == u) {
+                *pp = u->link;
+                p->nidle--;
+                break;
+            }
         up_free(u);
         return;
     }
@@ -2873,7 +3270,10 @@ static void up_write(upstream *u) {
         ssize_t n = send(u->fd, u->out.p + u->wrote, u->out.len - u->wrote, MSG_NOSIGNAL);
         if (n > 0) { u->wrote += (size_t)n; continue; }
         if (n < 0 && errno == EINTR) continue;
-        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) { loop_events(u->fd, POLLOUT); return; }
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            loop_events(u->fd, POLLOUT);
+            return;
+        }
         up_fail(u, "write to %s: %s", u->p->host, n < 0 ? strerror(errno) : "closed");
         return;
     }
@@ -2886,13 +3286,18 @@ static void up_connect(upstream *u, const struct sockaddr_storage *addr) {
     addr_set_port(&a, u->p->port);
     u->fd = socket(a.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (u->fd < 0 || u->fd >= S.nfds_cap) {
-        if (u->fd >= 0) close(u->fd), u->fd = -1, errno = EMFILE;
+        if (u->fd >= 0) {
+            close(u->fd);
+            u->fd = -1;
+            errno = EMFILE;
+        }
         u->local = 1;
         up_fail(u, "no socket for %s: %s", u->p->host, strerror(errno));
         return;
     }
     int one = 1;
-    setsockopt(u->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); /* a handshake is several small writes */
+    /* a handshake is several small writes */
+    setsockopt(u->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     loop_watch(u->fd, POLLOUT, up_io, u);
     const char *why;
     if (u->p->tls && !(u->tls = tls_new(u->p, &why))) { up_fail(u, "%s", why); return; }
@@ -2924,7 +3329,9 @@ static void up_parse(upstream *u) {
     while (u->state == UP_SENDING || u->state == UP_HEAD) {
         int n = http_head_end(u->in.p, u->in.len, &u->scan);
         if (n == LTG_AGAIN) {
-            if (u->in.len > UP_MAX_HEAD_BYTES) up_fail(u, "response head from %s larger than %d KiB", u->p->host, UP_MAX_HEAD_BYTES / 1024);
+            if (u->in.len > UP_MAX_HEAD_BYTES)
+                up_fail(u, "response head from %s larger than %d KiB", u->p->host,
+                        UP_MAX_HEAD_BYTES / 1024);
             return;
         }
         u->head.len = 0;
@@ -2936,12 +3343,14 @@ static void up_parse(upstream *u) {
             up_fail(u, "malformed response from %s: %s", u->p->host, u->resp.err);
             return;
         }
-        if (u->resp.status >= 100 && u->resp.status < 200) { /* 100 Continue and friends: wait for the real one */
+        if (u->resp.status >= 100 && u->resp.status < 200) {
+            /* 100 Continue and friends: wait for the real one */
             u->head.len = 0;
             continue;
         }
         u->body_left = u->resp.content_length;
-        int empty = u->resp.status == 204 || u->resp.status == 304 || (!u->resp.chunked && u->resp.content_length == 0);
+        int empty = u->resp.status == 204 || u->resp.status == 304 ||
+                    (!u->resp.chunked && u->resp.content_length == 0);
         up_to(u, empty ? UP_DONE : UP_BODY);
     }
     if (u->state != UP_BODY) return;
@@ -2972,7 +3381,8 @@ static void up_tls(upstream *u) {
     short events;
     size_t had = u->in.len;
     int ready = u->state != UP_HANDSHAKE;
-    int r = tls_pump(u->tls, u->fd, u->out.p, u->out.len, &u->wrote, &u->in, !u->paused, &ready, &events, why, sizeof why);
+    int r = tls_pump(u->tls, u->fd, u->out.p, u->out.len, &u->wrote, &u->in, !u->paused, &ready,
+                     &events, why, sizeof why);
     if (r == PUMP_ERR) { up_fail(u, "TLS with %s: %s", u->p->host, why); return; }
     if (u->state == UP_HANDSHAKE && ready) {
         tls_handshake_done(u->p, u->tls);
@@ -3027,7 +3437,10 @@ static void up_io(void *ctx, int revents) {
         int err = 0;
         socklen_t len = sizeof err;
         getsockopt(u->fd, SOL_SOCKET, SO_ERROR, &err, &len);
-        if (err) { up_fail(u, "connect to %s:%d: %s", u->p->host, u->p->port, strerror(err)); return; }
+        if (err) {
+            up_fail(u, "connect to %s:%d: %s", u->p->host, u->p->port, strerror(err));
+            return;
+        }
         up_to(u, u->tls ? UP_HANDSHAKE : UP_SENDING);
         up_write(u);
         return;
@@ -3044,7 +3457,8 @@ static void up_io(void *ctx, int revents) {
 static upstream *pool_take(provider *p) {
     while (p->idle) {
         upstream *u = p->idle;
-        p->idle = u->link, p->nidle--;
+        p->idle = u->link;
+        p->nidle--;
         u->link = NULL;
         timer_stop(&u->t);
         char c;
@@ -3058,11 +3472,13 @@ static upstream *pool_take(provider *p) {
 /* Start sending `req` (n bytes) to provider p for `owner`, told of news
  * through event(owner). Never fails synchronously: a failure is reported
  * on the next turn. */
-static upstream *up_start(provider *p, void *owner, upstream_event *event, const char *req, size_t n) {
+static upstream *up_start(provider *p, void *owner, upstream_event *event, const char *req,
+                          size_t n) {
     upstream *u = pool_take(p);
     int reused = u != NULL;
     if (reused) {
-        u->out.len = u->wrote = 0, u->in.len = u->scan = u->head.len = u->body.len = 0;
+        u->out.len = u->wrote = 0;
+        u->in.len = u->scan = u->head.len = u->body.len = 0;
         u->paused = 0;
         u->cd = (chunk_decoder){0};
     } else {
@@ -3071,13 +3487,15 @@ static upstream *up_start(provider *p, void *owner, upstream_event *event, const
         u->p = p;
         timer_init(&u->t, up_notify, u);
     }
-    u->owner = owner, u->event = event;
+    u->owner = owner;
+    u->event = event;
     p->nbusy++;
     buf_append(&u->out, req, n);
     if (reused) {
         up_to(u, UP_SENDING);
         loop_watch(u->fd, POLLOUT, up_io, u);
-        if (!u->tls) up_write(u); /* a TLS pump may read an answer: it runs from the loop, never inside up_start() */
+        /* a TLS pump may read an answer: it runs from the loop, never inside up_start() */
+        if (!u->tls) up_write(u);
         return u;
     }
     struct sockaddr_storage addr;
@@ -3102,17 +3520,20 @@ static void up_release(upstream *u) {
     p->nbusy--;
     if (u->state == UP_RESOLVING) dns_cancel(u);
     int whole = u->state == UP_DONE && u->wrote == u->out.len, leftover = whole && u->in.len > 0;
-    int reusable = whole && !leftover && u->resp.keep_alive && !up_until_eof(u) && p->cat == S.cat &&
-                   p->nidle < POOL_MAX_IDLE && !S.draining;
+    int reusable = whole && !leftover && u->resp.keep_alive && !up_until_eof(u) &&
+                   p->cat == S.cat && p->nidle < POOL_MAX_IDLE && !S.draining;
     if (leftover) ltg_log("%s sent bytes after its answer: connection closed, not pooled", p->host);
     if (!reusable) { up_free(u); return; }
     up_to(u, UP_IDLE);
     u->owner = NULL;
     u->body.len = 0;
-    if (u->out.cap > (1 << 20)) buf_free(&u->out); /* an idle connection keeps no large request's memory */
+    /* an idle connection keeps no large request's memory */
+    if (u->out.cap > (1 << 20)) buf_free(&u->out);
     if (u->body.cap > (1 << 20)) buf_free(&u->body);
     loop_events(u->fd, 0);
-    u->link = p->idle, p->idle = u, p->nidle++;
+    u->link = p->idle;
+    p->idle = u;
+    p->nidle++;
 }
 
 /* ===== 10. The attempt plan: retry, fallback, breakers, deployments =====
@@ -3195,14 +3616,17 @@ plan_step plan_next(attempt_plan *p, const plan_facts *f) {
             return s;
         }
         unsigned jitter = f->jitter_permille;
-        s.delay_ms = f->retry_after_ms >= 0 ? f->retry_after_ms : backoff_ms(p->backoff, p->delay_ms, p->attempt, jitter);
+        s.delay_ms = f->retry_after_ms >= 0
+                             ? f->retry_after_ms
+                             : backoff_ms(p->backoff, p->delay_ms, p->attempt, jitter);
         if (f->now + s.delay_ms < f->deadline) {
             s.action = PLAN_RETRY_AFTER;
             return s;
         }
         s.late = 1; /* the wait would end past the deadline: the next model may answer sooner */
     }
-    if (p->model + 1 < p->nmodels) { /* no_work out of attempts, indeterminate, unknown_model, circuit_open */
+    if (p->model + 1 < p->nmodels) {
+        /* no_work out of attempts, indeterminate, unknown_model, circuit_open */
         p->model++;
         p->attempt = 1;
         s.action = PLAN_NEXT_MODEL;
@@ -3218,7 +3642,8 @@ attempt_outcome attempt_classify(int status, int reached) {
     if (status == 429 || status == 529) return OUTCOME_NO_WORK;
     if (status == 404) return OUTCOME_UNKNOWN_MODEL;
     if (status == 408 || status >= 500) return OUTCOME_INDETERMINATE;
-    return OUTCOME_TERMINAL; /* 400, 401, 403, 413, 422, other 4xx; and a 1xx or 3xx no API should send */
+    /* 400, 401, 403, 413, 422, other 4xx; and a 1xx or 3xx no API should send */
+    return OUTCOME_TERMINAL;
 }
 
 static int contains_nocase(const char *s, size_t n, const char *word) {
@@ -3231,9 +3656,12 @@ static int contains_nocase(const char *s, size_t n, const char *word) {
 /* see ltg.h */
 int attempt_context_length(int status, const char *body, size_t n) {
     if (status != 400 && status != 413) return 0;
-    return contains_nocase(body, n, "context_length_exceeded") || contains_nocase(body, n, "maximum context length") ||
-           contains_nocase(body, n, "context length") || contains_nocase(body, n, "context window") ||
-           contains_nocase(body, n, "maximum number of tokens") || contains_nocase(body, n, "prompt is too long");
+    return contains_nocase(body, n, "context_length_exceeded") ||
+           contains_nocase(body, n, "maximum context length") ||
+           contains_nocase(body, n, "context length") ||
+           contains_nocase(body, n, "context window") ||
+           contains_nocase(body, n, "maximum number of tokens") ||
+           contains_nocase(body, n, "prompt is too long");
 }
 
 /* see ltg.h */
@@ -3257,7 +3685,8 @@ long retry_after_ms(const char *v, size_t n, long long now) {
     if (parse_ll(v, n, 86400 * 365, &secs) == 0) return (long)(secs * 1000);
     char tmp[64];
     if (n >= sizeof tmp) return -1;
-    memcpy(tmp, v, n), tmp[n] = 0;
+    memcpy(tmp, v, n);
+    tmp[n] = 0;
     struct tm tm = {0};
     const char *end = strptime(tmp, "%a, %d %b %Y %H:%M:%S GMT", &tm);
     if (!end || *end) return -1;
@@ -3267,7 +3696,9 @@ long retry_after_ms(const char *v, size_t n, long long now) {
 
 /* Would the breaker let an attempt go to d now (closed, or half-open
  * with no probe out)? */
-static int breaker_ready(const deployment *d, int64_t now) { return !d->cb_open_until || (now >= d->cb_open_until && !d->cb_probing); }
+static int breaker_ready(const deployment *d, int64_t now) {
+    return !d->cb_open_until || (now >= d->cb_open_until && !d->cb_probing);
+}
 
 /* May an attempt go to d now? In the half-open state the first caller
  * becomes the probe (*probe = 1) and the others are turned away. */
@@ -3283,12 +3714,16 @@ static void breaker_record(deployment *d, attempt_outcome o, int probe, int64_t 
     if (probe) d->cb_probing = 0;
     if (o == OUTCOME_NO_WORK || o == OUTCOME_INDETERMINATE) {
         if (probe || ++d->cb_failures >= BREAKER_FAILURES) {
-            if (!d->cb_open_until || probe) ltg_log("circuit breaker for %s (%s): open for %d s", d->m->alias, d->name, BREAKER_OPEN_MS / 1000);
-            d->cb_open_until = now + BREAKER_OPEN_MS, d->cb_failures = 0;
+            if (!d->cb_open_until || probe)
+                ltg_log("circuit breaker for %s (%s): open for %d s", d->m->alias, d->name,
+                        BREAKER_OPEN_MS / 1000);
+            d->cb_open_until = now + BREAKER_OPEN_MS;
+            d->cb_failures = 0;
         }
     } else if (o != OUTCOME_CIRCUIT_OPEN) { /* the provider answered: it is up */
         if (d->cb_open_until) ltg_log("circuit breaker for %s (%s): closed", d->m->alias, d->name);
-        d->cb_failures = 0, d->cb_open_until = 0;
+        d->cb_failures = 0;
+        d->cb_open_until = 0;
     }
 }
 
@@ -3297,7 +3732,9 @@ static void breaker_record(deployment *d, attempt_outcome o, int probe, int64_t 
 static void breaker_forget_probe(deployment *d) { d->cb_probing = 0; }
 
 /* May deployment i of m take an attempt now, and is it not in `avoid`? */
-static int deployment_free(const model *m, int i, uint32_t avoid, int64_t now) { return !(avoid >> i & 1) && breaker_ready(&m->dep[i], now); }
+static int deployment_free(const model *m, int i, uint32_t avoid, int64_t now) {
+    return !(avoid >> i & 1) && breaker_ready(&m->dep[i], now);
+}
 
 /* The deployment of m for the next attempt, or -1 when every breaker is
  * open. Of those whose breaker lets a call through -- and that are not in
@@ -3313,12 +3750,17 @@ static int deployment_pick(model *m, uint32_t avoid, int64_t now) {
         for (int i = 0; i < m->ndep; i++) {
             const deployment *d = &m->dep[i];
             if (deployment_free(m, i, avoid, now) &&
-                (lo < 0 || (long)d->inflight * m->dep[lo].weight < (long)m->dep[lo].inflight * d->weight)) lo = i;
+                (lo < 0 ||
+                 (long)d->inflight * m->dep[lo].weight < (long)m->dep[lo].inflight * d->weight))
+                lo = i;
         }
         for (int i = 0; lo >= 0 && i < m->ndep; i++) {
             deployment *d = &m->dep[i];
-            if (!deployment_free(m, i, avoid, now) || (long)d->inflight * m->dep[lo].weight != (long)m->dep[lo].inflight * d->weight) continue;
-            d->credit += d->weight, total += d->weight;
+            if (!deployment_free(m, i, avoid, now) ||
+                (long)d->inflight * m->dep[lo].weight != (long)m->dep[lo].inflight * d->weight)
+                continue;
+            d->credit += d->weight;
+            total += d->weight;
             if (best < 0 || d->credit > m->dep[best].credit) best = i;
         }
         if (best >= 0) { m->dep[best].credit -= total; return best; }
@@ -3359,9 +3801,10 @@ static int deployment_other(const model *m, uint32_t avoid, int64_t now) {
  * the same allow_* functions; what it counts is section 14's.
  *
  * Validation errors carry a JSON pointer (RFC 6901) to the offending value
- * and a message that says what is allowed. Catalog membership is checked, right after the required fields,
- * before every other rule, so a typo in a model name is
- * reported as such rather than as a fallback rule it happens to break.
+ * and a message that says what is allowed. Catalog membership is checked
+ * right after the required fields, before every other rule, so a typo in a
+ * model name is reported as such rather than as a fallback rule it happens
+ * to break.
  *
  * Idempotency records remember the answer to a change for 24 hours, keyed
  * by the admin key (its hash), the method, the path and the client's
@@ -3390,7 +3833,8 @@ typedef struct {
 
 typedef struct {
     int max_attempts, retry_delay_ms, backoff, request_timeout_ms; /* request_timeout_ms 0: none */
-    int deadline_ms;          /* the whole request until its answer starts; 0: DEFAULT_DEADLINE_MS */
+    /* the whole request until its answer starts; 0: DEFAULT_DEADLINE_MS */
+    int deadline_ms;
 } retry_policy;
 
 /* What a token group or a token key may spend and use (README "Budgets that cannot be overspent"):
@@ -3407,17 +3851,24 @@ typedef struct {
     double max_budget;        /* USD */
     int budget_days;          /* 1, 7 or 30; BUDGET_MONTH; 0 = lifetime */
     long long rpm_limit, tpm_limit; /* requests, tokens per minute; UNSET = null: unlimited */
-    int64_t budget_anchor;    /* wall ms the budget was set (its first period starts there); 0 = no budget */
-    int64_t carry, carry_start, carry_to; /* a group's or a key's: spent in days retention deleted (section 13): in the period
-                                             from carry_start, by events before carry_to; carry_to 0: none */
+    /* wall ms the budget was set (its first period starts there); 0 = no budget */
+    int64_t budget_anchor;
+    /* a group's or a key's: spent in days retention deleted (section 13): in the period from
+     * carry_start, by events before carry_to; carry_to 0: none */
+    int64_t carry, carry_start, carry_to;
     /* Runtime, not logged (rebuilt from the ledger at start-up): */
-    struct rl_window *rl;     /* the last minute's requests and tokens, once a limit is met (section 14) */
-    int64_t spend, reserved;  /* micro-USD: charged in the current period; held by requests in flight */
-    int64_t period_start, period_end; /* the period `spend` belongs to (see budget_refresh); its end, 0: none or not known */
+    /* the last minute's requests and tokens, once a limit is met (section 14) */
+    struct rl_window *rl;
+    /* micro-USD: charged in the current period; held by requests in flight */
+    int64_t spend, reserved;
+    /* the period `spend` belongs to (see budget_refresh); its end, 0: none or not known */
+    int64_t period_start, period_end;
 } allowance;
 
 /* The longest a's budget period lasts, in days (0: lifetime). */
-static int allow_days(const allowance *a) { return a->budget_days == BUDGET_MONTH ? 31 : a->budget_days; }
+static int allow_days(const allowance *a) {
+    return a->budget_days == BUDGET_MONTH ? 31 : a->budget_days;
+}
 
 /* What a token group and a token key have in common, first in both: the
  * store's rows (store_kind, below) and the control plane's handlers work on
@@ -3471,20 +3922,33 @@ static struct {
     vec gv, kv, iv;
     int frozen;               /* a compaction walks the vectors: positions must stay */
     size_t live_bytes;        /* what a snapshot of the live state would take */
-    int expired;              /* idempotency records expired since the last compaction: still in the log */
+    /* idempotency records expired since the last compaction: still in the log */
+    int expired;
 } ST;
 
-static const void *group_key(const void *it, size_t *n) { *n = 36; return ((const group *)it)->s.id; }
+static const void *group_key(const void *it, size_t *n) {
+    *n = 36;
+    return ((const group *)it)->s.id;
+}
 static const void *tkey_key(const void *it, size_t *n) { *n = 36; return ((const tkey *)it)->s.id; }
-static const void *tkey_hash_key(const void *it, size_t *n) { *n = 32; return ((const tkey *)it)->hash; }
+static const void *tkey_hash_key(const void *it, size_t *n) {
+    *n = 32;
+    return ((const tkey *)it)->hash;
+}
 static const void *idem_key(const void *it, size_t *n) { *n = 32; return ((const idem *)it)->key; }
 
 static void store_init(void) {
-    ST.groups.key = group_key, ST.keys.key = tkey_key, ST.keys_by_hash.key = tkey_hash_key, ST.idems.key = idem_key;
+    ST.groups.key = group_key;
+    ST.keys.key = tkey_key;
+    ST.keys_by_hash.key = tkey_hash_key;
+    ST.idems.key = idem_key;
 }
 
 static void vec_add(vec *v, void *item) {
-    if (v->n == v->cap) v->cap = v->cap ? v->cap * 2 : 64, v->p = xrealloc(v->p, (size_t)v->cap * sizeof *v->p);
+    if (v->n == v->cap) {
+        v->cap = v->cap ? v->cap * 2 : 64;
+        v->p = xrealloc(v->p, (size_t)v->cap * sizeof *v->p);
+    }
     ((entry *)item)->vi = v->n;
     v->p[v->n++] = item;
     v->live++;
@@ -3503,7 +3967,10 @@ static void vec_squeeze(vec *v) {
     if (ST.frozen || v->n < 2 * v->live + 64) return;
     int k = 0;
     for (int i = 0; i < v->n; i++)
-        if (v->p[i]) ((entry *)v->p[i])->vi = k, v->p[k++] = v->p[i];
+        if (v->p[i]) {
+            ((entry *)v->p[i])->vi = k;
+            v->p[k++] = v->p[i];
+        }
     v->n = k;
 }
 
@@ -3531,16 +3998,21 @@ static void ptr_push(char *ptr, size_t cap, const char *token) {
     size_t n = strlen(ptr);
     if (n + 1 < cap) ptr[n++] = '/';
     for (const char *p = token; *p && n + 2 < cap; p++) {
-        if (*p == '~') ptr[n++] = '~', ptr[n++] = '0';
-        else if (*p == '/') ptr[n++] = '~', ptr[n++] = '1';
-        else ptr[n++] = *p;
+        if (*p == '~') {
+            ptr[n++] = '~';
+            ptr[n++] = '0';
+        } else if (*p == '/') {
+            ptr[n++] = '~';
+            ptr[n++] = '1';
+        } else ptr[n++] = *p;
     }
     ptr[n] = 0;
 }
 
 /* The pointer /a/b and an invalid_request error about it. b may be NULL;
  * a NULL too: about the body as a whole (no pointer). */
-static int verr_at(verr *e, const char *a, const char *b, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static int verr_at(verr *e, const char *a, const char *b, const char *fmt, ...)
+        __attribute__((format(printf, 4, 5)));
 static int verr_at(verr *e, const char *a, const char *b, const char *fmt, ...) {
     e->pointer[0] = 0;
     if (a) ptr_push(e->pointer, sizeof e->pointer, a);
@@ -3563,7 +4035,8 @@ static int verr_index(verr *e, int i) {
 
 /* 0, or LTG_ERR with e set when object token `obj` has a key twice (at
  * pointer /where/<key>): which of two values would win is anybody's guess. */
-static int no_duplicate_keys(const char *s, const json_tok *t, int obj, const char *where, verr *e) {
+static int no_duplicate_keys(const char *s, const json_tok *t, int obj, const char *where,
+                             verr *e) {
     int k = json_duplicate_key(s, t, obj);
     if (k < 0) return 0;
     char *key = json_strdup(s, t, k);
@@ -3589,7 +4062,8 @@ static void group_clear_fallbacks(group *g) {
         for (int k = 0; k < g->fb[i].n; k++) free(g->fb[i].to[k]);
     }
     free(g->fb);
-    g->fb = NULL, g->nfb = 0;
+    g->fb = NULL;
+    g->nfb = 0;
 }
 
 static void group_free(stored *it) {
@@ -3638,7 +4112,9 @@ static stored *group_clone(const stored *from) {
 }
 
 /* The defaults of a retry policy: also what "retries": null means. */
-static retry_policy retry_defaults(void) { return (retry_policy){1, 250, BACKOFF_EXPONENTIAL, 0, 0}; }
+static retry_policy retry_defaults(void) {
+    return (retry_policy){1, 250, BACKOFF_EXPONENTIAL, 0, 0};
+}
 
 static int group_allows(const group *g, const char *alias) {
     for (int i = 0; i < g->nallowed; i++)
@@ -3650,7 +4126,8 @@ enum { PARSE_CREATE, PARSE_PATCH, PARSE_LOG };
 
 static int parse_retries(const char *s, const json_tok *t, int v, group *g, verr *e) {
     if (t[v].type == JSON_NULL) { g->has_retries = 0; return 0; }
-    if (t[v].type != JSON_OBJECT) return verr_at(e, "retries", NULL, "must be an object (or null for the defaults)");
+    if (t[v].type != JSON_OBJECT)
+        return verr_at(e, "retries", NULL, "must be an object (or null for the defaults)");
     if (no_duplicate_keys(s, t, v, "retries", e) < 0) return LTG_ERR;
     retry_policy r = retry_defaults();
     int i = v + 1;
@@ -3662,29 +4139,43 @@ static int parse_retries(const char *s, const json_tok *t, int v, group *g, verr
         if (json_eq(s, t, i, "backoff")) {
             int k = 0;
             while (backoff_names[k] && !json_eq(s, t, x, backoff_names[k])) k++;
-            if (!backoff_names[k]) return verr_at(e, "retries", "backoff", "must be \"constant\", \"linear\" or \"exponential\"");
+            if (!backoff_names[k])
+                return verr_at(e, "retries", "backoff",
+                               "must be \"constant\", \"linear\" or \"exponential\"");
             r.backoff = k;
             continue;
         }
-        int known = json_eq(s, t, i, "max_attempts") || json_eq(s, t, i, "retry_delay_ms") || json_eq(s, t, i, "request_timeout_ms") ||
-                    json_eq(s, t, i, "deadline_ms");
-        if (!known) return verr_at(e, "retries", key, "unknown field (retries has max_attempts, retry_delay_ms, backoff, request_timeout_ms, deadline_ms)");
-        if (json_eq(s, t, i, "request_timeout_ms") && t[x].type == JSON_NULL) { r.request_timeout_ms = 0; continue; }
+        int known = json_eq(s, t, i, "max_attempts") || json_eq(s, t, i, "retry_delay_ms") ||
+                    json_eq(s, t, i, "request_timeout_ms") || json_eq(s, t, i, "deadline_ms");
+        if (!known)
+            return verr_at(e, "retries", key,
+                           "unknown field (retries has max_attempts, retry_delay_ms, backoff, "
+                           "request_timeout_ms, deadline_ms)");
+        if (json_eq(s, t, i, "request_timeout_ms") && t[x].type == JSON_NULL) {
+            r.request_timeout_ms = 0;
+            continue;
+        }
         if (json_int(s, t, x, &n) < 0) return verr_at(e, "retries", key, "must be a whole number");
-        if (n < INT_MIN || n > INT_MAX) n = n < 0 ? INT_MIN : INT_MAX; /* range-checked by group_validate */
+        /* range-checked by group_validate */
+        if (n < INT_MIN || n > INT_MAX) n = n < 0 ? INT_MIN : INT_MAX;
         if (json_eq(s, t, i, "max_attempts")) r.max_attempts = (int)n;
         else if (json_eq(s, t, i, "retry_delay_ms")) r.retry_delay_ms = (int)n;
-        else if (json_eq(s, t, i, "deadline_ms")) r.deadline_ms = n == 0 ? -1 : (int)n; /* 0 is out of range, not the default */
-        else r.request_timeout_ms = n == 0 ? -1 : (int)n; /* 0 is out of range, not "none": use null for none */
+        else if (json_eq(s, t, i, "deadline_ms"))
+            r.deadline_ms = n == 0 ? -1 : (int)n; /* 0 is out of range, not the default */
+        else
+            /* 0 is out of range, not "none": use null for none */
+            r.request_timeout_ms = n == 0 ? -1 : (int)n;
     }
-    g->has_retries = 1, g->retries = r;
+    g->has_retries = 1;
+    g->retries = r;
     return 0;
 }
 
 static int parse_fallbacks(const char *s, const json_tok *t, int v, group *g, verr *e) {
     group_clear_fallbacks(g);
     if (t[v].type == JSON_NULL) return 0;
-    if (t[v].type != JSON_OBJECT) return verr_at(e, "fallbacks", NULL, "must be an object: model -> list of fallback models");
+    if (t[v].type != JSON_OBJECT)
+        return verr_at(e, "fallbacks", NULL, "must be an object: model -> list of fallback models");
     if (no_duplicate_keys(s, t, v, "fallbacks", e) < 0) return LTG_ERR;
     g->fb = xcalloc((size_t)t[v].size, sizeof *g->fb);
     int i = v + 1;
@@ -3692,8 +4183,12 @@ static int parse_fallbacks(const char *s, const json_tok *t, int v, group *g, ve
         fallback *f = &g->fb[g->nfb++];
         f->model = json_strdup(s, t, i);
         int a = i + 1;
-        if (t[a].type != JSON_ARRAY) return verr_at(e, "fallbacks", f->model, "must be a list of model aliases");
-        if (t[a].size > MAX_FALLBACKS) return verr_at(e, "fallbacks", f->model, "has %d models: at most %d fallbacks per model", t[a].size, MAX_FALLBACKS);
+        if (t[a].type != JSON_ARRAY)
+            return verr_at(e, "fallbacks", f->model, "must be a list of model aliases");
+        if (t[a].size > MAX_FALLBACKS)
+            return verr_at(e, "fallbacks", f->model,
+                           "has %d models: at most %d fallbacks per model", t[a].size,
+                           MAX_FALLBACKS);
         int x = a + 1;
         for (int k = 0; k < t[a].size; k++, x = t[x].next) {
             if (!name_ok(s, t, x, 200)) {
@@ -3707,8 +4202,10 @@ static int parse_fallbacks(const char *s, const json_tok *t, int v, group *g, ve
 }
 
 static int parse_name(const char *s, const json_tok *t, int v, char **name, verr *e) {
-    if (t[v].type != JSON_STRING) return verr_at(e, "name", NULL, "must be a string (it cannot be null)");
-    if (!name_ok(s, t, v, NAME_MAX_LEN)) return verr_at(e, "name", NULL, "must be 1 to %d bytes, without NUL", NAME_MAX_LEN);
+    if (t[v].type != JSON_STRING)
+        return verr_at(e, "name", NULL, "must be a string (it cannot be null)");
+    if (!name_ok(s, t, v, NAME_MAX_LEN))
+        return verr_at(e, "name", NULL, "must be 1 to %d bytes, without NUL", NAME_MAX_LEN);
     free(*name);
     *name = json_strdup(s, t, v);
     return 0;
@@ -3716,7 +4213,8 @@ static int parse_name(const char *s, const json_tok *t, int v, char **name, verr
 
 static int parse_bool(const char *s, const json_tok *t, int v, int *out, verr *e) {
     (void)s;
-    if (t[v].type != JSON_TRUE && t[v].type != JSON_FALSE) return verr_at(e, "blocked", NULL, "must be true or false");
+    if (t[v].type != JSON_TRUE && t[v].type != JSON_FALSE)
+        return verr_at(e, "blocked", NULL, "must be true or false");
     *out = t[v].type == JSON_TRUE;
     return 0;
 }
@@ -3732,28 +4230,42 @@ static int allow_parse(const char *s, const json_tok *t, int i, allowance *a, in
         if (t[v].type == JSON_NULL) a->has_budget = 0;
         else if (json_number(s, t, v, &d) < 0 || (mode == PARSE_LOG && (d < 0 || d > 1e9)))
             return verr_at(e, "max_budget", NULL, "must be a number of USD (or null for no cap)");
-        else a->has_budget = 1, a->max_budget = d;
+        else {
+            a->has_budget = 1;
+            a->max_budget = d;
+        }
     } else if (json_eq(s, t, i, "budget_duration")) {
         if (t[v].type == JSON_NULL) a->budget_days = 0;
         else if (json_eq(s, t, v, "1d")) a->budget_days = 1;
         else if (json_eq(s, t, v, "7d")) a->budget_days = 7;
         else if (json_eq(s, t, v, "30d")) a->budget_days = 30;
         else if (json_eq(s, t, v, "1mo")) a->budget_days = BUDGET_MONTH;
-        else return verr_at(e, "budget_duration", NULL, "must be \"1d\", \"7d\", \"30d\", \"1mo\" (the calendar month, UTC) or null (a lifetime budget)");
+        else
+            return verr_at(e, "budget_duration", NULL,
+                           "must be \"1d\", \"7d\", \"30d\", \"1mo\" (the calendar month, UTC) or "
+                           "null (a lifetime budget)");
     } else if (json_eq(s, t, i, "rpm_limit") || json_eq(s, t, i, "tpm_limit")) {
         long long *f = json_eq(s, t, i, "rpm_limit") ? &a->rpm_limit : &a->tpm_limit;
         if (t[v].type == JSON_NULL) *f = UNSET;
-        else if (json_int(s, t, v, &n) < 0) return verr_at(e, json_eq(s, t, i, "rpm_limit") ? "rpm_limit" : "tpm_limit", NULL, "must be a whole number (or null for no limit)");
+        else if (json_int(s, t, v, &n) < 0)
+            return verr_at(e, json_eq(s, t, i, "rpm_limit") ? "rpm_limit" : "tpm_limit", NULL,
+                           "must be a whole number (or null for no limit)");
         else *f = n;
-    } else if (mode == PARSE_LOG && json_eq(s, t, i, "budget_anchor") && json_int(s, t, v, &n) == 0) {
+    } else if (mode == PARSE_LOG && json_eq(s, t, i, "budget_anchor") &&
+               json_int(s, t, v, &n) == 0) {
         a->budget_anchor = n;
-    } else if (mode == PARSE_LOG && json_eq(s, t, i, "carried") && t[v].type == JSON_ARRAY && t[v].size == 3) {
+    } else if (mode == PARSE_LOG && json_eq(s, t, i, "carried") && t[v].type == JSON_ARRAY &&
+               t[v].size == 3) {
         long long c[3];
         int x = v + 1;
         for (int k = 0; k < 3; k++, x = t[x].next)
-            if (json_int(s, t, x, &c[k]) < 0) return verr_at(e, "carried", NULL, "must be three whole numbers");
-        a->carry = c[0], a->carry_start = c[1], a->carry_to = c[2];
-    } else return 0;
+            if (json_int(s, t, x, &c[k]) < 0)
+                return verr_at(e, "carried", NULL, "must be three whole numbers");
+        a->carry = c[0];
+        a->carry_start = c[1];
+        a->carry_to = c[2];
+    } else
+        return 0;
     return 1;
 }
 
@@ -3767,27 +4279,38 @@ static int usd_ok(double d) {
 static int allow_validate(const allowance *a, verr *e) {
     int days = allow_days(a);
     if (a->has_budget && (a->max_budget < 0 || a->max_budget > 1e9 || !usd_ok(a->max_budget)))
-        return verr_at(e, "max_budget", NULL, "must be between 0 and 1000000000 USD with at most six decimal places (0 denies every paid request, null is uncapped)");
+        return verr_at(e, "max_budget", NULL,
+                       "must be between 0 and 1000000000 USD with at most six decimal places (0 "
+                       "denies every paid request, null is uncapped)");
     if (days > S.ledger_days)
-        return verr_at(e, "budget_duration", NULL, "a %d-day period is longer than the %d days of spend events this gateway keeps (--ledger-days): choose a shorter period, or have the operator keep more days",
-                       days, S.ledger_days);
+        return verr_at(
+                e, "budget_duration", NULL,
+                "a %d-day period is longer than the %d days of spend events this gateway keeps "
+                "(--ledger-days): choose a shorter period, or have the operator keep more days",
+                days, S.ledger_days);
     if (a->rpm_limit != UNSET && (a->rpm_limit < 1 || a->rpm_limit > 1000000))
-        return verr_at(e, "rpm_limit", NULL, "must be between 1 and 1000000 requests a minute (or null for no limit)");
+        return verr_at(e, "rpm_limit", NULL,
+                       "must be between 1 and 1000000 requests a minute (or null for no limit)");
     if (a->tpm_limit != UNSET && (a->tpm_limit < 1 || a->tpm_limit > 1000000000))
-        return verr_at(e, "tpm_limit", NULL, "must be between 1 and 1000000000 tokens a minute (or null for no limit)");
+        return verr_at(e, "tpm_limit", NULL,
+                       "must be between 1 and 1000000000 tokens a minute (or null for no limit)");
     return 0;
 }
 
 /* A member (key token i) that only the log holds of a group or a key:
  * its id, version and times. 1 when it was one (and well formed). */
-static int parse_log_common(const char *s, const json_tok *t, int i, char *id, long long *version, int64_t *created, int64_t *updated) {
+static int parse_log_common(const char *s, const json_tok *t, int i, char *id, long long *version,
+                            int64_t *created, int64_t *updated) {
     int v = i + 1;
     long long n;
     if (json_eq(s, t, i, "id") && is_uuid(s, t, v)) {
-        memcpy(id, s + t[v].start, 36), id[36] = 0;
+        memcpy(id, s + t[v].start, 36);
+        id[36] = 0;
         return 1;
     }
-    int64_t *field = json_eq(s, t, i, "created_at") ? created : json_eq(s, t, i, "updated_at") ? updated : NULL;
+    int64_t *field = json_eq(s, t, i, "created_at")   ? created
+                     : json_eq(s, t, i, "updated_at") ? updated
+                                                      : NULL;
     if (json_eq(s, t, i, "version") && json_int(s, t, v, &n) == 0) *version = n;
     else if (field && json_int(s, t, v, &n) == 0) *field = n;
     else return 0;
@@ -3796,12 +4319,14 @@ static int parse_log_common(const char *s, const json_tok *t, int i, char *id, l
 
 /* A member (key token i, `key` its name) that neither a group nor a key
  * takes: read-only, or unknown (`fields` says what there is). */
-static int field_refused(const char *s, const json_tok *t, int i, const char *key, const char *fields, verr *e) {
+static int field_refused(const char *s, const json_tok *t, int i, const char *key,
+                         const char *fields, verr *e) {
     static const char *const readonly[] = {"id", "record_type", "version", "created_at", "updated_at", "spend",
                                            "reserved_spend", "budget_started_at", "resets_at", NULL};
     int ro = 0;
     for (const char *const *r = readonly; *r; r++) ro |= json_eq(s, t, i, *r);
-    return ro ? verr_at(e, key, NULL, "is read-only: ltg sets it") : verr_at(e, key, NULL, "unknown field (%s)", fields);
+    return ro ? verr_at(e, key, NULL, "is read-only: ltg sets it")
+              : verr_at(e, key, NULL, "unknown field (%s)", fields);
 }
 
 /* Lay the members of JSON object `obj` over g. PARSE_CREATE and PARSE_PATCH
@@ -3816,18 +4341,23 @@ static int group_parse(const char *s, const json_tok *t, int obj, stored *it, in
     for (int m = 0; m < t[obj].size; m++, i = t[i + 1].next) {
         int v = i + 1;
         char key[128];
-        snprintf(key, sizeof key, "%.*s", (int)(t[i].end - t[i].start < 100 ? t[i].end - t[i].start : 100), s + t[i].start);
+        snprintf(key, sizeof key, "%.*s",
+                 (int)(t[i].end - t[i].start < 100 ? t[i].end - t[i].start : 100), s + t[i].start);
         long long n;
         int r;
-        if (mode == PARSE_LOG && parse_log_common(s, t, i, g->s.id, &g->s.version, &g->s.created_at, &g->s.updated_at)) {
+        if (mode == PARSE_LOG &&
+            parse_log_common(s, t, i, g->s.id, &g->s.version, &g->s.created_at, &g->s.updated_at)) {
             /* what only the log knows */
         } else if (json_eq(s, t, i, "name")) {
             if (parse_name(s, t, v, &g->s.name, e) < 0) return LTG_ERR;
         } else if (json_eq(s, t, i, "allowed_models")) {
-            if (t[v].type != JSON_ARRAY) return verr_at(e, "allowed_models", NULL, "must be a list of model aliases (it cannot be null)");
+            if (t[v].type != JSON_ARRAY)
+                return verr_at(e, "allowed_models", NULL,
+                               "must be a list of model aliases (it cannot be null)");
             for (int k = 0; k < g->nallowed; k++) free(g->allowed[k]);
             free(g->allowed);
-            g->allowed = xcalloc((size_t)t[v].size, sizeof *g->allowed), g->nallowed = 0;
+            g->allowed = xcalloc((size_t)t[v].size, sizeof *g->allowed);
+            g->nallowed = 0;
             int x = v + 1;
             for (int k = 0; k < t[v].size; k++, x = t[x].next) {
                 if (!name_ok(s, t, x, 200)) {
@@ -3844,16 +4374,22 @@ static int group_parse(const char *s, const json_tok *t, int obj, stored *it, in
             if (r < 0) return LTG_ERR;
         } else if (json_eq(s, t, i, "cache_ttl")) {
             if (t[v].type == JSON_NULL) g->cache_ttl = UNSET;
-            else if (json_int(s, t, v, &n) < 0) return verr_at(e, "cache_ttl", NULL, "must be a whole number of seconds (or null)");
+            else if (json_int(s, t, v, &n) < 0)
+                return verr_at(e, "cache_ttl", NULL, "must be a whole number of seconds (or null)");
             else g->cache_ttl = n;
         } else if (json_eq(s, t, i, "max_parallel_requests")) {
             if (t[v].type == JSON_NULL) g->max_parallel = UNSET;
-            else if (json_int(s, t, v, &n) < 0) return verr_at(e, key, NULL, "must be a whole number (or null for no limit)");
+            else if (json_int(s, t, v, &n) < 0)
+                return verr_at(e, key, NULL, "must be a whole number (or null for no limit)");
             else g->max_parallel = n;
         } else if (json_eq(s, t, i, "blocked")) {
             if (parse_bool(s, t, v, &g->s.blocked, e) < 0) return LTG_ERR;
         } else {
-            return field_refused(s, t, i, key, "a token group has name, allowed_models, fallbacks, retries, max_budget, budget_duration, cache_ttl, max_parallel_requests, rpm_limit, tpm_limit, blocked", e);
+            return field_refused(s, t, i, key,
+                                 "a token group has name, allowed_models, fallbacks, retries, "
+                                 "max_budget, budget_duration, cache_ttl, max_parallel_requests, "
+                                 "rpm_limit, tpm_limit, blocked",
+                                 e);
         }
     }
     return 0;
@@ -3866,20 +4402,25 @@ static int group_parse(const char *s, const json_tok *t, int obj, stored *it, in
 static int group_in_catalog(const group *g, const catalog *cat, verr *e) {
     for (int i = 0; i < g->nallowed; i++)
         if (!catalog_model((catalog *)cat, g->allowed[i], strlen(g->allowed[i]))) {
-            verr_at(e, "allowed_models", NULL, "\"%.100s\" is not a model of this gateway's catalog (GET /v1/models with a key lists them)", g->allowed[i]);
+            verr_at(e, "allowed_models", NULL,
+                    "\"%.100s\" is not a model of this gateway's catalog (GET /v1/models with a "
+                    "key lists them)",
+                    g->allowed[i]);
             e->code = "model_not_in_catalog";
             return verr_index(e, i);
         }
     for (int i = 0; i < g->nfb; i++) {
         const fallback *f = &g->fb[i];
         if (!catalog_model((catalog *)cat, f->model, strlen(f->model))) {
-            verr_at(e, "fallbacks", f->model, "\"%.100s\" is not a model of this gateway's catalog", f->model);
+            verr_at(e, "fallbacks", f->model, "\"%.100s\" is not a model of this gateway's catalog",
+                    f->model);
             e->code = "model_not_in_catalog";
             return LTG_ERR;
         }
         for (int k = 0; k < f->n; k++)
             if (!catalog_model((catalog *)cat, f->to[k], strlen(f->to[k]))) {
-                verr_at(e, "fallbacks", f->model, "\"%.100s\" is not a model of this gateway's catalog", f->to[k]);
+                verr_at(e, "fallbacks", f->model,
+                        "\"%.100s\" is not a model of this gateway's catalog", f->to[k]);
                 e->code = "model_not_in_catalog";
                 return verr_index(e, k);
             }
@@ -3890,9 +4431,12 @@ static int group_in_catalog(const group *g, const catalog *cat, verr *e) {
 static int group_validate(const stored *it, const catalog *cat, verr *e) {
     const group *g = (const group *)it;
     if (!g->s.name) return verr_at(e, "name", NULL, "is required (a name for the group)");
-    if (!g->allowed) return verr_at(e, "allowed_models", NULL, "is required (the model aliases this group may call; [] permits none)");
+    if (!g->allowed)
+        return verr_at(e, "allowed_models", NULL,
+                       "is required (the model aliases this group may call; [] permits none)");
     if (group_in_catalog(g, cat, e) < 0) return LTG_ERR;
-    if (!*g->s.name || strlen(g->s.name) > NAME_MAX_LEN) return verr_at(e, "name", NULL, "must be 1 to %d characters", NAME_MAX_LEN);
+    if (!*g->s.name || strlen(g->s.name) > NAME_MAX_LEN)
+        return verr_at(e, "name", NULL, "must be 1 to %d characters", NAME_MAX_LEN);
     for (int i = 0; i < g->nallowed; i++)
         for (int k = 0; k < i; k++)
             if (strcmp(g->allowed[i], g->allowed[k]) == 0) {
@@ -3901,7 +4445,9 @@ static int group_validate(const stored *it, const catalog *cat, verr *e) {
             }
     for (int i = 0; i < g->nfb; i++) {
         const fallback *f = &g->fb[i];
-        if (!group_allows(g, f->model)) return verr_at(e, "fallbacks", f->model, "\"%.100s\" has fallbacks but is not in allowed_models", f->model);
+        if (!group_allows(g, f->model))
+            return verr_at(e, "fallbacks", f->model,
+                           "\"%.100s\" has fallbacks but is not in allowed_models", f->model);
         for (int k = 0; k < f->n; k++) {
             const char *why = NULL;
             if (strcmp(f->to[k], f->model) == 0) why = "a model cannot be its own fallback";
@@ -3916,18 +4462,26 @@ static int group_validate(const stored *it, const catalog *cat, verr *e) {
     }
     if (g->has_retries) {
         const retry_policy *r = &g->retries;
-        if (r->max_attempts < 1 || r->max_attempts > 5) return verr_at(e, "retries", "max_attempts", "must be between 1 and 5");
-        if (r->retry_delay_ms < 0 || r->retry_delay_ms > 60000) return verr_at(e, "retries", "retry_delay_ms", "must be between 0 and 60000");
-        if (r->request_timeout_ms && (r->request_timeout_ms < 100 || r->request_timeout_ms > 600000))
-            return verr_at(e, "retries", "request_timeout_ms", "must be between 100 and 600000 (or null for none)");
+        if (r->max_attempts < 1 || r->max_attempts > 5)
+            return verr_at(e, "retries", "max_attempts", "must be between 1 and 5");
+        if (r->retry_delay_ms < 0 || r->retry_delay_ms > 60000)
+            return verr_at(e, "retries", "retry_delay_ms", "must be between 0 and 60000");
+        if (r->request_timeout_ms &&
+            (r->request_timeout_ms < 100 || r->request_timeout_ms > 600000))
+            return verr_at(e, "retries", "request_timeout_ms",
+                           "must be between 100 and 600000 (or null for none)");
         if (r->deadline_ms && (r->deadline_ms < 1000 || r->deadline_ms > 3600000))
-            return verr_at(e, "retries", "deadline_ms", "must be between 1000 and 3600000 (ms: the whole request until its answer starts)");
+            return verr_at(e, "retries", "deadline_ms",
+                           "must be between 1000 and 3600000 (ms: the whole request until its "
+                           "answer starts)");
     }
     if (allow_validate(&g->s.al, e) < 0) return LTG_ERR;
     if (g->cache_ttl != UNSET && (g->cache_ttl < 0 || g->cache_ttl > 30 * 86400))
         return verr_at(e, "cache_ttl", NULL, "must be between 0 and 2592000 seconds (or null)");
     if (g->max_parallel != UNSET && (g->max_parallel < 1 || g->max_parallel > 100000))
-        return verr_at(e, "max_parallel_requests", NULL, "must be between 1 and 100000 (or null for no limit; to stop all requests set blocked)");
+        return verr_at(e, "max_parallel_requests", NULL,
+                       "must be between 1 and 100000 (or null for no limit; to stop all requests "
+                       "set blocked)");
     return 0;
 }
 
@@ -3937,7 +4491,9 @@ static int64_t month_start(int64_t t, int months) {
     time_t secs = (time_t)(t / 1000);
     struct tm tm;
     gmtime_r(&secs, &tm);
-    tm.tm_mday = 1, tm.tm_hour = tm.tm_min = tm.tm_sec = 0, tm.tm_mon += months;
+    tm.tm_mday = 1;
+    tm.tm_hour = tm.tm_min = tm.tm_sec = 0;
+    tm.tm_mon += months;
     return (int64_t)timegm(&tm) * 1000;
 }
 
@@ -3962,7 +4518,9 @@ static void allow_period(const allowance *a, int64_t now, int64_t *start, int64_
 
 /* What a group or key carries into the period that starts at `start` from days
  * the ledger deleted (section 13). */
-static int64_t allow_carried(const allowance *a, int64_t start) { return a->carry_to && a->carry_start == start ? a->carry : 0; }
+static int64_t allow_carried(const allowance *a, int64_t start) {
+    return a->carry_to && a->carry_start == start ? a->carry : 0;
+}
 
 /* What a has spent in the period that holds `now`: a pure read. The
  * period moves in budget_refresh (admission, settlement) and when a change
@@ -3982,8 +4540,10 @@ static void allow_json(jwriter *w, const allowance *a) {
     if (a->has_budget) jw_usd(w, usd_to_micro(a->max_budget));
     else jw_null(w);
     jw_key(w, "budget_duration");
-    if (a->budget_days) snprintf(d, sizeof d, a->budget_days == BUDGET_MONTH ? "1mo" : "%dd", a->budget_days), jw_cstr(w, d);
-    else jw_null(w);
+    if (a->budget_days) {
+        snprintf(d, sizeof d, a->budget_days == BUDGET_MONTH ? "1mo" : "%dd", a->budget_days);
+        jw_cstr(w, d);
+    } else jw_null(w);
     jw_key(w, "rpm_limit"), jw_int_or_null(w, a->rpm_limit != UNSET, a->rpm_limit);
     jw_key(w, "tpm_limit"), jw_int_or_null(w, a->tpm_limit != UNSET, a->tpm_limit);
 }
@@ -4009,11 +4569,15 @@ static void allow_state_json(jwriter *w, const allowance *a, int for_log, int tr
     else jw_null(w);
     jw_key(w, "reserved_spend"), jw_usd(w, a->reserved);
     jw_key(w, "budget_started_at");
-    if (start) iso_time(start, ts), jw_cstr(w, ts);
-    else jw_null(w);
+    if (start) {
+        iso_time(start, ts);
+        jw_cstr(w, ts);
+    } else jw_null(w);
     jw_key(w, "resets_at");
-    if (end) iso_time(end, ts), jw_cstr(w, ts);
-    else jw_null(w);
+    if (end) {
+        iso_time(end, ts);
+        jw_cstr(w, ts);
+    } else jw_null(w);
 }
 
 /* A change to an allowance (`cur`: before it). A budget's period is
@@ -4038,10 +4602,16 @@ static void stored_times_json(jwriter *w, int64_t created, int64_t updated, int 
     char ts[64];
     jw_key(w, "created_at");
     if (for_log) jw_int(w, created);
-    else iso_time(created, ts), jw_cstr(w, ts);
+    else {
+        iso_time(created, ts);
+        jw_cstr(w, ts);
+    }
     jw_key(w, "updated_at");
     if (for_log) jw_int(w, updated);
-    else iso_time(updated, ts), jw_cstr(w, ts);
+    else {
+        iso_time(updated, ts);
+        jw_cstr(w, ts);
+    }
 }
 
 /* A group as JSON: the API's shape, or the log's (exact integers, only
@@ -4050,7 +4620,10 @@ static void group_json(jwriter *w, const stored *it, int for_log) {
     const group *g = (const group *)it;
     jw_open(w, '{');
     jw_key(w, "id"), jw_cstr(w, g->s.id);
-    if (!for_log) jw_key(w, "record_type"), jw_cstr(w, "token_group");
+    if (!for_log) {
+        jw_key(w, "record_type");
+        jw_cstr(w, "token_group");
+    }
     jw_key(w, "name"), jw_cstr(w, g->s.name);
     jw_key(w, "allowed_models"), jw_open(w, '[');
     for (int i = 0; i < g->nallowed; i++) jw_cstr(w, g->allowed[i]);
@@ -4069,13 +4642,19 @@ static void group_json(jwriter *w, const stored *it, int for_log) {
         jw_key(w, "max_attempts"), jw_int(w, g->retries.max_attempts);
         jw_key(w, "retry_delay_ms"), jw_int(w, g->retries.retry_delay_ms);
         jw_key(w, "backoff"), jw_cstr(w, backoff_names[g->retries.backoff]);
-        jw_key(w, "request_timeout_ms"), jw_int_or_null(w, g->retries.request_timeout_ms != 0, g->retries.request_timeout_ms);
-        if (g->retries.deadline_ms) jw_key(w, "deadline_ms"), jw_int(w, g->retries.deadline_ms); /* absent: the default */
+        jw_key(w, "request_timeout_ms");
+        jw_int_or_null(w, g->retries.request_timeout_ms != 0, g->retries.request_timeout_ms);
+        if (g->retries.deadline_ms) {
+            /* absent: the default */
+            jw_key(w, "deadline_ms");
+            jw_int(w, g->retries.deadline_ms);
+        }
         jw_close(w, '}');
     }
     allow_json(w, &g->s.al);
     jw_key(w, "cache_ttl"), jw_int_or_null(w, g->cache_ttl != UNSET, g->cache_ttl);
-    jw_key(w, "max_parallel_requests"), jw_int_or_null(w, g->max_parallel != UNSET, g->max_parallel);
+    jw_key(w, "max_parallel_requests");
+    jw_int_or_null(w, g->max_parallel != UNSET, g->max_parallel);
     jw_key(w, "blocked"), jw_bool(w, g->s.blocked);
     jw_key(w, "version"), jw_int(w, g->s.version);
     stored_times_json(w, g->s.created_at, g->s.updated_at, for_log);
@@ -4083,7 +4662,9 @@ static void group_json(jwriter *w, const stored *it, int for_log) {
     jw_close(w, '}');
 }
 
-static group *group_find(const char *id) { return strlen(id) == 36 ? hmap_get(&ST.groups, id, 36) : NULL; }
+static group *group_find(const char *id) {
+    return strlen(id) == 36 ? hmap_get(&ST.groups, id, 36) : NULL;
+}
 
 /* ---- token keys ---- */
 
@@ -4115,17 +4696,22 @@ static stored *tkey_clone(const stored *src) {
 static int tkey_parse(const char *s, const json_tok *t, int obj, stored *it, int mode, verr *e) {
     tkey *k = (tkey *)it;
     int hashed = 0;
-    if (t[obj].type != JSON_OBJECT) return verr_at(e, NULL, NULL, "the body must be a JSON object: {\"name\": ..., \"token_group_id\": ...}");
+    if (t[obj].type != JSON_OBJECT)
+        return verr_at(e, NULL, NULL,
+                       "the body must be a JSON object: {\"name\": ..., \"token_group_id\": ...}");
     if (no_duplicate_keys(s, t, obj, NULL, e) < 0) return LTG_ERR;
     int i = obj + 1, r;
     for (int m = 0; m < t[obj].size; m++, i = t[i + 1].next) {
         int v = i + 1;
         char key[128];
-        snprintf(key, sizeof key, "%.*s", (int)(t[i].end - t[i].start < 100 ? t[i].end - t[i].start : 100), s + t[i].start);
-        if (mode == PARSE_LOG && parse_log_common(s, t, i, k->s.id, &k->s.version, &k->s.created_at, &k->s.updated_at)) {
+        snprintf(key, sizeof key, "%.*s",
+                 (int)(t[i].end - t[i].start < 100 ? t[i].end - t[i].start : 100), s + t[i].start);
+        if (mode == PARSE_LOG &&
+            parse_log_common(s, t, i, k->s.id, &k->s.version, &k->s.created_at, &k->s.updated_at)) {
             /* what only the log knows */
         } else if (mode == PARSE_LOG && json_eq(s, t, i, "sha256")) {
-            if (t[v].end - t[v].start != 64 || hex_decode(s + t[v].start, 64, k->hash) < 0) return verr_at(e, key, NULL, "must be 64 hex digits");
+            if (t[v].end - t[v].start != 64 || hex_decode(s + t[v].start, 64, k->hash) < 0)
+                return verr_at(e, key, NULL, "must be 64 hex digits");
             hashed = 1;
         } else if ((r = allow_parse(s, t, i, &k->s.al, mode, e)) != 0) {
             if (r < 0) return LTG_ERR;
@@ -4133,16 +4719,23 @@ static int tkey_parse(const char *s, const json_tok *t, int obj, stored *it, int
             if (parse_name(s, t, v, &k->s.name, e) < 0) return LTG_ERR;
         } else if (json_eq(s, t, i, "token_group_id") && mode != PARSE_PATCH) {
             if (!is_uuid(s, t, v)) return verr_at(e, key, NULL, "must be the id of a token group");
-            memcpy(k->group_id, s + t[v].start, 36), k->group_id[36] = 0;
+            memcpy(k->group_id, s + t[v].start, 36);
+            k->group_id[36] = 0;
         } else if (json_eq(s, t, i, "token_group_id")) {
-            return verr_at(e, key, NULL, "cannot change: a key stays in its group (create a key in the other group, then revoke this one)");
+            return verr_at(e, key, NULL,
+                           "cannot change: a key stays in its group (create a key in the other "
+                           "group, then revoke this one)");
         } else if (json_eq(s, t, i, "blocked")) {
             if (parse_bool(s, t, v, &k->s.blocked, e) < 0) return LTG_ERR;
         } else {
-            return field_refused(s, t, i, key, "a token key has name, token_group_id, max_budget, budget_duration, rpm_limit, tpm_limit, blocked", e);
+            return field_refused(s, t, i, key,
+                                 "a token key has name, token_group_id, max_budget, "
+                                 "budget_duration, rpm_limit, tpm_limit, blocked",
+                                 e);
         }
     }
-    if (mode == PARSE_LOG && (!k->group_id[0] || !hashed)) return verr_at(e, NULL, NULL, "a logged key has its token_group_id and sha256");
+    if (mode == PARSE_LOG && (!k->group_id[0] || !hashed))
+        return verr_at(e, NULL, NULL, "a logged key has its token_group_id and sha256");
     return 0;
 }
 
@@ -4150,9 +4743,13 @@ static int tkey_parse(const char *s, const json_tok *t, int obj, stored *it, int
 static int tkey_validate(const stored *it, const catalog *cat, verr *e) {
     const tkey *k = (const tkey *)it;
     (void)cat;
-    if (!k->s.name) return verr_at(e, "name", NULL, "is required: a string of 1 to %d bytes, without NUL", NAME_MAX_LEN);
-    if (!k->group_id[0]) return verr_at(e, "token_group_id", NULL, "is required: the id of a token group");
-    if (!group_find(k->group_id)) return verr_at(e, "token_group_id", NULL, "no token group has this id");
+    if (!k->s.name)
+        return verr_at(e, "name", NULL, "is required: a string of 1 to %d bytes, without NUL",
+                       NAME_MAX_LEN);
+    if (!k->group_id[0])
+        return verr_at(e, "token_group_id", NULL, "is required: the id of a token group");
+    if (!group_find(k->group_id))
+        return verr_at(e, "token_group_id", NULL, "no token group has this id");
     return allow_validate(&k->s.al, e);
 }
 
@@ -4161,19 +4758,28 @@ static void tkey_json(jwriter *w, const stored *it, int for_log) {
     char hex[65];
     jw_open(w, '{');
     jw_key(w, "id"), jw_cstr(w, k->s.id);
-    if (!for_log) jw_key(w, "record_type"), jw_cstr(w, "token_key");
+    if (!for_log) {
+        jw_key(w, "record_type");
+        jw_cstr(w, "token_key");
+    }
     jw_key(w, "name"), jw_cstr(w, k->s.name);
     jw_key(w, "token_group_id"), jw_cstr(w, k->group_id);
     allow_json(w, &k->s.al);
     jw_key(w, "blocked"), jw_bool(w, k->s.blocked);
     jw_key(w, "version"), jw_int(w, k->s.version);
-    if (for_log) hex_encode(k->hash, 32, hex), jw_key(w, "sha256"), jw_cstr(w, hex);
+    if (for_log) {
+        hex_encode(k->hash, 32, hex);
+        jw_key(w, "sha256");
+        jw_cstr(w, hex);
+    }
     stored_times_json(w, k->s.created_at, k->s.updated_at, for_log);
     allow_state_json(w, &k->s.al, for_log, k->s.al.has_budget);
     jw_close(w, '}');
 }
 
-static tkey *tkey_find(const char *id) { return strlen(id) == 36 ? hmap_get(&ST.keys, id, 36) : NULL; }
+static tkey *tkey_find(const char *id) {
+    return strlen(id) == 36 ? hmap_get(&ST.keys, id, 36) : NULL;
+}
 
 /* A new key's secret: "ltg_sk_" and 256 random bits as 43 base64url
  * characters. Only its SHA-256 is kept. */
@@ -4202,19 +4808,23 @@ static const char *tkey_group(const stored *it) { return ((const tkey *)it)->gro
 typedef struct store_kind {
     const char *noun;                      /* "token group": in messages */
     const char *put_op, *del_op;           /* the state log's operations */
-    char ledger;                           /* the ledger names its items by this letter and their id */
+    /* the ledger names its items by this letter and their id */
+    char ledger;
     hmap *ids;                             /* by id */
     vec *all;                              /* in creation order */
     stored *(*make)(void);                 /* an empty item with its defaults */
     stored *(*clone)(const stored *it);    /* the copy a change is made on */
     void (*drop)(stored *it);
     int (*parse)(const char *s, const json_tok *t, int obj, stored *it, int mode, verr *e);
-    int (*validate)(const stored *it, const catalog *cat, verr *e); /* the rules over a whole item */
+    /* the rules over a whole item */
+    int (*validate)(const stored *it, const catalog *cat, verr *e);
     void (*json)(jwriter *w, const stored *it, int for_log);
-    void (*placed)(stored *it, stored *old); /* it is in the store, in place of old (or NULL): what else to do */
+    /* it is in the store, in place of old (or NULL): what else to do */
+    void (*placed)(stored *it, stored *old);
     void (*forget)(stored *it);            /* it leaves the store: what else to do */
     void (*secret)(stored *it, char out[64]); /* made at creation, shown in that answer only */
-    const char *filter;                    /* a list's query parameter: only the items of this parent */
+    /* a list's query parameter: only the items of this parent */
+    const char *filter;
     const char *(*parent)(const stored *it);
 } store_kind;
 
@@ -4241,7 +4851,9 @@ static const store_kind KEYS = {
 };
 static const store_kind *const KINDS[] = {&GROUPS, &KEYS};
 
-static stored *store_find(const store_kind *K, const char *id) { return strlen(id) == 36 ? hmap_get(K->ids, id, 36) : NULL; }
+static stored *store_find(const store_kind *K, const char *id) {
+    return strlen(id) == 36 ? hmap_get(K->ids, id, 36) : NULL;
+}
 
 /* ---- applying changes (from a handler, or from the log at start-up) ---- */
 
@@ -4292,7 +4904,10 @@ static void group_forget(stored *it) {
 }
 
 static void idem_free(idem *r) {
-    if (r) free(r->response), free(r);
+    if (r) {
+        free(r->response);
+        free(r);
+    }
 }
 
 static void store_put_idem(idem *r, size_t rec_bytes) {
@@ -4326,8 +4941,12 @@ static void idem_drop(idem *r) {
 static void idem_json(jwriter *w, const idem *r) {
     char hex[65];
     jw_open(w, '{');
-    hex_encode(r->key, 32, hex), jw_key(w, "k"), jw_cstr(w, hex);
-    hex_encode(r->body, 32, hex), jw_key(w, "b"), jw_cstr(w, hex);
+    hex_encode(r->key, 32, hex);
+    jw_key(w, "k");
+    jw_cstr(w, hex);
+    hex_encode(r->body, 32, hex);
+    jw_key(w, "b");
+    jw_cstr(w, hex);
     jw_key(w, "s"), jw_int(w, r->status);
     jw_key(w, "v"), jw_int(w, r->version);
     jw_key(w, "r"), jw_cstr(w, r->response);
@@ -4339,13 +4958,18 @@ static void idem_json(jwriter *w, const idem *r) {
 static int store_apply_idem(const char *p, const json_tok *t, int iv, size_t n) {
     int k = json_get(p, t, iv, "k"), b = json_get(p, t, iv, "b"), r = json_get(p, t, iv, "r");
     long long st, ver, x;
-    if (k < 0 || b < 0 || r < 0 || t[k].end - t[k].start != 64 || t[b].end - t[b].start != 64 || json_int(p, t, json_get(p, t, iv, "s"), &st) < 0 ||
-        json_int(p, t, json_get(p, t, iv, "v"), &ver) < 0 || json_int(p, t, json_get(p, t, iv, "x"), &x) < 0)
+    if (k < 0 || b < 0 || r < 0 || t[k].end - t[k].start != 64 || t[b].end - t[b].start != 64 ||
+        json_int(p, t, json_get(p, t, iv, "s"), &st) < 0 ||
+        json_int(p, t, json_get(p, t, iv, "v"), &ver) < 0 ||
+        json_int(p, t, json_get(p, t, iv, "x"), &x) < 0)
         return LTG_ERR;
     if (x <= wall_ms()) { ST.expired++; return 0; } /* garbage the next compaction leaves out */
     idem *rec = xcalloc(1, sizeof *rec);
-    hex_decode(p + t[k].start, 64, rec->key), hex_decode(p + t[b].start, 64, rec->body);
-    rec->status = (int)st, rec->version = ver, rec->expires = x;
+    hex_decode(p + t[k].start, 64, rec->key);
+    hex_decode(p + t[b].start, 64, rec->body);
+    rec->status = (int)st;
+    rec->version = ver;
+    rec->expires = x;
     rec->response = json_strdup(p, t, r);
     store_put_idem(rec, n + 8);
     return 0;
@@ -4355,22 +4979,35 @@ static int store_apply_idem(const char *p, const json_tok *t, int iv, size_t n) 
  * at start-up): {"ops":[{op: value}...], "idem": {...}}. Returns 0, or
  * LTG_ERR with a reason in err. */
 static int store_apply(void *ctx, const char *p, size_t n, off_t at, char *err, size_t errlen) {
-    (void)ctx, (void)at;
+    (void)ctx;
+    (void)at;
     int max = (int)(n / 2 + 4), rc = LTG_ERR;
     json_tok *t = xcalloc((size_t)max, sizeof *t);
     json_result res;
     verr e = {0};
-    if (json_parse(p, n, t, max, -1, &res) < 0) { snprintf(err, errlen, "not JSON: %s at byte %zu", res.err, res.err_offset); goto done; }
+    if (json_parse(p, n, t, max, -1, &res) < 0) {
+        snprintf(err, errlen, "not JSON: %s at byte %zu", res.err, res.err_offset);
+        goto done;
+    }
     int ops = json_get(p, t, 0, "ops"), iv = json_get(p, t, 0, "idem"), o = ops + 1;
-    if (ops < 0 || t[ops].type != JSON_ARRAY) { snprintf(err, errlen, "no \"ops\" list"); goto done; }
+    if (ops < 0 || t[ops].type != JSON_ARRAY) {
+        snprintf(err, errlen, "no \"ops\" list");
+        goto done;
+    }
     for (int k = 0; k < t[ops].size; k++, o = t[o].next) {
         int name = o + 1, v = o + 2; /* an op is an object of one member */
         char id[37];
-        if (t[o].type != JSON_OBJECT || t[o].size != 1) { snprintf(err, errlen, "unknown operation"); goto done; }
+        if (t[o].type != JSON_OBJECT || t[o].size != 1) {
+            snprintf(err, errlen, "unknown operation");
+            goto done;
+        }
         const store_kind *K = NULL;
         int put = 0;
         for (size_t r = 0; r < sizeof KINDS / sizeof *KINDS; r++) {
-            if (json_eq(p, t, name, KINDS[r]->put_op)) K = KINDS[r], put = 1;
+            if (json_eq(p, t, name, KINDS[r]->put_op)) {
+                K = KINDS[r];
+                put = 1;
+            }
             if (json_eq(p, t, name, KINDS[r]->del_op)) K = KINDS[r];
         }
         if (!K || (!put && !is_uuid(p, t, v))) {
@@ -4378,7 +5015,8 @@ static int store_apply(void *ctx, const char *p, size_t n, off_t at, char *err, 
             goto done;
         }
         if (!put) {
-            memcpy(id, p + t[v].start, 36), id[36] = 0;
+            memcpy(id, p + t[v].start, 36);
+            id[36] = 0;
             store_del(K, id);
             continue;
         }
@@ -4390,7 +5028,10 @@ static int store_apply(void *ctx, const char *p, size_t n, off_t at, char *err, 
         }
         store_put(K, it, n + 8);
     }
-    if (iv >= 0 && store_apply_idem(p, t, iv, n) < 0) { snprintf(err, errlen, "bad idempotency record"); goto done; }
+    if (iv >= 0 && store_apply_idem(p, t, iv, n) < 0) {
+        snprintf(err, errlen, "bad idempotency record");
+        goto done;
+    }
     rc = 0;
 done:
     free(t);
@@ -4478,7 +5119,8 @@ static struct {
 /* Frame a payload as a record at the end of `out`. */
 static void log_frame(buf *out, const char *payload, size_t n) {
     uint8_t h[8];
-    put_le32(h, (uint32_t)n), put_le32(h + 4, crc32(payload, n));
+    put_le32(h, (uint32_t)n);
+    put_le32(h + 4, crc32(payload, n));
     buf_append(out, h, 8);
     buf_append(out, payload, n);
 }
@@ -4488,7 +5130,8 @@ static int write_all(int fd, const char *p, size_t n) {
         ssize_t w = write(fd, p, n);
         if (w < 0 && errno == EINTR) continue;
         if (w <= 0) return LTG_ERR;
-        p += w, n -= (size_t)w;
+        p += w;
+        n -= (size_t)w;
     }
     return 0;
 }
@@ -4512,7 +5155,8 @@ static void log_init(logfile *l, const char *dir, const char *name, const char *
 /* A write or fsync failed (errno `e`): say so once per episode. */
 static int log_failed(logfile *l, const char *what, int e) {
     snprintf(l->why, sizeof l->why, "%s %s failed: %s", what, l->path, strerror(e));
-    if (!l->failing) ltg_log("%s (retried; what cannot be recorded meanwhile is refused with 503)", l->why);
+    if (!l->failing)
+        ltg_log("%s (retried; what cannot be recorded meanwhile is refused with 503)", l->why);
     l->failing = 1;
     return LTG_ERR;
 }
@@ -4527,7 +5171,8 @@ static int log_create(logfile *l) {
         unlink(l->path);
         return log_failed(l, "creating", e);
     }
-    l->fd = fd, l->durable = 8;
+    l->fd = fd;
+    l->durable = 8;
     return 0;
 }
 
@@ -4536,10 +5181,13 @@ static int log_create(logfile *l) {
 static int log_write(logfile *l) {
     if (l->written == l->pending.len && !l->failing) return 0;
     if (l->fd < 0 && log_create(l) < 0) return LTG_ERR;
-    if (l->failing && ftruncate(l->fd, l->durable + (off_t)l->written) < 0) return log_failed(l, "cutting back", errno);
+    if (l->failing && ftruncate(l->fd, l->durable + (off_t)l->written) < 0)
+        return log_failed(l, "cutting back", errno);
     if (write_all(l->fd, l->pending.p + l->written, l->pending.len - l->written) < 0) {
         int e = errno;
-        if (ftruncate(l->fd, l->durable + (off_t)l->written) < 0) { /* cut back again on the next try */ }
+        if (ftruncate(l->fd, l->durable + (off_t)l->written) <
+            0) { /* cut back again on the next try */
+        }
         return log_failed(l, "writing", e);
     }
     l->written = l->pending.len;
@@ -4579,10 +5227,12 @@ static int log_append(logfile *l, const char *payload, size_t n, int sync, const
     l->size += (off_t)(n + 8);
     if (!sync || log_sync(l) == 0) return 0;
     assert(l->pending.len == n + 8); /* a synchronous log has no other pending record */
-    l->pending.len = 0, l->size -= (off_t)(n + 8);
+    l->pending.len = 0;
+    l->size -= (off_t)(n + 8);
     l->written = 0;
     *why = l->why;
-    if (l->fd >= 0 && ftruncate(l->fd, l->durable) == 0) l->failing = 0; /* cut back: whole again, the next change tries afresh */
+    /* cut back: whole again, the next change tries afresh */
+    if (l->fd >= 0 && ftruncate(l->fd, l->durable) == 0) l->failing = 0;
     return LTG_ERR;
 }
 
@@ -4620,15 +5270,26 @@ static const uint8_t *log_bytes(int fd, buf *b, off_t *base, off_t at, size_t n)
  * (0: the first; a ledger day whose index file holds the first ones
  * starts past them). Returns 0, or LTG_ERR with a message for the
  * operator in err. */
-static int log_open(logfile *l, const char *dir, const char *name, const char *magic, off_t from, log_apply_fn *apply, void *ctx, char *err, size_t errlen) {
-    if (strlen(dir) > 200) { snprintf(err, errlen, "--data: the path is longer than 200 bytes"); return LTG_ERR; }
+static int log_open(logfile *l, const char *dir, const char *name, const char *magic, off_t from,
+                    log_apply_fn *apply, void *ctx, char *err, size_t errlen) {
+    if (strlen(dir) > 200) {
+        snprintf(err, errlen, "--data: the path is longer than 200 bytes");
+        return LTG_ERR;
+    }
     log_init(l, dir, name, magic);
     int fd = open(l->path, O_RDWR | O_APPEND | O_CLOEXEC);
     struct stat st;
-    if (fd < 0 && errno != ENOENT) { snprintf(err, errlen, "%s: %s", l->path, strerror(errno)); return LTG_ERR; }
-    if (fd < 0 || (fstat(fd, &st) == 0 && st.st_size < 8)) { /* new, or a crash while it was being created */
+    if (fd < 0 && errno != ENOENT) {
+        snprintf(err, errlen, "%s: %s", l->path, strerror(errno));
+        return LTG_ERR;
+    }
+    if (fd < 0 || (fstat(fd, &st) == 0 && st.st_size < 8)) {
+        /* new, or a crash while it was being created */
         if (fd >= 0) close(fd);
-        if (log_create(l) < 0) { snprintf(err, errlen, "cannot initialise: %.300s", l->why); return LTG_ERR; }
+        if (log_create(l) < 0) {
+            snprintf(err, errlen, "cannot initialise: %.300s", l->why);
+            return LTG_ERR;
+        }
         return 0;
     }
     l->fd = fd;
@@ -4639,7 +5300,8 @@ static int log_open(logfile *l, const char *dir, const char *name, const char *m
     const uint8_t *h = log_bytes(fd, &b, &base, 0, 8);
     int rc = LTG_ERR;
     if (!h || memcmp(h, magic, 8) != 0) {
-        snprintf(err, errlen, h ? "%s: not an ltg %s (bad magic at offset 0)" : "%s: %s", l->path, h ? name : strerror(errno));
+        snprintf(err, errlen, h ? "%s: not an ltg %s (bad magic at offset 0)" : "%s: %s", l->path,
+                 h ? name : strerror(errno));
         goto done;
     }
     while (off < end) {
@@ -4651,17 +5313,26 @@ static int log_open(logfile *l, const char *dir, const char *name, const char *m
         if (!torn && !rec) { snprintf(err, errlen, "%s: %s", l->path, strerror(errno)); goto done; }
         int bad_sum = !torn && crc32(rec + 8, len) != get_le32(rec + 4);
         if (torn || (bad_sum && off + 8 + len == end)) {
-            ltg_log("warning: %s: the last record (offset %lld) is torn, a crash mid-write: truncating to %lld bytes", l->path, (long long)off, (long long)off);
-            if (ftruncate(fd, off) < 0 || fsync(fd) < 0) { snprintf(err, errlen, "%s: cannot truncate the torn record: %s", l->path, strerror(errno)); goto done; }
+            ltg_log("warning: %s: the last record (offset %lld) is torn, a crash mid-write: "
+                    "truncating to %lld bytes",
+                    l->path, (long long)off, (long long)off);
+            if (ftruncate(fd, off) < 0 || fsync(fd) < 0) {
+                snprintf(err, errlen, "%s: cannot truncate the torn record: %s", l->path,
+                         strerror(errno));
+                goto done;
+            }
             break;
         }
         char why[200];
         if (bad_sum || apply(ctx, (const char *)rec + 8, len, off + 8, why, sizeof why) < 0) {
-            snprintf(err, errlen, "%s: damaged record at offset %lld (%.100s) with whole records after it: not a torn write, so ltg will not drop it; restore the file from a backup", l->path, (long long)off,
-                     bad_sum ? "checksum mismatch" : why);
+            snprintf(err, errlen,
+                     "%s: damaged record at offset %lld (%.100s) with whole records after it: not "
+                     "a torn write, so ltg will not drop it; restore the file from a backup",
+                     l->path, (long long)off, bad_sum ? "checksum mismatch" : why);
             goto done;
         }
-        off += 8 + (off_t)len, records++;
+        off += 8 + (off_t)len;
+        records++;
     }
     l->durable = l->size = off;
     rc = 0;
@@ -4684,7 +5355,8 @@ static void snapshot_item(buf *out, const store_kind *K, void *item) {
         jw_close(&w, '}'), jw_close(&w, ']');
     } else {
         jw_key(&w, "ops"), jw_open(&w, '['), jw_close(&w, ']');
-        jw_key(&w, "idem"), idem_json(&w, item);
+        jw_key(&w, "idem");
+        idem_json(&w, item);
     }
     jw_close(&w, '}');
     log_frame(out, p.p, p.len);
@@ -4703,8 +5375,11 @@ static void compact_abandon(const char *why) {
 
 /* Garbage past the live state, or expired idempotency records an hour old. */
 static int compact_due(int64_t now) {
-    if (LOG.compacting || LOG.f.fd < 0 || LOG.f.failing || LOG.f.size <= COMPACT_MIN_BYTES || LOG.f.size < LOG.retry_at) return 0;
-    return (size_t)LOG.f.size > 2 * ST.live_bytes || (ST.expired && now - LOG.last_compaction >= COMPACT_EXPIRED_MS);
+    if (LOG.compacting || LOG.f.fd < 0 || LOG.f.failing || LOG.f.size <= COMPACT_MIN_BYTES ||
+        LOG.f.size < LOG.retry_at)
+        return 0;
+    return (size_t)LOG.f.size > 2 * ST.live_bytes ||
+           (ST.expired && now - LOG.last_compaction >= COMPACT_EXPIRED_MS);
 }
 
 static void compact_start(void) {
@@ -4714,8 +5389,12 @@ static void compact_start(void) {
     LOG.tmp_size = 8;
     LOG.compacting = ST.frozen = 1;
     LOG.gi = LOG.ki = LOG.ii = 0;
-    LOG.gend = ST.gv.n, LOG.kend = ST.kv.n, LOG.iend = ST.iv.n; /* items added later are in the tail */
-    ltg_log("compacting %s: %lld bytes for about %zu bytes of live state", LOG.f.path, (long long)LOG.f.size, ST.live_bytes);
+    /* items added later are in the tail */
+    LOG.gend = ST.gv.n;
+    LOG.kend = ST.kv.n;
+    LOG.iend = ST.iv.n;
+    ltg_log("compacting %s: %lld bytes for about %zu bytes of live state", LOG.f.path,
+            (long long)LOG.f.size, ST.live_bytes);
 }
 
 /* One step of a compaction: a few hundred items, or the switch-over. */
@@ -4723,37 +5402,61 @@ static void compact_step(int64_t now) {
     buf out = {0};
     int budget = COMPACT_STEP;
     for (; LOG.gi < LOG.gend && budget; LOG.gi++)
-        if (ST.gv.p[LOG.gi]) snapshot_item(&out, &GROUPS, ST.gv.p[LOG.gi]), budget--;
+        if (ST.gv.p[LOG.gi]) {
+            snapshot_item(&out, &GROUPS, ST.gv.p[LOG.gi]);
+            budget--;
+        }
     for (; LOG.gi == LOG.gend && LOG.ki < LOG.kend && budget; LOG.ki++)
-        if (ST.kv.p[LOG.ki]) snapshot_item(&out, &KEYS, ST.kv.p[LOG.ki]), budget--;
+        if (ST.kv.p[LOG.ki]) {
+            snapshot_item(&out, &KEYS, ST.kv.p[LOG.ki]);
+            budget--;
+        }
     for (; LOG.ki == LOG.kend && LOG.ii < LOG.iend && budget; LOG.ii++) {
         idem *r = ST.iv.p[LOG.ii];
-        if (r && r->expires > now) snapshot_item(&out, NULL, r), budget--;
+        if (r && r->expires > now) {
+            snapshot_item(&out, NULL, r);
+            budget--;
+        }
     }
-    if (out.len && write_all(LOG.tmp_fd, out.p, out.len) < 0) { buf_free(&out); compact_abandon(strerror(errno)); return; }
+    if (out.len && write_all(LOG.tmp_fd, out.p, out.len) < 0) {
+        buf_free(&out);
+        compact_abandon(strerror(errno));
+        return;
+    }
     LOG.tmp_size += (off_t)out.len;
     buf_free(&out);
     if (LOG.gi < LOG.gend || LOG.ki < LOG.kend || LOG.ii < LOG.iend) return;
     /* The snapshot is written: add what changed meanwhile, make it durable, switch. */
-    if (write_all(LOG.tmp_fd, LOG.tail.p, LOG.tail.len) < 0 || fsync(LOG.tmp_fd) < 0) { compact_abandon(strerror(errno)); return; }
+    if (write_all(LOG.tmp_fd, LOG.tail.p, LOG.tail.len) < 0 || fsync(LOG.tmp_fd) < 0) {
+        compact_abandon(strerror(errno));
+        return;
+    }
     if (rename(LOG.tmp, LOG.f.path) < 0) { compact_abandon(strerror(errno)); return; }
-    if (fsync_dir(LOG.f.dir) < 0) ltg_log("warning: fsync of %s failed: %s", LOG.f.dir, strerror(errno));
+    if (fsync_dir(LOG.f.dir) < 0)
+        ltg_log("warning: fsync of %s failed: %s", LOG.f.dir, strerror(errno));
     off_t before = LOG.f.size;
     close(LOG.f.fd);
-    LOG.f.fd = LOG.tmp_fd, LOG.tmp_fd = -1;
+    LOG.f.fd = LOG.tmp_fd;
+    LOG.tmp_fd = -1;
     LOG.f.durable = LOG.f.size = LOG.tmp_size + (off_t)LOG.tail.len;
     buf_free(&LOG.tail);
-    LOG.compacting = ST.frozen = 0, LOG.retry_at = 0;
-    LOG.last_compaction = now, ST.expired = 0;
-    vec_squeeze(&ST.gv), vec_squeeze(&ST.kv), vec_squeeze(&ST.iv);
-    ltg_log("compacted %s: %lld -> %lld bytes", LOG.f.path, (long long)before, (long long)LOG.f.size);
+    LOG.compacting = ST.frozen = 0;
+    LOG.retry_at = 0;
+    LOG.last_compaction = now;
+    ST.expired = 0;
+    vec_squeeze(&ST.gv);
+    vec_squeeze(&ST.kv);
+    vec_squeeze(&ST.iv);
+    ltg_log("compacted %s: %lld -> %lld bytes", LOG.f.path, (long long)before,
+            (long long)LOG.f.size);
 }
 
 /* ===== 13. The ledger: daily segments, index files, retention =====
  *
  * IMPLEMENTATION NOTES
  * Every inference request that reached dispatch or the cache leaves one
- * spend event (README "The consumption ledger"), but a free one (count_tokens). The ledger keeps them in one file per UTC day,
+ * spend event (README "The consumption ledger"), but a free one
+ * (count_tokens). The ledger keeps them in one file per UTC day,
  * DATA/ledger/YYYY-MM-DD.log, framed like the state log (section 12). The
  * day's file is the open segment; when the day ends it is sealed, never to
  * be written again. Beside each log is its index file, YYYY-MM-DD.idx, a
@@ -4835,9 +5538,13 @@ static void compact_step(int64_t now) {
 
 enum { EV_SUCCEEDED, EV_FAILED, EV_PARTIAL, EV_ABANDONED };
 static const char *const ev_status_names[] = {"succeeded", "failed", "partial", "abandoned"};
-enum { EVF_CACHE_HIT = 1, EVF_REPLAY = 2, EVF_ESTIMATED = 4 }; /* ESTIMATED: usage_status "estimated" */
+/* EVF_ESTIMATED: usage_status "estimated" */
+enum { EVF_CACHE_HIT = 1, EVF_REPLAY = 2, EVF_ESTIMATED = 4 };
 
-static void put_le64(uint8_t *p, uint64_t v) { put_le32(p, (uint32_t)v), put_le32(p + 4, (uint32_t)(v >> 32)); }
+static void put_le64(uint8_t *p, uint64_t v) {
+    put_le32(p, (uint32_t)v);
+    put_le32(p + 4, (uint32_t)(v >> 32));
+}
 static uint64_t get_le64(const uint8_t *p) { return get_le32(p) | (uint64_t)get_le32(p + 4) << 32; }
 
 /* ---- records ---- */
@@ -4865,8 +5572,10 @@ static void rec_encode(buf *out, const rec_view *v) {
     uint8_t h[REC_HEAD] = {2, v->status, v->flags, (uint8_t)v->model_len};
     for (int k = 0; k < NTOK; k++) put_le32(h + rec_class_at[k], v->tok[k]);
     put_le32(h + 12, (uint32_t)v->event_len);
-    put_le64(h + 16, (uint64_t)v->at), put_le64(h + 24, (uint64_t)v->charged);
-    memcpy(h + 32, v->key, 36), memcpy(h + 68, v->group, 36);
+    put_le64(h + 16, (uint64_t)v->at);
+    put_le64(h + 24, (uint64_t)v->charged);
+    memcpy(h + 32, v->key, 36);
+    memcpy(h + 68, v->group, 36);
     buf_append(out, h, REC_HEAD);
     buf_append(out, v->model, v->model_len);
     buf_append(out, v->event, v->event_len);
@@ -4876,17 +5585,29 @@ static void rec_encode(buf *out, const rec_view *v) {
 static int rec_decode(const char *p, size_t n, rec_view *v) {
     const uint8_t *h = (const uint8_t *)p;
     size_t head = n >= 1 && h[0] == 1 ? REC_HEAD_V1 : REC_HEAD;
-    if (n < head || h[0] < 1 || h[0] > 2 || h[1] > EV_ABANDONED || h[2] > (EVF_CACHE_HIT | EVF_REPLAY | EVF_ESTIMATED)) return LTG_ERR;
-    *v = (rec_view){.at = (int64_t)get_le64(h + 16), .charged = (int64_t)get_le64(h + 24), .status = h[1], .flags = h[2]};
-    for (int k = 0; k < NTOK; k++) v->tok[k] = rec_class_at[k] + 4u <= head ? get_le32(h + rec_class_at[k]) : 0;
-    v->model_len = h[3], v->event_len = get_le32(h + 12);
+    if (n < head || h[0] < 1 || h[0] > 2 || h[1] > EV_ABANDONED ||
+        h[2] > (EVF_CACHE_HIT | EVF_REPLAY | EVF_ESTIMATED))
+        return LTG_ERR;
+    *v = (rec_view){.at = (int64_t)get_le64(h + 16),
+                    .charged = (int64_t)get_le64(h + 24),
+                    .status = h[1],
+                    .flags = h[2]};
+    for (int k = 0; k < NTOK; k++)
+        v->tok[k] = rec_class_at[k] + 4u <= head ? get_le32(h + rec_class_at[k]) : 0;
+    v->model_len = h[3];
+    v->event_len = get_le32(h + 12);
     if (head + v->model_len + v->event_len > n) return LTG_ERR;
-    v->key = p + 32, v->group = p + 68, v->model = p + head;
-    v->event = v->model + v->model_len, v->replay = v->event + v->event_len;
+    v->key = p + 32;
+    v->group = p + 68;
+    v->model = p + head;
+    v->event = v->model + v->model_len;
+    v->replay = v->event + v->event_len;
     v->replay_len = n - head - v->model_len - v->event_len;
     for (int i = 32; i < 104; i++) /* two ids: hex digits and dashes */
         if (!isxdigit(h[i]) && h[i] != '-') return LTG_ERR;
-    if (!v->model_len || memchr(v->model, 0, v->model_len) || v->charged < 0 || v->charged > MAX_CHARGE) return LTG_ERR;
+    if (!v->model_len || memchr(v->model, 0, v->model_len) || v->charged < 0 ||
+        v->charged > MAX_CHARGE)
+        return LTG_ERR;
     return (v->flags & EVF_REPLAY) && !v->replay_len ? LTG_ERR : 0;
 }
 
@@ -4899,7 +5620,8 @@ typedef struct {
     uint32_t key, group, model; /* in the name table */
     uint32_t tok[NTOK];
     uint8_t status, flags;      /* EV_*, EVF_* */
-    int64_t charged;            /* micro-USD charged to the group's budget (the cost is in the event) */
+    /* micro-USD charged to the group's budget (the cost is in the event) */
+    int64_t charged;
 } ledger_entry;
 
 /* One event of a key or a group: its position, its time (ms after
@@ -4932,7 +5654,8 @@ typedef struct {
 
 #define MEM_FIRST 16            /* elements of an index array's first allocation; each growth doubles it */
 
-/* Room for one more element after the n of array p (*cap of them, of `size` bytes each), counted in *bytes. */
+/* Room for one more element after the n of array p (*cap of them, of `size` bytes each),
+ * counted in *bytes. */
 static void *mem_grow(void *p, uint32_t n, uint32_t *cap, size_t size, size_t *bytes) {
     if (n < *cap) return p;
     uint32_t more = *cap ? *cap : MEM_FIRST;
@@ -4942,16 +5665,24 @@ static void *mem_grow(void *p, uint32_t n, uint32_t *cap, size_t size, size_t *b
 }
 
 /* What mem_grow would add to that array. */
-static size_t grow_bytes(uint32_t n, uint32_t cap, size_t size) { return n < cap ? 0 : (size_t)(cap ? cap : MEM_FIRST) * size; }
+static size_t grow_bytes(uint32_t n, uint32_t cap, size_t size) {
+    return n < cap ? 0 : (size_t)(cap ? cap : MEM_FIRST) * size;
+}
 
 /* The most indexing one more event can allocate: every array grows, the
  * key, group and model are all new names, and each of the two position
  * lists it joins is the largest. */
 static size_t mem_worst(const ledger_mem *m) {
-    size_t slots = (m->by_name.used + 3) * 4 > m->by_name.cap * 3 ? (m->by_name.cap ? m->by_name.cap : 64) : 0;
-    size_t names = 3 * (sizeof(lname) + ALIAS_MAX + 2) + grow_bytes(m->nnames + 2, m->names_cap, sizeof(lname *)) + slots * sizeof(void *);
-    size_t lists = 2 * (size_t)(m->pos_cap_max > MEM_FIRST ? m->pos_cap_max : MEM_FIRST) * sizeof(idx_gpos);
-    return grow_bytes(m->n, m->cap, sizeof(ledger_entry)) + grow_bytes(m->nrep, m->repcap, sizeof *m->rep) + names + lists;
+    size_t slots = (m->by_name.used + 3) * 4 > m->by_name.cap * 3
+                           ? (m->by_name.cap ? m->by_name.cap : 64)
+                           : 0;
+    size_t names = 3 * (sizeof(lname) + ALIAS_MAX + 2) +
+                   grow_bytes(m->nnames + 2, m->names_cap, sizeof(lname *)) +
+                   slots * sizeof(void *);
+    size_t lists = 2 * (size_t)(m->pos_cap_max > MEM_FIRST ? m->pos_cap_max : MEM_FIRST) *
+                   sizeof(idx_gpos);
+    return grow_bytes(m->n, m->cap, sizeof(ledger_entry)) +
+           grow_bytes(m->nrep, m->repcap, sizeof *m->rep) + names + lists;
 }
 
 /* The index of name kind+s[0..n) in m, UINT32_MAX when absent. */
@@ -4992,10 +5723,19 @@ static void posting_add(ledger_mem *m, lname *it, const ledger_entry *e) {
 
 /* Index one record (its payload at file offset `off`). */
 static void mem_add(ledger_mem *m, const rec_view *v, uint64_t off, uint32_t len) {
-    ledger_entry e = {v->at, off, len, mem_name(m, 'k', v->key, 36), mem_name(m, 'g', v->group, 36),
-                      mem_name(m, 'm', v->model, v->model_len), {0}, v->status, v->flags, v->charged};
+    ledger_entry e = {v->at,
+                      off,
+                      len,
+                      mem_name(m, 'k', v->key, 36),
+                      mem_name(m, 'g', v->group, 36),
+                      mem_name(m, 'm', v->model, v->model_len),
+                      {0},
+                      v->status,
+                      v->flags,
+                      v->charged};
     memcpy(e.tok, v->tok, sizeof e.tok);
-    assert(!m->n || e.at >= m->ix[m->n - 1].at); /* file order is time order: the index's searches rely on it */
+    /* file order is time order: the index's searches rely on it */
+    assert(!m->n || e.at >= m->ix[m->n - 1].at);
     m->ix = mem_grow(m->ix, m->n, &m->cap, sizeof *m->ix, &m->bytes);
     posting_add(m, m->names[e.key], &e); /* filters need no scan */
     posting_add(m, m->names[e.group], &e);
@@ -5007,8 +5747,14 @@ static void mem_add(ledger_mem *m, const rec_view *v, uint64_t off, uint32_t len
 }
 
 static void mem_free(ledger_mem *m) {
-    for (uint32_t i = 0; i < m->nnames; i++) free(m->names[i]->pos), free(m->names[i]);
-    free(m->ix), free(m->rep), free(m->names), free(m->by_name.slot);
+    for (uint32_t i = 0; i < m->nnames; i++) {
+        free(m->names[i]->pos);
+        free(m->names[i]);
+    }
+    free(m->ix);
+    free(m->rep);
+    free(m->names);
+    free(m->by_name.slot);
     *m = (ledger_mem){.day = m->day, .by_name.key = lname_key};
 }
 
@@ -5023,8 +5769,10 @@ typedef struct {
     int64_t spend, reserved;
 } usage_row;
 
-typedef struct { uint32_t str, len, first, n; int64_t spent; } idx_name; /* a name; its positions in KEYPOS or GROUPPOS; what its events charged */
-typedef struct { char group[36]; uint32_t model; usage_row u; } idx_row; /* model: in NAMES; "" group: all */
+/* a name; its positions in KEYPOS or GROUPPOS; what its events charged */
+typedef struct { uint32_t str, len, first, n; int64_t spent; } idx_name;
+/* model: in NAMES; "" group: all */
+typedef struct { char group[36]; uint32_t model; usage_row u; } idx_row;
 
 static const size_t sec_elem[NSEC] = {8, sizeof(idx_name), 1, sizeof(idx_gpos), sizeof(idx_gpos), sizeof(idx_row), sizeof(idx_row), 4};
 
@@ -5048,7 +5796,8 @@ typedef struct {
     idx_header *chunk;          /* the chunks of its index file, in order */
     uint32_t nchunk, chunk_cap;
     ledger_mem mem;             /* OPEN, SEALING: the events after the last chunk */
-    int idx_failing;            /* a chunk could not be written: said once, tried again at retry_at */
+    /* a chunk could not be written: said once, tried again at retry_at */
+    int idx_failing;
     int64_t retry_at;           /* (S.now) */
 } segment;
 
@@ -5056,7 +5805,8 @@ static struct {
     char dir[256];              /* DATA/ledger */
     segment **seg;              /* the retained days, oldest first: the open one is last */
     int nseg, cap;
-    int64_t last_at;            /* the latest event's created_at: the ledger's time never goes back */
+    /* the latest event's created_at: the ledger's time never goes back */
+    int64_t last_at;
 } LG;
 
 static int64_t day_of(int64_t ms) { return ms - ((ms % DAY_MS) + DAY_MS) % DAY_MS; }
@@ -5072,14 +5822,22 @@ static void seg_path(int64_t day, const char *ext, const char *dir, char *out, s
 static segment *seg_new(int64_t day) {
     segment *s = xcalloc(1, sizeof *s);
     char name[32];
-    s->day = day, s->state = SEG_OPEN;
+    s->day = day;
+    s->state = SEG_OPEN;
     s->mem = (ledger_mem){.day = day, .by_name.key = lname_key};
     seg_path(day, ".log", NULL, name, sizeof name);
     log_init(&s->f, LG.dir, name, SEG_MAGIC);
     int i = LG.nseg;
-    if (LG.nseg == LG.cap) LG.cap = LG.cap ? LG.cap * 2 : 32, LG.seg = xrealloc(LG.seg, (size_t)LG.cap * sizeof *LG.seg);
-    while (i > 0 && LG.seg[i - 1]->day > day) LG.seg[i] = LG.seg[i - 1], i--;
-    LG.seg[i] = s, LG.nseg++;
+    if (LG.nseg == LG.cap) {
+        LG.cap = LG.cap ? LG.cap * 2 : 32;
+        LG.seg = xrealloc(LG.seg, (size_t)LG.cap * sizeof *LG.seg);
+    }
+    while (i > 0 && LG.seg[i - 1]->day > day) {
+        LG.seg[i] = LG.seg[i - 1];
+        i--;
+    }
+    LG.seg[i] = s;
+    LG.nseg++;
     return s;
 }
 
@@ -5096,7 +5854,9 @@ static segment *seg_open(void) {
 }
 
 /* The events of s in its index file's chunks, and in all. */
-static uint32_t seg_chunked(const segment *s) { return s->nchunk ? s->chunk[s->nchunk - 1].first + s->chunk[s->nchunk - 1].nevents : 0; }
+static uint32_t seg_chunked(const segment *s) {
+    return s->nchunk ? s->chunk[s->nchunk - 1].first + s->chunk[s->nchunk - 1].nevents : 0;
+}
 static uint32_t seg_count(const segment *s) { return seg_chunked(s) + s->mem.n; }
 
 /* The time of s's last event (its midnight when it has none). */
@@ -5113,7 +5873,10 @@ static void seg_index(segment *s, const rec_view *v, uint64_t off, uint32_t len)
 static int seg_apply(void *ctx, const char *p, size_t n, off_t at, char *why, size_t whylen) {
     segment *s = ctx;
     rec_view v;
-    if (rec_decode(p, n, &v) < 0) { snprintf(why, whylen, "not a spend event record"); return LTG_ERR; }
+    if (rec_decode(p, n, &v) < 0) {
+        snprintf(why, whylen, "not a spend event record");
+        return LTG_ERR;
+    }
     int64_t first = seg_last_at(s);
     v.at = v.at < first ? first : v.at >= s->day + DAY_MS ? s->day + DAY_MS - 1 : v.at;
     seg_index(s, &v, (uint64_t)at, (uint32_t)n);
@@ -5125,7 +5888,9 @@ static int seg_apply(void *ctx, const char *p, size_t n, off_t at, char *why, si
 static int idx_read(const idx_header *h, int fd, int sec, uint64_t i, size_t count, void *out) {
     uint64_t n = h->sec[sec][1] / sec_elem[sec], bytes = count * sec_elem[sec];
     if (i > n || count > n - i) return LTG_ERR;
-    return pread(fd, out, bytes, (off_t)(h->sec[sec][0] + i * sec_elem[sec])) == (ssize_t)bytes ? 0 : LTG_ERR;
+    return pread(fd, out, bytes, (off_t)(h->sec[sec][0] + i * sec_elem[sec])) == (ssize_t)bytes
+                   ? 0
+                   : LTG_ERR;
 }
 
 /* One more chunk of s's index file, its head kept in memory. */
@@ -5160,7 +5925,8 @@ static void io_end(idx_out *o, idx_header *h, int sec) { h->sec[sec][1] = o->off
 static const ledger_mem *sort_mem; /* for the comparators: qsort has no context */
 
 static int name_cmp(const void *a, const void *b) {
-    return strcmp(sort_mem->names[*(const uint32_t *)a]->s, sort_mem->names[*(const uint32_t *)b]->s);
+    return strcmp(sort_mem->names[*(const uint32_t *)a]->s,
+                  sort_mem->names[*(const uint32_t *)b]->s);
 }
 
 static int row_cmp(const void *a, const void *b) {
@@ -5181,8 +5947,12 @@ static void usage_add(usage_row *r, const ledger_entry *e) {
 }
 
 static void usage_sum(usage_row *r, const usage_row *x) {
-    r->requests += x->requests, r->succeeded += x->succeeded, r->failed += x->failed;
-    r->partial += x->partial, r->abandoned += x->abandoned, r->cache_hits += x->cache_hits;
+    r->requests += x->requests;
+    r->succeeded += x->succeeded;
+    r->failed += x->failed;
+    r->partial += x->partial;
+    r->abandoned += x->abandoned;
+    r->cache_hits += x->cache_hits;
     for (int k = 0; k < NTOK; k++) r->tok[k] += x->tok[k];
     r->spend += x->spend;
 }
@@ -5216,13 +5986,15 @@ static void idx_rollups(const ledger_mem *m, const uint32_t *rank, buf *rows, bu
             idx_row r = {{0}, rank[k], per_model[k]};
             buf_append(models, &r, sizeof r);
         }
-    free(per_model), free(last);
+    free(per_model);
+    free(last);
 }
 
 /* The names of a chunk, sorted (order: their indexes in sorted order,
  * rank: the inverse), their strings, and each key's and group's
  * positions: in memory already as the file keeps them. */
-static void idx_names(idx_out *o, idx_header *h, const ledger_mem *m, uint32_t *order, uint32_t *rank) {
+static void idx_names(idx_out *o, idx_header *h, const ledger_mem *m, uint32_t *order,
+                      uint32_t *rank) {
     for (uint32_t i = 0; i < m->nnames; i++) order[i] = i;
     sort_mem = m;
     if (m->nnames) qsort(order, m->nnames, sizeof *order, name_cmp);
@@ -5231,7 +6003,8 @@ static void idx_names(idx_out *o, idx_header *h, const ledger_mem *m, uint32_t *
     io_begin(o, h, SEC_NAMES);
     for (uint32_t r = 0; r < m->nnames; r++) {
         const lname *nm = m->names[order[r]];
-        idx_name d = {str, (uint32_t)strlen(nm->s), nm->s[0] == 'k' ? kfirst : gfirst, nm->npos, nm->npos ? nm->pos[nm->npos - 1].cum : 0};
+        idx_name d = {str, (uint32_t)strlen(nm->s), nm->s[0] == 'k' ? kfirst : gfirst, nm->npos,
+                      nm->npos ? nm->pos[nm->npos - 1].cum : 0};
         if (nm->s[0] == 'k') kfirst += nm->npos;
         else if (nm->s[0] == 'g') gfirst += nm->npos;
         str += d.len;
@@ -5239,13 +6012,15 @@ static void idx_names(idx_out *o, idx_header *h, const ledger_mem *m, uint32_t *
     }
     io_end(o, h, SEC_NAMES);
     io_begin(o, h, SEC_STRINGS);
-    for (uint32_t r = 0; r < m->nnames; r++) io_put(o, m->names[order[r]]->s, strlen(m->names[order[r]]->s));
+    for (uint32_t r = 0; r < m->nnames; r++)
+        io_put(o, m->names[order[r]]->s, strlen(m->names[order[r]]->s));
     io_end(o, h, SEC_STRINGS);
     for (int sec = SEC_KEYPOS; sec <= SEC_GROUPPOS; sec++) { /* keys' positions, then groups' */
         io_begin(o, h, sec);
         for (uint32_t r = 0; r < m->nnames; r++) {
             const lname *nm = m->names[order[r]];
-            if (nm->s[0] == (sec == SEC_KEYPOS ? 'k' : 'g')) io_put(o, nm->pos, nm->npos * sizeof *nm->pos);
+            if (nm->s[0] == (sec == SEC_KEYPOS ? 'k' : 'g'))
+                io_put(o, nm->pos, nm->npos * sizeof *nm->pos);
         }
         io_end(o, h, sec);
     }
@@ -5260,16 +6035,22 @@ static int idx_write(segment *s) {
     char path[300];
     seg_path(s->day, ".idx", LG.dir, path, sizeof path);
     uint64_t at = s->nchunk ? s->chunk[s->nchunk - 1].end : 0;
-    idx_header h = {.endian = IDX_ENDIAN, .nevents = m->n, .first = seg_chunked(s), .day = s->day, .last_at = seg_last_at(s)};
+    idx_header h = {.endian = IDX_ENDIAN,
+                    .nevents = m->n,
+                    .first = seg_chunked(s),
+                    .day = s->day,
+                    .last_at = seg_last_at(s)};
     memcpy(h.magic, IDX_MAGIC, 8);
     h.log_from = s->nchunk ? s->chunk[s->nchunk - 1].log_to : 8;
     h.log_to = m->n ? m->ix[m->n - 1].off + m->ix[m->n - 1].len : h.log_from;
-    idx_out o = {.fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC | (at ? 0 : O_TRUNC), 0600), .off = at + sizeof h};
+    idx_out o = {.fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC | (at ? 0 : O_TRUNC), 0600),
+                 .off = at + sizeof h};
     if (o.fd < 0) return LTG_ERR;
     if (lseek(o.fd, (off_t)o.off, SEEK_SET) < 0) o.err = errno;
     io_begin(&o, &h, SEC_OFFSETS);
     for (size_t i = 0; i <= m->n; i++) {
-        uint64_t off = i < m->n ? m->ix[i].off : h.log_to + 8; /* one past the last: every record's length is a difference */
+        /* one past the last: every record's length is a difference */
+        uint64_t off = i < m->n ? m->ix[i].off : h.log_to + 8;
         io_put(&o, &off, 8);
     }
     io_end(&o, &h, SEC_OFFSETS);
@@ -5277,16 +6058,26 @@ static int idx_write(segment *s) {
     idx_names(&o, &h, m, order, rank);
     buf rows = {0}, models = {0};
     idx_rollups(m, rank, &rows, &models);
-    io_begin(&o, &h, SEC_ROWS), io_put(&o, rows.p, rows.len), io_end(&o, &h, SEC_ROWS);
-    io_begin(&o, &h, SEC_MODELROWS), io_put(&o, models.p, models.len), io_end(&o, &h, SEC_MODELROWS);
-    buf_free(&rows), buf_free(&models), free(order), free(rank);
-    io_begin(&o, &h, SEC_REPLAYS), io_put(&o, m->rep, m->nrep * sizeof *m->rep), io_end(&o, &h, SEC_REPLAYS);
+    io_begin(&o, &h, SEC_ROWS);
+    io_put(&o, rows.p, rows.len);
+    io_end(&o, &h, SEC_ROWS);
+    io_begin(&o, &h, SEC_MODELROWS);
+    io_put(&o, models.p, models.len);
+    io_end(&o, &h, SEC_MODELROWS);
+    buf_free(&rows);
+    buf_free(&models);
+    free(order);
+    free(rank);
+    io_begin(&o, &h, SEC_REPLAYS);
+    io_put(&o, m->rep, m->nrep * sizeof *m->rep);
+    io_end(&o, &h, SEC_REPLAYS);
     if (!o.err && write_all(o.fd, o.b.p, o.b.len) < 0) o.err = errno;
     buf_free(&o.b);
     h.end = o.off;
     h.crc = o.crc;
     h.head_crc = crc32(&h, offsetof(idx_header, head_crc));
-    if (!o.err && pwrite(o.fd, &h, sizeof h, (off_t)at) != (ssize_t)sizeof h) o.err = errno ? errno : EIO;
+    if (!o.err && pwrite(o.fd, &h, sizeof h, (off_t)at) != (ssize_t)sizeof h)
+        o.err = errno ? errno : EIO;
     if (o.err && ftruncate(o.fd, (off_t)at) < 0) { /* the next start cuts it */ }
     if (close(o.fd) < 0 && !o.err) o.err = errno;
     if (o.err) { errno = o.err; return LTG_ERR; }
@@ -5296,12 +6087,21 @@ static int idx_write(segment *s) {
 
 /* Is h, read at offset `at` of an index file of `size` bytes, the head of
  * the next chunk of s, about log bytes from `from` within `log_size`? */
-static int idx_head_ok(const segment *s, const idx_header *h, uint64_t at, uint64_t size, uint64_t from, uint64_t log_size) {
-    if (memcmp(h->magic, IDX_MAGIC, 8) || h->endian != IDX_ENDIAN || h->head_crc != crc32(h, offsetof(idx_header, head_crc))) return 0;
-    if (h->day != s->day || h->first != seg_chunked(s) || h->log_from != from || h->log_to < from || h->log_to > log_size) return 0;
-    if (h->end > size || h->end < at + sizeof *h || h->sec[SEC_OFFSETS][1] != ((uint64_t)h->nevents + 1) * 8) return 0;
+static int idx_head_ok(const segment *s, const idx_header *h, uint64_t at, uint64_t size,
+                       uint64_t from, uint64_t log_size) {
+    if (memcmp(h->magic, IDX_MAGIC, 8) || h->endian != IDX_ENDIAN ||
+        h->head_crc != crc32(h, offsetof(idx_header, head_crc)))
+        return 0;
+    if (h->day != s->day || h->first != seg_chunked(s) || h->log_from != from || h->log_to < from ||
+        h->log_to > log_size)
+        return 0;
+    if (h->end > size || h->end < at + sizeof *h ||
+        h->sec[SEC_OFFSETS][1] != ((uint64_t)h->nevents + 1) * 8)
+        return 0;
     for (int i = 0; i < NSEC; i++)
-        if (h->sec[i][0] < at + sizeof *h || h->sec[i][0] > h->end || h->sec[i][1] > h->end - h->sec[i][0] || h->sec[i][1] % sec_elem[i]) return 0;
+        if (h->sec[i][0] < at + sizeof *h || h->sec[i][0] > h->end ||
+            h->sec[i][1] > h->end - h->sec[i][0] || h->sec[i][1] % sec_elem[i])
+            return 0;
     return 1;
 }
 
@@ -5322,7 +6122,8 @@ static uint64_t idx_load(segment *s, uint64_t log_size) {
     }
     char *chunk = xmalloc(LOG_READ_CHUNK);
     idx_header h;
-    while (at + sizeof h <= (uint64_t)st.st_size && pread(fd, &h, sizeof h, (off_t)at) == (ssize_t)sizeof h &&
+    while (at + sizeof h <= (uint64_t)st.st_size &&
+           pread(fd, &h, sizeof h, (off_t)at) == (ssize_t)sizeof h &&
            idx_head_ok(s, &h, at, (uint64_t)st.st_size, from, log_size)) {
         uint32_t crc = 0;
         ssize_t r = 1;
@@ -5332,9 +6133,11 @@ static uint64_t idx_load(segment *s, uint64_t log_size) {
         }
         if (r <= 0 || crc != h.crc) break;
         seg_add_chunk(s, &h);
-        at = h.end, from = h.log_to;
+        at = h.end;
+        from = h.log_to;
     }
-    if (at < (uint64_t)st.st_size && ftruncate(fd, (off_t)at) < 0) ltg_log("ledger: cannot cut %s back to its whole chunks: %s", path, strerror(errno));
+    if (at < (uint64_t)st.st_size && ftruncate(fd, (off_t)at) < 0)
+        ltg_log("ledger: cannot cut %s back to its whole chunks: %s", path, strerror(errno));
     free(chunk);
     close(fd);
     return from;
@@ -5350,7 +6153,10 @@ static int seg_spill(segment *s) {
         return LTG_ERR;
     }
     if (idx_write(s) < 0) {
-        if (!s->idx_failing) ltg_log("ledger: the index of %s cannot be written (%s): its events stay in memory, tried again every %d s", s->f.path, strerror(errno), IDX_RETRY_MS / 1000);
+        if (!s->idx_failing)
+            ltg_log("ledger: the index of %s cannot be written (%s): its events stay in memory, "
+                    "tried again every %d s",
+                    s->f.path, strerror(errno), IDX_RETRY_MS / 1000);
         s->idx_failing = 1;
         s->retry_at = S.now + IDX_RETRY_MS;
         return LTG_ERR;
@@ -5365,7 +6171,9 @@ static int seg_spill(segment *s) {
  * within --ledger-index-mb, they are first spilled to the index file;
  * while that fails they stay, and ledger_writable() refuses new requests. */
 static void seg_index(segment *s, const rec_view *v, uint64_t off, uint32_t len) {
-    if (s->mem.n && s->mem.bytes + mem_worst(&s->mem) > (size_t)S.ledger_index && S.now >= s->retry_at) seg_spill(s);
+    if (s->mem.n && s->mem.bytes + mem_worst(&s->mem) > (size_t)S.ledger_index &&
+        S.now >= s->retry_at)
+        seg_spill(s);
     mem_add(&s->mem, v, off, len);
 }
 
@@ -5417,7 +6225,8 @@ static int idx_find(const seg_view *v, char kind, const char *id, idx_name *out)
     while (lo < hi) {
         uint64_t mid = lo + (hi - lo) / 2;
         idx_name nm;
-        if (idx_read(v->h, v->fd, SEC_NAMES, mid, 1, &nm) < 0 || nm.len > ALIAS_MAX + 1 || idx_read(v->h, v->fd, SEC_STRINGS, nm.str, nm.len, got) < 0)
+        if (idx_read(v->h, v->fd, SEC_NAMES, mid, 1, &nm) < 0 || nm.len > ALIAS_MAX + 1 ||
+            idx_read(v->h, v->fd, SEC_STRINGS, nm.str, nm.len, got) < 0)
             return LTG_ERR;
         int c = memcmp(got, want, nm.len < wn ? nm.len : wn);
         if (!c) c = (nm.len > wn) - (nm.len < wn);
@@ -5534,7 +6343,8 @@ static int view_loc(const seg_view *v, uint32_t pos, uint64_t *off, uint32_t *le
         else hi = mid;
     }
     uint64_t o[2];
-    if (idx_read(&s->chunk[lo], v->fd, SEC_OFFSETS, pos - s->chunk[lo].first, 2, o) < 0 || o[0] < 16 || o[1] < o[0] + 8 || o[1] - o[0] - 8 > LOG_MAX_RECORD)
+    if (idx_read(&s->chunk[lo], v->fd, SEC_OFFSETS, pos - s->chunk[lo].first, 2, o) < 0 ||
+        o[0] < 16 || o[1] < o[0] + 8 || o[1] - o[0] - 8 > LOG_MAX_RECORD)
         return LTG_ERR;
     *off = o[0];
     *len = (uint32_t)(o[1] - o[0] - 8);
@@ -5548,7 +6358,8 @@ static int seg_record_at(const seg_view *v, uint64_t off, uint32_t len, buf *rec
     if (off < 16 || len > LOG_MAX_RECORD) return LTG_ERR;
     buf_reserve(rec, (size_t)len + 8);
     if (seg_read(v, off - 8, (size_t)len + 8, rec->p) < 0 || get_le32((uint8_t *)rec->p) != len ||
-        get_le32((uint8_t *)rec->p + 4) != crc32(rec->p + 8, len) || rec_decode(rec->p + 8, len, rv) < 0)
+        get_le32((uint8_t *)rec->p + 4) != crc32(rec->p + 8, len) ||
+        rec_decode(rec->p + 8, len, rv) < 0)
         return LTG_ERR;
     rec->len = (size_t)len + 8;
     return 0;
@@ -5559,7 +6370,9 @@ static int view_record(const seg_view *v, uint32_t pos, buf *rec, rec_view *rv) 
     uint64_t off;
     uint32_t len;
     if (view_loc(v, pos, &off, &len) == 0 && seg_record_at(v, off, len, rec, rv) == 0) return 0;
-    ltg_log("ledger: %s: the event at position %u cannot be read back (a damaged index file is rebuilt at the next start)", v->s->f.path, pos);
+    ltg_log("ledger: %s: the event at position %u cannot be read back (a damaged index file is "
+            "rebuilt at the next start)",
+            v->s->f.path, pos);
     return LTG_ERR;
 }
 
@@ -5591,7 +6404,10 @@ static int64_t seg_spent_since(segment *s, char kind, const char *id, int64_t si
 
 /* The names of the part, each with what its events charged there: fn(the
  * view, "k<id>", "g<id>" or "m<alias>", its length, that sum, ctx). */
-static void view_names(seg_view *v, void (*fn)(seg_view *v, const char *name, size_t len, int64_t spent, void *ctx), void *ctx) {
+static void view_names(seg_view *v,
+                       void (*fn)(seg_view *v, const char *name, size_t len, int64_t spent,
+                                  void *ctx),
+                       void *ctx) {
     if (!v->h) {
         for (uint32_t k = 0; k < v->s->mem.nnames; k++) {
             const lname *nm = v->s->mem.names[k];
@@ -5602,11 +6418,14 @@ static void view_names(seg_view *v, void (*fn)(seg_view *v, const char *name, si
     uint64_t nn = v->h->sec[SEC_NAMES][1] / sizeof(idx_name), ns = v->h->sec[SEC_STRINGS][1];
     idx_name *names = xmalloc(nn * sizeof *names + 1);
     char *str = xmalloc(ns + 1);
-    if (idx_read(v->h, v->fd, SEC_NAMES, 0, nn, names) == 0 && idx_read(v->h, v->fd, SEC_STRINGS, 0, ns, str) == 0)
+    if (idx_read(v->h, v->fd, SEC_NAMES, 0, nn, names) == 0 &&
+        idx_read(v->h, v->fd, SEC_STRINGS, 0, ns, str) == 0)
         for (uint64_t r = 0; r < nn; r++)
-            if (names[r].len > 0 && names[r].len <= ALIAS_MAX + 1 && names[r].str <= ns && names[r].len <= ns - names[r].str)
+            if (names[r].len > 0 && names[r].len <= ALIAS_MAX + 1 && names[r].str <= ns &&
+                names[r].len <= ns - names[r].str)
                 fn(v, str + names[r].str, names[r].len, names[r].spent, ctx);
-    free(names), free(str);
+    free(names);
+    free(str);
 }
 
 static void budget_refresh(allowance *a, int64_t now);
@@ -5633,7 +6452,8 @@ static void spends_one(seg_view *v, const char *s, size_t len, int64_t spent, vo
     if (!a) return;
     budget_refresh(a, w->now);
     if (v->s->day + DAY_MS <= a->period_start) return;
-    if (v->s->day < a->period_start) { /* the period starts within the day: the running sums say what came after */
+    if (v->s->day < a->period_start) {
+        /* the period starts within the day: the running sums say what came after */
         view_name(v, name[0], name + 1);
         spent = view_spent_since(v, a->period_start);
     }
@@ -5668,7 +6488,8 @@ static void ledger_sync(void *ctx) {
     int failing = 0;
     for (int i = 0; i < LG.nseg; i++) {
         segment *s = LG.seg[i];
-        if (s->state != SEG_SEALED && (s->f.pending.len || s->f.failing)) failing |= log_sync(&s->f) < 0;
+        if (s->state != SEG_SEALED && (s->f.pending.len || s->f.failing))
+            failing |= log_sync(&s->f) < 0;
     }
     if (failing) timer_set(&ledger_sync_timer, LEDGER_RETRY_MS);
 }
@@ -5679,7 +6500,10 @@ static int ledger_writable(const char **why) {
     for (int i = 0; i < LG.nseg; i++) {
         const segment *s = LG.seg[i];
         if (s->state != SEG_SEALED && s->f.failing) { *why = s->f.why; return 0; }
-        if (s->state == SEG_OPEN && s->idx_failing) { *why = "today's index file cannot be written (see the log)"; return 0; }
+        if (s->state == SEG_OPEN && s->idx_failing) {
+            *why = "today's index file cannot be written (see the log)";
+            return 0;
+        }
     }
     return 1;
 }
@@ -5694,14 +6518,19 @@ static int ledger_add(rec_view *v, int64_t now, int64_t *day, uint64_t *off, uin
         if (s) s->state = SEG_SEALING; /* the day is over */
         s = seg_new(day_of(v->at));
     }
-    if (v->charged > MAX_CHARGE) ltg_log("ledger: a charge of %lld micro-USD recorded as %lld, the most one event may hold", (long long)v->charged, MAX_CHARGE);
+    if (v->charged > MAX_CHARGE)
+        ltg_log("ledger: a charge of %lld micro-USD recorded as %lld, the most one event may hold",
+                (long long)v->charged, MAX_CHARGE);
     if (v->charged > MAX_CHARGE) v->charged = MAX_CHARGE;
     buf p = {0};
     rec_encode(&p, v);
     rec_view back;
     const char *why = "a record its own reader would refuse (a bug: see the log)";
-    *day = s->day, *off = (uint64_t)s->f.size + 8, *len = (uint32_t)p.len;
-    int rc = rec_decode(p.p, p.len, &back) < 0 ? LTG_ERR : log_append(&s->f, p.p, p.len, 0, &why); /* never a ledger ltg cannot start on */
+    *day = s->day;
+    *off = (uint64_t)s->f.size + 8;
+    *len = (uint32_t)p.len;
+    /* never a ledger ltg cannot start on */
+    int rc = rec_decode(p.p, p.len, &back) < 0 ? LTG_ERR : log_append(&s->f, p.p, p.len, 0, &why);
     if (rc < 0) ltg_log("ledger: an event was not recorded: %s", why);
     else {
         seg_index(s, v, *off, *len);
@@ -5714,7 +6543,8 @@ static int ledger_add(rec_view *v, int64_t now, int64_t *day, uint64_t *off, uin
 
 /* ---- retention ---- */
 
-typedef struct { allowance *a; int64_t carry, start, to; } carry_undo; /* a carried spend before budget_carry */
+/* a carried spend before budget_carry */
+typedef struct { allowance *a; int64_t carry, start, to; } carry_undo;
 static void budget_carry(allowance *a, int64_t spent, segment *s, carry_undo *undo);
 static void budget_uncarry(const carry_undo *undo);
 static void budget_forget(group *g, int64_t spent);
@@ -5731,9 +6561,11 @@ static void carry_spend(const char *name, allowance *a, int64_t spent, void *ctx
     group *g = name[0] == 'g' ? group_find(name + 1) : NULL;
     tkey *k = name[0] == 'k' ? tkey_find(name + 1) : NULL;
     if ((!g || !g->s.al.has_budget) && !k) return;
-    if (carried_covers(a, c->s)) return; /* carried already: by another part of the day, or before */
+    /* carried already: by another part of the day, or before */
+    if (carried_covers(a, c->s)) return;
     c->ch = xrealloc(c->ch, (size_t)(c->nch + 1) * sizeof *c->ch);
-    budget_carry(a, seg_spent_since(c->s, name[0], name + 1, a->period_start), c->s, &c->ch[c->nch++]);
+    budget_carry(a, seg_spent_since(c->s, name[0], name + 1, a->period_start), c->s,
+                 &c->ch[c->nch++]);
     jw_open(c->w, '{');
     jw_key(c->w, g ? GROUPS.put_op : KEYS.put_op);
     if (g) group_json(c->w, &g->s, 1);
@@ -5743,7 +6575,8 @@ static void carry_spend(const char *name, allowance *a, int64_t spent, void *ctx
 
 /* A group without a budget shows what its kept days spent: this one's goes. */
 static void forget_spend(seg_view *v, const char *s, size_t len, int64_t spent, void *ctx) {
-    (void)v, (void)ctx;
+    (void)v;
+    (void)ctx;
     char id[37];
     if (len != 37 || s[0] != 'g') return;
     memcpy(id, s + 1, 36);
@@ -5768,13 +6601,17 @@ static int ledger_retire(segment *s, int64_t now) {
     buf_printf(&rec, "{\"ops\":%s}", ops.p);
     int rc = c.nch ? state_append(rec.p, rec.len, &why) : 0;
     for (int i = 0; rc < 0 && i < c.nch; i++) budget_uncarry(&c.ch[i]);
-    buf_free(&ops), buf_free(&rec), free(c.ch);
+    buf_free(&ops);
+    buf_free(&rec);
+    free(c.ch);
     int nch = c.nch;
     char path[300];
     seg_view v = {.fd = -1, .log_fd = -1};
     int readable = rc == 0 && view_open(&v, s, 0, NULL, UINT32_MAX) == 0; /* before the log goes */
     seg_path(s->day, ".log", LG.dir, path, sizeof path);
-    if (rc < 0) ltg_log("ledger: %s not deleted yet: the state log refused what it carries (%s)", path, why);
+    if (rc < 0)
+        ltg_log("ledger: %s not deleted yet: the state log refused what it carries (%s)", path,
+                why);
     else if (unlink(path) < 0 && errno != ENOENT) {
         ltg_log("ledger: cannot delete %s: %s", path, strerror(errno));
         rc = LTG_ERR;
@@ -5787,7 +6624,8 @@ static int ledger_retire(segment *s, int64_t now) {
     unlink(path);
     fsync_dir(LG.dir);
     ltg_log("ledger: deleted %s (%llu bytes, %u events): older than --ledger-days %d%s", s->f.path,
-            (unsigned long long)(s->nchunk ? s->chunk[s->nchunk - 1].log_to : 0), seg_count(s), S.ledger_days,
+            (unsigned long long)(s->nchunk ? s->chunk[s->nchunk - 1].log_to : 0), seg_count(s),
+            S.ledger_days,
             nch ? "; what lifetime budgets spent in it is carried in their groups and keys" : "");
     memmove(LG.seg, LG.seg + 1, (size_t)--LG.nseg * sizeof *LG.seg);
     seg_free(s);
@@ -5795,7 +6633,9 @@ static int ledger_retire(segment *s, int64_t now) {
 }
 
 /* The first day the ledger keeps (UTC midnight, wall ms). */
-static int64_t ledger_retained_from(int64_t now) { return day_of(now) - (int64_t)S.ledger_days * DAY_MS; }
+static int64_t ledger_retained_from(int64_t now) {
+    return day_of(now) - (int64_t)S.ledger_days * DAY_MS;
+}
 
 /* Called each loop turn: the turn's events are written, a day that ended
  * is sealed, a chunk that could not be written tried again, one expired
@@ -5803,13 +6643,15 @@ static int64_t ledger_retained_from(int64_t now) { return day_of(now) - (int64_t
 static void ledger_tick(int64_t now) {
     for (int i = 0; i < LG.nseg; i++) {
         segment *s = LG.seg[i];
-        if (s->state != SEG_SEALED && !s->f.failing && s->f.written < s->f.pending.len && log_write(&s->f) < 0)
+        if (s->state != SEG_SEALED && !s->f.failing && s->f.written < s->f.pending.len &&
+            log_write(&s->f) < 0)
             timer_set(&ledger_sync_timer, LEDGER_RETRY_MS);
         if (s->state == SEG_OPEN && s->day < day_of(now)) s->state = SEG_SEALING;
         if (s->state == SEG_OPEN && s->idx_failing && S.now >= s->retry_at) seg_spill(s);
         seg_seal_step(s);
     }
-    if (LG.nseg && LG.seg[0]->state == SEG_SEALED && LG.seg[0]->day < ledger_retained_from(now)) ledger_retire(LG.seg[0], now);
+    if (LG.nseg && LG.seg[0]->state == SEG_SEALED && LG.seg[0]->day < ledger_retained_from(now))
+        ledger_retire(LG.seg[0], now);
 }
 
 /* ---- the migration from the single-file ledger (version 1) ----
@@ -5819,36 +6661,57 @@ static void ledger_tick(int64_t now) {
  * the file removed; nothing else in this section knows it existed. */
 
 /* One event of a version-1 ledger.log, rewritten into the day's segment. */
-static int ledger_migrate_apply(void *ctx, const char *p, size_t n, off_t at, char *err, size_t errlen) {
+static int ledger_migrate_apply(void *ctx, const char *p, size_t n, off_t at, char *err,
+                                size_t errlen) {
     (void)at;
     segment **cur = ctx;
     json_tok t[96];
     json_result res;
-    if (json_parse(p, n, t, 96, 2, &res) < 0) { snprintf(err, errlen, "not JSON: %s at byte %zu", res.err, res.err_offset); return LTG_ERR; }
+    if (json_parse(p, n, t, 96, 2, &res) < 0) {
+        snprintf(err, errlen, "not JSON: %s at byte %zu", res.err, res.err_offset);
+        return LTG_ERR;
+    }
     int e = json_get(p, t, 0, "e"), r = json_get(p, t, 0, "r");
     long long when, charged, in = 0, out = 0;
-    if (e < 0 || json_int(p, t, json_get(p, t, 0, "t"), &when) < 0 || json_int(p, t, json_get(p, t, 0, "c"), &charged) < 0) {
+    if (e < 0 || json_int(p, t, json_get(p, t, 0, "t"), &when) < 0 ||
+        json_int(p, t, json_get(p, t, 0, "c"), &charged) < 0) {
         snprintf(err, errlen, "not a spend event");
         return LTG_ERR;
     }
-    int ki = json_get(p, t, e, "token_key_id"), gi = json_get(p, t, e, "token_group_id"), mv = json_get(p, t, e, "model");
+    int ki = json_get(p, t, e, "token_key_id"), gi = json_get(p, t, e, "token_group_id"),
+        mv = json_get(p, t, e, "model");
     if (mv < 0 || t[mv].type != JSON_STRING) mv = json_get(p, t, e, "requested_model");
-    if (!is_uuid(p, t, ki) || !is_uuid(p, t, gi) || mv < 0 || t[mv].type != JSON_STRING || t[mv].end - t[mv].start > ALIAS_MAX) {
+    if (!is_uuid(p, t, ki) || !is_uuid(p, t, gi) || mv < 0 || t[mv].type != JSON_STRING ||
+        t[mv].end - t[mv].start > ALIAS_MAX) {
         snprintf(err, errlen, "a spend event without its key, group or model");
         return LTG_ERR;
     }
-    json_int(p, t, json_get(p, t, e, "input_tokens"), &in), json_int(p, t, json_get(p, t, e, "output_tokens"), &out);
+    json_int(p, t, json_get(p, t, e, "input_tokens"), &in);
+    json_int(p, t, json_get(p, t, e, "output_tokens"), &out);
     int st = json_get(p, t, e, "status"), hit = json_get(p, t, e, "cache_hit");
-    rec_view v = {.at = when, .charged = charged, .tok = {[TOK_IN] = (uint32_t)in, [TOK_OUT] = (uint32_t)out},
-                  .status = (uint8_t)(json_eq(p, t, st, "failed") ? EV_FAILED : json_eq(p, t, st, "partial") ? EV_PARTIAL : EV_SUCCEEDED),
-                  .flags = (uint8_t)((hit >= 0 && t[hit].type == JSON_TRUE ? EVF_CACHE_HIT : 0) | (r >= 0 ? EVF_REPLAY : 0)),
-                  .key = p + t[ki].start, .group = p + t[gi].start, .model = p + t[mv].start, .model_len = t[mv].end - t[mv].start,
-                  .event = p + t[e].start, .event_len = t[e].end - t[e].start, .replay = r >= 0 ? p + t[r].start : "",
+    rec_view v = {.at = when,
+                  .charged = charged,
+                  .tok = {[TOK_IN] = (uint32_t)in, [TOK_OUT] = (uint32_t)out},
+                  .status = (uint8_t)(json_eq(p, t, st, "failed")    ? EV_FAILED
+                                      : json_eq(p, t, st, "partial") ? EV_PARTIAL
+                                                                     : EV_SUCCEEDED),
+                  .flags = (uint8_t)((hit >= 0 && t[hit].type == JSON_TRUE ? EVF_CACHE_HIT : 0) |
+                                     (r >= 0 ? EVF_REPLAY : 0)),
+                  .key = p + t[ki].start,
+                  .group = p + t[gi].start,
+                  .model = p + t[mv].start,
+                  .model_len = t[mv].end - t[mv].start,
+                  .event = p + t[e].start,
+                  .event_len = t[e].end - t[e].start,
+                  .replay = r >= 0 ? p + t[r].start : "",
                   .replay_len = r >= 0 ? t[r].end - t[r].start : 0};
     if (v.at < LG.last_at) v.at = LG.last_at;
     LG.last_at = v.at;
     if (!*cur || (*cur)->day < day_of(v.at)) {
-        if (*cur && (log_sync(&(*cur)->f) < 0 || close((*cur)->f.fd) < 0)) { snprintf(err, errlen, "%s", (*cur)->f.why); return LTG_ERR; }
+        if (*cur && (log_sync(&(*cur)->f) < 0 || close((*cur)->f.fd) < 0)) {
+            snprintf(err, errlen, "%s", (*cur)->f.why);
+            return LTG_ERR;
+        }
         if (*cur) (*cur)->f.fd = -1;
         *cur = seg_new(day_of(v.at));
     }
@@ -5876,24 +6739,35 @@ static int ledger_migrate(const char *data, char *err, size_t errlen) {
     if (stat(LG.dir, &st) == 0) { unlink(old); return 0; } /* the crash came after the switch */
     DIR *d = opendir(tmpdir);
     for (struct dirent *de; d && (de = readdir(d));)
-        if (de->d_name[0] != '.') snprintf(path, sizeof path, "%s/%.60s", tmpdir, de->d_name), unlink(path);
+        if (de->d_name[0] != '.') {
+            snprintf(path, sizeof path, "%s/%.60s", tmpdir, de->d_name);
+            unlink(path);
+        }
     if (d) closedir(d);
-    if (mkdir(tmpdir, 0700) < 0 && errno != EEXIST) { snprintf(err, errlen, "%s: %s", tmpdir, strerror(errno)); return LTG_ERR; }
+    if (mkdir(tmpdir, 0700) < 0 && errno != EEXIST) {
+        snprintf(err, errlen, "%s: %s", tmpdir, strerror(errno));
+        return LTG_ERR;
+    }
     char dir[256];
     memcpy(dir, LG.dir, sizeof dir);
     snprintf(LG.dir, sizeof LG.dir, "%.240s", tmpdir);
     segment *cur = NULL;
     logfile f = {.fd = -1};
     ltg_log("ledger: migrating %s into daily segments under %s", old, dir);
-    int rc = log_open(&f, data, "ledger.log", LEDGER_V1_MAGIC, 0, ledger_migrate_apply, &cur, err, errlen);
+    int rc = log_open(&f, data, "ledger.log", LEDGER_V1_MAGIC, 0, ledger_migrate_apply, &cur, err,
+                      errlen);
     if (f.fd >= 0) close(f.fd);
-    if (rc == 0 && cur && (log_sync(&cur->f) < 0 || close(cur->f.fd) < 0)) rc = LTG_ERR, snprintf(err, errlen, "%s", cur->f.why);
+    if (rc == 0 && cur && (log_sync(&cur->f) < 0 || close(cur->f.fd) < 0)) {
+        rc = LTG_ERR;
+        snprintf(err, errlen, "%s", cur->f.why);
+    }
     int nseg = LG.nseg;
     while (LG.nseg) seg_free(LG.seg[--LG.nseg]); /* start-up opens them again */
     memcpy(LG.dir, dir, sizeof dir);
     LG.last_at = 0;
     if (rc < 0) return LTG_ERR;
-    if (fsync_dir(tmpdir) < 0 || rename(tmpdir, LG.dir) < 0 || fsync_dir(data) < 0 || unlink(old) < 0 || fsync_dir(data) < 0) {
+    if (fsync_dir(tmpdir) < 0 || rename(tmpdir, LG.dir) < 0 || fsync_dir(data) < 0 ||
+        unlink(old) < 0 || fsync_dir(data) < 0) {
         snprintf(err, errlen, "migrating the ledger into %s: %s", LG.dir, strerror(errno));
         return LTG_ERR;
     }
@@ -5901,7 +6775,10 @@ static int ledger_migrate(const char *data, char *err, size_t errlen) {
     return 0;
 }
 
-static int day_cmp(const void *a, const void *b) { return (*(const int64_t *)a > *(const int64_t *)b) - (*(const int64_t *)a < *(const int64_t *)b); }
+static int day_cmp(const void *a, const void *b) {
+    return (*(const int64_t *)a > *(const int64_t *)b) -
+           (*(const int64_t *)a < *(const int64_t *)b);
+}
 
 /* ---- start-up ---- */
 
@@ -5912,7 +6789,10 @@ static int day_cmp(const void *a, const void *b) { return (*(const int64_t *)a >
 static int ledger_open(const char *data, int64_t now, char *err, size_t errlen) {
     snprintf(LG.dir, sizeof LG.dir, "%.200s/ledger", data);
     if (ledger_migrate(data, err, errlen) < 0) return LTG_ERR;
-    if (mkdir(LG.dir, 0700) < 0 && errno != EEXIST) { snprintf(err, errlen, "%s: %s", LG.dir, strerror(errno)); return LTG_ERR; }
+    if (mkdir(LG.dir, 0700) < 0 && errno != EEXIST) {
+        snprintf(err, errlen, "%s: %s", LG.dir, strerror(errno));
+        return LTG_ERR;
+    }
     DIR *d = opendir(LG.dir);
     if (!d) { snprintf(err, errlen, "%s: %s", LG.dir, strerror(errno)); return LTG_ERR; }
     int64_t *days = NULL;
@@ -5921,11 +6801,15 @@ static int ledger_open(const char *data, int64_t now, char *err, size_t errlen) 
         char day[16], path[320];
         size_t n = strlen(de->d_name);
         int64_t ms;
-        if (n > 4 && strcmp(de->d_name + n - 4, ".tmp") == 0) snprintf(path, sizeof path, "%s/%.60s", LG.dir, de->d_name), unlink(path);
+        if (n > 4 && strcmp(de->d_name + n - 4, ".tmp") == 0) {
+            snprintf(path, sizeof path, "%s/%.60s", LG.dir, de->d_name);
+            unlink(path);
+        }
         if (n != 14 || strcmp(de->d_name + 10, ".log") != 0) continue;
         snprintf(day, sizeof day, "%.10s", de->d_name);
         if (parse_day(day, &ms) < 0) continue;
-        days = xrealloc(days, (ndays + 1) * sizeof *days), days[ndays++] = ms;
+        days = xrealloc(days, (ndays + 1) * sizeof *days);
+        days[ndays++] = ms;
     }
     closedir(d);
     if (ndays) qsort(days, ndays, sizeof *days, day_cmp);
@@ -5941,15 +6825,23 @@ static int ledger_open(const char *data, int64_t now, char *err, size_t errlen) 
         }
         char name[32];
         seg_path(s->day, ".log", NULL, name, sizeof name);
-        if (!open_day) ltg_log("ledger: rebuilding the index of %s from its log%s", s->f.path, s->nchunk ? " (past the chunks its index file holds)" : "");
+        if (!open_day)
+            ltg_log("ledger: rebuilding the index of %s from its log%s", s->f.path,
+                    s->nchunk ? " (past the chunks its index file holds)" : "");
         rc = log_open(&s->f, LG.dir, name, SEG_MAGIC, (off_t)from, seg_apply, s, err, errlen);
-        if (!open_day && rc == 0) s->state = SEG_SEALING, seg_seal_step(s);
+        if (!open_day && rc == 0) {
+            s->state = SEG_SEALING;
+            seg_seal_step(s);
+        }
     }
     free(days);
     if (rc < 0) return LTG_ERR;
     for (int i = 0; i < LG.nseg; i++)
-        if (seg_count(LG.seg[i]) && seg_last_at(LG.seg[i]) > LG.last_at) LG.last_at = seg_last_at(LG.seg[i]);
-    while (LG.nseg && LG.seg[0]->state == SEG_SEALED && LG.seg[0]->day < ledger_retained_from(now) && ledger_retire(LG.seg[0], now) == 0) {}
+        if (seg_count(LG.seg[i]) && seg_last_at(LG.seg[i]) > LG.last_at)
+            LG.last_at = seg_last_at(LG.seg[i]);
+    while (LG.nseg && LG.seg[0]->state == SEG_SEALED &&
+           LG.seg[0]->day < ledger_retained_from(now) && ledger_retire(LG.seg[0], now) == 0) {
+    }
     return 0;
 }
 
@@ -5974,15 +6866,24 @@ static size_t ledger_page(const ledger_query *q, size_t skip, size_t size, jwrit
         rec_view rv;
         uint32_t pos;
         const char *id = q->key ? q->key : q->group;
-        if (view_open(&v, s, q->key ? 'k' : q->group ? 'g' : 0, id, s->day == q->snap_day ? q->snap_n : UINT32_MAX) == 0)
+        if (view_open(&v, s,
+                      q->key     ? 'k'
+                      : q->group ? 'g'
+                                 : 0,
+                      id, s->day == q->snap_day ? q->snap_n : UINT32_MAX) == 0)
             for (uint32_t c = 0; c < seg_parts(s); c++) {
                 int64_t n = view_part(&v, c);
-                /* A key belongs to one group for life: with both filters, its first event says whether any match. */
+                /* A key belongs to one group for life: with both filters, its first event says
+                 * whether any match. */
                 if (n > 0 && q->key && q->group &&
-                    (view_pos(&v, 0, &pos) < 0 || view_record(&v, pos, &rec, &rv) < 0 || memcmp(rv.group, q->group, 36) != 0))
+                    (view_pos(&v, 0, &pos) < 0 || view_record(&v, pos, &rec, &rv) < 0 ||
+                     memcmp(rv.group, q->group, 36) != 0))
                     n = 0;
-                for (int64_t r = skip > total ? (int64_t)(skip - total) : 0; n > 0 && r < n && total + (size_t)r < skip + size; r++)
-                    if (view_pos(&v, (uint64_t)r, &pos) == 0 && view_record(&v, pos, &rec, &rv) == 0) jw_raw(w, rv.event, rv.event_len);
+                for (int64_t r = skip > total ? (int64_t)(skip - total) : 0;
+                     n > 0 && r < n && total + (size_t)r < skip + size; r++)
+                    if (view_pos(&v, (uint64_t)r, &pos) == 0 &&
+                        view_record(&v, pos, &rec, &rv) == 0)
+                        jw_raw(w, rv.event, rv.event_len);
                 if (n > 0) total += (size_t)n;
             }
         view_close(&v);
@@ -5997,9 +6898,11 @@ typedef struct {
     usage_row u;
 } model_usage;
 
-static void model_usage_add(model_usage **mu, int *n, const char *alias, size_t len, const usage_row *u) {
+static void model_usage_add(model_usage **mu, int *n, const char *alias, size_t len,
+                            const usage_row *u) {
     int i = 0;
-    while (i < *n && (strlen((*mu)[i].alias) != len || memcmp((*mu)[i].alias, alias, len) != 0)) i++;
+    while (i < *n && (strlen((*mu)[i].alias) != len || memcmp((*mu)[i].alias, alias, len) != 0))
+        i++;
     if (i == *n) {
         *mu = xrealloc(*mu, (size_t)(*n + 1) * sizeof **mu);
         memset(&(*mu)[i], 0, sizeof **mu);
@@ -6022,7 +6925,10 @@ static void view_usage(const seg_view *v, usage_row *day, model_usage **mu, int 
             usage_add(&per[e->model], e);
         }
         for (uint32_t k = 0; k < m->nnames; k++)
-            if (per[k].requests) usage_sum(day, &per[k]), model_usage_add(mu, nmu, m->names[k]->s + 1, strlen(m->names[k]->s + 1), &per[k]);
+            if (per[k].requests) {
+                usage_sum(day, &per[k]);
+                model_usage_add(mu, nmu, m->names[k]->s + 1, strlen(m->names[k]->s + 1), &per[k]);
+            }
         free(per);
         return;
     }
@@ -6037,19 +6943,23 @@ static void view_usage(const seg_view *v, usage_row *day, model_usage **mu, int 
         if (memcmp(row.group, want, 36) < 0) lo = mid + 1;
         else hi = mid;
     }
-    for (uint64_t r = lo; r < nrows && idx_read(v->h, v->fd, sec, r, 1, &row) == 0 && memcmp(row.group, want, 36) == 0; r++) {
+    for (uint64_t r = lo; r < nrows && idx_read(v->h, v->fd, sec, r, 1, &row) == 0 &&
+                          memcmp(row.group, want, 36) == 0;
+         r++) {
         idx_name nm;
         char alias[ALIAS_MAX + 2];
-        if (idx_read(v->h, v->fd, SEC_NAMES, row.model, 1, &nm) < 0 || nm.len < 2 || nm.len > ALIAS_MAX + 1 ||
-            idx_read(v->h, v->fd, SEC_STRINGS, nm.str, nm.len, alias) < 0)
+        if (idx_read(v->h, v->fd, SEC_NAMES, row.model, 1, &nm) < 0 || nm.len < 2 ||
+            nm.len > ALIAS_MAX + 1 || idx_read(v->h, v->fd, SEC_STRINGS, nm.str, nm.len, alias) < 0)
             continue;
-        usage_sum(day, &row.u), model_usage_add(mu, nmu, alias + 1, nm.len - 1, &row.u);
+        usage_sum(day, &row.u);
+        model_usage_add(mu, nmu, alias + 1, nm.len - 1, &row.u);
     }
 }
 
 /* Usage of the days [start, start + days), of one group or all: per day
  * (by_day[days]), per model (*mu, *nmu) and in all (total). */
-static void ledger_usage(int64_t start, int days, const char *gid, usage_row *by_day, usage_row *total, model_usage **mu, int *nmu) {
+static void ledger_usage(int64_t start, int days, const char *gid, usage_row *by_day,
+                         usage_row *total, model_usage **mu, int *nmu) {
     for (int i = 0; i < LG.nseg; i++) {
         segment *s = LG.seg[i];
         if (s->day < start || s->day >= start + days * DAY_MS) continue;
@@ -6065,7 +6975,8 @@ static void ledger_usage(int64_t start, int days, const char *gid, usage_row *by
 
 /* Every spend event since `since` that carries an idempotent answer:
  * fn(its record, where it is). */
-static void ledger_replays(int64_t since, void (*fn)(const rec_view *rv, int64_t day, uint64_t off, uint32_t len)) {
+static void ledger_replays(int64_t since, void (*fn)(const rec_view *rv, int64_t day, uint64_t off,
+                                                     uint32_t len)) {
     buf rec = {0};
     for (int i = 0; i < LG.nseg; i++) {
         segment *s = LG.seg[i];
@@ -6081,7 +6992,9 @@ static void ledger_replays(int64_t since, void (*fn)(const rec_view *rv, int64_t
                 uint32_t len;
                 if (v.h && idx_read(v.h, v.fd, SEC_REPLAYS, k, 1, &pos) < 0) continue;
                 pos += v.first;
-                if (view_record(&v, pos, &rec, &rv) == 0 && rv.at >= since && view_loc(&v, pos, &off, &len) == 0) fn(&rv, s->day, off, len);
+                if (view_record(&v, pos, &rec, &rv) == 0 && rv.at >= since &&
+                    view_loc(&v, pos, &off, &len) == 0)
+                    fn(&rv, s->day, off, len);
             }
         }
         view_close(&v);
@@ -6109,8 +7022,8 @@ static void ledger_replays(int64_t since, void (*fn)(const rec_view *rv, int64_t
  * sealed log is read, and a day costs a few reads however busy it was.
  *
  * The cache holds whole non-streaming 200 answers whose usage the
- * provider reported, by (group, endpoint, requested model, body), for the group's cache_ttl, least recently used out first
- * within --cache-mb.
+ * provider reported, by (group, endpoint, requested model, body), for the
+ * group's cache_ttl, least recently used out first within --cache-mb.
  *
  * Idempotent inference (README "Idempotent inference"): the first whole answer to a request with
  * an Idempotency-Key (up to REPLAY_MAX_BYTES; not a failure, not a cached one) is kept in that
@@ -6141,7 +7054,10 @@ static void budget_refresh(allowance *a, int64_t now) {
     if (a->period_end && now >= a->period_start && now < a->period_end) return;
     int64_t start, end;
     allow_period(a, now, &start, &end);
-    if (start != a->period_start) a->period_start = start, a->spend = allow_carried(a, start);
+    if (start != a->period_start) {
+        a->period_start = start;
+        a->spend = allow_carried(a, start);
+    }
     a->period_end = end;
 }
 
@@ -6158,7 +7074,8 @@ static double budget_remaining(const allowance *a, int64_t now) {
 
 /* Would `more` micro-USD fit a's budget at `now`? */
 static int budget_fits(const allowance *a, int64_t more, int64_t now) {
-    return !a->has_budget || budget_spent(a, now) + a->reserved + more <= usd_to_micro(a->max_budget);
+    return !a->has_budget ||
+           budget_spent(a, now) + a->reserved + more <= usd_to_micro(a->max_budget);
 }
 
 static void budget_recount(allowance *a, char kind, const char *id, int64_t now);
@@ -6179,17 +7096,24 @@ static void budget_follow(allowance *a, char kind, const char *id, int64_t now) 
 static void budget_carry(allowance *a, int64_t spent, segment *s, carry_undo *undo) {
     *undo = (carry_undo){a, a->carry, a->carry_start, a->carry_to};
     a->carry = allow_carried(a, a->period_start) + spent;
-    a->carry_start = a->period_start, a->carry_to = s->day + DAY_MS;
+    a->carry_start = a->period_start;
+    a->carry_to = s->day + DAY_MS;
 }
 
-static void budget_uncarry(const carry_undo *u) { u->a->carry = u->carry, u->a->carry_start = u->start, u->a->carry_to = u->to; }
+static void budget_uncarry(const carry_undo *u) {
+    u->a->carry = u->carry;
+    u->a->carry_start = u->start;
+    u->a->carry_to = u->to;
+}
 
 /* A day of a group without a budget is deleted: what it spent goes from
  * the spend it shows, which counts the days kept. */
 static void budget_forget(group *g, int64_t spent) { g->s.al.spend -= spent; }
 
 /* Does the carried spend of a cover day s (it was counted before s was deleted)? */
-static int carried_covers(const allowance *a, const segment *s) { return a->carry_to > s->day && a->carry_start == a->period_start; }
+static int carried_covers(const allowance *a, const segment *s) {
+    return a->carry_to > s->day && a->carry_start == a->period_start;
+}
 
 /* The spend in its current period of a, the allowance of group or key
  * `id` (kind 'g' or 'k'), summed again from the ledger after a change
@@ -6197,9 +7121,12 @@ static int carried_covers(const allowance *a, const segment *s) { return a->carr
 static void budget_recount(allowance *a, char kind, const char *id, int64_t now) {
     int64_t start, end;
     allow_period(a, now, &start, &end);
-    a->period_start = start, a->period_end = end, a->spend = allow_carried(a, start);
+    a->period_start = start;
+    a->period_end = end;
+    a->spend = allow_carried(a, start);
     for (int i = 0; i < LG.nseg; i++)
-        if (LG.seg[i]->day + DAY_MS > start && !carried_covers(a, LG.seg[i])) a->spend += seg_spent_since(LG.seg[i], kind, id, start);
+        if (LG.seg[i]->day + DAY_MS > start && !carried_covers(a, LG.seg[i]))
+            a->spend += seg_spent_since(LG.seg[i], kind, id, start);
 }
 
 /* Add what a group or key spent in a sealed day, unless carried already. */
@@ -6210,8 +7137,9 @@ static void rebuild_add(const char *name, allowance *a, int64_t spent, void *ctx
 
 static void warn_long_period(const allowance *a, const char *what, const char *id) {
     if (a->has_budget && allow_days(a) > S.ledger_days)
-        ltg_log("warning: %s %s has a budget period of %d days, longer than --ledger-days %d: what retention deletes of it is carried", what, id,
-                allow_days(a), S.ledger_days);
+        ltg_log("warning: %s %s has a budget period of %d days, longer than --ledger-days %d: what "
+                "retention deletes of it is carried",
+                what, id, allow_days(a), S.ledger_days);
 }
 
 /* Every group's and budgeted key's spend at start-up (see the notes above). */
@@ -6221,7 +7149,9 @@ static void budget_rebuild(int64_t now) {
         tkey *k = i < ST.gv.n ? NULL : ST.kv.p[i - ST.gv.n];
         allowance *a = g ? &g->s.al : k ? &k->s.al : NULL;
         if (!a) continue;
-        a->period_start = -1, a->period_end = 0; /* no period yet: budget_refresh starts the current one */
+        /* no period yet: budget_refresh starts the current one */
+        a->period_start = -1;
+        a->period_end = 0;
         budget_refresh(a, now);
         warn_long_period(a, g ? "token group" : "token key", g ? g->s.id : k->s.id);
     }
@@ -6240,7 +7170,10 @@ typedef struct cache_entry {
     int64_t expires;      /* S.now ms */
 } cache_entry;
 
-static const void *cache_key(const void *it, size_t *n) { *n = 32; return ((const cache_entry *)it)->key; }
+static const void *cache_key(const void *it, size_t *n) {
+    *n = 32;
+    return ((const cache_entry *)it)->key;
+}
 
 static struct {
     hmap map;
@@ -6260,11 +7193,13 @@ static void cache_drop(cache_entry *e) {
     cache_unlink(e);
     hmap_del(&CACHE.map, e->key, 32);
     CACHE.bytes -= e->len + sizeof *e;
-    free(e->body), free(e);
+    free(e->body);
+    free(e);
 }
 
 /* The key of a cacheable answer: group, requested model, body. */
-static void cache_keyof(const char *group_id, const char *path, const char *alias, const char *body, size_t n, uint8_t out[32]) {
+static void cache_keyof(const char *group_id, const char *path, const char *alias, const char *body,
+                        size_t n, uint8_t out[32]) {
     br_sha256_context h;
     br_sha256_init(&h);
     br_sha256_update(&h, group_id, strlen(group_id) + 1);
@@ -6292,14 +7227,18 @@ static cache_entry *cache_get(const uint8_t key[32]) {
     return e;
 }
 
-static void cache_put(const uint8_t key[32], const char *body, size_t n, const char *served, const long long tok[NTOK], int64_t ttl_ms) {
+static void cache_put(const uint8_t key[32], const char *body, size_t n, const char *served,
+                      const long long tok[NTOK], int64_t ttl_ms) {
     if (n + sizeof(cache_entry) > CACHE.limit) return;
     cache_entry *old = hmap_get(&CACHE.map, key, 32);
     if (old) cache_drop(old);
-    while (CACHE.tail && CACHE.bytes + n + sizeof(cache_entry) > CACHE.limit) cache_drop(CACHE.tail);
+    while (CACHE.tail && CACHE.bytes + n + sizeof(cache_entry) > CACHE.limit)
+        cache_drop(CACHE.tail);
     cache_entry *e = xcalloc(1, sizeof *e);
     memcpy(e->key, key, 32);
-    e->body = xmalloc(n ? n : 1), memcpy(e->body, body, n), e->len = n;
+    e->body = xmalloc(n ? n : 1);
+    memcpy(e->body, body, n);
+    e->len = n;
     snprintf(e->served, sizeof e->served, "%s", served);
     memcpy(e->tok, tok, sizeof e->tok);
     e->expires = S.now + ttl_ms;
@@ -6323,13 +7262,18 @@ typedef struct inf_idem {
     uint64_t off;
     uint32_t len;
     int64_t expires;      /* wall ms */
-    const buf *keep;      /* while its request's spend event waits for a meter: the answer, in the exchange */
-    int cached;           /* the first answer came from the cache: no copy is kept (a tenant could fill the disk
-                             with copies of one answer); a retry gets it from the cache while it is there, else runs again */
+    /* while its request's spend event waits for a meter: the answer, in the exchange */
+    const buf *keep;
+    /* the first answer came from the cache: no copy is kept (a tenant could fill the disk with
+     * copies of one answer); a retry gets it from the cache while it is there, else runs again */
+    int cached;
     uint8_t cache_key[32];
 } inf_idem;
 
-static const void *inf_idem_key(const void *it, size_t *n) { *n = 32; return ((const inf_idem *)it)->key; }
+static const void *inf_idem_key(const void *it, size_t *n) {
+    *n = 32;
+    return ((const inf_idem *)it)->key;
+}
 static hmap INF_IDEM = {.key = inf_idem_key};
 
 static int cache_holds(const uint8_t key[32]);
@@ -6350,8 +7294,12 @@ static void inf_idem_json(buf *out, const inf_idem *r, const char *answer, size_
     jwriter w;
     jw_init(&w, out);
     jw_open(&w, '{');
-    hex_encode(r->key, 32, hex), jw_key(&w, "k"), jw_cstr(&w, hex);
-    hex_encode(r->body, 32, hex), jw_key(&w, "b"), jw_cstr(&w, hex);
+    hex_encode(r->key, 32, hex);
+    jw_key(&w, "k");
+    jw_cstr(&w, hex);
+    hex_encode(r->body, 32, hex);
+    jw_key(&w, "b");
+    jw_cstr(&w, hex);
     jw_key(&w, "s"), jw_int(&w, r->status);
     jw_key(&w, "st"), jw_bool(&w, r->stream);
     jw_key(&w, "m"), jw_cstr(&w, r->served);
@@ -6366,13 +7314,21 @@ static void inf_idem_restore(const rec_view *rv, int64_t day, uint64_t off, uint
     json_result res;
     long long st;
     if (json_parse(p, rv->replay_len, t, 16, 1, &res) < 0) return;
-    int k = json_get(p, t, 0, "k"), b = json_get(p, t, 0, "b"), m = json_get(p, t, 0, "m"), str = json_get(p, t, 0, "st");
-    if (k < 0 || b < 0 || m < 0 || t[k].end - t[k].start != 64 || t[b].end - t[b].start != 64 || json_int(p, t, json_get(p, t, 0, "s"), &st) < 0)
+    int k = json_get(p, t, 0, "k"), b = json_get(p, t, 0, "b"), m = json_get(p, t, 0, "m"),
+        str = json_get(p, t, 0, "st");
+    if (k < 0 || b < 0 || m < 0 || t[k].end - t[k].start != 64 || t[b].end - t[b].start != 64 ||
+        json_int(p, t, json_get(p, t, 0, "s"), &st) < 0)
         return;
     inf_idem *rec = xcalloc(1, sizeof *rec);
-    hex_decode(p + t[k].start, 64, rec->key), hex_decode(p + t[b].start, 64, rec->body);
-    rec->done = 1, rec->status = (int)st, rec->stream = str >= 0 && t[str].type == JSON_TRUE;
-    rec->day = day, rec->off = off, rec->len = len, rec->expires = rv->at + IDEM_TTL_MS;
+    hex_decode(p + t[k].start, 64, rec->key);
+    hex_decode(p + t[b].start, 64, rec->body);
+    rec->done = 1;
+    rec->status = (int)st;
+    rec->stream = str >= 0 && t[str].type == JSON_TRUE;
+    rec->day = day;
+    rec->off = off;
+    rec->len = len;
+    rec->expires = rv->at + IDEM_TTL_MS;
     snprintf(rec->served, sizeof rec->served, "%.*s", (int)(t[m].end - t[m].start), p + t[m].start);
     free(hmap_get(&INF_IDEM, rec->key, 32)); /* a later answer for the same key wins */
     hmap_put(&INF_IDEM, rec);
@@ -6391,7 +7347,8 @@ static int inf_idem_answer(const inf_idem *r, buf *out) {
     json_result res;
     int rc = LTG_ERR, a;
     if (s && view_open(&v, s, 0, NULL, UINT32_MAX) >= 0) {
-        if (seg_record_at(&v, r->off, r->len, &rec, &rv) == 0 && json_parse(rv.replay, rv.replay_len, t, 16, 1, &res) == 0 &&
+        if (seg_record_at(&v, r->off, r->len, &rec, &rv) == 0 &&
+            json_parse(rv.replay, rv.replay_len, t, 16, 1, &res) == 0 &&
             (a = json_get(rv.replay, t, 0, "a")) >= 0 && t[a].type == JSON_STRING) {
             out->len = 0;
             json_unescape(rv.replay, t, a, out);
@@ -6415,7 +7372,10 @@ static void store_purge(int64_t now) {
     vec_squeeze(&ST.iv);
     for (size_t i = 0; i < INF_IDEM.cap; i++) { /* and the replay records of inference */
         inf_idem *r = INF_IDEM.slot[i];
-        if (r && r != HMAP_TOMB && r->done && r->expires <= now) hmap_del(&INF_IDEM, r->key, 32), free(r);
+        if (r && r != HMAP_TOMB && r->done && r->expires <= now) {
+            hmap_del(&INF_IDEM, r->key, 32);
+            free(r);
+        }
     }
 }
 
@@ -6427,7 +7387,10 @@ static int store_tick(void) {
     static int64_t purged;
     int64_t now = wall_ms();
     ledger_tick(now);
-    if (S.now - purged > 60000 && !ST.frozen) purged = S.now, store_purge(now);
+    if (S.now - purged > 60000 && !ST.frozen) {
+        purged = S.now;
+        store_purge(now);
+    }
     if (compact_due(now)) compact_start();
     if (!LOG.compacting) return 0;
     compact_step(now);
@@ -6465,8 +7428,14 @@ static long rl_wait(const rl_window *w, int64_t now, int tokens, int64_t need, i
  * seconds to wait (*which names the limit). */
 static long rate_check(const allowance *a, int requests, int64_t tokens, const char **which) {
     int64_t now = S.now / 1000;
-    if (requests && a->rpm_limit != UNSET && rl_used(a->rl, now, 0) + 1 > a->rpm_limit) { *which = "rpm_limit"; return rl_wait(a->rl, now, 0, 1, a->rpm_limit); }
-    if (a->tpm_limit != UNSET && rl_used(a->rl, now, 1) + tokens > a->tpm_limit) { *which = "tpm_limit"; return rl_wait(a->rl, now, 1, tokens, a->tpm_limit); }
+    if (requests && a->rpm_limit != UNSET && rl_used(a->rl, now, 0) + 1 > a->rpm_limit) {
+        *which = "rpm_limit";
+        return rl_wait(a->rl, now, 0, 1, a->rpm_limit);
+    }
+    if (a->tpm_limit != UNSET && rl_used(a->rl, now, 1) + tokens > a->tpm_limit) {
+        *which = "tpm_limit";
+        return rl_wait(a->rl, now, 1, tokens, a->tpm_limit);
+    }
     return 0;
 }
 
@@ -6478,8 +7447,13 @@ static void rate_count(allowance *a, int requests, int64_t tokens, int64_t sec) 
     if (!a->rl) a->rl = xcalloc(1, sizeof *a->rl);
     int i = (int)(sec % RL_SLOTS);
     if (a->rl->sec[i] > sec) return;
-    if (a->rl->sec[i] != sec) a->rl->sec[i] = sec, a->rl->req[i] = 0, a->rl->tok[i] = 0;
-    a->rl->req[i] += requests, a->rl->tok[i] += tokens;
+    if (a->rl->sec[i] != sec) {
+        a->rl->sec[i] = sec;
+        a->rl->req[i] = 0;
+        a->rl->tok[i] = 0;
+    }
+    a->rl->req[i] += requests;
+    a->rl->tok[i] += tokens;
 }
 
 /* The request counted `reserved` tokens in second `sec`; it used `used`. */
@@ -6513,27 +7487,43 @@ typedef struct {
     long wait;          /* a rate limit's seconds until enough frees */
 } hold_refusal;
 
-static int hold_reserve(allowance *const al[], int n, int64_t cost, int64_t tok, int64_t now, hold *h, hold_refusal *why) {
-    int more = h->held; /* a later attempt of a request held already: the request itself is counted */
-    for (int i = 0; i < n; i++) budget_refresh(al[i], now); /* admission: where a budget period ends */
+static int hold_reserve(allowance *const al[], int n, int64_t cost, int64_t tok, int64_t now,
+                        hold *h, hold_refusal *why) {
+    /* a later attempt of a request held already: the request itself is counted */
+    int more = h->held;
+    /* admission: where a budget period ends */
+    for (int i = 0; i < n; i++) budget_refresh(al[i], now);
     for (int i = 0; i < n; i++)
-        if ((why->wait = rate_check(al[i], !more, tok, &why->limit))) { why->who = i; return LTG_ERR; }
+        if ((why->wait = rate_check(al[i], !more, tok, &why->limit))) {
+            why->who = i;
+            return LTG_ERR;
+        }
     for (int i = 0; i < n; i++)
-        if (!budget_fits(al[i], cost, now)) { *why = (hold_refusal){i, "max_budget", 0}; return LTG_ERR; }
+        if (!budget_fits(al[i], cost, now)) {
+            *why = (hold_refusal){i, "max_budget", 0};
+            return LTG_ERR;
+        }
     if (!more) *h = (hold){0, 0, S.now / 1000, 1};
-    h->cost += cost, h->tok += tok;
-    for (int i = 0; i < n; i++) al[i]->reserved += cost, rate_count(al[i], !more, tok, h->sec);
+    h->cost += cost;
+    h->tok += tok;
+    for (int i = 0; i < n; i++) {
+        al[i]->reserved += cost;
+        rate_count(al[i], !more, tok, h->sec);
+    }
     return 0;
 }
 
 /* The request held *h: it was charged `charged` micro-USD and used `used`
  * tokens. An allowance gone meanwhile (its key or group deleted) is NULL. */
-static void hold_settle(allowance *const al[], int n, hold *h, int64_t charged, int64_t used, int64_t now) {
+static void hold_settle(allowance *const al[], int n, hold *h, int64_t charged, int64_t used,
+                        int64_t now) {
     for (int i = 0; h->held && i < n; i++) {
         if (!al[i]) continue;
         budget_refresh(al[i], now);
-        al[i]->reserved -= h->cost, al[i]->spend += charged;
-        assert(al[i]->reserved >= 0); /* what is held is what requests in flight hold: no more is let go */
+        al[i]->reserved -= h->cost;
+        al[i]->spend += charged;
+        /* what is held is what requests in flight hold: no more is let go */
+        assert(al[i]->reserved >= 0);
         rate_settle(al[i], h->sec, h->tok, used);
     }
     *h = (hold){0, 0, 0, 0};
@@ -6549,7 +7539,10 @@ static void hold_shrink(allowance *const al[], int n, hold *h, int64_t less, int
         al[i]->reserved -= less;
         rate_settle(al[i], h->sec, fewer, 0);
     }
-    if (h->held) h->cost -= less, h->tok -= fewer;
+    if (h->held) {
+        h->cost -= less;
+        h->tok -= fewer;
+    }
 }
 
 /* ---- response pins (previous_response_id) ---- */
@@ -6559,11 +7552,17 @@ static void hold_shrink(allowance *const al[], int n, hold *h, int64_t less, int
 typedef struct {
     int64_t at;      /* S.now when made */
     size_t idlen;
-    long long tokens;/* its input and output: what a follow-up's provider adds to the input (-1: unknown) */
-    char text[];     /* the group's id (36), the response id: the key (idlen bytes); NUL, the alias, NUL, the deployment, NUL */
+    /* its input and output: what a follow-up's provider adds to the input (-1: unknown) */
+    long long tokens;
+    /* the group's id (36), the response id: the key (idlen bytes); NUL, the alias, NUL, the
+     * deployment, NUL */
+    char text[];
 } pin;
 
-static const void *pin_key(const void *it, size_t *n) { *n = ((const pin *)it)->idlen; return ((const pin *)it)->text; }
+static const void *pin_key(const void *it, size_t *n) {
+    *n = ((const pin *)it)->idlen;
+    return ((const pin *)it)->text;
+}
 static struct {
     hmap map;
     pin **ring;      /* PIN_MAX slots, oldest at `head` */
@@ -6572,7 +7571,9 @@ static struct {
 
 static void pin_drop_oldest(void) {
     pin *p = PINS.ring[PINS.head];
-    PINS.ring[PINS.head] = NULL, PINS.head = (PINS.head + 1) % PIN_MAX, PINS.n--;
+    PINS.ring[PINS.head] = NULL;
+    PINS.head = (PINS.head + 1) % PIN_MAX;
+    PINS.n--;
     if (hmap_get(&PINS.map, p->text, p->idlen) == p) hmap_del(&PINS.map, p->text, p->idlen);
     free(p);
 }
@@ -6587,7 +7588,8 @@ static void pins_expire(void) {
 static pin *pin_find(const char *gid, const char *id, size_t n) {
     char k[36 + 256];
     if (n > 256) return NULL;
-    memcpy(k, gid, 36), memcpy(k + 36, id, n);
+    memcpy(k, gid, 36);
+    memcpy(k + 36, id, n);
     return hmap_get(&PINS.map, k, 36 + n);
 }
 
@@ -6600,21 +7602,28 @@ static void pin_put(const char *gid, const char *id, size_t n, const char *alias
     if (PINS.n == PIN_MAX) pin_drop_oldest(); /* full: the oldest makes room */
     size_t kn = 36 + n, an = strlen(alias), dn = strlen(dep);
     pin *p = xcalloc(1, sizeof *p + kn + an + dn + 3);
-    p->at = S.now, p->idlen = kn, p->tokens = -1;
-    memcpy(p->text, gid, 36), memcpy(p->text + 36, id, n);
-    memcpy(p->text + kn + 1, alias, an), memcpy(p->text + kn + an + 2, dep, dn);
-    hmap_put(&PINS.map, p); /* an id made twice: the newer wins; the older leaves with its ring slot */
+    p->at = S.now;
+    p->idlen = kn;
+    p->tokens = -1;
+    memcpy(p->text, gid, 36);
+    memcpy(p->text + 36, id, n);
+    memcpy(p->text + kn + 1, alias, an);
+    memcpy(p->text + kn + an + 2, dep, dn);
+    /* an id made twice: the newer wins; the older leaves with its ring slot */
+    hmap_put(&PINS.map, p);
     PINS.ring[(PINS.head + PINS.n++) % PIN_MAX] = p;
 }
 
 /* The alias that made response `id` for `group`, or NULL; *dep gets its
  * deployment's name, *tokens its usage (-1: unknown). */
-static const char *pin_get(const char *gid, const char *id, size_t n, const char **dep, long long *tokens) {
+static const char *pin_get(const char *gid, const char *id, size_t n, const char **dep,
+                           long long *tokens) {
     pins_expire();
     pin *p = pin_find(gid, id, n);
     if (!p) return NULL;
     const char *alias = p->text + p->idlen + 1;
-    *dep = alias + strlen(alias) + 1, *tokens = p->tokens;
+    *dep = alias + strlen(alias) + 1;
+    *tokens = p->tokens;
     return alias;
 }
 
@@ -6692,8 +7701,10 @@ struct conn {
     conn_state state;
     buf in;                   /* received bytes; the current request's head first */
     size_t scan;              /* http_head_end's resume point */
-    size_t head_len, body_raw;/* bytes of `in` taken by the current head and body (until it is decoded) */
-    size_t body_in;           /* the raw bytes the body took, once decoded (the access log's bytes_in) */
+    /* bytes of `in` taken by the current head and body (until it is decoded) */
+    size_t head_len, body_raw;
+    /* the raw bytes the body took, once decoded (the access log's bytes_in) */
+    size_t body_in;
     http_request req;
     chunk_decoder cd;
     buf body;                 /* the current request's decoded body */
@@ -6702,17 +7713,20 @@ struct conn {
     uint64_t written, written_mark; /* bytes sent in all; at the timer's start */
     int keep_alive;           /* the current answer keeps the connection */
     int close_after;          /* close once `out` is written */
-    int linger;               /* ... and first read and drop what the client still sends (conn_fail) */
+    /* ... and first read and drop what the client still sends (conn_fail) */
+    int linger;
     int processing, pending, want_out, read_paused;
     timer t;                  /* what it means is the state's */
     int64_t state_at;         /* S.now: when its state began (shedding takes the oldest) */
     uint64_t served;          /* requests answered: one that had none yet is new, not idle */
     struct peer *peer;        /* its client address, counted (inference connections) */
-    uint8_t client[16];       /* that address: the socket's, or what a trusted proxy says (the access log's "client") */
+    /* that address: the socket's, or what a trusted proxy says (the access log's "client") */
+    uint8_t client[16];
     int trusted;              /* it comes from --trusted-proxies */
     int proxy_pending;        /* ... and may still begin with a PROXY protocol header */
     int forwarded;            /* its peer is the X-Forwarded-For client of the request in service */
-    void *owner;              /* what serves the current request over several turns (an exchange), or NULL */
+    /* what serves the current request over several turns (an exchange), or NULL */
+    void *owner;
     const conn_owner *owner_ops; /* and how it is told of the client (ltg.h) */
     char rid[32];             /* the current request's id */
     int64_t began;            /* S.now when its head was in */
@@ -6759,7 +7773,8 @@ static void episode_note(episode *e) {
 }
 
 static void conn_watch(conn *c) {
-    if (c->state != CONN_CLOSED) loop_events(c->fd, (short)((c->read_paused ? 0 : POLLIN) | (c->want_out ? POLLOUT : 0)));
+    if (c->state != CONN_CLOSED)
+        loop_events(c->fd, (short)((c->read_paused ? 0 : POLLIN) | (c->want_out ? POLLOUT : 0)));
 }
 
 static void conn_to(conn *c, conn_state to);
@@ -6775,8 +7790,10 @@ static void conn_close(conn *c) {
     if (c->prev) c->prev->next = c->next;
     else conns = c->next;
     if (c->next) c->next->prev = c->prev;
-    c->next_closing = S.closing, S.closing = c;
-    S.nconns--, S.nadmin -= c->admin;
+    c->next_closing = S.closing;
+    S.closing = c;
+    S.nconns--;
+    S.nadmin -= c->admin;
     if (c->peer) {
         c->peer->n--;
         peer_drop(c->peer);
@@ -6788,7 +7805,9 @@ static void conn_reap(void) {
     while (S.closing) {
         conn *c = S.closing;
         S.closing = c->next_closing;
-        buf_free(&c->in), buf_free(&c->body), buf_free(&c->out);
+        buf_free(&c->in);
+        buf_free(&c->body);
+        buf_free(&c->out);
         free(c);
     }
 }
@@ -6797,7 +7816,11 @@ static void conn_send(conn *c, const void *p, size_t n) {
     if (c->state == CONN_CLOSED) return;
     buf_append(&c->out, p, n);
     c->queued += n;
-    if (!c->pending) c->pending = 1, c->next_pending = S.pending_writes, S.pending_writes = c;
+    if (!c->pending) {
+        c->pending = 1;
+        c->next_pending = S.pending_writes;
+        S.pending_writes = c;
+    }
 }
 
 static void conn_process(conn *c);
@@ -6826,7 +7849,10 @@ static int conn_flush(conn *c) {
         }
         if (n < 0 && errno == EINTR) continue;
         if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            if (c->out_off > 65536) buf_consume(&c->out, c->out_off), c->out_off = 0;
+            if (c->out_off > 65536) {
+                buf_consume(&c->out, c->out_off);
+                c->out_off = 0;
+            }
             c->want_out = 1;
             conn_watch(c);
             return 0;
@@ -6899,7 +7925,8 @@ static void conn_head(conn *c, int status, const char *ctype, long long length, 
     else buf_puts(&h, "Transfer-Encoding: chunked\r\n");
     if (extra) buf_puts(&h, extra);
     if (!c->keep_alive) buf_puts(&h, "Connection: close\r\n");
-    else if (c->req.minor == 0) buf_puts(&h, "Connection: keep-alive\r\n"); /* HTTP/1.0 closes unless told */
+    else if (c->req.minor == 0)
+        buf_puts(&h, "Connection: keep-alive\r\n"); /* HTTP/1.0 closes unless told */
     buf_puts(&h, "\r\n");
     conn_send(c, h.p, h.len);
     buf_free(&h);
@@ -6926,30 +7953,44 @@ static void conn_header(conn *c, const char *name, char *out, size_t cap) {
     size_t n;
     const char *v = http_header_get(c->in.p, c->req.h, c->req.nh, name, &n);
     out[0] = 0;
-    if (v && n < cap) memcpy(out, v, n), out[n] = 0;
+    if (v && n < cap) {
+        memcpy(out, v, n);
+        out[n] = 0;
+    }
 }
 
 static int method_is(conn *c, const char *m) {
-    return c->req.method.len == strlen(m) && memcmp(c->in.p + c->req.method.off, m, c->req.method.len) == 0;
+    return c->req.method.len == strlen(m) &&
+           memcmp(c->in.p + c->req.method.off, m, c->req.method.len) == 0;
 }
 
 
 /* Before a request: nothing known of it yet. */
 static void conn_fresh(conn *c) {
-    c->req.method = c->req.target = (slice){0, 0}, c->req.nh = 0; /* the last request's: they point into bytes now gone */
-    c->began = 0, c->status = 0, c->queued_mark = c->queued;
+    /* the last request's: they point into bytes now gone */
+    c->req.method = c->req.target = (slice){0, 0};
+    c->req.nh = 0;
+    c->began = 0;
+    c->status = 0;
+    c->queued_mark = c->queued;
     c->f = (req_facts){.attempts = -1, .tok = {-1}, .cost = -1};
 }
 
 /* The current request is answered: make room for the next one. */
 static void conn_done(conn *c) {
     if (S.ended) S.ended(c);
-    if (c->forwarded) c->peer->n--, peer_drop(c->peer), c->peer = NULL, c->forwarded = 0;
+    if (c->forwarded) {
+        c->peer->n--;
+        peer_drop(c->peer);
+        c->peer = NULL;
+        c->forwarded = 0;
+    }
     conn_fresh(c);
     buf_consume(&c->in, c->head_len + c->body_raw);
     c->head_len = c->body_raw = c->body_in = c->scan = 0;
     c->body.len = 0;
-    if (c->body.cap > (1 << 20)) buf_free(&c->body); /* a large body's memory is not kept for the next request */
+    /* a large body's memory is not kept for the next request */
+    if (c->body.cap > (1 << 20)) buf_free(&c->body);
     if (c->in.cap > (1 << 20) && c->in.len < 65536) {
         buf rest = {0};
         buf_append(&rest, c->in.p, c->in.len);
@@ -6962,21 +8003,27 @@ static void conn_done(conn *c) {
     c->close_after |= !c->keep_alive;
     /* IDLE for a closing answer too: its timer bounds a client that takes nothing */
     conn_to(c, c->in.len && !c->close_after ? CONN_HEAD : CONN_IDLE);
-    conn_send(c, "", 0); /* the next request: conn_process()'s loop, or after the flush; a reply never re-enters the parser */
+    /* the next request: conn_process()'s loop, or after the flush; a reply never re-enters the
+     * parser */
+    conn_send(c, "", 0);
 }
 
 /* A whole answer with a body. */
-static void conn_reply(conn *c, int status, const char *ctype, const char *extra, const char *body, size_t n) {
+static void conn_reply(conn *c, int status, const char *ctype, const char *extra, const char *body,
+                       size_t n) {
     conn_head(c, status, ctype, (long long)n, extra);
-    if (!method_is(c, "HEAD")) conn_send(c, body, n); /* RFC 9110 9.3.2: a HEAD answer has the head alone */
+    /* RFC 9110 9.3.2: a HEAD answer has the head alone */
+    if (!method_is(c, "HEAD")) conn_send(c, body, n);
     conn_done(c);
 }
 
 /* An error answered in the shape of the listener's API (S.error: the
  * gateway's route_error, section 19); `headers`: extra header lines (each
  * ending in CRLF), or NULL. */
-static void conn_error(conn *c, int status, const char *code, const char *headers, const char *fmt, ...) __attribute__((format(printf, 5, 6)));
-static void conn_error(conn *c, int status, const char *code, const char *headers, const char *fmt, ...) {
+static void conn_error(conn *c, int status, const char *code, const char *headers, const char *fmt,
+                       ...) __attribute__((format(printf, 5, 6)));
+static void conn_error(conn *c, int status, const char *code, const char *headers, const char *fmt,
+                       ...) {
     char msg[512];
     va_list ap;
     va_start(ap, fmt);
@@ -6991,7 +8038,8 @@ static void conn_error(conn *c, int status, const char *code, const char *header
 static void conn_fail(conn *c, int status, const char *code, const char *msg) {
     c->close_after = c->linger = 1;
     c->req.keep_alive = 0;
-    c->req.method = (slice){0, 0}; /* maybe not this request's: its head did not parse (a HEAD gets the body, then the close) */
+    /* maybe not this request's: its head did not parse (a HEAD gets the body, then the close) */
+    c->req.method = (slice){0, 0};
     conn_error(c, status, code, NULL, "%s", msg);
 }
 
@@ -7010,8 +8058,10 @@ static void conn_timer(void *ctx) {
         conn_close(c);
         return;
     }
-    conn_fail(c, 408, "request_timeout", c->state == CONN_HEAD ? "the request head did not arrive in time"
-                                         : "the request body arrived too slowly (it must keep up 4 KiB/s)");
+    conn_fail(c, 408, "request_timeout",
+              c->state == CONN_HEAD
+                      ? "the request head did not arrive in time"
+                      : "the request body arrived too slowly (it must keep up 4 KiB/s)");
 }
 
 /* A body has --head-timeout, and a second more per BODY_MIN_RATE bytes of
@@ -7033,7 +8083,8 @@ static void conn_to(conn *c, conn_state to) {
         [CONN_CLOSED] = 0,
     };
     assert(next[c->state] >> to & 1);
-    if (to == CONN_BUSY && c->state == CONN_BUSY) return; /* an error answer of a request in service */
+    /* an error answer of a request in service */
+    if (to == CONN_BUSY && c->state == CONN_BUSY) return;
     c->state = to;
     c->state_at = S.now;
     c->written_mark = c->written;
@@ -7063,7 +8114,10 @@ static int conn_take_head(conn *c) {
     c->head_len = (size_t)n;
     if (http_parse_request(c->in.p, (size_t)n, &c->req) < 0) {
         int st = c->req.status;
-        const char *code = st == 431 ? "headers_too_large" : st == 501 ? "not_implemented" : st == 417 ? "expectation_failed" : "bad_request";
+        const char *code = st == 431   ? "headers_too_large"
+                           : st == 501 ? "not_implemented"
+                           : st == 417 ? "expectation_failed"
+                                       : "bad_request";
         conn_fail(c, st, code, c->req.err);
         return 0;
     }
@@ -7076,7 +8130,8 @@ static int conn_take_head(conn *c) {
     c->began = S.now;
     conn_to(c, CONN_BODY);
     int has_body = c->req.chunked || c->req.content_length > 0;
-    if (has_body && c->req.expect_continue && c->in.len == c->head_len) conn_send(c, "HTTP/1.1 100 Continue\r\n\r\n", 25);
+    if (has_body && c->req.expect_continue && c->in.len == c->head_len)
+        conn_send(c, "HTTP/1.1 100 Continue\r\n\r\n", 25);
     return 1;
 }
 
@@ -7084,7 +8139,8 @@ static int conn_take_head(conn *c) {
  * then leave the input, so that a request is held once (c->body). */
 static int conn_take_body(conn *c) {
     if (c->req.chunked) {
-        long k = chunk_decode(&c->cd, c->in.p + c->head_len + c->body_raw, c->in.len - c->head_len - c->body_raw, &c->body);
+        long k = chunk_decode(&c->cd, c->in.p + c->head_len + c->body_raw,
+                              c->in.len - c->head_len - c->body_raw, &c->body);
         if (k < 0) {
             conn_fail(c, 400, "bad_request", "malformed chunked request body");
             return 0;
@@ -7094,8 +8150,11 @@ static int conn_take_body(conn *c) {
             conn_fail(c, 413, "body_too_large", "the request body is too large");
             return 0;
         }
-        if ((long long)c->body_raw > RAW_BODY_MAX(S.max_body)) { /* framing is bytes too: 1-byte chunks or long extensions */
-            conn_fail(c, 413, "body_too_large", "the chunked request body's framing is too large for its data: send larger chunks");
+        if ((long long)c->body_raw > RAW_BODY_MAX(S.max_body)) {
+            /* framing is bytes too: 1-byte chunks or long extensions */
+            conn_fail(c, 413, "body_too_large",
+                      "the chunked request body's framing is too large for its data: send larger "
+                      "chunks");
             return 0;
         }
         if (c->cd.state != CHUNK_DONE) return 0;
@@ -7106,7 +8165,8 @@ static int conn_take_body(conn *c) {
         c->body_raw = cl;
     }
     if (!c->body.p) buf_reserve(&c->body, 0);
-    memmove(c->in.p + c->head_len, c->in.p + c->head_len + c->body_raw, c->in.len - c->head_len - c->body_raw + 1);
+    memmove(c->in.p + c->head_len, c->in.p + c->head_len + c->body_raw,
+            c->in.len - c->head_len - c->body_raw + 1);
     c->in.len -= c->body_raw;
     c->body_in = c->body_raw;
     c->body_raw = 0;
@@ -7119,22 +8179,29 @@ static void conn_process(conn *c) {
     c->processing = 1;
     while (c->state <= CONN_BODY && !c->close_after && conn_unsent(c) < OUT_HIGH_WATER) {
         if (c->state == CONN_IDLE && !c->in.len) break;
-        if (c->state == CONN_IDLE) conn_to(c, CONN_HEAD); /* its first byte: the head's limit starts */
+        /* its first byte: the head's limit starts */
+        if (c->state == CONN_IDLE) conn_to(c, CONN_HEAD);
         if (c->state == CONN_HEAD && !conn_take_head(c)) break;
         if (!conn_take_body(c)) break;
         conn_to(c, CONN_BUSY);
         if (c->trusted && conn_forwarded(c) < 0) {
             conn_error(c, 429, "too_many_connections", "Retry-After: 1\r\n",
-                       "your address holds --max-conns-per-ip connections through the gateway's load balancer: retry shortly");
+                       "your address holds --max-conns-per-ip connections through the gateway's "
+                       "load balancer: retry shortly");
             continue;
         }
         S.serve(c);
     }
     c->processing = 0;
     if (c->state == CONN_CLOSED) return;
-    /* Stop reading while answers wait past the high-water mark, or a request is served and 64 KiB of the next ones wait. */
-    int paused = conn_unsent(c) >= OUT_HIGH_WATER || (c->state == CONN_BUSY && c->in.len > c->head_len + c->body_raw + 65536);
-    if (paused != c->read_paused) c->read_paused = paused, conn_watch(c);
+    /* Stop reading while answers wait past the high-water mark, or a request is served and 64
+     * KiB of the next ones wait. */
+    int paused = conn_unsent(c) >= OUT_HIGH_WATER ||
+                 (c->state == CONN_BUSY && c->in.len > c->head_len + c->body_raw + 65536);
+    if (paused != c->read_paused) {
+        c->read_paused = paused;
+        conn_watch(c);
+    }
     if (c->state == CONN_BODY) conn_body_timer(c); /* more of it came: more time */
 }
 
@@ -7174,7 +8241,10 @@ static void conn_io(void *ctx, int revents) {
 
 static void conn_new(int fd, int admin, peer *p) {
     conn *c = xcalloc(1, sizeof *c);
-    c->fd = fd, c->admin = admin, c->peer = p, c->state_at = S.now;
+    c->fd = fd;
+    c->admin = admin;
+    c->peer = p;
+    c->state_at = S.now;
     if (p) p->n++;
     timer_init(&c->t, conn_timer, c);
     conn_fresh(c);
@@ -7183,7 +8253,8 @@ static void conn_new(int fd, int admin, peer *p) {
     c->next = conns;
     if (conns) conns->prev = c;
     conns = c;
-    S.nconns++, S.nadmin += admin;
+    S.nconns++;
+    S.nadmin += admin;
     loop_watch(fd, POLLIN, conn_io, c);
     timer_set(&c->t, S.idle_timeout_ms); /* CONN_IDLE's */
 }
@@ -7196,11 +8267,15 @@ static int conn_shed(int admin) {
     conn *victim = NULL;
     int victim_idle = 0, victim_n = 0;
     for (conn *c = conns; c; c = c->next) {
-        int idle = (c->state == CONN_IDLE && c->served && !conn_unsent(c)) || c->state == CONN_LINGER; /* a keep-alive waiting */
+        /* a keep-alive waiting */
+        int idle =
+                (c->state == CONN_IDLE && c->served && !conn_unsent(c)) || c->state == CONN_LINGER;
         int n = c->peer ? c->peer->n : 0;
         if (c->admin != admin || c->state == CONN_BUSY || c->state == CONN_CLOSED) continue;
-        int same = victim && idle == victim_idle; /* then: more connections, then older (the list is newest first) */
-        if (!victim || idle > victim_idle || (same && (n > victim_n || (n == victim_n && c->state_at <= victim->state_at)))) {
+        /* then: more connections, then older (the list is newest first) */
+        int same = victim && idle == victim_idle;
+        if (!victim || idle > victim_idle ||
+            (same && (n > victim_n || (n == victim_n && c->state_at <= victim->state_at)))) {
             victim = c;
             victim_idle = idle;
             victim_n = n;
@@ -7234,14 +8309,18 @@ static struct {
 static void addr16(const struct sockaddr_storage *sa, uint8_t a[16]) {
     memset(a, 0, 16);
     if (sa->ss_family == AF_INET6) memcpy(a, &((const struct sockaddr_in6 *)sa)->sin6_addr, 16);
-    else a[10] = a[11] = 0xff, memcpy(a + 12, &((const struct sockaddr_in *)sa)->sin_addr, 4);
+    else {
+        a[10] = a[11] = 0xff;
+        memcpy(a + 12, &((const struct sockaddr_in *)sa)->sin_addr, 4);
+    }
 }
 
 static int addr16_parse(const char *s, size_t n, uint8_t a[16]) {
     char t[64];
     struct sockaddr_storage ss;
     if (n >= sizeof t) return LTG_ERR;
-    memcpy(t, s, n), t[n] = 0;
+    memcpy(t, s, n);
+    t[n] = 0;
     if (addr_parse(t, &ss) < 0) return LTG_ERR;
     addr16(&ss, a);
     return 0;
@@ -7255,7 +8334,9 @@ static int addr_is_v4(const uint8_t a[16]) {
 static int addr_trusted(const uint8_t a[16]) {
     for (int i = 0; i < TRUSTED.n; i++) {
         int bits = TRUSTED.bits[i], whole = bits / 8, rest = bits % 8;
-        if (memcmp(a, TRUSTED.a[i], (size_t)whole) == 0 && (!rest || ((a[whole] ^ TRUSTED.a[i][whole]) >> (8 - rest)) == 0)) return 1;
+        if (memcmp(a, TRUSTED.a[i], (size_t)whole) == 0 &&
+            (!rest || ((a[whole] ^ TRUSTED.a[i][whole]) >> (8 - rest)) == 0))
+            return 1;
     }
     return 0;
 }
@@ -7271,7 +8352,8 @@ static int trusted_parse(const char *list, const char **why) {
         uint8_t *a = TRUSTED.a[TRUSTED.n];
         if (addr16_parse(p, slash ? (size_t)(slash - p) : n, a) < 0) return LTG_ERR;
         long long bits = addr_is_v4(a) ? 32 : 128, max = bits;
-        if (slash && (parse_ll(slash + 1, n - (size_t)(slash + 1 - p), max, &bits) < 0)) return LTG_ERR;
+        if (slash && (parse_ll(slash + 1, n - (size_t)(slash + 1 - p), max, &bits) < 0))
+            return LTG_ERR;
         TRUSTED.bits[TRUSTED.n++] = (int)bits + (addr_is_v4(a) ? 96 : 0);
         p += n + (end ? 1 : 0);
     }
@@ -7292,9 +8374,13 @@ static int proxy_header(const char *in, size_t n, uint8_t a[16]) {
         if (n < len) return LTG_AGAIN;
         if (h[12] >> 4 != 2 || (h[12] & 0x0F) > 1) return LTG_ERR;
         if ((h[12] & 0x0F) == 0) return (int)len; /* LOCAL */
-        if (h[13] == 0x11 && len >= 16 + 12) memset(a, 0, 10), a[10] = a[11] = 0xff, memcpy(a + 12, h + 16, 4);
-        else if (h[13] == 0x21 && len >= 16 + 36) memcpy(a, h + 16, 16);
-        else if (h[13] >> 4 != 0) return LTG_ERR; /* AF_UNIX or garbage; 0x00: UNSPEC, a as it was */
+        if (h[13] == 0x11 && len >= 16 + 12) {
+            memset(a, 0, 10);
+            a[10] = a[11] = 0xff;
+            memcpy(a + 12, h + 16, 4);
+        } else if (h[13] == 0x21 && len >= 16 + 36) memcpy(a, h + 16, 16);
+        else if (h[13] >> 4 != 0)
+            return LTG_ERR; /* AF_UNIX or garbage; 0x00: UNSPEC, a as it was */
         return (int)len;
     }
     if (n < 6 ? memcmp(in, "PROXY ", n) != 0 : memcmp(in, "PROXY ", 6) != 0) return 0;
@@ -7307,15 +8393,17 @@ static int proxy_header(const char *in, size_t n, uint8_t a[16]) {
     for (const char *p = in + 6; p < eol - 1 && nw < 6;) {
         const char *sp = memchr(p, ' ', (size_t)(eol - 1 - p));
         size_t l = sp ? (size_t)(sp - p) : (size_t)(eol - 1 - p);
-        w[nw] = p, wl[nw++] = l;
+        w[nw] = p;
+        wl[nw++] = l;
         p += l + 1;
     }
     if (nw >= 1 && wl[0] == 7 && memcmp(w[0], "UNKNOWN", 7) == 0) return (int)(eol - in + 1);
     uint8_t src[16], dst[16];
     long long port;
-    int v4 = nw == 5 && wl[0] == 4 && memcmp(w[0], "TCP4", 4) == 0, v6 = nw == 5 && wl[0] == 4 && memcmp(w[0], "TCP6", 4) == 0;
-    if ((!v4 && !v6) || addr16_parse(w[1], wl[1], src) < 0 || addr16_parse(w[2], wl[2], dst) < 0 || addr_is_v4(src) != v4 ||
-        addr_is_v4(dst) != v4)
+    int v4 = nw == 5 && wl[0] == 4 && memcmp(w[0], "TCP4", 4) == 0,
+        v6 = nw == 5 && wl[0] == 4 && memcmp(w[0], "TCP6", 4) == 0;
+    if ((!v4 && !v6) || addr16_parse(w[1], wl[1], src) < 0 || addr16_parse(w[2], wl[2], dst) < 0 ||
+        addr_is_v4(src) != v4 || addr_is_v4(dst) != v4)
         return LTG_ERR;
     for (int k = 3; k < 5; k++)
         if (parse_ll(w[k], wl[k], 65535, &port) < 0) return LTG_ERR;
@@ -7346,7 +8434,10 @@ static episode ep_per_ip;
 static int conn_proxy(conn *c) {
     int n = proxy_header(c->in.p ? c->in.p : "", c->in.len, c->client);
     if (n == LTG_AGAIN) return 0;
-    if (n < 0) { conn_fail(c, 400, "bad_request", "malformed PROXY protocol header"); return LTG_ERR; }
+    if (n < 0) {
+        conn_fail(c, 400, "bad_request", "malformed PROXY protocol header");
+        return LTG_ERR;
+    }
     c->proxy_pending = 0;
     if (!n) return 1;
     buf_consume(&c->in, (size_t)n);
@@ -7358,7 +8449,8 @@ static int conn_proxy(conn *c) {
         conn_close(c);
         return LTG_ERR;
     }
-    p->n++, c->peer = p;
+    p->n++;
+    c->peer = p;
     return 1;
 }
 
@@ -7370,8 +8462,11 @@ static int conn_forwarded(conn *c) {
     const char *v = NULL;
     size_t n = 0;
     for (int i = 0; i < c->req.nh; i++)
-        if (ascii_casecmp_n(c->in.p + c->req.h[i].name.off, c->req.h[i].name.len, "x-forwarded-for") == 0)
-            v = c->in.p + c->req.h[i].value.off, n = c->req.h[i].value.len;
+        if (ascii_casecmp_n(c->in.p + c->req.h[i].name.off, c->req.h[i].name.len,
+                            "x-forwarded-for") == 0) {
+            v = c->in.p + c->req.h[i].value.off;
+            n = c->req.h[i].value.len;
+        }
     uint8_t a[16];
     int found = 0;
     for (size_t end = n; v && end > 0 && !found;) {
@@ -7379,7 +8474,8 @@ static int conn_forwarded(conn *c) {
         while (start > 0 && v[start - 1] != ',') start--;
         for (s = start; s < end && (v[s] == ' ' || v[s] == '\t'); s++) {}
         for (e = end; e > s && (v[e - 1] == ' ' || v[e - 1] == '\t'); e--) {}
-        if (addr16_parse(v + s, e - s, a) < 0) break; /* not an address: nothing to its left is believed */
+        /* not an address: nothing to its left is believed */
+        if (addr16_parse(v + s, e - s, a) < 0) break;
         found = !addr_trusted(a);
         end = start ? start - 1 : 0;
     }
@@ -7393,8 +8489,14 @@ static int conn_forwarded(conn *c) {
         peer_drop(p);
         return LTG_ERR;
     }
-    if (c->peer) c->peer->n--, peer_drop(c->peer);
-    p->n++, c->peer = p, c->forwarded = 1; /* for this request: a balancer's pooled connection is no one's between requests */
+    if (c->peer) {
+        c->peer->n--;
+        peer_drop(c->peer);
+    }
+    /* for this request: a balancer's pooled connection is no one's between requests */
+    p->n++;
+    c->peer = p;
+    c->forwarded = 1;
     return 0;
 }
 
@@ -7403,8 +8505,12 @@ static int conn_forwarded(conn *c) {
 static const char *request_bearer(conn *c, size_t *n) {
     const char *v = http_header_get(c->in.p, c->req.h, c->req.nh, "authorization", n);
     if (!v || *n < 7 || ascii_casecmp_n(v, 7, "bearer ") != 0) return NULL;
-    v += 7, *n -= 7;
-    while (*n && *v == ' ') v++, (*n)--;
+    v += 7;
+    *n -= 7;
+    while (*n && *v == ' ') {
+        v++;
+        (*n)--;
+    }
     return *n ? v : NULL;
 }
 
@@ -7449,7 +8555,8 @@ static const char *error_title(const char *code, int status) {
 }
 
 /* A JSON:API error; `pointer` may be NULL, `current_version` 0 for none. */
-static void admin_error(conn *c, int status, const char *code, const char *pointer, long long current_version, const char *fmt, ...) {
+static void admin_error(conn *c, int status, const char *code, const char *pointer,
+                        long long current_version, const char *fmt, ...) {
     char detail[512];
     va_list ap;
     va_start(ap, fmt);
@@ -7462,22 +8569,35 @@ static void admin_error(conn *c, int status, const char *code, const char *point
     jw_key(&w, "code"), jw_cstr(&w, code);
     jw_key(&w, "title"), jw_cstr(&w, error_title(code, status));
     jw_key(&w, "detail"), jw_cstr(&w, detail);
-    if (pointer && *pointer) jw_key(&w, "source"), jw_open(&w, '{'), jw_key(&w, "pointer"), jw_cstr(&w, pointer), jw_close(&w, '}');
+    if (pointer && *pointer) {
+        jw_key(&w, "source");
+        jw_open(&w, '{');
+        jw_key(&w, "pointer");
+        jw_cstr(&w, pointer);
+        jw_close(&w, '}');
+    }
     jw_key(&w, "meta"), jw_open(&w, '{');
-    if (current_version) jw_key(&w, "current_version"), jw_int(&w, current_version);
+    if (current_version) {
+        jw_key(&w, "current_version");
+        jw_int(&w, current_version);
+    }
     jw_close(&w, '}');
     jw_close(&w, '}'), jw_close(&w, ']'), jw_close(&w, '}');
     buf_printf(&h, "Cache-Control: no-store\r\nX-Request-ID: %s\r\n", c->rid);
     if (status == 401) buf_puts(&h, "WWW-Authenticate: Bearer\r\n");
     conn_to(c, CONN_BUSY);
     conn_reply(c, status, "application/json", h.p, b.p, b.len);
-    buf_free(&b), buf_free(&h);
+    buf_free(&b);
+    buf_free(&h);
 }
 
-static void admin_verr(conn *c, const verr *e) { admin_error(c, 400, e->code, e->pointer, 0, "%s", e->detail); }
+static void admin_verr(conn *c, const verr *e) {
+    admin_error(c, 400, e->code, e->pointer, 0, "%s", e->detail);
+}
 
 /* A success: {"data": ...} already in `body`; version > 0 adds the ETag. */
-static void admin_reply(conn *c, int status, long long version, int replayed, const char *body, size_t n) {
+static void admin_reply(conn *c, int status, long long version, int replayed, const char *body,
+                        size_t n) {
     buf h = {0};
     buf_printf(&h, "Cache-Control: no-store\r\nX-Request-ID: %s\r\n", c->rid);
     if (version > 0) buf_printf(&h, "ETag: \"%lld\"\r\n", version);
@@ -7490,17 +8610,30 @@ static void admin_reply(conn *c, int status, long long version, int replayed, co
 static int admin_auth(conn *c, admin_who *who) {
     size_t n;
     const char *key = request_bearer(c, &n);
-    if (!key) { admin_error(c, 401, "unauthorized", NULL, 0, "missing admin key: send Authorization: Bearer <admin key>"); return LTG_ERR; }
+    if (!key) {
+        admin_error(c, 401, "unauthorized", NULL, 0,
+                    "missing admin key: send Authorization: Bearer <admin key>");
+        return LTG_ERR;
+    }
     if (n >= 7 && memcmp(key, "ltg_sk_", 7) == 0) {
-        admin_error(c, 401, "unauthorized", NULL, 0, "a token key cannot manage the gateway: token keys are for the inference plane; use an admin key");
+        admin_error(c, 401, "unauthorized", NULL, 0,
+                    "a token key cannot manage the gateway: token keys are for the inference "
+                    "plane; use an admin key");
         return LTG_ERR;
     }
     sha256(key, n, who->sha);
     int found = 0;
     who->perms = 0;
-    for (int i = 0; i < S.cat->nadmins; i++) /* every key is compared: the time does not say which matched */
-        if (secret_eq(who->sha, 32, S.cat->admins[i].sha, 32)) who->perms |= S.cat->admins[i].perms, found = 1;
-    if (!found) { admin_error(c, 401, "unauthorized", NULL, 0, "unknown admin key"); return LTG_ERR; }
+    /* every key is compared: the time does not say which matched */
+    for (int i = 0; i < S.cat->nadmins; i++)
+        if (secret_eq(who->sha, 32, S.cat->admins[i].sha, 32)) {
+            who->perms |= S.cat->admins[i].perms;
+            found = 1;
+        }
+    if (!found) {
+        admin_error(c, 401, "unauthorized", NULL, 0, "unknown admin key");
+        return LTG_ERR;
+    }
     return 0;
 }
 
@@ -7513,7 +8646,8 @@ static int admin_allowed(conn *c, const admin_who *who, int need) {
     if ((have & PERM_ALL) || (have & need)) return 1;
     int bit = 0;
     while ((1 << bit) != need) bit++;
-    admin_error(c, 403, "permission_denied", NULL, 0, "this admin key lacks the permission %s", perm_names[bit]);
+    admin_error(c, 403, "permission_denied", NULL, 0, "this admin key lacks the permission %s",
+                perm_names[bit]);
     return 0;
 }
 
@@ -7521,8 +8655,11 @@ static int admin_allowed(conn *c, const admin_who *who, int need) {
 static void percent_decode(const char *s, size_t n, char *out, size_t cap) {
     size_t k = 0;
     for (size_t i = 0; i < n && k + 1 < cap; i++) {
-        if (s[i] == '%' && i + 2 < n && hexval((unsigned char)s[i + 1]) >= 0 && hexval((unsigned char)s[i + 2]) >= 0)
-            out[k++] = (char)(hexval((unsigned char)s[i + 1]) << 4 | hexval((unsigned char)s[i + 2])), i += 2;
+        if (s[i] == '%' && i + 2 < n && hexval((unsigned char)s[i + 1]) >= 0 &&
+            hexval((unsigned char)s[i + 2]) >= 0)
+            out[k++] =
+                    (char)(hexval((unsigned char)s[i + 1]) << 4 | hexval((unsigned char)s[i + 2])),
+            i += 2;
         else out[k++] = s[i] == '+' ? ' ' : s[i];
     }
     out[k] = 0;
@@ -7553,13 +8690,22 @@ static const char *query_get(conn *c, const char *name, const char *alias, char 
 static int page_params(conn *c, int *number, int *size) {
     char v[32];
     long long n;
-    *number = 1, *size = 50;
+    *number = 1;
+    *size = 50;
     if (query_get(c, "page[number]", "page_number", v, sizeof v)) {
-        if (parse_ll(v, strlen(v), 1000000000, &n) < 0 || n < 1) { admin_error(c, 400, "invalid_request", NULL, 0, "page[number] must be a whole number >= 1"); return LTG_ERR; }
+        if (parse_ll(v, strlen(v), 1000000000, &n) < 0 || n < 1) {
+            admin_error(c, 400, "invalid_request", NULL, 0,
+                        "page[number] must be a whole number >= 1");
+            return LTG_ERR;
+        }
         *number = (int)n;
     }
     if (query_get(c, "page[size]", "page_size", v, sizeof v)) {
-        if (parse_ll(v, strlen(v), 1000000000, &n) < 0 || n < 1 || n > 1000) { admin_error(c, 400, "invalid_request", NULL, 0, "page[size] must be between 1 and 1000"); return LTG_ERR; }
+        if (parse_ll(v, strlen(v), 1000000000, &n) < 0 || n < 1 || n > 1000) {
+            admin_error(c, 400, "invalid_request", NULL, 0,
+                        "page[size] must be between 1 and 1000");
+            return LTG_ERR;
+        }
         *size = (int)n;
     }
     return 0;
@@ -7580,14 +8726,31 @@ static void page_meta(jwriter *w, int number, int size, int total) {
 static int if_match(conn *c, long long version) {
     size_t n;
     const char *v = http_header_get(c->in.p, c->req.h, c->req.nh, "if-match", &n);
-    if (!v) { admin_error(c, 428, "precondition_required", NULL, 0, "this change needs If-Match: \"<version>\" (the ETag of your last read)"); return 0; }
+    if (!v) {
+        admin_error(c, 428, "precondition_required", NULL, 0,
+                    "this change needs If-Match: \"<version>\" (the ETag of your last read)");
+        return 0;
+    }
     if (n == 1 && *v == '*') return 1;
-    if (n >= 2 && v[0] == 'W' && v[1] == '/') v += 2, n -= 2;
-    if (n >= 2 && v[0] == '"' && v[n - 1] == '"') v++, n -= 2;
+    if (n >= 2 && v[0] == 'W' && v[1] == '/') {
+        v += 2;
+        n -= 2;
+    }
+    if (n >= 2 && v[0] == '"' && v[n - 1] == '"') {
+        v++;
+        n -= 2;
+    }
     long long want;
-    if (parse_ll(v, n, LLONG_MAX / 2, &want) < 0) { admin_error(c, 400, "invalid_request", NULL, 0, "If-Match must be a quoted version, like \"3\""); return 0; }
+    if (parse_ll(v, n, LLONG_MAX / 2, &want) < 0) {
+        admin_error(c, 400, "invalid_request", NULL, 0,
+                    "If-Match must be a quoted version, like \"3\"");
+        return 0;
+    }
     if (want != version) {
-        admin_error(c, 412, "precondition_failed", NULL, version, "the resource is at version %lld, not %lld: read it again and reapply your change", version, want);
+        admin_error(
+                c, 412, "precondition_failed", NULL, version,
+                "the resource is at version %lld, not %lld: read it again and reapply your change",
+                version, want);
         return 0;
     }
     return 1;
@@ -7603,7 +8766,9 @@ static int idem_begin(conn *c, const admin_who *who, idem_ticket *tk) {
     size_t n;
     const char *v = http_header_get(c->in.p, c->req.h, c->req.nh, "idempotency-key", &n);
     if (!v || n == 0 || n > 255) {
-        admin_error(c, 400, "idempotency_key_required", NULL, 0, "every POST, PATCH and DELETE needs an Idempotency-Key header (1 to 255 characters, e.g. a UUID)");
+        admin_error(c, 400, "idempotency_key_required", NULL, 0,
+                    "every POST, PATCH and DELETE needs an Idempotency-Key header (1 to 255 "
+                    "characters, e.g. a UUID)");
         return 0;
     }
     br_sha256_context h;
@@ -7621,7 +8786,9 @@ static int idem_begin(conn *c, const admin_who *who, idem_ticket *tk) {
     idem *r = idem_find(tk->key, wall_ms());
     if (!r) return 1;
     if (memcmp(r->body, tk->body, 32) != 0) {
-        admin_error(c, 409, "idempotency_conflict", NULL, 0, "this Idempotency-Key was used for a different request body: use a new key for a new change");
+        admin_error(c, 409, "idempotency_conflict", NULL, 0,
+                    "this Idempotency-Key was used for a different request body: use a new key for "
+                    "a new change");
         return 0;
     }
     admin_reply(c, r->status, r->version, 1, r->response, strlen(r->response));
@@ -7635,18 +8802,23 @@ static int idem_begin(conn *c, const admin_who *who, idem_ticket *tk) {
  * `status`. (They differ for a key's creation alone: its answer shows the
  * secret once, a replay of it does not.) When the log refuses: 503,
  * nothing applied, a new item dropped. */
-static void admin_change(conn *c, const idem_ticket *tk, const buf *ops, const store_kind *K, stored *it, int del, int status,
-                         long long version, const buf *reply, int kept_status, const buf *kept) {
+static void admin_change(conn *c, const idem_ticket *tk, const buf *ops, const store_kind *K,
+                         stored *it, int del, int status, long long version, const buf *reply,
+                         int kept_status, const buf *kept) {
     idem *r = xcalloc(1, sizeof *r);
-    memcpy(r->key, tk->key, 32), memcpy(r->body, tk->body, 32);
-    r->status = kept_status, r->version = version, r->response = xstrdup(kept->p);
+    memcpy(r->key, tk->key, 32);
+    memcpy(r->body, tk->body, 32);
+    r->status = kept_status;
+    r->version = version;
+    r->response = xstrdup(kept->p);
     r->expires = wall_ms() + IDEM_TTL_MS;
     buf p = {0};
     jwriter w;
     jw_init(&w, &p);
     jw_open(&w, '{');
     jw_key(&w, "ops"), jw_raw(&w, ops->p, ops->len);
-    jw_key(&w, "idem"), idem_json(&w, r);
+    jw_key(&w, "idem");
+    idem_json(&w, r);
     jw_close(&w, '}');
     const char *why;
     int rc = state_append(p.p, p.len, &why);
@@ -7667,18 +8839,26 @@ static void admin_change(conn *c, const idem_ticket *tk, const buf *ops, const s
 /* Parse an admin request body; 0, or LTG_ERR after a 400 invalid_json. */
 static int admin_body(conn *c, json_tok **t) {
     *t = NULL;
-    if (c->body.len > (1 << 20)) { admin_error(c, 413, "body_too_large", NULL, 0, "control-plane bodies are limited to 1 MiB"); return LTG_ERR; }
+    if (c->body.len > (1 << 20)) {
+        admin_error(c, 413, "body_too_large", NULL, 0, "control-plane bodies are limited to 1 MiB");
+        return LTG_ERR;
+    }
     int max = (int)(c->body.len / 2 + 4);
     *t = xcalloc((size_t)max, sizeof **t);
     json_result res;
     if (json_parse(c->body.p, c->body.len, *t, max, -1, &res) == 0) return 0;
-    admin_error(c, 400, "invalid_json", NULL, 0, "the body is not valid JSON: %s at byte offset %zu", res.err, res.err_offset);
+    admin_error(c, 400, "invalid_json", NULL, 0,
+                "the body is not valid JSON: %s at byte offset %zu", res.err, res.err_offset);
     free(*t);
     *t = NULL;
     return LTG_ERR;
 }
 
-static void data_open(jwriter *w, buf *b) { jw_init(w, b), jw_open(w, '{'), jw_key(w, "data"); }
+static void data_open(jwriter *w, buf *b) {
+    jw_init(w, b);
+    jw_open(w, '{');
+    jw_key(w, "data");
+}
 
 /* {"data": it}, as the API shows it. */
 static void item_body(buf *b, const store_kind *K, const stored *it) {
@@ -7696,7 +8876,10 @@ static stored *admin_item(conn *c, const admin_who *who, const store_kind *K, co
     if (it) return it;
     idem_ticket tk;
     size_t n;
-    if (!method_is(c, "GET") && http_header_get(c->in.p, c->req.h, c->req.nh, "idempotency-key", &n) && !idem_begin(c, who, &tk)) return NULL;
+    if (!method_is(c, "GET") &&
+        http_header_get(c->in.p, c->req.h, c->req.nh, "idempotency-key", &n) &&
+        !idem_begin(c, who, &tk))
+        return NULL;
     admin_error(c, 404, "not_found", NULL, 0, "no %s has this id", K->noun);
     return NULL;
 }
@@ -7726,7 +8909,8 @@ static void item_get(conn *c, const admin_who *who, const char *id, const store_
 /* Step 4 for a new or changed item: log its new state with the answer,
  * then swap it in (or drop it when the log refused). A new key's answer
  * also shows its secret. */
-static void item_commit(conn *c, const idem_ticket *tk, const store_kind *K, stored *it, int status, const char *secret) {
+static void item_commit(conn *c, const idem_ticket *tk, const store_kind *K, stored *it, int status,
+                        const char *secret) {
     budget_follow(&it->al, K->ledger, it->id, wall_ms());
     buf ops = {0}, body = {0}, shown = {0};
     jwriter w;
@@ -7742,9 +8926,12 @@ static void item_commit(conn *c, const idem_ticket *tk, const store_kind *K, sto
         buf_append(&shown, body.p, body.len - 2);
         buf_printf(&shown, ",\"token\":\"%s\"}}", secret);
     }
-    admin_change(c, tk, &ops, K, it, 0, status, it->version, secret ? &shown : &body, secret ? 200 : status, &body);
+    admin_change(c, tk, &ops, K, it, 0, status, it->version, secret ? &shown : &body,
+                 secret ? 200 : status, &body);
     if (secret) memset(shown.p, 0, shown.len);
-    buf_free(&ops), buf_free(&body), buf_free(&shown);
+    buf_free(&ops);
+    buf_free(&body);
+    buf_free(&shown);
 }
 
 /* POST /token_groups, POST /token_keys (a key's secret is shown in this
@@ -7778,10 +8965,13 @@ static void item_update(conn *c, const admin_who *who, const char *id, const sto
     if (item_parse(c, K, t, it, PARSE_PATCH) < 0) return;
     buf before = {0}, after = {0};
     jwriter w;
-    jw_init(&w, &before), K->json(&w, cur, 1);
-    jw_init(&w, &after), K->json(&w, it, 1);
+    jw_init(&w, &before);
+    K->json(&w, cur, 1);
+    jw_init(&w, &after);
+    K->json(&w, it, 1);
     int same = before.len == after.len && memcmp(before.p, after.p, before.len) == 0;
-    buf_free(&before), buf_free(&after);
+    buf_free(&before);
+    buf_free(&after);
     if (same) { /* nothing to log */
         K->drop(it);
         item_get(c, who, id, K);
@@ -7811,13 +9001,15 @@ static void item_delete(conn *c, const admin_who *who, const char *id, const sto
     jw_close(&w, ']');
     item_body(&body, K, it);
     admin_change(c, &tk, &ops, K, it, 1, 200, 0, &body, 200, &body);
-    buf_free(&ops), buf_free(&body);
+    buf_free(&ops);
+    buf_free(&body);
 }
 
 /* GET /token_groups, GET /token_keys (a token_group_id filter: only that
  * group's keys): a page of them in creation order. */
 static void item_list(conn *c, const admin_who *who, const char *id, const store_kind *K) {
-    (void)who, (void)id;
+    (void)who;
+    (void)id;
     int number, size;
     if (page_params(c, &number, &size) < 0) return;
     char parent[64], alias[64];
@@ -7833,7 +9025,10 @@ static void item_list(conn *c, const admin_who *who, const char *id, const store
         if (!it || (filter && strcmp(K->parent(it), filter) != 0)) continue;
         total++;
         if (skip) skip--;
-        else if (shown < size) K->json(&w, it, 0), shown++;
+        else if (shown < size) {
+            K->json(&w, it, 0);
+            shown++;
+        }
     }
     jw_close(&w, ']');
     page_meta(&w, number, size, total);
@@ -7847,17 +9042,20 @@ static void item_list(conn *c, const admin_who *who, const char *id, const store
  * after a 400. */
 static int range_params(conn *c, int64_t *start, int64_t *end) {
     char a[32], b[32];
-    const char *sa = query_get(c, "start_date", NULL, a, sizeof a), *sb = query_get(c, "end_date", NULL, b, sizeof b);
+    const char *sa = query_get(c, "start_date", NULL, a, sizeof a),
+               *sb = query_get(c, "end_date", NULL, b, sizeof b);
     if (!sa && !sb) {
         *end = wall_ms() / 86400000 * 86400000;
         *start = *end - 86400000;
         return 0;
     }
     const char *why = NULL;
-    if (!sa || !sb) why = "give both start_date and end_date (YYYY-MM-DD), or neither for yesterday";
+    if (!sa || !sb)
+        why = "give both start_date and end_date (YYYY-MM-DD), or neither for yesterday";
     else if (parse_day(sa, start) < 0) why = "start_date must be a date: YYYY-MM-DD";
     else if (parse_day(sb, end) < 0) why = "end_date must be a date: YYYY-MM-DD";
-    else if (*start >= *end) why = "start_date must be before end_date (the range is [start_date, end_date))";
+    else if (*start >= *end)
+        why = "start_date must be before end_date (the range is [start_date, end_date))";
     else if (*end - *start > 31LL * 86400000) why = "the range may span at most 31 days";
     if (why) { admin_error(c, 400, "invalid_request", NULL, 0, "%s", why); return LTG_ERR; }
     return 0;
@@ -7868,7 +9066,8 @@ static void retained_from_meta(jwriter *w, int64_t start) {
     int64_t from = ledger_retained_from(wall_ms());
     char d[64];
     if (start >= from) return;
-    iso_time(from, d), d[10] = 0;
+    iso_time(from, d);
+    d[10] = 0;
     jw_key(w, "retained_from"), jw_cstr(w, d);
 }
 
@@ -7877,13 +9076,21 @@ static void retained_from_meta(jwriter *w, int64_t start) {
  * many of its events, however many arrive meanwhile. */
 static void spend_events(conn *c, const admin_who *who, const char *id, const store_kind *K) {
     (void)K;
-    (void)who, (void)id;
+    (void)who;
+    (void)id;
     int64_t start, end;
     int number, size;
     if (range_params(c, &start, &end) < 0 || page_params(c, &number, &size) < 0) return;
-    char kid[64] = "", gid[64] = "", snap[64], filters[256]; /* zeroed: an id is compared as 36 bytes */
-    ledger_query q = {start, end, query_get(c, "token_key_id", NULL, kid, sizeof kid), query_get(c, "token_group_id", NULL, gid, sizeof gid), 0, 0};
-    snprintf(filters, sizeof filters, "%lld|%lld|%s|%s", (long long)start, (long long)end, q.key ? kid : "", q.group ? gid : "");
+    /* zeroed: an id is compared as 36 bytes */
+    char kid[64] = "", gid[64] = "", snap[64], filters[256];
+    ledger_query q = {start,
+                      end,
+                      query_get(c, "token_key_id", NULL, kid, sizeof kid),
+                      query_get(c, "token_group_id", NULL, gid, sizeof gid),
+                      0,
+                      0};
+    snprintf(filters, sizeof filters, "%lld|%lld|%s|%s", (long long)start, (long long)end,
+             q.key ? kid : "", q.group ? gid : "");
     unsigned long long fh = (unsigned long long)hash_bytes(filters, strlen(filters)), h;
     const segment *last = LG.nseg ? LG.seg[LG.nseg - 1] : NULL;
     long long day = last ? last->day / DAY_MS : 0;
@@ -7892,13 +9099,21 @@ static void spend_events(conn *c, const admin_who *who, const char *id, const st
         const segment *at = NULL;
         if (sscanf(snap, "%lld-%u-%16llx", &day, &n, &h) == 3)
             for (int i = 0; i < LG.nseg; i++) at = LG.seg[i]->day == day * DAY_MS ? LG.seg[i] : at;
-        if (sscanf(snap, "%lld-%u-%16llx", &day, &n, &h) != 3 || (last && day > last->day / DAY_MS) || (at && n > seg_count(at))) {
-            admin_error(c, 400, "invalid_request", NULL, 0, "page[snapshot] is not a snapshot this ledger gave out");
+        if (sscanf(snap, "%lld-%u-%16llx", &day, &n, &h) != 3 ||
+            (last && day > last->day / DAY_MS) || (at && n > seg_count(at))) {
+            admin_error(c, 400, "invalid_request", NULL, 0,
+                        "page[snapshot] is not a snapshot this ledger gave out");
             return;
         }
-        if (h != fh) { admin_error(c, 409, "snapshot_mismatch", NULL, 0, "the filters changed since this snapshot was taken: start again from page 1 without page[snapshot]"); return; }
+        if (h != fh) {
+            admin_error(c, 409, "snapshot_mismatch", NULL, 0,
+                        "the filters changed since this snapshot was taken: start again from page "
+                        "1 without page[snapshot]");
+            return;
+        }
     }
-    q.snap_day = day * DAY_MS, q.snap_n = n;
+    q.snap_day = day * DAY_MS;
+    q.snap_n = n;
     buf b = {0}, snap_out = {0};
     jwriter w;
     jw_init(&w, &b), jw_open(&w, '{'), jw_key(&w, "data"), jw_open(&w, '[');
@@ -7910,7 +9125,8 @@ static void spend_events(conn *c, const admin_who *who, const char *id, const st
     retained_from_meta(&w, start);
     jw_close(&w, '}'), jw_close(&w, '}');
     admin_reply(c, 200, 0, 0, b.p, b.len);
-    buf_free(&b), buf_free(&snap_out);
+    buf_free(&b);
+    buf_free(&snap_out);
 }
 
 static void usage_json(jwriter *w, const usage_row *r) {
@@ -7920,7 +9136,10 @@ static void usage_json(jwriter *w, const usage_row *r) {
     jw_key(w, "partial_requests"), jw_int(w, r->partial);
     jw_key(w, "abandoned_requests"), jw_int(w, r->abandoned);
     jw_key(w, "cache_hits"), jw_int(w, r->cache_hits);
-    for (int k = 0; k < NTOK; k++) jw_key(w, tok_names[k]), jw_int(w, r->tok[k]);
+    for (int k = 0; k < NTOK; k++) {
+        jw_key(w, tok_names[k]);
+        jw_int(w, r->tok[k]);
+    }
     jw_key(w, "spend"), jw_usd(w, r->spend);
     jw_key(w, "reserved_spend"), jw_usd(w, r->reserved);
 }
@@ -7929,7 +9148,8 @@ static void usage_json(jwriter *w, const usage_row *r) {
  * model -- from the days' rollups, and today's events. */
 static void usage_summary(conn *c, const admin_who *who, const char *id, const store_kind *K) {
     (void)K;
-    (void)who, (void)id;
+    (void)who;
+    (void)id;
     int64_t start, end;
     if (range_params(c, &start, &end) < 0) return;
     char gid[64] = "";
@@ -7943,27 +9163,53 @@ static void usage_summary(conn *c, const admin_who *who, const char *id, const s
         for (int i = 0; i < ST.gv.n; i++) {
             group *g = ST.gv.p[i];
             if (g && (!gf || strcmp(gid, g->s.id) == 0))
-                total.reserved += g->s.al.reserved, by_day[(now - start) / DAY_MS].reserved += g->s.al.reserved;
+                total.reserved += g->s.al.reserved,
+                        by_day[(now - start) / DAY_MS].reserved += g->s.al.reserved;
         }
     buf b = {0};
     jwriter w;
     char date[64];
     jw_init(&w, &b), jw_open(&w, '{'), jw_key(&w, "data"), jw_open(&w, '{');
     jw_key(&w, "token_group_id"), jw_cstr(&w, gf ? gid : NULL);
-    iso_time(start, date), date[10] = 0, jw_key(&w, "start_date"), jw_cstr(&w, date);
-    iso_time(end, date), date[10] = 0, jw_key(&w, "end_date"), jw_cstr(&w, date);
-    jw_key(&w, "totals"), jw_open(&w, '{'), usage_json(&w, &total), jw_close(&w, '}');
+    iso_time(start, date);
+    date[10] = 0;
+    jw_key(&w, "start_date");
+    jw_cstr(&w, date);
+    iso_time(end, date);
+    date[10] = 0;
+    jw_key(&w, "end_date");
+    jw_cstr(&w, date);
+    jw_key(&w, "totals");
+    jw_open(&w, '{');
+    usage_json(&w, &total);
+    jw_close(&w, '}');
     jw_key(&w, "by_day"), jw_open(&w, '[');
     for (int d = 0; d < days; d++) {
-        iso_time(start + (int64_t)d * DAY_MS, date), date[10] = 0;
-        jw_open(&w, '{'), jw_key(&w, "date"), jw_cstr(&w, date), usage_json(&w, &by_day[d]), jw_close(&w, '}');
+        iso_time(start + (int64_t)d * DAY_MS, date);
+        date[10] = 0;
+        jw_open(&w, '{');
+        jw_key(&w, "date");
+        jw_cstr(&w, date);
+        usage_json(&w, &by_day[d]);
+        jw_close(&w, '}');
     }
     jw_close(&w, ']');
     jw_key(&w, "by_model"), jw_open(&w, '[');
-    for (int k = 0; k < nmu; k++) jw_open(&w, '{'), jw_key(&w, "model"), jw_cstr(&w, mu[k].alias), usage_json(&w, &mu[k].u), jw_close(&w, '}');
+    for (int k = 0; k < nmu; k++) {
+        jw_open(&w, '{');
+        jw_key(&w, "model");
+        jw_cstr(&w, mu[k].alias);
+        usage_json(&w, &mu[k].u);
+        jw_close(&w, '}');
+    }
     jw_close(&w, ']');
     jw_close(&w, '}');
-    if (start < ledger_retained_from(now)) jw_key(&w, "meta"), jw_open(&w, '{'), retained_from_meta(&w, start), jw_close(&w, '}');
+    if (start < ledger_retained_from(now)) {
+        jw_key(&w, "meta");
+        jw_open(&w, '{');
+        retained_from_meta(&w, start);
+        jw_close(&w, '}');
+    }
     jw_close(&w, '}');
     admin_reply(c, 200, 0, 0, b.p, b.len);
     buf_free(&b);
@@ -8011,7 +9257,8 @@ static void admin_route(conn *c) {
     size_t n, plen = strlen(API_PREFIX);
     const char *t = request_path(c, &n);
     if (n < plen || memcmp(t, API_PREFIX, plen) != 0 || (n > plen && t[plen] != '/')) {
-        admin_error(c, 404, "not_found", NULL, 0, "no such endpoint: the control plane is under " API_PREFIX);
+        admin_error(c, 404, "not_found", NULL, 0,
+                    "no such endpoint: the control plane is under " API_PREFIX);
         return;
     }
     char path[256], id[64] = "", allow[64] = "";
@@ -8022,11 +9269,14 @@ static void admin_route(conn *c) {
     for (size_t i = 0; i < sizeof admin_endpoints / sizeof *admin_endpoints; i++) {
         const admin_endpoint *e = &admin_endpoints[i];
         if (!route_match(e->path, path, id, sizeof id)) continue;
-        snprintf(allow + strlen(allow), sizeof allow - strlen(allow), "%s%s", allow[0] ? ", " : "", e->method);
+        snprintf(allow + strlen(allow), sizeof allow - strlen(allow), "%s%s", allow[0] ? ", " : "",
+                 e->method);
         if (method_is(c, e->method)) hit = e;
     }
     if (!allow[0]) {
-        admin_error(c, 404, "not_found", NULL, 0, "no such endpoint (the control plane has /token_groups, /token_keys, /spend/events and /usage/summary)");
+        admin_error(c, 404, "not_found", NULL, 0,
+                    "no such endpoint (the control plane has /token_groups, /token_keys, "
+                    "/spend/events and /usage/summary)");
     } else if (!hit) {
         admin_error(c, 405, "method_not_allowed", NULL, 0, "use %s on %.100s", allow, path);
     } else if (admin_allowed(c, &who, hit->perm)) {
@@ -8126,22 +9376,40 @@ static void admin_route(conn *c) {
  * {"type":"error","error":{"type","message"...; the caller adds what it
  * has and closes both objects. `type`: OpenAI's error type, or NULL for
  * the one of the status. */
-static void error_open(jwriter *w, int status, int anthropic, const char *msg, const char *openai_type) {
-    const char *type = openai_type && !anthropic ? openai_type : status == 401 ? "authentication_error" : status == 403 ? "permission_error"
-                     : status == 404 ? "not_found_error" : status == 429 ? "rate_limit_error"
-                     : anthropic && status == 413 ? "request_too_large" : anthropic && status == 529 ? "overloaded_error"
-                     : status >= 500 ? "api_error" : "invalid_request_error";
+static void error_open(jwriter *w, int status, int anthropic, const char *msg,
+                       const char *openai_type) {
+    const char *type = openai_type && !anthropic    ? openai_type
+                       : status == 401              ? "authentication_error"
+                       : status == 403              ? "permission_error"
+                       : status == 404              ? "not_found_error"
+                       : status == 429              ? "rate_limit_error"
+                       : anthropic && status == 413 ? "request_too_large"
+                       : anthropic && status == 529 ? "overloaded_error"
+                       : status >= 500              ? "api_error"
+                                                    : "invalid_request_error";
     jw_open(w, '{');
-    if (anthropic) jw_key(w, "type"), jw_cstr(w, "error");
+    if (anthropic) {
+        jw_key(w, "type");
+        jw_cstr(w, "error");
+    }
     jw_key(w, "error"), jw_open(w, '{');
-    if (anthropic) jw_key(w, "type"), jw_cstr(w, type);
+    if (anthropic) {
+        jw_key(w, "type");
+        jw_cstr(w, type);
+    }
     jw_key(w, "message"), jw_cstr(w, msg);
-    if (!anthropic) jw_key(w, "type"), jw_cstr(w, type), jw_key(w, "param"), jw_null(w);
+    if (!anthropic) {
+        jw_key(w, "type");
+        jw_cstr(w, type);
+        jw_key(w, "param");
+        jw_null(w);
+    }
 }
 
 /* An inference error: OpenAI's shape, or Anthropic's on its endpoints
  * (the server's errors come here through route_error). */
-static void inference_error(conn *c, int status, const char *code, const char *headers, const char *msg) {
+static void inference_error(conn *c, int status, const char *code, const char *headers,
+                            const char *msg) {
     buf b = {0}, extra = {0};
     if (headers) buf_puts(&extra, headers);
     jwriter w;
@@ -8149,9 +9417,12 @@ static void inference_error(conn *c, int status, const char *code, const char *h
     error_open(&w, status, c->f.anthropic, msg, NULL);
     jw_key(&w, "code"), jw_cstr(&w, code);
     jw_close(&w, '}'), jw_close(&w, '}');
-    if (c->rid[0]) buf_printf(&extra, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: 0\r\n", c->rid, c->rid);
+    if (c->rid[0])
+        buf_printf(&extra, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: 0\r\n",
+                   c->rid, c->rid);
     conn_reply(c, status, "application/json", extra.p, b.p, b.len);
-    buf_free(&b), buf_free(&extra);
+    buf_free(&b);
+    buf_free(&extra);
 }
 
 #define MAX_CHAIN (1 + MAX_FALLBACKS)
@@ -8183,16 +9454,21 @@ typedef struct {
 /* What a request says of its size, for the worst case of an attempt. */
 typedef struct {
     long long prompt;     /* the body's bytes / 3, rounded up */
-    long long added;      /* what the provider adds: a previous response's tokens (-1: unknown, the model's context_window) */
-    long long parts;      /* image, audio and file parts: each up to the model's max_input_part_tokens */
-    long long out;        /* the largest output limit in the body (0: none, the model's max_output_tokens) */
+    /* what the provider adds: a previous response's tokens (-1: unknown, the model's
+     * context_window) */
+    long long added;
+    /* image, audio and file parts: each up to the model's max_input_part_tokens */
+    long long parts;
+    /* the largest output limit in the body (0: none, the model's max_output_tokens) */
+    long long out;
     long long n;          /* answers asked for: n, times best_of */
 } worst_shape;
 
 /* The worst case of an attempt on m (README "Cost"): its input at the
  * dearest input class, its output limit times the answers asked for. */
 static worst worst_case(const worst_shape *r, const model *m) {
-    double in = (double)r->prompt + (double)(r->added < 0 ? m->context_window : r->added) + (double)r->parts * (double)m->max_input_part_tokens;
+    double in = (double)r->prompt + (double)(r->added < 0 ? m->context_window : r->added) +
+                (double)r->parts * (double)m->max_input_part_tokens;
     double out = (double)(r->out > 0 ? r->out : m->max_output_tokens) * (double)r->n;
     return worst_of(m, (long long)fmin(in, 1e13), (long long)fmin(out, 1e13));
 }
@@ -8208,7 +9484,8 @@ typedef struct {
     worst w;              /* its worst case, held before it started */
     long long tok[NTOK];  /* what it was charged for: the provider's usage, or ltg's estimate */
     int64_t cost;         /* micro-USD */
-    int estimated;        /* the cost is ltg's estimate: the provider's usage never came, or could not be true */
+    /* the cost is ltg's estimate: the provider's usage never came, or could not be true */
+    int estimated;
     int billed;           /* tok, cost and estimated are final */
     int pending;          /* it is being metered (meter_start) */
 } attempt_entry;
@@ -8237,27 +9514,36 @@ struct exchange {
     x_state state;        /* X_RELAYING: the client has the answer's head, no failover after this */
     int dep;              /* the current attempt's deployment of its model */
     deployment *busy;     /* the deployment its connection counts in flight on (NULL: none) */
-    int pin;              /* previous_response_id's deployment of chain[0] (-1: none): its attempts while its breaker lets them */
-    uint32_t avoid;       /* deployments of the current model that answered no_work (bit i: dep[i]) */
+    /* previous_response_id's deployment of chain[0] (-1: none): its attempts while its breaker
+     * lets them */
+    int pin;
+    /* deployments of the current model that answered no_work (bit i: dep[i]) */
+    uint32_t avoid;
     int avoid_model;      /* ... the chain index of that model */
     int probe;            /* the current attempt is its deployment's breaker probe */
     int pinned;           /* its response id is pinned to its model (section 14) */
-    int shortened;        /* its client set a timeout or deadline shorter than its group's: its timeouts are not the provider's */
+    /* its client set a timeout or deadline shorter than its group's: its timeouts are not the
+     * provider's */
+    int shortened;
     char pin_id[257];     /* ... that id ("" when none) */
-    char anthropic_version[64], anthropic_beta[256]; /* the client's, passed on to an Anthropic provider */
-    int key, key_tries;   /* the provider key of the current attempt (-1: none); keys refused during it */
+    /* the client's, passed on to an Anthropic provider */
+    char anthropic_version[64], anthropic_beta[256];
+    /* the provider key of the current attempt (-1: none); keys refused during it */
+    int key, key_tries;
     int detached;         /* idempotent, its client gone: it runs on alone */
     int64_t started, attempt_started, answered_at;
     timer deadline, t;
     int last_status;      /* of the last failure: what the client gets when all fail */
     char last_reason[200];
-    hold hold;            /* its attempts' worst cases, held against its key's and group's allowances (section 14) */
+    /* its attempts' worst cases, held against its key's and group's allowances (section 14) */
+    hold hold;
     worst_shape shape;    /* what its attempts' worst cases are made of */
     worst w;              /* the current attempt's */
     usage_counts usage;   /* the current attempt's, as the provider reported it */
     size_t relayed;       /* bytes of the current stream relayed */
     int metering;         /* attempts of it still read without their client (see meter_start) */
-    int settled, ended;   /* exchange_settle said how it ended; it is over for its client (exchange_end) */
+    /* exchange_settle said how it ended; it is over for its client (exchange_end) */
+    int settled, ended;
     int http_status, ev_status, served, cache_hit; /* how it ended, for its spend event */
     long long cache_tok[NTOK]; /* a cache hit's usage: its answer's */
     buf keep;             /* the answer its replay record keeps, while attempts are metered */
@@ -8276,7 +9562,8 @@ static deployment *exchange_dep(exchange *x) { return &exchange_model(x)->dep[x-
  * (or closed), and its deployment has one attempt fewer in flight. */
 static void exchange_let_go(exchange *x) {
     if (!x->u) return;
-    up_release(x->u), x->u = NULL;
+    up_release(x->u);
+    x->u = NULL;
     x->busy->inflight--;
     assert(x->busy->inflight >= 0);
     x->busy = NULL;
@@ -8295,16 +9582,23 @@ enum { CUT_DATA, CUT_EVENT, CUT_ANTHROPIC }; /* how a broken stream ends: see st
 
 struct wire_kind {
     const char *path, *upstream; /* the client's path; the provider's, under its base URL */
-    int api;                     /* the providers that speak it (API_*), and the shape of ltg's errors */
+    /* the providers that speak it (API_*), and the shape of ltg's errors */
+    int api;
     int stream;                  /* it may stream */
-    int ask_usage;               /* a stream must ask for its usage (stream_options.include_usage) */
-    const char *usage[NTOK];     /* where its "usage" has each token class (a.b: member b of member a) */
-    int in_adds_cache;           /* its input count leaves out cache reads and writes (Anthropic's) */
+    /* a stream must ask for its usage (stream_options.include_usage) */
+    int ask_usage;
+    /* where its "usage" has each token class (a.b: member b of member a) */
+    const char *usage[NTOK];
+    /* its input count leaves out cache reads and writes (Anthropic's) */
+    int in_adds_cache;
     const char *max_out[2];      /* the body's limit on output tokens, for the worst case */
-    const char *event_usage;     /* in a stream event, the member that holds "usage" (or the event itself) */
-    int event_usage_final;       /* ... and that usage is the final count (else a later event's is) */
+    /* in a stream event, the member that holds "usage" (or the event itself) */
+    const char *event_usage;
+    /* ... and that usage is the final count (else a later event's is) */
+    int event_usage_final;
     int cut;
-    int pins;                    /* its answers name a response a follow-up may continue (section 14) */
+    /* its answers name a response a follow-up may continue (section 14) */
+    int pins;
     int free;                    /* costs nothing: no budget, no spend event (count_tokens) */
 };
 
@@ -8346,7 +9640,8 @@ static int json_path(const char *s, const json_tok *t, const char *path) {
  * chunk). One level is stored at a time, then the next object is parsed
  * on its own: an answer's size does not matter, be it a thousand
  * embeddings. */
-static int usage_read(const wire_kind *k, const char *in, const char *s, size_t n, usage_counts *uc, int *no_choices) {
+static int usage_read(const wire_kind *k, const char *in, const char *s, size_t n, usage_counts *uc,
+                      int *no_choices) {
     json_tok t[128];
     json_result res;
     *no_choices = 1;
@@ -8354,16 +9649,20 @@ static int usage_read(const wire_kind *k, const char *in, const char *s, size_t 
         return json_parse(s, n, t, 1, 0, &res) < 0 ? LTG_ERR : 0;
     int ch = json_get(s, t, 0, "choices");
     *no_choices = ch < 0 || (t[ch].type == JSON_ARRAY && t[ch].size == 0);
-    int outer = in ? json_get(s, t, 0, in) : -1, inside = outer >= 0 && t[outer].type == JSON_OBJECT;
+    int outer = in ? json_get(s, t, 0, in) : -1,
+        inside = outer >= 0 && t[outer].type == JSON_OBJECT;
     if (inside) {
-        s += t[outer].start, n = t[outer].end - t[outer].start;
+        s += t[outer].start;
+        n = t[outer].end - t[outer].start;
         if (json_parse(s, n, t, 128, 1, &res) < 0) return 0;
     }
     int u = json_get(s, t, 0, "usage");
     if (u < 0 || t[u].type != JSON_OBJECT) return 0;
-    s += t[u].start, n = t[u].end - t[u].start;
+    s += t[u].start;
+    n = t[u].end - t[u].start;
     uc->seen = 1;
-    if (json_parse(s, n, t, 128, 2, &res) < 0) { uc->bad = 1; return inside ? 2 : 1; } /* a usage no provider sends */
+    /* a usage no provider sends */
+    if (json_parse(s, n, t, 128, 2, &res) < 0) { uc->bad = 1; return inside ? 2 : 1; }
     for (int c = 0; c < NTOK; c++) {
         long long v;
         int i = k->usage[c] ? json_path(s, t, k->usage[c]) : -1;
@@ -8379,8 +9678,10 @@ static int usage_read(const wire_kind *k, const char *in, const char *s, size_t 
 static int usage_classes(const wire_kind *k, const usage_counts *uc, long long t[NTOK]) {
     memcpy(t, uc->raw, sizeof uc->raw);
     if (k->in_adds_cache) t[TOK_IN] += t[TOK_CACHE_READ] + t[TOK_CACHE_WRITE];
-    if (t[TOK_REASONING] > t[TOK_OUT]) t[TOK_OUT] += t[TOK_REASONING]; /* a provider that counts reasoning apart: output all the same */
-    if (uc->bad || t[TOK_CACHE_READ] + t[TOK_CACHE_WRITE] > t[TOK_IN] || t[TOK_CACHE_WRITE_1H] > t[TOK_CACHE_WRITE])
+    /* a provider that counts reasoning apart: output all the same */
+    if (t[TOK_REASONING] > t[TOK_OUT]) t[TOK_OUT] += t[TOK_REASONING];
+    if (uc->bad || t[TOK_CACHE_READ] + t[TOK_CACHE_WRITE] > t[TOK_IN] ||
+        t[TOK_CACHE_WRITE_1H] > t[TOK_CACHE_WRITE])
         return LTG_ERR;
     return 0;
 }
@@ -8388,10 +9689,18 @@ static int usage_classes(const wire_kind *k, const usage_counts *uc, long long t
 /* How a stream's body asks for its usage chunk: an edit (text NULL when the
  * client asked for it already; *hide then 0). LTG_ERR with *why when
  * stream_options is not an object. */
-static int usage_edit(const char *body, const json_tok *t, int so, body_edit *e, int *hide, const char **why) {
+static int usage_edit(const char *body, const json_tok *t, int so, body_edit *e, int *hide,
+                      const char **why) {
     *hide = 1;
-    if (so < 0) { *e = (body_edit){t[0].end - 1, t[0].end - 1, xstrdup(",\"stream_options\":{\"include_usage\":true}")}; return 0; }
-    if (t[so].type == JSON_NULL) { *e = (body_edit){t[so].start, t[so].end, xstrdup("{\"include_usage\":true}")}; return 0; }
+    if (so < 0) {
+        *e = (body_edit){t[0].end - 1, t[0].end - 1,
+                         xstrdup(",\"stream_options\":{\"include_usage\":true}")};
+        return 0;
+    }
+    if (t[so].type == JSON_NULL) {
+        *e = (body_edit){t[so].start, t[so].end, xstrdup("{\"include_usage\":true}")};
+        return 0;
+    }
     json_tok st[64];
     json_result res;
     const char *o = body + t[so].start;
@@ -8400,10 +9709,20 @@ static int usage_edit(const char *body, const json_tok *t, int so, body_edit *e,
         return LTG_ERR;
     }
     int iu = json_get(o, st, 0, "include_usage");
-    if (iu >= 0 && st[iu].type == JSON_TRUE) { *e = (body_edit){0, 0, NULL}, *hide = 0; return 0; }
+    if (iu >= 0 && st[iu].type == JSON_TRUE) {
+        *e = (body_edit){0, 0, NULL};
+        *hide = 0;
+        return 0;
+    }
     int q = iu >= 0 && st[iu].type == JSON_STRING; /* a string's token excludes its quotes */
-    if (iu >= 0) *e = (body_edit){t[so].start + st[iu].start - q, t[so].start + st[iu].end + q, xstrdup("true")}; /* ltg meters every stream */
-    else *e = (body_edit){t[so].start + 1, t[so].start + 1, xstrdup(st[0].size ? "\"include_usage\":true," : "\"include_usage\":true")};
+    /* ltg meters every stream */
+    if (iu >= 0)
+        *e = (body_edit){t[so].start + st[iu].start - q, t[so].start + st[iu].end + q,
+                         xstrdup("true")};
+    else
+        *e = (body_edit){
+                t[so].start + 1, t[so].start + 1,
+                xstrdup(st[0].size ? "\"include_usage\":true," : "\"include_usage\":true")};
     return 0;
 }
 
@@ -8432,16 +9751,21 @@ static void exchange_build(exchange *x) {
     jw_cstr(&w, d->upstream);
     x->edit[0].text = name.p; /* edit 0 is always "model" */
     size_t len = x->body.len;
-    for (int i = 0; i < x->nedit; i++) len += strlen(x->edit[i].text) - (x->edit[i].end - x->edit[i].at);
+    for (int i = 0; i < x->nedit; i++)
+        len += strlen(x->edit[i].text) - (x->edit[i].end - x->edit[i].at);
     x->req.len = 0;
-    buf_printf(&x->req, "POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %zu\r\n"
-                        "Accept: %s\r\nAccept-Encoding: identity\r\nUser-Agent: ltg/0.1\r\n",
-               p->base_path, x->kind->upstream, p->hostport, len, x->stream ? "text/event-stream" : "application/json");
+    buf_printf(&x->req,
+               "POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Type: "
+               "application/json\r\nContent-Length: %zu\r\n"
+               "Accept: %s\r\nAccept-Encoding: identity\r\nUser-Agent: ltg/0.1\r\n",
+               p->base_path, x->kind->upstream, p->hostport, len,
+               x->stream ? "text/event-stream" : "application/json");
     x->key = provider_key(p);
     const char *key = x->key >= 0 ? p->keys[x->key] : NULL;
     if (p->api == API_ANTHROPIC) {
         if (key) buf_printf(&x->req, "x-api-key: %s\r\n", key);
-        buf_printf(&x->req, "anthropic-version: %s\r\n", x->anthropic_version[0] ? x->anthropic_version : "2023-06-01");
+        buf_printf(&x->req, "anthropic-version: %s\r\n",
+                   x->anthropic_version[0] ? x->anthropic_version : "2023-06-01");
         if (x->anthropic_beta[0]) buf_printf(&x->req, "anthropic-beta: %s\r\n", x->anthropic_beta);
     } else if (key) buf_printf(&x->req, "Authorization: Bearer %s\r\n", key);
     buf_puts(&x->req, "\r\n");
@@ -8465,7 +9789,8 @@ static void response_pin(exchange *x, const char *s, size_t n, int event) {
     if (event) {
         int r = json_get(s, t, 0, "response");
         if (r < 0 || t[r].type != JSON_OBJECT) return;
-        s += t[r].start, n = t[r].end - t[r].start;
+        s += t[r].start;
+        n = t[r].end - t[r].start;
         if (json_parse(s, n, t, 128, 1, &res) < 0) return;
     }
     int id = json_get(s, t, 0, "id");
@@ -8474,7 +9799,8 @@ static void response_pin(exchange *x, const char *s, size_t n, int event) {
     json_unescape(s, t, id, &v);
     pin_put(x->group_id, v.p, v.len, exchange_model(x)->alias, exchange_dep(x)->name);
     x->pinned = 1;
-    snprintf(x->pin_id, sizeof x->pin_id, "%s", v.len < sizeof x->pin_id ? v.p : ""); /* its usage follows: exchange_settle */
+    /* its usage follows: exchange_settle */
+    snprintf(x->pin_id, sizeof x->pin_id, "%s", v.len < sizeof x->pin_id ? v.p : "");
     buf_free(&v);
 }
 
@@ -8489,9 +9815,11 @@ static int stream_take(exchange *x, const char *ev, size_t n) {
     if (!sse_event_data(ev, n, data) || !data->len) return SSE_EMPTY;
     if (data->len == 6 && memcmp(data->p, "[DONE]", 6) == 0) return SSE_RELAY;
     response_pin(x, data->p, data->len, 1);
-    int no_choices, r = usage_read(x->kind, x->kind->event_usage, data->p, data->len, &x->usage, &no_choices);
+    int no_choices, r = usage_read(x->kind, x->kind->event_usage, data->p, data->len, &x->usage,
+                                   &no_choices);
     if (r <= 0) return r < 0 ? LTG_ERR : SSE_RELAY;
-    x->usage.final |= r == 1 || x->kind->event_usage_final; /* message_start's count is not the last word */
+    /* message_start's count is not the last word */
+    x->usage.final |= r == 1 || x->kind->event_usage_final;
     return x->hide_usage && no_choices ? SSE_HIDE : SSE_RELAY;
 }
 
@@ -8502,7 +9830,8 @@ static void stream_cut(exchange *x, const char *msg, buf *out) {
     jwriter w;
     jw_init(&w, &b);
     if (x->kind->cut == CUT_ANTHROPIC) {
-        error_open(&w, 500, 1, msg, NULL); /* Anthropic's error shape (api_error), as its answers have it */
+        /* Anthropic's error shape (api_error), as its answers have it */
+        error_open(&w, 500, 1, msg, NULL);
         jw_close(&w, '}');
     } else if (x->kind->cut == CUT_EVENT) {
         jw_open(&w, '{');
@@ -8526,7 +9855,8 @@ static void x_send(exchange *x, const void *p, size_t n) {
     if (x->c) conn_send(x->c, p, n);
 }
 
-static void x_head(exchange *x, int status, const char *ctype, long long length, const char *extra) {
+static void x_head(exchange *x, int status, const char *ctype, long long length,
+                   const char *extra) {
     if (x->c) conn_head(x->c, status, ctype, length, extra);
 }
 
@@ -8547,10 +9877,15 @@ static void exchange_free(exchange *x) {
         hmap_del(&INF_IDEM, x->idem->key, 32);
         free(x->idem);
     }
-    timer_stop(&x->deadline), timer_stop(&x->t);
+    timer_stop(&x->deadline);
+    timer_stop(&x->t);
     exchange_let_go(x);
     for (int i = 0; i < x->nedit; i++) free(x->edit[i].text);
-    buf_free(&x->req), buf_free(&x->body), buf_free(&x->record), buf_free(&x->keep), buf_free(&x->event);
+    buf_free(&x->req);
+    buf_free(&x->body);
+    buf_free(&x->record);
+    buf_free(&x->keep);
+    buf_free(&x->event);
     catalog_release(x->cat);
     S.nexchanges--;
     free(x);
@@ -8564,10 +9899,13 @@ static void exchange_end(exchange *x) {
     conn *c = x->c;
     x->c = NULL;
     if (c) c->owner = NULL;
-    if (x->metering) { /* what it holds but its meters goes now: the answer's connection, its group's slot, its timers */
+    if (x->metering) {
+        /* what it holds but its meters goes now: the answer's connection, its group's slot, its
+         * timers */
         exchange_leave(x);
         exchange_let_go(x);
-        timer_stop(&x->deadline), timer_stop(&x->t);
+        timer_stop(&x->deadline);
+        timer_stop(&x->t);
     } else {
         exchange_free(x);
     }
@@ -8576,26 +9914,35 @@ static void exchange_end(exchange *x) {
 
 /* The x-ltg headers every inference answer carries (README "Retries and fallback"). */
 static void exchange_headers(exchange *x, int status, buf *h) {
-    buf_printf(h, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: %d\r\n", x->rid, x->rid, x->attempts);
-    if (status >= 200 && status < 300) buf_printf(h, "x-ltg-served-model: %s\r\n", exchange_model(x)->alias);
+    buf_printf(h, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: %d\r\n", x->rid,
+               x->rid, x->attempts);
+    if (status >= 200 && status < 300)
+        buf_printf(h, "x-ltg-served-model: %s\r\n", exchange_model(x)->alias);
     if (x->cache_mode == CACHE_MISS) buf_puts(h, "x-ltg-cache: miss\r\n");
     if (x->cache_mode == CACHE_BYPASS) buf_puts(h, "x-ltg-cache: bypass\r\n");
     if (x->cache_mode == CACHE_HIT) buf_puts(h, "x-ltg-cache: hit\r\n");
 }
 
-/* What a non-streaming answer cost, and what the group has left (README "Budgets that cannot be overspent"). */
+/* What a non-streaming answer cost, and what the group has left (README "Budgets that cannot
+ * be overspent"). */
 static void exchange_cost_headers(exchange *x, int64_t cost, buf *h) {
     buf_puts(h, "x-ltg-cost: ");
     buf_usd(h, cost > 0 ? cost : 0);
     group *g = group_find(x->group_id);
     int64_t left = g ? budget_left(&g->s.al, wall_ms()) : -1;
-    if (left >= 0) buf_puts(h, "\r\nx-ltg-budget-remaining: "), buf_usd(h, left);
+    if (left >= 0) {
+        buf_puts(h, "\r\nx-ltg-budget-remaining: ");
+        buf_usd(h, left);
+    }
     buf_puts(h, "\r\n");
 }
 
 /* The token classes of tok, as members of the object being written. */
 static void tokens_json(jwriter *w, const long long tok[NTOK]) {
-    for (int k = 0; k < NTOK; k++) jw_key(w, tok_names[k]), jw_int(w, tok[k]);
+    for (int k = 0; k < NTOK; k++) {
+        jw_key(w, tok_names[k]);
+        jw_int(w, tok[k]);
+    }
 }
 
 /* The attempt log as JSON (the shape of the ledger's attempt_log). An
@@ -8606,12 +9953,16 @@ static void exchange_attempts_json(exchange *x, jwriter *w) {
         attempt_entry *e = &x->log[i];
         jw_open(w, '{');
         jw_key(w, "model"), jw_cstr(w, x->chain[e->model]->alias);
-        jw_key(w, "deployment"), jw_cstr(w, e->dep >= 0 ? x->chain[e->model]->dep[e->dep].name : NULL);
+        jw_key(w, "deployment");
+        jw_cstr(w, e->dep >= 0 ? x->chain[e->model]->dep[e->dep].name : NULL);
         jw_key(w, "attempt"), jw_int(w, e->attempt);
         jw_key(w, "status"), jw_int(w, e->status);
         jw_key(w, "outcome"), jw_cstr(w, outcome_name(e->outcome));
         jw_key(w, "ms"), jw_int(w, e->ms);
-        if (e->error[0]) jw_key(w, "error"), jw_cstr(w, e->error);
+        if (e->error[0]) {
+            jw_key(w, "error");
+            jw_cstr(w, e->error);
+        }
         if (e->billed) {
             tokens_json(w, e->tok);
             jw_key(w, "cost"), jw_usd(w, e->cost);
@@ -8622,15 +9973,29 @@ static void exchange_attempts_json(exchange *x, jwriter *w) {
     jw_close(w, ']');
 }
 
-/* Log the current attempt (`at`: its place in the plan): its upstream status (0 when none came), its
- * outcome, and why it failed (NULL for a success). A skipped model's
+/* Log the current attempt (`at`: its place in the plan): its upstream status
+ * (0 when none came), its outcome, and why it failed (NULL for a success). A skipped model's
  * entry costs nothing; an attempt's is billed when it is over. */
-static void attempt_log(exchange *x, const attempt_plan *at, int status, attempt_outcome o, const char *why) {
-    metric_add(M_ATTEMPTS, 1, "model", x->chain[at->model]->alias, "outcome", outcome_name(o), NULL);
+static void attempt_log(exchange *x, const attempt_plan *at, int status, attempt_outcome o,
+                        const char *why) {
+    metric_add(M_ATTEMPTS, 1, "model", x->chain[at->model]->alias, "outcome", outcome_name(o),
+               NULL);
     assert(x->nlog < MAX_ATTEMPT_LOG); /* at most max_attempts (5) entries per model of the chain */
     int skipped = o == OUTCOME_CIRCUIT_OPEN, ms = skipped ? 0 : (int)(S.now - x->attempt_started);
     attempt_entry *e = &x->log[x->nlog++];
-    *e = (attempt_entry){at->model, skipped ? -1 : x->dep, at->attempt, status, o, ms, "", x->w, {0}, 0, 0, skipped, 0};
+    *e = (attempt_entry){at->model,
+                         skipped ? -1 : x->dep,
+                         at->attempt,
+                         status,
+                         o,
+                         ms,
+                         "",
+                         x->w,
+                         {0},
+                         0,
+                         0,
+                         skipped,
+                         0};
     if (why) snprintf(e->error, sizeof e->error, "%.99s", why);
 }
 
@@ -8660,26 +10025,36 @@ static int up_is_stream(const upstream *u);
  * message_start has that event's input counts, and the output estimated.
  * A whole answer the request gave up on is first read to its end without
  * a client (meter_start), so that the provider's own count bills it. */
-static void attempt_price(exchange *x, attempt_entry *e, const upstream *u, const usage_counts *uc, size_t relayed) {
+static void attempt_price(exchange *x, attempt_entry *e, const upstream *u, const usage_counts *uc,
+                          size_t relayed) {
     model *m = x->chain[e->model];
-    int reached = u && (u->wrote > 0 || up_has_head(u)), status = u && up_has_head(u) ? u->resp.status : 0;
+    int reached = u && (u->wrote > 0 || up_has_head(u)),
+        status = u && up_has_head(u) ? u->resp.status : 0;
     int whole = !x->stream || (u && up_has_head(u) && !up_is_stream(u));
     long long t[NTOK] = {0}, out_est = whole ? e->w.out : (long long)(relayed / 3);
     if (out_est > e->w.out) out_est = e->w.out;
     if (x->kind->free || !reached || status >= 300) return; /* nothing a provider bills */
     int ok = uc->seen && usage_classes(x->kind, uc, t) == 0;
     if (uc->seen && !ok)
-        ltg_log("providers.%s: %s reported a usage that cannot be true (a count not a whole number from 0 to %d, or a part larger than "
-                "its whole): charged ltg's estimate", m->dep[e->dep].p->name, m->alias, MAX_USAGE_TOKENS);
-    if (ok && !uc->final && !whole && t[TOK_OUT] < out_est) t[TOK_OUT] = out_est, e->estimated = 1; /* a cut stream's first count */
+        ltg_log("providers.%s: %s reported a usage that cannot be true (a count not a whole number "
+                "from 0 to %d, or a part larger than "
+                "its whole): charged ltg's estimate",
+                m->dep[e->dep].p->name, m->alias, MAX_USAGE_TOKENS);
+    if (ok && !uc->final && !whole && t[TOK_OUT] < out_est) {
+        /* a cut stream's first count */
+        t[TOK_OUT] = out_est;
+        e->estimated = 1;
+    }
     if (ok) {
         memcpy(e->tok, t, sizeof t);
         e->cost = tokens_cost(m, t);
     } else {
         e->estimated = 1;
-        e->tok[TOK_IN] = e->w.in, e->tok[TOK_OUT] = out_est;
+        e->tok[TOK_IN] = e->w.in;
+        e->tok[TOK_OUT] = out_est;
         e->cost = whole ? e->w.cost : e->w.in_cost + (out_est * e->w.out_price + 999999) / 1000000;
-        if (e->cost > e->w.cost) e->cost = e->w.cost; /* two roundings up: never past what was held */
+        /* two roundings up: never past what was held */
+        if (e->cost > e->w.cost) e->cost = e->w.cost;
     }
 }
 
@@ -8688,24 +10063,28 @@ static void attempt_price(exchange *x, attempt_entry *e, const upstream *u, cons
 static void exchange_allowances(const exchange *x, allowance *al[2]) {
     tkey *k = tkey_find(x->key_id);
     group *g = group_find(x->group_id);
-    al[0] = k ? &k->s.al : NULL, al[1] = g ? &g->s.al : NULL;
+    al[0] = k ? &k->s.al : NULL;
+    al[1] = g ? &g->s.al : NULL;
 }
 
 /* Bill attempt e (attempt_price), once: what its worst case held beyond
  * that is let go at once (hold_shrink), so a later attempt is admitted
  * against what was really spent. */
 
-static void attempt_bill(exchange *x, attempt_entry *e, const upstream *u, const usage_counts *uc, size_t relayed) {
+static void attempt_bill(exchange *x, attempt_entry *e, const upstream *u, const usage_counts *uc,
+                         size_t relayed) {
     model *m = x->chain[e->model];
     allowance *al[2];
     attempt_price(x, e, u, uc, relayed);
     e->billed = 1;
     exchange_allowances(x, al);
-    hold_shrink(al, 2, &x->hold, e->w.cost - e->cost, e->w.in + e->w.out - e->tok[TOK_IN] - e->tok[TOK_OUT]);
+    hold_shrink(al, 2, &x->hold, e->w.cost - e->cost,
+                e->w.in + e->w.out - e->tok[TOK_IN] - e->tok[TOK_OUT]);
     if (!e->estimated && e->cost > e->w.cost) {
-        ltg_log("%s: the provider reported more than ltg held for the attempt (%lld input, %lld output tokens, %.6f USD held): "
-                "its context_window, max_output_tokens or max_input_part_tokens may be wrong", m->alias, e->tok[TOK_IN], e->tok[TOK_OUT],
-                (double)e->w.cost / MICRO);
+        ltg_log("%s: the provider reported more than ltg held for the attempt (%lld input, %lld "
+                "output tokens, %.6f USD held): "
+                "its context_window, max_output_tokens or max_input_part_tokens may be wrong",
+                m->alias, e->tok[TOK_IN], e->tok[TOK_OUT], (double)e->w.cost / MICRO);
         metric_add(M_HOLD_EXCEEDED, 1, "model", m->alias, NULL);
     }
 }
@@ -8721,15 +10100,16 @@ static int64_t exchange_sum(const exchange *x, long long tok[NTOK], int *estimat
         const attempt_entry *e = &x->log[i];
         if (!e->billed) continue;
         for (int k = 0; k < NTOK; k++) tok[k] += e->tok[k];
-        cost += e->cost, *estimated |= e->estimated;
+        cost += e->cost;
+        *estimated |= e->estimated;
     }
     return cost;
 }
 
 /* The spend event (README "The consumption ledger") into e: its figures
  * (tok, cost, estimated: the attempts' sums), made at `now`. */
-static void exchange_event_json(exchange *x, const model *m, const long long tok[NTOK], int64_t cost, int estimated,
-                                int64_t now, buf *e) {
+static void exchange_event_json(exchange *x, const model *m, const long long tok[NTOK],
+                                int64_t cost, int estimated, int64_t now, buf *e) {
     char id[37], ts[64];
     jwriter w;
     jw_init(&w, e);
@@ -8752,8 +10132,11 @@ static void exchange_event_json(exchange *x, const model *m, const long long tok
     tokens_json(&w, tok);
     jw_key(&w, "cost"), jw_usd(&w, cost);
     jw_key(&w, "usage_status"), jw_cstr(&w, estimated ? "estimated" : "reported");
-    jw_key(&w, "latency_ms"), jw_int(&w, x->answered_at - x->started); /* to the answer, not to the last meter */
-    jw_key(&w, "attempt_log"), exchange_attempts_json(x, &w);
+    /* to the answer, not to the last meter */
+    jw_key(&w, "latency_ms");
+    jw_int(&w, x->answered_at - x->started);
+    jw_key(&w, "attempt_log");
+    exchange_attempts_json(x, &w);
     jw_close(&w, '}');
 }
 
@@ -8767,15 +10150,20 @@ static void exchange_book(exchange *x, const char *keep, size_t keep_len) {
     model *m = x->served >= 0 ? x->chain[x->served] : NULL;
     group *g = group_find(x->group_id);
     allowance *al[2];
-    int64_t now = wall_ms() > LG.last_at ? wall_ms() : LG.last_at; /* the ledger never goes back in time */
+    /* the ledger never goes back in time */
+    int64_t now = wall_ms() > LG.last_at ? wall_ms() : LG.last_at;
     exchange_allowances(x, al);
     hold_settle(al, 2, &x->hold, cost, x->cache_hit ? 0 : tok[TOK_IN] + tok[TOK_OUT], now);
     for (int i = 0; i < x->nlog; i++)
         for (int c = 0; c < NTOK; c++) {
             static const char *const type[NTOK] = {"input", "cache_read", "cache_write", NULL, "output", "reasoning"};
-            if (type[c] && x->log[i].tok[c]) metric_add(M_TOKENS, (double)x->log[i].tok[c], "model", x->chain[x->log[i].model]->alias, "type", type[c], NULL);
+            if (type[c] && x->log[i].tok[c])
+                metric_add(M_TOKENS, (double)x->log[i].tok[c], "model",
+                           x->chain[x->log[i].model]->alias, "type", type[c], NULL);
         }
-    if (cost > 0 && g) metric_add(M_SPEND, (double)cost / MICRO, "token_group", g->s.name, "model", m ? m->alias : x->chain[0]->alias, NULL);
+    if (cost > 0 && g)
+        metric_add(M_SPEND, (double)cost / MICRO, "token_group", g->s.name, "model",
+                   m ? m->alias : x->chain[0]->alias, NULL);
     if (x->kind->free) return; /* counting tokens costs nothing and leaves no event */
     buf e = {0};
     exchange_event_json(x, m, tok, cost, estimated, now, &e);
@@ -8785,29 +10173,50 @@ static void exchange_book(exchange *x, const char *keep, size_t keep_len) {
     buf replay = {0};
     inf_idem *r = x->idem;
     if (r && x->cache_hit) { /* see inf_idem.cached */
-        r->done = 1, r->cached = 1, r->status = 200, r->expires = now + IDEM_TTL_MS;
+        r->done = 1;
+        r->cached = 1;
+        r->status = 200;
+        r->expires = now + IDEM_TTL_MS;
         memcpy(r->cache_key, x->cache_key, 32);
         snprintf(r->served, sizeof r->served, "%s", m ? m->alias : "");
     } else if (r && keep && keep_len <= REPLAY_MAX_BYTES) {
-        r->status = x->http_status, r->stream = x->state == X_RELAYING;
+        r->status = x->http_status;
+        r->stream = x->state == X_RELAYING;
         snprintf(r->served, sizeof r->served, "%s", m ? m->alias : "");
         inf_idem_json(&replay, r, keep, keep_len);
     }
     const char *model_name = m ? m->alias : x->chain[0]->alias;
-    rec_view v = {.at = now, .charged = cost, .status = (uint8_t)x->ev_status,
-                  .flags = (uint8_t)((x->cache_hit ? EVF_CACHE_HIT : 0) | (replay.len ? EVF_REPLAY : 0) | (estimated ? EVF_ESTIMATED : 0)),
-                  .key = x->key_id, .group = x->group_id, .model = model_name, .model_len = strlen(model_name), .event = e.p,
-                  .event_len = e.len, .replay = replay.len ? replay.p : "", .replay_len = replay.len};
+    rec_view v = {.at = now,
+                  .charged = cost,
+                  .status = (uint8_t)x->ev_status,
+                  .flags = (uint8_t)((x->cache_hit ? EVF_CACHE_HIT : 0) |
+                                     (replay.len ? EVF_REPLAY : 0) |
+                                     (estimated ? EVF_ESTIMATED : 0)),
+                  .key = x->key_id,
+                  .group = x->group_id,
+                  .model = model_name,
+                  .model_len = strlen(model_name),
+                  .event = e.p,
+                  .event_len = e.len,
+                  .replay = replay.len ? replay.p : "",
+                  .replay_len = replay.len};
     for (int c = 0; c < NTOK; c++) v.tok[c] = tok[c] > UINT32_MAX ? UINT32_MAX : (uint32_t)tok[c];
     int64_t day;
     uint64_t off;
     uint32_t len;
     int written = ledger_add(&v, now, &day, &off, &len) == 0;
     if (r && replay.len) { /* replayed from the ledger from now on (or, not written, run again) */
-        r->done = written, r->keep = NULL;
-        if (written) r->expires = now + IDEM_TTL_MS, r->day = day, r->off = off, r->len = len;
+        r->done = written;
+        r->keep = NULL;
+        if (written) {
+            r->expires = now + IDEM_TTL_MS;
+            r->day = day;
+            r->off = off;
+            r->len = len;
+        }
     }
-    buf_free(&e), buf_free(&replay);
+    buf_free(&e);
+    buf_free(&replay);
 }
 
 /* The request is answered (or cut, or left by its client): the attempt
@@ -8816,11 +10225,17 @@ static void exchange_book(exchange *x, const char *keep, size_t keep_len) {
  * billed (meter_end). `served`: the chain index of the model that
  * answered, or -1. Returns the cost known now (metered attempts not yet
  * in it), micro-USD, for the answer's x-ltg-cost. */
-static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int served, int cache_hit, const char *keep, size_t keep_len) {
+static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int served,
+                               int cache_hit, const char *keep, size_t keep_len) {
     attempt_entry *e = x->nlog ? &x->log[x->nlog - 1] : NULL;
     if (e && !e->billed && !e->pending) attempt_bill(x, e, x->u, &x->usage, x->relayed);
-    if (x->pin_id[0] && e && e->billed) pin_tokens(x->group_id, x->pin_id, e->tok[TOK_IN] + e->tok[TOK_OUT]);
-    x->http_status = http_status, x->ev_status = ev_status, x->served = served, x->cache_hit = cache_hit, x->settled = 1;
+    if (x->pin_id[0] && e && e->billed)
+        pin_tokens(x->group_id, x->pin_id, e->tok[TOK_IN] + e->tok[TOK_OUT]);
+    x->http_status = http_status;
+    x->ev_status = ev_status;
+    x->served = served;
+    x->cache_hit = cache_hit;
+    x->settled = 1;
     x->answered_at = S.now;
     long long tok[NTOK];
     int estimated;
@@ -8828,15 +10243,22 @@ static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int 
     if (x->c) {
         req_facts *f = &x->c->f;
         snprintf(f->served, sizeof f->served, "%s", served >= 0 ? x->chain[served]->alias : "");
-        f->attempts = x->attempts, f->cost = cost, f->estimated = estimated;
+        f->attempts = x->attempts;
+        f->cost = cost;
+        f->estimated = estimated;
         memcpy(f->tok, tok, sizeof tok);
     }
     if (!x->metering) exchange_book(x, keep, keep_len);
-    else if (keep && x->idem && keep_len <= REPLAY_MAX_BYTES) { /* a retry meanwhile is answered from memory */
+    else if (keep && x->idem && keep_len <= REPLAY_MAX_BYTES) {
+        /* a retry meanwhile is answered from memory */
         inf_idem *r = x->idem;
-        buf_append(&x->keep, keep, keep_len), x->keep_set = 1;
-        r->done = 1, r->keep = &x->keep, r->expires = wall_ms() + IDEM_TTL_MS;
-        r->status = http_status, r->stream = x->state == X_RELAYING;
+        buf_append(&x->keep, keep, keep_len);
+        x->keep_set = 1;
+        r->done = 1;
+        r->keep = &x->keep;
+        r->expires = wall_ms() + IDEM_TTL_MS;
+        r->status = http_status;
+        r->stream = x->state == X_RELAYING;
         snprintf(r->served, sizeof r->served, "%s", served >= 0 ? x->chain[served]->alias : "");
     }
     return cost;
@@ -8850,14 +10272,17 @@ static void exchange_fail(exchange *x, int status, const char *code, const char 
         exchange_settle(x, 200, EV_PARTIAL, x->plan.model, 0, NULL, 0);
         stream_cut(x, msg, &h);
         exchange_chunk(x, h.p, h.len);
-        x_send(x, "0\r\n\r\n", 5); /* the chunked framing ends cleanly: the connection stays usable */
+        /* the chunked framing ends cleanly: the connection stays usable */
+        x_send(x, "0\r\n\r\n", 5);
     } else {
         jwriter w;
         jw_init(&w, &b);
-        error_open(&w, status, x->kind->api == API_ANTHROPIC, msg, status == 504 ? "timeout_error" : "upstream_error");
+        error_open(&w, status, x->kind->api == API_ANTHROPIC, msg,
+                   status == 504 ? "timeout_error" : "upstream_error");
         int64_t cost = exchange_settle(x, status, EV_FAILED, -1, 0, NULL, 0);
         jw_key(&w, "code"), jw_cstr(&w, code);
-        jw_key(&w, "attempts"), exchange_attempts_json(x, &w);
+        jw_key(&w, "attempts");
+        exchange_attempts_json(x, &w);
         jw_close(&w, '}'), jw_close(&w, '}');
         exchange_headers(x, status, &h);
         exchange_cost_headers(x, cost, &h);
@@ -8865,7 +10290,8 @@ static void exchange_fail(exchange *x, int status, const char *code, const char 
         x_head(x, status, "application/json", (long long)b.len, h.p);
         x_send(x, b.p, b.len);
     }
-    buf_free(&b), buf_free(&h);
+    buf_free(&b);
+    buf_free(&h);
     exchange_end(x);
 }
 
@@ -8875,7 +10301,8 @@ static void exchange_fail(exchange *x, int status, const char *code, const char 
 static void mask_provider_key(const provider *p, char *s, size_t n) {
     for (int i = 0; s && i < p->nkeys; i++) {
         size_t k = strlen(p->keys[i]);
-        for (char *q = s; (q = memmem(q, n - (size_t)(q - s), p->keys[i], k)); q += k) memset(q, '*', k);
+        for (char *q = s; (q = memmem(q, n - (size_t)(q - s), p->keys[i], k)); q += k)
+            memset(q, '*', k);
     }
 }
 
@@ -8888,13 +10315,18 @@ static void exchange_relay(exchange *x) {
     size_t n;
     const char *ct = http_header_get(u->head.p, u->resp.h, u->resp.nh, "content-type", &n);
     char ctype[128];
-    snprintf(ctype, sizeof ctype, "%.*s", ct ? (int)(n < 127 ? n : 127) : 16, ct ? ct : "application/json");
+    snprintf(ctype, sizeof ctype, "%.*s", ct ? (int)(n < 127 ? n : 127) : 16,
+             ct ? ct : "application/json");
     if (ok && u->body.p) response_pin(x, u->body.p, u->body.len, 0);
-    int64_t cost = exchange_settle(x, status, ok ? EV_SUCCEEDED : EV_FAILED, ok ? x->plan.model : -1, 0, u->body.p ? u->body.p : "", u->body.len);
+    int64_t cost =
+            exchange_settle(x, status, ok ? EV_SUCCEEDED : EV_FAILED, ok ? x->plan.model : -1, 0,
+                            u->body.p ? u->body.p : "", u->body.len);
     const attempt_entry *e = &x->log[x->nlog - 1];
     if (ok && x->cache_mode == CACHE_MISS && status == 200 && !e->estimated) {
         group *g = group_find(x->group_id);
-        if (g && g->cache_ttl > 0) cache_put(x->cache_key, u->body.p, u->body.len, exchange_model(x)->alias, e->tok, g->cache_ttl * 1000);
+        if (g && g->cache_ttl > 0)
+            cache_put(x->cache_key, u->body.p, u->body.len, exchange_model(x)->alias, e->tok,
+                      g->cache_ttl * 1000);
     }
     buf h = {0};
     exchange_headers(x, status, &h);
@@ -8919,8 +10351,11 @@ typedef struct {
 /* Is the upstream's answer a stream (200, text/event-stream)? */
 static int up_is_stream(const upstream *u) {
     size_t n;
-    const char *ct = up_has_head(u) ? http_header_get(u->head.p, u->resp.h, u->resp.nh, "content-type", &n) : NULL;
-    return u->resp.status == 200 && ct && n >= 17 && ascii_casecmp_n(ct, 17, "text/event-stream") == 0;
+    const char *ct = up_has_head(u)
+                             ? http_header_get(u->head.p, u->resp.h, u->resp.nh, "content-type", &n)
+                             : NULL;
+    return u->resp.status == 200 && ct && n >= 17 &&
+           ascii_casecmp_n(ct, 17, "text/event-stream") == 0;
 }
 
 /* The one place an exchange changes state: another attempt, a backoff,
@@ -8939,7 +10374,8 @@ static void exchange_to(exchange *x, x_state to) {
  * refusal); a stream's first event starts the client's stream. */
 static void exchange_answer(exchange *x) {
     if (x->u->resp.status / 100 == 2)
-        metric_observe(M_TTFT, (double)(S.now - x->started) / 1000, "model", exchange_model(x)->alias, NULL);
+        metric_observe(M_TTFT, (double)(S.now - x->started) / 1000, "model",
+                       exchange_model(x)->alias, NULL);
     if (!x->stream || !up_is_stream(x->u)) { exchange_relay(x); return; }
     buf h = {0};
     exchange_headers(x, 200, &h);
@@ -8947,19 +10383,21 @@ static void exchange_answer(exchange *x) {
     x_head(x, 200, "text/event-stream", -1, h.p);
     buf_free(&h);
     exchange_to(x, X_RELAYING);
-    timer_set(&x->deadline, (int64_t)S.max_stream_s * 1000); /* from now on the deadline is the stream's limit */
+    /* from now on the deadline is the stream's limit */
+    timer_set(&x->deadline, (int64_t)S.max_stream_s * 1000);
 }
 
 /* PLAN_GIVE_UP: the error, with every attempt. */
 static void exchange_give_up(exchange *x, int late) {
     char msg[400];
     if (late) {
-        snprintf(msg, sizeof msg, "no answer within the deadline of %lld ms; the last failure: %s", x->deadline_ms,
-                 x->last_reason);
+        snprintf(msg, sizeof msg, "no answer within the deadline of %lld ms; the last failure: %s",
+                 x->deadline_ms, x->last_reason);
         exchange_fail(x, 504, "deadline_exceeded", msg);
     } else if (!x->attempts) {
         exchange_fail(x, 503, "circuit_open",
-                      "every model of this request is failing (circuit breaker open): retry in a few seconds");
+                      "every model of this request is failing (circuit breaker open): retry in a "
+                      "few seconds");
     } else {
         snprintf(msg, sizeof msg, "every attempt failed; the last: %s", x->last_reason);
         exchange_fail(x, x->last_status, "upstream_error", msg);
@@ -8978,8 +10416,8 @@ static int key_refused(exchange *x, const attempt_result *r) {
 static void key_rest(exchange *x, int status) {
     provider *p = exchange_dep(x)->p;
     p->key_bad_until[x->key] = S.now + KEY_REST_MS;
-    ltg_log("providers.%s: key %d (of 0..%d) answered %d: not used for %d s", p->name, x->key, p->nkeys - 1, status,
-            KEY_REST_MS / 1000);
+    ltg_log("providers.%s: key %d (of 0..%d) answered %d: not used for %d s", p->name, x->key,
+            p->nkeys - 1, status, KEY_REST_MS / 1000);
     char idx[16];
     snprintf(idx, sizeof idx, "%d", x->key);
     metric_add(M_KEY_FAILS, 1, "provider", p->name, "key", idx, NULL);
@@ -9022,7 +10460,8 @@ static void meter_end(meter *m) {
     usage_counts uc = {0};
     int no_choices;
     if (u->state == UP_DONE && u->resp.status / 100 == 2)
-        uc.final = usage_read(x->kind, NULL, u->body.p ? u->body.p : "", u->body.len, &uc, &no_choices) > 0;
+        uc.final = usage_read(x->kind, NULL, u->body.p ? u->body.p : "", u->body.len, &uc,
+                              &no_choices) > 0;
     e->pending = 0;
     attempt_bill(x, e, u, &uc, 0);
     *(m->prev ? &m->prev->next : &METERS.head) = m->next;
@@ -9047,19 +10486,26 @@ static void meter_timer(void *ctx) { meter_end(ctx); }
 /* The current attempt's connection, its answer still to come, goes to a
  * meter; the attempt is no longer the exchange's. */
 static void meter_start(exchange *x, attempt_entry *e) {
-    if (METERS.n >= S.max_meters && METERS.head) meter_end(METERS.head); /* the oldest: billed its estimate */
+    /* the oldest: billed its estimate */
+    if (METERS.n >= S.max_meters && METERS.head) meter_end(METERS.head);
     meter *m = xcalloc(1, sizeof *m);
-    m->x = x, m->entry = (int)(e - x->log), m->u = x->u;
+    m->x = x;
+    m->entry = (int)(e - x->log);
+    m->u = x->u;
     m->prev = METERS.tail;
     *(METERS.tail ? &METERS.tail->next : &METERS.head) = m;
-    METERS.tail = m, METERS.n++;
+    METERS.tail = m;
+    METERS.n++;
     timer_init(&m->t, meter_timer, m);
     timer_set(&m->t, (int64_t)S.meter_s * 1000);
-    x->metering++, e->pending = 1;
-    x->u->owner = m, x->u->event = meter_event;
+    x->metering++;
+    e->pending = 1;
+    x->u->owner = m;
+    x->u->event = meter_event;
     up_pause(x->u, 0);
     x->u = NULL;
-    x->busy->inflight--, x->busy = NULL;
+    x->busy->inflight--;
+    x->busy = NULL;
 }
 
 /* Every meter, at exit: closed, and billed what is known. */
@@ -9072,8 +10518,10 @@ static void meters_close(void) {
 static void attempt_over(exchange *x) {
     attempt_entry *e = &x->log[x->nlog - 1];
     upstream *u = x->u;
-    int refused = u && up_has_head(u) && u->resp.status >= 300, big = u && (u->body.len > METER_MAX_BODY || u->resp.content_length > METER_MAX_BODY);
-    if (!e->billed && u && u->wrote > 0 && u->state != UP_DONE && u->state != UP_FAILED && !refused && !big && !x->stream && !x->kind->free && S.meter_s > 0) {
+    int refused = u && up_has_head(u) && u->resp.status >= 300,
+        big = u && (u->body.len > METER_MAX_BODY || u->resp.content_length > METER_MAX_BODY);
+    if (!e->billed && u && u->wrote > 0 && u->state != UP_DONE && u->state != UP_FAILED &&
+        !refused && !big && !x->stream && !x->kind->free && S.meter_s > 0) {
         meter_start(x, e);
         return;
     }
@@ -9096,20 +10544,36 @@ static int attempt_hold(exchange *x) {
     if (k) al[n++] = &k->s.al;
     if (g) al[n++] = &g->s.al;
     hold_refusal why = {0, "max_budget", 0};
-    if (x->w.cost <= MAX_CHARGE && hold_reserve(al, n, x->w.cost, x->w.in + x->w.out, wall_ms(), &x->hold, &why) == 0) return 0;
+    if (x->w.cost <= MAX_CHARGE &&
+        hold_reserve(al, n, x->w.cost, x->w.in + x->w.out, wall_ms(), &x->hold, &why) == 0)
+        return 0;
     const allowance *a = x->w.cost <= MAX_CHARGE ? al[why.who] : NULL;
     const char *whose = a && g && a == &g->s.al ? "this key's group" : "this key";
     char msg[400];
     if (a && why.wait)
-        snprintf(msg, sizeof msg, "the next attempt, on %s, may use up to %lld tokens, and %s allows %lld a minute: the request ends here",
+        snprintf(msg, sizeof msg,
+                 "the next attempt, on %s, may use up to %lld tokens, and %s allows %lld a minute: "
+                 "the request ends here",
                  m->alias, x->w.in + x->w.out, whose, a->tpm_limit);
     else if (!a)
-        snprintf(msg, sizeof msg, "the next attempt, on %s, may cost more than %.0f USD (its output limit times the answers asked for): "
-                 "the request ends here", m->alias, MAX_CHARGE / MICRO);
+        snprintf(msg, sizeof msg,
+                 "the next attempt, on %s, may cost more than %.0f USD (its output limit times the "
+                 "answers asked for): "
+                 "the request ends here",
+                 m->alias, MAX_CHARGE / MICRO);
     else
-        snprintf(msg, sizeof msg, "the next attempt, on %s, may cost up to %.6f USD, and the budget of %s has %.6f USD left: the request ends here",
+        snprintf(msg, sizeof msg,
+                 "the next attempt, on %s, may cost up to %.6f USD, and the budget of %s has %.6f "
+                 "USD left: the request ends here",
                  m->alias, (double)x->w.cost / MICRO, whose, budget_remaining(a, wall_ms()));
-    exchange_fail(x, !a ? 400 : why.wait ? 429 : 403, !a ? "invalid_request" : why.wait ? "rate_limited" : "budget_exceeded", msg);
+    exchange_fail(x,
+                  !a         ? 400
+                  : why.wait ? 429
+                             : 403,
+                  !a         ? "invalid_request"
+                  : why.wait ? "rate_limited"
+                             : "budget_exceeded",
+                  msg);
     return LTG_ERR;
 }
 
@@ -9134,7 +10598,9 @@ static plan_step attempt_decide(exchange *x, const attempt_result *r) {
     };
     if (o == OUTCOME_NO_WORK) { /* what only a retry of the same model needs */
         size_t n;
-        const char *v = u && up_has_head(u) ? http_header_get(u->head.p, u->resp.h, u->resp.nh, "retry-after", &n) : NULL;
+        const char *v = u && up_has_head(u) ? http_header_get(u->head.p, u->resp.h, u->resp.nh,
+                                                              "retry-after", &n)
+                                            : NULL;
         f.other_deployment = x->pin < 0 && deployment_other(m, x->avoid, S.now);
         f.retry_after_ms = v ? retry_after_ms(v, n, (long long)(wall_ms() / 1000)) : -1;
         f.jitter_permille = (unsigned)(rng_next() % 201);
@@ -9148,7 +10614,8 @@ static plan_step attempt_decide(exchange *x, const attempt_result *r) {
     }
     x->key_tries = 0;
     char why[200];
-    if (r->error) snprintf(why, sizeof why, "%s", r->error); /* before the release: it may be u->err */
+    /* before the release: it may be u->err */
+    if (r->error) snprintf(why, sizeof why, "%s", r->error);
     else if (u && attempt_context_length(r->status, u->body.p, u->body.len))
         snprintf(why, sizeof why, "context length exceeded (%d)", r->status);
     else snprintf(why, sizeof why, "answered %d", r->status);
@@ -9212,7 +10679,8 @@ static int exchange_attempt(exchange *x, int next_key) {
 static void exchange_step(exchange *x, plan_step s) {
     while (s.action == PLAN_RETRY_NOW || s.action == PLAN_NEXT_MODEL) {
         if (exchange_attempt(x, s.next_key) != ATTEMPT_SKIPPED) return;
-        s = attempt_decide(x, &(attempt_result){.error = "skipped: the circuit breaker is open", .skipped = 1});
+        s = attempt_decide(x, &(attempt_result){.error = "skipped: the circuit breaker is open",
+                                                .skipped = 1});
     }
     if (s.action == PLAN_ANSWER) {
         exchange_answer(x);
@@ -9224,7 +10692,9 @@ static void exchange_step(exchange *x, plan_step s) {
     }
 }
 
-static void attempt_end(exchange *x, const attempt_result *r) { exchange_step(x, attempt_decide(x, r)); }
+static void attempt_end(exchange *x, const attempt_result *r) {
+    exchange_step(x, attempt_decide(x, r));
+}
 
 /* The attempt the plan points at, now: the first, or after the backoff. */
 static void exchange_start(exchange *x) { exchange_step(x, (plan_step){.action = PLAN_RETRY_NOW}); }
@@ -9232,8 +10702,11 @@ static void exchange_start(exchange *x) { exchange_step(x, (plan_step){.action =
 /* The current attempt failed without an answer: `why`, a timeout or not. */
 static void attempt_failed(exchange *x, const char *why, int timeout) {
     upstream *u = x->u;
-    int reached = u->wrote > 0 || up_has_head(u); /* a byte of the request went out, or an answer came */
-    attempt_end(x, &(attempt_result){.status = up_has_head(u) ? u->resp.status : 0, .reached = reached, .error = why,
+    /* a byte of the request went out, or an answer came */
+    int reached = u->wrote > 0 || up_has_head(u);
+    attempt_end(x, &(attempt_result){.status = up_has_head(u) ? u->resp.status : 0,
+                                     .reached = reached,
+                                     .error = why,
                                      .timeout = timeout});
 }
 
@@ -9253,12 +10726,17 @@ static void exchange_timer(void *ctx) {
         exchange_start(x);
         return;
     case X_ATTEMPTING: /* the attempt's request timeout */
-        snprintf(msg, sizeof msg, "no %s within the request timeout of %d ms", x->stream ? "first event" : "answer", x->rp.request_timeout_ms);
+        snprintf(msg, sizeof msg, "no %s within the request timeout of %d ms",
+                 x->stream ? "first event" : "answer", x->rp.request_timeout_ms);
         attempt_failed(x, msg, 1);
         return;
     case X_RELAYING: /* a started stream went quiet */
-        if (u && u->paused) snprintf(msg, sizeof msg, "the client did not take the stream for %d s", S.stream_idle_s);
-        else snprintf(msg, sizeof msg, "the stream from %s stalled for %d s", exchange_model(x)->alias, S.stream_idle_s);
+        if (u && u->paused)
+            snprintf(msg, sizeof msg, "the client did not take the stream for %d s",
+                     S.stream_idle_s);
+        else
+            snprintf(msg, sizeof msg, "the stream from %s stalled for %d s",
+                     exchange_model(x)->alias, S.stream_idle_s);
         exchange_fail(x, 504, "stream_interrupted", msg);
         return;
     }
@@ -9271,7 +10749,8 @@ static void exchange_deadline(void *ctx) {
     exchange *x = ctx;
     char msg[160];
     if (x->state == X_RELAYING) {
-        snprintf(msg, sizeof msg, "the stream from %s ran past the limit of %d s (--max-stream-seconds)",
+        snprintf(msg, sizeof msg,
+                 "the stream from %s ran past the limit of %d s (--max-stream-seconds)",
                  exchange_model(x)->alias, S.max_stream_s);
         exchange_fail(x, 504, "stream_interrupted", msg);
     } else if (x->state == X_BACKOFF) {
@@ -9305,20 +10784,28 @@ static void exchange_relay_stream(exchange *x) {
         mask_provider_key(exchange_dep(x)->p, ev, n);
         int r = stream_take(x, ev, n);
         if (r < 0) { stream_broken(x, "an SSE event whose data is not JSON"); return; }
-        if (r == SSE_HIDE || (r == SSE_EMPTY && x->state != X_RELAYING)) continue; /* a comment is not the answer's start */
+        /* a comment is not the answer's start */
+        if (r == SSE_HIDE || (r == SSE_EMPTY && x->state != X_RELAYING)) continue;
         if (x->state != X_RELAYING) attempt_answered(x, 200, NULL); /* the first event: a success */
         exchange_chunk(x, ev, n);
     }
     buf_consume(&u->body, off);
     if (x->state == X_RELAYING) timer_set(&x->t, (int64_t)S.stream_idle_s * 1000);
     if (u->state == UP_DONE) {
-        if (x->state != X_RELAYING) { stream_broken(x, "the stream ended before its first event"); return; }
+        if (x->state != X_RELAYING) {
+            stream_broken(x, "the stream ended before its first event");
+            return;
+        }
         if (u->body.len) { /* no final blank line: pass the rest on */
             mask_provider_key(exchange_dep(x)->p, u->body.p, u->body.len);
             exchange_chunk(x, u->body.p, u->body.len);
         }
         x_send(x, "0\r\n\r\n", 5);
-        exchange_settle(x, 200, EV_SUCCEEDED, x->plan.model, 0, x->record_full ? NULL : x->record.p ? x->record.p : "", x->record.len);
+        exchange_settle(x, 200, EV_SUCCEEDED, x->plan.model, 0,
+                        x->record_full ? NULL
+                        : x->record.p  ? x->record.p
+                                       : "",
+                        x->record.len);
         exchange_end(x);
         return;
     }
@@ -9337,7 +10824,8 @@ static void exchange_drained(void *owner) {
 static void exchange_upstream(void *owner) {
     exchange *x = owner;
     upstream *u = x->u;
-    if (u->state == UP_FAILED && x->state == X_RELAYING) { stream_broken(x, u->err); return; } /* no failover once it started */
+    /* no failover once it started */
+    if (u->state == UP_FAILED && x->state == X_RELAYING) { stream_broken(x, u->err); return; }
     if (u->state == UP_FAILED) {
         attempt_failed(x, u->err, 0);
         return;
@@ -9345,15 +10833,20 @@ static void exchange_upstream(void *owner) {
     if (!up_has_head(u)) return;
     int status = u->resp.status;
     if (x->stream && up_is_stream(u)) { exchange_relay_stream(x); return; }
-    timer_stop(&x->t); /* the head came: the attempt's timeout is met; the deadline bounds the body */
+    /* the head came: the attempt's timeout is met; the deadline bounds the body */
+    timer_stop(&x->t);
     if (u->body.len > UP_MAX_BODY_BYTES || u->resp.content_length > UP_MAX_BODY_BYTES) {
         attempt_answered(x, status, "an answer larger than 64 MiB");
         return;
     }
     if (u->state != UP_DONE) return;
-    int no_choices, r = status >= 200 && status < 300 ? usage_read(x->kind, NULL, u->body.p ? u->body.p : "", u->body.len, &x->usage, &no_choices) : 0;
+    int no_choices, r = status >= 200 && status < 300
+                                ? usage_read(x->kind, NULL, u->body.p ? u->body.p : "", u->body.len,
+                                             &x->usage, &no_choices)
+                                : 0;
     char reason[100];
-    snprintf(reason, sizeof reason, "answered %d with a body that is not JSON", status); /* a success must be JSON */
+    /* a success must be JSON */
+    snprintf(reason, sizeof reason, "answered %d with a body that is not JSON", status);
     x->usage.final = r > 0;
     attempt_answered(x, status, r < 0 ? reason : NULL);
 }
@@ -9368,17 +10861,21 @@ static void exchange_abort(void *owner) {
     x->c->owner = NULL;
     if (x->idem && S.ndetached < S.max_conns) { /* it runs on alone (bounded: each holds an fd) */
         x->c = NULL;
-        x->detached = 1, S.ndetached++;
+        x->detached = 1;
+        S.ndetached++;
         if (x->u && x->u->paused) up_pause(x->u, 0); /* nobody to wait for now */
         return;
     }
-    if (x->u && x->state == X_ATTEMPTING) { /* not the provider's doing: its breaker hears nothing of it */
-        attempt_log(x, &x->plan, up_has_head(x->u) ? x->u->resp.status : 0, OUTCOME_INDETERMINATE, "the client closed the connection");
+    if (x->u && x->state == X_ATTEMPTING) {
+        /* not the provider's doing: its breaker hears nothing of it */
+        attempt_log(x, &x->plan, up_has_head(x->u) ? x->u->resp.status : 0, OUTCOME_INDETERMINATE,
+                    "the client closed the connection");
         if (x->probe) breaker_forget_probe(exchange_dep(x));
         x->probe = 0;
         attempt_over(x);
     }
-    /* 499: nginx's "client closed the request"; a stream that started is billed as far as it went */
+    /* 499: nginx's "client closed the request"; a stream that started is billed as far as it
+     * went */
     exchange_settle(x, 499, EV_ABANDONED, x->state == X_RELAYING ? x->plan.model : -1, 0, NULL, 0);
     x->c = NULL; /* after the settle, which tells the access log */
     exchange_end(x);
@@ -9395,21 +10892,31 @@ static void inference_replay(conn *c, const inf_idem *r) {
     if (hit) buf_append(&answer, hit->body, hit->len);
     else if (r->keep) buf_append(&answer, r->keep->p ? r->keep->p : "", r->keep->len);
     else if (inf_idem_answer(r, &answer) < 0) {
-        conn_error(c, 503, "storage_unavailable", NULL, "the first answer to this Idempotency-Key cannot be read back from the ledger (see ltg's log)");
+        conn_error(c, 503, "storage_unavailable", NULL,
+                   "the first answer to this Idempotency-Key cannot be read back from the ledger "
+                   "(see ltg's log)");
         return;
     }
-    buf_printf(&h, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: 0\r\nx-ltg-replayed: true\r\n%s", c->rid, c->rid,
-               hit ? "x-ltg-cache: hit\r\n" : "");
-    if (r->status >= 200 && r->status < 300) buf_printf(&h, "x-ltg-served-model: %s\r\n", r->served);
+    buf_printf(&h,
+               "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: 0\r\nx-ltg-replayed: "
+               "true\r\n%s",
+               c->rid, c->rid, hit ? "x-ltg-cache: hit\r\n" : "");
+    if (r->status >= 200 && r->status < 300)
+        buf_printf(&h, "x-ltg-served-model: %s\r\n", r->served);
     if (r->stream) {
         char size[32];
         int k = snprintf(size, sizeof size, "%zx\r\n", answer.len);
         conn_head(c, r->status, "text/event-stream", -1, h.p);
-        if (answer.len) conn_send(c, size, (size_t)k), conn_send(c, answer.p, answer.len), conn_send(c, "\r\n", 2);
+        if (answer.len) {
+            conn_send(c, size, (size_t)k);
+            conn_send(c, answer.p, answer.len);
+            conn_send(c, "\r\n", 2);
+        }
         conn_send(c, "0\r\n\r\n", 5);
         conn_done(c);
     } else conn_reply(c, r->status, "application/json", h.p, answer.p, answer.len);
-    buf_free(&h), buf_free(&answer);
+    buf_free(&h);
+    buf_free(&answer);
 }
 
 
@@ -9438,7 +10945,8 @@ typedef struct {
     inf_idem *replay;         /* an earlier request with the same key */
     hold hold;                /* its worst case, once held */
     int pin_dep;              /* previous_response_id's deployment of chain[0], or -1 */
-    int shortened;            /* a timeout or deadline shorter than the group's (see exchange.shortened) */
+    /* a timeout or deadline shorter than the group's (see exchange.shortened) */
+    int shortened;
     char retry_after[40];     /* a rate limit's Retry-After header line */
 } admission;
 
@@ -9451,8 +10959,10 @@ typedef struct {
 
 enum { ADMIT, REFUSE, REPLAY };
 
-static int refuse(refusal *r, int status, const char *code, const char *headers, const char *fmt, ...) __attribute__((format(printf, 5, 6)));
-static int refuse(refusal *r, int status, const char *code, const char *headers, const char *fmt, ...) {
+static int refuse(refusal *r, int status, const char *code, const char *headers, const char *fmt,
+                  ...) __attribute__((format(printf, 5, 6)));
+static int refuse(refusal *r, int status, const char *code, const char *headers, const char *fmt,
+                  ...) {
     va_list ap;
     *r = (refusal){status, code, headers, ""};
     va_start(ap, fmt);
@@ -9467,25 +10977,37 @@ static int admit_key(admission *a, refusal *r) {
     uint8_t h[32];
     const char *secret = request_bearer(a->c, &n);
     int anthropic = a->kind && a->kind->api == API_ANTHROPIC;
-    if (!secret && anthropic && (secret = http_header_get(a->c->in.p, a->c->req.h, a->c->req.nh, "x-api-key", &n)) && !n) secret = NULL;
+    if (!secret && anthropic &&
+        (secret = http_header_get(a->c->in.p, a->c->req.h, a->c->req.nh, "x-api-key", &n)) && !n)
+        secret = NULL;
     if (!secret)
-        return refuse(r, 401, "invalid_api_key", NULL, "missing API key: send the header %s", anthropic ? "x-api-key: ltg_sk_... (or Authorization: Bearer ltg_sk_...)" : "Authorization: Bearer ltg_sk_...");
+        return refuse(r, 401, "invalid_api_key", NULL, "missing API key: send the header %s",
+                      anthropic ? "x-api-key: ltg_sk_... (or Authorization: Bearer ltg_sk_...)"
+                                : "Authorization: Bearer ltg_sk_...");
     sha256(secret, n, h);
     a->key = hmap_get(&ST.keys_by_hash, h, 32);
     a->g = a->key ? group_find(a->key->group_id) : NULL;
     if (!a->g || !secret_eq(a->key->hash, 32, h, 32)) {
         a->g = NULL;
-        return refuse(r, 401, "invalid_api_key", NULL, "invalid API key: unknown or revoked (admin keys are not accepted here)");
+        return refuse(r, 401, "invalid_api_key", NULL,
+                      "invalid API key: unknown or revoked (admin keys are not accepted here)");
     }
-    if (a->key->s.blocked) return refuse(r, 403, "key_blocked", NULL, "this token key is blocked (an admin unblocks it: PATCH /token_keys/{id} with \"blocked\": false)");
-    return a->g->s.blocked ? refuse(r, 403, "group_blocked", NULL, "this key's token group is blocked") : ADMIT;
+    if (a->key->s.blocked)
+        return refuse(r, 403, "key_blocked", NULL,
+                      "this token key is blocked (an admin unblocks it: PATCH /token_keys/{id} "
+                      "with \"blocked\": false)");
+    return a->g->s.blocked
+                   ? refuse(r, 403, "group_blocked", NULL, "this key's token group is blocked")
+                   : ADMIT;
 }
 
 /* json_scan's callback: an image, audio or file part of a prompt, in any
  * API's shape (a "type" that names one). */
 static void count_part(void *ctx, const char *name, size_t nlen, const char *v, size_t vlen) {
     static const char *const kinds[] = {"image_url", "input_image", "image", "input_audio", "input_file", "file", "document", NULL};
-    json_tok tn = {JSON_STRING, 0, (uint32_t)nlen, 0, 1}, tv = {JSON_STRING, 0, (uint32_t)vlen, 0, 1}; /* compared unescaped */
+    /* compared unescaped */
+    json_tok tn = {JSON_STRING, 0, (uint32_t)nlen, 0, 1},
+             tv = {JSON_STRING, 0, (uint32_t)vlen, 0, 1};
     if (!json_eq(name, &tn, 0, "type")) return;
     for (int i = 0; kinds[i]; i++)
         if (json_eq(v, &tv, 0, kinds[i])) (*(long long *)ctx)++;
@@ -9496,25 +11018,43 @@ static int admit_body(admission *a, refusal *r) {
     json_result res;
     a->body = a->c->body.p;
     if (json_parse(a->body, a->c->body.len, a->t, MAX_BODY_FIELDS, 1, &res) < 0)
-        return refuse(r, 400, "invalid_json", NULL, "the request body is not valid JSON: %s at byte offset %zu", res.err, res.err_offset);
-    if (a->t[0].type != JSON_OBJECT) return refuse(r, 400, "invalid_request", NULL, "the request body must be a JSON object");
-    int dup = json_duplicate_key(a->body, a->t, 0); /* providers disagree on which wins: a second "model" could pass the checks */
+        return refuse(r, 400, "invalid_json", NULL,
+                      "the request body is not valid JSON: %s at byte offset %zu", res.err,
+                      res.err_offset);
+    if (a->t[0].type != JSON_OBJECT)
+        return refuse(r, 400, "invalid_request", NULL, "the request body must be a JSON object");
+    /* providers disagree on which wins: a second "model" could pass the checks */
+    int dup = json_duplicate_key(a->body, a->t, 0);
     if (dup >= 0)
-        return refuse(r, 400, "invalid_request", NULL, "the request body has the key \"%.*s\" twice: send each top-level key once",
-                      (int)(a->t[dup].end - a->t[dup].start > 100 ? 100 : a->t[dup].end - a->t[dup].start), a->body + a->t[dup].start);
+        return refuse(r, 400, "invalid_request", NULL,
+                      "the request body has the key \"%.*s\" twice: send each top-level key once",
+                      (int)(a->t[dup].end - a->t[dup].start > 100
+                                    ? 100
+                                    : a->t[dup].end - a->t[dup].start),
+                      a->body + a->t[dup].start);
     a->shape = (worst_shape){(long long)(a->c->body.len + 2) / 3, 0, 0, 0, 1};
-    if (json_scan(a->body, a->c->body.len, count_part, &a->shape.parts, &res) < 0) { /* the same, deeper: "stream_options" twice... */
+    if (json_scan(a->body, a->c->body.len, count_part, &a->shape.parts, &res) < 0) {
+        /* the same, deeper: "stream_options" twice... */
         const char *at = a->body + res.err_offset;
         size_t n = 0;
-        while (n < 100 && res.err_offset + n < a->c->body.len && (at[n] != '"' || (n && at[n - 1] == '\\'))) n++;
+        while (n < 100 && res.err_offset + n < a->c->body.len &&
+               (at[n] != '"' || (n && at[n - 1] == '\\')))
+            n++;
         if (!strstr(res.err, "repeated"))
-            return refuse(r, 400, "invalid_request", NULL, "the request body is refused: %s (byte offset %zu)", res.err, res.err_offset);
-        return refuse(r, 400, "invalid_request", NULL, "the request body has the member \"%.*s\" twice in one object (byte offset %zu): send each "
-                      "member once -- ltg and a provider could read it differently", (int)n, at, res.err_offset);
+            return refuse(r, 400, "invalid_request", NULL,
+                          "the request body is refused: %s (byte offset %zu)", res.err,
+                          res.err_offset);
+        return refuse(r, 400, "invalid_request", NULL,
+                      "the request body has the member \"%.*s\" twice in one object (byte offset "
+                      "%zu): send each "
+                      "member once -- ltg and a provider could read it differently",
+                      (int)n, at, res.err_offset);
     }
     a->mv = json_get(a->body, a->t, 0, "model");
     if (a->mv < 0 || a->t[a->mv].type != JSON_STRING)
-        return refuse(r, 400, "invalid_request", NULL, "the request needs a \"model\": one of the gateway's model aliases (GET /v1/models)");
+        return refuse(r, 400, "invalid_request", NULL,
+                      "the request needs a \"model\": one of the gateway's model aliases (GET "
+                      "/v1/models)");
     json_unescape(a->body, a->t, a->mv, &a->name);
     if (!a->name.p) buf_reserve(&a->name, 0);
     return ADMIT;
@@ -9527,36 +11067,54 @@ static int admit_model(admission *a, refusal *r) {
     const group *g = a->g;
     model *m = catalog_model(S.cat, a->name.p, a->name.len);
     if (!group_allows(g, a->name.p))
-        return refuse(r, 403, "model_not_allowed", NULL, "this key may not call \"%.200s\" (GET /v1/models lists the models it may call)", a->name.p);
-    if (!m) return refuse(r, 404, "model_not_found", NULL, "the model \"%.200s\" is no longer in this gateway's catalog", a->name.p);
+        return refuse(
+                r, 403, "model_not_allowed", NULL,
+                "this key may not call \"%.200s\" (GET /v1/models lists the models it may call)",
+                a->name.p);
+    if (!m)
+        return refuse(r, 404, "model_not_found", NULL,
+                      "the model \"%.200s\" is no longer in this gateway's catalog", a->name.p);
     int prev = a->kind && a->kind->pins ? json_get(a->body, a->t, 0, "previous_response_id") : -1;
     const char *pinned = NULL, *dep = NULL;
     if (prev >= 0 && a->t[prev].type == JSON_STRING) {
         buf id = {0};
-        a->shape.added = -1; /* the conversation the provider adds: the model's context_window, or what the pin knows */
+        /* the conversation the provider adds: the model's context_window, or what the pin knows */
+        a->shape.added = -1;
         json_unescape(a->body, a->t, prev, &id);
-        pinned = id.p ? pin_get(a->g->s.id, id.p, id.len, &dep, &a->shape.added) : NULL; /* it lives in the pin, not in id */
+        /* it lives in the pin, not in id */
+        pinned = id.p ? pin_get(a->g->s.id, id.p, id.len, &dep, &a->shape.added) : NULL;
         buf_free(&id);
     }
     if (pinned) {
         if (!group_allows(g, pinned))
-            return refuse(r, 403, "model_not_allowed", NULL, "previous_response_id names a response of \"%.200s\", which this key may not call", pinned);
+            return refuse(r, 403, "model_not_allowed", NULL,
+                          "previous_response_id names a response of \"%.200s\", which this key may "
+                          "not call",
+                          pinned);
         if (!(m = catalog_model(S.cat, pinned, strlen(pinned))) || m->api != a->kind->api)
-            return refuse(r, 404, "model_not_found", NULL, "previous_response_id names a response of \"%.200s\", no longer in this gateway's catalog", pinned);
+            return refuse(r, 404, "model_not_found", NULL,
+                          "previous_response_id names a response of \"%.200s\", no longer in this "
+                          "gateway's catalog",
+                          pinned);
         a->chain[a->nchain++] = m;
         for (int i = 0; i < m->ndep; i++)
-            if (strcmp(m->dep[i].name, dep) == 0) a->pin_dep = i; /* its provider holds the conversation */
+            /* its provider holds the conversation */
+            if (strcmp(m->dep[i].name, dep) == 0) a->pin_dep = i;
         return ADMIT;
     }
     if (m->api != a->kind->api)
-        return refuse(r, 400, "invalid_request", NULL, "the model \"%.200s\" is served through %s: call it on %s", a->name.p,
+        return refuse(r, 400, "invalid_request", NULL,
+                      "the model \"%.200s\" is served through %s: call it on %s", a->name.p,
                       m->api == API_ANTHROPIC ? "Anthropic's Messages API" : "OpenAI's API",
-                      m->api == API_ANTHROPIC ? "/v1/messages" : "/v1/chat/completions (or /v1/responses, /v1/completions, /v1/embeddings)");
+                      m->api == API_ANTHROPIC ? "/v1/messages"
+                                              : "/v1/chat/completions (or /v1/responses, "
+                                                "/v1/completions, /v1/embeddings)");
     a->chain[a->nchain++] = m;
     for (int i = 0; i < g->nfb; i++)
         for (int k = 0; strcmp(g->fb[i].model, a->name.p) == 0 && k < g->fb[i].n; k++) {
             model *f = catalog_model(S.cat, g->fb[i].to[k], strlen(g->fb[i].to[k]));
-            if (f && f->api == a->kind->api && a->nchain < MAX_CHAIN) a->chain[a->nchain++] = f; /* a fallback of another API is skipped */
+            /* a fallback of another API is skipped */
+            if (f && f->api == a->kind->api && a->nchain < MAX_CHAIN) a->chain[a->nchain++] = f;
         }
     return ADMIT;
 }
@@ -9574,50 +11132,68 @@ static int admit_options(admission *a, refusal *r) {
     a->stream = sv >= 0 && t[sv].type == JSON_TRUE;
     if (sv >= 0 && t[sv].type != JSON_TRUE && t[sv].type != JSON_FALSE && t[sv].type != JSON_NULL)
         return refuse(r, 400, "invalid_request", NULL, "\"stream\" must be true or false");
-    if (a->stream && !a->kind->stream) return refuse(r, 400, "invalid_request", NULL, "this endpoint does not stream: remove \"stream\"");
+    if (a->stream && !a->kind->stream)
+        return refuse(r, 400, "invalid_request", NULL,
+                      "this endpoint does not stream: remove \"stream\"");
     for (int i = 0; i < 2 && a->kind->max_out[i]; i++) {
         int mt = json_get(a->body, t, 0, a->kind->max_out[i]);
         if (mt < 0 || t[mt].type == JSON_NULL) continue;
         if (json_int(a->body, t, mt, &v) < 0 || v < 1)
-            return refuse(r, 400, "invalid_request", NULL, "\"%s\" must be a whole number >= 1", a->kind->max_out[i]);
+            return refuse(r, 400, "invalid_request", NULL, "\"%s\" must be a whole number >= 1",
+                          a->kind->max_out[i]);
         if (v > a->shape.out) a->shape.out = v;
     }
     for (int i = 0; i < 2; i++) {
         int nv = json_get(a->body, t, 0, answers[i]);
         if (nv < 0 || t[nv].type == JSON_NULL) continue;
         if (json_int(a->body, t, nv, &v) < 0 || v < 1 || v > 128)
-            return refuse(r, 400, "invalid_request", NULL, "\"%s\" must be a whole number from 1 to 128", answers[i]);
+            return refuse(r, 400, "invalid_request", NULL,
+                          "\"%s\" must be a whole number from 1 to 128", answers[i]);
         if (v > a->shape.n) a->shape.n = v;
     }
-    if (a->stream && a->kind->ask_usage && usage_edit(a->body, t, json_get(a->body, t, 0, "stream_options"), &a->usage, &a->hide, &why) < 0)
+    if (a->stream && a->kind->ask_usage &&
+        usage_edit(a->body, t, json_get(a->body, t, 0, "stream_options"), &a->usage, &a->hide,
+                   &why) < 0)
         return refuse(r, 400, "invalid_request", NULL, "%s", why);
     return ADMIT;
 }
 
-/* The group's retry policy with the request's x-ltg-* overrides (README "Per-request overrides"). */
+/* The group's retry policy with the request's x-ltg-* overrides (README "Per-request
+ * overrides"). */
 static int admit_overrides(admission *a, refusal *r) {
     static const struct { const char *name; long long lo, hi; } ov[] = {
         {"x-ltg-max-attempts", 1, 5}, {"x-ltg-retry-delay", 0, 60000}, {"x-ltg-request-timeout", 100, 600000}, {"x-ltg-deadline", 100, 3600000}};
     const http_request *q = &a->c->req;
     a->rp = a->g->has_retries ? a->g->retries : retry_defaults();
-    long long v[4] = {a->rp.max_attempts, a->rp.retry_delay_ms, a->rp.request_timeout_ms, a->rp.deadline_ms ? a->rp.deadline_ms : DEFAULT_DEADLINE_MS};
+    long long v[4] = {a->rp.max_attempts, a->rp.retry_delay_ms, a->rp.request_timeout_ms,
+                      a->rp.deadline_ms ? a->rp.deadline_ms : DEFAULT_DEADLINE_MS};
     size_t n;
     for (int i = 0; i < 4; i++) {
         const char *h = http_header_get(a->c->in.p, q->h, q->nh, ov[i].name, &n);
         long long own = v[i];
         if (h && (parse_ll(h, n, LLONG_MAX / 2, &v[i]) < 0 || v[i] < ov[i].lo || v[i] > ov[i].hi))
-            return refuse(r, 400, "invalid_request", NULL, "the header %s must be a whole number from %lld to %lld", ov[i].name, ov[i].lo, ov[i].hi);
-        if (h && i >= 2 && (v[i] < own || (i == 2 && own == 0))) a->shortened = 1; /* a request timeout of 0 is none */
+            return refuse(r, 400, "invalid_request", NULL,
+                          "the header %s must be a whole number from %lld to %lld", ov[i].name,
+                          ov[i].lo, ov[i].hi);
+        /* a request timeout of 0 is none */
+        if (h && i >= 2 && (v[i] < own || (i == 2 && own == 0))) a->shortened = 1;
     }
-    a->rp.max_attempts = (int)v[0], a->rp.retry_delay_ms = (int)v[1], a->rp.request_timeout_ms = (int)v[2], a->deadline_ms = v[3];
+    a->rp.max_attempts = (int)v[0];
+    a->rp.retry_delay_ms = (int)v[1];
+    a->rp.request_timeout_ms = (int)v[2];
+    a->deadline_ms = v[3];
     const char *b = http_header_get(a->c->in.p, q->h, q->nh, "x-ltg-backoff", &n);
     int k = 0;
     while (b && backoff_names[k] && ascii_casecmp_n(b, n, backoff_names[k]) != 0) k++;
-    if (b && !backoff_names[k]) return refuse(r, 400, "invalid_request", NULL, "the header x-ltg-backoff must be constant, linear or exponential");
+    if (b && !backoff_names[k])
+        return refuse(r, 400, "invalid_request", NULL,
+                      "the header x-ltg-backoff must be constant, linear or exponential");
     if (b) a->rp.backoff = k;
     const char *cb = http_header_get(a->c->in.p, q->h, q->nh, "x-ltg-cache", &n);
     a->bypass = cb != NULL;
-    if (cb && ascii_casecmp_n(cb, n, "bypass") != 0) return refuse(r, 400, "invalid_request", NULL, "the header x-ltg-cache takes one value: bypass");
+    if (cb && ascii_casecmp_n(cb, n, "bypass") != 0)
+        return refuse(r, 400, "invalid_request", NULL,
+                      "the header x-ltg-cache takes one value: bypass");
     return ADMIT;
 }
 
@@ -9626,7 +11202,9 @@ static int admit_overrides(admission *a, refusal *r) {
 static int admit_idempotency(admission *a, refusal *r) {
     a->ik = http_header_get(a->c->in.p, a->c->req.h, a->c->req.nh, "idempotency-key", &a->ikn);
     if (!a->ik) return ADMIT;
-    if (a->ikn == 0 || a->ikn > 255) return refuse(r, 400, "invalid_request", NULL, "Idempotency-Key must be 1 to 255 characters");
+    if (a->ikn == 0 || a->ikn > 255)
+        return refuse(r, 400, "invalid_request", NULL,
+                      "Idempotency-Key must be 1 to 255 characters");
     br_sha256_context h;
     br_sha256_init(&h);
     br_sha256_update(&h, a->key->s.id, 36);
@@ -9636,24 +11214,31 @@ static int admit_idempotency(admission *a, refusal *r) {
     a->replay = inf_idem_find(a->idem_key, wall_ms());
     if (!a->replay) return ADMIT;
     if (memcmp(a->replay->body, a->body_hash, 32) != 0)
-        return refuse(r, 409, "idempotency_conflict", NULL, "this Idempotency-Key was used with a different request body: use a new key for a new request");
+        return refuse(r, 409, "idempotency_conflict", NULL,
+                      "this Idempotency-Key was used with a different request body: use a new key "
+                      "for a new request");
     if (!a->replay->done)
-        return refuse(r, 409, "idempotency_in_flight", "Retry-After: 1\r\n", "the first request with this Idempotency-Key is still in flight: retry shortly to get its answer");
+        return refuse(r, 409, "idempotency_in_flight", "Retry-After: 1\r\n",
+                      "the first request with this Idempotency-Key is still in flight: retry "
+                      "shortly to get its answer");
     return REPLAY;
 }
 
 static int admit_parallel(admission *a, refusal *r) {
     const group *g = a->g;
     if (g->max_parallel <= 0 || g->inflight < g->max_parallel) return ADMIT;
-    return refuse(r, 429, "too_many_parallel_requests", "Retry-After: 1\r\n",
-                  "this key's group allows %lld requests at a time and all are in flight: retry shortly", g->max_parallel);
+    return refuse(
+            r, 429, "too_many_parallel_requests", "Retry-After: 1\r\n",
+            "this key's group allows %lld requests at a time and all are in flight: retry shortly",
+            g->max_parallel);
 }
 
 /* Nothing is served that cannot be metered (section 13). */
 static int admit_storage(admission *a, refusal *r) {
     const char *why; /* for ltg's log, which has said it: a tenant learns nothing of the disk */
     if (a->kind->free || ledger_writable(&why)) return ADMIT; /* a free request leaves no event */
-    return refuse(r, 503, "storage_unavailable", "Retry-After: 1\r\n", "spend events cannot be recorded now: nothing is sent upstream until they can");
+    return refuse(r, 503, "storage_unavailable", "Retry-After: 1\r\n",
+                  "spend events cannot be recorded now: nothing is sent upstream until they can");
 }
 
 /* The worst case -- of cost (section 14) and of tokens (the prompt's
@@ -9664,26 +11249,37 @@ static int admit_hold(admission *a, refusal *r) {
     if (a->kind->free) return ADMIT;
     allowance *al[2] = {&a->key->s.al, &a->g->s.al};
     static const char *const whose[2] = {"this key", "this key's group"};
-    worst w0 = worst_case(&a->shape, a->chain[0]); /* the first attempt's: each later one is held when it starts */
+    /* the first attempt's: each later one is held when it starts */
+    worst w0 = worst_case(&a->shape, a->chain[0]);
     int64_t cost = w0.cost, tok = w0.in + w0.out;
     if (cost > MAX_CHARGE)
-        return refuse(r, 400, "invalid_request", NULL, "this request may cost more than %.0f USD (its output limit times the answers it asks for): lower them",
+        return refuse(r, 400, "invalid_request", NULL,
+                      "this request may cost more than %.0f USD (its output limit times the "
+                      "answers it asks for): lower them",
                       MAX_CHARGE / MICRO);
     for (int i = 0; i < 2; i++)
         if (al[i]->tpm_limit != UNSET && tok > al[i]->tpm_limit)
-            return refuse(r, 400, "invalid_request", NULL, "this request may use up to %lld tokens, more than the tpm_limit of %s, %lld a minute: lower its output limit",
+            return refuse(r, 400, "invalid_request", NULL,
+                          "this request may use up to %lld tokens, more than the tpm_limit of %s, "
+                          "%lld a minute: lower its output limit",
                           (long long)tok, whose[i], al[i]->tpm_limit);
     hold_refusal why;
     if (hold_reserve(al, 2, cost, tok, wall_ms(), &a->hold, &why) == 0) return ADMIT;
     const allowance *w = al[why.who];
     if (why.wait) {
-        metric_add(M_RATE_LIMITED, 1, "token_group", a->g->s.name, "scope", why.who ? "group" : "key", "limit", why.limit, NULL);
+        metric_add(M_RATE_LIMITED, 1, "token_group", a->g->s.name, "scope",
+                   why.who ? "group" : "key", "limit", why.limit, NULL);
         snprintf(a->retry_after, sizeof a->retry_after, "Retry-After: %ld\r\n", why.wait);
-        return refuse(r, 429, "rate_limited", a->retry_after, "%s allows %lld %s a minute and the last minute used them: retry after %ld s", whose[why.who],
-                      why.limit[0] == 'r' ? w->rpm_limit : w->tpm_limit, why.limit[0] == 'r' ? "requests" : "tokens", why.wait);
+        return refuse(r, 429, "rate_limited", a->retry_after,
+                      "%s allows %lld %s a minute and the last minute used them: retry after %ld s",
+                      whose[why.who], why.limit[0] == 'r' ? w->rpm_limit : w->tpm_limit,
+                      why.limit[0] == 'r' ? "requests" : "tokens", why.wait);
     }
-    return refuse(r, 403, "budget_exceeded", NULL, "the budget of %s, %.6f USD%s, has %.6f USD left, and this request may cost up to %.6f USD", whose[why.who],
-                  w->max_budget, w->budget_days ? " per period" : "", budget_remaining(w, wall_ms()), (double)cost / MICRO);
+    return refuse(r, 403, "budget_exceeded", NULL,
+                  "the budget of %s, %.6f USD%s, has %.6f USD left, and this request may cost up "
+                  "to %.6f USD",
+                  whose[why.who], w->max_budget, w->budget_days ? " per period" : "",
+                  budget_remaining(w, wall_ms()), (double)cost / MICRO);
 }
 
 /* The checks, in order: the first that does not admit decides. */
@@ -9698,7 +11294,8 @@ static void inference_refuse(admission *a, const refusal *r) {
     if (r->headers) buf_puts(&h, r->headers);
     buf_puts(&h, "x-ltg-cost: 0.000000\r\n");
     if (a->g && a->g->s.al.has_budget)
-        buf_printf(&h, "x-ltg-budget-remaining: %.6f\r\n", budget_remaining(&a->g->s.al, wall_ms()));
+        buf_printf(&h, "x-ltg-budget-remaining: %.6f\r\n",
+                   budget_remaining(&a->g->s.al, wall_ms()));
     conn_error(a->c, r->status, r->code, h.p, "%s", r->msg);
     buf_free(&h);
 }
@@ -9706,23 +11303,36 @@ static void inference_refuse(admission *a, const refusal *r) {
 /* Admitted: the exchange, with the body's rewrites in body order. */
 static exchange *exchange_new(admission *a) {
     exchange *x = xcalloc(1, sizeof *x);
-    x->c = a->c, x->cat = S.cat, x->stream = a->stream, x->kind = a->kind, x->hide_usage = a->hide;
+    x->c = a->c;
+    x->cat = S.cat;
+    x->stream = a->stream;
+    x->kind = a->kind;
+    x->hide_usage = a->hide;
     x->cat->refs++;
     S.nexchanges++;
     memcpy(x->rid, a->c->rid, sizeof x->rid);
-    memcpy(x->group_id, a->g->s.id, 37), memcpy(x->key_id, a->key->s.id, 37);
-    memcpy(x->chain, a->chain, sizeof x->chain), x->nchain = a->nchain;
+    memcpy(x->group_id, a->g->s.id, 37);
+    memcpy(x->key_id, a->key->s.id, 37);
+    memcpy(x->chain, a->chain, sizeof x->chain);
+    x->nchain = a->nchain;
     conn_header(a->c, "anthropic-version", x->anthropic_version, sizeof x->anthropic_version);
     conn_header(a->c, "anthropic-beta", x->anthropic_beta, sizeof x->anthropic_beta);
-    x->edit[x->nedit++] = (body_edit){a->t[a->mv].start - 1, a->t[a->mv].end + 1, NULL}; /* "model": see exchange_build */
-    if (a->usage.text) x->edit[x->nedit++] = a->usage, a->usage.text = NULL;
+    /* "model": see exchange_build */
+    x->edit[x->nedit++] = (body_edit){a->t[a->mv].start - 1, a->t[a->mv].end + 1, NULL};
+    if (a->usage.text) {
+        x->edit[x->nedit++] = a->usage;
+        a->usage.text = NULL;
+    }
     if (x->nedit == 2 && x->edit[1].at < x->edit[0].at) {
         body_edit e = x->edit[0];
-        x->edit[0] = x->edit[1], x->edit[1] = e;
+        x->edit[0] = x->edit[1];
+        x->edit[1] = e;
     }
-    x->rp = a->rp, x->deadline_ms = a->deadline_ms;
+    x->rp = a->rp;
+    x->deadline_ms = a->deadline_ms;
     x->plan = plan_start(a->nchain, a->rp.max_attempts, a->rp.backoff, a->rp.retry_delay_ms);
-    x->pin = a->pin_dep, x->shortened = a->shortened;
+    x->pin = a->pin_dep;
+    x->shortened = a->shortened;
     x->started = S.now;
     x->hold = a->hold; /* held by admit_hold */
     x->shape = a->shape;
@@ -9730,11 +11340,16 @@ static exchange *exchange_new(admission *a) {
     timer_init(&x->deadline, exchange_deadline, x);
     timer_init(&x->t, exchange_timer, x);
     if (a->g->cache_ttl > 0) x->cache_mode = a->stream || a->bypass ? CACHE_BYPASS : CACHE_MISS;
-    if (x->cache_mode == CACHE_MISS) cache_keyof(a->g->s.id, a->kind->path, a->name.p, a->body, a->c->body.len, x->cache_key);
-    x->body = a->c->body, a->c->body = (buf){0}; /* the body moves to the exchange: a request is held once */
-    if (a->ik) { /* the replay record this request fills (a cached answer too: its retry gets the same) */
+    if (x->cache_mode == CACHE_MISS)
+        cache_keyof(a->g->s.id, a->kind->path, a->name.p, a->body, a->c->body.len, x->cache_key);
+    /* the body moves to the exchange: a request is held once */
+    x->body = a->c->body;
+    a->c->body = (buf){0};
+    if (a->ik) {
+        /* the replay record this request fills (a cached answer too: its retry gets the same) */
         x->idem = xcalloc(1, sizeof *x->idem);
-        memcpy(x->idem->key, a->idem_key, 32), memcpy(x->idem->body, a->body_hash, 32);
+        memcpy(x->idem->key, a->idem_key, 32);
+        memcpy(x->idem->body, a->body_hash, 32);
         hmap_put(&INF_IDEM, x->idem);
     }
     return x;
@@ -9746,7 +11361,8 @@ static void admission_facts(const admission *a) {
     req_facts *f = &a->c->f;
     if (a->key) memcpy(f->key_id, a->key->s.id, 37);
     if (a->g) memcpy(f->group_id, a->g->s.id, 37);
-    model *m = a->name.p ? catalog_model(S.cat, a->name.p, a->name.len) : NULL; /* a client cannot mint a label value */
+    /* a client cannot mint a label value */
+    model *m = a->name.p ? catalog_model(S.cat, a->name.p, a->name.len) : NULL;
     if (m) snprintf(f->requested, sizeof f->requested, "%s", m->alias);
 }
 
@@ -9761,7 +11377,8 @@ static void inference_start(admission *a) {
     }
     if (!hit) {
         timer_set(&x->deadline, a->deadline_ms);
-        a->c->owner = x, a->c->owner_ops = &exchange_owner;
+        a->c->owner = x;
+        a->c->owner_ops = &exchange_owner;
         exchange_start(x);
         return;
     }
@@ -9785,7 +11402,8 @@ static void inference_call(conn *c, const wire_kind *kind) {
     admission a = {.c = c, .kind = kind, .t = t, .pin_dep = -1};
     refusal r;
     int v = ADMIT;
-    for (size_t i = 0; v == ADMIT && i < sizeof admission_checks / sizeof *admission_checks; i++) v = admission_checks[i](&a, &r);
+    for (size_t i = 0; v == ADMIT && i < sizeof admission_checks / sizeof *admission_checks; i++)
+        v = admission_checks[i](&a, &r);
     admission_facts(&a);
     if (v == REFUSE) inference_refuse(&a, &r);
     else if (v == REPLAY) inference_replay(c, a.replay);
@@ -9814,7 +11432,9 @@ static void inference_models(conn *c, const char *id) {
     const group *g = a.g;
     model *one = id ? catalog_model(S.cat, id, strlen(id)) : NULL;
     if (id && (!one || !group_allows(g, id))) {
-        conn_error(c, 404, "model_not_found", NULL, "no model \"%.200s\" for this key (GET /v1/models lists the models it may call)", id);
+        conn_error(c, 404, "model_not_found", NULL,
+                   "no model \"%.200s\" for this key (GET /v1/models lists the models it may call)",
+                   id);
         return;
     }
     buf b = {0}, h = {0};
@@ -9833,7 +11453,8 @@ static void inference_models(conn *c, const char *id) {
     }
     buf_printf(&h, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\n", c->rid, c->rid);
     conn_reply(c, 200, "application/json", h.p, b.p, b.len);
-    buf_free(&b), buf_free(&h);
+    buf_free(&b);
+    buf_free(&h);
 }
 
 /* ===== 18. Observability: metrics and the access log =====
@@ -9881,7 +11502,10 @@ static const struct { const char *name, *type, *help; } FAMILY[NFAMILIES] = {
 static int access_open(char *err, size_t errlen) {
     if (!ALOG.path || strcmp(ALOG.path, "off") == 0) { ALOG.fd = ALOG.path ? -1 : 2; return 0; }
     int fd = open(ALOG.path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0640);
-    if (fd < 0) { snprintf(err, errlen, "--access-log %s: %s", ALOG.path, strerror(errno)); return LTG_ERR; }
+    if (fd < 0) {
+        snprintf(err, errlen, "--access-log %s: %s", ALOG.path, strerror(errno));
+        return LTG_ERR;
+    }
     if (ALOG.fd > 2) close(ALOG.fd);
     ALOG.fd = fd;
     return 0;
@@ -9889,7 +11513,8 @@ static int access_open(char *err, size_t errlen) {
 
 static void access_reopen(void) {
     char err[PATH_MAX + 64];
-    if (access_open(err, sizeof err) < 0) ltg_log("SIGUSR1: %s: the access log stays the file it was", err);
+    if (access_open(err, sizeof err) < 0)
+        ltg_log("SIGUSR1: %s: the access log stays the file it was", err);
 }
 
 /* Before the loop sleeps: the turn's lines, in one write. */
@@ -9900,7 +11525,10 @@ static int access_flush(void) {
         if (w <= 0) break; /* a full disk: kept, up to ALOG_MAX */
         buf_consume(&ALOG.b, (size_t)w);
     }
-    if (ALOG.dropped && !ALOG.b.len) ltg_log("access log: %ld line(s) lost while it could not be written", ALOG.dropped), ALOG.dropped = 0;
+    if (ALOG.dropped && !ALOG.b.len) {
+        ltg_log("access log: %ld line(s) lost while it could not be written", ALOG.dropped);
+        ALOG.dropped = 0;
+    }
     if (ALOG.b.cap > ALOG_MAX && !ALOG.b.len) buf_free(&ALOG.b);
     return 0;
 }
@@ -9920,9 +11548,10 @@ static void request_ended(conn *c) {
     if (f->endpoint) {
         char st[16];
         snprintf(st, sizeof st, "%d", status);
-        metric_add(M_REQUESTS, 1, "endpoint", f->endpoint, "requested_model", f->requested, "served_model",
-                   status / 100 == 2 ? f->served : "", "status", st, NULL);
-        metric_observe(M_DURATION, (double)ms / 1000, "endpoint", f->endpoint, "requested_model", f->requested, NULL);
+        metric_add(M_REQUESTS, 1, "endpoint", f->endpoint, "requested_model", f->requested,
+                   "served_model", status / 100 == 2 ? f->served : "", "status", st, NULL);
+        metric_observe(M_DURATION, (double)ms / 1000, "endpoint", f->endpoint, "requested_model",
+                       f->requested, NULL);
     }
     if (ALOG.fd < 0) return;
     if (ALOG.b.len > ALOG_MAX) { ALOG.dropped++; return; }
@@ -9937,7 +11566,8 @@ static void request_ended(conn *c) {
     jw_key(&w, "ts"), jw_cstr(&w, ts);
     jw_key(&w, "request_id"), jw_str_or_null(&w, c->rid);
     char client[INET6_ADDRSTRLEN];
-    inet_ntop(addr_is_v4(c->client) ? AF_INET : AF_INET6, addr_is_v4(c->client) ? c->client + 12 : c->client, client, sizeof client);
+    inet_ntop(addr_is_v4(c->client) ? AF_INET : AF_INET6,
+              addr_is_v4(c->client) ? c->client + 12 : c->client, client, sizeof client);
     jw_key(&w, "client"), jw_cstr(&w, client);
     jw_key(&w, "plane"), jw_cstr(&w, c->admin ? "admin" : "inference");
     jw_key(&w, "method"), jw_str(&w, c->in.p + c->req.method.off, c->req.method.len);
@@ -9951,11 +11581,15 @@ static void request_ended(conn *c) {
     jw_key(&w, "requested_model"), jw_str_or_null(&w, f->requested);
     jw_key(&w, "served_model"), jw_str_or_null(&w, f->served);
     jw_key(&w, "attempts"), jw_ll_or_null(&w, f->attempts);
-    for (int k = 0; k < NTOK; k++) jw_key(&w, tok_names[k]), jw_ll_or_null(&w, f->tok[TOK_IN] < 0 ? -1 : f->tok[k]);
+    for (int k = 0; k < NTOK; k++) {
+        jw_key(&w, tok_names[k]);
+        jw_ll_or_null(&w, f->tok[TOK_IN] < 0 ? -1 : f->tok[k]);
+    }
     jw_key(&w, "cost");
     if (f->cost >= 0) jw_usd(&w, f->cost);
     else jw_null(&w);
-    jw_key(&w, "usage_status"), jw_cstr(&w, f->cost < 0 ? NULL : f->estimated ? "estimated" : "reported");
+    jw_key(&w, "usage_status");
+    jw_cstr(&w, f->cost < 0 ? NULL : f->estimated ? "estimated" : "reported");
     jw_key(&w, "cache"), jw_cstr(&w, f->cache);
     jw_close(&w, '}');
     buf_puts(&ALOG.b, "\n");
@@ -9967,9 +11601,11 @@ static void metric_head(buf *b, const char *name, const char *type, const char *
 
 /* One sample: name{labels} value, the labels of `key` (n bytes, without the
  * family byte) and one more, `extra`, if given. */
-static void metric_sample(buf *b, const char *name, const char *suffix, const char *labels, size_t n, const char *extra, double v) {
+static void metric_sample(buf *b, const char *name, const char *suffix, const char *labels,
+                          size_t n, const char *extra, double v) {
     buf_printf(b, "%s%s", name, suffix);
-    if (n || extra) buf_printf(b, "{%.*s%s%s}", (int)n, labels, n && extra ? "," : "", extra ? extra : "");
+    if (n || extra)
+        buf_printf(b, "{%.*s%s%s}", (int)n, labels, n && extra ? "," : "", extra ? extra : "");
     buf_printf(b, " %.15g\n", v);
 }
 
@@ -10011,33 +11647,44 @@ static double START_TIME; /* wall clock seconds, when main() began */
 /* The gauges, read from live state now. */
 static void metrics_gauges(buf *b) {
     int64_t now = wall_ms();
-    metric_head(b, "ltg_budget_remaining_usd", "gauge", "USD left in the current budget period (groups with a budget).");
+    metric_head(b, "ltg_budget_remaining_usd", "gauge",
+                "USD left in the current budget period (groups with a budget).");
     for (int i = 0; i < ST.gv.n; i++) {
         group *g = ST.gv.p[i];
         if (g && g->s.al.has_budget)
-            gauge(b, "ltg_budget_remaining_usd", budget_remaining(&g->s.al, now), "token_group", g->s.name, NULL);
+            gauge(b, "ltg_budget_remaining_usd", budget_remaining(&g->s.al, now), "token_group",
+                  g->s.name, NULL);
     }
-    metric_head(b, "ltg_reserved_usd", "gauge", "USD held by requests in flight (groups with a budget).");
+    metric_head(b, "ltg_reserved_usd", "gauge",
+                "USD held by requests in flight (groups with a budget).");
     for (int i = 0; i < ST.gv.n; i++) {
         group *g = ST.gv.p[i];
-        if (g && g->s.al.has_budget) gauge(b, "ltg_reserved_usd", (double)g->s.al.reserved / MICRO, "token_group", g->s.name, NULL);
+        if (g && g->s.al.has_budget)
+            gauge(b, "ltg_reserved_usd", (double)g->s.al.reserved / MICRO, "token_group", g->s.name,
+                  NULL);
     }
-    metric_head(b, "ltg_circuit_open", "gauge", "1 while the circuit breaker of the model's deployment is open.");
+    metric_head(b, "ltg_circuit_open", "gauge",
+                "1 while the circuit breaker of the model's deployment is open.");
     for (int i = 0; i < S.cat->nmodels; i++)
         for (int k = 0; k < S.cat->models[i].ndep; k++) {
             const deployment *d = &S.cat->models[i].dep[k];
-            gauge(b, "ltg_circuit_open", d->cb_open_until > S.now, "model", d->m->alias, "deployment", d->name, NULL);
+            gauge(b, "ltg_circuit_open", d->cb_open_until > S.now, "model", d->m->alias,
+                  "deployment", d->name, NULL);
         }
-    metric_head(b, "ltg_deployment_in_flight", "gauge", "Attempts in flight on the model's deployment (the catalog in use).");
+    metric_head(b, "ltg_deployment_in_flight", "gauge",
+                "Attempts in flight on the model's deployment (the catalog in use).");
     for (int i = 0; i < S.cat->nmodels; i++)
         for (int k = 0; k < S.cat->models[i].ndep; k++) {
             const deployment *d = &S.cat->models[i].dep[k];
-            gauge(b, "ltg_deployment_in_flight", d->inflight, "model", d->m->alias, "deployment", d->name, NULL);
+            gauge(b, "ltg_deployment_in_flight", d->inflight, "model", d->m->alias, "deployment",
+                  d->name, NULL);
         }
-    metric_head(b, "ltg_upstream_connections", "gauge", "Connections to providers: serving a request, or idle in the pool.");
+    metric_head(b, "ltg_upstream_connections", "gauge",
+                "Connections to providers: serving a request, or idle in the pool.");
     for (int i = 0; i < S.cat->nprov; i++) {
         provider *p = &S.cat->prov[i];
-        gauge(b, "ltg_upstream_connections", p->nbusy, "provider", p->name, "state", "active", NULL);
+        gauge(b, "ltg_upstream_connections", p->nbusy, "provider", p->name, "state", "active",
+              NULL);
         gauge(b, "ltg_upstream_connections", p->nidle, "provider", p->name, "state", "idle", NULL);
     }
     metric_head(b, "ltg_client_connections", "gauge", "Open client connections.");
@@ -10056,9 +11703,14 @@ static void metrics_gauges(buf *b) {
     gauge(b, "process_resident_memory_bytes", (double)pages * (double)sysconf(_SC_PAGESIZE), NULL);
     metric_head(b, "process_open_fds", "gauge", "Number of open file descriptors.");
     gauge(b, "process_open_fds", (double)fds, NULL);
-    metric_head(b, "process_cpu_seconds_total", "counter", "Total user and system CPU time spent in seconds.");
-    gauge(b, "process_cpu_seconds_total", (double)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) + (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6, NULL);
-    metric_head(b, "process_start_time_seconds", "gauge", "Start time of the process since unix epoch in seconds.");
+    metric_head(b, "process_cpu_seconds_total", "counter",
+                "Total user and system CPU time spent in seconds.");
+    gauge(b, "process_cpu_seconds_total",
+          (double)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+                  (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6,
+          NULL);
+    metric_head(b, "process_start_time_seconds", "gauge",
+                "Start time of the process since unix epoch in seconds.");
     gauge(b, "process_start_time_seconds", START_TIME, NULL);
     metric_head(b, "ltg_build_info", "gauge", "Always 1: the version of ltg running.");
     gauge(b, "ltg_build_info", 1, "version", LTG_VERSION, NULL);
@@ -10066,13 +11718,18 @@ static void metrics_gauges(buf *b) {
 
 /* GET /metrics on the admin listener: the Prometheus text format 0.0.4. */
 static void metrics_reply(conn *c) {
-    if (!method_is(c, "GET") && !method_is(c, "HEAD")) { conn_error(c, 405, "method_not_allowed", NULL, "use GET for /metrics"); return; }
+    if (!method_is(c, "GET") && !method_is(c, "HEAD")) {
+        conn_error(c, 405, "method_not_allowed", NULL, "use GET for /metrics");
+        return;
+    }
     admin_who who;
-    if (S.metrics_auth && (admin_auth(c, &who) < 0 || !admin_allowed(c, &who, PERM_METRICS_READ))) return;
+    if (S.metrics_auth && (admin_auth(c, &who) < 0 || !admin_allowed(c, &who, PERM_METRICS_READ)))
+        return;
     buf b = {0};
     metrics_series(&b);
     metrics_gauges(&b);
-    conn_reply(c, 200, "text/plain; version=0.0.4; charset=utf-8", "Cache-Control: no-store\r\n", b.p, b.len);
+    conn_reply(c, 200, "text/plain; version=0.0.4; charset=utf-8", "Cache-Control: no-store\r\n",
+               b.p, b.len);
     buf_free(&b);
 }
 
@@ -10091,29 +11748,45 @@ static void metrics_reply(conn *c) {
  * -- never its path or the system's error: anyone may ask, and ltg's own
  * log has them. */
 static void probe_reply(conn *c, int ready) {
-    if (!method_is(c, "HEAD") && !method_is(c, "GET")) { conn_error(c, 405, "method_not_allowed", NULL, "use GET for %s", ready ? "/readyz" : "/healthz"); return; }
+    if (!method_is(c, "HEAD") && !method_is(c, "GET")) {
+        conn_error(c, 405, "method_not_allowed", NULL, "use GET for %s",
+                   ready ? "/readyz" : "/healthz");
+        return;
+    }
     const char *status = ready ? "ready" : "ok", *why = NULL, *unused;
     if (ready && S.draining) status = "draining";
-    else if (ready && !ledger_writable(&unused)) status = "storage_unavailable", why = "the ledger cannot be written (see ltg's log)";
-    else if (ready && LOG.f.failing) status = "storage_unavailable", why = "the state log cannot be written (see ltg's log)";
+    else if (ready && !ledger_writable(&unused)) {
+        status = "storage_unavailable";
+        why = "the ledger cannot be written (see ltg's log)";
+    } else if (ready && LOG.f.failing) {
+        status = "storage_unavailable";
+        why = "the state log cannot be written (see ltg's log)";
+    }
     buf b = {0};
     jwriter w;
     jw_init(&w, &b), jw_open(&w, '{'), jw_key(&w, "status"), jw_cstr(&w, status);
-    if (why) jw_key(&w, "detail"), jw_cstr(&w, why);
+    if (why) {
+        jw_key(&w, "detail");
+        jw_cstr(&w, why);
+    }
     jw_close(&w, '}');
-    conn_reply(c, ready && strcmp(status, "ready") ? 503 : 200, "application/json", "Cache-Control: no-store\r\n", b.p, b.len);
+    conn_reply(c, ready && strcmp(status, "ready") ? 503 : 200, "application/json",
+               "Cache-Control: no-store\r\n", b.p, b.len);
     buf_free(&b);
 }
 
 /* S.error: JSON:API's shape on the admin listener (README "The control
  * plane"), the OpenAI or Anthropic API's on the inference one. */
-static void route_error(conn *c, int status, const char *code, const char *headers, const char *msg) {
-    if (c->admin) admin_error(c, status, code, NULL, 0, "%s", msg); /* its own headers: the extra ones are the inference plane's */
+static void route_error(conn *c, int status, const char *code, const char *headers,
+                        const char *msg) {
+    /* its own headers: the extra ones are the inference plane's */
+    if (c->admin) admin_error(c, status, code, NULL, 0, "%s", msg);
     else inference_error(c, status, code, headers, msg);
 }
 
 static void route(conn *c) {
-    uint64_t r = rng_next(), seq = ++S.request_seq & 0xffffffff; /* "req_%016llx%08llx", without printf: every request makes one */
+    /* "req_%016llx%08llx", without printf: every request makes one */
+    uint64_t r = rng_next(), seq = ++S.request_seq & 0xffffffff;
     memcpy(c->rid, "req_", 4);
     for (int i = 0; i < 16; i++) c->rid[4 + i] = "0123456789abcdef"[(r >> (60 - 4 * i)) & 15];
     for (int i = 0; i < 8; i++) c->rid[20 + i] = "0123456789abcdef"[(seq >> (28 - 4 * i)) & 15];
@@ -10130,8 +11803,10 @@ static void route(conn *c) {
     c->f.endpoint = "other"; /* an unknown path is counted too, under one name */
     for (size_t i = 0; i < sizeof WIRE / sizeof *WIRE; i++) {
         if (!path_is(c, WIRE[i].path)) continue;
-        c->f.endpoint = WIRE[i].path, c->f.anthropic = WIRE[i].api == API_ANTHROPIC;
-        if (!method_is(c, "POST")) conn_error(c, 405, "method_not_allowed", NULL, "use POST for %s", WIRE[i].path);
+        c->f.endpoint = WIRE[i].path;
+        c->f.anthropic = WIRE[i].api == API_ANTHROPIC;
+        if (!method_is(c, "POST"))
+            conn_error(c, 405, "method_not_allowed", NULL, "use POST for %s", WIRE[i].path);
         else inference_call(c, &WIRE[i]);
         return;
     }
@@ -10141,11 +11816,14 @@ static void route(conn *c) {
         char id[ALIAS_MAX * 3];
         percent_decode(t + 11, q > 11 ? q - 11 : 0, id, sizeof id);
         c->f.endpoint = "/v1/models";
-        if (!method_is(c, "GET")) conn_error(c, 405, "method_not_allowed", NULL, "use GET for /v1/models");
+        if (!method_is(c, "GET"))
+            conn_error(c, 405, "method_not_allowed", NULL, "use GET for /v1/models");
         else inference_models(c, q > 11 ? id : NULL);
         return;
     }
-    conn_error(c, 404, "not_found", NULL, "no such endpoint (ltg serves /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings, /v1/messages and /v1/models)");
+    conn_error(c, 404, "not_found", NULL,
+               "no such endpoint (ltg serves /v1/chat/completions, /v1/completions, /v1/responses, "
+               "/v1/embeddings, /v1/messages and /v1/models)");
 }
 
 /* ===== 20. main =====
@@ -10168,11 +11846,17 @@ static void listeners_watch(short events) {
     if (S.admin_fd >= 0) loop_events(S.admin_fd, events);
 }
 
-static void accept_resume(void *ctx) { (void)ctx, listeners_watch(POLLIN); }
+static void accept_resume(void *ctx) {
+    (void)ctx;
+    listeners_watch(POLLIN);
+}
 
-static episode ep_per_ip = {.what = "connections: a client address holds --max-conns-per-ip inference connections; its next ones are closed at once"},
-               ep_shed = {.what = "connections: a listener is full; the connections waiting longest without a request in service are closed to make room"},
-               ep_full = {.what = "connections: every connection of a listener is being served; new ones are closed at once"};
+static episode ep_per_ip = {.what = "connections: a client address holds --max-conns-per-ip "
+                                    "inference connections; its next ones are closed at once"},
+               ep_shed = {.what = "connections: a listener is full; the connections waiting "
+                                  "longest without a request in service are closed to make room"},
+               ep_full = {.what = "connections: every connection of a listener is being served; "
+                                  "new ones are closed at once"};
 
 /* Out of fds (or kernel memory), accept() fails and the listener stays
  * readable: rather than spin, stop watching it for 100 ms, and say so once
@@ -10187,14 +11871,19 @@ static void listener_accept(void *ctx, int revents) {
         int fd = accept4(lfd, (struct sockaddr *)&sa, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) {
             if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
-                if (!shedding) ltg_log("accept: %s: new connections wait (retried every 100 ms)", strerror(errno));
+                if (!shedding)
+                    ltg_log("accept: %s: new connections wait (retried every 100 ms)",
+                            strerror(errno));
                 shedding = 1;
                 listeners_watch(0);
                 timer_set(&accept_pause, 100);
             }
             return;
         }
-        if (shedding) ltg_log("accepting connections again"), shedding = 0;
+        if (shedding) {
+            ltg_log("accepting connections again");
+            shedding = 0;
+        }
         uint8_t a[16];
         addr16(&sa, a);
         int trusted = addr_trusted(a); /* a balancer: the client it speaks for is counted, not it */
@@ -10205,7 +11894,8 @@ static void listener_accept(void *ctx, int revents) {
         else if (fd < S.nfds_cap) {
             if (full) episode_note(&ep_shed);
             conn_new(fd, admin, p);
-            memcpy(conns->client, a, 16), conns->trusted = conns->proxy_pending = trusted;
+            memcpy(conns->client, a, 16);
+            conns->trusted = conns->proxy_pending = trusted;
             continue;
         }
         close(fd); /* refused: closed at once */
@@ -10221,10 +11911,16 @@ static int listen_on(const char *spec, const char **why) {
     if (!colon || colon == spec || (size_t)(colon - spec) >= sizeof host) return LTG_ERR;
     if (parse_ll(colon + 1, strlen(colon + 1), 65535, &port) < 0) return LTG_ERR;
     snprintf(host, sizeof host, "%.*s", (int)(colon - spec), spec);
-    if (host[0] == '[' && host[strlen(host) - 1] == ']') memmove(host, host + 1, strlen(host)), host[strlen(host) - 1] = 0;
+    if (host[0] == '[' && host[strlen(host) - 1] == ']') {
+        memmove(host, host + 1, strlen(host));
+        host[strlen(host) - 1] = 0;
+    }
     struct sockaddr_storage a;
     if (strcmp(host, "localhost") == 0) snprintf(host, sizeof host, "127.0.0.1");
-    if (addr_parse(host, &a) < 0) { *why = "the address must be numeric (IPv4 or [IPv6])"; return LTG_ERR; }
+    if (addr_parse(host, &a) < 0) {
+        *why = "the address must be numeric (IPv4 or [IPv6])";
+        return LTG_ERR;
+    }
     addr_set_port(&a, (int)port);
     int fd = socket(a.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0), one = 1;
     if (fd < 0) { *why = strerror(errno); return LTG_ERR; }
@@ -10242,7 +11938,8 @@ static void drain_start(void) {
     S.drain_until = S.now + (int64_t)S.drain_seconds * 1000;
     timer_set(&drain_timer, (int64_t)S.drain_seconds * 1000);
     ltg_log("draining: %d connection(s) open, at most %d s", S.nconns, S.drain_seconds);
-    loop_close(S.listen_fd), loop_close(S.admin_fd);
+    loop_close(S.listen_fd);
+    loop_close(S.admin_fd);
     S.listen_fd = S.admin_fd = -1;
     for (conn *c = conns, *next; c; c = next) {
         next = c->next;
@@ -10253,7 +11950,10 @@ static void drain_start(void) {
 static void config_reload(void) {
     char err[512];
     catalog *cat = catalog_load(S.config_path, NULL, err, sizeof err);
-    if (cat && tls_prepare(cat, err, sizeof err) < 0) catalog_free(cat), cat = NULL;
+    if (cat && tls_prepare(cat, err, sizeof err) < 0) {
+        catalog_free(cat);
+        cat = NULL;
+    }
     if (!cat) { ltg_log("SIGHUP: config refused, the old one stays: %s", err); return; }
     catalog *old = S.cat;
     S.cat = cat;
@@ -10262,20 +11962,30 @@ static void config_reload(void) {
 }
 
 static void loop_signals(void) {
-    if (S.got_hup) S.got_hup = 0, config_reload();
-    if (S.got_usr1) S.got_usr1 = 0, access_reopen();
+    if (S.got_hup) {
+        S.got_hup = 0;
+        config_reload();
+    }
+    if (S.got_usr1) {
+        S.got_usr1 = 0;
+        access_reopen();
+    }
     if (S.got_term && !S.draining) drain_start();
 }
 
-static int loop_should_exit(void) { return S.draining && ((S.nconns == 0 && S.nexchanges == 0) || S.now >= S.drain_until); }
+static int loop_should_exit(void) {
+    return S.draining && ((S.nconns == 0 && S.nexchanges == 0) || S.now >= S.drain_until);
+}
 
 static void sig_pipe_read(void *ctx, int revents) {
-    (void)ctx, (void)revents;
+    (void)ctx;
+    (void)revents;
     char tmp[64];
     while (read(S.sig_pipe[0], tmp, sizeof tmp) > 0) {}
 }
 
-static void drain_expired(void *ctx) { (void)ctx; } /* it only wakes the loop: loop_should_exit() decides */
+/* it only wakes the loop: loop_should_exit() decides */
+static void drain_expired(void *ctx) { (void)ctx; }
 
 /* mkdir -p: DIR and the parents it lacks (0700). */
 static int mkdir_p(const char *dir) {
@@ -10292,38 +12002,59 @@ static int mkdir_p(const char *dir) {
 
 /* The options' defaults (the tests start from them too). */
 static void options_default(void) {
-    S.resolv_conf = "/etc/resolv.conf", S.listen_addr = "127.0.0.1:8080", S.admin_addr = "127.0.0.1:8081";
-    S.max_conns = 1024, S.drain_seconds = 10, S.max_body = 8LL << 20;
-    S.head_timeout_ms = 10000, S.idle_timeout_ms = 120000, S.cache_mb = 64, S.max_stream_s = 600, S.stream_idle_s = 120, S.meter_s = 300, S.ledger_days = 90;
+    S.resolv_conf = "/etc/resolv.conf";
+    S.listen_addr = "127.0.0.1:8080";
+    S.admin_addr = "127.0.0.1:8081";
+    S.max_conns = 1024;
+    S.drain_seconds = 10;
+    S.max_body = 8LL << 20;
+    S.head_timeout_ms = 10000;
+    S.idle_timeout_ms = 120000;
+    S.cache_mb = 64;
+    S.max_stream_s = 600;
+    S.stream_idle_s = 120;
+    S.meter_s = 300;
+    S.ledger_days = 90;
     S.ledger_index = 16LL << 20;
 }
 
 #ifndef LTG_NO_MAIN
 static const char USAGE[] =
-    "usage: ltg --config FILE --data DIR [options]\n"
-    "  --config FILE            the catalog: providers, models, admin keys (JSON)\n"
-    "  --data DIR               token groups, keys and the ledger (created if missing)\n"
-    "  --listen ADDR:PORT       the inference plane (default 127.0.0.1:8080)\n"
-    "  --admin-listen ADDR:PORT the control plane and /metrics (default 127.0.0.1:8081)\n"
-    "  --access-log FILE|off    one JSON line per request (default: stderr); reopened on SIGUSR1\n"
-    "  --metrics-auth           GET /metrics needs an admin key with llm_token_gateway.metrics.read\n"
-    "  --ledger-days N          days of spend events kept (default 90)\n"
-    "  --ledger-index-mb N      memory for today's ledger index (default 16): past it, spilled to its index file\n"
-    "  --cache-mb N             memory for the response cache (default 64)\n"
-    "  --max-conns N            inference connections (default 1024)\n"
-    "  --max-conns-per-ip N     inference connections per client address (default a quarter of --max-conns)\n"
-    "  --trusted-proxies LIST   load balancers (ADDR[/BITS],...) whose PROXY header or X-Forwarded-For names the client\n"
-    "  --drain-seconds N        on SIGTERM, how long requests in flight may finish (default 10)\n"
-    "  --max-body-mb N          request body limit (default 8)\n"
-    "  --head-timeout S         a request head must arrive within S seconds (default 10)\n"
-    "  --idle-timeout S         an idle keep-alive connection is closed after S seconds (default 120)\n"
-    "  --max-stream-seconds S   a started stream is cut after S seconds (default 600)\n"
-    "  --stream-idle-seconds S  a started stream is cut after S seconds without an event (default 120)\n"
-    "  --meter-abandoned-seconds S  an answer given up on is still read S seconds for its usage (default 300, 0: closed)\n"
-    "  --ca-file FILE           trust anchors for https:// providers (default: the system bundle)\n"
-    "  --resolv-conf FILE       where the name servers are (default /etc/resolv.conf)\n"
-    "  --version, --help        print the version, or this, and exit\n"
-    "Signals: SIGTERM/SIGINT drain and exit, SIGHUP reloads the catalog, SIGUSR1 reopens the access log.\n";
+        "usage: ltg --config FILE --data DIR [options]\n"
+        "  --config FILE            the catalog: providers, models, admin keys (JSON)\n"
+        "  --data DIR               token groups, keys and the ledger (created if missing)\n"
+        "  --listen ADDR:PORT       the inference plane (default 127.0.0.1:8080)\n"
+        "  --admin-listen ADDR:PORT the control plane and /metrics (default 127.0.0.1:8081)\n"
+        "  --access-log FILE|off    one JSON line per request (default: stderr); reopened on "
+        "SIGUSR1\n"
+        "  --metrics-auth           GET /metrics needs an admin key with "
+        "llm_token_gateway.metrics.read\n"
+        "  --ledger-days N          days of spend events kept (default 90)\n"
+        "  --ledger-index-mb N      memory for today's ledger index (default 16): past it, spilled "
+        "to its index file\n"
+        "  --cache-mb N             memory for the response cache (default 64)\n"
+        "  --max-conns N            inference connections (default 1024)\n"
+        "  --max-conns-per-ip N     inference connections per client address (default a quarter of "
+        "--max-conns)\n"
+        "  --trusted-proxies LIST   load balancers (ADDR[/BITS],...) whose PROXY header or "
+        "X-Forwarded-For names the client\n"
+        "  --drain-seconds N        on SIGTERM, how long requests in flight may finish (default "
+        "10)\n"
+        "  --max-body-mb N          request body limit (default 8)\n"
+        "  --head-timeout S         a request head must arrive within S seconds (default 10)\n"
+        "  --idle-timeout S         an idle keep-alive connection is closed after S seconds "
+        "(default 120)\n"
+        "  --max-stream-seconds S   a started stream is cut after S seconds (default 600)\n"
+        "  --stream-idle-seconds S  a started stream is cut after S seconds without an event "
+        "(default 120)\n"
+        "  --meter-abandoned-seconds S  an answer given up on is still read S seconds for its "
+        "usage (default 300, 0: closed)\n"
+        "  --ca-file FILE           trust anchors for https:// providers (default: the system "
+        "bundle)\n"
+        "  --resolv-conf FILE       where the name servers are (default /etc/resolv.conf)\n"
+        "  --version, --help        print the version, or this, and exit\n"
+        "Signals: SIGTERM/SIGINT drain and exit, SIGHUP reloads the catalog, SIGUSR1 reopens the "
+        "access log.\n";
 
 static void usage(const char *why) {
     fprintf(stderr, "ltg: %s\n%s", why, USAGE);
@@ -10364,7 +12095,10 @@ static void options_parse(int argc, char **argv) {
     options_default();
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--version") == 0) { printf("ltg %s\n", LTG_VERSION); exit(0); }
-        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) { fputs(USAGE, stdout); exit(0); }
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            fputs(USAGE, stdout);
+            exit(0);
+        }
         size_t k = 0;
         while (k < sizeof options / sizeof *options && strcmp(options[k].name, argv[i]) != 0) k++;
         char why[256];
@@ -10378,7 +12112,8 @@ static void options_parse(int argc, char **argv) {
         long long n;
         if (o->str) { *o->str = v; continue; }
         if (parse_ll(v, strlen(v), o->max, &n) < 0 || n < o->min) {
-            fprintf(stderr, "ltg: %s needs a whole number from %lld to %lld, not \"%s\"\n", o->name, o->min, o->max, v);
+            fprintf(stderr, "ltg: %s needs a whole number from %lld to %lld, not \"%s\"\n", o->name,
+                    o->min, o->max, v);
             exit(2);
         }
         if (o->i) *o->i = (int)(n * o->scale);
@@ -10392,19 +12127,24 @@ static void options_parse(int argc, char **argv) {
 static int state_open(char *err, size_t errlen) {
     char lock[PATH_MAX];
     if (mkdir_p(S.data_dir) < 0) {
-        snprintf(err, errlen, "--data %s: cannot create it: %s (create it, or give a directory ltg may write)", S.data_dir, strerror(errno));
+        snprintf(err, errlen,
+                 "--data %s: cannot create it: %s (create it, or give a directory ltg may write)",
+                 S.data_dir, strerror(errno));
         return LTG_ERR;
     }
     snprintf(lock, sizeof lock, "%s/lock", S.data_dir);
     int lock_fd = open(lock, O_RDWR | O_CREAT | O_CLOEXEC, 0600); /* held until ltg exits */
-    if (lock_fd < 0 || flock(lock_fd, LOCK_EX | LOCK_NB) < 0) { /* two writers would interleave their records */
-        snprintf(err, errlen, "--data %s: %s", S.data_dir, lock_fd < 0 ? strerror(errno) : "another ltg is using this directory");
+    if (lock_fd < 0 || flock(lock_fd, LOCK_EX | LOCK_NB) < 0) {
+        /* two writers would interleave their records */
+        snprintf(err, errlen, "--data %s: %s", S.data_dir,
+                 lock_fd < 0 ? strerror(errno) : "another ltg is using this directory");
         return LTG_ERR;
     }
     store_init();
     snprintf(LOG.tmp, sizeof LOG.tmp, "%.200s/state.log.tmp", S.data_dir);
     unlink(LOG.tmp); /* a compaction that a crash interrupted: the old file is whole */
-    if (log_open(&LOG.f, S.data_dir, "state.log", LOG_MAGIC, 0, store_apply, NULL, err, errlen) < 0) return LTG_ERR;
+    if (log_open(&LOG.f, S.data_dir, "state.log", LOG_MAGIC, 0, store_apply, NULL, err, errlen) < 0)
+        return LTG_ERR;
     int64_t now = wall_ms();
     LOG.last_compaction = now;
     if (ledger_open(S.data_dir, now, err, errlen) < 0) return LTG_ERR;
@@ -10413,7 +12153,9 @@ static int state_open(char *err, size_t errlen) {
     CACHE.limit = (size_t)S.cache_mb << 20;
     long long events = 0;
     for (int i = 0; i < LG.nseg; i++) events += seg_count(LG.seg[i]);
-    ltg_log("state: %d token group(s), %d token key(s); ledger: %lld spend event(s) in %d day(s), kept %d days", ST.gv.live, ST.kv.live, events, LG.nseg, S.ledger_days);
+    ltg_log("state: %d token group(s), %d token key(s); ledger: %lld spend event(s) in %d day(s), "
+            "kept %d days",
+            ST.gv.live, ST.kv.live, events, LG.nseg, S.ledger_days);
     return 0;
 }
 
@@ -10439,7 +12181,8 @@ static void fds_budget(void) {
         if (S.max_meters > S.max_conns) S.max_meters = S.max_conns;
         ltg_log("the fd limit (ulimit -n %d) caps connections at %d", S.nfds_cap, S.max_conns);
     }
-    if (!S.max_per_ip) S.max_per_ip = S.max_conns / 4 > 0 ? S.max_conns / 4 : 1; /* one address, a quarter of the table */
+    /* one address, a quarter of the table */
+    if (!S.max_per_ip) S.max_per_ip = S.max_conns / 4 > 0 ? S.max_conns / 4 : 1;
     if (S.max_per_ip > S.max_conns) S.max_per_ip = S.max_conns;
     S.fds = xcalloc((size_t)S.nfds_cap, sizeof *S.fds);
     S.pfds = xcalloc((size_t)S.nfds_cap, sizeof *S.pfds);
@@ -10450,40 +12193,64 @@ int main(int argc, char **argv) {
     const char *why;
     START_TIME = (double)wall_ms() / 1000;
     options_parse(argc, argv);
-    if (!S.config_path) usage("--config FILE is required: the catalog of providers, models and admin keys");
-    if (!S.data_dir) usage("--data DIR is required: the directory that keeps token groups, keys and the ledger");
+    if (!S.config_path)
+        usage("--config FILE is required: the catalog of providers, models and admin keys");
+    if (!S.data_dir)
+        usage("--data DIR is required: the directory that keeps token groups, keys and the ledger");
     if (access_open(err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
-    if (S.trusted_proxies && trusted_parse(S.trusted_proxies, &why) < 0) { fprintf(stderr, "ltg: --trusted-proxies %s: %s\n", S.trusted_proxies, why); return 2; }
+    if (S.trusted_proxies && trusted_parse(S.trusted_proxies, &why) < 0) {
+        fprintf(stderr, "ltg: --trusted-proxies %s: %s\n", S.trusted_proxies, why);
+        return 2;
+    }
     signal(SIGPIPE, SIG_IGN);
     rng_seed();
     S.now = clock_ms();
     S.cat = catalog_load(S.config_path, NULL, err, sizeof err);
-    if (!S.cat || tls_prepare(S.cat, err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
+    if (!S.cat || tls_prepare(S.cat, err, sizeof err) < 0) {
+        fprintf(stderr, "ltg: %s\n", err);
+        return 1;
+    }
     /* The ports first: a busy one stops ltg before it touches --data. */
-    if ((S.listen_fd = listen_on(S.listen_addr, &why)) < 0) { fprintf(stderr, "ltg: --listen %s: %s\n", S.listen_addr, why); return 1; }
-    if ((S.admin_fd = listen_on(S.admin_addr, &why)) < 0) { fprintf(stderr, "ltg: --admin-listen %s: %s\n", S.admin_addr, why); return 1; }
+    if ((S.listen_fd = listen_on(S.listen_addr, &why)) < 0) {
+        fprintf(stderr, "ltg: --listen %s: %s\n", S.listen_addr, why);
+        return 1;
+    }
+    if ((S.admin_fd = listen_on(S.admin_addr, &why)) < 0) {
+        fprintf(stderr, "ltg: --admin-listen %s: %s\n", S.admin_addr, why);
+        return 1;
+    }
     if (state_open(err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
     fds_budget();
     S.hooks = (loop_hooks){{conn_tick, store_tick, access_flush}, loop_signals, loop_should_exit};
-    S.serve = route, S.ended = request_ended, S.error = route_error, S.up_open = up_start;
+    S.serve = route;
+    S.ended = request_ended;
+    S.error = route_error;
+    S.up_open = up_start;
     if (pipe2(S.sig_pipe, O_NONBLOCK | O_CLOEXEC) < 0) { perror("ltg: pipe"); return 1; }
     loop_watch(S.sig_pipe[0], POLLIN, sig_pipe_read, NULL);
     struct sigaction sa = {0};
     sa.sa_handler = on_signal;
     sigemptyset(&sa.sa_mask);
-    sigaction(SIGTERM, &sa, NULL), sigaction(SIGINT, &sa, NULL), sigaction(SIGHUP, &sa, NULL), sigaction(SIGUSR1, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGHUP, &sa, NULL);
+    sigaction(SIGUSR1, &sa, NULL);
     timer_init(&accept_pause, accept_resume, NULL);
     timer_init(&drain_timer, drain_expired, NULL);
     dns_init();
     loop_watch(S.listen_fd, POLLIN, listener_accept, &S.listen_fd);
     loop_watch(S.admin_fd, POLLIN, listener_accept, &S.admin_fd);
-    ltg_log("listening on %s (inference) and %s (admin); %d provider(s), %d model(s)", S.listen_addr, S.admin_addr, S.cat->nprov, S.cat->nmodels);
+    ltg_log("listening on %s (inference) and %s (admin); %d provider(s), %d model(s)",
+            S.listen_addr, S.admin_addr, S.cat->nprov, S.cat->nmodels);
     loop_run();
     meters_close(); /* what the drain left metered is billed what is known: no event is lost */
     ledger_sync(NULL);
     const char *lost;
-    if (!ledger_writable(&lost)) ltg_log("stopping with spend events that could not be written (%s): they are lost", lost);
-    if (TLS.full + TLS.resumed) ltg_log("TLS handshakes: %llu full, %llu resumed", (unsigned long long)TLS.full, (unsigned long long)TLS.resumed);
+    if (!ledger_writable(&lost))
+        ltg_log("stopping with spend events that could not be written (%s): they are lost", lost);
+    if (TLS.full + TLS.resumed)
+        ltg_log("TLS handshakes: %llu full, %llu resumed", (unsigned long long)TLS.full,
+                (unsigned long long)TLS.resumed);
     access_flush();
     ltg_log("stopped");
     return 0;

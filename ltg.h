@@ -82,7 +82,8 @@ int json_parse(const char *s, size_t len, json_tok *t, int max, int store_depth,
  * not NULL, is called for each member whose value is a string, with the
  * name and the value still escaped. Work is n log n; the names of the
  * objects open at once are at most 65,536. */
-typedef void json_member_fn(void *ctx, const char *name, size_t nlen, const char *value, size_t vlen);
+typedef void json_member_fn(void *ctx, const char *name, size_t nlen, const char *value,
+                            size_t vlen);
 int json_scan(const char *s, size_t len, json_member_fn *member, void *ctx, json_result *res);
 
 /* In object token `obj`, the index of the value whose key equals `key`, or -1
@@ -135,7 +136,8 @@ typedef struct {
 } http_header;
 
 typedef struct {
-    slice method, target;   /* target: origin-form; of an absolute-form one, the path and query (empty: neither, i.e. "/") */
+    /* target: origin-form; of an absolute-form one, the path and query (empty: neither, i.e. "/") */
+    slice method, target;
     int minor;              /* HTTP/1.<minor> */
     http_header h[HTTP_MAX_HEADERS];
     int nh;
@@ -165,7 +167,8 @@ int http_parse_request(const char *buf, size_t len, http_request *r);
 /* Parse a complete response head of `len` bytes. Returns len or LTG_ERR. */
 int http_parse_response(const char *buf, size_t len, http_response *r);
 /* The value of header `name` (case-insensitive) or NULL; `*n` gets its length. */
-const char *http_header_get(const char *buf, const http_header *h, int nh, const char *name, size_t *n);
+const char *http_header_get(const char *buf, const http_header *h, int nh, const char *name,
+                            size_t *n);
 
 /* Chunked transfer coding, decoded incrementally. */
 typedef enum { CHUNK_SIZE, CHUNK_SIZE_WS, CHUNK_EXT, CHUNK_SIZE_LF, CHUNK_DATA, CHUNK_DATA_CR, CHUNK_DATA_LF,
@@ -211,7 +214,7 @@ typedef enum {
 
 typedef enum {
     PLAN_ANSWER,      /* the outcome's answer goes to the client */
-    PLAN_RETRY_NOW,   /* the same model again at once: another of its deployments, or the next key */
+    PLAN_RETRY_NOW,   /* the same model again at once: another deployment, or the next key */
     PLAN_RETRY_AFTER, /* the same model again after step.delay_ms: the backoff, or Retry-After */
     PLAN_NEXT_MODEL,  /* the next model of the chain, at once */
     PLAN_GIVE_UP      /* nothing left to try, or no time left (step.late) */
@@ -299,7 +302,8 @@ typedef void server_ended(conn *c);
  * error(c, status, code, headers, message) answers it in the shape of the
  * API the listener serves, with the server's reply functions. `headers`:
  * extra header lines (each ending in CRLF), or NULL. */
-typedef void server_error(conn *c, int status, const char *code, const char *headers, const char *msg);
+typedef void server_error(conn *c, int status, const char *code, const char *headers,
+                          const char *msg);
 
 /* A request served over several turns has an owner (the inference
  * exchange); the server tells it: */
