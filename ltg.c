@@ -22,23 +22,23 @@
  *
  * The life of one chat request:
  *   1. conn_read() gathers bytes; http_head_end()/http_parse_request() find
- *      and parse the head, the body arrives (Content-Length or chunked) (15).
+ *      and parse the head, the body arrives (Content-Length or chunked) (6).
  *   2. route() (19) sends it to inference_call() (17): parse, admit, start.
  *      Admission is a list of checks, each a refusal or nothing: the token
  *      key resolves to its group, the body's model must be allowed, the
  *      ledger must be writable, the first attempt's worst case must fit the
  *      key's and the group's budgets and rate limits and is held
- *      (hold_reserve, 14; each later attempt holds its own); an
+ *      (hold_reserve, 15; each later attempt holds its own); an
  *      idempotent replay or a cached answer may answer here.
  *   3. exchange_attempt() (17) picks a deployment of the current model of
- *      the chain [M] + fallbacks[M] (deployment_pick, 10), rewrites "model"
+ *      the chain [M] + fallbacks[M] (deployment_pick, 11), rewrites "model"
  *      for it, and up_start() (9) borrows a pooled
  *      upstream connection or opens one (resolving the host without
- *      blocking, 6).
+ *      blocking, 7).
  *   4. The upstream connection calls exchange_upstream() back; a success is
  *      relayed (a stream event by event), and every attempt's result goes
  *      to attempt_decide() (17), which classifies it and asks plan_next()
- *      (10): answer, retry the same model after a backoff (or at once on
+ *      (11): answer, retry the same model after a backoff (or at once on
  *      another of its deployments, or with the provider's next key), move
  *      to the next one, or give up; exchange_step() acts on it.
  *   5. Every attempt is billed when it is over (attempt_bill, 17: its
@@ -47,32 +47,39 @@
  *      answer given up on is first read to its end by a meter);
  *      exchange_settle() bills the answer, and exchange_book() -- once no
  *      meter is left -- replaces the hold by what was charged (hold_settle,
- *      14) and adds the spend event to today's segment (13); the upstream
+ *      15) and adds the spend event to today's segment (14); the upstream
  *      connection returns to the pool and the client connection waits for
- *      its next request (15), once request_ended() (18) has counted it in
+ *      its next request (6), once request_ended() (18) has counted it in
  *      the metrics and written its access log line.
  *
  * Sections (banners below carry the same names):
  *   1. Limits and global state
- *   2. Utilities: logging, time, random, buffers, hashing, metrics
+ *   2. Utilities: logging, time, random, buffers, hashing, metrics, addresses
  *   3. JSON reader and writer
  *   4. HTTP/1.1 messages: heads, chunked coding, SSE
  *   5. The event loop: fds, timers, deferred close
- *   6. Name resolution: /etc/hosts and a DNS client of its own
- *   7. Catalog config
+ *   6. Client connections: the HTTP/1.1 server
+ *   7. Name resolution: /etc/hosts and a DNS client of its own
  *   8. TLS: trust anchors and the pump
  *   9. Upstream connections and the pool
- *  10. The attempt plan: retry, fallback, breakers, deployments
- *  11. The store: token groups, token keys, idempotency records
- *  12. The append-only log
- *  13. The ledger: daily segments, index files, retention
- *  14. Budgets and rate limits, the cache, idempotent inference
- *  15. Client connections: the HTTP/1.1 server
+ *  10. Catalog config
+ *  11. The attempt plan: retry, fallback, breakers, deployments
+ *  12. The store: token groups, token keys, idempotency records
+ *  13. The append-only log
+ *  14. The ledger: daily segments, index files, retention
+ *  15. Budgets and rate limits, the cache, idempotent inference
  *  16. The control plane
  *  17. Inference: the proxy path
  *  18. Observability: metrics and the access log
  *  19. Routing
  *  20. main
+ *
+ * Sections 3 to 9 are the engine -- parsers, the loop, the HTTP server,
+ * name resolution, TLS and upstream connections -- and 10 to 19 the
+ * gateway built on it. The engine calls the gateway only through the hooks
+ * of ltg.h; of the gateway's it carries only what the access log wants of a
+ * request (req_facts) and what a provider needs beside its address (its API
+ * keys and APIs).
  *
  * Read ltg.h first: it holds the contracts of the parsers and buffers.
  */
@@ -186,7 +193,7 @@ static struct {
     /* options */
     const char *config_path, *data_dir, *resolv_conf;
     const char *listen_addr, *admin_addr;
-    const char *trusted_proxies; /* --trusted-proxies (section 15) */
+    const char *trusted_proxies; /* --trusted-proxies (section 6) */
     int max_conns, drain_seconds;
     int max_per_ip;           /* inference connections from one client address */
     int max_stream_s;         /* a started stream is cut after this long */
@@ -194,8 +201,8 @@ static struct {
     /* an abandoned whole answer is read this long for its usage (0: closed at once) */
     int meter_s;
     int max_meters;           /* ... so many at a time: METER_MAX, or fewer when fds are short */
-    int ledger_days;          /* days of spend events kept (section 13) */
-    /* bytes today's index may hold in memory before it is spilled (section 13) */
+    int ledger_days;          /* days of spend events kept (section 14) */
+    /* bytes today's index may hold in memory before it is spilled (section 14) */
     long long ledger_index;
     int metrics_auth;         /* GET /metrics needs an admin key (section 18) */
     long long max_body;
@@ -245,7 +252,7 @@ static struct {
     dns_entry *dns_cache;
 } S;
 
-/* ===== 2. Utilities: logging, time, random, buffers, hashing, metrics =====
+/* ===== 2. Utilities: logging, time, random, buffers, hashing, metrics, addresses =====
  *
  * IMPLEMENTATION NOTES
  * Log lines go to stderr with a UTC timestamp; ltg never logs a secret.
@@ -687,6 +694,25 @@ static void metric_dropped(void) {
         hmap_put(&METRICS, s);
     }
     s->v++;
+}
+
+/* Parse a numeric IPv4 or IPv6 address into `ss` (port 0). */
+static int addr_parse(const char *s, struct sockaddr_storage *ss) {
+    memset(ss, 0, sizeof *ss);
+    struct sockaddr_in *a4 = (struct sockaddr_in *)ss;
+    struct sockaddr_in6 *a6 = (struct sockaddr_in6 *)ss;
+    if (inet_pton(AF_INET, s, &a4->sin_addr) == 1) { a4->sin_family = AF_INET; return 0; }
+    if (inet_pton(AF_INET6, s, &a6->sin6_addr) == 1) { a6->sin6_family = AF_INET6; return 0; }
+    return LTG_ERR;
+}
+
+static void addr_set_port(struct sockaddr_storage *ss, int port) {
+    if (ss->ss_family == AF_INET) ((struct sockaddr_in *)ss)->sin_port = htons((uint16_t)port);
+    else ((struct sockaddr_in6 *)ss)->sin6_port = htons((uint16_t)port);
+}
+
+static socklen_t addr_len(const struct sockaddr_storage *ss) {
+    return ss->ss_family == AF_INET ? sizeof(struct sockaddr_in) : sizeof(struct sockaddr_in6);
 }
 
 /* ===== 3. JSON reader and writer =====
@@ -1776,7 +1802,888 @@ static void loop_run(void) {
     }
 }
 
-/* ===== 6. Name resolution: /etc/hosts and a DNS client of its own =====
+/* ===== 6. Client connections: the HTTP/1.1 server =====
+ *
+ * IMPLEMENTATION NOTES
+ * A client connection is a small state machine (conn_to asserts every
+ * transition and arms the timer for the state entered):
+ *
+ *   IDLE --(a byte)--> HEAD --(parsed)--> BODY --(complete)--> BUSY
+ *    ^                                                          |
+ *    +--------------------(answered: the next request)----------+
+ *
+ *   an answer that closes: --(written)--> LINGER --> CLOSED; any state --> CLOSED
+ *
+ * The current request's head stays at the front of `in` while it is served
+ * (the parsed header slices point into it); its body is decoded into
+ * `body`. The server hands it to S.serve (route, section 19; the contract
+ * and conn_owner are in ltg.h). conn_done() drops the request's bytes, and
+ * what follows in `in` is the next pipelined request, parsed by
+ * conn_process()'s loop or after the next flush. A request is served only
+ * when the one before it is answered, so answers leave in order.
+ *
+ * One timer per connection means what the state says: IDLE, the idle
+ * keep-alive limit; HEAD, the head limit (counted from the head's first
+ * byte, not re-armed by a slow trickle: that is what stops slowloris);
+ * BODY, the body's rate (--head-timeout from the head, and a second more
+ * per BODY_MIN_RATE bytes); BUSY, none; LINGER, LINGER_MS. While an answer
+ * waits to be written, it fires only if the client took nothing since it
+ * started: a client that stops reading is closed, not kept for ever.
+ *
+ * While a request is served, the connection keeps reading, so a client
+ * that goes away is noticed at once and its upstream request is cancelled;
+ * but it stops reading when more than 64 KiB of pipelined requests wait,
+ * or when more than OUT_HIGH_WATER of answers wait for the client to read
+ * them (whatever it is waiting for): a client that pipelines and never
+ * reads holds at most that much, then TCP pushes back on it.
+ *
+ * Against one client holding every slot (slowloris, slow bodies, slow
+ * reads): a head must be complete within --head-timeout of its first byte,
+ * a body must keep up BODY_MIN_RATE after that; one client address may
+ * hold --max-conns-per-ip inference connections (its next are closed); and
+ * when a listener's table is full, a connection without a request in
+ * service -- an idle keep-alive one first, then one of the client holding
+ * the most connections, then the one waiting longest -- is closed to make
+ * room, so the newcomer is refused only when every connection is being
+ * served. Each episode is logged when it starts and when it ends, with
+ * its count.
+ */
+typedef enum { CONN_IDLE, CONN_HEAD, CONN_BODY, CONN_BUSY, CONN_LINGER, CONN_CLOSED } conn_state;
+
+/* What the gateway learns of the request it serves, for the access log
+ * and the metrics (section 18): cleared by the server for each request. */
+typedef struct {
+    char key_id[37], group_id[37];
+    char requested[ALIAS_MAX + 1], served[ALIAS_MAX + 1]; /* catalog aliases, or "" */
+    const char *endpoint;     /* the inference route, or NULL: not counted in ltg_requests_total */
+    const char *cache;        /* "hit", "miss", "bypass", or NULL */
+    int anthropic;            /* an Anthropic endpoint: its errors in Anthropic's shape */
+    int attempts;             /* -1: none made (refused before dispatch) */
+    long long tok[NTOK];      /* its usage; [TOK_IN] -1: none (refused before dispatch) */
+    int64_t cost;             /* micro-USD; -1: unknown */
+    int estimated;            /* the cost is ltg's estimate (README "Cost") */
+} req_facts;
+
+struct conn {
+    conn *prev, *next;        /* every open connection, for draining */
+    int fd, admin;
+    conn_state state;
+    buf in;                   /* received bytes; the current request's head first */
+    size_t scan;              /* http_head_end's resume point */
+    /* bytes of `in` taken by the current head and body (until it is decoded) */
+    size_t head_len, body_raw;
+    /* the raw bytes the body took, once decoded (the access log's bytes_in) */
+    size_t body_in;
+    http_request req;
+    chunk_decoder cd;
+    buf body;                 /* the current request's decoded body */
+    buf out;                  /* answer bytes not yet written */
+    size_t out_off;
+    uint64_t written, written_mark; /* bytes sent in all; at the timer's start */
+    int keep_alive;           /* the current answer keeps the connection */
+    int close_after;          /* close once `out` is written */
+    /* ... and first read and drop what the client still sends (conn_fail) */
+    int linger;
+    int processing, pending, want_out, read_paused;
+    timer t;                  /* what it means is the state's */
+    int64_t state_at;         /* S.now: when its state began (shedding takes the oldest) */
+    uint64_t served;          /* requests answered: one that had none yet is new, not idle */
+    struct peer *peer;        /* its client address, counted (inference connections) */
+    /* that address: the socket's, or what a trusted proxy says (the access log's "client") */
+    uint8_t client[16];
+    int trusted;              /* it comes from --trusted-proxies */
+    int proxy_pending;        /* ... and may still begin with a PROXY protocol header */
+    int forwarded;            /* its peer is the X-Forwarded-For client of the request in service */
+    /* what serves the current request over several turns (an exchange), or NULL */
+    void *owner;
+    const conn_owner *owner_ops; /* and how it is told of the client (ltg.h) */
+    char rid[32];             /* the current request's id */
+    int64_t began;            /* S.now when its head was in */
+    int status;               /* the status of its answer's head, once sent */
+    uint64_t queued, queued_mark; /* bytes given to conn_send in all; at the request's start */
+    req_facts f;
+    conn *next_pending, *next_closing;
+};
+
+static conn *conns; /* all open client connections */
+
+/* A client address and how many inference connections it holds. */
+typedef struct peer {
+    uint8_t addr[16];         /* IPv6, or IPv4 mapped into it */
+    int n;
+} peer;
+
+static const void *peer_key(const void *it, size_t *n) { *n = 16; return ((const peer *)it)->addr; }
+static hmap PEERS = {.key = peer_key};
+
+static void peer_drop(peer *p) {
+    assert(!p || p->n >= 0);
+    if (p && !p->n) free(hmap_del(&PEERS, p->addr, 16));
+}
+
+/* Something that refuses clients, said once when it starts and once when
+ * it has been quiet for EPISODE_QUIET_MS (with how many it refused). */
+typedef struct {
+    const char *what;
+    long n;
+    timer t;
+} episode;
+
+static void episode_end(void *ctx) {
+    episode *e = ctx;
+    ltg_log("%s: over, %ld connection(s) in all", e->what, e->n);
+    e->n = 0;
+}
+
+static void episode_note(episode *e) {
+    if (!e->n++) ltg_log("%s", e->what);
+    if (!e->t.fire) timer_init(&e->t, episode_end, e);
+    timer_set(&e->t, EPISODE_QUIET_MS);
+}
+
+static void conn_watch(conn *c) {
+    if (c->state != CONN_CLOSED)
+        loop_events(c->fd, (short)((c->read_paused ? 0 : POLLIN) | (c->want_out ? POLLOUT : 0)));
+}
+
+static void conn_to(conn *c, conn_state to);
+
+static void conn_close(conn *c) {
+    if (c->state == CONN_CLOSED) return;
+    int busy = c->state == CONN_BUSY;
+    conn_to(c, CONN_CLOSED);
+    if (c->owner) c->owner_ops->gone(c->owner); /* it lets go of c */
+    c->owner = NULL;
+    if (busy && S.ended) S.ended(c); /* a request left unanswered, or half-sent */
+    loop_close(c->fd);
+    if (c->prev) c->prev->next = c->next;
+    else conns = c->next;
+    if (c->next) c->next->prev = c->prev;
+    c->next_closing = S.closing;
+    S.closing = c;
+    S.nconns--;
+    S.nadmin -= c->admin;
+    if (c->peer) {
+        c->peer->n--;
+        peer_drop(c->peer);
+    }
+    c->peer = NULL;
+}
+
+static void conn_reap(void) {
+    while (S.closing) {
+        conn *c = S.closing;
+        S.closing = c->next_closing;
+        buf_free(&c->in);
+        buf_free(&c->body);
+        buf_free(&c->out);
+        free(c);
+    }
+}
+
+static void conn_send(conn *c, const void *p, size_t n) {
+    if (c->state == CONN_CLOSED) return;
+    buf_append(&c->out, p, n);
+    c->queued += n;
+    if (!c->pending) {
+        c->pending = 1;
+        c->next_pending = S.pending_writes;
+        S.pending_writes = c;
+    }
+}
+
+static void conn_process(conn *c);
+
+/* An answer that closes the connection is written: rather than close at
+ * once -- a client still sending its refused body would get a reset, and
+ * its kernel would drop our answer with it -- shut our side down and read
+ * and drop what still comes, for LINGER_MS at most (nginx's
+ * lingering_close): time bounds it, the bytes are not kept. */
+static void conn_linger(conn *c) {
+    conn_to(c, CONN_LINGER);
+    shutdown(c->fd, SHUT_WR);
+    c->read_paused = 0;
+    conn_watch(c);
+}
+
+/* Write what the connection has queued: 1 when all of it is written, 0
+ * when the rest waits for POLLOUT (or the connection broke: closed). */
+static int conn_flush(conn *c) {
+    while (c->out_off < c->out.len) {
+        ssize_t n = send(c->fd, c->out.p + c->out_off, c->out.len - c->out_off, MSG_NOSIGNAL);
+        if (n > 0) {
+            c->out_off += (size_t)n;
+            c->written += (uint64_t)n;
+            continue;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            if (c->out_off > 65536) {
+                buf_consume(&c->out, c->out_off);
+                c->out_off = 0;
+            }
+            c->want_out = 1;
+            conn_watch(c);
+            return 0;
+        }
+        conn_close(c); /* the client went away */
+        return 0;
+    }
+    c->out.len = c->out_off = 0;
+    c->want_out = 0;
+    return 1;
+}
+
+/* Everything queued is written: the connection closes (or lingers), its
+ * owner hears it drained, or it goes on to its next request -- serving
+ * may have stopped while the client did not read. */
+static void conn_drained(conn *c) {
+    if (c->close_after && c->linger && c->state != CONN_LINGER) {
+        conn_linger(c);
+        return;
+    }
+    if (c->close_after) {
+        conn_close(c);
+        return;
+    }
+    conn_watch(c);
+    if (c->owner) c->owner_ops->drained(c->owner);
+    else conn_process(c);
+}
+
+static void conn_flush_all(void) {
+    while (S.pending_writes) {
+        conn *c = S.pending_writes;
+        S.pending_writes = c->next_pending;
+        c->pending = 0;
+        if (c->state != CONN_CLOSED && conn_flush(c)) conn_drained(c);
+    }
+}
+
+static size_t conn_unsent(conn *c) { return c->out.len - c->out_off; }
+
+/* The server's step before the loop sleeps (loop_hooks): the turn's
+ * answers are written, closed connections freed. */
+static int conn_tick(void) {
+    conn_flush_all();
+    conn_reap();
+    return 0;
+}
+
+static const char *http_reason(int status) {
+    static const struct { int status; const char *reason; } reasons[] = {
+        {100, "Continue"}, {200, "OK"}, {201, "Created"}, {400, "Bad Request"}, {401, "Unauthorized"},
+        {403, "Forbidden"}, {404, "Not Found"}, {405, "Method Not Allowed"}, {408, "Request Timeout"},
+        {409, "Conflict"}, {412, "Precondition Failed"}, {413, "Content Too Large"}, {417, "Expectation Failed"},
+        {428, "Precondition Required"}, {429, "Too Many Requests"}, {431, "Request Header Fields Too Large"},
+        {500, "Internal Server Error"}, {501, "Not Implemented"}, {502, "Bad Gateway"},
+        {503, "Service Unavailable"}, {504, "Gateway Timeout"}};
+    for (size_t i = 0; i < sizeof reasons / sizeof *reasons; i++)
+        if (reasons[i].status == status) return reasons[i].reason;
+    return status < 300 ? "OK" : status < 500 ? "Client Error" : "Server Error";
+}
+
+/* Write an answer's head. `length` < 0 means a chunked body follows.
+ * `extra` is more header lines, each ending in CRLF. */
+static void conn_head(conn *c, int status, const char *ctype, long long length, const char *extra) {
+    c->keep_alive = c->req.keep_alive && !S.draining && !c->close_after;
+    c->status = status;
+    buf h = {0};
+    buf_printf(&h, "HTTP/1.1 %d %s\r\nContent-Type: %s\r\n", status, http_reason(status), ctype);
+    if (length >= 0) buf_printf(&h, "Content-Length: %lld\r\n", length);
+    else buf_puts(&h, "Transfer-Encoding: chunked\r\n");
+    if (extra) buf_puts(&h, extra);
+    if (!c->keep_alive) buf_puts(&h, "Connection: close\r\n");
+    else if (c->req.minor == 0)
+        buf_puts(&h, "Connection: keep-alive\r\n"); /* HTTP/1.0 closes unless told */
+    buf_puts(&h, "\r\n");
+    conn_send(c, h.p, h.len);
+    buf_free(&h);
+}
+
+/* Request helpers shared by the control plane and the inference plane. */
+
+/* The request target's path: up to its query, which is never part of it. */
+static const char *request_path(const conn *c, size_t *n) {
+    const char *t = c->in.p + c->req.target.off, *q = memchr(t, '?', c->req.target.len);
+    *n = q ? (size_t)(q - t) : c->req.target.len;
+    return t;
+}
+
+static int path_is(conn *c, const char *path) {
+    size_t n;
+    const char *t = request_path(c, &n);
+    return n == strlen(path) && memcmp(t, path, n) == 0;
+}
+
+/* The value of the request's header `name`, into out (NUL-terminated;
+ * "" when absent or too long to be a real one). */
+static void conn_header(conn *c, const char *name, char *out, size_t cap) {
+    size_t n;
+    const char *v = http_header_get(c->in.p, c->req.h, c->req.nh, name, &n);
+    out[0] = 0;
+    if (v && n < cap) {
+        memcpy(out, v, n);
+        out[n] = 0;
+    }
+}
+
+static int method_is(conn *c, const char *m) {
+    return c->req.method.len == strlen(m) &&
+           memcmp(c->in.p + c->req.method.off, m, c->req.method.len) == 0;
+}
+
+
+/* Before a request: nothing known of it yet. */
+static void conn_fresh(conn *c) {
+    /* the last request's: they point into bytes now gone */
+    c->req.method = c->req.target = (slice){0, 0};
+    c->req.nh = 0;
+    c->began = 0;
+    c->status = 0;
+    c->queued_mark = c->queued;
+    c->f = (req_facts){.attempts = -1, .tok = {-1}, .cost = -1};
+}
+
+/* The current request is answered: make room for the next one. */
+static void conn_done(conn *c) {
+    if (S.ended) S.ended(c);
+    if (c->forwarded) {
+        c->peer->n--;
+        peer_drop(c->peer);
+        c->peer = NULL;
+        c->forwarded = 0;
+    }
+    conn_fresh(c);
+    buf_consume(&c->in, c->head_len + c->body_raw);
+    c->head_len = c->body_raw = c->body_in = c->scan = 0;
+    c->body.len = 0;
+    /* a large body's memory is not kept for the next request */
+    if (c->body.cap > (1 << 20)) buf_free(&c->body);
+    if (c->in.cap > (1 << 20) && c->in.len < 65536) {
+        buf rest = {0};
+        buf_append(&rest, c->in.p, c->in.len);
+        buf_free(&c->in);
+        c->in = rest;
+    }
+    c->cd = (chunk_decoder){0};
+    c->rid[0] = 0;
+    c->served++;
+    c->close_after |= !c->keep_alive;
+    /* IDLE for a closing answer too: its timer bounds a client that takes nothing */
+    conn_to(c, c->in.len && !c->close_after ? CONN_HEAD : CONN_IDLE);
+    /* the next request: conn_process()'s loop, or after the flush; a reply never re-enters the
+     * parser */
+    conn_send(c, "", 0);
+}
+
+/* A whole answer with a body. */
+static void conn_reply(conn *c, int status, const char *ctype, const char *extra, const char *body,
+                       size_t n) {
+    conn_head(c, status, ctype, (long long)n, extra);
+    /* RFC 9110 9.3.2: a HEAD answer has the head alone */
+    if (!method_is(c, "HEAD")) conn_send(c, body, n);
+    conn_done(c);
+}
+
+/* An error answered in the shape of the listener's API (S.error: the
+ * gateway's route_error, section 19); `headers`: extra header lines (each
+ * ending in CRLF), or NULL. */
+static void conn_error(conn *c, int status, const char *code, const char *headers, const char *fmt,
+                       ...) __attribute__((format(printf, 5, 6)));
+static void conn_error(conn *c, int status, const char *code, const char *headers, const char *fmt,
+                       ...) {
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    conn_to(c, CONN_BUSY);
+    S.error(c, status, code, headers, msg);
+}
+
+/* Errors of the HTTP layer itself: the request's framing cannot be trusted,
+ * so the answer closes the connection. */
+static void conn_fail(conn *c, int status, const char *code, const char *msg) {
+    c->close_after = c->linger = 1;
+    c->req.keep_alive = 0;
+    /* maybe not this request's: its head did not parse (a HEAD gets the body, then the close) */
+    c->req.method = (slice){0, 0};
+    conn_error(c, status, code, NULL, "%s", msg);
+}
+
+static void conn_timer(void *ctx) {
+    conn *c = ctx;
+    if (c->state == CONN_LINGER) {
+        conn_close(c);
+        return;
+    }
+    if (conn_unsent(c) && c->written != c->written_mark) { /* still writing: not idle */
+        c->written_mark = c->written;
+        timer_set(&c->t, S.idle_timeout_ms);
+        return;
+    }
+    if (c->state == CONN_IDLE || conn_unsent(c)) { /* idle, or not reading what it asked for */
+        conn_close(c);
+        return;
+    }
+    conn_fail(c, 408, "request_timeout",
+              c->state == CONN_HEAD
+                      ? "the request head did not arrive in time"
+                      : "the request body arrived too slowly (it must keep up 4 KiB/s)");
+}
+
+/* A body has --head-timeout, and a second more per BODY_MIN_RATE bytes of
+ * it -- decoded bytes: framing earns no time. */
+static void conn_body_timer(conn *c) {
+    int64_t body = c->req.chunked ? (int64_t)c->body.len : (int64_t)(c->in.len - c->head_len);
+    timer_set(&c->t, c->state_at + S.head_timeout_ms + body * 1000 / BODY_MIN_RATE - S.now);
+}
+
+/* The one place a connection changes state: the transition is checked and
+ * the timer armed for the state entered (see the notes above). */
+static void conn_to(conn *c, conn_state to) {
+    static const unsigned char next[] = {
+        [CONN_IDLE] = 1 << CONN_HEAD | 1 << CONN_BUSY | 1 << CONN_LINGER | 1 << CONN_CLOSED,
+        [CONN_HEAD] = 1 << CONN_BODY | 1 << CONN_BUSY | 1 << CONN_CLOSED,
+        [CONN_BODY] = 1 << CONN_BUSY | 1 << CONN_CLOSED,
+        [CONN_BUSY] = 1 << CONN_IDLE | 1 << CONN_HEAD | 1 << CONN_BUSY | 1 << CONN_CLOSED,
+        [CONN_LINGER] = 1 << CONN_CLOSED,
+        [CONN_CLOSED] = 0,
+    };
+    assert(next[c->state] >> to & 1);
+    /* an error answer of a request in service */
+    if (to == CONN_BUSY && c->state == CONN_BUSY) return;
+    c->state = to;
+    c->state_at = S.now;
+    c->written_mark = c->written;
+    switch (to) {
+    case CONN_IDLE: timer_set(&c->t, S.idle_timeout_ms); break;
+    case CONN_HEAD: timer_set(&c->t, S.head_timeout_ms); break;
+    case CONN_BODY: conn_body_timer(c); break;
+    case CONN_LINGER: timer_set(&c->t, LINGER_MS); break;
+    case CONN_BUSY:
+    case CONN_CLOSED: timer_stop(&c->t); break;
+    }
+}
+
+static int conn_proxy(conn *c);
+static int conn_forwarded(conn *c);
+
+/* The next request's head, once it is all in: parsed and checked (HEAD ->
+ * BODY). 0: not yet, or refused (the connection is failing). */
+static int conn_take_head(conn *c) {
+    if (c->proxy_pending && conn_proxy(c) <= 0) return 0;
+    int n = http_head_end(c->in.p, c->in.len, &c->scan);
+    if (n == LTG_AGAIN && c->in.len <= MAX_HEAD_BYTES) return 0;
+    if (n == LTG_AGAIN || n > MAX_HEAD_BYTES) {
+        conn_fail(c, 431, "headers_too_large", "the request head is larger than 16 KiB");
+        return 0;
+    }
+    c->head_len = (size_t)n;
+    if (http_parse_request(c->in.p, (size_t)n, &c->req) < 0) {
+        int st = c->req.status;
+        const char *code = st == 431   ? "headers_too_large"
+                           : st == 501 ? "not_implemented"
+                           : st == 417 ? "expectation_failed"
+                                       : "bad_request";
+        conn_fail(c, st, code, c->req.err);
+        return 0;
+    }
+    if (c->req.content_length > S.max_body) {
+        char m[128];
+        snprintf(m, sizeof m, "the request body is larger than %lld bytes", S.max_body);
+        conn_fail(c, 413, "body_too_large", m);
+        return 0;
+    }
+    c->began = S.now;
+    conn_to(c, CONN_BODY);
+    int has_body = c->req.chunked || c->req.content_length > 0;
+    if (has_body && c->req.expect_continue && c->in.len == c->head_len)
+        conn_send(c, "HTTP/1.1 100 Continue\r\n\r\n", 25);
+    return 1;
+}
+
+/* The body, decoded as far as it came. 1 once it is whole: its raw bytes
+ * then leave the input, so that a request is held once (c->body). */
+static int conn_take_body(conn *c) {
+    if (c->req.chunked) {
+        long k = chunk_decode(&c->cd, c->in.p + c->head_len + c->body_raw,
+                              c->in.len - c->head_len - c->body_raw, &c->body);
+        if (k < 0) {
+            conn_fail(c, 400, "bad_request", "malformed chunked request body");
+            return 0;
+        }
+        c->body_raw += (size_t)k;
+        if ((long long)c->body.len > S.max_body) {
+            conn_fail(c, 413, "body_too_large", "the request body is too large");
+            return 0;
+        }
+        if ((long long)c->body_raw > RAW_BODY_MAX(S.max_body)) {
+            /* framing is bytes too: 1-byte chunks or long extensions */
+            conn_fail(c, 413, "body_too_large",
+                      "the chunked request body's framing is too large for its data: send larger "
+                      "chunks");
+            return 0;
+        }
+        if (c->cd.state != CHUNK_DONE) return 0;
+    } else if (c->req.content_length > 0) {
+        size_t cl = (size_t)c->req.content_length;
+        if (c->in.len - c->head_len < cl) return 0;
+        buf_append(&c->body, c->in.p + c->head_len, cl);
+        c->body_raw = cl;
+    }
+    if (!c->body.p) buf_reserve(&c->body, 0);
+    memmove(c->in.p + c->head_len, c->in.p + c->head_len + c->body_raw,
+            c->in.len - c->head_len - c->body_raw + 1);
+    c->in.len -= c->body_raw;
+    c->body_in = c->body_raw;
+    c->body_raw = 0;
+    return 1;
+}
+
+/* Parse and serve as many buffered requests as may be served now. */
+static void conn_process(conn *c) {
+    assert(!c->processing); /* see conn_done: nothing up the stack is parsing this connection */
+    c->processing = 1;
+    while (c->state <= CONN_BODY && !c->close_after && conn_unsent(c) < OUT_HIGH_WATER) {
+        if (c->state == CONN_IDLE && !c->in.len) break;
+        /* its first byte: the head's limit starts */
+        if (c->state == CONN_IDLE) conn_to(c, CONN_HEAD);
+        if (c->state == CONN_HEAD && !conn_take_head(c)) break;
+        if (!conn_take_body(c)) break;
+        conn_to(c, CONN_BUSY);
+        if (c->trusted && conn_forwarded(c) < 0) {
+            conn_error(c, 429, "too_many_connections", "Retry-After: 1\r\n",
+                       "your address holds --max-conns-per-ip connections through the gateway's "
+                       "load balancer: retry shortly");
+            continue;
+        }
+        S.serve(c);
+    }
+    c->processing = 0;
+    if (c->state == CONN_CLOSED) return;
+    /* Stop reading while answers wait past the high-water mark, or a request is served and 64
+     * KiB of the next ones wait. */
+    int paused = conn_unsent(c) >= OUT_HIGH_WATER ||
+                 (c->state == CONN_BUSY && c->in.len > c->head_len + c->body_raw + 65536);
+    if (paused != c->read_paused) {
+        c->read_paused = paused;
+        conn_watch(c);
+    }
+    if (c->state == CONN_BODY) conn_body_timer(c); /* more of it came: more time */
+}
+
+static void conn_read(conn *c) {
+    while (c->state == CONN_LINGER) { /* dropped: the answer is out, the connection closes */
+        char drop[READ_CHUNK];
+        ssize_t n = recv(c->fd, drop, sizeof drop, 0);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+        if (n <= 0) {
+            conn_close(c);
+            return;
+        }
+    }
+    for (int rounds = 0; rounds < 4; rounds++) {
+        buf_reserve(&c->in, READ_CHUNK);
+        ssize_t n = recv(c->fd, c->in.p + c->in.len, READ_CHUNK, 0);
+        if (n > 0) {
+            c->in.len += (size_t)n;
+            c->in.p[c->in.len] = 0;
+            if (n < READ_CHUNK) break;
+            continue;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+        conn_close(c); /* the client closed, or the connection broke */
+        return;
+    }
+    conn_process(c);
+}
+
+static void conn_io(void *ctx, int revents) {
+    conn *c = ctx;
+    if ((revents & POLLOUT) && conn_flush(c)) conn_drained(c);
+    if (c->state != CONN_CLOSED && (revents & (POLLIN | POLLHUP | POLLERR))) conn_read(c);
+}
+
+static void conn_new(int fd, int admin, peer *p) {
+    conn *c = xcalloc(1, sizeof *c);
+    c->fd = fd;
+    c->admin = admin;
+    c->peer = p;
+    c->state_at = S.now;
+    if (p) p->n++;
+    timer_init(&c->t, conn_timer, c);
+    conn_fresh(c);
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    c->next = conns;
+    if (conns) conns->prev = c;
+    conns = c;
+    S.nconns++;
+    S.nadmin += admin;
+    loop_watch(fd, POLLIN, conn_io, c);
+    timer_set(&c->t, S.idle_timeout_ms); /* CONN_IDLE's */
+}
+
+/* A listener's table is full: close a connection without a request in
+ * service -- an idle keep-alive one first, then one of the client that
+ * holds the most connections (behind a balancer, the real client), then
+ * the one that has waited longest. 0 when every connection is being served. */
+static int conn_shed(int admin) {
+    conn *victim = NULL;
+    int victim_idle = 0, victim_n = 0;
+    for (conn *c = conns; c; c = c->next) {
+        /* a keep-alive waiting */
+        int idle =
+                (c->state == CONN_IDLE && c->served && !conn_unsent(c)) || c->state == CONN_LINGER;
+        int n = c->peer ? c->peer->n : 0;
+        if (c->admin != admin || c->state == CONN_BUSY || c->state == CONN_CLOSED) continue;
+        /* then: more connections, then older (the list is newest first) */
+        int same = victim && idle == victim_idle;
+        if (!victim || idle > victim_idle ||
+            (same && (n > victim_n || (n == victim_n && c->state_at <= victim->state_at)))) {
+            victim = c;
+            victim_idle = idle;
+            victim_n = n;
+        }
+    }
+    if (victim) conn_close(victim);
+    return victim != NULL;
+}
+
+/* ---- behind a load balancer: --trusted-proxies ----
+ *
+ * Behind a balancer every connection comes from the balancer's address, so
+ * a per-address cap would cap everyone at once. A connection from an
+ * address of --trusted-proxies is not capped itself; the client it speaks
+ * for is, and is the one the access log names: given by a PROXY protocol
+ * header (v1 or v2, HAProxy's send-proxy) at the connection's start, or by
+ * X-Forwarded-For on each request (the rightmost address that is not a
+ * trusted proxy: what nginx's $proxy_add_x_forwarded_for appends). From
+ * any other address both are ignored -- a PROXY header is bad HTTP, and a
+ * client cannot name itself someone else. IPv6 clients are counted per /64
+ * (one host has a /64 to pick addresses from). */
+#define MAX_TRUSTED 32
+
+static struct {
+    uint8_t a[MAX_TRUSTED][16]; /* IPv6, or IPv4 mapped into it */
+    int bits[MAX_TRUSTED];
+    int n;
+} TRUSTED;
+
+/* The 16-byte form of a socket address (IPv4 mapped into IPv6). */
+static void addr16(const struct sockaddr_storage *sa, uint8_t a[16]) {
+    memset(a, 0, 16);
+    if (sa->ss_family == AF_INET6) memcpy(a, &((const struct sockaddr_in6 *)sa)->sin6_addr, 16);
+    else {
+        a[10] = a[11] = 0xff;
+        memcpy(a + 12, &((const struct sockaddr_in *)sa)->sin_addr, 4);
+    }
+}
+
+static int addr16_parse(const char *s, size_t n, uint8_t a[16]) {
+    char t[64];
+    struct sockaddr_storage ss;
+    if (n >= sizeof t) return LTG_ERR;
+    memcpy(t, s, n);
+    t[n] = 0;
+    if (addr_parse(t, &ss) < 0) return LTG_ERR;
+    addr16(&ss, a);
+    return 0;
+}
+
+static int addr_is_v4(const uint8_t a[16]) {
+    static const uint8_t mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+    return memcmp(a, mapped, 12) == 0;
+}
+
+static int addr_trusted(const uint8_t a[16]) {
+    for (int i = 0; i < TRUSTED.n; i++) {
+        int bits = TRUSTED.bits[i], whole = bits / 8, rest = bits % 8;
+        if (memcmp(a, TRUSTED.a[i], (size_t)whole) == 0 &&
+            (!rest || ((a[whole] ^ TRUSTED.a[i][whole]) >> (8 - rest)) == 0))
+            return 1;
+    }
+    return 0;
+}
+
+/* --trusted-proxies ADDR[/BITS][,...]: 0, or LTG_ERR with *why. */
+static int trusted_parse(const char *list, const char **why) {
+    *why = "expected addresses or networks, comma-separated: 10.0.0.0/8,192.168.1.5,fd00::/8";
+    for (const char *p = list; *p;) {
+        const char *end = strchr(p, ','), *slash;
+        size_t n = end ? (size_t)(end - p) : strlen(p);
+        slash = memchr(p, '/', n);
+        if (TRUSTED.n == MAX_TRUSTED) { *why = "at most 32 addresses or networks"; return LTG_ERR; }
+        uint8_t *a = TRUSTED.a[TRUSTED.n];
+        if (addr16_parse(p, slash ? (size_t)(slash - p) : n, a) < 0) return LTG_ERR;
+        long long bits = addr_is_v4(a) ? 32 : 128, max = bits;
+        if (slash && (parse_ll(slash + 1, n - (size_t)(slash + 1 - p), max, &bits) < 0))
+            return LTG_ERR;
+        TRUSTED.bits[TRUSTED.n++] = (int)bits + (addr_is_v4(a) ? 96 : 0);
+        p += n + (end ? 1 : 0);
+    }
+    return 0;
+}
+
+/* A PROXY protocol header at the start of in[0..n): its length, with the
+ * client's address in a[16]; 0 when in does not start with one; LTG_AGAIN
+ * when it is not whole yet; LTG_ERR when it is malformed. (v2 LOCAL, a
+ * balancer's own health check, and v1 UNKNOWN leave a as it was.) */
+static int proxy_header(const char *in, size_t n, uint8_t a[16]) {
+    static const char v2[12] = {'\r', '\n', '\r', '\n', 0, '\r', '\n', 'Q', 'U', 'I', 'T', '\n'};
+    if (n >= 1 && memcmp(in, v2, n < 12 ? n : 12) == 0) {
+        if (n < 16) return LTG_AGAIN;
+        const uint8_t *h = (const uint8_t *)in;
+        size_t len = 16 + ((size_t)h[14] << 8 | h[15]);
+        if (len > 16 + 512) return LTG_ERR;
+        if (n < len) return LTG_AGAIN;
+        if (h[12] >> 4 != 2 || (h[12] & 0x0F) > 1) return LTG_ERR;
+        if ((h[12] & 0x0F) == 0) return (int)len; /* LOCAL */
+        if (h[13] == 0x11 && len >= 16 + 12) {
+            memset(a, 0, 10);
+            a[10] = a[11] = 0xff;
+            memcpy(a + 12, h + 16, 4);
+        } else if (h[13] == 0x21 && len >= 16 + 36) memcpy(a, h + 16, 16);
+        else if (h[13] >> 4 != 0)
+            return LTG_ERR; /* AF_UNIX or garbage; 0x00: UNSPEC, a as it was */
+        return (int)len;
+    }
+    if (n < 6 ? memcmp(in, "PROXY ", n) != 0 : memcmp(in, "PROXY ", 6) != 0) return 0;
+    const char *eol = memchr(in, '\n', n < 107 ? n : 107);
+    if (!eol) return n < 107 ? LTG_AGAIN : LTG_ERR;
+    if (eol == in || eol[-1] != '\r') return LTG_ERR;
+    const char *w[6];
+    size_t wl[6];
+    int nw = 0;
+    for (const char *p = in + 6; p < eol - 1 && nw < 6;) {
+        const char *sp = memchr(p, ' ', (size_t)(eol - 1 - p));
+        size_t l = sp ? (size_t)(sp - p) : (size_t)(eol - 1 - p);
+        w[nw] = p;
+        wl[nw++] = l;
+        p += l + 1;
+    }
+    if (nw >= 1 && wl[0] == 7 && memcmp(w[0], "UNKNOWN", 7) == 0) return (int)(eol - in + 1);
+    uint8_t src[16], dst[16];
+    long long port;
+    int v4 = nw == 5 && wl[0] == 4 && memcmp(w[0], "TCP4", 4) == 0,
+        v6 = nw == 5 && wl[0] == 4 && memcmp(w[0], "TCP6", 4) == 0;
+    if ((!v4 && !v6) || addr16_parse(w[1], wl[1], src) < 0 || addr16_parse(w[2], wl[2], dst) < 0 ||
+        addr_is_v4(src) != v4 || addr_is_v4(dst) != v4)
+        return LTG_ERR;
+    for (int k = 3; k < 5; k++)
+        if (parse_ll(w[k], wl[k], 65535, &port) < 0) return LTG_ERR;
+    memcpy(a, src, 16);
+    return (int)(eol - in + 1);
+}
+
+/* The entry that counts a client address's inference connections (for
+ * --max-conns-per-ip), made if it has none (a refused newcomer's new
+ * entry, left at 0, goes with peer_drop). An IPv6 client is its /64. */
+static peer *peer_of(const uint8_t addr[16]) {
+    uint8_t a[16];
+    memcpy(a, addr, 16);
+    if (!addr_is_v4(a)) memset(a + 8, 0, 8);
+    peer *p = hmap_get(&PEERS, a, 16);
+    if (p) return p;
+    p = xcalloc(1, sizeof *p);
+    memcpy(p->addr, a, 16);
+    hmap_put(&PEERS, p);
+    return p;
+}
+
+static episode ep_per_ip;
+
+/* A connection from a trusted proxy: its PROXY protocol header, if it
+ * starts with one, names the client it is counted for. 1 when the head
+ * may be read now, 0 to wait for more bytes, LTG_ERR when it was closed. */
+static int conn_proxy(conn *c) {
+    int n = proxy_header(c->in.p ? c->in.p : "", c->in.len, c->client);
+    if (n == LTG_AGAIN) return 0;
+    if (n < 0) {
+        conn_fail(c, 400, "bad_request", "malformed PROXY protocol header");
+        return LTG_ERR;
+    }
+    c->proxy_pending = 0;
+    if (!n) return 1;
+    buf_consume(&c->in, (size_t)n);
+    if (c->admin) return 1;
+    peer *p = peer_of(c->client);
+    if (p->n >= S.max_per_ip) {
+        episode_note(&ep_per_ip);
+        peer_drop(p);
+        conn_close(c);
+        return LTG_ERR;
+    }
+    p->n++;
+    c->peer = p;
+    return 1;
+}
+
+/* A request through a trusted proxy names its client in X-Forwarded-For
+ * (the last such header): the rightmost address that is not a trusted
+ * proxy. The connection counts for that client from now on; LTG_ERR when
+ * that client holds --max-conns-per-ip connections already. */
+static int conn_forwarded(conn *c) {
+    const char *v = NULL;
+    size_t n = 0;
+    for (int i = 0; i < c->req.nh; i++)
+        if (ascii_casecmp_n(c->in.p + c->req.h[i].name.off, c->req.h[i].name.len,
+                            "x-forwarded-for") == 0) {
+            v = c->in.p + c->req.h[i].value.off;
+            n = c->req.h[i].value.len;
+        }
+    uint8_t a[16];
+    int found = 0;
+    for (size_t end = n; v && end > 0 && !found;) {
+        size_t start = end, s, e;
+        while (start > 0 && v[start - 1] != ',') start--;
+        for (s = start; s < end && (v[s] == ' ' || v[s] == '\t'); s++) {}
+        for (e = end; e > s && (v[e - 1] == ' ' || v[e - 1] == '\t'); e--) {}
+        /* not an address: nothing to its left is believed */
+        if (addr16_parse(v + s, e - s, a) < 0) break;
+        found = !addr_trusted(a);
+        end = start ? start - 1 : 0;
+    }
+    if (!found) return 0;
+    memcpy(c->client, a, 16);
+    if (c->admin) return 0;
+    peer *p = peer_of(a);
+    if (p == c->peer) return 0;
+    if (p->n >= S.max_per_ip) {
+        episode_note(&ep_per_ip);
+        peer_drop(p);
+        return LTG_ERR;
+    }
+    if (c->peer) {
+        c->peer->n--;
+        peer_drop(c->peer);
+    }
+    /* for this request: a balancer's pooled connection is no one's between requests */
+    p->n++;
+    c->peer = p;
+    c->forwarded = 1;
+    return 0;
+}
+
+
+/* The bearer token of the request, or NULL. */
+static const char *request_bearer(conn *c, size_t *n) {
+    const char *v = http_header_get(c->in.p, c->req.h, c->req.nh, "authorization", n);
+    if (!v || *n < 7 || ascii_casecmp_n(v, 7, "bearer ") != 0) return NULL;
+    v += 7;
+    *n -= 7;
+    while (*n && *v == ' ') {
+        v++;
+        (*n)--;
+    }
+    return *n ? v : NULL;
+}
+
+/* ===== 7. Name resolution: /etc/hosts and a DNS client of its own =====
  *
  * IMPLEMENTATION NOTES
  * getaddrinfo() blocks, and in a static binary it would drag in NSS, so ltg
@@ -1814,25 +2721,6 @@ typedef struct hosts_entry {
     struct sockaddr_storage addr;
 } hosts_entry;
 static hosts_entry *hosts;
-
-/* Parse a numeric IPv4 or IPv6 address into `ss` (port 0). */
-static int addr_parse(const char *s, struct sockaddr_storage *ss) {
-    memset(ss, 0, sizeof *ss);
-    struct sockaddr_in *a4 = (struct sockaddr_in *)ss;
-    struct sockaddr_in6 *a6 = (struct sockaddr_in6 *)ss;
-    if (inet_pton(AF_INET, s, &a4->sin_addr) == 1) { a4->sin_family = AF_INET; return 0; }
-    if (inet_pton(AF_INET6, s, &a6->sin6_addr) == 1) { a6->sin6_family = AF_INET6; return 0; }
-    return LTG_ERR;
-}
-
-static void addr_set_port(struct sockaddr_storage *ss, int port) {
-    if (ss->ss_family == AF_INET) ((struct sockaddr_in *)ss)->sin_port = htons((uint16_t)port);
-    else ((struct sockaddr_in6 *)ss)->sin6_port = htons((uint16_t)port);
-}
-
-static socklen_t addr_len(const struct sockaddr_storage *ss) {
-    return ss->ss_family == AF_INET ? sizeof(struct sockaddr_in) : sizeof(struct sockaddr_in6);
-}
 
 /* Read a whole small file (config, hosts, resolv.conf) into `out`. */
 static int read_file(const char *path, buf *out) {
@@ -2108,630 +2996,6 @@ static void dns_init(void) {
     if (!S.ndns_servers) resolv_line((char *[]){"nameserver", "127.0.0.1"}, 2);
 }
 
-/* ===== 7. Catalog config =====
- *
- * IMPLEMENTATION NOTES
- * The catalog (README "The catalog config") names the providers, the model aliases
- * clients may ask for, their prices, and the admin keys. It is loaded at
- * start-up and again on SIGHUP; a catalog that fails any check is refused
- * whole, with a message naming the file, the field and the problem, and the
- * old one stays. Unknown fields are errors: a misspelt "input_usd_per_mtok"
- * must not silently price a model at zero.
- *
- * Requests in flight hold a reference on the catalog they started with, so
- * a reload never pulls a provider out from under them; the old catalog (and
- * its pool of idle connections) is freed when its last request ends.
- * Secrets from the environment are kept only as long as the catalog lives;
- * admin keys are kept only as their SHA-256.
- */
-enum { API_OPENAI, API_ANTHROPIC };
-
-struct provider {
-    char *name, *host, *base_path, *hostport;
-    char **keys;    /* its API keys (api_key_env, or api_key_envs: used in turn); nkeys 0: none */
-    int nkeys, next_key;
-    int64_t *key_bad_until; /* per key, S.now ms: a key the provider refused rests until then */
-    int port, tls, tls_verify;
-    int api;        /* API_OPENAI or API_ANTHROPIC: the APIs it speaks (section 17's WIRE) */
-    br_ssl_session_parameters session; /* the last TLS session, for resumption (section 8) */
-    int have_session;
-    upstream *idle; /* the pool: idle keep-alive connections, most recent first */
-    int nidle, nbusy; /* ... and those serving a request */
-    catalog *cat;
-};
-
-/* One route to a model: a provider and its name for the model. A model
- * alias has one, or several (README "Deployments"): an attempt picks one (section 10). */
-typedef struct {
-    provider *p;
-    char *upstream;              /* the provider's name for the model */
-    char *name;                  /* "provider/upstream_model": the attempt log's, the metrics' */
-    model *m;
-    int weight;                  /* 1..100 */
-    int inflight;                /* attempts on it now */
-    int credit;                  /* the smooth weighted round-robin's running credit */
-    int cb_failures, cb_probing; /* the circuit breaker (section 10) */
-    int64_t cb_open_until;       /* S.now ms; 0: closed */
-} deployment;
-
-#define MAX_DEPLOYMENTS 16
-
-/* A model's prices in pico-USD per token (USD per million tokens x 10^6),
- * so that a cost is integer arithmetic, exact to the micro-USD: uncached
- * input, cache reads, 5-minute cache writes, 1-hour writes, output. */
-enum { PRICE_IN, PRICE_CACHE_READ, PRICE_CACHE_WRITE, PRICE_CACHE_WRITE_1H, PRICE_OUT, NPRICE };
-typedef struct { int64_t p[NPRICE]; } prices;
-#define MAX_PRICE_USD 10000.0            /* USD per million tokens: no model costs more */
-
-struct model {
-    char *alias;
-    deployment *dep;
-    int ndep;
-    int api;                     /* what its providers speak (API_*): every deployment the same */
-    prices price;                /* its prices per token class */
-    /* ... and those of a request whose input passes long_above (0: none) */
-    prices long_price;
-    long long long_above;
-    long long context_window, max_output_tokens, max_input_part_tokens;
-};
-
-enum { PERM_ALL = 1, PERM_GROUPS_WRITE = 2, PERM_GROUPS_READ = 4, PERM_KEYS_WRITE = 8, PERM_KEYS_READ = 16,
-       PERM_SPEND_READ = 32, PERM_USAGE_READ = 64, PERM_METRICS_READ = 128 };
-static const char *perm_names[] = {"*", "llm_token_gateway.token_groups.write", "llm_token_gateway.token_groups.read",
-                                   "llm_token_gateway.token_keys.write", "llm_token_gateway.token_keys.read",
-                                   "llm_token_gateway.spend.read", "llm_token_gateway.usage.read", "llm_token_gateway.metrics.read"};
-
-typedef struct {
-    uint8_t sha[32];
-    int perms; /* PERM_* bits */
-} admin_key;
-
-struct catalog {
-    provider *prov;
-    int nprov;
-    model *models;
-    int nmodels;
-    admin_key *admins;
-    int nadmins;
-    int refs;    /* requests in flight that use this catalog, plus 1 while current */
-};
-
-static void sha256(const void *data, size_t n, uint8_t out[32]) {
-    br_sha256_context ctx;
-    br_sha256_init(&ctx);
-    br_sha256_update(&ctx, data, n);
-    br_sha256_out(&ctx, out);
-}
-
-/* Compare two secrets in time that depends only on their lengths. */
-static int secret_eq(const void *a, size_t an, const void *b, size_t bn) {
-    const uint8_t *x = a, *y = b;
-    uint8_t d = an != bn;
-    for (size_t i = 0; i < an && i < bn; i++) d |= x[i] ^ y[i];
-    return d == 0;
-}
-
-/* The prices that apply to a request of `in` input tokens on m. */
-static const prices *model_prices(const model *m, long long in) {
-    return m->long_above && in > m->long_above ? &m->long_price : &m->price;
-}
-
-/* What tokens t (each class within MAX_USAGE_TOKENS, the parts within
- * their wholes) cost on m, in micro-USD, to the nearest: exact, in
- * integers, a whole request priced at one tier as providers bill it. */
-static int64_t tokens_cost(const model *m, const long long t[NTOK]) {
-    const int64_t *p = model_prices(m, t[TOK_IN])->p;
-    int64_t pico = (t[TOK_IN] - t[TOK_CACHE_READ] - t[TOK_CACHE_WRITE]) * p[PRICE_IN] +
-                   t[TOK_CACHE_READ] * p[PRICE_CACHE_READ] +
-                   (t[TOK_CACHE_WRITE] - t[TOK_CACHE_WRITE_1H]) * p[PRICE_CACHE_WRITE] +
-                   t[TOK_CACHE_WRITE_1H] * p[PRICE_CACHE_WRITE_1H] + t[TOK_OUT] * p[PRICE_OUT];
-    return (pico + 500000) / 1000000;
-}
-
-/* An attempt's worst case (README "Cost"): `in` input tokens at the
- * dearest input class, `out` output tokens; in micro-USD, rounded up, and
- * MAX_CHARGE + 1 for anything past MAX_CHARGE (no request may cost that). */
-typedef struct {
-    long long in, out;     /* tokens */
-    int64_t in_cost, cost; /* micro-USD: the input part, the whole */
-    int64_t out_price;     /* pico-USD per output token, at the tier of `in` */
-} worst;
-
-static worst worst_of(const model *m, long long in, long long out) {
-    const int64_t *p = model_prices(m, in)->p;
-    int64_t dearest = 0;
-    for (int k = PRICE_IN; k <= PRICE_CACHE_WRITE_1H; k++)
-        if (p[k] > dearest) dearest = p[k];
-    double in_cost = ceil((double)in * (double)dearest / 1e6),
-           cost = ceil(((double)in * (double)dearest + (double)out * (double)p[PRICE_OUT]) / 1e6);
-    worst w = {in, out, 0, 0, p[PRICE_OUT]};
-    w.in_cost = in_cost > MAX_CHARGE ? MAX_CHARGE + 1 : (int64_t)in_cost;
-    w.cost = cost > MAX_CHARGE ? MAX_CHARGE + 1 : (int64_t)cost;
-    return w;
-}
-
-static model *catalog_model(catalog *c, const char *s, size_t n) {
-    for (int i = 0; i < c->nmodels; i++)
-        if (strlen(c->models[i].alias) == n && memcmp(c->models[i].alias, s, n) == 0)
-            return &c->models[i];
-    return NULL;
-}
-
-static void up_free(upstream *u);
-
-static void catalog_free(catalog *c) {
-    if (!c) return;
-    for (int i = 0; i < c->nprov; i++) {
-        provider *p = &c->prov[i];
-        while (p->idle) {
-            upstream *u = p->idle;
-            p->idle = *up_wait_link(u);
-            up_free(u);
-        }
-        free(p->name);
-        free(p->host);
-        free(p->base_path);
-        free(p->hostport);
-        for (int k = 0; k < p->nkeys; k++) {
-            memset(p->keys[k], 0, strlen(p->keys[k]));
-            free(p->keys[k]);
-        }
-        free(p->keys);
-        free(p->key_bad_until);
-    }
-    for (int i = 0; i < c->nmodels; i++) {
-        for (int k = 0; k < c->models[i].ndep; k++) {
-            free(c->models[i].dep[k].upstream);
-            free(c->models[i].dep[k].name);
-        }
-        free(c->models[i].alias);
-        free(c->models[i].dep);
-    }
-    free(c->prov);
-    free(c->models);
-    free(c->admins);
-    free(c);
-}
-
-static void catalog_release(catalog *c) {
-    if (--c->refs == 0) catalog_free(c);
-}
-
-/* Split "http://host[:port][/path]" into its parts. */
-static int url_parse(const char *url, provider *p, const char **why) {
-    const char *s;
-    if (strncmp(url, "http://", 7) == 0) {
-        s = url + 7;
-        p->tls = 0;
-        p->port = 80;
-    } else if (strncmp(url, "https://", 8) == 0) {
-        s = url + 8;
-        p->tls = 1;
-        p->port = 443;
-    } else { *why = "must start with http:// or https://"; return LTG_ERR; }
-    const char *host_end, *rest;
-    if (*s == '[') {
-        host_end = strchr(s, ']');
-        if (!host_end) { *why = "unterminated [IPv6] host"; return LTG_ERR; }
-        p->host = xstrndup(s + 1, (size_t)(host_end - s - 1));
-        rest = host_end + 1;
-    } else {
-        rest = s + strcspn(s, ":/?#");
-        p->host = xstrndup(s, (size_t)(rest - s));
-    }
-    if (!*p->host) { *why = "has no host"; return LTG_ERR; }
-    if (*rest == ':') {
-        long long port;
-        const char *pe = rest + 1 + strcspn(rest + 1, "/?#");
-        if (parse_ll(rest + 1, (size_t)(pe - rest - 1), 65535, &port) < 0 || port == 0) {
-            *why = "has an invalid port";
-            return LTG_ERR;
-        }
-        p->port = (int)port;
-        rest = pe;
-    }
-    if (*rest && *rest != '/') { *why = "may not have a query or fragment"; return LTG_ERR; }
-    size_t plen = strlen(rest);
-    while (plen && rest[plen - 1] == '/') plen--;
-    p->base_path = xstrndup(rest, plen);
-    char hp[300];
-    int v6 = strchr(p->host, ':') != NULL;
-    if (p->port == (p->tls ? 443 : 80)) snprintf(hp, sizeof hp, v6 ? "[%s]" : "%s", p->host);
-    else snprintf(hp, sizeof hp, v6 ? "[%s]:%d" : "%s:%d", p->host, p->port);
-    p->hostport = xstrndup(hp, strlen(hp));
-    return 0;
-}
-
-typedef struct {
-    const char *file, *s;
-    json_tok *t;
-    char *err;
-    size_t errlen;
-} cfg;
-
-/* The message "file: where.key: ...". key may be NULL; where "" is the top level. */
-static int cfg_fail(cfg *c, const char *where, const char *key, const char *fmt, ...)
-        __attribute__((format(printf, 4, 5)));
-static int cfg_fail(cfg *c, const char *where, const char *key, const char *fmt, ...) {
-    int n = snprintf(c->err, c->errlen, "%s: %s%s%s: ", c->file, where, *where && key ? "." : "",
-                     key ? key : "");
-    va_list ap;
-    va_start(ap, fmt);
-    if (n > 0 && (size_t)n < c->errlen) vsnprintf(c->err + n, c->errlen - (size_t)n, fmt, ap);
-    va_end(ap);
-    return LTG_ERR;
-}
-
-/* The value of the environment variable that string token k names, or
- * NULL after cfg_fail. A name that does not look like one (A-Z, 0-9, _)
- * may be a key pasted where its name belongs: it is not repeated. */
-static const char *cfg_env(cfg *c, int k, const char *where, const char *key) {
-    if (c->t[k].type != JSON_STRING) {
-        cfg_fail(c, where, key, "must be the name of an environment variable");
-        return NULL;
-    }
-    char *name = json_strdup(c->s, c->t, k);
-    const char *val = getenv(name);
-    size_t n = strlen(name);
-    if (!val || !*val) {
-        if (n && n <= 64 && strspn(name, "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_") == n)
-            cfg_fail(c, where, key, "environment variable %s is not set", name);
-        else
-            cfg_fail(c, where, key,
-                     "no environment variable of that name is set (the value is not shown: it does "
-                     "not look like "
-                     "a variable name such as OPENAI_API_KEY; give the variable's name here, never "
-                     "the key)");
-        val = NULL;
-    }
-    free(name);
-    return val;
-}
-
-/* A provider's keys: "api_key_env" (one variable) or "api_key_envs" (a
- * list, used in turn), each naming a variable that is set. */
-static int cfg_keys(cfg *c, int v, const char *where, provider *p) {
-    int one = json_get(c->s, c->t, v, "api_key_env"),
-        list = json_get(c->s, c->t, v, "api_key_envs");
-    if (one >= 0 && list >= 0)
-        return cfg_fail(c, where, "api_key_envs", "give api_key_env or api_key_envs, not both");
-    if (list >= 0 && (c->t[list].type != JSON_ARRAY || c->t[list].size < 1 || c->t[list].size > 16))
-        return cfg_fail(c, where, "api_key_envs",
-                        "must be a list of 1 to 16 environment variable names");
-    int n = one >= 0 ? 1 : list >= 0 ? c->t[list].size : 0;
-    p->keys = xcalloc((size_t)n + 1, sizeof *p->keys);
-    p->key_bad_until = xcalloc((size_t)n + 1, sizeof *p->key_bad_until);
-    for (int i = 0, e = one >= 0 ? one : list + 1; i < n; i++, e = c->t[e].next) {
-        const char *val = cfg_env(c, e, where, one >= 0 ? "api_key_env" : "api_key_envs");
-        if (!val) return LTG_ERR;
-        p->keys[p->nkeys++] = xstrndup(val, strlen(val));
-    }
-    return 0;
-}
-
-/* Check that every member of object `obj` is one of `allowed` (NULL-terminated). */
-static int cfg_only(cfg *c, int obj, const char *where, const char *const *allowed) {
-    int i = obj + 1;
-    for (int m = 0; m < c->t[obj].size; m++, i = c->t[i + 1].next) {
-        int ok = 0;
-        for (const char *const *a = allowed; *a; a++) ok |= json_eq(c->s, c->t, i, *a);
-        char key[128];
-        snprintf(key, sizeof key, "%.*s", (int)(c->t[i].end - c->t[i].start), c->s + c->t[i].start);
-        if (!ok) return cfg_fail(c, where, key, "unknown field");
-    }
-    return 0;
-}
-
-static int cfg_price(cfg *c, int obj, const char *key, const char *where, double *out) {
-    int v = json_get(c->s, c->t, obj, key);
-    if (v < 0) return cfg_fail(c, where, key, "missing (a number: USD per million tokens)");
-    if (json_number(c->s, c->t, v, out) < 0 || *out < 0 || *out > MAX_PRICE_USD)
-        return cfg_fail(c, where, key, "must be a number from 0 to %.0f (USD per million tokens)",
-                        MAX_PRICE_USD);
-    return 0;
-}
-
-static int cfg_int(cfg *c, int obj, const char *key, const char *where, long long min,
-                   long long *out) {
-    int v = json_get(c->s, c->t, obj, key);
-    if (v < 0) return 0;
-    if (json_int(c->s, c->t, v, out) < 0 || *out < min || *out > 1000000000000LL)
-        return cfg_fail(c, where, key, "must be a whole number >= %lld", min);
-    return 0;
-}
-
-static void prices_set(prices *p, const double usd[NPRICE]) {
-    for (int k = 0; k < NPRICE; k++) p->p[k] = llround(usd[k] * 1e6);
-}
-
-/* The prices of model md (its routes read: md->api known) from object v.
- * Input and output are required; a cache class left out costs what its
- * provider's API makes of the input price: Anthropic's published
- * multipliers, and for OpenAI's the input price itself, never less than a
- * provider bills. "long_context" is a second tier: its input and output
- * prices, the cache prices scaled with the input price. */
-static int cfg_prices(cfg *c, int v, const char *where, model *md) {
-    static const char *const names[NPRICE] = {"input_usd_per_mtok", "cache_read_usd_per_mtok", "cache_write_usd_per_mtok",
-                                              "cache_write_1h_usd_per_mtok", "output_usd_per_mtok"};
-    static const double anthropic[NPRICE] = {1, 0.1, 1.25, 2, 0}, openai[NPRICE] = {1, 1, 1, 1, 0};
-    static const char *const long_fields[] = {"above_input_tokens", "input_usd_per_mtok", "output_usd_per_mtok", NULL};
-    const double *by_api = md->api == API_ANTHROPIC ? anthropic : openai;
-    double usd[NPRICE], lusd[NPRICE];
-    for (int k = 0; k < NPRICE; k++) {
-        int optional = k != PRICE_IN && k != PRICE_OUT;
-        usd[k] = -1;
-        if ((!optional || json_get(c->s, c->t, v, names[k]) >= 0) &&
-            cfg_price(c, v, names[k], where, &usd[k]) < 0)
-            return LTG_ERR;
-    }
-    for (int k = 0; k < NPRICE; k++)
-        if (usd[k] < 0) usd[k] = usd[PRICE_IN] * by_api[k];
-    prices_set(&md->price, usd);
-    int lc = json_get(c->s, c->t, v, "long_context");
-    if (lc < 0) return 0;
-    char at[340];
-    snprintf(at, sizeof at, "%s.long_context", where);
-    if (c->t[lc].type != JSON_OBJECT)
-        return cfg_fail(c, at, NULL,
-                        "must be an object {\"above_input_tokens\": N, \"input_usd_per_mtok\": "
-                        "..., \"output_usd_per_mtok\": ...}");
-    if (cfg_only(c, lc, at, long_fields) < 0) return LTG_ERR;
-    if (json_get(c->s, c->t, lc, "above_input_tokens") < 0)
-        return cfg_fail(c, at, "above_input_tokens",
-                        "missing (the input tokens past which a request is priced at this tier, "
-                        "e.g. 200000)");
-    if (cfg_int(c, lc, "above_input_tokens", at, 1, &md->long_above) < 0 ||
-        cfg_price(c, lc, "input_usd_per_mtok", at, &lusd[PRICE_IN]) < 0 ||
-        cfg_price(c, lc, "output_usd_per_mtok", at, &lusd[PRICE_OUT]) < 0)
-        return LTG_ERR;
-    for (int k = PRICE_CACHE_READ; k <= PRICE_CACHE_WRITE_1H; k++) {
-        lusd[k] = usd[PRICE_IN] > 0 ? usd[k] * lusd[PRICE_IN] / usd[PRICE_IN]
-                                    : lusd[PRICE_IN] * by_api[k];
-        if (lusd[k] > MAX_PRICE_USD)
-            return cfg_fail(c, at, "input_usd_per_mtok",
-                            "makes %s %.2f USD per million tokens at this tier (the most is %.0f): "
-                            "the cache prices "
-                            "scale with the input price",
-                            names[k], lusd[k], MAX_PRICE_USD);
-    }
-    prices_set(&md->long_price, lusd);
-    return 0;
-}
-
-static int cfg_providers(cfg *c, catalog *cat, int obj) {
-    static const char *const fields[] = {"base_url", "api_key_env", "api_key_envs", "tls_verify", "api", NULL};
-    if (obj < 0 || c->t[obj].type != JSON_OBJECT || c->t[obj].size == 0)
-        return cfg_fail(c, "providers", NULL, "must be an object with at least one provider");
-    cat->prov = xcalloc((size_t)c->t[obj].size, sizeof *cat->prov);
-    int i = obj + 1;
-    for (int m = 0; m < c->t[obj].size; m++, i = c->t[i + 1].next) {
-        provider *p = &cat->prov[cat->nprov++];
-        p->name = json_strdup(c->s, c->t, i);
-        p->tls_verify = 1;
-        p->cat = cat;
-        char where[300];
-        snprintf(where, sizeof where, "providers.%s", p->name);
-        int v = i + 1;
-        if (c->t[v].type != JSON_OBJECT) return cfg_fail(c, where, NULL, "must be an object");
-        if (cfg_only(c, v, where, fields) < 0) return LTG_ERR;
-        int u = json_get(c->s, c->t, v, "base_url");
-        if (u < 0 || c->t[u].type != JSON_STRING)
-            return cfg_fail(c, where, "base_url",
-                            "missing (a string like \"http://127.0.0.1:9000/v1\")");
-        char *url = json_strdup(c->s, c->t, u);
-        const char *why;
-        int r = url_parse(url, p, &why);
-        free(url);
-        if (r < 0) return cfg_fail(c, where, "base_url", "%s", why);
-        if (cfg_keys(c, v, where, p) < 0) return LTG_ERR;
-        int api = json_get(c->s, c->t, v, "api");
-        if (api >= 0 && !json_eq(c->s, c->t, api, "openai") &&
-            !json_eq(c->s, c->t, api, "anthropic"))
-            return cfg_fail(c, where, "api",
-                            "must be \"openai\" (the default: chat, completions, responses, "
-                            "embeddings) or \"anthropic\" (messages)");
-        p->api = api >= 0 && json_eq(c->s, c->t, api, "anthropic") ? API_ANTHROPIC : API_OPENAI;
-        int tv = json_get(c->s, c->t, v, "tls_verify");
-        if (tv >= 0) {
-            if (c->t[tv].type != JSON_TRUE && c->t[tv].type != JSON_FALSE)
-                return cfg_fail(c, where, "tls_verify", "must be true or false");
-            p->tls_verify = c->t[tv].type == JSON_TRUE;
-        }
-    }
-    return 0;
-}
-
-/* One deployment of md from object v (the model itself, or an element of
- * its "deployments"): a provider of the catalog, its name for the model,
- * a weight. */
-static int cfg_deployment(cfg *c, catalog *cat, model *md, int v, const char *where) {
-    deployment *d = &md->dep[md->ndep++];
-    long long w = 1;
-    int pv = json_get(c->s, c->t, v, "provider"), uv = json_get(c->s, c->t, v, "upstream_model");
-    if (pv < 0 || c->t[pv].type != JSON_STRING)
-        return cfg_fail(c, where, "provider", "missing (the name of a provider)");
-    for (int k = 0; k < cat->nprov; k++)
-        if (json_eq(c->s, c->t, pv, cat->prov[k].name)) d->p = &cat->prov[k];
-    if (!d->p)
-        return cfg_fail(c, where, "provider", "no provider named \"%.*s\"",
-                        (int)(c->t[pv].end - c->t[pv].start), c->s + c->t[pv].start);
-    if (uv < 0 || c->t[uv].type != JSON_STRING || c->t[uv].end == c->t[uv].start)
-        return cfg_fail(c, where, "upstream_model", "missing (the provider's name for the model)");
-    if (json_get(c->s, c->t, v, "weight") >= 0 &&
-        (cfg_int(c, v, "weight", where, 1, &w) < 0 || w > 100))
-        return cfg_fail(c, where, "weight", "must be a whole number from 1 to 100");
-    d->upstream = json_strdup(c->s, c->t, uv);
-    d->m = md;
-    d->weight = (int)w;
-    size_t n = strlen(d->p->name) + strlen(d->upstream) + 2;
-    d->name = xmalloc(n);
-    snprintf(d->name, n, "%s/%s", d->p->name, d->upstream);
-    if (md->ndep > 1 && d->p->api != md->api)
-        return cfg_fail(c, where, "provider",
-                        "\"%s\" speaks another API than the model's first deployment: the "
-                        "deployments of one model must be interchangeable",
-                        d->p->name);
-    md->api = d->p->api;
-    for (int k = 0; k < md->ndep - 1; k++)
-        if (strcmp(md->dep[k].name, d->name) == 0)
-            return cfg_fail(c, where, NULL, "deployment %s is listed twice", d->name);
-    return 0;
-}
-
-/* A model's routes: "provider" and "upstream_model", or "deployments". */
-static int cfg_routes(cfg *c, catalog *cat, model *md, int v, const char *where) {
-    int dv = json_get(c->s, c->t, v, "deployments");
-    static const char *const dep_fields[] = {"provider", "upstream_model", "weight", NULL};
-    if (dv < 0) {
-        md->dep = xcalloc(1, sizeof *md->dep);
-        return json_get(c->s, c->t, v, "weight") >= 0
-                       ? cfg_fail(c, where, "weight", "belongs to an element of \"deployments\"")
-                       : cfg_deployment(c, cat, md, v, where);
-    }
-    if (json_get(c->s, c->t, v, "provider") >= 0 ||
-        json_get(c->s, c->t, v, "upstream_model") >= 0 || json_get(c->s, c->t, v, "weight") >= 0)
-        return cfg_fail(c, where, "deployments",
-                        "give provider and upstream_model, or deployments, not both");
-    if (c->t[dv].type != JSON_ARRAY || c->t[dv].size < 1 || c->t[dv].size > MAX_DEPLOYMENTS)
-        return cfg_fail(c, where, "deployments",
-                        "must be a list of 1 to %d {provider, upstream_model, weight} objects",
-                        MAX_DEPLOYMENTS);
-    md->dep = xcalloc((size_t)c->t[dv].size, sizeof *md->dep);
-    int e = dv + 1;
-    for (int k = 0; k < c->t[dv].size; k++, e = c->t[e].next) {
-        char at[340];
-        snprintf(at, sizeof at, "%s.deployments[%d]", where, k);
-        if (c->t[e].type != JSON_OBJECT)
-            return cfg_fail(c, at, NULL, "must be an object {provider, upstream_model, weight}");
-        if (cfg_only(c, e, at, dep_fields) < 0 || cfg_deployment(c, cat, md, e, at) < 0)
-            return LTG_ERR;
-    }
-    return 0;
-}
-
-static int cfg_models(cfg *c, catalog *cat, int obj) {
-    static const char *const fields[] = {"provider", "upstream_model", "deployments", "weight", "input_usd_per_mtok", "output_usd_per_mtok",
-                                         "cache_read_usd_per_mtok", "cache_write_usd_per_mtok", "cache_write_1h_usd_per_mtok",
-                                         "long_context", "context_window", "max_output_tokens", "max_input_part_tokens", NULL};
-    if (obj < 0 || c->t[obj].type != JSON_OBJECT || c->t[obj].size == 0)
-        return cfg_fail(c, "models", NULL, "must be an object with at least one model alias");
-    cat->models = xcalloc((size_t)c->t[obj].size, sizeof *cat->models);
-    int i = obj + 1;
-    for (int m = 0; m < c->t[obj].size; m++, i = c->t[i + 1].next) {
-        model *md = &cat->models[cat->nmodels++];
-        md->alias = json_strdup(c->s, c->t, i);
-        md->max_output_tokens = 4096;
-        md->max_input_part_tokens = 2000;
-        md->context_window = 200000;
-        char where[300];
-        snprintf(where, sizeof where, "models.%s", md->alias);
-        int v = i + 1;
-        if (!*md->alias || strlen(md->alias) > ALIAS_MAX)
-            return cfg_fail(c, "models", NULL,
-                            "an alias must be 1 to %d bytes (\"%.40s...\" is not)", ALIAS_MAX,
-                            md->alias);
-        if (c->t[v].type != JSON_OBJECT) return cfg_fail(c, where, NULL, "must be an object");
-        if (cfg_only(c, v, where, fields) < 0 || cfg_routes(c, cat, md, v, where) < 0)
-            return LTG_ERR;
-        if (cfg_prices(c, v, where, md) < 0 ||
-            cfg_int(c, v, "context_window", where, 1, &md->context_window) < 0 ||
-            cfg_int(c, v, "max_output_tokens", where, 1, &md->max_output_tokens) < 0 ||
-            cfg_int(c, v, "max_input_part_tokens", where, 1, &md->max_input_part_tokens) < 0)
-            return LTG_ERR;
-        for (int k = 0; k < cat->nmodels - 1; k++)
-            if (strcmp(cat->models[k].alias, md->alias) == 0)
-                return cfg_fail(c, where, NULL, "the alias is defined twice");
-    }
-    return 0;
-}
-
-static int cfg_admin_keys(cfg *c, catalog *cat, int arr) {
-    static const char *const fields[] = {"key_env", "key_sha256", "permissions", NULL};
-    if (arr < 0) return 0;
-    if (c->t[arr].type != JSON_ARRAY) return cfg_fail(c, "admin_keys", NULL, "must be an array");
-    cat->admins = xcalloc((size_t)c->t[arr].size, sizeof *cat->admins);
-    int v = arr + 1;
-    for (int m = 0; m < c->t[arr].size; m++, v = c->t[v].next) {
-        admin_key *a = &cat->admins[cat->nadmins++];
-        char where[64];
-        snprintf(where, sizeof where, "admin_keys[%d]", m);
-        if (c->t[v].type != JSON_OBJECT) return cfg_fail(c, where, NULL, "must be an object");
-        if (cfg_only(c, v, where, fields) < 0) return LTG_ERR;
-        int ke = json_get(c->s, c->t, v, "key_env"), ks = json_get(c->s, c->t, v, "key_sha256");
-        if ((ke < 0) == (ks < 0))
-            return cfg_fail(c, where, NULL,
-                            "give exactly one of key_env and key_sha256 (never the key itself)");
-        if (ke >= 0) {
-            const char *val = cfg_env(c, ke, where, "key_env");
-            if (!val) return LTG_ERR;
-            sha256(val, strlen(val), a->sha);
-        } else {
-            if (c->t[ks].type != JSON_STRING || c->t[ks].end - c->t[ks].start != 64 ||
-                hex_decode(c->s + c->t[ks].start, 64, a->sha) < 0)
-                return cfg_fail(c, where, "key_sha256", "must be 64 hex digits");
-        }
-        int pv = json_get(c->s, c->t, v, "permissions");
-        if (pv < 0 || c->t[pv].type != JSON_ARRAY || c->t[pv].size == 0)
-            return cfg_fail(c, where, "permissions", "missing (a non-empty array, e.g. [\"*\"])");
-        int e = pv + 1;
-        for (int k = 0; k < c->t[pv].size; k++, e = c->t[e].next) {
-            int bit = 0;
-            for (int b = 0; b < (int)(sizeof perm_names / sizeof *perm_names); b++)
-                if (json_eq(c->s, c->t, e, perm_names[b])) bit = 1 << b;
-            if (!bit)
-                return cfg_fail(c, where, "permissions",
-                                "unknown permission (allowed: \"*\", "
-                                "llm_token_gateway.{token_groups,token_keys}.{read,write}, "
-                                "llm_token_gateway.spend.read, llm_token_gateway.usage.read, "
-                                "llm_token_gateway.metrics.read)");
-            a->perms |= bit;
-        }
-    }
-    return 0;
-}
-
-/* Load and check the catalog at `path`. Returns it (refs = 1), or NULL with
- * a message in err. `text`, when not NULL, is used instead of the file
- * (the unit tests feed configs this way). */
-static catalog *catalog_load(const char *path, const char *text, char *err, size_t errlen) {
-    buf b = {0};
-    if (text) buf_puts(&b, text);
-    else if (read_file(path, &b) < 0) {
-        snprintf(err, errlen, "%s: cannot read: %s", path, strerror(errno));
-        buf_free(&b);
-        return NULL;
-    }
-    int max = (int)(b.len / 2 + 2);
-    cfg c = {path, b.p, xcalloc((size_t)max, sizeof(json_tok)), err, errlen};
-    catalog *cat = xcalloc(1, sizeof *cat);
-    cat->refs = 1;
-    json_result res;
-    int ok = -1;
-    if (json_parse(b.p, b.len, c.t, max, -1, &res) < 0) {
-        snprintf(err, errlen, "%s: not valid JSON: %s at byte offset %zu", path, res.err,
-                 res.err_offset);
-    } else if (c.t[0].type != JSON_OBJECT) {
-        snprintf(err, errlen, "%s: the catalog must be a JSON object", path);
-    } else {
-        static const char *const top[] = {"providers", "models", "admin_keys", NULL};
-        if (json_get(b.p, c.t, 0, "dev_keys") >= 0) {
-            cfg_fail(&c, "dev_keys", NULL,
-                     "was removed: create a token group and a token key through the control plane "
-                     "(README \"Token groups\", \"Token keys\")");
-        } else
-            ok = cfg_only(&c, 0, "", top) == 0 &&
-                                 cfg_providers(&c, cat, json_get(b.p, c.t, 0, "providers")) == 0 &&
-                                 cfg_models(&c, cat, json_get(b.p, c.t, 0, "models")) == 0 &&
-                                 cfg_admin_keys(&c, cat, json_get(b.p, c.t, 0, "admin_keys")) == 0
-                         ? 0
-                         : -1;
-    }
-    free(c.t);
-    buf_free(&b);
-    if (ok < 0) { catalog_free(cat); return NULL; }
-    return cat;
-}
-
 /* ===== 8. TLS: trust anchors and the pump =====
  *
  * IMPLEMENTATION NOTES
@@ -2760,6 +3024,25 @@ static catalog *catalog_load(const char *path, const char *text, char *err, size
  * and buffers live in one allocation that never moves: the engine holds
  * pointers into itself.
  */
+
+/* A provider as the engine sees it -- where its connections go, how they
+ * are secured, its pool of idle ones -- and what the gateway adds: its API
+ * keys and the APIs it speaks. The catalog (section 10) fills it in. */
+enum { API_OPENAI, API_ANTHROPIC };
+
+struct provider {
+    char *name, *host, *base_path, *hostport;
+    char **keys;    /* its API keys (api_key_env, or api_key_envs: used in turn); nkeys 0: none */
+    int nkeys, next_key;
+    int64_t *key_bad_until; /* per key, S.now ms: a key the provider refused rests until then */
+    int port, tls, tls_verify;
+    int api;        /* API_OPENAI or API_ANTHROPIC: the APIs it speaks (section 17's WIRE) */
+    br_ssl_session_parameters session; /* the last TLS session, for resumption (section 8) */
+    int have_session;
+    upstream *idle; /* the pool: idle keep-alive connections, most recent first */
+    int nidle, nbusy; /* ... and those serving a request */
+    catalog *cat;
+};
 #define TLS_DEFAULT_CA "/etc/ssl/certs/ca-certificates.crt"
 
 static struct {
@@ -2864,32 +3147,6 @@ static int tls_load_anchors(const char *path, char *err, size_t errlen) {
         ltg_log("%s: %d certificate(s) skipped (a key type or encoding BearSSL does not take)",
                 path, skipped);
     return (int)(TLS.nta - before);
-}
-
-/* What a catalog's https providers need: the trust anchors, loaded once,
- * and a word about every provider whose certificates are not fully
- * checked. 0, or LTG_ERR with err set. */
-static int tls_prepare(catalog *cat, char *err, size_t errlen) {
-    for (int i = 0; i < cat->nprov; i++) {
-        provider *p = &cat->prov[i];
-        if (!p->tls) continue;
-        if (!TLS.nta) {
-            const char *path = TLS.ca_file ? TLS.ca_file : TLS_DEFAULT_CA;
-            int n = tls_load_anchors(path, err, errlen);
-            if (n < 0) return LTG_ERR;
-            ltg_log("%s: %d trust anchor(s)", path, n);
-        }
-        struct sockaddr_storage ss;
-        if (!p->tls_verify)
-            ltg_log("warning: providers.%s: tls_verify is false: its certificates are not checked "
-                    "at all",
-                    p->name);
-        else if (addr_parse(p->host, &ss) == 0)
-            ltg_log("warning: providers.%s: an IP address: its certificate chain is checked but "
-                    "not its name (BearSSL matches DNS names only)",
-                    p->name);
-    }
-    return 0;
 }
 
 /* ---- verification off: the leaf's key is taken, nothing is checked ---- */
@@ -3536,7 +3793,639 @@ static void up_release(upstream *u) {
     p->nidle++;
 }
 
-/* ===== 10. The attempt plan: retry, fallback, breakers, deployments =====
+/* ===== 10. Catalog config =====
+ *
+ * IMPLEMENTATION NOTES
+ * The catalog (README "The catalog config") names the providers, the model aliases
+ * clients may ask for, their prices, and the admin keys. It is loaded at
+ * start-up and again on SIGHUP; a catalog that fails any check is refused
+ * whole, with a message naming the file, the field and the problem, and the
+ * old one stays. Unknown fields are errors: a misspelt "input_usd_per_mtok"
+ * must not silently price a model at zero.
+ *
+ * Requests in flight hold a reference on the catalog they started with, so
+ * a reload never pulls a provider out from under them; the old catalog (and
+ * its pool of idle connections) is freed when its last request ends.
+ * Secrets from the environment are kept only as long as the catalog lives;
+ * admin keys are kept only as their SHA-256.
+ */
+/* One route to a model: a provider and its name for the model. A model
+ * alias has one, or several (README "Deployments"): an attempt picks one (section 11). */
+typedef struct {
+    provider *p;
+    char *upstream;              /* the provider's name for the model */
+    char *name;                  /* "provider/upstream_model": the attempt log's, the metrics' */
+    model *m;
+    int weight;                  /* 1..100 */
+    int inflight;                /* attempts on it now */
+    int credit;                  /* the smooth weighted round-robin's running credit */
+    int cb_failures, cb_probing; /* the circuit breaker (section 11) */
+    int64_t cb_open_until;       /* S.now ms; 0: closed */
+} deployment;
+
+#define MAX_DEPLOYMENTS 16
+
+/* A model's prices in pico-USD per token (USD per million tokens x 10^6),
+ * so that a cost is integer arithmetic, exact to the micro-USD: uncached
+ * input, cache reads, 5-minute cache writes, 1-hour writes, output. */
+enum { PRICE_IN, PRICE_CACHE_READ, PRICE_CACHE_WRITE, PRICE_CACHE_WRITE_1H, PRICE_OUT, NPRICE };
+typedef struct { int64_t p[NPRICE]; } prices;
+#define MAX_PRICE_USD 10000.0            /* USD per million tokens: no model costs more */
+
+struct model {
+    char *alias;
+    deployment *dep;
+    int ndep;
+    int api;                     /* what its providers speak (API_*): every deployment the same */
+    prices price;                /* its prices per token class */
+    /* ... and those of a request whose input passes long_above (0: none) */
+    prices long_price;
+    long long long_above;
+    long long context_window, max_output_tokens, max_input_part_tokens;
+};
+
+enum { PERM_ALL = 1, PERM_GROUPS_WRITE = 2, PERM_GROUPS_READ = 4, PERM_KEYS_WRITE = 8, PERM_KEYS_READ = 16,
+       PERM_SPEND_READ = 32, PERM_USAGE_READ = 64, PERM_METRICS_READ = 128 };
+static const char *perm_names[] = {"*", "llm_token_gateway.token_groups.write", "llm_token_gateway.token_groups.read",
+                                   "llm_token_gateway.token_keys.write", "llm_token_gateway.token_keys.read",
+                                   "llm_token_gateway.spend.read", "llm_token_gateway.usage.read", "llm_token_gateway.metrics.read"};
+
+typedef struct {
+    uint8_t sha[32];
+    int perms; /* PERM_* bits */
+} admin_key;
+
+struct catalog {
+    provider *prov;
+    int nprov;
+    model *models;
+    int nmodels;
+    admin_key *admins;
+    int nadmins;
+    int refs;    /* requests in flight that use this catalog, plus 1 while current */
+};
+
+static void sha256(const void *data, size_t n, uint8_t out[32]) {
+    br_sha256_context ctx;
+    br_sha256_init(&ctx);
+    br_sha256_update(&ctx, data, n);
+    br_sha256_out(&ctx, out);
+}
+
+/* Compare two secrets in time that depends only on their lengths. */
+static int secret_eq(const void *a, size_t an, const void *b, size_t bn) {
+    const uint8_t *x = a, *y = b;
+    uint8_t d = an != bn;
+    for (size_t i = 0; i < an && i < bn; i++) d |= x[i] ^ y[i];
+    return d == 0;
+}
+
+/* The prices that apply to a request of `in` input tokens on m. */
+static const prices *model_prices(const model *m, long long in) {
+    return m->long_above && in > m->long_above ? &m->long_price : &m->price;
+}
+
+/* What tokens t (each class within MAX_USAGE_TOKENS, the parts within
+ * their wholes) cost on m, in micro-USD, to the nearest: exact, in
+ * integers, a whole request priced at one tier as providers bill it. */
+static int64_t tokens_cost(const model *m, const long long t[NTOK]) {
+    const int64_t *p = model_prices(m, t[TOK_IN])->p;
+    int64_t pico = (t[TOK_IN] - t[TOK_CACHE_READ] - t[TOK_CACHE_WRITE]) * p[PRICE_IN] +
+                   t[TOK_CACHE_READ] * p[PRICE_CACHE_READ] +
+                   (t[TOK_CACHE_WRITE] - t[TOK_CACHE_WRITE_1H]) * p[PRICE_CACHE_WRITE] +
+                   t[TOK_CACHE_WRITE_1H] * p[PRICE_CACHE_WRITE_1H] + t[TOK_OUT] * p[PRICE_OUT];
+    return (pico + 500000) / 1000000;
+}
+
+/* An attempt's worst case (README "Cost"): `in` input tokens at the
+ * dearest input class, `out` output tokens; in micro-USD, rounded up, and
+ * MAX_CHARGE + 1 for anything past MAX_CHARGE (no request may cost that). */
+typedef struct {
+    long long in, out;     /* tokens */
+    int64_t in_cost, cost; /* micro-USD: the input part, the whole */
+    int64_t out_price;     /* pico-USD per output token, at the tier of `in` */
+} worst;
+
+static worst worst_of(const model *m, long long in, long long out) {
+    const int64_t *p = model_prices(m, in)->p;
+    int64_t dearest = 0;
+    for (int k = PRICE_IN; k <= PRICE_CACHE_WRITE_1H; k++)
+        if (p[k] > dearest) dearest = p[k];
+    double in_cost = ceil((double)in * (double)dearest / 1e6),
+           cost = ceil(((double)in * (double)dearest + (double)out * (double)p[PRICE_OUT]) / 1e6);
+    worst w = {in, out, 0, 0, p[PRICE_OUT]};
+    w.in_cost = in_cost > MAX_CHARGE ? MAX_CHARGE + 1 : (int64_t)in_cost;
+    w.cost = cost > MAX_CHARGE ? MAX_CHARGE + 1 : (int64_t)cost;
+    return w;
+}
+
+static model *catalog_model(catalog *c, const char *s, size_t n) {
+    for (int i = 0; i < c->nmodels; i++)
+        if (strlen(c->models[i].alias) == n && memcmp(c->models[i].alias, s, n) == 0)
+            return &c->models[i];
+    return NULL;
+}
+
+static void catalog_free(catalog *c) {
+    if (!c) return;
+    for (int i = 0; i < c->nprov; i++) {
+        provider *p = &c->prov[i];
+        while (p->idle) {
+            upstream *u = p->idle;
+            p->idle = *up_wait_link(u);
+            up_free(u);
+        }
+        free(p->name);
+        free(p->host);
+        free(p->base_path);
+        free(p->hostport);
+        for (int k = 0; k < p->nkeys; k++) {
+            memset(p->keys[k], 0, strlen(p->keys[k]));
+            free(p->keys[k]);
+        }
+        free(p->keys);
+        free(p->key_bad_until);
+    }
+    for (int i = 0; i < c->nmodels; i++) {
+        for (int k = 0; k < c->models[i].ndep; k++) {
+            free(c->models[i].dep[k].upstream);
+            free(c->models[i].dep[k].name);
+        }
+        free(c->models[i].alias);
+        free(c->models[i].dep);
+    }
+    free(c->prov);
+    free(c->models);
+    free(c->admins);
+    free(c);
+}
+
+static void catalog_release(catalog *c) {
+    if (--c->refs == 0) catalog_free(c);
+}
+
+/* Split "http://host[:port][/path]" into its parts. */
+static int url_parse(const char *url, provider *p, const char **why) {
+    const char *s;
+    if (strncmp(url, "http://", 7) == 0) {
+        s = url + 7;
+        p->tls = 0;
+        p->port = 80;
+    } else if (strncmp(url, "https://", 8) == 0) {
+        s = url + 8;
+        p->tls = 1;
+        p->port = 443;
+    } else { *why = "must start with http:// or https://"; return LTG_ERR; }
+    const char *host_end, *rest;
+    if (*s == '[') {
+        host_end = strchr(s, ']');
+        if (!host_end) { *why = "unterminated [IPv6] host"; return LTG_ERR; }
+        p->host = xstrndup(s + 1, (size_t)(host_end - s - 1));
+        rest = host_end + 1;
+    } else {
+        rest = s + strcspn(s, ":/?#");
+        p->host = xstrndup(s, (size_t)(rest - s));
+    }
+    if (!*p->host) { *why = "has no host"; return LTG_ERR; }
+    if (*rest == ':') {
+        long long port;
+        const char *pe = rest + 1 + strcspn(rest + 1, "/?#");
+        if (parse_ll(rest + 1, (size_t)(pe - rest - 1), 65535, &port) < 0 || port == 0) {
+            *why = "has an invalid port";
+            return LTG_ERR;
+        }
+        p->port = (int)port;
+        rest = pe;
+    }
+    if (*rest && *rest != '/') { *why = "may not have a query or fragment"; return LTG_ERR; }
+    size_t plen = strlen(rest);
+    while (plen && rest[plen - 1] == '/') plen--;
+    p->base_path = xstrndup(rest, plen);
+    char hp[300];
+    int v6 = strchr(p->host, ':') != NULL;
+    if (p->port == (p->tls ? 443 : 80)) snprintf(hp, sizeof hp, v6 ? "[%s]" : "%s", p->host);
+    else snprintf(hp, sizeof hp, v6 ? "[%s]:%d" : "%s:%d", p->host, p->port);
+    p->hostport = xstrndup(hp, strlen(hp));
+    return 0;
+}
+
+typedef struct {
+    const char *file, *s;
+    json_tok *t;
+    char *err;
+    size_t errlen;
+} cfg;
+
+/* The message "file: where.key: ...". key may be NULL; where "" is the top level. */
+static int cfg_fail(cfg *c, const char *where, const char *key, const char *fmt, ...)
+        __attribute__((format(printf, 4, 5)));
+static int cfg_fail(cfg *c, const char *where, const char *key, const char *fmt, ...) {
+    int n = snprintf(c->err, c->errlen, "%s: %s%s%s: ", c->file, where, *where && key ? "." : "",
+                     key ? key : "");
+    va_list ap;
+    va_start(ap, fmt);
+    if (n > 0 && (size_t)n < c->errlen) vsnprintf(c->err + n, c->errlen - (size_t)n, fmt, ap);
+    va_end(ap);
+    return LTG_ERR;
+}
+
+/* The value of the environment variable that string token k names, or
+ * NULL after cfg_fail. A name that does not look like one (A-Z, 0-9, _)
+ * may be a key pasted where its name belongs: it is not repeated. */
+static const char *cfg_env(cfg *c, int k, const char *where, const char *key) {
+    if (c->t[k].type != JSON_STRING) {
+        cfg_fail(c, where, key, "must be the name of an environment variable");
+        return NULL;
+    }
+    char *name = json_strdup(c->s, c->t, k);
+    const char *val = getenv(name);
+    size_t n = strlen(name);
+    if (!val || !*val) {
+        if (n && n <= 64 && strspn(name, "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_") == n)
+            cfg_fail(c, where, key, "environment variable %s is not set", name);
+        else
+            cfg_fail(c, where, key,
+                     "no environment variable of that name is set (the value is not shown: it does "
+                     "not look like "
+                     "a variable name such as OPENAI_API_KEY; give the variable's name here, never "
+                     "the key)");
+        val = NULL;
+    }
+    free(name);
+    return val;
+}
+
+/* A provider's keys: "api_key_env" (one variable) or "api_key_envs" (a
+ * list, used in turn), each naming a variable that is set. */
+static int cfg_keys(cfg *c, int v, const char *where, provider *p) {
+    int one = json_get(c->s, c->t, v, "api_key_env"),
+        list = json_get(c->s, c->t, v, "api_key_envs");
+    if (one >= 0 && list >= 0)
+        return cfg_fail(c, where, "api_key_envs", "give api_key_env or api_key_envs, not both");
+    if (list >= 0 && (c->t[list].type != JSON_ARRAY || c->t[list].size < 1 || c->t[list].size > 16))
+        return cfg_fail(c, where, "api_key_envs",
+                        "must be a list of 1 to 16 environment variable names");
+    int n = one >= 0 ? 1 : list >= 0 ? c->t[list].size : 0;
+    p->keys = xcalloc((size_t)n + 1, sizeof *p->keys);
+    p->key_bad_until = xcalloc((size_t)n + 1, sizeof *p->key_bad_until);
+    for (int i = 0, e = one >= 0 ? one : list + 1; i < n; i++, e = c->t[e].next) {
+        const char *val = cfg_env(c, e, where, one >= 0 ? "api_key_env" : "api_key_envs");
+        if (!val) return LTG_ERR;
+        p->keys[p->nkeys++] = xstrndup(val, strlen(val));
+    }
+    return 0;
+}
+
+/* Check that every member of object `obj` is one of `allowed` (NULL-terminated). */
+static int cfg_only(cfg *c, int obj, const char *where, const char *const *allowed) {
+    int i = obj + 1;
+    for (int m = 0; m < c->t[obj].size; m++, i = c->t[i + 1].next) {
+        int ok = 0;
+        for (const char *const *a = allowed; *a; a++) ok |= json_eq(c->s, c->t, i, *a);
+        char key[128];
+        snprintf(key, sizeof key, "%.*s", (int)(c->t[i].end - c->t[i].start), c->s + c->t[i].start);
+        if (!ok) return cfg_fail(c, where, key, "unknown field");
+    }
+    return 0;
+}
+
+static int cfg_price(cfg *c, int obj, const char *key, const char *where, double *out) {
+    int v = json_get(c->s, c->t, obj, key);
+    if (v < 0) return cfg_fail(c, where, key, "missing (a number: USD per million tokens)");
+    if (json_number(c->s, c->t, v, out) < 0 || *out < 0 || *out > MAX_PRICE_USD)
+        return cfg_fail(c, where, key, "must be a number from 0 to %.0f (USD per million tokens)",
+                        MAX_PRICE_USD);
+    return 0;
+}
+
+static int cfg_int(cfg *c, int obj, const char *key, const char *where, long long min,
+                   long long *out) {
+    int v = json_get(c->s, c->t, obj, key);
+    if (v < 0) return 0;
+    if (json_int(c->s, c->t, v, out) < 0 || *out < min || *out > 1000000000000LL)
+        return cfg_fail(c, where, key, "must be a whole number >= %lld", min);
+    return 0;
+}
+
+static void prices_set(prices *p, const double usd[NPRICE]) {
+    for (int k = 0; k < NPRICE; k++) p->p[k] = llround(usd[k] * 1e6);
+}
+
+/* The prices of model md (its routes read: md->api known) from object v.
+ * Input and output are required; a cache class left out costs what its
+ * provider's API makes of the input price: Anthropic's published
+ * multipliers, and for OpenAI's the input price itself, never less than a
+ * provider bills. "long_context" is a second tier: its input and output
+ * prices, the cache prices scaled with the input price. */
+static int cfg_prices(cfg *c, int v, const char *where, model *md) {
+    static const char *const names[NPRICE] = {"input_usd_per_mtok", "cache_read_usd_per_mtok", "cache_write_usd_per_mtok",
+                                              "cache_write_1h_usd_per_mtok", "output_usd_per_mtok"};
+    static const double anthropic[NPRICE] = {1, 0.1, 1.25, 2, 0}, openai[NPRICE] = {1, 1, 1, 1, 0};
+    static const char *const long_fields[] = {"above_input_tokens", "input_usd_per_mtok", "output_usd_per_mtok", NULL};
+    const double *by_api = md->api == API_ANTHROPIC ? anthropic : openai;
+    double usd[NPRICE], lusd[NPRICE];
+    for (int k = 0; k < NPRICE; k++) {
+        int optional = k != PRICE_IN && k != PRICE_OUT;
+        usd[k] = -1;
+        if ((!optional || json_get(c->s, c->t, v, names[k]) >= 0) &&
+            cfg_price(c, v, names[k], where, &usd[k]) < 0)
+            return LTG_ERR;
+    }
+    for (int k = 0; k < NPRICE; k++)
+        if (usd[k] < 0) usd[k] = usd[PRICE_IN] * by_api[k];
+    prices_set(&md->price, usd);
+    int lc = json_get(c->s, c->t, v, "long_context");
+    if (lc < 0) return 0;
+    char at[340];
+    snprintf(at, sizeof at, "%s.long_context", where);
+    if (c->t[lc].type != JSON_OBJECT)
+        return cfg_fail(c, at, NULL,
+                        "must be an object {\"above_input_tokens\": N, \"input_usd_per_mtok\": "
+                        "..., \"output_usd_per_mtok\": ...}");
+    if (cfg_only(c, lc, at, long_fields) < 0) return LTG_ERR;
+    if (json_get(c->s, c->t, lc, "above_input_tokens") < 0)
+        return cfg_fail(c, at, "above_input_tokens",
+                        "missing (the input tokens past which a request is priced at this tier, "
+                        "e.g. 200000)");
+    if (cfg_int(c, lc, "above_input_tokens", at, 1, &md->long_above) < 0 ||
+        cfg_price(c, lc, "input_usd_per_mtok", at, &lusd[PRICE_IN]) < 0 ||
+        cfg_price(c, lc, "output_usd_per_mtok", at, &lusd[PRICE_OUT]) < 0)
+        return LTG_ERR;
+    for (int k = PRICE_CACHE_READ; k <= PRICE_CACHE_WRITE_1H; k++) {
+        lusd[k] = usd[PRICE_IN] > 0 ? usd[k] * lusd[PRICE_IN] / usd[PRICE_IN]
+                                    : lusd[PRICE_IN] * by_api[k];
+        if (lusd[k] > MAX_PRICE_USD)
+            return cfg_fail(c, at, "input_usd_per_mtok",
+                            "makes %s %.2f USD per million tokens at this tier (the most is %.0f): "
+                            "the cache prices "
+                            "scale with the input price",
+                            names[k], lusd[k], MAX_PRICE_USD);
+    }
+    prices_set(&md->long_price, lusd);
+    return 0;
+}
+
+static int cfg_providers(cfg *c, catalog *cat, int obj) {
+    static const char *const fields[] = {"base_url", "api_key_env", "api_key_envs", "tls_verify", "api", NULL};
+    if (obj < 0 || c->t[obj].type != JSON_OBJECT || c->t[obj].size == 0)
+        return cfg_fail(c, "providers", NULL, "must be an object with at least one provider");
+    cat->prov = xcalloc((size_t)c->t[obj].size, sizeof *cat->prov);
+    int i = obj + 1;
+    for (int m = 0; m < c->t[obj].size; m++, i = c->t[i + 1].next) {
+        provider *p = &cat->prov[cat->nprov++];
+        p->name = json_strdup(c->s, c->t, i);
+        p->tls_verify = 1;
+        p->cat = cat;
+        char where[300];
+        snprintf(where, sizeof where, "providers.%s", p->name);
+        int v = i + 1;
+        if (c->t[v].type != JSON_OBJECT) return cfg_fail(c, where, NULL, "must be an object");
+        if (cfg_only(c, v, where, fields) < 0) return LTG_ERR;
+        int u = json_get(c->s, c->t, v, "base_url");
+        if (u < 0 || c->t[u].type != JSON_STRING)
+            return cfg_fail(c, where, "base_url",
+                            "missing (a string like \"http://127.0.0.1:9000/v1\")");
+        char *url = json_strdup(c->s, c->t, u);
+        const char *why;
+        int r = url_parse(url, p, &why);
+        free(url);
+        if (r < 0) return cfg_fail(c, where, "base_url", "%s", why);
+        if (cfg_keys(c, v, where, p) < 0) return LTG_ERR;
+        int api = json_get(c->s, c->t, v, "api");
+        if (api >= 0 && !json_eq(c->s, c->t, api, "openai") &&
+            !json_eq(c->s, c->t, api, "anthropic"))
+            return cfg_fail(c, where, "api",
+                            "must be \"openai\" (the default: chat, completions, responses, "
+                            "embeddings) or \"anthropic\" (messages)");
+        p->api = api >= 0 && json_eq(c->s, c->t, api, "anthropic") ? API_ANTHROPIC : API_OPENAI;
+        int tv = json_get(c->s, c->t, v, "tls_verify");
+        if (tv >= 0) {
+            if (c->t[tv].type != JSON_TRUE && c->t[tv].type != JSON_FALSE)
+                return cfg_fail(c, where, "tls_verify", "must be true or false");
+            p->tls_verify = c->t[tv].type == JSON_TRUE;
+        }
+    }
+    return 0;
+}
+
+/* One deployment of md from object v (the model itself, or an element of
+ * its "deployments"): a provider of the catalog, its name for the model,
+ * a weight. */
+static int cfg_deployment(cfg *c, catalog *cat, model *md, int v, const char *where) {
+    deployment *d = &md->dep[md->ndep++];
+    long long w = 1;
+    int pv = json_get(c->s, c->t, v, "provider"), uv = json_get(c->s, c->t, v, "upstream_model");
+    if (pv < 0 || c->t[pv].type != JSON_STRING)
+        return cfg_fail(c, where, "provider", "missing (the name of a provider)");
+    for (int k = 0; k < cat->nprov; k++)
+        if (json_eq(c->s, c->t, pv, cat->prov[k].name)) d->p = &cat->prov[k];
+    if (!d->p)
+        return cfg_fail(c, where, "provider", "no provider named \"%.*s\"",
+                        (int)(c->t[pv].end - c->t[pv].start), c->s + c->t[pv].start);
+    if (uv < 0 || c->t[uv].type != JSON_STRING || c->t[uv].end == c->t[uv].start)
+        return cfg_fail(c, where, "upstream_model", "missing (the provider's name for the model)");
+    if (json_get(c->s, c->t, v, "weight") >= 0 &&
+        (cfg_int(c, v, "weight", where, 1, &w) < 0 || w > 100))
+        return cfg_fail(c, where, "weight", "must be a whole number from 1 to 100");
+    d->upstream = json_strdup(c->s, c->t, uv);
+    d->m = md;
+    d->weight = (int)w;
+    size_t n = strlen(d->p->name) + strlen(d->upstream) + 2;
+    d->name = xmalloc(n);
+    snprintf(d->name, n, "%s/%s", d->p->name, d->upstream);
+    if (md->ndep > 1 && d->p->api != md->api)
+        return cfg_fail(c, where, "provider",
+                        "\"%s\" speaks another API than the model's first deployment: the "
+                        "deployments of one model must be interchangeable",
+                        d->p->name);
+    md->api = d->p->api;
+    for (int k = 0; k < md->ndep - 1; k++)
+        if (strcmp(md->dep[k].name, d->name) == 0)
+            return cfg_fail(c, where, NULL, "deployment %s is listed twice", d->name);
+    return 0;
+}
+
+/* A model's routes: "provider" and "upstream_model", or "deployments". */
+static int cfg_routes(cfg *c, catalog *cat, model *md, int v, const char *where) {
+    int dv = json_get(c->s, c->t, v, "deployments");
+    static const char *const dep_fields[] = {"provider", "upstream_model", "weight", NULL};
+    if (dv < 0) {
+        md->dep = xcalloc(1, sizeof *md->dep);
+        return json_get(c->s, c->t, v, "weight") >= 0
+                       ? cfg_fail(c, where, "weight", "belongs to an element of \"deployments\"")
+                       : cfg_deployment(c, cat, md, v, where);
+    }
+    if (json_get(c->s, c->t, v, "provider") >= 0 ||
+        json_get(c->s, c->t, v, "upstream_model") >= 0 || json_get(c->s, c->t, v, "weight") >= 0)
+        return cfg_fail(c, where, "deployments",
+                        "give provider and upstream_model, or deployments, not both");
+    if (c->t[dv].type != JSON_ARRAY || c->t[dv].size < 1 || c->t[dv].size > MAX_DEPLOYMENTS)
+        return cfg_fail(c, where, "deployments",
+                        "must be a list of 1 to %d {provider, upstream_model, weight} objects",
+                        MAX_DEPLOYMENTS);
+    md->dep = xcalloc((size_t)c->t[dv].size, sizeof *md->dep);
+    int e = dv + 1;
+    for (int k = 0; k < c->t[dv].size; k++, e = c->t[e].next) {
+        char at[340];
+        snprintf(at, sizeof at, "%s.deployments[%d]", where, k);
+        if (c->t[e].type != JSON_OBJECT)
+            return cfg_fail(c, at, NULL, "must be an object {provider, upstream_model, weight}");
+        if (cfg_only(c, e, at, dep_fields) < 0 || cfg_deployment(c, cat, md, e, at) < 0)
+            return LTG_ERR;
+    }
+    return 0;
+}
+
+static int cfg_models(cfg *c, catalog *cat, int obj) {
+    static const char *const fields[] = {"provider", "upstream_model", "deployments", "weight", "input_usd_per_mtok", "output_usd_per_mtok",
+                                         "cache_read_usd_per_mtok", "cache_write_usd_per_mtok", "cache_write_1h_usd_per_mtok",
+                                         "long_context", "context_window", "max_output_tokens", "max_input_part_tokens", NULL};
+    if (obj < 0 || c->t[obj].type != JSON_OBJECT || c->t[obj].size == 0)
+        return cfg_fail(c, "models", NULL, "must be an object with at least one model alias");
+    cat->models = xcalloc((size_t)c->t[obj].size, sizeof *cat->models);
+    int i = obj + 1;
+    for (int m = 0; m < c->t[obj].size; m++, i = c->t[i + 1].next) {
+        model *md = &cat->models[cat->nmodels++];
+        md->alias = json_strdup(c->s, c->t, i);
+        md->max_output_tokens = 4096;
+        md->max_input_part_tokens = 2000;
+        md->context_window = 200000;
+        char where[300];
+        snprintf(where, sizeof where, "models.%s", md->alias);
+        int v = i + 1;
+        if (!*md->alias || strlen(md->alias) > ALIAS_MAX)
+            return cfg_fail(c, "models", NULL,
+                            "an alias must be 1 to %d bytes (\"%.40s...\" is not)", ALIAS_MAX,
+                            md->alias);
+        if (c->t[v].type != JSON_OBJECT) return cfg_fail(c, where, NULL, "must be an object");
+        if (cfg_only(c, v, where, fields) < 0 || cfg_routes(c, cat, md, v, where) < 0)
+            return LTG_ERR;
+        if (cfg_prices(c, v, where, md) < 0 ||
+            cfg_int(c, v, "context_window", where, 1, &md->context_window) < 0 ||
+            cfg_int(c, v, "max_output_tokens", where, 1, &md->max_output_tokens) < 0 ||
+            cfg_int(c, v, "max_input_part_tokens", where, 1, &md->max_input_part_tokens) < 0)
+            return LTG_ERR;
+        for (int k = 0; k < cat->nmodels - 1; k++)
+            if (strcmp(cat->models[k].alias, md->alias) == 0)
+                return cfg_fail(c, where, NULL, "the alias is defined twice");
+    }
+    return 0;
+}
+
+static int cfg_admin_keys(cfg *c, catalog *cat, int arr) {
+    static const char *const fields[] = {"key_env", "key_sha256", "permissions", NULL};
+    if (arr < 0) return 0;
+    if (c->t[arr].type != JSON_ARRAY) return cfg_fail(c, "admin_keys", NULL, "must be an array");
+    cat->admins = xcalloc((size_t)c->t[arr].size, sizeof *cat->admins);
+    int v = arr + 1;
+    for (int m = 0; m < c->t[arr].size; m++, v = c->t[v].next) {
+        admin_key *a = &cat->admins[cat->nadmins++];
+        char where[64];
+        snprintf(where, sizeof where, "admin_keys[%d]", m);
+        if (c->t[v].type != JSON_OBJECT) return cfg_fail(c, where, NULL, "must be an object");
+        if (cfg_only(c, v, where, fields) < 0) return LTG_ERR;
+        int ke = json_get(c->s, c->t, v, "key_env"), ks = json_get(c->s, c->t, v, "key_sha256");
+        if ((ke < 0) == (ks < 0))
+            return cfg_fail(c, where, NULL,
+                            "give exactly one of key_env and key_sha256 (never the key itself)");
+        if (ke >= 0) {
+            const char *val = cfg_env(c, ke, where, "key_env");
+            if (!val) return LTG_ERR;
+            sha256(val, strlen(val), a->sha);
+        } else {
+            if (c->t[ks].type != JSON_STRING || c->t[ks].end - c->t[ks].start != 64 ||
+                hex_decode(c->s + c->t[ks].start, 64, a->sha) < 0)
+                return cfg_fail(c, where, "key_sha256", "must be 64 hex digits");
+        }
+        int pv = json_get(c->s, c->t, v, "permissions");
+        if (pv < 0 || c->t[pv].type != JSON_ARRAY || c->t[pv].size == 0)
+            return cfg_fail(c, where, "permissions", "missing (a non-empty array, e.g. [\"*\"])");
+        int e = pv + 1;
+        for (int k = 0; k < c->t[pv].size; k++, e = c->t[e].next) {
+            int bit = 0;
+            for (int b = 0; b < (int)(sizeof perm_names / sizeof *perm_names); b++)
+                if (json_eq(c->s, c->t, e, perm_names[b])) bit = 1 << b;
+            if (!bit)
+                return cfg_fail(c, where, "permissions",
+                                "unknown permission (allowed: \"*\", "
+                                "llm_token_gateway.{token_groups,token_keys}.{read,write}, "
+                                "llm_token_gateway.spend.read, llm_token_gateway.usage.read, "
+                                "llm_token_gateway.metrics.read)");
+            a->perms |= bit;
+        }
+    }
+    return 0;
+}
+
+/* Load and check the catalog at `path`. Returns it (refs = 1), or NULL with
+ * a message in err. `text`, when not NULL, is used instead of the file
+ * (the unit tests feed configs this way). */
+static catalog *catalog_load(const char *path, const char *text, char *err, size_t errlen) {
+    buf b = {0};
+    if (text) buf_puts(&b, text);
+    else if (read_file(path, &b) < 0) {
+        snprintf(err, errlen, "%s: cannot read: %s", path, strerror(errno));
+        buf_free(&b);
+        return NULL;
+    }
+    int max = (int)(b.len / 2 + 2);
+    cfg c = {path, b.p, xcalloc((size_t)max, sizeof(json_tok)), err, errlen};
+    catalog *cat = xcalloc(1, sizeof *cat);
+    cat->refs = 1;
+    json_result res;
+    int ok = -1;
+    if (json_parse(b.p, b.len, c.t, max, -1, &res) < 0) {
+        snprintf(err, errlen, "%s: not valid JSON: %s at byte offset %zu", path, res.err,
+                 res.err_offset);
+    } else if (c.t[0].type != JSON_OBJECT) {
+        snprintf(err, errlen, "%s: the catalog must be a JSON object", path);
+    } else {
+        static const char *const top[] = {"providers", "models", "admin_keys", NULL};
+        if (json_get(b.p, c.t, 0, "dev_keys") >= 0) {
+            cfg_fail(&c, "dev_keys", NULL,
+                     "was removed: create a token group and a token key through the control plane "
+                     "(README \"Token groups\", \"Token keys\")");
+        } else
+            ok = cfg_only(&c, 0, "", top) == 0 &&
+                                 cfg_providers(&c, cat, json_get(b.p, c.t, 0, "providers")) == 0 &&
+                                 cfg_models(&c, cat, json_get(b.p, c.t, 0, "models")) == 0 &&
+                                 cfg_admin_keys(&c, cat, json_get(b.p, c.t, 0, "admin_keys")) == 0
+                         ? 0
+                         : -1;
+    }
+    free(c.t);
+    buf_free(&b);
+    if (ok < 0) { catalog_free(cat); return NULL; }
+    return cat;
+}
+
+/* What a catalog's https providers need: the trust anchors, loaded once,
+ * and a word about every provider whose certificates are not fully
+ * checked. 0, or LTG_ERR with err set. */
+static int tls_prepare(catalog *cat, char *err, size_t errlen) {
+    for (int i = 0; i < cat->nprov; i++) {
+        provider *p = &cat->prov[i];
+        if (!p->tls) continue;
+        if (!TLS.nta) {
+            const char *path = TLS.ca_file ? TLS.ca_file : TLS_DEFAULT_CA;
+            int n = tls_load_anchors(path, err, errlen);
+            if (n < 0) return LTG_ERR;
+            ltg_log("%s: %d trust anchor(s)", path, n);
+        }
+        struct sockaddr_storage ss;
+        if (!p->tls_verify)
+            ltg_log("warning: providers.%s: tls_verify is false: its certificates are not checked "
+                    "at all",
+                    p->name);
+        else if (addr_parse(p->host, &ss) == 0)
+            ltg_log("warning: providers.%s: an IP address: its certificate chain is checked but "
+                    "not its name (BearSSL matches DNS names only)",
+                    p->name);
+    }
+    return 0;
+}
+
+/* ===== 11. The attempt plan: retry, fallback, breakers, deployments =====
  *
  * IMPLEMENTATION NOTES
  * Retries live in one layer, here. Every upstream attempt ends in one
@@ -3775,7 +4664,7 @@ static int deployment_other(const model *m, uint32_t avoid, int64_t now) {
     return 0;
 }
 
-/* ===== 11. The store: token groups, token keys, idempotency records =====
+/* ===== 12. The store: token groups, token keys, idempotency records =====
  *
  * IMPLEMENTATION NOTES
  * Policy lives in token groups; applications hold token keys, each bound to
@@ -3795,10 +4684,10 @@ static int deployment_other(const model *m, uint32_t avoid, int64_t now) {
  * over it (PATCH: omitted kept, null clears), its validate checks the
  * whole result against the rules of the README's "Token groups" (a key's:
  * "Token keys"), and only a copy that passed is written to the log
- * (section 12) and then swapped in. A refused change therefore leaves
+ * (section 13) and then swapped in. A refused change therefore leaves
  * nothing behind, in memory or on disk. A group and a key each carry an
  * allowance -- a budget and rate limits -- parsed, checked and shown by
- * the same allow_* functions; what it counts is section 14's.
+ * the same allow_* functions; what it counts is section 15's.
  *
  * Validation errors carry a JSON pointer (RFC 6901) to the offending value
  * and a message that says what is allowed. Catalog membership is checked
@@ -3853,11 +4742,11 @@ typedef struct {
     long long rpm_limit, tpm_limit; /* requests, tokens per minute; UNSET = null: unlimited */
     /* wall ms the budget was set (its first period starts there); 0 = no budget */
     int64_t budget_anchor;
-    /* a group's or a key's: spent in days retention deleted (section 13): in the period from
+    /* a group's or a key's: spent in days retention deleted (section 14): in the period from
      * carry_start, by events before carry_to; carry_to 0: none */
     int64_t carry, carry_start, carry_to;
     /* Runtime, not logged (rebuilt from the ledger at start-up): */
-    /* the last minute's requests and tokens, once a limit is met (section 14) */
+    /* the last minute's requests and tokens, once a limit is met (section 15) */
     struct rl_window *rl;
     /* micro-USD: charged in the current period; held by requests in flight */
     int64_t spend, reserved;
@@ -4517,7 +5406,7 @@ static void allow_period(const allowance *a, int64_t now, int64_t *start, int64_
 }
 
 /* What a group or key carries into the period that starts at `start` from days
- * the ledger deleted (section 13). */
+ * the ledger deleted (section 14). */
 static int64_t allow_carried(const allowance *a, int64_t start) {
     return a->carry_to && a->carry_start == start ? a->carry : 0;
 }
@@ -4975,7 +5864,7 @@ static int store_apply_idem(const char *p, const json_tok *t, int iv, size_t n) 
     return 0;
 }
 
-/* Apply one log record's payload (section 12 calls this for every record
+/* Apply one log record's payload (section 13 calls this for every record
  * at start-up): {"ops":[{op: value}...], "idem": {...}}. Returns 0, or
  * LTG_ERR with a reason in err. */
 static int store_apply(void *ctx, const char *p, size_t n, off_t at, char *err, size_t errlen) {
@@ -5038,12 +5927,12 @@ done:
     return rc;
 }
 
-/* ===== 12. The append-only log =====
+/* ===== 13. The append-only log =====
  *
  * IMPLEMENTATION NOTES
  * Two kinds of file share this code: DATA/state.log (groups, keys,
  * idempotency records; here) and the ledger's daily segments
- * (DATA/ledger/YYYY-MM-DD.log, section 13). Every acknowledged change is
+ * (DATA/ledger/YYYY-MM-DD.log, section 14). Every acknowledged change is
  * one record in state.log, written and fsynced before the answer leaves
  * (Redis's appendfsync always); spend events are written at the end of
  * each loop turn and fsynced within 20 ms (Redis's everysec, tighter). A
@@ -5052,7 +5941,7 @@ done:
  *     [length: 4 bytes LE][CRC-32 of the payload: 4 bytes LE][payload]
  *
  * and the payload is JSON in state.log ({"ops":[...], "idem":{...}},
- * store_apply) and a small binary head plus JSON in the ledger (section 13).
+ * store_apply) and a small binary head plus JSON in the ledger (section 14).
  *
  * Replay at start-up streams the file through a buffer that holds one
  * record at a time (a mebibyte, more for a larger record): no file is ever
@@ -5451,13 +6340,13 @@ static void compact_step(int64_t now) {
             (long long)LOG.f.size);
 }
 
-/* ===== 13. The ledger: daily segments, index files, retention =====
+/* ===== 14. The ledger: daily segments, index files, retention =====
  *
  * IMPLEMENTATION NOTES
  * Every inference request that reached dispatch or the cache leaves one
  * spend event (README "The consumption ledger"), but a free one
  * (count_tokens). The ledger keeps them in one file per UTC day,
- * DATA/ledger/YYYY-MM-DD.log, framed like the state log (section 12). The
+ * DATA/ledger/YYYY-MM-DD.log, framed like the state log (section 13). The
  * day's file is the open segment; when the day ends it is sealed, never to
  * be written again. Beside each log is its index file, YYYY-MM-DD.idx, a
  * sequence of chunks, each the index of the events that follow the last
@@ -5518,7 +6407,7 @@ static void compact_step(int64_t now) {
  * period it belongs to, and the day it runs to), so its spend never
  * shrinks; a group without a budget shows only the days kept.
  *
- * A failed write or fsync keeps the events in memory (section 12) and
+ * A failed write or fsync keeps the events in memory (section 13) and
  * ledger_writable() says so: inference then refuses new requests with 503
  * before dispatch, since nothing may be served that cannot be metered, and
  * a timer retries every second until the disk takes them. So does a chunk
@@ -7002,7 +7891,7 @@ static void ledger_replays(int64_t since, void (*fn)(const rec_view *rv, int64_t
     buf_free(&rec);
 }
 
-/* ===== 14. Budgets and rate limits, the cache, idempotent inference =====
+/* ===== 15. Budgets and rate limits, the cache, idempotent inference =====
  *
  * IMPLEMENTATION NOTES
  * Budgets. A group's (or a key's) spend in its current period is the sum
@@ -7379,7 +8268,7 @@ static void store_purge(int64_t now) {
     }
 }
 
-/* Called by the loop before it sleeps: the ledger's turn (section 13),
+/* Called by the loop before it sleeps: the ledger's turn (section 14),
  * expired idempotency records leave memory once a minute, and a
  * compaction takes its next step. Returns 1 while a compaction remains (the
  * loop then polls without waiting). */
@@ -7633,887 +8522,6 @@ static void pin_tokens(const char *gid, const char *id, long long tokens) {
     if (p) p->tokens = tokens;
 }
 
-/* ===== 15. Client connections: the HTTP/1.1 server =====
- *
- * IMPLEMENTATION NOTES
- * A client connection is a small state machine (conn_to asserts every
- * transition and arms the timer for the state entered):
- *
- *   IDLE --(a byte)--> HEAD --(parsed)--> BODY --(complete)--> BUSY
- *    ^                                                          |
- *    +--------------------(answered: the next request)----------+
- *
- *   an answer that closes: --(written)--> LINGER --> CLOSED; any state --> CLOSED
- *
- * The current request's head stays at the front of `in` while it is served
- * (the parsed header slices point into it); its body is decoded into
- * `body`. The server hands it to S.serve (route, section 19; the contract
- * and conn_owner are in ltg.h). conn_done() drops the request's bytes, and
- * what follows in `in` is the next pipelined request, parsed by
- * conn_process()'s loop or after the next flush. A request is served only
- * when the one before it is answered, so answers leave in order.
- *
- * One timer per connection means what the state says: IDLE, the idle
- * keep-alive limit; HEAD, the head limit (counted from the head's first
- * byte, not re-armed by a slow trickle: that is what stops slowloris);
- * BODY, the body's rate (--head-timeout from the head, and a second more
- * per BODY_MIN_RATE bytes); BUSY, none; LINGER, LINGER_MS. While an answer
- * waits to be written, it fires only if the client took nothing since it
- * started: a client that stops reading is closed, not kept for ever.
- *
- * While a request is served, the connection keeps reading, so a client
- * that goes away is noticed at once and its upstream request is cancelled;
- * but it stops reading when more than 64 KiB of pipelined requests wait,
- * or when more than OUT_HIGH_WATER of answers wait for the client to read
- * them (whatever it is waiting for): a client that pipelines and never
- * reads holds at most that much, then TCP pushes back on it.
- *
- * Against one client holding every slot (slowloris, slow bodies, slow
- * reads): a head must be complete within --head-timeout of its first byte,
- * a body must keep up BODY_MIN_RATE after that; one client address may
- * hold --max-conns-per-ip inference connections (its next are closed); and
- * when a listener's table is full, a connection without a request in
- * service -- an idle keep-alive one first, then one of the client holding
- * the most connections, then the one waiting longest -- is closed to make
- * room, so the newcomer is refused only when every connection is being
- * served. Each episode is logged when it starts and when it ends, with
- * its count.
- */
-typedef enum { CONN_IDLE, CONN_HEAD, CONN_BODY, CONN_BUSY, CONN_LINGER, CONN_CLOSED } conn_state;
-
-/* What the gateway learns of the request it serves, for the access log
- * and the metrics (section 18): cleared by the server for each request. */
-typedef struct {
-    char key_id[37], group_id[37];
-    char requested[ALIAS_MAX + 1], served[ALIAS_MAX + 1]; /* catalog aliases, or "" */
-    const char *endpoint;     /* the inference route, or NULL: not counted in ltg_requests_total */
-    const char *cache;        /* "hit", "miss", "bypass", or NULL */
-    int anthropic;            /* an Anthropic endpoint: its errors in Anthropic's shape */
-    int attempts;             /* -1: none made (refused before dispatch) */
-    long long tok[NTOK];      /* its usage; [TOK_IN] -1: none (refused before dispatch) */
-    int64_t cost;             /* micro-USD; -1: unknown */
-    int estimated;            /* the cost is ltg's estimate (README "Cost") */
-} req_facts;
-
-struct conn {
-    conn *prev, *next;        /* every open connection, for draining */
-    int fd, admin;
-    conn_state state;
-    buf in;                   /* received bytes; the current request's head first */
-    size_t scan;              /* http_head_end's resume point */
-    /* bytes of `in` taken by the current head and body (until it is decoded) */
-    size_t head_len, body_raw;
-    /* the raw bytes the body took, once decoded (the access log's bytes_in) */
-    size_t body_in;
-    http_request req;
-    chunk_decoder cd;
-    buf body;                 /* the current request's decoded body */
-    buf out;                  /* answer bytes not yet written */
-    size_t out_off;
-    uint64_t written, written_mark; /* bytes sent in all; at the timer's start */
-    int keep_alive;           /* the current answer keeps the connection */
-    int close_after;          /* close once `out` is written */
-    /* ... and first read and drop what the client still sends (conn_fail) */
-    int linger;
-    int processing, pending, want_out, read_paused;
-    timer t;                  /* what it means is the state's */
-    int64_t state_at;         /* S.now: when its state began (shedding takes the oldest) */
-    uint64_t served;          /* requests answered: one that had none yet is new, not idle */
-    struct peer *peer;        /* its client address, counted (inference connections) */
-    /* that address: the socket's, or what a trusted proxy says (the access log's "client") */
-    uint8_t client[16];
-    int trusted;              /* it comes from --trusted-proxies */
-    int proxy_pending;        /* ... and may still begin with a PROXY protocol header */
-    int forwarded;            /* its peer is the X-Forwarded-For client of the request in service */
-    /* what serves the current request over several turns (an exchange), or NULL */
-    void *owner;
-    const conn_owner *owner_ops; /* and how it is told of the client (ltg.h) */
-    char rid[32];             /* the current request's id */
-    int64_t began;            /* S.now when its head was in */
-    int status;               /* the status of its answer's head, once sent */
-    uint64_t queued, queued_mark; /* bytes given to conn_send in all; at the request's start */
-    req_facts f;
-    conn *next_pending, *next_closing;
-};
-
-static conn *conns; /* all open client connections */
-
-/* A client address and how many inference connections it holds. */
-typedef struct peer {
-    uint8_t addr[16];         /* IPv6, or IPv4 mapped into it */
-    int n;
-} peer;
-
-static const void *peer_key(const void *it, size_t *n) { *n = 16; return ((const peer *)it)->addr; }
-static hmap PEERS = {.key = peer_key};
-
-static void peer_drop(peer *p) {
-    assert(!p || p->n >= 0);
-    if (p && !p->n) free(hmap_del(&PEERS, p->addr, 16));
-}
-
-/* Something that refuses clients, said once when it starts and once when
- * it has been quiet for EPISODE_QUIET_MS (with how many it refused). */
-typedef struct {
-    const char *what;
-    long n;
-    timer t;
-} episode;
-
-static void episode_end(void *ctx) {
-    episode *e = ctx;
-    ltg_log("%s: over, %ld connection(s) in all", e->what, e->n);
-    e->n = 0;
-}
-
-static void episode_note(episode *e) {
-    if (!e->n++) ltg_log("%s", e->what);
-    if (!e->t.fire) timer_init(&e->t, episode_end, e);
-    timer_set(&e->t, EPISODE_QUIET_MS);
-}
-
-static void conn_watch(conn *c) {
-    if (c->state != CONN_CLOSED)
-        loop_events(c->fd, (short)((c->read_paused ? 0 : POLLIN) | (c->want_out ? POLLOUT : 0)));
-}
-
-static void conn_to(conn *c, conn_state to);
-
-static void conn_close(conn *c) {
-    if (c->state == CONN_CLOSED) return;
-    int busy = c->state == CONN_BUSY;
-    conn_to(c, CONN_CLOSED);
-    if (c->owner) c->owner_ops->gone(c->owner); /* it lets go of c */
-    c->owner = NULL;
-    if (busy && S.ended) S.ended(c); /* a request left unanswered, or half-sent */
-    loop_close(c->fd);
-    if (c->prev) c->prev->next = c->next;
-    else conns = c->next;
-    if (c->next) c->next->prev = c->prev;
-    c->next_closing = S.closing;
-    S.closing = c;
-    S.nconns--;
-    S.nadmin -= c->admin;
-    if (c->peer) {
-        c->peer->n--;
-        peer_drop(c->peer);
-    }
-    c->peer = NULL;
-}
-
-static void conn_reap(void) {
-    while (S.closing) {
-        conn *c = S.closing;
-        S.closing = c->next_closing;
-        buf_free(&c->in);
-        buf_free(&c->body);
-        buf_free(&c->out);
-        free(c);
-    }
-}
-
-static void conn_send(conn *c, const void *p, size_t n) {
-    if (c->state == CONN_CLOSED) return;
-    buf_append(&c->out, p, n);
-    c->queued += n;
-    if (!c->pending) {
-        c->pending = 1;
-        c->next_pending = S.pending_writes;
-        S.pending_writes = c;
-    }
-}
-
-static void conn_process(conn *c);
-
-/* An answer that closes the connection is written: rather than close at
- * once -- a client still sending its refused body would get a reset, and
- * its kernel would drop our answer with it -- shut our side down and read
- * and drop what still comes, for LINGER_MS at most (nginx's
- * lingering_close): time bounds it, the bytes are not kept. */
-static void conn_linger(conn *c) {
-    conn_to(c, CONN_LINGER);
-    shutdown(c->fd, SHUT_WR);
-    c->read_paused = 0;
-    conn_watch(c);
-}
-
-/* Write what the connection has queued: 1 when all of it is written, 0
- * when the rest waits for POLLOUT (or the connection broke: closed). */
-static int conn_flush(conn *c) {
-    while (c->out_off < c->out.len) {
-        ssize_t n = send(c->fd, c->out.p + c->out_off, c->out.len - c->out_off, MSG_NOSIGNAL);
-        if (n > 0) {
-            c->out_off += (size_t)n;
-            c->written += (uint64_t)n;
-            continue;
-        }
-        if (n < 0 && errno == EINTR) continue;
-        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            if (c->out_off > 65536) {
-                buf_consume(&c->out, c->out_off);
-                c->out_off = 0;
-            }
-            c->want_out = 1;
-            conn_watch(c);
-            return 0;
-        }
-        conn_close(c); /* the client went away */
-        return 0;
-    }
-    c->out.len = c->out_off = 0;
-    c->want_out = 0;
-    return 1;
-}
-
-/* Everything queued is written: the connection closes (or lingers), its
- * owner hears it drained, or it goes on to its next request -- serving
- * may have stopped while the client did not read. */
-static void conn_drained(conn *c) {
-    if (c->close_after && c->linger && c->state != CONN_LINGER) {
-        conn_linger(c);
-        return;
-    }
-    if (c->close_after) {
-        conn_close(c);
-        return;
-    }
-    conn_watch(c);
-    if (c->owner) c->owner_ops->drained(c->owner);
-    else conn_process(c);
-}
-
-static void conn_flush_all(void) {
-    while (S.pending_writes) {
-        conn *c = S.pending_writes;
-        S.pending_writes = c->next_pending;
-        c->pending = 0;
-        if (c->state != CONN_CLOSED && conn_flush(c)) conn_drained(c);
-    }
-}
-
-static size_t conn_unsent(conn *c) { return c->out.len - c->out_off; }
-
-/* The server's step before the loop sleeps (loop_hooks): the turn's
- * answers are written, closed connections freed. */
-static int conn_tick(void) {
-    conn_flush_all();
-    conn_reap();
-    return 0;
-}
-
-static const char *http_reason(int status) {
-    static const struct { int status; const char *reason; } reasons[] = {
-        {100, "Continue"}, {200, "OK"}, {201, "Created"}, {400, "Bad Request"}, {401, "Unauthorized"},
-        {403, "Forbidden"}, {404, "Not Found"}, {405, "Method Not Allowed"}, {408, "Request Timeout"},
-        {409, "Conflict"}, {412, "Precondition Failed"}, {413, "Content Too Large"}, {417, "Expectation Failed"},
-        {428, "Precondition Required"}, {429, "Too Many Requests"}, {431, "Request Header Fields Too Large"},
-        {500, "Internal Server Error"}, {501, "Not Implemented"}, {502, "Bad Gateway"},
-        {503, "Service Unavailable"}, {504, "Gateway Timeout"}};
-    for (size_t i = 0; i < sizeof reasons / sizeof *reasons; i++)
-        if (reasons[i].status == status) return reasons[i].reason;
-    return status < 300 ? "OK" : status < 500 ? "Client Error" : "Server Error";
-}
-
-/* Write an answer's head. `length` < 0 means a chunked body follows.
- * `extra` is more header lines, each ending in CRLF. */
-static void conn_head(conn *c, int status, const char *ctype, long long length, const char *extra) {
-    c->keep_alive = c->req.keep_alive && !S.draining && !c->close_after;
-    c->status = status;
-    buf h = {0};
-    buf_printf(&h, "HTTP/1.1 %d %s\r\nContent-Type: %s\r\n", status, http_reason(status), ctype);
-    if (length >= 0) buf_printf(&h, "Content-Length: %lld\r\n", length);
-    else buf_puts(&h, "Transfer-Encoding: chunked\r\n");
-    if (extra) buf_puts(&h, extra);
-    if (!c->keep_alive) buf_puts(&h, "Connection: close\r\n");
-    else if (c->req.minor == 0)
-        buf_puts(&h, "Connection: keep-alive\r\n"); /* HTTP/1.0 closes unless told */
-    buf_puts(&h, "\r\n");
-    conn_send(c, h.p, h.len);
-    buf_free(&h);
-}
-
-/* Request helpers shared by the control plane and the inference plane. */
-
-/* The request target's path: up to its query, which is never part of it. */
-static const char *request_path(const conn *c, size_t *n) {
-    const char *t = c->in.p + c->req.target.off, *q = memchr(t, '?', c->req.target.len);
-    *n = q ? (size_t)(q - t) : c->req.target.len;
-    return t;
-}
-
-static int path_is(conn *c, const char *path) {
-    size_t n;
-    const char *t = request_path(c, &n);
-    return n == strlen(path) && memcmp(t, path, n) == 0;
-}
-
-/* The value of the request's header `name`, into out (NUL-terminated;
- * "" when absent or too long to be a real one). */
-static void conn_header(conn *c, const char *name, char *out, size_t cap) {
-    size_t n;
-    const char *v = http_header_get(c->in.p, c->req.h, c->req.nh, name, &n);
-    out[0] = 0;
-    if (v && n < cap) {
-        memcpy(out, v, n);
-        out[n] = 0;
-    }
-}
-
-static int method_is(conn *c, const char *m) {
-    return c->req.method.len == strlen(m) &&
-           memcmp(c->in.p + c->req.method.off, m, c->req.method.len) == 0;
-}
-
-
-/* Before a request: nothing known of it yet. */
-static void conn_fresh(conn *c) {
-    /* the last request's: they point into bytes now gone */
-    c->req.method = c->req.target = (slice){0, 0};
-    c->req.nh = 0;
-    c->began = 0;
-    c->status = 0;
-    c->queued_mark = c->queued;
-    c->f = (req_facts){.attempts = -1, .tok = {-1}, .cost = -1};
-}
-
-/* The current request is answered: make room for the next one. */
-static void conn_done(conn *c) {
-    if (S.ended) S.ended(c);
-    if (c->forwarded) {
-        c->peer->n--;
-        peer_drop(c->peer);
-        c->peer = NULL;
-        c->forwarded = 0;
-    }
-    conn_fresh(c);
-    buf_consume(&c->in, c->head_len + c->body_raw);
-    c->head_len = c->body_raw = c->body_in = c->scan = 0;
-    c->body.len = 0;
-    /* a large body's memory is not kept for the next request */
-    if (c->body.cap > (1 << 20)) buf_free(&c->body);
-    if (c->in.cap > (1 << 20) && c->in.len < 65536) {
-        buf rest = {0};
-        buf_append(&rest, c->in.p, c->in.len);
-        buf_free(&c->in);
-        c->in = rest;
-    }
-    c->cd = (chunk_decoder){0};
-    c->rid[0] = 0;
-    c->served++;
-    c->close_after |= !c->keep_alive;
-    /* IDLE for a closing answer too: its timer bounds a client that takes nothing */
-    conn_to(c, c->in.len && !c->close_after ? CONN_HEAD : CONN_IDLE);
-    /* the next request: conn_process()'s loop, or after the flush; a reply never re-enters the
-     * parser */
-    conn_send(c, "", 0);
-}
-
-/* A whole answer with a body. */
-static void conn_reply(conn *c, int status, const char *ctype, const char *extra, const char *body,
-                       size_t n) {
-    conn_head(c, status, ctype, (long long)n, extra);
-    /* RFC 9110 9.3.2: a HEAD answer has the head alone */
-    if (!method_is(c, "HEAD")) conn_send(c, body, n);
-    conn_done(c);
-}
-
-/* An error answered in the shape of the listener's API (S.error: the
- * gateway's route_error, section 19); `headers`: extra header lines (each
- * ending in CRLF), or NULL. */
-static void conn_error(conn *c, int status, const char *code, const char *headers, const char *fmt,
-                       ...) __attribute__((format(printf, 5, 6)));
-static void conn_error(conn *c, int status, const char *code, const char *headers, const char *fmt,
-                       ...) {
-    char msg[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    conn_to(c, CONN_BUSY);
-    S.error(c, status, code, headers, msg);
-}
-
-/* Errors of the HTTP layer itself: the request's framing cannot be trusted,
- * so the answer closes the connection. */
-static void conn_fail(conn *c, int status, const char *code, const char *msg) {
-    c->close_after = c->linger = 1;
-    c->req.keep_alive = 0;
-    /* maybe not this request's: its head did not parse (a HEAD gets the body, then the close) */
-    c->req.method = (slice){0, 0};
-    conn_error(c, status, code, NULL, "%s", msg);
-}
-
-static void conn_timer(void *ctx) {
-    conn *c = ctx;
-    if (c->state == CONN_LINGER) {
-        conn_close(c);
-        return;
-    }
-    if (conn_unsent(c) && c->written != c->written_mark) { /* still writing: not idle */
-        c->written_mark = c->written;
-        timer_set(&c->t, S.idle_timeout_ms);
-        return;
-    }
-    if (c->state == CONN_IDLE || conn_unsent(c)) { /* idle, or not reading what it asked for */
-        conn_close(c);
-        return;
-    }
-    conn_fail(c, 408, "request_timeout",
-              c->state == CONN_HEAD
-                      ? "the request head did not arrive in time"
-                      : "the request body arrived too slowly (it must keep up 4 KiB/s)");
-}
-
-/* A body has --head-timeout, and a second more per BODY_MIN_RATE bytes of
- * it -- decoded bytes: framing earns no time. */
-static void conn_body_timer(conn *c) {
-    int64_t body = c->req.chunked ? (int64_t)c->body.len : (int64_t)(c->in.len - c->head_len);
-    timer_set(&c->t, c->state_at + S.head_timeout_ms + body * 1000 / BODY_MIN_RATE - S.now);
-}
-
-/* The one place a connection changes state: the transition is checked and
- * the timer armed for the state entered (see the notes above). */
-static void conn_to(conn *c, conn_state to) {
-    static const unsigned char next[] = {
-        [CONN_IDLE] = 1 << CONN_HEAD | 1 << CONN_BUSY | 1 << CONN_LINGER | 1 << CONN_CLOSED,
-        [CONN_HEAD] = 1 << CONN_BODY | 1 << CONN_BUSY | 1 << CONN_CLOSED,
-        [CONN_BODY] = 1 << CONN_BUSY | 1 << CONN_CLOSED,
-        [CONN_BUSY] = 1 << CONN_IDLE | 1 << CONN_HEAD | 1 << CONN_BUSY | 1 << CONN_CLOSED,
-        [CONN_LINGER] = 1 << CONN_CLOSED,
-        [CONN_CLOSED] = 0,
-    };
-    assert(next[c->state] >> to & 1);
-    /* an error answer of a request in service */
-    if (to == CONN_BUSY && c->state == CONN_BUSY) return;
-    c->state = to;
-    c->state_at = S.now;
-    c->written_mark = c->written;
-    switch (to) {
-    case CONN_IDLE: timer_set(&c->t, S.idle_timeout_ms); break;
-    case CONN_HEAD: timer_set(&c->t, S.head_timeout_ms); break;
-    case CONN_BODY: conn_body_timer(c); break;
-    case CONN_LINGER: timer_set(&c->t, LINGER_MS); break;
-    case CONN_BUSY:
-    case CONN_CLOSED: timer_stop(&c->t); break;
-    }
-}
-
-static int conn_proxy(conn *c);
-static int conn_forwarded(conn *c);
-
-/* The next request's head, once it is all in: parsed and checked (HEAD ->
- * BODY). 0: not yet, or refused (the connection is failing). */
-static int conn_take_head(conn *c) {
-    if (c->proxy_pending && conn_proxy(c) <= 0) return 0;
-    int n = http_head_end(c->in.p, c->in.len, &c->scan);
-    if (n == LTG_AGAIN && c->in.len <= MAX_HEAD_BYTES) return 0;
-    if (n == LTG_AGAIN || n > MAX_HEAD_BYTES) {
-        conn_fail(c, 431, "headers_too_large", "the request head is larger than 16 KiB");
-        return 0;
-    }
-    c->head_len = (size_t)n;
-    if (http_parse_request(c->in.p, (size_t)n, &c->req) < 0) {
-        int st = c->req.status;
-        const char *code = st == 431   ? "headers_too_large"
-                           : st == 501 ? "not_implemented"
-                           : st == 417 ? "expectation_failed"
-                                       : "bad_request";
-        conn_fail(c, st, code, c->req.err);
-        return 0;
-    }
-    if (c->req.content_length > S.max_body) {
-        char m[128];
-        snprintf(m, sizeof m, "the request body is larger than %lld bytes", S.max_body);
-        conn_fail(c, 413, "body_too_large", m);
-        return 0;
-    }
-    c->began = S.now;
-    conn_to(c, CONN_BODY);
-    int has_body = c->req.chunked || c->req.content_length > 0;
-    if (has_body && c->req.expect_continue && c->in.len == c->head_len)
-        conn_send(c, "HTTP/1.1 100 Continue\r\n\r\n", 25);
-    return 1;
-}
-
-/* The body, decoded as far as it came. 1 once it is whole: its raw bytes
- * then leave the input, so that a request is held once (c->body). */
-static int conn_take_body(conn *c) {
-    if (c->req.chunked) {
-        long k = chunk_decode(&c->cd, c->in.p + c->head_len + c->body_raw,
-                              c->in.len - c->head_len - c->body_raw, &c->body);
-        if (k < 0) {
-            conn_fail(c, 400, "bad_request", "malformed chunked request body");
-            return 0;
-        }
-        c->body_raw += (size_t)k;
-        if ((long long)c->body.len > S.max_body) {
-            conn_fail(c, 413, "body_too_large", "the request body is too large");
-            return 0;
-        }
-        if ((long long)c->body_raw > RAW_BODY_MAX(S.max_body)) {
-            /* framing is bytes too: 1-byte chunks or long extensions */
-            conn_fail(c, 413, "body_too_large",
-                      "the chunked request body's framing is too large for its data: send larger "
-                      "chunks");
-            return 0;
-        }
-        if (c->cd.state != CHUNK_DONE) return 0;
-    } else if (c->req.content_length > 0) {
-        size_t cl = (size_t)c->req.content_length;
-        if (c->in.len - c->head_len < cl) return 0;
-        buf_append(&c->body, c->in.p + c->head_len, cl);
-        c->body_raw = cl;
-    }
-    if (!c->body.p) buf_reserve(&c->body, 0);
-    memmove(c->in.p + c->head_len, c->in.p + c->head_len + c->body_raw,
-            c->in.len - c->head_len - c->body_raw + 1);
-    c->in.len -= c->body_raw;
-    c->body_in = c->body_raw;
-    c->body_raw = 0;
-    return 1;
-}
-
-/* Parse and serve as many buffered requests as may be served now. */
-static void conn_process(conn *c) {
-    assert(!c->processing); /* see conn_done: nothing up the stack is parsing this connection */
-    c->processing = 1;
-    while (c->state <= CONN_BODY && !c->close_after && conn_unsent(c) < OUT_HIGH_WATER) {
-        if (c->state == CONN_IDLE && !c->in.len) break;
-        /* its first byte: the head's limit starts */
-        if (c->state == CONN_IDLE) conn_to(c, CONN_HEAD);
-        if (c->state == CONN_HEAD && !conn_take_head(c)) break;
-        if (!conn_take_body(c)) break;
-        conn_to(c, CONN_BUSY);
-        if (c->trusted && conn_forwarded(c) < 0) {
-            conn_error(c, 429, "too_many_connections", "Retry-After: 1\r\n",
-                       "your address holds --max-conns-per-ip connections through the gateway's "
-                       "load balancer: retry shortly");
-            continue;
-        }
-        S.serve(c);
-    }
-    c->processing = 0;
-    if (c->state == CONN_CLOSED) return;
-    /* Stop reading while answers wait past the high-water mark, or a request is served and 64
-     * KiB of the next ones wait. */
-    int paused = conn_unsent(c) >= OUT_HIGH_WATER ||
-                 (c->state == CONN_BUSY && c->in.len > c->head_len + c->body_raw + 65536);
-    if (paused != c->read_paused) {
-        c->read_paused = paused;
-        conn_watch(c);
-    }
-    if (c->state == CONN_BODY) conn_body_timer(c); /* more of it came: more time */
-}
-
-static void conn_read(conn *c) {
-    while (c->state == CONN_LINGER) { /* dropped: the answer is out, the connection closes */
-        char drop[READ_CHUNK];
-        ssize_t n = recv(c->fd, drop, sizeof drop, 0);
-        if (n < 0 && errno == EINTR) continue;
-        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
-        if (n <= 0) {
-            conn_close(c);
-            return;
-        }
-    }
-    for (int rounds = 0; rounds < 4; rounds++) {
-        buf_reserve(&c->in, READ_CHUNK);
-        ssize_t n = recv(c->fd, c->in.p + c->in.len, READ_CHUNK, 0);
-        if (n > 0) {
-            c->in.len += (size_t)n;
-            c->in.p[c->in.len] = 0;
-            if (n < READ_CHUNK) break;
-            continue;
-        }
-        if (n < 0 && errno == EINTR) continue;
-        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
-        conn_close(c); /* the client closed, or the connection broke */
-        return;
-    }
-    conn_process(c);
-}
-
-static void conn_io(void *ctx, int revents) {
-    conn *c = ctx;
-    if ((revents & POLLOUT) && conn_flush(c)) conn_drained(c);
-    if (c->state != CONN_CLOSED && (revents & (POLLIN | POLLHUP | POLLERR))) conn_read(c);
-}
-
-static void conn_new(int fd, int admin, peer *p) {
-    conn *c = xcalloc(1, sizeof *c);
-    c->fd = fd;
-    c->admin = admin;
-    c->peer = p;
-    c->state_at = S.now;
-    if (p) p->n++;
-    timer_init(&c->t, conn_timer, c);
-    conn_fresh(c);
-    int one = 1;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    c->next = conns;
-    if (conns) conns->prev = c;
-    conns = c;
-    S.nconns++;
-    S.nadmin += admin;
-    loop_watch(fd, POLLIN, conn_io, c);
-    timer_set(&c->t, S.idle_timeout_ms); /* CONN_IDLE's */
-}
-
-/* A listener's table is full: close a connection without a request in
- * service -- an idle keep-alive one first, then one of the client that
- * holds the most connections (behind a balancer, the real client), then
- * the one that has waited longest. 0 when every connection is being served. */
-static int conn_shed(int admin) {
-    conn *victim = NULL;
-    int victim_idle = 0, victim_n = 0;
-    for (conn *c = conns; c; c = c->next) {
-        /* a keep-alive waiting */
-        int idle =
-                (c->state == CONN_IDLE && c->served && !conn_unsent(c)) || c->state == CONN_LINGER;
-        int n = c->peer ? c->peer->n : 0;
-        if (c->admin != admin || c->state == CONN_BUSY || c->state == CONN_CLOSED) continue;
-        /* then: more connections, then older (the list is newest first) */
-        int same = victim && idle == victim_idle;
-        if (!victim || idle > victim_idle ||
-            (same && (n > victim_n || (n == victim_n && c->state_at <= victim->state_at)))) {
-            victim = c;
-            victim_idle = idle;
-            victim_n = n;
-        }
-    }
-    if (victim) conn_close(victim);
-    return victim != NULL;
-}
-
-/* ---- behind a load balancer: --trusted-proxies ----
- *
- * Behind a balancer every connection comes from the balancer's address, so
- * a per-address cap would cap everyone at once. A connection from an
- * address of --trusted-proxies is not capped itself; the client it speaks
- * for is, and is the one the access log names: given by a PROXY protocol
- * header (v1 or v2, HAProxy's send-proxy) at the connection's start, or by
- * X-Forwarded-For on each request (the rightmost address that is not a
- * trusted proxy: what nginx's $proxy_add_x_forwarded_for appends). From
- * any other address both are ignored -- a PROXY header is bad HTTP, and a
- * client cannot name itself someone else. IPv6 clients are counted per /64
- * (one host has a /64 to pick addresses from). */
-#define MAX_TRUSTED 32
-
-static struct {
-    uint8_t a[MAX_TRUSTED][16]; /* IPv6, or IPv4 mapped into it */
-    int bits[MAX_TRUSTED];
-    int n;
-} TRUSTED;
-
-/* The 16-byte form of a socket address (IPv4 mapped into IPv6). */
-static void addr16(const struct sockaddr_storage *sa, uint8_t a[16]) {
-    memset(a, 0, 16);
-    if (sa->ss_family == AF_INET6) memcpy(a, &((const struct sockaddr_in6 *)sa)->sin6_addr, 16);
-    else {
-        a[10] = a[11] = 0xff;
-        memcpy(a + 12, &((const struct sockaddr_in *)sa)->sin_addr, 4);
-    }
-}
-
-static int addr16_parse(const char *s, size_t n, uint8_t a[16]) {
-    char t[64];
-    struct sockaddr_storage ss;
-    if (n >= sizeof t) return LTG_ERR;
-    memcpy(t, s, n);
-    t[n] = 0;
-    if (addr_parse(t, &ss) < 0) return LTG_ERR;
-    addr16(&ss, a);
-    return 0;
-}
-
-static int addr_is_v4(const uint8_t a[16]) {
-    static const uint8_t mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
-    return memcmp(a, mapped, 12) == 0;
-}
-
-static int addr_trusted(const uint8_t a[16]) {
-    for (int i = 0; i < TRUSTED.n; i++) {
-        int bits = TRUSTED.bits[i], whole = bits / 8, rest = bits % 8;
-        if (memcmp(a, TRUSTED.a[i], (size_t)whole) == 0 &&
-            (!rest || ((a[whole] ^ TRUSTED.a[i][whole]) >> (8 - rest)) == 0))
-            return 1;
-    }
-    return 0;
-}
-
-/* --trusted-proxies ADDR[/BITS][,...]: 0, or LTG_ERR with *why. */
-static int trusted_parse(const char *list, const char **why) {
-    *why = "expected addresses or networks, comma-separated: 10.0.0.0/8,192.168.1.5,fd00::/8";
-    for (const char *p = list; *p;) {
-        const char *end = strchr(p, ','), *slash;
-        size_t n = end ? (size_t)(end - p) : strlen(p);
-        slash = memchr(p, '/', n);
-        if (TRUSTED.n == MAX_TRUSTED) { *why = "at most 32 addresses or networks"; return LTG_ERR; }
-        uint8_t *a = TRUSTED.a[TRUSTED.n];
-        if (addr16_parse(p, slash ? (size_t)(slash - p) : n, a) < 0) return LTG_ERR;
-        long long bits = addr_is_v4(a) ? 32 : 128, max = bits;
-        if (slash && (parse_ll(slash + 1, n - (size_t)(slash + 1 - p), max, &bits) < 0))
-            return LTG_ERR;
-        TRUSTED.bits[TRUSTED.n++] = (int)bits + (addr_is_v4(a) ? 96 : 0);
-        p += n + (end ? 1 : 0);
-    }
-    return 0;
-}
-
-/* A PROXY protocol header at the start of in[0..n): its length, with the
- * client's address in a[16]; 0 when in does not start with one; LTG_AGAIN
- * when it is not whole yet; LTG_ERR when it is malformed. (v2 LOCAL, a
- * balancer's own health check, and v1 UNKNOWN leave a as it was.) */
-static int proxy_header(const char *in, size_t n, uint8_t a[16]) {
-    static const char v2[12] = {'\r', '\n', '\r', '\n', 0, '\r', '\n', 'Q', 'U', 'I', 'T', '\n'};
-    if (n >= 1 && memcmp(in, v2, n < 12 ? n : 12) == 0) {
-        if (n < 16) return LTG_AGAIN;
-        const uint8_t *h = (const uint8_t *)in;
-        size_t len = 16 + ((size_t)h[14] << 8 | h[15]);
-        if (len > 16 + 512) return LTG_ERR;
-        if (n < len) return LTG_AGAIN;
-        if (h[12] >> 4 != 2 || (h[12] & 0x0F) > 1) return LTG_ERR;
-        if ((h[12] & 0x0F) == 0) return (int)len; /* LOCAL */
-        if (h[13] == 0x11 && len >= 16 + 12) {
-            memset(a, 0, 10);
-            a[10] = a[11] = 0xff;
-            memcpy(a + 12, h + 16, 4);
-        } else if (h[13] == 0x21 && len >= 16 + 36) memcpy(a, h + 16, 16);
-        else if (h[13] >> 4 != 0)
-            return LTG_ERR; /* AF_UNIX or garbage; 0x00: UNSPEC, a as it was */
-        return (int)len;
-    }
-    if (n < 6 ? memcmp(in, "PROXY ", n) != 0 : memcmp(in, "PROXY ", 6) != 0) return 0;
-    const char *eol = memchr(in, '\n', n < 107 ? n : 107);
-    if (!eol) return n < 107 ? LTG_AGAIN : LTG_ERR;
-    if (eol == in || eol[-1] != '\r') return LTG_ERR;
-    const char *w[6];
-    size_t wl[6];
-    int nw = 0;
-    for (const char *p = in + 6; p < eol - 1 && nw < 6;) {
-        const char *sp = memchr(p, ' ', (size_t)(eol - 1 - p));
-        size_t l = sp ? (size_t)(sp - p) : (size_t)(eol - 1 - p);
-        w[nw] = p;
-        wl[nw++] = l;
-        p += l + 1;
-    }
-    if (nw >= 1 && wl[0] == 7 && memcmp(w[0], "UNKNOWN", 7) == 0) return (int)(eol - in + 1);
-    uint8_t src[16], dst[16];
-    long long port;
-    int v4 = nw == 5 && wl[0] == 4 && memcmp(w[0], "TCP4", 4) == 0,
-        v6 = nw == 5 && wl[0] == 4 && memcmp(w[0], "TCP6", 4) == 0;
-    if ((!v4 && !v6) || addr16_parse(w[1], wl[1], src) < 0 || addr16_parse(w[2], wl[2], dst) < 0 ||
-        addr_is_v4(src) != v4 || addr_is_v4(dst) != v4)
-        return LTG_ERR;
-    for (int k = 3; k < 5; k++)
-        if (parse_ll(w[k], wl[k], 65535, &port) < 0) return LTG_ERR;
-    memcpy(a, src, 16);
-    return (int)(eol - in + 1);
-}
-
-/* The entry that counts a client address's inference connections (for
- * --max-conns-per-ip), made if it has none (a refused newcomer's new
- * entry, left at 0, goes with peer_drop). An IPv6 client is its /64. */
-static peer *peer_of(const uint8_t addr[16]) {
-    uint8_t a[16];
-    memcpy(a, addr, 16);
-    if (!addr_is_v4(a)) memset(a + 8, 0, 8);
-    peer *p = hmap_get(&PEERS, a, 16);
-    if (p) return p;
-    p = xcalloc(1, sizeof *p);
-    memcpy(p->addr, a, 16);
-    hmap_put(&PEERS, p);
-    return p;
-}
-
-static episode ep_per_ip;
-
-/* A connection from a trusted proxy: its PROXY protocol header, if it
- * starts with one, names the client it is counted for. 1 when the head
- * may be read now, 0 to wait for more bytes, LTG_ERR when it was closed. */
-static int conn_proxy(conn *c) {
-    int n = proxy_header(c->in.p ? c->in.p : "", c->in.len, c->client);
-    if (n == LTG_AGAIN) return 0;
-    if (n < 0) {
-        conn_fail(c, 400, "bad_request", "malformed PROXY protocol header");
-        return LTG_ERR;
-    }
-    c->proxy_pending = 0;
-    if (!n) return 1;
-    buf_consume(&c->in, (size_t)n);
-    if (c->admin) return 1;
-    peer *p = peer_of(c->client);
-    if (p->n >= S.max_per_ip) {
-        episode_note(&ep_per_ip);
-        peer_drop(p);
-        conn_close(c);
-        return LTG_ERR;
-    }
-    p->n++;
-    c->peer = p;
-    return 1;
-}
-
-/* A request through a trusted proxy names its client in X-Forwarded-For
- * (the last such header): the rightmost address that is not a trusted
- * proxy. The connection counts for that client from now on; LTG_ERR when
- * that client holds --max-conns-per-ip connections already. */
-static int conn_forwarded(conn *c) {
-    const char *v = NULL;
-    size_t n = 0;
-    for (int i = 0; i < c->req.nh; i++)
-        if (ascii_casecmp_n(c->in.p + c->req.h[i].name.off, c->req.h[i].name.len,
-                            "x-forwarded-for") == 0) {
-            v = c->in.p + c->req.h[i].value.off;
-            n = c->req.h[i].value.len;
-        }
-    uint8_t a[16];
-    int found = 0;
-    for (size_t end = n; v && end > 0 && !found;) {
-        size_t start = end, s, e;
-        while (start > 0 && v[start - 1] != ',') start--;
-        for (s = start; s < end && (v[s] == ' ' || v[s] == '\t'); s++) {}
-        for (e = end; e > s && (v[e - 1] == ' ' || v[e - 1] == '\t'); e--) {}
-        /* not an address: nothing to its left is believed */
-        if (addr16_parse(v + s, e - s, a) < 0) break;
-        found = !addr_trusted(a);
-        end = start ? start - 1 : 0;
-    }
-    if (!found) return 0;
-    memcpy(c->client, a, 16);
-    if (c->admin) return 0;
-    peer *p = peer_of(a);
-    if (p == c->peer) return 0;
-    if (p->n >= S.max_per_ip) {
-        episode_note(&ep_per_ip);
-        peer_drop(p);
-        return LTG_ERR;
-    }
-    if (c->peer) {
-        c->peer->n--;
-        peer_drop(c->peer);
-    }
-    /* for this request: a balancer's pooled connection is no one's between requests */
-    p->n++;
-    c->peer = p;
-    c->forwarded = 1;
-    return 0;
-}
-
-
-/* The bearer token of the request, or NULL. */
-static const char *request_bearer(conn *c, size_t *n) {
-    const char *v = http_header_get(c->in.p, c->req.h, c->req.nh, "authorization", n);
-    if (!v || *n < 7 || ascii_casecmp_n(v, 7, "bearer ") != 0) return NULL;
-    v += 7;
-    *n -= 7;
-    while (*n && *v == ' ') {
-        v++;
-        (*n)--;
-    }
-    return *n ? v : NULL;
-}
-
 /* ===== 16. The control plane =====
  *
  * IMPLEMENTATION NOTES
@@ -8528,11 +8536,11 @@ static const char *request_bearer(conn *c, size_t *n) {
  *      This comes before If-Match on purpose: a client retrying a PATCH
  *      that did succeed must get its answer, not a 412 about its own change.
  *   2. If-Match (PATCH, DELETE): missing 428, stale 412 with the version.
- *   3. Parse and validate on a copy (section 11): 400 changes nothing.
+ *   3. Parse and validate on a copy (section 12): 400 changes nothing.
  *   4. One log record with the change and its idempotency record, fsynced
- *      (section 12); only then the copy replaces the original in memory.
+ *      (section 13); only then the copy replaces the original in memory.
  * Groups and keys are served by the same handlers (item_get, item_list,
- * item_create, item_update, item_delete) over their row of section 11;
+ * item_create, item_update, item_delete) over their row of section 12;
  * admin_change is the one step every change takes.
  */
 #define API_PREFIX "/v2/llm_token_gateway"
@@ -9288,7 +9296,7 @@ static void admin_route(conn *c) {
  *
  * IMPLEMENTATION NOTES
  * An exchange is one inference request on its way through ltg. It owns
- * the request body (moved from the connection), the plan (section 10), the log of its attempts,
+ * the request body (moved from the connection), the plan (section 11), the log of its attempts,
  * the upstream connection of the current attempt, its hold on the key's
  * and the group's budgets and rate limits,
  * and two timers: the deadline of the whole request, and `t`, which is by
@@ -9521,7 +9529,7 @@ struct exchange {
     uint32_t avoid;
     int avoid_model;      /* ... the chain index of that model */
     int probe;            /* the current attempt is its deployment's breaker probe */
-    int pinned;           /* its response id is pinned to its model (section 14) */
+    int pinned;           /* its response id is pinned to its model (section 15) */
     /* its client set a timeout or deadline shorter than its group's: its timeouts are not the
      * provider's */
     int shortened;
@@ -9535,7 +9543,7 @@ struct exchange {
     timer deadline, t;
     int last_status;      /* of the last failure: what the client gets when all fail */
     char last_reason[200];
-    /* its attempts' worst cases, held against its key's and group's allowances (section 14) */
+    /* its attempts' worst cases, held against its key's and group's allowances (section 15) */
     hold hold;
     worst_shape shape;    /* what its attempts' worst cases are made of */
     worst w;              /* the current attempt's */
@@ -9597,7 +9605,7 @@ struct wire_kind {
     /* ... and that usage is the final count (else a later event's is) */
     int event_usage_final;
     int cut;
-    /* its answers name a response a follow-up may continue (section 14) */
+    /* its answers name a response a follow-up may continue (section 15) */
     int pins;
     int free;                    /* costs nothing: no budget, no spend event (count_tokens) */
 };
@@ -10641,7 +10649,7 @@ static plan_step attempt_decide(exchange *x, const attempt_result *r) {
 enum { ATTEMPT_STARTED, ATTEMPT_REFUSED, ATTEMPT_SKIPPED };
 
 /* Start the attempt the plan points at, on a deployment of its model
- * (section 10; the next key stays on the same one, a follow-up of a
+ * (section 11; the next key stays on the same one, a follow-up of a
  * Responses answer goes to the one that made it while its breaker lets
  * it). ATTEMPT_REFUSED: its worst case does not fit (the request ended);
  * ATTEMPT_SKIPPED: every breaker of the model is open, no call made. */
@@ -11233,7 +11241,7 @@ static int admit_parallel(admission *a, refusal *r) {
             g->max_parallel);
 }
 
-/* Nothing is served that cannot be metered (section 13). */
+/* Nothing is served that cannot be metered (section 14). */
 static int admit_storage(admission *a, refusal *r) {
     const char *why; /* for ltg's log, which has said it: a tenant learns nothing of the disk */
     if (a->kind->free || ledger_writable(&why)) return ADMIT; /* a free request leaves no event */
@@ -11241,7 +11249,7 @@ static int admit_storage(admission *a, refusal *r) {
                   "spend events cannot be recorded now: nothing is sent upstream until they can");
 }
 
-/* The worst case -- of cost (section 14) and of tokens (the prompt's
+/* The worst case -- of cost (section 15) and of tokens (the prompt's
  * bytes / 3 and the output limit) -- is held against the key's and the
  * group's budgets and rate limits: the last check, so that a request
  * refused by another holds nothing. */
@@ -11461,8 +11469,8 @@ static void inference_models(conn *c, const char *id) {
  *
  * IMPLEMENTATION NOTES
  * Counters and histograms are recorded where things happen, in section
- * 2's table (attempts in section 17, TLS handshakes in 8, fsyncs in 12,
- * spend events in 13...). GET /metrics writes them out, then the gauges,
+ * 2's table (attempts in section 17, TLS handshakes in 8, fsyncs in 13,
+ * spend events in 14...). GET /metrics writes them out, then the gauges,
  * read from live state at that moment: budgets, breakers, pools,
  * connections, /proc/self. When a request is over, the server calls
  * request_ended() (S.ended): it counts an inference request and writes the
@@ -11744,7 +11752,7 @@ static void metrics_reply(conn *c) {
  */
 /* GET (or HEAD: some load balancers probe with it) /healthz, the liveness
  * check, always 200; /readyz, 503 while draining or while a log cannot be
- * written (section 12: what cannot be recorded is refused), saying which
+ * written (section 13: what cannot be recorded is refused), saying which
  * -- never its path or the system's error: anyone may ask, and ltg's own
  * log has them. */
 static void probe_reply(conn *c, int ready) {
@@ -12122,7 +12130,7 @@ static void options_parse(int argc, char **argv) {
 }
 
 /* --data: made if missing, locked against a second ltg, the state log
- * replayed, the ledger opened (section 13) and the budgets summed from
+ * replayed, the ledger opened (section 14) and the budgets summed from
  * it. 0, or LTG_ERR with a message for the operator. */
 static int state_open(char *err, size_t errlen) {
     char lock[PATH_MAX];
