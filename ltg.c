@@ -4157,8 +4157,7 @@ static int cfg_prices(cfg *c, int v, const char *where, model *md) {
         if (lusd[k] > MAX_PRICE_USD)
             return cfg_fail(c, at, "input_usd_per_mtok",
                             "makes %s %.2f USD per million tokens at this tier (the most is %.0f): "
-                            "the cache prices "
-                            "scale with the input price",
+                            "the cache prices scale with the input price",
                             names[k], lusd[k], MAX_PRICE_USD);
     }
     prices_set(&md->long_price, lusd);
@@ -7319,13 +7318,24 @@ static void view_names(seg_view *v,
 
 static void budget_refresh(allowance *a, int64_t now);
 
+/* The stored item a day's name stands for (its kind's letter, then its id:
+ * "g<id>", "k<id>"), and its kind; NULL when there is none. */
+static stored *ledger_item(const char *name, const store_kind **kind) {
+    for (size_t i = 0; i < sizeof KINDS / sizeof *KINDS; i++)
+        if (KINDS[i]->ledger == name[0]) {
+            *kind = KINDS[i];
+            return store_find(KINDS[i], name + 1);
+        }
+    return NULL;
+}
+
 /* The allowance a day's name counts its events in (kind and id: "g<id>",
  * "k<id>"): a group's, or a key's with a budget (a key's spend is counted
  * for its budget alone); NULL for others. */
 static allowance *name_allowance(const char *name) {
-    group *g = name[0] == 'g' ? group_find(name + 1) : NULL;
-    tkey *k = name[0] == 'k' ? tkey_find(name + 1) : NULL;
-    return g ? &g->s.al : k && k->s.al.has_budget ? &k->s.al : NULL;
+    const store_kind *K;
+    stored *it = ledger_item(name, &K);
+    return it && (K == &GROUPS || it->al.has_budget) ? &it->al : NULL;
 }
 
 typedef void spend_fn(const char *name, allowance *a, int64_t spent, void *ctx);
@@ -7447,18 +7457,16 @@ typedef struct { jwriter *w; carry_undo *ch; int nch; segment *s; } carrying;
 static void carry_spend(const char *name, allowance *a, int64_t spent, void *ctx) {
     (void)spent;
     carrying *c = ctx;
-    group *g = name[0] == 'g' ? group_find(name + 1) : NULL;
-    tkey *k = name[0] == 'k' ? tkey_find(name + 1) : NULL;
-    if ((!g || !g->s.al.has_budget) && !k) return;
-    /* carried already: by another part of the day, or before */
-    if (carried_covers(a, c->s)) return;
+    const store_kind *K;
+    stored *it = ledger_item(name, &K);
+    /* no budget, or carried already: by another part of the day, or before */
+    if (!it || !it->al.has_budget || carried_covers(a, c->s)) return;
     c->ch = xrealloc(c->ch, (size_t)(c->nch + 1) * sizeof *c->ch);
     budget_carry(a, seg_spent_since(c->s, name[0], name + 1, a->period_start), c->s,
                  &c->ch[c->nch++]);
     jw_open(c->w, '{');
-    jw_key(c->w, g ? GROUPS.put_op : KEYS.put_op);
-    if (g) group_json(c->w, &g->s, 1);
-    else tkey_json(c->w, &k->s, 1);
+    jw_key(c->w, K->put_op);
+    K->json(c->w, it, 1);
     jw_close(c->w, '}');
 }
 
@@ -8033,17 +8041,16 @@ static void warn_long_period(const allowance *a, const char *what, const char *i
 
 /* Every group's and budgeted key's spend at start-up (see the notes above). */
 static void budget_rebuild(int64_t now) {
-    for (int i = 0; i < ST.gv.n + ST.kv.n; i++) {
-        group *g = i < ST.gv.n ? ST.gv.p[i] : NULL;
-        tkey *k = i < ST.gv.n ? NULL : ST.kv.p[i - ST.gv.n];
-        allowance *a = g ? &g->s.al : k ? &k->s.al : NULL;
-        if (!a) continue;
-        /* no period yet: budget_refresh starts the current one */
-        a->period_start = -1;
-        a->period_end = 0;
-        budget_refresh(a, now);
-        warn_long_period(a, g ? "token group" : "token key", g ? g->s.id : k->s.id);
-    }
+    for (size_t k = 0; k < sizeof KINDS / sizeof *KINDS; k++)
+        for (int i = 0; i < KINDS[k]->all->n; i++) {
+            stored *it = KINDS[k]->all->p[i];
+            if (!it) continue;
+            /* no period yet: budget_refresh starts the current one */
+            it->al.period_start = -1;
+            it->al.period_end = 0;
+            budget_refresh(&it->al, now);
+            warn_long_period(&it->al, KINDS[k]->noun, it->id);
+        }
     for (int i = 0; i < LG.nseg; i++) seg_spends(LG.seg[i], now, rebuild_add, LG.seg[i]);
 }
 
@@ -9264,11 +9271,6 @@ static int route_match(const char *pattern, const char *path, char *id, size_t c
 static void admin_route(conn *c) {
     size_t n, plen = strlen(API_PREFIX);
     const char *t = request_path(c, &n);
-    if (n < plen || memcmp(t, API_PREFIX, plen) != 0 || (n > plen && t[plen] != '/')) {
-        admin_error(c, 404, "not_found", NULL, 0,
-                    "no such endpoint: the control plane is under " API_PREFIX);
-        return;
-    }
     char path[256], id[64] = "", allow[64] = "";
     snprintf(path, sizeof path, "%.*s", (int)(n - plen < 200 ? n - plen : 200), t + plen);
     admin_who who;
@@ -10045,8 +10047,7 @@ static void attempt_price(exchange *x, attempt_entry *e, const upstream *u, cons
     int ok = uc->seen && usage_classes(x->kind, uc, t) == 0;
     if (uc->seen && !ok)
         ltg_log("providers.%s: %s reported a usage that cannot be true (a count not a whole number "
-                "from 0 to %d, or a part larger than "
-                "its whole): charged ltg's estimate",
+                "from 0 to %d, or a part larger than its whole): charged ltg's estimate",
                 m->dep[e->dep].p->name, m->alias, MAX_USAGE_TOKENS);
     if (ok && !uc->final && !whole && t[TOK_OUT] < out_est) {
         /* a cut stream's first count */
@@ -10566,8 +10567,7 @@ static int attempt_hold(exchange *x) {
     else if (!a)
         snprintf(msg, sizeof msg,
                  "the next attempt, on %s, may cost more than %.0f USD (its output limit times the "
-                 "answers asked for): "
-                 "the request ends here",
+                 "answers asked for): the request ends here",
                  m->alias, MAX_CHARGE / MICRO);
     else
         snprintf(msg, sizeof msg,
@@ -11054,8 +11054,7 @@ static int admit_body(admission *a, refusal *r) {
                           res.err_offset);
         return refuse(r, 400, "invalid_request", NULL,
                       "the request body has the member \"%.*s\" twice in one object (byte offset "
-                      "%zu): send each "
-                      "member once -- ltg and a provider could read it differently",
+                      "%zu): send each member once -- ltg and a provider could read it differently",
                       (int)n, at, res.err_offset);
     }
     a->mv = json_get(a->body, a->t, 0, "model");
@@ -11726,10 +11725,6 @@ static void metrics_gauges(buf *b) {
 
 /* GET /metrics on the admin listener: the Prometheus text format 0.0.4. */
 static void metrics_reply(conn *c) {
-    if (!method_is(c, "GET") && !method_is(c, "HEAD")) {
-        conn_error(c, 405, "method_not_allowed", NULL, "use GET for /metrics");
-        return;
-    }
     admin_who who;
     if (S.metrics_auth && (admin_auth(c, &who) < 0 || !admin_allowed(c, &who, PERM_METRICS_READ)))
         return;
@@ -11748,7 +11743,11 @@ static void metrics_reply(conn *c) {
  * connection came from, and so which endpoints and which error shape it
  * gets: the control plane (section 16) and /metrics on the admin listener,
  * the OpenAI and Anthropic APIs (section 17) on the inference listener,
- * /healthz and /readyz on both.
+ * /healthz and /readyz on both. One table, ROUTES, says it for both
+ * listeners; route() finds the row, counts an inference request under its
+ * endpoint, answers 404 or 405 itself, and calls the row's handler. The
+ * control plane's paths are one row, routed further by its own table
+ * (admin_endpoints: each path's permission and item kind).
  */
 /* GET (or HEAD: some load balancers probe with it) /healthz, the liveness
  * check, always 200; /readyz, 503 while draining or while a log cannot be
@@ -11756,11 +11755,6 @@ static void metrics_reply(conn *c) {
  * -- never its path or the system's error: anyone may ask, and ltg's own
  * log has them. */
 static void probe_reply(conn *c, int ready) {
-    if (!method_is(c, "HEAD") && !method_is(c, "GET")) {
-        conn_error(c, 405, "method_not_allowed", NULL, "use GET for %s",
-                   ready ? "/readyz" : "/healthz");
-        return;
-    }
     const char *status = ready ? "ready" : "ok", *why = NULL, *unused;
     if (ready && S.draining) status = "draining";
     else if (ready && !ledger_writable(&unused)) {
@@ -11792,6 +11786,84 @@ static void route_error(conn *c, int status, const char *code, const char *heade
     else inference_error(c, status, code, headers, msg);
 }
 
+/* The handlers of ROUTES: `rest` is what follows the row's path ("" for the
+ * path itself; of a sub-path, what comes after its '/'). */
+static void serve_probe(conn *c, const char *rest, const wire_kind *kind) {
+    (void)rest, (void)kind;
+    probe_reply(c, path_is(c, "/readyz"));
+}
+
+static void serve_metrics(conn *c, const char *rest, const wire_kind *kind) {
+    (void)rest, (void)kind;
+    metrics_reply(c);
+}
+
+static void serve_admin(conn *c, const char *rest, const wire_kind *kind) {
+    (void)rest, (void)kind;
+    admin_route(c);
+}
+
+static void serve_models(conn *c, const char *rest, const wire_kind *kind) {
+    (void)kind;
+    char id[ALIAS_MAX * 3];
+    percent_decode(rest, strlen(rest), id, sizeof id);
+    inference_models(c, *rest ? id : NULL);
+}
+
+static void serve_api(conn *c, const char *rest, const wire_kind *kind) {
+    (void)rest;
+    inference_call(c, kind);
+}
+
+/* Every path of both listeners, in one table: where it is served, whether
+ * its sub-paths are its own ("/v1/models/{id}"; the control plane's are
+ * routed by its own table, admin_endpoints), the method it takes (NULL:
+ * the handler's table decides) and HEAD too (a probe's), and its handler.
+ * An inference API's row names its wire kind, whose path it is. */
+enum { ON_INFERENCE = 1, ON_ADMIN = 2, ON_BOTH = 3 };
+typedef struct {
+    int on, sub;
+    const char *path, *method;
+    int head;
+    void (*serve)(conn *c, const char *rest, const wire_kind *kind);
+    const wire_kind *kind;
+} route_row;
+
+static const route_row ROUTES[] = {
+    {ON_BOTH, 0, "/healthz", "GET", 1, serve_probe, NULL},
+    {ON_BOTH, 0, "/readyz", "GET", 1, serve_probe, NULL},
+    {ON_ADMIN, 0, "/metrics", "GET", 1, serve_metrics, NULL},
+    {ON_ADMIN, 1, API_PREFIX, NULL, 0, serve_admin, NULL},
+    {ON_INFERENCE, 0, NULL, "POST", 0, serve_api, &WIRE[0]},
+    {ON_INFERENCE, 0, NULL, "POST", 0, serve_api, &WIRE[1]},
+    {ON_INFERENCE, 0, NULL, "POST", 0, serve_api, &WIRE[2]},
+    {ON_INFERENCE, 0, NULL, "POST", 0, serve_api, &WIRE[3]},
+    {ON_INFERENCE, 0, NULL, "POST", 0, serve_api, &WIRE[4]},
+    {ON_INFERENCE, 0, NULL, "POST", 0, serve_api, &WIRE[5]},
+    {ON_INFERENCE, 1, "/v1/models", "GET", 0, serve_models, NULL},
+};
+_Static_assert(sizeof WIRE / sizeof *WIRE == 6, "a row of ROUTES for each row of WIRE");
+
+/* The row of c's path on c's listener, or NULL; rest: what follows its
+ * path (at most cap - 1 bytes of it). */
+static const route_row *route_find(conn *c, char *rest, size_t cap) {
+    size_t n;
+    const char *t = request_path(c, &n);
+    for (size_t i = 0; i < sizeof ROUTES / sizeof *ROUTES; i++) {
+        const route_row *r = &ROUTES[i];
+        const char *path = r->kind ? r->kind->path : r->path;
+        size_t len = strlen(path);
+        if (!(r->on & (c->admin ? ON_ADMIN : ON_INFERENCE)) || n < len || memcmp(t, path, len) != 0)
+            continue;
+        if (n == len || (r->sub && t[len] == '/' && n > len + 1)) {
+            size_t k = n == len ? 0 : n - len - 1;
+            snprintf(rest, cap, "%.*s", (int)(k < cap ? k : cap - 1), t + n - k);
+            return r;
+        }
+    }
+    return NULL;
+}
+
 static void route(conn *c) {
     /* "req_%016llx%08llx", without printf: every request makes one */
     uint64_t r = rng_next(), seq = ++S.request_seq & 0xffffffff;
@@ -11799,39 +11871,26 @@ static void route(conn *c) {
     for (int i = 0; i < 16; i++) c->rid[4 + i] = "0123456789abcdef"[(r >> (60 - 4 * i)) & 15];
     for (int i = 0; i < 8; i++) c->rid[20 + i] = "0123456789abcdef"[(seq >> (28 - 4 * i)) & 15];
     c->rid[28] = 0;
-    if (path_is(c, "/healthz") || path_is(c, "/readyz")) {
-        probe_reply(c, path_is(c, "/readyz"));
-        return;
+    char rest[ALIAS_MAX * 3];
+    const route_row *row = route_find(c, rest, sizeof rest);
+    /* an inference request is counted by its endpoint, an unknown path as "other"; a probe not */
+    if (!c->admin && (!row || row->on == ON_INFERENCE)) {
+        c->f.endpoint = !row ? "other" : row->kind ? row->kind->path : row->path;
+        c->f.anthropic = row && row->kind && row->kind->api == API_ANTHROPIC;
     }
-    if (c->admin) {
-        if (path_is(c, "/metrics")) metrics_reply(c);
-        else admin_route(c);
-        return;
+    if (!row && c->admin) {
+        admin_error(c, 404, "not_found", NULL, 0, "no such endpoint: the control plane is under "
+                    API_PREFIX " (and /metrics, /healthz, /readyz)");
+    } else if (!row) {
+        conn_error(c, 404, "not_found", NULL,
+                   "no such endpoint (ltg serves /v1/chat/completions, /v1/completions, "
+                   "/v1/responses, /v1/embeddings, /v1/messages and /v1/models)");
+    } else if (row->method && !method_is(c, row->method) && !(row->head && method_is(c, "HEAD"))) {
+        conn_error(c, 405, "method_not_allowed", NULL, "use %s for %s", row->method,
+                   row->kind ? row->kind->path : row->path);
+    } else {
+        row->serve(c, rest, row->kind);
     }
-    c->f.endpoint = "other"; /* an unknown path is counted too, under one name */
-    for (size_t i = 0; i < sizeof WIRE / sizeof *WIRE; i++) {
-        if (!path_is(c, WIRE[i].path)) continue;
-        c->f.endpoint = WIRE[i].path;
-        c->f.anthropic = WIRE[i].api == API_ANTHROPIC;
-        if (!method_is(c, "POST"))
-            conn_error(c, 405, "method_not_allowed", NULL, "use POST for %s", WIRE[i].path);
-        else inference_call(c, &WIRE[i]);
-        return;
-    }
-    size_t q;
-    const char *t = request_path(c, &q);
-    if (path_is(c, "/v1/models") || (q > 11 && memcmp(t, "/v1/models/", 11) == 0)) {
-        char id[ALIAS_MAX * 3];
-        percent_decode(t + 11, q > 11 ? q - 11 : 0, id, sizeof id);
-        c->f.endpoint = "/v1/models";
-        if (!method_is(c, "GET"))
-            conn_error(c, 405, "method_not_allowed", NULL, "use GET for /v1/models");
-        else inference_models(c, q > 11 ? id : NULL);
-        return;
-    }
-    conn_error(c, 404, "not_found", NULL,
-               "no such endpoint (ltg serves /v1/chat/completions, /v1/completions, /v1/responses, "
-               "/v1/embeddings, /v1/messages and /v1/models)");
 }
 
 /* ===== 20. main =====
@@ -12034,21 +12093,18 @@ static const char USAGE[] =
         "  --listen ADDR:PORT       the inference plane (default 127.0.0.1:8080)\n"
         "  --admin-listen ADDR:PORT the control plane and /metrics (default 127.0.0.1:8081)\n"
         "  --access-log FILE|off    one JSON line per request (default: stderr); reopened on "
-        "SIGUSR1\n"
-        "  --metrics-auth           GET /metrics needs an admin key with "
+        "SIGUSR1\n  --metrics-auth           GET /metrics needs an admin key with "
         "llm_token_gateway.metrics.read\n"
         "  --ledger-days N          days of spend events kept (default 90)\n"
         "  --ledger-index-mb N      memory for today's ledger index (default 16): past it, spilled "
-        "to its index file\n"
-        "  --cache-mb N             memory for the response cache (default 64)\n"
+        "to its index file\n  --cache-mb N             memory for the response cache (default 64)\n"
         "  --max-conns N            inference connections (default 1024)\n"
         "  --max-conns-per-ip N     inference connections per client address (default a quarter of "
         "--max-conns)\n"
         "  --trusted-proxies LIST   load balancers (ADDR[/BITS],...) whose PROXY header or "
         "X-Forwarded-For names the client\n"
         "  --drain-seconds N        on SIGTERM, how long requests in flight may finish (default "
-        "10)\n"
-        "  --max-body-mb N          request body limit (default 8)\n"
+        "10)\n  --max-body-mb N          request body limit (default 8)\n"
         "  --head-timeout S         a request head must arrive within S seconds (default 10)\n"
         "  --idle-timeout S         an idle keep-alive connection is closed after S seconds "
         "(default 120)\n"
