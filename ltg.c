@@ -121,7 +121,7 @@
  * may change the operator-facing ones. The process-wide state -- options,
  * the loop, the listeners -- is one global struct, `S`; each later section
  * keeps its own state in statics beside its code (the structs ST, LOG, LG,
- * CACHE, TLS, PINS, ALOG, METERS, TRUSTED; tables such as PEERS, INF_IDEM, METRICS, hosts;
+ * CACHE, TLS, PINS, ALOG, METERS, TRUSTED; tables such as PEERS, METRICS, hosts;
  * the API kinds' WIRE), so a reader finds it where it is used. The few
  * other file-scope variables sit beside the functions that use them: the
  * loop's deferred closes, the client connection list, a handful of timers
@@ -4164,47 +4164,66 @@ static int cfg_prices(cfg *c, int v, const char *where, model *md) {
     return 0;
 }
 
-static int cfg_providers(cfg *c, catalog *cat, int obj) {
-    static const char *const fields[] = {"base_url", "api_key_env", "api_key_envs", "tls_verify", "api", NULL};
+/* Each member of a catalog section -- an object of at least one `what`, each member an object --
+ * given to `one` with its name's token k and "section.name" for the messages: 0, or LTG_ERR.
+ * The caller has made room for every member. */
+static int cfg_section(cfg *c, catalog *cat, int obj, const char *section, const char *what,
+                       int (*one)(cfg *c, catalog *cat, int k, const char *where)) {
     if (obj < 0 || c->t[obj].type != JSON_OBJECT || c->t[obj].size == 0)
-        return cfg_fail(c, "providers", NULL, "must be an object with at least one provider");
-    cat->prov = xcalloc((size_t)c->t[obj].size, sizeof *cat->prov);
-    int i = obj + 1;
-    for (int m = 0; m < c->t[obj].size; m++, i = c->t[i + 1].next) {
-        provider *p = &cat->prov[cat->nprov++];
-        p->name = json_strdup(c->s, c->t, i);
-        p->tls_verify = 1;
-        p->cat = cat;
+        return cfg_fail(c, section, NULL, "must be an object with at least one %s", what);
+    int k = obj + 1;
+    for (int m = 0; m < c->t[obj].size; m++, k = c->t[k + 1].next) {
         char where[300];
-        snprintf(where, sizeof where, "providers.%s", p->name);
-        int v = i + 1;
-        if (c->t[v].type != JSON_OBJECT) return cfg_fail(c, where, NULL, "must be an object");
-        if (cfg_only(c, v, where, fields) < 0) return LTG_ERR;
-        int u = json_get(c->s, c->t, v, "base_url");
-        if (u < 0 || c->t[u].type != JSON_STRING)
-            return cfg_fail(c, where, "base_url",
-                            "missing (a string like \"http://127.0.0.1:9000/v1\")");
-        char *url = json_strdup(c->s, c->t, u);
-        const char *why;
-        int r = url_parse(url, p, &why);
-        free(url);
-        if (r < 0) return cfg_fail(c, where, "base_url", "%s", why);
-        if (cfg_keys(c, v, where, p) < 0) return LTG_ERR;
-        int api = json_get(c->s, c->t, v, "api");
-        if (api >= 0 && !json_eq(c->s, c->t, api, "openai") &&
-            !json_eq(c->s, c->t, api, "anthropic"))
-            return cfg_fail(c, where, "api",
-                            "must be \"openai\" (the default: chat, completions, responses, "
-                            "embeddings) or \"anthropic\" (messages)");
-        p->api = api >= 0 && json_eq(c->s, c->t, api, "anthropic") ? API_ANTHROPIC : API_OPENAI;
-        int tv = json_get(c->s, c->t, v, "tls_verify");
-        if (tv >= 0) {
-            if (c->t[tv].type != JSON_TRUE && c->t[tv].type != JSON_FALSE)
-                return cfg_fail(c, where, "tls_verify", "must be true or false");
-            p->tls_verify = c->t[tv].type == JSON_TRUE;
-        }
+        char *name = json_strdup(c->s, c->t, k);
+        snprintf(where, sizeof where, "%s.%s", section, name);
+        free(name);
+        if (c->t[k + 1].type != JSON_OBJECT) return cfg_fail(c, where, NULL, "must be an object");
+        if (one(c, cat, k, where) < 0) return LTG_ERR;
     }
     return 0;
+}
+
+/* Room for the members of a section (at least one, whatever it holds). */
+static void *cfg_room(const cfg *c, int obj, size_t size) {
+    int n = obj >= 0 && c->t[obj].type == JSON_OBJECT ? c->t[obj].size : 0;
+    return xcalloc(n > 0 ? (size_t)n : 1, size);
+}
+
+static int cfg_provider(cfg *c, catalog *cat, int k, const char *where) {
+    static const char *const fields[] = {"base_url", "api_key_env", "api_key_envs", "tls_verify", "api", NULL};
+    provider *p = &cat->prov[cat->nprov++];
+    p->name = json_strdup(c->s, c->t, k);
+    p->tls_verify = 1;
+    p->cat = cat;
+    int v = k + 1;
+    if (cfg_only(c, v, where, fields) < 0) return LTG_ERR;
+    int u = json_get(c->s, c->t, v, "base_url");
+    if (u < 0 || c->t[u].type != JSON_STRING)
+        return cfg_fail(c, where, "base_url", "missing (a string like \"http://127.0.0.1:9000/v1\")");
+    char *url = json_strdup(c->s, c->t, u);
+    const char *why;
+    int r = url_parse(url, p, &why);
+    free(url);
+    if (r < 0) return cfg_fail(c, where, "base_url", "%s", why);
+    if (cfg_keys(c, v, where, p) < 0) return LTG_ERR;
+    int api = json_get(c->s, c->t, v, "api");
+    if (api >= 0 && !json_eq(c->s, c->t, api, "openai") && !json_eq(c->s, c->t, api, "anthropic"))
+        return cfg_fail(c, where, "api",
+                        "must be \"openai\" (the default: chat, completions, responses, "
+                        "embeddings) or \"anthropic\" (messages)");
+    p->api = api >= 0 && json_eq(c->s, c->t, api, "anthropic") ? API_ANTHROPIC : API_OPENAI;
+    int tv = json_get(c->s, c->t, v, "tls_verify");
+    if (tv >= 0) {
+        if (c->t[tv].type != JSON_TRUE && c->t[tv].type != JSON_FALSE)
+            return cfg_fail(c, where, "tls_verify", "must be true or false");
+        p->tls_verify = c->t[tv].type == JSON_TRUE;
+    }
+    return 0;
+}
+
+static int cfg_providers(cfg *c, catalog *cat, int obj) {
+    cat->prov = cfg_room(c, obj, sizeof *cat->prov);
+    return cfg_section(c, cat, obj, "providers", "provider", cfg_provider);
 }
 
 /* One deployment of md from object v (the model itself, or an element of
@@ -4275,40 +4294,35 @@ static int cfg_routes(cfg *c, catalog *cat, model *md, int v, const char *where)
     return 0;
 }
 
-static int cfg_models(cfg *c, catalog *cat, int obj) {
+static int cfg_model(cfg *c, catalog *cat, int k, const char *where) {
     static const char *const fields[] = {"provider", "upstream_model", "deployments", "weight", "input_usd_per_mtok", "output_usd_per_mtok",
                                          "cache_read_usd_per_mtok", "cache_write_usd_per_mtok", "cache_write_1h_usd_per_mtok",
                                          "long_context", "context_window", "max_output_tokens", "max_input_part_tokens", NULL};
-    if (obj < 0 || c->t[obj].type != JSON_OBJECT || c->t[obj].size == 0)
-        return cfg_fail(c, "models", NULL, "must be an object with at least one model alias");
-    cat->models = xcalloc((size_t)c->t[obj].size, sizeof *cat->models);
-    int i = obj + 1;
-    for (int m = 0; m < c->t[obj].size; m++, i = c->t[i + 1].next) {
-        model *md = &cat->models[cat->nmodels++];
-        md->alias = json_strdup(c->s, c->t, i);
-        md->max_output_tokens = 4096;
-        md->max_input_part_tokens = 2000;
-        md->context_window = 200000;
-        char where[300];
-        snprintf(where, sizeof where, "models.%s", md->alias);
-        int v = i + 1;
-        if (!*md->alias || strlen(md->alias) > ALIAS_MAX)
-            return cfg_fail(c, "models", NULL,
-                            "an alias must be 1 to %d bytes (\"%.40s...\" is not)", ALIAS_MAX,
-                            md->alias);
-        if (c->t[v].type != JSON_OBJECT) return cfg_fail(c, where, NULL, "must be an object");
-        if (cfg_only(c, v, where, fields) < 0 || cfg_routes(c, cat, md, v, where) < 0)
-            return LTG_ERR;
-        if (cfg_prices(c, v, where, md) < 0 ||
-            cfg_int(c, v, "context_window", where, 1, &md->context_window) < 0 ||
-            cfg_int(c, v, "max_output_tokens", where, 1, &md->max_output_tokens) < 0 ||
-            cfg_int(c, v, "max_input_part_tokens", where, 1, &md->max_input_part_tokens) < 0)
-            return LTG_ERR;
-        for (int k = 0; k < cat->nmodels - 1; k++)
-            if (strcmp(cat->models[k].alias, md->alias) == 0)
-                return cfg_fail(c, where, NULL, "the alias is defined twice");
-    }
+    model *md = &cat->models[cat->nmodels++];
+    md->alias = json_strdup(c->s, c->t, k);
+    md->max_output_tokens = 4096;
+    md->max_input_part_tokens = 2000;
+    md->context_window = 200000;
+    int v = k + 1;
+    if (!*md->alias || strlen(md->alias) > ALIAS_MAX)
+        return cfg_fail(c, "models", NULL, "an alias must be 1 to %d bytes (\"%.40s...\" is not)",
+                        ALIAS_MAX, md->alias);
+    if (cfg_only(c, v, where, fields) < 0 || cfg_routes(c, cat, md, v, where) < 0)
+        return LTG_ERR;
+    if (cfg_prices(c, v, where, md) < 0 ||
+        cfg_int(c, v, "context_window", where, 1, &md->context_window) < 0 ||
+        cfg_int(c, v, "max_output_tokens", where, 1, &md->max_output_tokens) < 0 ||
+        cfg_int(c, v, "max_input_part_tokens", where, 1, &md->max_input_part_tokens) < 0)
+        return LTG_ERR;
+    for (int i = 0; i < cat->nmodels - 1; i++)
+        if (strcmp(cat->models[i].alias, md->alias) == 0)
+            return cfg_fail(c, where, NULL, "the alias is defined twice");
     return 0;
+}
+
+static int cfg_models(cfg *c, catalog *cat, int obj) {
+    cat->models = cfg_room(c, obj, sizeof *cat->models);
+    return cfg_section(c, cat, obj, "models", "model alias", cfg_model);
 }
 
 static int cfg_admin_keys(cfg *c, catalog *cat, int arr) {
@@ -4694,10 +4708,10 @@ static int deployment_other(const model *m, uint32_t avoid, int64_t now) {
  * model name is reported as such rather than as a fallback rule it happens
  * to break.
  *
- * Idempotency records remember the answer to a change for 24 hours, keyed
- * by the admin key (its hash), the method, the path and the client's
- * Idempotency-Key; they are written in the same log record as the change
- * they answered, so a retry after a crash finds either both or neither.
+ * Idempotency records remember the first answer to a request for 24 hours, on both planes, in
+ * one table. A change's is keyed by the admin key (its hash), the method, the path and the
+ * client's Idempotency-Key, and written in the same log record as the change it answered, so a
+ * retry after a crash finds either both or neither; an inference request's is section 15's.
  */
 #define MAX_FALLBACKS 3
 #define UNSET LLONG_MIN /* an optional integer set to null */
@@ -4790,14 +4804,28 @@ typedef struct {
     uint8_t hash[32];         /* SHA-256 of the secret */
 } tkey;
 
+/* An idempotency record: the first answer to a request that carried an Idempotency-Key, on
+ * either plane. A change's answer is in the record (and the state log); an inference answer is
+ * in its spend event, in the cache, or, while meters run, in its exchange. Both planes' records
+ * are in one table; only the control plane's are part of the store's live state. */
 typedef struct {
     entry e;
-    uint8_t key[32];          /* SHA-256 of admin key hash, method, path, Idempotency-Key */
+    uint8_t key[32];          /* SHA-256 of who asked, what, and the Idempotency-Key */
     uint8_t body[32];         /* SHA-256 of the request body */
+    int inference;            /* 1: the inference plane's (not in the store's live state) */
+    int done;                 /* 0: the first request is still in flight */
     int status;
-    long long version;        /* the answer's ETag; 0 for none */
-    char *response;           /* the answer's body */
     int64_t expires;          /* wall ms */
+    long long version;        /* a change's answer: its ETag (0 for none) and its body */
+    char *response;
+    int stream;               /* an inference answer: an event stream, from model `served`, */
+    char served[ALIAS_MAX + 1];
+    int64_t day;              /* in the spend event at (day, off, len) of the ledger, */
+    uint64_t off;
+    uint32_t len;
+    const buf *keep;          /* or, while that event waits for a meter, in the exchange, */
+    int cached;               /* or in the cache (no copy kept: a tenant could fill the disk with */
+    uint8_t cache_key[32];    /* copies of one answer): a retry runs again once it has left */
 } idem;
 
 typedef struct {
@@ -5502,17 +5530,19 @@ static void stored_times_json(jwriter *w, int64_t created, int64_t updated, int 
     }
 }
 
+/* What every stored item's JSON opens with: id, the API's record_type, name. */
+static void stored_json_open(jwriter *w, const stored *it, const char *record_type, int for_log) {
+    jw_open(w, '{');
+    jw_key(w, "id"), jw_cstr(w, it->id);
+    if (!for_log) jw_key(w, "record_type"), jw_cstr(w, record_type);
+    jw_key(w, "name"), jw_cstr(w, it->name);
+}
+
 /* A group as JSON: the API's shape, or the log's (exact integers, only
  * what cannot be derived). */
 static void group_json(jwriter *w, const stored *it, int for_log) {
     const group *g = (const group *)it;
-    jw_open(w, '{');
-    jw_key(w, "id"), jw_cstr(w, g->s.id);
-    if (!for_log) {
-        jw_key(w, "record_type");
-        jw_cstr(w, "token_group");
-    }
-    jw_key(w, "name"), jw_cstr(w, g->s.name);
+    stored_json_open(w, it, "token_group", for_log);
     jw_key(w, "allowed_models"), jw_open(w, '[');
     for (int i = 0; i < g->nallowed; i++) jw_cstr(w, g->allowed[i]);
     jw_close(w, ']');
@@ -5644,13 +5674,7 @@ static int tkey_validate(const stored *it, const catalog *cat, verr *e) {
 static void tkey_json(jwriter *w, const stored *it, int for_log) {
     const tkey *k = (const tkey *)it;
     char hex[65];
-    jw_open(w, '{');
-    jw_key(w, "id"), jw_cstr(w, k->s.id);
-    if (!for_log) {
-        jw_key(w, "record_type");
-        jw_cstr(w, "token_key");
-    }
-    jw_key(w, "name"), jw_cstr(w, k->s.name);
+    stored_json_open(w, it, "token_key", for_log);
     jw_key(w, "token_group_id"), jw_cstr(w, k->group_id);
     allow_json(w, &k->s.al);
     jw_key(w, "blocked"), jw_bool(w, k->s.blocked);
@@ -5798,37 +5822,51 @@ static void idem_free(idem *r) {
     }
 }
 
-static void store_put_idem(idem *r, size_t rec_bytes) {
-    idem *old = hmap_get(&ST.idems, r->key, 32);
-    hmap_put(&ST.idems, r); /* replaces old: before old is freed */
-    if (old) {
-        vec_del(&ST.iv, old);
-        ST.live_bytes -= old->e.rec_bytes;
-        idem_free(old);
+/* A record out of the table (replaced or expired) leaves the live state and memory. */
+static void idem_forget(idem *r) {
+    if (!r->inference) {
+        vec_del(&ST.iv, r);
+        ST.live_bytes -= r->e.rec_bytes;
     }
-    vec_add(&ST.iv, r);
-    r->e.rec_bytes = rec_bytes;
-    ST.live_bytes += rec_bytes;
-}
-
-/* The live idempotency record for `key`, or NULL (an expired one waits for store_purge). */
-static idem *idem_find(const uint8_t key[32], int64_t now) {
-    idem *r = hmap_get(&ST.idems, key, 32);
-    return r && r->expires > now ? r : NULL;
-}
-
-/* An expired record leaves memory (and the live state). */
-static void idem_drop(idem *r) {
-    hmap_del(&ST.idems, r->key, 32);
-    vec_del(&ST.iv, r);
-    ST.live_bytes -= r->e.rec_bytes;
-    ST.expired++;
     idem_free(r);
 }
 
-static void idem_json(jwriter *w, const idem *r) {
+/* r takes the place of any record with its key; a change's joins the live state with the size
+ * of its log record. */
+static void idem_put(idem *r, size_t rec_bytes) {
+    idem *old = hmap_get(&ST.idems, r->key, 32);
+    hmap_put(&ST.idems, r); /* replaces old: before old is freed */
+    if (old) idem_forget(old);
+    if (!r->inference) {
+        vec_add(&ST.iv, r);
+        r->e.rec_bytes = rec_bytes;
+        ST.live_bytes += rec_bytes;
+    }
+}
+
+static int cache_holds(const uint8_t key[32]);
+
+/* A finished record that can no longer answer: expired, or its answer has left the cache. */
+static int idem_gone(const idem *r, int64_t now) {
+    return r->done && (r->expires <= now || (r->cached && !cache_holds(r->cache_key)));
+}
+
+/* The live record of `key` on one plane, or NULL (a gone one waits for store_purge). */
+static idem *idem_find(const uint8_t key[32], int inference, int64_t now) {
+    idem *r = hmap_get(&ST.idems, key, 32);
+    return r && r->inference == inference && !idem_gone(r, now) ? r : NULL;
+}
+
+/* A gone record leaves the table, the live state and memory. */
+static void idem_drop(idem *r) {
+    hmap_del(&ST.idems, r->key, 32);
+    if (!r->inference) ST.expired++;
+    idem_forget(r);
+}
+
+/* What both planes' records write: key, body hash, status. */
+static void idem_json_head(jwriter *w, const idem *r) {
     char hex[65];
-    jw_open(w, '{');
     hex_encode(r->key, 32, hex);
     jw_key(w, "k");
     jw_cstr(w, hex);
@@ -5836,6 +5874,25 @@ static void idem_json(jwriter *w, const idem *r) {
     jw_key(w, "b");
     jw_cstr(w, hex);
     jw_key(w, "s"), jw_int(w, r->status);
+}
+
+/* ...and read back: 0, or LTG_ERR. */
+static int idem_parse_head(const char *p, const json_tok *t, int iv, idem *r) {
+    int k = json_get(p, t, iv, "k"), b = json_get(p, t, iv, "b");
+    long long st;
+    if (k < 0 || b < 0 || t[k].end - t[k].start != 64 || t[b].end - t[b].start != 64 ||
+        hex_decode(p + t[k].start, 64, r->key) < 0 || hex_decode(p + t[b].start, 64, r->body) < 0 ||
+        json_int(p, t, json_get(p, t, iv, "s"), &st) < 0 || st < 0 || st > 999)
+        return LTG_ERR;
+    r->status = (int)st;
+    r->done = 1;
+    return 0;
+}
+
+/* A change's record, in its log record. */
+static void idem_json(jwriter *w, const idem *r) {
+    jw_open(w, '{');
+    idem_json_head(w, r);
     jw_key(w, "v"), jw_int(w, r->version);
     jw_key(w, "r"), jw_cstr(w, r->response);
     jw_key(w, "x"), jw_int(w, r->expires);
@@ -5844,22 +5901,20 @@ static void idem_json(jwriter *w, const idem *r) {
 
 /* The idempotency record of a change, unless it has expired: 0, or LTG_ERR. */
 static int store_apply_idem(const char *p, const json_tok *t, int iv, size_t n) {
-    int k = json_get(p, t, iv, "k"), b = json_get(p, t, iv, "b"), r = json_get(p, t, iv, "r");
-    long long st, ver, x;
-    if (k < 0 || b < 0 || r < 0 || t[k].end - t[k].start != 64 || t[b].end - t[b].start != 64 ||
-        json_int(p, t, json_get(p, t, iv, "s"), &st) < 0 ||
+    idem head = {0};
+    int r = json_get(p, t, iv, "r");
+    long long ver, x;
+    if (idem_parse_head(p, t, iv, &head) < 0 || r < 0 ||
         json_int(p, t, json_get(p, t, iv, "v"), &ver) < 0 ||
         json_int(p, t, json_get(p, t, iv, "x"), &x) < 0)
         return LTG_ERR;
     if (x <= wall_ms()) { ST.expired++; return 0; } /* garbage the next compaction leaves out */
-    idem *rec = xcalloc(1, sizeof *rec);
-    hex_decode(p + t[k].start, 64, rec->key);
-    hex_decode(p + t[b].start, 64, rec->body);
-    rec->status = (int)st;
+    idem *rec = xmalloc(sizeof *rec);
+    *rec = head;
     rec->version = ver;
     rec->expires = x;
     rec->response = json_strdup(p, t, r);
-    store_put_idem(rec, n + 8);
+    idem_put(rec, n + 8);
     return 0;
 }
 
@@ -7924,8 +7979,8 @@ static void ledger_replays(int64_t since, void (*fn)(const rec_view *rv, int64_t
  *
  * Idempotent inference (README "Idempotent inference"): the first whole answer to a request with
  * an Idempotency-Key (up to REPLAY_MAX_BYTES; not a failure, not a cached one) is kept in that
- * request's spend event, on disk; memory keeps only where it is (about 300 bytes a request, for
- * 24 hours), and a replay reads it back.
+ * request's spend event, on disk; memory keeps only where it is, in the store's idempotency
+ * record (about 300 bytes a request, for 24 hours), and a replay reads it back.
  *
  * Rate limits (a group's or a key's rpm_limit, tpm_limit) slide over the last 60
  * seconds, counted in one slot per second (1.4 KiB a limited group or key): a
@@ -8148,55 +8203,12 @@ static void cache_put(const uint8_t key[32], const char *body, size_t n, const c
 
 /* ---- idempotent inference ---- */
 
-typedef struct inf_idem {
-    uint8_t key[32];      /* SHA-256 of the token key id and the Idempotency-Key */
-    uint8_t body[32];     /* SHA-256 of the request body */
-    int done;             /* 0: the first request is still in flight */
-    int status, stream;
-    char served[ALIAS_MAX + 1];
-    int64_t day;          /* where the first answer is: its spend event's record */
-    uint64_t off;
-    uint32_t len;
-    int64_t expires;      /* wall ms */
-    /* while its request's spend event waits for a meter: the answer, in the exchange */
-    const buf *keep;
-    /* the first answer came from the cache: no copy is kept (a tenant could fill the disk with
-     * copies of one answer); a retry gets it from the cache while it is there, else runs again */
-    int cached;
-    uint8_t cache_key[32];
-} inf_idem;
-
-static const void *inf_idem_key(const void *it, size_t *n) {
-    *n = 32;
-    return ((const inf_idem *)it)->key;
-}
-static hmap INF_IDEM = {.key = inf_idem_key};
-
-static int cache_holds(const uint8_t key[32]);
-
-static inf_idem *inf_idem_find(const uint8_t key[32], int64_t now) {
-    inf_idem *r = hmap_get(&INF_IDEM, key, 32);
-    if (r && r->done && (r->expires <= now || (r->cached && !cache_holds(r->cache_key)))) {
-        hmap_del(&INF_IDEM, key, 32);
-        free(r);
-        return NULL;
-    }
-    return r;
-}
-
 /* The replay record written with a spend event: the first answer itself. */
-static void inf_idem_json(buf *out, const inf_idem *r, const char *answer, size_t n) {
-    char hex[65];
+static void inf_idem_json(buf *out, const idem *r, const char *answer, size_t n) {
     jwriter w;
     jw_init(&w, out);
     jw_open(&w, '{');
-    hex_encode(r->key, 32, hex);
-    jw_key(&w, "k");
-    jw_cstr(&w, hex);
-    hex_encode(r->body, 32, hex);
-    jw_key(&w, "b");
-    jw_cstr(&w, hex);
-    jw_key(&w, "s"), jw_int(&w, r->status);
+    idem_json_head(&w, r);
     jw_key(&w, "st"), jw_bool(&w, r->stream);
     jw_key(&w, "m"), jw_cstr(&w, r->served);
     jw_key(&w, "a"), jw_str(&w, answer, n);
@@ -8208,31 +8220,25 @@ static void inf_idem_restore(const rec_view *rv, int64_t day, uint64_t off, uint
     const char *p = rv->replay;
     json_tok t[16];
     json_result res;
-    long long st;
-    if (json_parse(p, rv->replay_len, t, 16, 1, &res) < 0) return;
-    int k = json_get(p, t, 0, "k"), b = json_get(p, t, 0, "b"), m = json_get(p, t, 0, "m"),
-        str = json_get(p, t, 0, "st");
-    if (k < 0 || b < 0 || m < 0 || t[k].end - t[k].start != 64 || t[b].end - t[b].start != 64 ||
-        json_int(p, t, json_get(p, t, 0, "s"), &st) < 0)
+    idem head = {.inference = 1};
+    if (json_parse(p, rv->replay_len, t, 16, 1, &res) < 0 || idem_parse_head(p, t, 0, &head) < 0)
         return;
-    inf_idem *rec = xcalloc(1, sizeof *rec);
-    hex_decode(p + t[k].start, 64, rec->key);
-    hex_decode(p + t[b].start, 64, rec->body);
-    rec->done = 1;
-    rec->status = (int)st;
+    int m = json_get(p, t, 0, "m"), str = json_get(p, t, 0, "st");
+    if (m < 0) return;
+    idem *rec = xmalloc(sizeof *rec);
+    *rec = head;
     rec->stream = str >= 0 && t[str].type == JSON_TRUE;
     rec->day = day;
     rec->off = off;
     rec->len = len;
     rec->expires = rv->at + IDEM_TTL_MS;
     snprintf(rec->served, sizeof rec->served, "%.*s", (int)(t[m].end - t[m].start), p + t[m].start);
-    free(hmap_get(&INF_IDEM, rec->key, 32)); /* a later answer for the same key wins */
-    hmap_put(&INF_IDEM, rec);
+    idem_put(rec, 0); /* a later answer for the same key wins */
 }
 
 /* The first answer of r, read back from its spend event into out: 0, or
  * LTG_ERR when the day is gone or the record cannot be read. */
-static int inf_idem_answer(const inf_idem *r, buf *out) {
+static int inf_idem_answer(const idem *r, buf *out) {
     segment *s = NULL;
     for (int i = 0; i < LG.nseg && !s; i++)
         if (LG.seg[i]->day == r->day) s = LG.seg[i];
@@ -8260,19 +8266,12 @@ static int inf_idem_answer(const inf_idem *r, buf *out) {
 /* Expired idempotency records leave memory (and so the live state). */
 static void store_purge(int64_t now) {
     ST.frozen = 1; /* no squeeze under the walk */
-    for (int i = 0; i < ST.iv.n; i++) {
-        idem *r = ST.iv.p[i];
-        if (r && r->expires <= now) idem_drop(r);
+    for (size_t i = 0; i < ST.idems.cap; i++) {
+        idem *r = ST.idems.slot[i];
+        if (r && r != HMAP_TOMB && idem_gone(r, now)) idem_drop(r);
     }
     ST.frozen = 0;
     vec_squeeze(&ST.iv);
-    for (size_t i = 0; i < INF_IDEM.cap; i++) { /* and the replay records of inference */
-        inf_idem *r = INF_IDEM.slot[i];
-        if (r && r != HMAP_TOMB && r->done && r->expires <= now) {
-            hmap_del(&INF_IDEM, r->key, 32);
-            free(r);
-        }
-    }
 }
 
 /* Called by the loop before it sleeps: the ledger's turn (section 14),
@@ -8798,7 +8797,7 @@ static int idem_begin(conn *c, const admin_who *who, idem_ticket *tk) {
     br_sha256_update(&h, v, n);
     br_sha256_out(&h, tk->key);
     sha256(c->body.p, c->body.len, tk->body);
-    idem *r = idem_find(tk->key, wall_ms());
+    idem *r = idem_find(tk->key, 0, wall_ms());
     if (!r) return 1;
     if (memcmp(r->body, tk->body, 32) != 0) {
         admin_error(c, 409, "idempotency_conflict", NULL, 0,
@@ -8823,6 +8822,7 @@ static void admin_change(conn *c, const idem_ticket *tk, const buf *ops, const s
     idem *r = xcalloc(1, sizeof *r);
     memcpy(r->key, tk->key, 32);
     memcpy(r->body, tk->body, 32);
+    r->done = 1;
     r->status = kept_status;
     r->version = version;
     r->response = xstrdup(kept->p);
@@ -8845,7 +8845,7 @@ static void admin_change(conn *c, const idem_ticket *tk, const buf *ops, const s
         admin_error(c, 503, "storage_unavailable", NULL, 0, "%s", why);
         return;
     }
-    store_put_idem(r, idem_bytes);
+    idem_put(r, idem_bytes);
     if (del) store_del(K, it->id);
     else store_put(K, it, ops->len + 8); /* what the change alone would take in a snapshot */
     admin_reply(c, status, version, 0, reply->p, reply->len);
@@ -9558,7 +9558,7 @@ struct exchange {
     long long cache_tok[NTOK]; /* a cache hit's usage: its answer's */
     buf keep;             /* the answer its replay record keeps, while attempts are metered */
     int keep_set;         /* ... there is one */
-    inf_idem *idem;       /* the replay record this request fills */
+    idem *idem;           /* the replay record this request fills */
     buf record;           /* a stream's events, for that record */
     buf event;            /* the data of the stream's event being read (stream_take) */
     int record_full;      /* too long to keep for a replay */
@@ -9883,10 +9883,7 @@ static void exchange_free(exchange *x) {
     exchange_leave(x);
     if (x->probe) breaker_forget_probe(exchange_dep(x));
     S.ndetached -= x->detached;
-    if (x->idem && !x->idem->done) { /* no answer to keep: a retry may try afresh */
-        hmap_del(&INF_IDEM, x->idem->key, 32);
-        free(x->idem);
-    }
+    if (x->idem && !x->idem->done) idem_drop(x->idem); /* no answer kept: a retry runs afresh */
     timer_stop(&x->deadline);
     timer_stop(&x->t);
     exchange_let_go(x);
@@ -10180,8 +10177,8 @@ static void exchange_book(exchange *x, const char *keep, size_t keep_len) {
      * provider's own refusal) in its event for its retries; a failure, or
      * an answer too large to keep, is not kept, so a retry tries afresh. */
     buf replay = {0};
-    inf_idem *r = x->idem;
-    if (r && x->cache_hit) { /* see inf_idem.cached */
+    idem *r = x->idem;
+    if (r && x->cache_hit) { /* see idem.cached */
         r->done = 1;
         r->cached = 1;
         r->status = 200;
@@ -10260,7 +10257,7 @@ static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int 
     if (!x->metering) exchange_book(x, keep, keep_len);
     else if (keep && x->idem && keep_len <= REPLAY_MAX_BYTES) {
         /* a retry meanwhile is answered from memory */
-        inf_idem *r = x->idem;
+        idem *r = x->idem;
         buf_append(&x->keep, keep, keep_len);
         x->keep_set = 1;
         r->done = 1;
@@ -10894,9 +10891,9 @@ static const conn_owner exchange_owner = {exchange_abort, exchange_drained};
 
 /* An idempotent request's first answer, again (README "Idempotent inference"), read back
  * from its spend event. */
-static void inference_replay(conn *c, const inf_idem *r) {
+static void inference_replay(conn *c, const idem *r) {
     buf h = {0}, answer = {0};
-    cache_entry *hit = r->cached ? cache_get(r->cache_key) : NULL; /* inf_idem_find saw it there */
+    cache_entry *hit = r->cached ? cache_get(r->cache_key) : NULL; /* idem_find saw it there */
     if (hit) buf_append(&answer, hit->body, hit->len);
     else if (r->keep) buf_append(&answer, r->keep->p ? r->keep->p : "", r->keep->len);
     else if (inf_idem_answer(r, &answer) < 0) {
@@ -10950,7 +10947,7 @@ typedef struct {
     const char *ik;           /* Idempotency-Key, or NULL */
     size_t ikn;
     uint8_t idem_key[32], body_hash[32];
-    inf_idem *replay;         /* an earlier request with the same key */
+    idem *replay;             /* an earlier request with the same key */
     hold hold;                /* its worst case, once held */
     int pin_dep;              /* previous_response_id's deployment of chain[0], or -1 */
     /* a timeout or deadline shorter than the group's (see exchange.shortened) */
@@ -11218,7 +11215,7 @@ static int admit_idempotency(admission *a, refusal *r) {
     br_sha256_update(&h, a->ik, a->ikn);
     br_sha256_out(&h, a->idem_key);
     sha256(a->body, a->c->body.len, a->body_hash);
-    a->replay = inf_idem_find(a->idem_key, wall_ms());
+    a->replay = idem_find(a->idem_key, 1, wall_ms());
     if (!a->replay) return ADMIT;
     if (memcmp(a->replay->body, a->body_hash, 32) != 0)
         return refuse(r, 409, "idempotency_conflict", NULL,
@@ -11355,9 +11352,10 @@ static exchange *exchange_new(admission *a) {
     if (a->ik) {
         /* the replay record this request fills (a cached answer too: its retry gets the same) */
         x->idem = xcalloc(1, sizeof *x->idem);
+        x->idem->inference = 1;
         memcpy(x->idem->key, a->idem_key, 32);
         memcpy(x->idem->body, a->body_hash, 32);
-        hmap_put(&INF_IDEM, x->idem);
+        idem_put(x->idem, 0); /* in place of a gone record with the same key */
     }
     return x;
 }

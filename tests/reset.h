@@ -4,7 +4,8 @@
 static void store_reset(void) {
     for (int i = 0; i < ST.gv.n; i++) group_free(ST.gv.p[i]);
     for (int i = 0; i < ST.kv.n; i++) tkey_free(ST.kv.p[i]);
-    for (int i = 0; i < ST.iv.n; i++) idem_free(ST.iv.p[i]);
+    for (size_t i = 0; i < ST.idems.cap; i++) /* both planes' idempotency records */
+        if (ST.idems.slot[i] && ST.idems.slot[i] != HMAP_TOMB) idem_free(ST.idems.slot[i]);
     free(ST.gv.p), free(ST.kv.p), free(ST.iv.p);
     free(ST.groups.slot), free(ST.keys.slot), free(ST.keys_by_hash.slot), free(ST.idems.slot);
     memset(&ST, 0, sizeof ST);
@@ -22,10 +23,5 @@ static void store_reset(void) {
     free(LG.seg);
     memset(&LG, 0, sizeof LG);
     timer_stop(&ledger_sync_timer);
-    for (size_t i = 0; i < INF_IDEM.cap; i++)
-        if (INF_IDEM.slot[i] && INF_IDEM.slot[i] != HMAP_TOMB) free(INF_IDEM.slot[i]);
-    free(INF_IDEM.slot);
-    memset(&INF_IDEM, 0, sizeof INF_IDEM);
-    INF_IDEM.key = inf_idem_key;
     while (CACHE.head) cache_drop(CACHE.head);
 }
