@@ -41,10 +41,10 @@ ltg-valgrind: ltg.c ltg.h | deps
 
 # The unit tests include ltg.c without its main(), so the start-up helpers
 # that only main() calls are unused there: hence -Wno-unused-function.
-tests/unit: tests/unit.c tests/reset.h ltg.c ltg.h | deps
+tests/unit: tests/unit.c tests/reset.h tests/fixtures.h ltg.c ltg.h | deps
 	$(CC) -O1 -g $(WARN) -Wno-unused-function $(CFLAGS_EXTRA) -o $@ tests/unit.c $(BEARSSL) -lm
 
-tests/unit-asan: tests/unit.c tests/reset.h ltg.c ltg.h | deps
+tests/unit-asan: tests/unit.c tests/reset.h tests/fixtures.h ltg.c ltg.h | deps
 	$(CC) $(SAN) $(WARN) -Wno-unused-function $(CFLAGS_EXTRA) -o $@ tests/unit.c $(BEARSSL) -lm
 
 # The benchmark's history: spend events written through ltg's own ledger code.
@@ -135,7 +135,7 @@ fuzz: | deps
 	[ $$fail = 0 ]
 
 # tests/fuzz-<name>: the target FUZZ_<NAME> of tests/fuzz.c.
-tests/fuzz-%: tests/fuzz.c tests/reset.h ltg.c ltg.h | deps
+tests/fuzz-%: tests/fuzz.c tests/reset.h tests/fixtures.h ltg.c ltg.h | deps
 	$(FUZZ_CC) $(FUZZ_FLAGS) $(WARN) -Wno-unused-function $(CFLAGS_EXTRA) -DFUZZ_$$(echo $* | tr a-z A-Z) -o $@ tests/fuzz.c $(BEARSSL) -lm
 
 # install: the files an operator needs, where a Debian box looks for them.

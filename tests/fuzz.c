@@ -782,6 +782,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) {
  * log lay them over an item (one target for every row of KINDS) ---- */
 
 #ifdef FUZZ_STORED
+#include "fixtures.h"
+
 static catalog *cat;
 static stored *base[2];      /* one item of each kind, a PATCH's base */
 static buf base_json[2];
@@ -810,18 +812,9 @@ static void target_init(void) {
     char err[512];
     options_default(); /* main()'s: a 30d period fits */
     store_init();
-    cat = catalog_load("t.json", "{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{"
-                                 "\"A\":{\"provider\":\"p\",\"upstream_model\":\"a\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1},"
-                                 "\"B\":{\"provider\":\"p\",\"upstream_model\":\"b\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1},"
-                                 "\"C\":{\"provider\":\"p\",\"upstream_model\":\"c\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1},"
-                                 "\"D\":{\"provider\":\"p\",\"upstream_model\":\"d\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1},"
-                                 "\"E\":{\"provider\":\"p\",\"upstream_model\":\"e\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1},"
-                                 "\"x/y~z\":{\"provider\":\"p\",\"upstream_model\":\"xyz\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}",
-                       err, sizeof err);
+    cat = catalog_load("t.json", FIXTURE_CATALOG, err, sizeof err);
     REQUIRE(cat, "catalog: %s", err);
-    base[0] = base_item(&GROUPS, "{\"name\":\"g\",\"allowed_models\":[\"A\",\"B\",\"C\",\"D\",\"E\"],\"fallbacks\":{\"A\":[\"B\",\"C\",\"D\"]},"
-                                 "\"retries\":{\"max_attempts\":5,\"retry_delay_ms\":60000,\"backoff\":\"linear\",\"request_timeout_ms\":100},"
-                                 "\"max_budget\":0.123456,\"budget_duration\":\"7d\",\"cache_ttl\":0,\"max_parallel_requests\":1,\"blocked\":true}");
+    base[0] = base_item(&GROUPS, FIXTURE_FULL_GROUP);
     memcpy(base[0]->id, "22222222-2222-4222-8222-222222222222", 37);
     store_put(&GROUPS, GROUPS.clone(base[0]), 100); /* the group the keys name */
     base[1] = base_item(&KEYS, "{\"name\":\"k\",\"token_group_id\":\"22222222-2222-4222-8222-222222222222\",\"max_budget\":2.5,"

@@ -672,8 +672,8 @@ class Harness:
         os.makedirs(self.data_dir)
         self.config = {
             "providers": {
-                "mock": {"base_url": "http://127.0.0.1:%d/v1" % self.mock_port, "api_key_env": "MOCK_KEY"},
-                "down": {"base_url": "http://127.0.0.1:%d/v1" % self.dead_port, "api_key_env": "MOCK_KEY"},
+                "mock": catalog_provider(self.mock_port),
+                "down": catalog_provider(self.dead_port),
             },
             "models": {
                 "Kimi-K3": {"provider": "mock", "upstream_model": "kimi-k3",
@@ -694,8 +694,7 @@ class Harness:
         # The DNS tests: one provider (and one model, served by the mock as kimi-k3) per host name,
         # so that each test starts with a name ltg has never resolved. See FakeDNS.
         for key, host in DNS_HOSTS.items():
-            self.config["providers"]["dns-" + key] = {"base_url": "http://%s:%d/v1" % (host, self.mock_port),
-                                                      "api_key_env": "MOCK_KEY"}
+            self.config["providers"]["dns-" + key] = catalog_provider(self.mock_port, host=host)
             self.config["models"][dns_model(key)] = {"provider": "dns-" + key, "upstream_model": "kimi-k3",
                                                      "input_usd_per_mtok": 0.60, "output_usd_per_mtok": 2.50}
         with open(self.config_path, "w") as f:
@@ -3514,6 +3513,44 @@ def catalog_model(provider, upstream, in_usd=0.50, out_usd=1.00):
     return {"provider": provider, "upstream_model": upstream, "input_usd_per_mtok": in_usd, "output_usd_per_mtok": out_usd}
 
 
+class ModelPool:
+    """The models alias % 1 .. alias % n of a test file's catalog, on `provider`, each with its alias
+    in lower case as its upstream model: add_to() puts them in the catalog; take() hands out models
+    no test took before, so that no two tests share the mock's scripts and counters or ltg's
+    circuit breakers."""
+
+    def __init__(self, alias, n, provider="mock"):
+        self.alias, self.n, self.provider = alias, n, provider
+        self.taken = 0
+
+    @staticmethod
+    def upstream(alias):
+        """The upstream model the mock sees for a model of a pool."""
+        return alias.lower()
+
+    def add_to(self, cfg):
+        for i in range(1, self.n + 1):
+            cfg["models"][self.alias % i] = catalog_model(self.provider, self.upstream(self.alias % i))
+
+    def take(self, k=1):
+        """k models no test took before (a list)."""
+        out = []
+        for _ in range(k):
+            self.taken += 1
+            check(self.taken <= self.n, "the model pool %s..%s is exhausted: make it larger"
+                  % (self.alias % 1, self.alias % self.n))
+            out.append(self.alias % self.taken)
+        return out
+
+    def take_one(self):
+        return self.take(1)[0]
+
+
+def catalog_provider(port, host="127.0.0.1", scheme="http", **more):
+    """A provider entry whose key is MOCK_KEY's, at scheme://host:port/v1; `more` are its other fields (api=...)."""
+    return dict({"base_url": "%s://%s:%d/v1" % (scheme, host, port), "api_key_env": "MOCK_KEY"}, **more)
+
+
 def write_catalog(cfg, name):
     """Write catalog `cfg` as {tmp}/catalog-NAME.json; returns its path."""
     path = os.path.join(H.tmp, "catalog-%s.json" % name)
@@ -3540,6 +3577,22 @@ def start_refused(aux):
         return aux.start_fails()
     finally:
         aux.close()
+
+
+def check_catalog_refusals(tag, cases):
+    """Each case (what, cfg, words): an ltg on catalog `cfg` (tag TAG-bad-I, its catalog written as
+    {tmp}/catalog-TAG-bad-I.json) must refuse to start, exit code not 0, and say every one of
+    `words`. One failure names every case that did not."""
+    failures = []
+    for i, (what, cfg, words) in enumerate(cases):
+        name = "%s-bad-%d" % (tag, i)
+        rc, text = start_refused(Aux(name, config=write_catalog(cfg, name)))
+        if rc == 0:
+            failures.append("%s: exit code 0" % what)
+        elif not all(w in text for w in words):
+            failures.append("%s: the message does not say %s: %r" % (what, " and ".join(repr(w) for w in words),
+                                                                    text.strip()[-300:]))
+    check(not failures, "; ".join(failures))
 
 
 def timed_call(port, token, model, stream=False, headers=None, timeout=60.0, path="/v1/chat/completions", body=None,
@@ -3625,13 +3678,14 @@ def healthz_ok(port, timeout=5.0, source=None):
 
 
 def wait_until(what, fn, timeout, step=0.2):
-    """Poll fn() until true, within timeout; fail naming `what`."""
+    """Poll fn() until true, within timeout; fail naming `what` (a string, or a function that says
+    it when the time is up: what was seen by then)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if fn():
             return
         time.sleep(step)
-    raise TestFailure("%s: not within %.0f s" % (what, timeout))
+    raise TestFailure("%s: not within %g s" % (what() if callable(what) else what, timeout))
 
 
 def held_conns(port, n):
@@ -3757,6 +3811,19 @@ class Aux:
         return admin(method, path, body, port=self.admin_port, **kw)
 
 
+@contextlib.contextmanager
+def running(aux):
+    """`with running(Aux(...)) as a:` a test's own ltg: `aux` started; at the end of the block
+    stopped (it must exit 0 on SIGTERM) and, whatever happened, closed (a sanitizer report in its
+    log fails)."""
+    try:
+        aux.start()
+        yield aux
+        aux.stop()
+    finally:
+        aux.close()
+
+
 class AuxSlot:
     """The ltg of the tests of one integration_*.py file: make(n) makes the n-th Aux; get() starts
     one on first use, and a new one if the last died."""
@@ -3808,6 +3875,12 @@ class AuxSlot:
                               % (what, rc, " (%s)" % err if err else "", a.text_since_start()[-500:]))
         if err:
             raise err
+
+    def stop_test(self, module, name, none_ran):
+        """Register test `name` of `module` (the file's __name__), to be its last: stop(none_ran)."""
+        runner = lambda: self.stop(none_ran)
+        runner.__module__ = module      # whose test it is, for main(only=...)
+        test(name)(runner)
 
     def stop(self, none_ran):
         """The last test of the file: the Aux exits 0 on SIGTERM and its log holds no sanitizer
@@ -4123,48 +4196,76 @@ def t_inf_catalog_drop():
 
 # --- 19. the official OpenAI node SDK ---
 
-# The `openai` npm package that tests/sdk_test.mjs runs, pinned: the current major (7) needs
-# Node.js 22 or later; on an older node (Debian 12's is 18) the last of the major before it.
-OPENAI_SDK_VERSION, OPENAI_SDK_OLD_NODE = "7.59.0", "6.49.0"
+# Every npm package the tests install, pinned: (version on Node.js >= 22, version on an older node).
+# The current majors of `openai`, the AI SDK and @langchain/openai need Node.js 22 ("engines"); on
+# an older node (Debian 12's 18, or 20) the last release that supports it. @ai-sdk/* majors go
+# with `ai`'s: ai 7 / provider 4, ai 6 / provider 3. zod is the AI SDK's and LangChain's peer
+# dependency, installed by users alongside. They are installed all together, once, by
+# node_packages(): `npm install --no-save` removes what it was not named, so a file that
+# installed only its own would pull another's from under a client running meanwhile.
+NPM_PINS = {
+    "openai":            ("7.59.0",  "6.49.0"),
+    "ai":                ("7.0.173", "6.0.326"),
+    "@ai-sdk/openai":    ("4.0.118", "3.0.141"),
+    "@ai-sdk/anthropic": ("4.0.105", "3.0.140"),
+    "@langchain/openai": ("1.6.0",   "1.5.8"),     # 1.5.9 and later need Node.js 22 (and openai 7)
+    "@langchain/core":   ("1.4.0",   "1.4.0"),     # node >= 20
+    "@anthropic-ai/sdk": ("1.15.0",  "1.15.0"),    # no engines field
+    "zod":               ("4.6.7",   "4.6.7"),
+}
+NPM_INSTALL_TIMEOUT = 300
+_node_ready = {}   # the outcome of node_packages(), once per process: {"node": path} or {"skip": why}
 
 
-def openai_sdk_version(node):
-    p = subprocess.run([node, "-p", "process.versions.node"], stdout=subprocess.PIPE, timeout=30)
-    major = int((p.stdout.decode().strip() or "0").split(".")[0])
-    return OPENAI_SDK_VERSION if major >= 22 else OPENAI_SDK_OLD_NODE
-
-
-def installed_openai_sdk():
-    """The version of tests/node_modules/openai, or None."""
+def npm_installed(name):
+    """The version of tests/node_modules/NAME, or None."""
     try:
-        with open(os.path.join(HERE, "node_modules", "openai", "package.json")) as f:
+        with open(os.path.join(HERE, "node_modules", *name.split("/"), "package.json")) as f:
             return json.load(f).get("version")
     except (OSError, ValueError):
         return None
 
 
+def node_packages():
+    """The node binary, with every pinned package in tests/node_modules (one npm install of them
+    all when one is missing or differs, under install_lock); TestSkip when that cannot be."""
+    if not _node_ready:
+        with install_lock():     # one npm install at a time in tests/node_modules (--jobs)
+            _node_ready.update(_node_install())
+    if "skip" in _node_ready:
+        raise TestSkip(_node_ready["skip"])
+    return _node_ready["node"]
+
+
+def _node_install():
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if not node:
+        return {"skip": "no node"}
+    p = subprocess.run([node, "-p", "process.versions.node"], stdout=subprocess.PIPE, timeout=30)
+    new = int((p.stdout.decode().strip() or "0").split(".")[0]) >= 22
+    specs = ["%s@%s" % (name, v[0] if new else v[1]) for name, v in sorted(NPM_PINS.items())]
+    off = [s for s in specs if npm_installed(s.rsplit("@", 1)[0]) != s.rsplit("@", 1)[1]]
+    if not off:
+        return {"node": node}
+    if not npm:
+        return {"skip": "no npm, and tests/node_modules lacks %s" % " ".join(off)}
+    try:
+        p = subprocess.run([npm, "install", "--prefix", HERE, "--no-save", "--no-audit", "--no-fund"] + specs,
+                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           timeout=NPM_INSTALL_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return {"skip": "npm install %s took more than %d s" % (" ".join(specs), NPM_INSTALL_TIMEOUT)}
+    off = [s for s in specs if npm_installed(s.rsplit("@", 1)[0]) != s.rsplit("@", 1)[1]]
+    if p.returncode != 0 or off:
+        return {"skip": "npm install %s failed (exit %d; still missing: %s): %s"
+                        % (" ".join(specs), p.returncode, " ".join(off) or "-",
+                           p.stdout.decode(errors="replace").strip()[-400:])}
+    return {"node": node}
+
+
 @test("sdk")
 def t_sdk():
-    node = shutil.which("node")
-    npm = shutil.which("npm")
-    if not node:
-        raise TestSkip("no node")
-    version = openai_sdk_version(node)
-    want = "openai@" + version
-    if installed_openai_sdk() != version:
-        if not npm:
-            raise TestSkip("no npm, and tests/node_modules has no %s" % want)
-        with install_lock():
-            if installed_openai_sdk() != version:
-                try:
-                    p = subprocess.run([npm, "install", "--prefix", HERE, "--no-audit", "--no-fund",
-                                        "--no-save", want],
-                                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, timeout=120)
-                except subprocess.TimeoutExpired:
-                    raise TestSkip("npm install %s took more than 120 s" % want)
-                if p.returncode != 0 or installed_openai_sdk() != version:
-                    raise TestSkip("npm install %s failed: %s" % (want, p.stdout.decode(errors="replace")[-300:]))
+    node = node_packages()
     p = subprocess.run([node, os.path.join(HERE, "sdk_test.mjs"),
                         "http://127.0.0.1:%d/v1" % H.port, H.token],
                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -159,8 +159,7 @@ def to_micro(v, what):
 
 def _catalog():
     cfg = it.catalog_copy()
-    cfg["providers"]["cost-anth"] = {"base_url": "http://127.0.0.1:%d/v1" % it.H.mock_port, "api_key_env": "MOCK_KEY",
-                                     "api": "anthropic"}
+    cfg["providers"]["cost-anth"] = it.catalog_provider(it.H.mock_port, api="anthropic")
     for alias, (prov, up, p) in MODELS.items():
         m = {"provider": prov, "upstream_model": up, "input_usd_per_mtok": float(p["in"]),
              "output_usd_per_mtok": float(p["out"])}
@@ -860,25 +859,17 @@ def t_cost_catalog_refusals():
          "cache_read_usd_per_mtok"),
     ]
     _LTG.get()      # the cost ltg runs: its catalog has Cost-Max at 10000 USD per million tokens in and out
-    failures = []
-    for i, (what, prices, field) in enumerate(cases):
+
+    def with_bad(prices):       # the cost catalog and the model Bad at these prices
         cfg = json.loads(json.dumps(base))
-        m = {"provider": "cost-anth", "upstream_model": "bad"}
-        m.update(prices)
-        cfg["models"]["Bad"] = m
-        rc, text = it.start_refused(it.Aux("cost-bad-%d" % i, config=it.write_catalog(cfg, "cost-bad-%d" % i)))
-        if rc == 0:
-            failures.append("%s: exit code 0" % what)
-        elif field not in text or "models.Bad" not in text:
-            failures.append("%s: the message does not name models.Bad and %s: %r" % (what, field, text.strip()[-300:]))
-    check(not failures, "; ".join(failures))
+        cfg["models"]["Bad"] = dict({"provider": "cost-anth", "upstream_model": "bad"}, **prices)
+        return cfg
+    it.check_catalog_refusals("cost", [(what, with_bad(prices), (field, "models.Bad")) for what, prices, field in cases])
 
 
 # ===== last: the dedicated ltg exits cleanly ======================================================
 
-@it.test("cost: the cost ltg exits 0 on SIGTERM, no sanitizer report in its log")
-def t_cost_zz_stop():
-    _LTG.stop("no cost test ran")
+_LTG.stop_test(__name__, "cost: the cost ltg exits 0 on SIGTERM, no sanitizer report in its log", "no cost test ran")
 
 
 if __name__ == "__main__":   # this file alone: python3 tests/integration_cost.py --ltg ./ltg --mock tests/mock

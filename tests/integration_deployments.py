@@ -54,9 +54,9 @@ check = it.check
 
 NPAIRS = 24          # Dep-P01..Dep-P24
 NREFUSED = 4         # Dep-R1..Dep-R4
-NFALLBACK = 12       # DP-FB-01..DP-FB-12
+FALLBACKS = it.ModelPool("DP-FB-%02d", 12)  # DP-FB-01..DP-FB-12
 
-_S = {"pair": 0, "refused": 0, "fb": 0}
+_S = {"pair": 0, "refused": 0}
 
 
 # ===== the dedicated ltg ==========================================================================
@@ -83,8 +83,7 @@ def _catalog():
         m["Dep-P%02d" % i] = dep_model(dep("mock", "dp-p%02d-a" % i), dep("mock", "dp-p%02d-b" % i))
     for i in range(1, NREFUSED + 1):
         m["Dep-R%d" % i] = dep_model(dep("down", "dp-r%d-a" % i), dep("mock", "dp-r%d-b" % i))
-    for i in range(1, NFALLBACK + 1):
-        m["DP-FB-%02d" % i] = it.catalog_model("mock", "dp-fb-%02d" % i)
+    FALLBACKS.add_to(cfg)
     return cfg
 
 
@@ -128,15 +127,7 @@ def fresh_refused():
     return Pair("Dep-R%d" % i, "dp-r%d-a" % i, "dp-r%d-b" % i, prov_a="down")
 
 
-def fresh_fallback():
-    _S["fb"] += 1
-    i = _S["fb"]
-    check(i <= NFALLBACK, "integration_deployments: the pool of fallbacks (NFALLBACK=%d) is exhausted" % NFALLBACK)
-    return "DP-FB-%02d" % i
-
-
-def fb_up(alias):
-    return alias.lower()
+fb_up = it.ModelPool.upstream       # the upstream name the mock sees for a fallback
 
 
 def group(a, models, fallbacks=None, retries=None):
@@ -452,7 +443,7 @@ def t_dep_no_work_all(a):
           % (ev.get("attempt_log"), e["attempts"]))
     # max_attempts 1: a 429 on a is that model's one attempt; the fallback serves, b is not called.
     p = fresh_pair()
-    fb = fresh_fallback()
+    fb = FALLBACKS.take_one()
     g = group(a, [p.alias, fb], {p.alias: [fb]}, {"max_attempts": 1, "retry_delay_ms": 0})
     script(p.a, ["status=429"])
     r, before = first_on(a, g, p, p.a)
@@ -471,7 +462,7 @@ def t_dep_indeterminate(a):
             ("503", ["status=503"], {"max_attempts": 3, "retry_delay_ms": 0}, {}),
             ("timeout", ["head_delay_ms=4000"], {"max_attempts": 3, "retry_delay_ms": 0}, {"x-ltg-request-timeout": "500"})):
         p = fresh_pair()
-        fb = fresh_fallback()
+        fb = FALLBACKS.take_one()
         g = group(a, [p.alias, fb], {p.alias: [fb]}, retries)
         # Both deployments fail alike: whichever is chosen first fails, and the other must not be tried.
         script(p.a, steps)
@@ -504,7 +495,7 @@ def t_dep_indeterminate(a):
        "circuit_open (deployment null), the fallback serves; ltg_circuit_open per deployment; probes close them")
 def t_dep_breakers(a):
     p = fresh_pair()
-    fb = fresh_fallback()
+    fb = FALLBACKS.take_one()
     g = group(a, [p.alias])
     g2 = group(a, [p.alias, fb], {p.alias: [fb]})
     for u in (p.a, p.b):
@@ -694,8 +685,7 @@ def bad_catalog(model, extra_providers=None):
 def t_dep_catalog_refused():
     prices = {"input_usd_per_mtok": 1, "output_usd_per_mtok": 1}
     ok = {"provider": "mock", "upstream_model": "bad-a"}
-    anth = {"dep-anthropic": {"base_url": it.H.config["providers"]["mock"]["base_url"], "api_key_env": "MOCK_KEY",
-                              "api": "anthropic"}}
+    anth = {"dep-anthropic": it.catalog_provider(it.H.mock_port, api="anthropic")}
     cases = [
         ("weight 0", dict(prices, deployments=[dict(ok, weight=0)]), None, "models.Bad.deployments[0].weight",
          "must be a whole number from 1 to 100"),
@@ -719,23 +709,14 @@ def t_dep_catalog_refused():
         ("two APIs", dict(prices, deployments=[ok, {"provider": "dep-anthropic", "upstream_model": "bad-b"}]), anth,
          "models.Bad.deployments[1].provider", None),
     ]
-    failures = []
-    for i, (what, model, prov, field, phrase) in enumerate(cases):
-        path = it.write_catalog(bad_catalog(model, prov), "deployments-bad-%d" % i)
-        rc, text = it.start_refused(it.Aux("deployments-bad-%d" % i, config=path))
-        if rc == 0:
-            failures.append("%s: exit code 0" % what)
-        elif (field + ":") not in text or (phrase and phrase not in text):
-            failures.append("%s: the message does not name %r%s: %r" % (what, field, " with %r" % phrase if phrase else "",
-                                                                         text.strip()[-300:]))
-    check(not failures, "; ".join(failures))
+    it.check_catalog_refusals("deployments", [(what, bad_catalog(model, prov), [field + ":"] + ([phrase] if phrase else []))
+                                              for what, model, prov, field, phrase in cases])
 
 
 # ===== last: the dedicated ltg exits cleanly ======================================================
 
-@it.test("deployments: the deployments ltg exits 0 on SIGTERM, no sanitizer report in its log")
-def t_dep_zz_stop():
-    _LTG.stop("no deployments test ran")
+_LTG.stop_test(__name__, "deployments: the deployments ltg exits 0 on SIGTERM, no sanitizer report in its log",
+               "no deployments test ran")
 
 
 if __name__ == "__main__":   # this file alone: python3 tests/integration_deployments.py --ltg ./ltg --mock tests/mock

@@ -42,13 +42,10 @@ import json
 import os
 import time
 
-NPOOL = 80           # HP-01..HP-80 on the mock
+POOL = it.ModelPool("HP-%02d", 80)  # HP-01..HP-80 on the mock
 NSOLO = 4            # HPS-1..HPS-4, one provider each
 MIB = 1 << 20
 RSS_SLACK_MIB = 100  # ltg's RSS may grow by at most this much over its RSS at start (ASan: see rss_slack_kib)
-
-_S = {"next": 0}
-
 
 check = it.check
 
@@ -57,11 +54,9 @@ check = it.check
 
 def _catalog():
     cfg = it.catalog_copy()
-    for i in range(1, NPOOL + 1):
-        cfg["models"]["HP-%02d" % i] = it.catalog_model("mock", "hp-%02d" % i)
+    POOL.add_to(cfg)
     for i in range(1, NSOLO + 1):
-        cfg["providers"]["hp-solo-%d" % i] = {"base_url": "http://127.0.0.1:%d/v1" % it.H.mock_port,
-                                              "api_key_env": "MOCK_KEY"}
+        cfg["providers"]["hp-solo-%d" % i] = it.catalog_provider(it.H.mock_port)
         cfg["models"]["HPS-%d" % i] = it.catalog_model("hp-solo-%d" % i, "hps-%d" % i)
     return cfg
 
@@ -137,18 +132,8 @@ def hptest(name):
 
 # ===== models, groups, calls, checks ==============================================================
 
-def fresh(n=1):
-    out = []
-    for _ in range(n):
-        _S["next"] += 1
-        check(_S["next"] <= NPOOL, "integration_hostile_providers: the model pool (NPOOL=%d) is exhausted" % NPOOL)
-        out.append("HP-%02d" % _S["next"])
-    return out
-
-
-def up(alias):
-    """The upstream name the mock sees for an alias."""
-    return alias.lower()
+fresh = POOL.take                   # fresh(n): n models of the pool that no test used before
+up = it.ModelPool.upstream          # the upstream name the mock sees for an alias
 
 
 class Group:
@@ -519,9 +504,8 @@ junk_test(2, 200)
 
 # ===== last: the dedicated ltg exits cleanly ======================================================
 
-@it.test("hostile provider: its ltg exits 0 on SIGTERM, no sanitizer report in its log")
-def t_hp_zz_stop():
-    _LTG.stop("no hostile-provider test ran")
+_LTG.stop_test(__name__, "hostile provider: its ltg exits 0 on SIGTERM, no sanitizer report in its log",
+               "no hostile-provider test ran")
 
 
 if __name__ == "__main__":   # this file alone: python3 tests/integration_hostile_providers.py --ltg ./ltg --mock tests/mock

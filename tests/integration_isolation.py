@@ -66,7 +66,7 @@ def _catalog():
     cfg = it.catalog_copy()
     for alias, up in MODELS.items():
         cfg["models"][alias] = it.catalog_model("mock", up)
-    cfg["providers"]["iso-dns"] = {"base_url": "http://%s:%d/v1" % (DNS_HOST, it.H.mock_port), "api_key_env": "MOCK_KEY"}
+    cfg["providers"]["iso-dns"] = it.catalog_provider(it.H.mock_port, host=DNS_HOST)
     cfg["models"]["ISO-DNS"] = it.catalog_model("iso-dns", "kimi-k3")
     return cfg
 
@@ -525,9 +525,8 @@ def t_iso_status_000(a):
 
 # ===== last: the dedicated ltg exits cleanly ======================================================
 
-@it.test("isolation: the isolation ltg exits 0 on SIGTERM, no sanitizer report in its log")
-def t_iso_zz_stop():
-    _LTG.stop("no isolation test ran")
+_LTG.stop_test(__name__, "isolation: the isolation ltg exits 0 on SIGTERM, no sanitizer report in its log",
+               "no isolation test ran")
 
 
 if __name__ == "__main__":   # this file alone: python3 tests/integration_isolation.py --ltg ./ltg --mock tests/mock

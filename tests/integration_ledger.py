@@ -125,13 +125,8 @@ def mock_marks(directive):
 
 
 def wait_marks(directive, n, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if mock_marks(directive) >= n:
-            return
-        time.sleep(0.05)
-    raise it.TestFailure("the mock did not receive %d request(s) with directive %r within %d s (has %d)"
-                         % (n, directive, timeout, mock_marks(directive)))
+    it.wait_until(lambda: "the mock's requests with directive %r: %d, want %d" % (directive, mock_marks(directive), n),
+                  lambda: mock_marks(directive) >= n, timeout, step=0.05)
 
 
 def unique_delay(base):
@@ -656,9 +651,7 @@ def t_ledger_query():
 
 @it.test("ledger: /spend/events needs spend.read, /usage/summary needs usage.read (one without the other)")
 def t_ledger_permissions():
-    a = it.Aux("ledger-perms-" + os.urandom(3).hex(), config=aux_config("perms"))
-    try:
-        a.start()
+    with it.running(it.Aux("ledger-perms-" + os.urandom(3).hex(), config=aux_config("perms"))) as a:
         ev = "/spend/events?" + wide()
         us = "/usage/summary?" + wide()
         it.check_admin_ok(it.admin("GET", ev, key=SPEND_ONLY_KEY, port=a.admin_port), 200, "events with spend.read")
@@ -669,9 +662,6 @@ def t_ledger_permissions():
                              what="the events with only usage.read")
         it.check_admin_error(it.admin("GET", ev, key=it.limited_key("groups_read"), port=a.admin_port), 403,
                              "permission_denied", what="the events with only token_groups.read")
-        a.stop()
-    finally:
-        a.close()
 
 
 # ===== 3. usage summary ===========================================================================
@@ -925,9 +915,7 @@ def t_idempotent_cache_hit():
 
 @it.test("budget: max_budget 0 denies a paid request, not a free model")
 def t_budget_zero():
-    a = it.Aux("ledger-zero-" + os.urandom(3).hex(), config=aux_config("zero"))
-    try:
-        a.start()
+    with it.running(it.Aux("ledger-zero-" + os.urandom(3).hex(), config=aux_config("zero"))) as a:
         gid = new_group("budget-zero", port=a.admin_port, allowed_models=["Kimi-K3", "Free-Model"], max_budget=0)
         k, s = it.create_key(gid, port=a.admin_port)
         before = upstream_calls()
@@ -947,16 +935,11 @@ def t_budget_zero():
             check(micro(ev["cost"]) == 0, "a free call cost %r" % ev["cost"])
         g, _ = it.get_group(gid, port=a.admin_port)
         check(micro(g["spend"]) == 0 and micro(g["reserved_spend"]) == 0, "the group %r" % g)
-        a.stop()
-    finally:
-        a.close()
 
 
 @it.test("budget: spend survives a restart (same --data), capped and uncapped groups")
 def t_budget_restart():
-    a = it.Aux("ledger-restart-" + os.urandom(3).hex())
-    try:
-        a.start()
+    with it.running(it.Aux("ledger-restart-" + os.urandom(3).hex())) as a:
         p = a.admin_port
         capped = new_group("spend-restart-capped", port=p, max_budget=1, budget_duration="7d")
         lifetime = new_group("spend-restart-lifetime", port=p, max_budget=1)
@@ -983,9 +966,6 @@ def t_budget_restart():
             check(g["budget_started_at"] == before[gid]["budget_started_at"] and g["resets_at"] == before[gid]["resets_at"],
                   "%s: the period moved across the restart: %r/%r -> %r/%r" % (what, before[gid]["budget_started_at"],
                   before[gid]["resets_at"], g["budget_started_at"], g["resets_at"]))
-        a.stop()
-    finally:
-        a.close()
 
 
 @it.test("budget: a PATCH of budget_duration starts a new period (budget_started_at moves, spend 0); of max_budget keeps it")
@@ -1278,9 +1258,7 @@ def t_idempotent():
 
 @it.test("idempotent inference: replays survive a restart (same --data)")
 def t_idempotent_restart():
-    a = it.Aux("ledger-idem-" + os.urandom(3).hex())
-    try:
-        a.start()
+    with it.running(it.Aux("ledger-idem-" + os.urandom(3).hex())) as a:
         gid = new_group("idem-restart", port=a.admin_port, max_budget=1)   # capped: its spend is rebuilt
         k, s = it.create_key(gid, port=a.admin_port)
         h1 = {"Idempotency-Key": "restart-" + os.urandom(6).hex()}
@@ -1304,18 +1282,13 @@ def t_idempotent_restart():
         check(upstream_calls() == n0, "a replay after the restart reached the provider")
         check(len(events_of(gid, port=a.admin_port)) == 2, "events after the replays")
         check(it.get_group(gid, port=a.admin_port)[0]["spend"] == spend, "a replay after the restart was charged")
-        a.stop()
-    finally:
-        a.close()
 
 
 # ===== 8. ledger recovery ==========================================================================
 
 @it.test("ledger: a torn last record is cut off at start-up with a warning; events and spend intact")
 def t_ledger_torn():
-    a = it.Aux("ledger-torn-" + os.urandom(3).hex())
-    try:
-        a.start()
+    with it.running(it.Aux("ledger-torn-" + os.urandom(3).hex())) as a:
         p = a.admin_port
         gid = new_group("torn", port=p, max_budget=1)
         k, s = it.create_key(gid, port=p)
@@ -1364,9 +1337,6 @@ def t_ledger_torn():
             f.write(backup)
         a.start()
         check(events_of(gid, port=p) == evs2, "the events after restoring the ledger")
-        a.stop()
-    finally:
-        a.close()
 
 
 # ===== 9. a busy day: today's index spilled in chunks ==============================================

@@ -36,6 +36,12 @@ def access_lines(path, want, timeout=15.0):
         time.sleep(0.05)
 
 
+def access_ltg(tag):
+    """An Aux (not started) with --access-log naming a file of its own: (the Aux, the file's path)."""
+    path = os.path.join(it.H.tmp, "%s-%d.log" % (tag, os.getpid()))
+    return it.Aux(tag, args=["--access-log", path]), path
+
+
 def provision(a):
     g = it.create_group(it.group_body(cache_ttl=300), port=a.admin_port)
     k, token = it.create_key(g["id"], port=a.admin_port)
@@ -44,11 +50,8 @@ def provision(a):
 
 @it.test("access log: one JSON line per request on both planes, with the request's facts and never a secret")
 def t_access_log():
-    a = it.Aux("access-log")
-    path = os.path.join(it.H.tmp, "access-%d.log" % os.getpid())
-    a.args = ["--access-log", path]
-    try:
-        a.start()
+    a, path = access_ltg("access-log")
+    with it.running(a):
         g, k, token = provision(a)
         body = it.chat_body(content="an access log test")
         ok = it.one_request(a.port, "POST", "/v1/chat/completions", body, auth=token)
@@ -114,16 +117,11 @@ def t_access_log():
               "the client that left: %r" % by_status)
         check(not [l for l in a.text_since_start().splitlines() if l.startswith("{")],
               "JSON lines on stderr although --access-log names a file")
-        a.stop()
-    finally:
-        a.close()
 
 
 @it.test("access log: SIGUSR1 reopens the file (logrotate); a failed reopen keeps the old one; off is off")
 def t_access_log_reopen():
-    a = it.Aux("access-reopen")
-    path = os.path.join(it.H.tmp, "access-reopen-%d.log" % os.getpid())
-    a.args = ["--access-log", path]
+    a, path = access_ltg("access-reopen")
     try:
         a.start()
         it.one_request(a.port, "GET", "/v1/models")

@@ -40,10 +40,10 @@ import socket
 import threading
 import time
 
-NPOOL = 240          # RT-001..RT-240 on the mock
-NDOWN = 12           # RD-01..RD-12 on the refusing port
+POOL = it.ModelPool("RT-%03d", 240)                   # RT-001..RT-240 on the mock
+DOWN = it.ModelPool("RD-%02d", 12, provider="down")    # RD-01..RD-12 on the refusing port
 
-_S = {"next": 0, "next_down": 0}
+_S = {}
 
 
 check = it.check
@@ -53,14 +53,10 @@ check = it.check
 
 def _catalog():
     cfg = it.catalog_copy()
-    for i in range(1, NPOOL + 1):
-        cfg["models"]["RT-%03d" % i] = it.catalog_model("mock", "rt-%03d" % i)
-    for i in range(1, NDOWN + 1):
-        cfg["models"]["RD-%02d" % i] = it.catalog_model("down", "rd-%02d" % i)
-    cfg["providers"]["rt-blackhole"] = {"base_url": "http://127.0.0.1:%d/v1" % _blackhole_port(),
-                                        "api_key_env": "MOCK_KEY"}
-    for i in range(1, 4):
-        cfg["models"]["RB-%d" % i] = it.catalog_model("rt-blackhole", "rb-%d" % i)
+    POOL.add_to(cfg)
+    DOWN.add_to(cfg)
+    cfg["providers"]["rt-blackhole"] = it.catalog_provider(_blackhole_port())
+    it.ModelPool("RB-%d", 3, provider="rt-blackhole").add_to(cfg)
     return cfg
 
 
@@ -111,25 +107,8 @@ def rtest(name):
 
 # ===== models, groups, calls ======================================================================
 
-def fresh(n=1):
-    """n models of the pool that no test used before."""
-    out = []
-    for _ in range(n):
-        _S["next"] += 1
-        check(_S["next"] <= NPOOL, "integration_retries: the model pool (NPOOL=%d) is exhausted" % NPOOL)
-        out.append("RT-%03d" % _S["next"])
-    return out
-
-
-def fresh_down():
-    _S["next_down"] += 1
-    check(_S["next_down"] <= NDOWN, "integration_retries: the down-model pool (NDOWN=%d) is exhausted" % NDOWN)
-    return "RD-%02d" % _S["next_down"]
-
-
-def up(alias):
-    """The upstream name the mock sees for a pool alias."""
-    return alias.lower()
+fresh = POOL.take                   # fresh(n): n models of the pool that no test used before
+up = it.ModelPool.upstream          # the upstream name the mock sees for a pool alias
 
 
 def group(a, models, fallbacks=None, retries=None):
@@ -319,7 +298,7 @@ def t_rt_all_down(a):
 
     # The last failure a connection failure: 502.
     A, = fresh(1)
-    D = fresh_down()
+    D = DOWN.take_one()
     g = group(a, [A, D], {A: [D]}, {"max_attempts": 1})
     script(A, ["status=503"])
     r = call(a, g, A)
@@ -396,7 +375,7 @@ def t_rt_indeterminate(a):
 
 @rtest("outcome no_work: connection refused retried on the same model up to max_attempts, then the next")
 def t_rt_refused(a):
-    D = fresh_down()
+    D = DOWN.take_one()
     B, = fresh(1)
     g = group(a, [D, B], {D: [B]}, {"max_attempts": 3, "retry_delay_ms": 0})
     script(B, ["status=503"])
@@ -405,7 +384,7 @@ def t_rt_refused(a):
                            (B, 1, 503, "indeterminate")], what="refused x3 then 503")
     check_calls({B: 1}, "refused x3 then 503")
     # Then a healthy fallback serves.
-    D = fresh_down()
+    D = DOWN.take_one()
     B, = fresh(1)
     g = group(a, [D, B], {D: [B]}, {"max_attempts": 3, "retry_delay_ms": 0})
     r = call(a, g, D)
@@ -415,7 +394,7 @@ def t_rt_refused(a):
     check_attempt_list(e.get("attempt_log"), [(D, 1, 0, "no_work"), (D, 2, 0, "no_work"), (D, 3, 0, "no_work"),
                                               (B, 1, 200, "ok")], "the ledger's attempt_log")
     # Alone: 502, a connection failure.
-    D = fresh_down()
+    D = DOWN.take_one()
     g = group(a, [D], None, {"max_attempts": 2, "retry_delay_ms": 0})
     r = call(a, g, D)
     check_fail(r, 502, 2, [(D, 1, 0, "no_work"), (D, 2, 0, "no_work")], what="refused alone")
@@ -885,12 +864,8 @@ def t_rt_stream_cut(a):
 # ===== circuit breaker ============================================================================
 
 def _wait_call(alias, n, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if calls(alias) >= n:
-            return
-        time.sleep(0.02)
-    raise it.TestFailure("the mock never saw call %d of %s" % (n, alias))
+    it.wait_until(lambda: "the mock's calls of %s: %d, want %d" % (alias, calls(alias), n),
+                  lambda: calls(alias) >= n, timeout, step=0.02)
 
 
 @rtest("circuit breaker: 5 failures open it; skipped; one probe after 5 s; a failed probe reopens; success closes")
@@ -992,7 +967,7 @@ def t_rt_breaker_probe_gone(a):
 
 @rtest("circuit breaker: no_work (refused, 429) opens it too; the breaker is the alias's, across groups")
 def t_rt_breaker_no_work(a):
-    D = fresh_down()
+    D = DOWN.take_one()
     F, = fresh(1)
     g = group(a, [D, F], {D: [F]}, {"max_attempts": 5, "retry_delay_ms": 0})
     r = call(a, g, D)
@@ -1114,9 +1089,8 @@ def t_rt_headers(a):
 
 # ===== last: the dedicated ltg exits cleanly ======================================================
 
-@it.test("retries: the retries ltg exits 0 on SIGTERM, no sanitizer report in its log")
-def t_rt_zz_stop():
-    _LTG.stop("no retries test ran")
+_LTG.stop_test(__name__, "retries: the retries ltg exits 0 on SIGTERM, no sanitizer report in its log",
+               "no retries test ran")
 
 
 if __name__ == "__main__":   # this file alone: python3 tests/integration_retries.py --ltg ./ltg --mock tests/mock

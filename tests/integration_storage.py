@@ -77,9 +77,7 @@ def calls(a, token, n, tag, stream=False):
 
 @it.test("storage: SIGKILL then a restart: every group's spend (daily, lifetime, uncapped) and every event exactly as before")
 def t_storage_sigkill():
-    a = it.Aux("storage-kill-" + os.urandom(3).hex())
-    try:
-        a.start()
+    with it.running(it.Aux("storage-kill-" + os.urandom(3).hex())) as a:
         groups = [provision(a, max_budget=5, budget_duration="1d"), provision(a, max_budget=5), provision(a)]
         for n, (gid, kid, token) in enumerate(groups):
             calls(a, token, 5 + n, "kill %d" % n)
@@ -92,9 +90,6 @@ def t_storage_sigkill():
         for (gid, _, _), (spend, evs) in zip(groups, before):
             check(spend_of(a, gid) == spend, "group %s: spend %r after SIGKILL and a restart, %r before" % (gid, spend_of(a, gid), spend))
             check(events(a, L.wide() + "&token_group_id=" + gid)[0] == evs, "group %s: its events changed through the kill" % gid)
-        a.stop()
-    finally:
-        a.close()
 
 
 # ===== migration ==================================================================================
@@ -115,9 +110,7 @@ def v1_event(gid, kid, when, cost_micro, n):
 
 @it.test("storage: an earlier version's single ledger.log is split into daily segments at start-up, once, every event kept")
 def t_storage_migration():
-    a = it.Aux("storage-migrate-" + os.urandom(3).hex())
-    try:
-        a.start()
+    with it.running(it.Aux("storage-migrate-" + os.urandom(3).hex())) as a:
         gid, kid, token = provision(a)
         a.stop()
         shutil.rmtree(ledger_dir(a))            # as an earlier version left it: no ledger/, one ledger.log
@@ -149,18 +142,13 @@ def t_storage_migration():
         a.start()
         check("ledger: migrating" not in a.text_since_start(), "a second start migrated again")
         check(len(events(a, day_range(-3, 4) + "&token_group_id=" + gid)[0]) == 7, "the events after a second start")
-        a.stop()
-    finally:
-        a.close()
 
 
 # ===== index files and retention ==================================================================
 
 @it.test("storage: a sealed day's index file, damaged or missing, is rebuilt at start-up; queries answer the same")
 def t_storage_index_rebuilt():
-    a = it.Aux("storage-index-" + os.urandom(3).hex())
-    try:
-        a.start()
+    with it.running(it.Aux("storage-index-" + os.urandom(3).hex())) as a:
         gid, kid, token = provision(a)
         calls(a, token, 6, "index")
         a.stop()
@@ -195,17 +183,12 @@ def t_storage_index_rebuilt():
         a.stop()
         a.start()
         check("rebuilding" not in a.text_since_start(), "a good index file was rebuilt again")
-        a.stop()
-    finally:
-        a.close()
 
 
 @it.test("storage: retention: days older than --ledger-days are deleted (logged); queries say meta.retained_from; "
          "a budget period longer than the retention is refused")
 def t_storage_retention():
-    a = it.Aux("storage-retain-" + os.urandom(3).hex(), args=["--ledger-days", "3"])
-    try:
-        a.start()
+    with it.running(it.Aux("storage-retain-" + os.urandom(3).hex(), args=["--ledger-days", "3"])) as a:
         gid, kid, token = provision(a)
         calls(a, token, 3, "retain")
         a.stop()
@@ -232,9 +215,6 @@ def t_storage_retention():
         check("--ledger-days" in r.json()["errors"][0]["detail"], "the refusal says why: %r" % r.body[:300])
         it.check_admin_ok(it.admin("POST", "/token_groups", it.group_body(name="daily", max_budget=1, budget_duration="1d"),
                                    port=a.admin_port), 201, "a daily budget within the retention")
-        a.stop()
-    finally:
-        a.close()
 
 
 # ===== a full disk ================================================================================

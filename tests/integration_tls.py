@@ -238,8 +238,7 @@ def _catalog():
         mock(role)
     cfg = it.catalog_copy()
     for name, role in PROVIDER_MOCK.items():
-        cfg["providers"][name] = {"base_url": "https://localhost:%d/v1" % _S["mocks"][role].port,
-                                  "api_key_env": "MOCK_KEY"}
+        cfg["providers"][name] = it.catalog_provider(_S["mocks"][role].port, host="localhost", scheme="https")
     cfg["providers"]["tls-noverify"]["tls_verify"] = False
     for alias, (prov, up) in TLS_MODELS.items():
         cfg["models"][alias] = it.catalog_model(prov, up)
@@ -780,8 +779,7 @@ def t_tls_ca_file_bad():
 def t_tls_reload():
     plain = it.catalog_copy()
     with_tls = it.catalog_copy()
-    with_tls["providers"]["tls-good"] = {"base_url": "https://localhost:%d/v1" % mock("good").port,
-                                         "api_key_env": "MOCK_KEY"}
+    with_tls["providers"]["tls-good"] = it.catalog_provider(mock("good").port, host="localhost", scheme="https")
     with_tls["models"]["TLS-Good"] = it.catalog_model("tls-good", "tls-good")
     for ca, taken in (("{certs}/ca.pem", True), ("{certs}/no-such-ca.pem", False)):
         _S["n"] += 1

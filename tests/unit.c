@@ -12,6 +12,7 @@
 #define LTG_NO_MAIN
 #include "../ltg.c"
 #include "reset.h"
+#include "fixtures.h"
 
 #include <sys/mman.h>
 
@@ -508,19 +509,10 @@ static void expect_refused(const char *body, const group *base, const char *code
 
 static void test_group_validation(void) {
     char err[512];
-    unit_cat = catalog_load("t.json", "{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{"
-                                      "\"A\":{\"provider\":\"p\",\"upstream_model\":\"a\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1},"
-                                      "\"B\":{\"provider\":\"p\",\"upstream_model\":\"b\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1},"
-                                      "\"C\":{\"provider\":\"p\",\"upstream_model\":\"c\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1},"
-                                      "\"D\":{\"provider\":\"p\",\"upstream_model\":\"d\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1},"
-                                      "\"E\":{\"provider\":\"p\",\"upstream_model\":\"e\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1},"
-                                      "\"x/y~z\":{\"provider\":\"p\",\"upstream_model\":\"xyz\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}",
-                              err, sizeof err);
+    unit_cat = catalog_load("t.json", FIXTURE_CATALOG, err, sizeof err);
     CHECK(unit_cat != NULL, "catalog: %s", err);
     verr e;
-    group *g = try_group("{\"name\":\"g\",\"allowed_models\":[\"A\",\"B\",\"C\",\"D\",\"E\"],\"fallbacks\":{\"A\":[\"B\",\"C\",\"D\"]},"
-                         "\"retries\":{\"max_attempts\":5,\"retry_delay_ms\":60000,\"backoff\":\"linear\",\"request_timeout_ms\":100},"
-                         "\"max_budget\":0.123456,\"budget_duration\":\"7d\",\"cache_ttl\":0,\"max_parallel_requests\":1,\"blocked\":true}", NULL, &e);
+    group *g = try_group(FIXTURE_FULL_GROUP, NULL, &e);
     CHECK(g && g->nfb == 1 && g->fb[0].n == 3 && g->retries.max_attempts == 5 && g->retries.backoff == BACKOFF_LINEAR &&
           g->s.al.max_budget == 0.123456 && g->s.al.budget_days == 7 && g->cache_ttl == 0 && g->max_parallel == 1 && g->s.blocked, "full group: %s %s", e.pointer, e.detail);
     group *min = try_group("{\"name\":\"m\",\"allowed_models\":[]}", NULL, &e);
@@ -1182,14 +1174,14 @@ static void test_compaction_on_time(void) {
     int64_t now = wall_ms();
     for (int i = 0; i < 50; i++) {
         idem *r = xcalloc(1, sizeof *r);
-        r->key[0] = (uint8_t)i, r->key[1] = 7, r->status = 200, r->response = xstrdup("{}"), r->expires = now + 1000;
+        r->key[0] = (uint8_t)i, r->key[1] = 7, r->done = 1, r->status = 200, r->response = xstrdup("{}"), r->expires = now + 1000;
         buf p = {0};
         jwriter w;
         jw_init(&w, &p);
         jw_open(&w, '{'), jw_key(&w, "ops"), jw_open(&w, '['), jw_close(&w, ']'), jw_key(&w, "idem"), idem_json(&w, r), jw_close(&w, '}');
         const char *why;
         CHECK(state_append(p.p, p.len, &why) == 0, "idem record");
-        store_put_idem(r, p.len + 8);
+        idem_put(r, p.len + 8);
         buf_free(&p);
     }
     LOG.last_compaction = now;
