@@ -4199,7 +4199,8 @@ static int cfg_provider(cfg *c, catalog *cat, int k, const char *where) {
     if (cfg_only(c, v, where, fields) < 0) return LTG_ERR;
     int u = json_get(c->s, c->t, v, "base_url");
     if (u < 0 || c->t[u].type != JSON_STRING)
-        return cfg_fail(c, where, "base_url", "missing (a string like \"http://127.0.0.1:9000/v1\")");
+        return cfg_fail(c, where, "base_url",
+                        "missing (a string like \"http://127.0.0.1:9000/v1\")");
     char *url = json_strdup(c->s, c->t, u);
     const char *why;
     int r = url_parse(url, p, &why);
@@ -10146,6 +10147,30 @@ static void exchange_event_json(exchange *x, const model *m, const long long tok
     jw_close(&w, '}');
 }
 
+/* The metrics of a booked request: every attempt's tokens by class, and what its group spent. */
+static void exchange_count(const exchange *x, const group *g, const model *m, int64_t cost) {
+    for (int i = 0; i < x->nlog; i++)
+        for (int c = 0; c < NTOK; c++) {
+            static const char *const type[NTOK] = {"input", "cache_read", "cache_write", NULL, "output", "reasoning"};
+            if (type[c] && x->log[i].tok[c])
+                metric_add(M_TOKENS, (double)x->log[i].tok[c], "model",
+                           x->chain[x->log[i].model]->alias, "type", type[c], NULL);
+        }
+    if (cost > 0 && g)
+        metric_add(M_SPEND, (double)cost / MICRO, "token_group", g->s.name, "model",
+                   m ? m->alias : x->chain[0]->alias, NULL);
+}
+
+/* The request's idempotency record has its answer: from model m (NULL: none), x's status, as a
+ * stream or not, for 24 hours from now. */
+static void idem_answered(idem *r, const exchange *x, const model *m, int64_t now) {
+    r->done = 1;
+    r->status = x->http_status;
+    r->stream = x->state == X_RELAYING;
+    r->expires = now + IDEM_TTL_MS;
+    snprintf(r->served, sizeof r->served, "%s", m ? m->alias : "");
+}
+
 /* The spend event is written (README "The consumption ledger") and the hold replaced by what
  * the request was charged: when it is settled and no attempt of it is
  * metered any more. `keep`: the answer its replay record keeps, if any. */
@@ -10160,16 +10185,7 @@ static void exchange_book(exchange *x, const char *keep, size_t keep_len) {
     int64_t now = wall_ms() > LG.last_at ? wall_ms() : LG.last_at;
     exchange_allowances(x, al);
     hold_settle(al, 2, &x->hold, cost, x->cache_hit ? 0 : tok[TOK_IN] + tok[TOK_OUT], now);
-    for (int i = 0; i < x->nlog; i++)
-        for (int c = 0; c < NTOK; c++) {
-            static const char *const type[NTOK] = {"input", "cache_read", "cache_write", NULL, "output", "reasoning"};
-            if (type[c] && x->log[i].tok[c])
-                metric_add(M_TOKENS, (double)x->log[i].tok[c], "model",
-                           x->chain[x->log[i].model]->alias, "type", type[c], NULL);
-        }
-    if (cost > 0 && g)
-        metric_add(M_SPEND, (double)cost / MICRO, "token_group", g->s.name, "model",
-                   m ? m->alias : x->chain[0]->alias, NULL);
+    exchange_count(x, g, m, cost);
     if (x->kind->free) return; /* counting tokens costs nothing and leaves no event */
     buf e = {0};
     exchange_event_json(x, m, tok, cost, estimated, now, &e);
@@ -10179,16 +10195,14 @@ static void exchange_book(exchange *x, const char *keep, size_t keep_len) {
     buf replay = {0};
     idem *r = x->idem;
     if (r && x->cache_hit) { /* see idem.cached */
-        r->done = 1;
-        r->cached = 1;
+        idem_answered(r, x, m, now);
         r->status = 200;
-        r->expires = now + IDEM_TTL_MS;
+        r->stream = 0; /* the cache's answer is replayed whole */
+        r->cached = 1;
         memcpy(r->cache_key, x->cache_key, 32);
-        snprintf(r->served, sizeof r->served, "%s", m ? m->alias : "");
     } else if (r && keep && keep_len <= REPLAY_MAX_BYTES) {
-        r->status = x->http_status;
-        r->stream = x->state == X_RELAYING;
-        snprintf(r->served, sizeof r->served, "%s", m ? m->alias : "");
+        idem_answered(r, x, m, now);
+        r->done = 0; /* until its event is written */
         inf_idem_json(&replay, r, keep, keep_len);
     }
     const char *model_name = m ? m->alias : x->chain[0]->alias;
@@ -10260,12 +10274,8 @@ static int64_t exchange_settle(exchange *x, int http_status, int ev_status, int 
         idem *r = x->idem;
         buf_append(&x->keep, keep, keep_len);
         x->keep_set = 1;
-        r->done = 1;
+        idem_answered(r, x, served >= 0 ? x->chain[served] : NULL, wall_ms());
         r->keep = &x->keep;
-        r->expires = wall_ms() + IDEM_TTL_MS;
-        r->status = http_status;
-        r->stream = x->state == X_RELAYING;
-        snprintf(r->served, sizeof r->served, "%s", served >= 0 ? x->chain[served]->alias : "");
     }
     return cost;
 }
