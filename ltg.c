@@ -591,8 +591,10 @@ static void *hmap_del(hmap *m, const void *k, size_t n) {
 #define NBUCKETS 15
 static const double BUCKETS[NBUCKETS] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300};
 
-enum { M_REQUESTS, M_DURATION, M_ATTEMPTS, M_TTFT, M_TOKENS, M_HOLD_EXCEEDED, M_SPEND, M_TLS, M_CACHE, M_LEDGER, M_FSYNC, M_KEY_FAILS,
-       M_RATE_LIMITED, M_DROPPED, NFAMILIES };
+enum {
+    M_REQUESTS, M_DURATION, M_ATTEMPTS, M_TTFT, M_TOKENS, M_HOLD_EXCEEDED, M_SPEND, M_TLS,
+    M_CACHE, M_LEDGER, M_FSYNC, M_KEY_FAILS, M_RATE_LIMITED, M_DROPPED, NFAMILIES
+};
 
 typedef struct {
     double v;        /* a counter's value; a histogram's sum */
@@ -954,6 +956,23 @@ static int jp_names_unique(jparser *p, int base) {
     return jp_fail(p, "a member name repeated in one object");
 }
 
+/* true, false or null. */
+static int jp_literal(jparser *p, int depth) {
+    static const struct { const char *word; json_type type; } lits[] = {
+        {"true", JSON_TRUE}, {"false", JSON_FALSE}, {"null", JSON_NULL}};
+    for (int w = 0; w < 3; w++) {
+        size_t n = strlen(lits[w].word);
+        if (p->len - p->i >= n && memcmp(p->s + p->i, lits[w].word, n) == 0) {
+            int k;
+            if (jp_token(p, lits[w].type, depth, &k) < 0) return LTG_ERR;
+            p->i += n;
+            if (k >= 0) p->t[k].end = (uint32_t)p->i;
+            return 0;
+        }
+    }
+    return jp_fail(p, "unexpected character");
+}
+
 static int jp_value(jparser *p, int depth) {
     jp_ws(p);
     if (p->i >= p->len) return jp_fail(p, "unexpected end of JSON");
@@ -1004,19 +1023,7 @@ static int jp_value(jparser *p, int depth) {
     }
     if (c == '"') return jp_string(p, depth);
     if (c == '-' || (c >= '0' && c <= '9')) return jp_number(p, depth);
-    static const struct { const char *word; json_type type; } lits[] = {
-        {"true", JSON_TRUE}, {"false", JSON_FALSE}, {"null", JSON_NULL}};
-    for (int w = 0; w < 3; w++) {
-        size_t n = strlen(lits[w].word);
-        if (p->len - p->i >= n && memcmp(p->s + p->i, lits[w].word, n) == 0) {
-            int k;
-            if (jp_token(p, lits[w].type, depth, &k) < 0) return LTG_ERR;
-            p->i += n;
-            if (k >= 0) p->t[k].end = (uint32_t)p->i;
-            return 0;
-        }
-    }
-    return jp_fail(p, "unexpected character");
+    return jp_literal(p, depth);
 }
 
 /* see ltg.h */
@@ -1307,14 +1314,23 @@ static void jw_usd(jwriter *w, int64_t micro) {
     buf_usd(w->out, micro);
 }
 
+/* A time in ISO 8601, or its date alone ("2026-11-29"). */
+static void jw_time(jwriter *w, int64_t ms, int date_only) {
+    char ts[64];
+    iso_time(ms, ts);
+    if (date_only) ts[10] = 0;
+    jw_cstr(w, ts);
+}
+
 /* ===== 4. HTTP/1.1 messages: heads, chunked coding, SSE =====
  *
  * IMPLEMENTATION NOTES
  * Beyond ltg.h's contract (picohttpparser's), the parsers are strict where
  * leniency lets two parties disagree about where a message ends, which is
- * how request smuggling works: lines end in CRLF, obsolete line folding and NUL bytes are refused, a message with both
- * Content-Length and Transfer-Encoding is refused, two different
- * Content-Lengths are refused, and the only transfer coding is "chunked".
+ * how request smuggling works: lines end in CRLF, obsolete line folding and
+ * NUL bytes are refused, a message with both Content-Length and
+ * Transfer-Encoding is refused, two different Content-Lengths are refused,
+ * and the only transfer coding is "chunked".
  */
 static int is_tchar(int c) { return c > 32 && c < 127 && !strchr("\"(),/:;<=>?@[\\]{}", c); }
 
@@ -3266,6 +3282,27 @@ static void tls_handshake_done(provider *p, tls_conn *t) {
 }
 
 enum { PUMP_OK, PUMP_EOF, PUMP_ERR };
+enum { SOCK_MOVED, SOCK_BLOCKED, SOCK_EOF, SOCK_ERR };
+
+/* Records between the engine and the socket, one send (`out`) or one recv
+ * (counted in *took); on SOCK_ERR, why holds the reason. */
+static int tls_socket(br_ssl_engine_context *eng, int fd, int out, size_t *took, char *why,
+                      size_t whylen) {
+    size_t n;
+    unsigned char *p =
+        out ? br_ssl_engine_sendrec_buf(eng, &n) : br_ssl_engine_recvrec_buf(eng, &n);
+    ssize_t r = out ? send(fd, p, n, MSG_NOSIGNAL) : recv(fd, p, n, 0);
+    if (r > 0 && out) br_ssl_engine_sendrec_ack(eng, (size_t)r);
+    else if (r > 0) {
+        br_ssl_engine_recvrec_ack(eng, (size_t)r);
+        *took += (size_t)r;
+    }
+    if (r > 0 || (r < 0 && errno == EINTR)) return SOCK_MOVED;
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return SOCK_BLOCKED;
+    if (r == 0 && !out) return SOCK_EOF; /* without close_notify: the HTTP framing decides */
+    snprintf(why, whylen, "%s: %s", out ? "write" : "read", r < 0 ? strerror(errno) : "closed");
+    return SOCK_ERR;
+}
 
 /* Move records and plaintext as far as they go without blocking: plaintext
  * from out[*sent..outlen) into the engine, decrypted plaintext onto `in`.
@@ -3294,15 +3331,10 @@ static int tls_pump(tls_conn *t, int fd, const char *out, size_t outlen, size_t 
         unsigned char *p;
         if ((st & BR_SSL_SENDREC) && !out_blocked) {
             /* records out first, as BearSSL's run_until does */
-            p = br_ssl_engine_sendrec_buf(eng, &n);
-            ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
-            if (w > 0) { br_ssl_engine_sendrec_ack(eng, (size_t)w); continue; }
-            if (w < 0 && errno == EINTR) continue;
-            if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) out_blocked = 1;
-            else {
-                snprintf(why, whylen, "write: %s", w < 0 ? strerror(errno) : "closed");
-                return PUMP_ERR;
-            }
+            int k = tls_socket(eng, fd, 1, &took, why, whylen);
+            if (k == SOCK_ERR) return PUMP_ERR;
+            if (k == SOCK_MOVED) continue;
+            out_blocked = 1;
         }
         if (st & BR_SSL_RECVAPP) {
             p = br_ssl_engine_recvapp_buf(eng, &n);
@@ -3321,18 +3353,11 @@ static int tls_pump(tls_conn *t, int fd, const char *out, size_t outlen, size_t 
             continue;
         }
         if ((st & BR_SSL_RECVREC) && !in_blocked && reading && took < 4 * READ_CHUNK) {
-            p = br_ssl_engine_recvrec_buf(eng, &n);
-            ssize_t r = recv(fd, p, n, 0);
-            if (r > 0) {
-                br_ssl_engine_recvrec_ack(eng, (size_t)r);
-                took += (size_t)r;
-                continue;
-            }
-            if (r < 0 && errno == EINTR) continue;
-            if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) in_blocked = 1;
-            /* without close_notify: the HTTP framing decides */
-            else if (r == 0) { rc = PUMP_EOF; break; }
-            else { snprintf(why, whylen, "read: %s", strerror(errno)); return PUMP_ERR; }
+            int k = tls_socket(eng, fd, 0, &took, why, whylen);
+            if (k == SOCK_ERR) return PUMP_ERR;
+            if (k == SOCK_EOF) { rc = PUMP_EOF; break; }
+            if (k == SOCK_MOVED) continue;
+            in_blocked = 1;
         }
         break;
     }
@@ -3385,7 +3410,8 @@ static int tls_pump(tls_conn *t, int fd, const char *out, size_t outlen, size_t 
  * and up_read hand bytes to tls_pump() instead of the kernel.
  */
 typedef enum {
-    UP_RESOLVING, UP_CONNECTING, UP_HANDSHAKE, UP_SENDING, UP_HEAD, UP_BODY, UP_EOF, UP_DONE, UP_FAILED, UP_IDLE
+    UP_RESOLVING, UP_CONNECTING, UP_HANDSHAKE, UP_SENDING, UP_HEAD, UP_BODY, UP_EOF, UP_DONE,
+    UP_FAILED, UP_IDLE
 } up_state;
 
 struct upstream {
@@ -3844,8 +3870,10 @@ struct model {
     long long context_window, max_output_tokens, max_input_part_tokens;
 };
 
-enum { PERM_ALL = 1, PERM_GROUPS_WRITE = 2, PERM_GROUPS_READ = 4, PERM_KEYS_WRITE = 8, PERM_KEYS_READ = 16,
-       PERM_SPEND_READ = 32, PERM_USAGE_READ = 64, PERM_METRICS_READ = 128 };
+enum {
+    PERM_ALL = 1, PERM_GROUPS_WRITE = 2, PERM_GROUPS_READ = 4, PERM_KEYS_WRITE = 8,
+    PERM_KEYS_READ = 16, PERM_SPEND_READ = 32, PERM_USAGE_READ = 64, PERM_METRICS_READ = 128
+};
 static const char *perm_names[] = {"*", "llm_token_gateway.token_groups.write", "llm_token_gateway.token_groups.read",
                                    "llm_token_gateway.token_keys.write", "llm_token_gateway.token_keys.read",
                                    "llm_token_gateway.spend.read", "llm_token_gateway.usage.read", "llm_token_gateway.metrics.read"};
@@ -5246,6 +5274,26 @@ static int field_refused(const char *s, const json_tok *t, int i, const char *ke
               : verr_at(e, key, NULL, "unknown field (%s)", fields);
 }
 
+/* allowed_models: a list of model aliases. */
+static int parse_allowed(const char *s, const json_tok *t, int v, group *g, verr *e) {
+    if (t[v].type != JSON_ARRAY)
+        return verr_at(e, "allowed_models", NULL,
+                       "must be a list of model aliases (it cannot be null)");
+    for (int k = 0; k < g->nallowed; k++) free(g->allowed[k]);
+    free(g->allowed);
+    g->allowed = xcalloc((size_t)t[v].size, sizeof *g->allowed);
+    g->nallowed = 0;
+    int x = v + 1;
+    for (int k = 0; k < t[v].size; k++, x = t[x].next) {
+        if (!name_ok(s, t, x, 200)) {
+            verr_at(e, "allowed_models", NULL, "must be a model alias (a string)");
+            return verr_index(e, k);
+        }
+        g->allowed[g->nallowed++] = json_strdup(s, t, x);
+    }
+    return 0;
+}
+
 /* Lay the members of JSON object `obj` over g. PARSE_CREATE and PARSE_PATCH
  * take the API's writable fields; PARSE_LOG also takes what only the log
  * knows (id, version, timestamps). Checks types and field names only: the
@@ -5268,21 +5316,7 @@ static int group_parse(const char *s, const json_tok *t, int obj, stored *it, in
         } else if (json_eq(s, t, i, "name")) {
             if (parse_name(s, t, v, &g->s.name, e) < 0) return LTG_ERR;
         } else if (json_eq(s, t, i, "allowed_models")) {
-            if (t[v].type != JSON_ARRAY)
-                return verr_at(e, "allowed_models", NULL,
-                               "must be a list of model aliases (it cannot be null)");
-            for (int k = 0; k < g->nallowed; k++) free(g->allowed[k]);
-            free(g->allowed);
-            g->allowed = xcalloc((size_t)t[v].size, sizeof *g->allowed);
-            g->nallowed = 0;
-            int x = v + 1;
-            for (int k = 0; k < t[v].size; k++, x = t[x].next) {
-                if (!name_ok(s, t, x, 200)) {
-                    verr_at(e, "allowed_models", NULL, "must be a model alias (a string)");
-                    return verr_index(e, k);
-                }
-                g->allowed[g->nallowed++] = json_strdup(s, t, x);
-            }
+            if (parse_allowed(s, t, v, g, e) < 0) return LTG_ERR;
         } else if (json_eq(s, t, i, "fallbacks")) {
             if (parse_fallbacks(s, t, v, g, e) < 0) return LTG_ERR;
         } else if (json_eq(s, t, i, "retries")) {
@@ -5469,7 +5503,6 @@ static void allow_json(jwriter *w, const allowance *a) {
  * what it spent (when `tracked`: a key's spend is counted only while it
  * has a budget), what is reserved, and its period. */
 static void allow_state_json(jwriter *w, const allowance *a, int for_log, int tracked) {
-    char ts[64];
     if (for_log) {
         jw_key(w, "budget_anchor"), jw_int(w, a->budget_anchor);
         if (a->carry_to) {
@@ -5486,15 +5519,11 @@ static void allow_state_json(jwriter *w, const allowance *a, int for_log, int tr
     else jw_null(w);
     jw_key(w, "reserved_spend"), jw_usd(w, a->reserved);
     jw_key(w, "budget_started_at");
-    if (start) {
-        iso_time(start, ts);
-        jw_cstr(w, ts);
-    } else jw_null(w);
+    if (start) jw_time(w, start, 0);
+    else jw_null(w);
     jw_key(w, "resets_at");
-    if (end) {
-        iso_time(end, ts);
-        jw_cstr(w, ts);
-    } else jw_null(w);
+    if (end) jw_time(w, end, 0);
+    else jw_null(w);
 }
 
 /* A change to an allowance (`cur`: before it). A budget's period is
@@ -5516,19 +5545,12 @@ static void allow_start(allowance *a, int64_t now) {
 
 /* A stored item's times: exact in the log, ISO 8601 in the API. */
 static void stored_times_json(jwriter *w, int64_t created, int64_t updated, int for_log) {
-    char ts[64];
     jw_key(w, "created_at");
     if (for_log) jw_int(w, created);
-    else {
-        iso_time(created, ts);
-        jw_cstr(w, ts);
-    }
+    else jw_time(w, created, 0);
     jw_key(w, "updated_at");
     if (for_log) jw_int(w, updated);
-    else {
-        iso_time(updated, ts);
-        jw_cstr(w, ts);
-    }
+    else jw_time(w, updated, 0);
 }
 
 /* What every stored item's JSON opens with: id, the API's record_type, name. */
@@ -5565,8 +5587,7 @@ static void group_json(jwriter *w, const stored *it, int for_log) {
         jw_int_or_null(w, g->retries.request_timeout_ms != 0, g->retries.request_timeout_ms);
         if (g->retries.deadline_ms) {
             /* absent: the default */
-            jw_key(w, "deadline_ms");
-            jw_int(w, g->retries.deadline_ms);
+            jw_key(w, "deadline_ms"), jw_int(w, g->retries.deadline_ms);
         }
         jw_close(w, '}');
     }
@@ -5682,8 +5703,7 @@ static void tkey_json(jwriter *w, const stored *it, int for_log) {
     jw_key(w, "version"), jw_int(w, k->s.version);
     if (for_log) {
         hex_encode(k->hash, 32, hex);
-        jw_key(w, "sha256");
-        jw_cstr(w, hex);
+        jw_key(w, "sha256"), jw_cstr(w, hex);
     }
     stored_times_json(w, k->s.created_at, k->s.updated_at, for_log);
     allow_state_json(w, &k->s.al, for_log, k->s.al.has_budget);
@@ -5869,11 +5889,9 @@ static void idem_drop(idem *r) {
 static void idem_json_head(jwriter *w, const idem *r) {
     char hex[65];
     hex_encode(r->key, 32, hex);
-    jw_key(w, "k");
-    jw_cstr(w, hex);
+    jw_key(w, "k"), jw_cstr(w, hex);
     hex_encode(r->body, 32, hex);
-    jw_key(w, "b");
-    jw_cstr(w, hex);
+    jw_key(w, "b"), jw_cstr(w, hex);
     jw_key(w, "s"), jw_int(w, r->status);
 }
 
@@ -6209,41 +6227,20 @@ static const uint8_t *log_bytes(int fd, buf *b, off_t *base, off_t at, size_t n)
     return (const uint8_t *)b->p + (at - *base);
 }
 
-/* Open (or create) DIR/NAME and replay it: apply(ctx, ...) gets every
- * record's payload and its offset in the file, from the record at `from`
- * (0: the first; a ledger day whose index file holds the first ones
- * starts past them). Returns 0, or LTG_ERR with a message for the
- * operator in err. */
-static int log_open(logfile *l, const char *dir, const char *name, const char *magic, off_t from,
-                    log_apply_fn *apply, void *ctx, char *err, size_t errlen) {
-    if (strlen(dir) > 200) {
-        snprintf(err, errlen, "--data: the path is longer than 200 bytes");
-        return LTG_ERR;
-    }
-    log_init(l, dir, name, magic);
-    int fd = open(l->path, O_RDWR | O_APPEND | O_CLOEXEC);
-    struct stat st;
-    if (fd < 0 && errno != ENOENT) {
-        snprintf(err, errlen, "%s: %s", l->path, strerror(errno));
-        return LTG_ERR;
-    }
-    if (fd < 0 || (fstat(fd, &st) == 0 && st.st_size < 8)) {
-        /* new, or a crash while it was being created */
-        if (fd >= 0) close(fd);
-        if (log_create(l) < 0) {
-            snprintf(err, errlen, "cannot initialise: %.300s", l->why);
-            return LTG_ERR;
-        }
-        return 0;
-    }
-    l->fd = fd;
+/* Replay l's `end` bytes: apply(ctx, ...) gets every record's payload and
+ * its offset in the file, from the record at `from` (0: the first; a
+ * ledger day whose index file holds the first ones starts past them). A
+ * torn last record is cut off; a damaged record before whole ones stops
+ * start-up. Returns 0, or LTG_ERR with a message for the operator in err. */
+static int log_replay(logfile *l, off_t end, off_t from, const char *name, log_apply_fn *apply,
+                      void *ctx, char *err, size_t errlen) {
     int64_t t0 = clock_ms();
-    off_t end = st.st_size, off = from > 8 ? from : 8, base = 0;
+    off_t off = from > 8 ? from : 8, base = 0;
     size_t records = 0;
     buf b = {0};
+    int fd = l->fd, rc = LTG_ERR;
     const uint8_t *h = log_bytes(fd, &b, &base, 0, 8);
-    int rc = LTG_ERR;
-    if (!h || memcmp(h, magic, 8) != 0) {
+    if (!h || memcmp(h, l->magic, 8) != 0) {
         snprintf(err, errlen, h ? "%s: not an ltg %s (bad magic at offset 0)" : "%s: %s", l->path,
                  h ? name : strerror(errno));
         goto done;
@@ -6284,6 +6281,34 @@ static int log_open(logfile *l, const char *dir, const char *name, const char *m
 done:
     buf_free(&b);
     return rc;
+}
+
+/* Open (or create) DIR/NAME and replay it (log_replay). Returns 0, or
+ * LTG_ERR with a message for the operator in err. */
+static int log_open(logfile *l, const char *dir, const char *name, const char *magic, off_t from,
+                    log_apply_fn *apply, void *ctx, char *err, size_t errlen) {
+    if (strlen(dir) > 200) {
+        snprintf(err, errlen, "--data: the path is longer than 200 bytes");
+        return LTG_ERR;
+    }
+    log_init(l, dir, name, magic);
+    int fd = open(l->path, O_RDWR | O_APPEND | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0 && errno != ENOENT) {
+        snprintf(err, errlen, "%s: %s", l->path, strerror(errno));
+        return LTG_ERR;
+    }
+    if (fd < 0 || (fstat(fd, &st) == 0 && st.st_size < 8)) {
+        /* new, or a crash while it was being created */
+        if (fd >= 0) close(fd);
+        if (log_create(l) < 0) {
+            snprintf(err, errlen, "cannot initialise: %.300s", l->why);
+            return LTG_ERR;
+        }
+        return 0;
+    }
+    l->fd = fd;
+    return log_replay(l, st.st_size, from, name, apply, ctx, err, errlen);
 }
 
 /* The record that recreates one stored item (K NULL: an idempotency
@@ -6596,7 +6621,8 @@ typedef struct {
     size_t bytes;               /* what all of it allocated: at most --ledger-index-mb */
 } ledger_mem;
 
-#define MEM_FIRST 16            /* elements of an index array's first allocation; each growth doubles it */
+/* elements of an index array's first allocation; each growth doubles it */
+#define MEM_FIRST 16
 
 /* Room for one more element after the n of array p (*cap of them, of `size` bytes each),
  * counted in *bytes. */
@@ -6706,7 +6732,10 @@ static void mem_free(ledger_mem *m) {
 
 typedef enum { SEG_OPEN, SEG_SEALING, SEG_SEALED } seg_state;
 
-enum { SEC_OFFSETS, SEC_NAMES, SEC_STRINGS, SEC_KEYPOS, SEC_GROUPPOS, SEC_ROWS, SEC_MODELROWS, SEC_REPLAYS, NSEC };
+enum {
+    SEC_OFFSETS, SEC_NAMES, SEC_STRINGS, SEC_KEYPOS, SEC_GROUPPOS, SEC_ROWS, SEC_MODELROWS,
+    SEC_REPLAYS, NSEC
+};
 
 typedef struct {
     long long requests, succeeded, failed, partial, abandoned, cache_hits, tok[NTOK];
@@ -6811,7 +6840,7 @@ static int64_t seg_last_at(const segment *s) {
 
 static void seg_index(segment *s, const rec_view *v, uint64_t off, uint32_t len);
 
-/* Replay one record of a segment into its index (log_open's callback).
+/* Replay one record of a segment into its index (log_replay's callback).
  * Its time is kept within the day and after the event before it, as it
  * was written: the index relies on both. */
 static int seg_apply(void *ctx, const char *p, size_t n, off_t at, char *why, size_t whylen) {
@@ -7613,6 +7642,29 @@ static void ledger_tick(int64_t now) {
  * start-up of this one, its events are rewritten into daily segments and
  * the file removed; nothing else in this section knows it existed. */
 
+/* A migrated event appended to its day's segment (*cur, a new one each
+ * day; the events are in time order, as the ledger never went back). */
+static int migrate_write(segment **cur, rec_view *v, char *err, size_t errlen) {
+    if (v->at < LG.last_at) v->at = LG.last_at;
+    LG.last_at = v->at;
+    if (!*cur || (*cur)->day < day_of(v->at)) {
+        if (*cur && (log_sync(&(*cur)->f) < 0 || close((*cur)->f.fd) < 0)) {
+            snprintf(err, errlen, "%s", (*cur)->f.why);
+            return LTG_ERR;
+        }
+        if (*cur) (*cur)->f.fd = -1;
+        *cur = seg_new(day_of(v->at));
+    }
+    buf rec = {0};
+    rec_encode(&rec, v);
+    const char *why;
+    int rc = log_append(&(*cur)->f, rec.p, rec.len, 0, &why);
+    if (rc == 0 && (*cur)->f.pending.len > (4 << 20)) rc = log_sync(&(*cur)->f);
+    buf_free(&rec);
+    if (rc < 0) snprintf(err, errlen, "%s", (*cur)->f.why);
+    return rc;
+}
+
 /* One event of a version-1 ledger.log, rewritten into the day's segment. */
 static int ledger_migrate_apply(void *ctx, const char *p, size_t n, off_t at, char *err,
                                 size_t errlen) {
@@ -7658,24 +7710,7 @@ static int ledger_migrate_apply(void *ctx, const char *p, size_t n, off_t at, ch
                   .event_len = t[e].end - t[e].start,
                   .replay = r >= 0 ? p + t[r].start : "",
                   .replay_len = r >= 0 ? t[r].end - t[r].start : 0};
-    if (v.at < LG.last_at) v.at = LG.last_at;
-    LG.last_at = v.at;
-    if (!*cur || (*cur)->day < day_of(v.at)) {
-        if (*cur && (log_sync(&(*cur)->f) < 0 || close((*cur)->f.fd) < 0)) {
-            snprintf(err, errlen, "%s", (*cur)->f.why);
-            return LTG_ERR;
-        }
-        if (*cur) (*cur)->f.fd = -1;
-        *cur = seg_new(day_of(v.at));
-    }
-    buf rec = {0};
-    rec_encode(&rec, &v);
-    const char *why;
-    int rc = log_append(&(*cur)->f, rec.p, rec.len, 0, &why);
-    if (rc == 0 && (*cur)->f.pending.len > (4 << 20)) rc = log_sync(&(*cur)->f);
-    buf_free(&rec);
-    if (rc < 0) snprintf(err, errlen, "%s", (*cur)->f.why);
-    return rc;
+    return migrate_write(cur, &v, err, errlen);
 }
 
 /* An earlier version kept one DATA/ledger.log: split it into daily
@@ -8585,16 +8620,13 @@ static void admin_error(conn *c, int status, const char *code, const char *point
     jw_key(&w, "title"), jw_cstr(&w, error_title(code, status));
     jw_key(&w, "detail"), jw_cstr(&w, detail);
     if (pointer && *pointer) {
-        jw_key(&w, "source");
-        jw_open(&w, '{');
-        jw_key(&w, "pointer");
-        jw_cstr(&w, pointer);
+        jw_key(&w, "source"), jw_open(&w, '{');
+        jw_key(&w, "pointer"), jw_cstr(&w, pointer);
         jw_close(&w, '}');
     }
     jw_key(&w, "meta"), jw_open(&w, '{');
     if (current_version) {
-        jw_key(&w, "current_version");
-        jw_int(&w, current_version);
+        jw_key(&w, "current_version"), jw_int(&w, current_version);
     }
     jw_close(&w, '}');
     jw_close(&w, '}'), jw_close(&w, ']'), jw_close(&w, '}');
@@ -9011,8 +9043,7 @@ static void item_delete(conn *c, const admin_who *who, const char *id, const sto
     jw_init(&w, &ops);
     jw_open(&w, '[');
     jw_open(&w, '{');
-    jw_key(&w, K->del_op);
-    jw_cstr(&w, it->id);
+    jw_key(&w, K->del_op), jw_cstr(&w, it->id);
     jw_close(&w, '}');
     jw_close(&w, ']');
     item_body(&body, K, it);
@@ -9080,11 +9111,8 @@ static int range_params(conn *c, int64_t *start, int64_t *end) {
 /* meta.retained_from: the range reaches before the first day kept. */
 static void retained_from_meta(jwriter *w, int64_t start) {
     int64_t from = ledger_retained_from(wall_ms());
-    char d[64];
     if (start >= from) return;
-    iso_time(from, d);
-    d[10] = 0;
-    jw_key(w, "retained_from"), jw_cstr(w, d);
+    jw_key(w, "retained_from"), jw_time(w, from, 1);
 }
 
 /* GET /spend/events (README "The consumption ledger"). A snapshot is the ledger's last day and
@@ -9153,8 +9181,7 @@ static void usage_json(jwriter *w, const usage_row *r) {
     jw_key(w, "abandoned_requests"), jw_int(w, r->abandoned);
     jw_key(w, "cache_hits"), jw_int(w, r->cache_hits);
     for (int k = 0; k < NTOK; k++) {
-        jw_key(w, tok_names[k]);
-        jw_int(w, r->tok[k]);
+        jw_key(w, tok_names[k]), jw_int(w, r->tok[k]);
     }
     jw_key(w, "spend"), jw_usd(w, r->spend);
     jw_key(w, "reserved_spend"), jw_usd(w, r->reserved);
@@ -9178,34 +9205,23 @@ static void usage_summary(conn *c, const admin_who *who, const char *id, const s
     if (now >= start && now < end) /* what requests in flight hold now belongs to today */
         for (int i = 0; i < ST.gv.n; i++) {
             group *g = ST.gv.p[i];
-            if (g && (!gf || strcmp(gid, g->s.id) == 0))
-                total.reserved += g->s.al.reserved,
-                        by_day[(now - start) / DAY_MS].reserved += g->s.al.reserved;
+            if (!g || (gf && strcmp(gid, g->s.id) != 0)) continue;
+            total.reserved += g->s.al.reserved;
+            by_day[(now - start) / DAY_MS].reserved += g->s.al.reserved;
         }
     buf b = {0};
     jwriter w;
-    char date[64];
     jw_init(&w, &b), jw_open(&w, '{'), jw_key(&w, "data"), jw_open(&w, '{');
     jw_key(&w, "token_group_id"), jw_cstr(&w, gf ? gid : NULL);
-    iso_time(start, date);
-    date[10] = 0;
-    jw_key(&w, "start_date");
-    jw_cstr(&w, date);
-    iso_time(end, date);
-    date[10] = 0;
-    jw_key(&w, "end_date");
-    jw_cstr(&w, date);
-    jw_key(&w, "totals");
-    jw_open(&w, '{');
+    jw_key(&w, "start_date"), jw_time(&w, start, 1);
+    jw_key(&w, "end_date"), jw_time(&w, end, 1);
+    jw_key(&w, "totals"), jw_open(&w, '{');
     usage_json(&w, &total);
     jw_close(&w, '}');
     jw_key(&w, "by_day"), jw_open(&w, '[');
     for (int d = 0; d < days; d++) {
-        iso_time(start + (int64_t)d * DAY_MS, date);
-        date[10] = 0;
         jw_open(&w, '{');
-        jw_key(&w, "date");
-        jw_cstr(&w, date);
+        jw_key(&w, "date"), jw_time(&w, start + (int64_t)d * DAY_MS, 1);
         usage_json(&w, &by_day[d]);
         jw_close(&w, '}');
     }
@@ -9213,16 +9229,14 @@ static void usage_summary(conn *c, const admin_who *who, const char *id, const s
     jw_key(&w, "by_model"), jw_open(&w, '[');
     for (int k = 0; k < nmu; k++) {
         jw_open(&w, '{');
-        jw_key(&w, "model");
-        jw_cstr(&w, mu[k].alias);
+        jw_key(&w, "model"), jw_cstr(&w, mu[k].alias);
         usage_json(&w, &mu[k].u);
         jw_close(&w, '}');
     }
     jw_close(&w, ']');
     jw_close(&w, '}');
     if (start < ledger_retained_from(now)) {
-        jw_key(&w, "meta");
-        jw_open(&w, '{');
+        jw_key(&w, "meta"), jw_open(&w, '{');
         retained_from_meta(&w, start);
         jw_close(&w, '}');
     }
@@ -9400,20 +9414,16 @@ static void error_open(jwriter *w, int status, int anthropic, const char *msg,
                                                     : "invalid_request_error";
     jw_open(w, '{');
     if (anthropic) {
-        jw_key(w, "type");
-        jw_cstr(w, "error");
+        jw_key(w, "type"), jw_cstr(w, "error");
     }
     jw_key(w, "error"), jw_open(w, '{');
     if (anthropic) {
-        jw_key(w, "type");
-        jw_cstr(w, type);
+        jw_key(w, "type"), jw_cstr(w, type);
     }
     jw_key(w, "message"), jw_cstr(w, msg);
     if (!anthropic) {
-        jw_key(w, "type");
-        jw_cstr(w, type);
-        jw_key(w, "param");
-        jw_null(w);
+        jw_key(w, "type"), jw_cstr(w, type);
+        jw_key(w, "param"), jw_null(w);
     }
 }
 
@@ -9948,8 +9958,7 @@ static void exchange_cost_headers(exchange *x, int64_t cost, buf *h) {
 /* The token classes of tok, as members of the object being written. */
 static void tokens_json(jwriter *w, const long long tok[NTOK]) {
     for (int k = 0; k < NTOK; k++) {
-        jw_key(w, tok_names[k]);
-        jw_int(w, tok[k]);
+        jw_key(w, tok_names[k]), jw_int(w, tok[k]);
     }
 }
 
@@ -9968,8 +9977,7 @@ static void exchange_attempts_json(exchange *x, jwriter *w) {
         jw_key(w, "outcome"), jw_cstr(w, outcome_name(e->outcome));
         jw_key(w, "ms"), jw_int(w, e->ms);
         if (e->error[0]) {
-            jw_key(w, "error");
-            jw_cstr(w, e->error);
+            jw_key(w, "error"), jw_cstr(w, e->error);
         }
         if (e->billed) {
             tokens_json(w, e->tok);
@@ -10140,8 +10148,7 @@ static void exchange_event_json(exchange *x, const model *m, const long long tok
     jw_key(&w, "cost"), jw_usd(&w, cost);
     jw_key(&w, "usage_status"), jw_cstr(&w, estimated ? "estimated" : "reported");
     /* to the answer, not to the last meter */
-    jw_key(&w, "latency_ms");
-    jw_int(&w, x->answered_at - x->started);
+    jw_key(&w, "latency_ms"), jw_int(&w, x->answered_at - x->started);
     jw_key(&w, "attempt_log");
     exchange_attempts_json(x, &w);
     jw_close(&w, '}');
@@ -10171,9 +10178,29 @@ static void idem_answered(idem *r, const exchange *x, const model *m, int64_t no
     snprintf(r->served, sizeof r->served, "%s", m ? m->alias : "");
 }
 
-/* The spend event is written (README "The consumption ledger") and the hold replaced by what
- * the request was charged: when it is settled and no attempt of it is
- * metered any more. `keep`: the answer its replay record keeps, if any. */
+/* An idempotent request keeps a whole answer (a success, or the
+ * provider's own refusal) in its event for its retries; a failure, or an
+ * answer too large to keep, is not kept, so a retry tries afresh. A cached
+ * answer is found again in the cache. */
+static void exchange_keep(exchange *x, idem *r, model *m, const char *keep, size_t keep_len,
+                          int64_t now, buf *replay) {
+    if (x->cache_hit) { /* see idem.cached */
+        idem_answered(r, x, m, now);
+        r->status = 200;
+        r->stream = 0; /* the cache's answer is replayed whole */
+        r->cached = 1;
+        memcpy(r->cache_key, x->cache_key, 32);
+    } else if (keep && keep_len <= REPLAY_MAX_BYTES) {
+        idem_answered(r, x, m, now);
+        r->done = 0; /* until its event is written */
+        inf_idem_json(replay, r, keep, keep_len);
+    }
+}
+
+/* The spend event is written (README "The consumption ledger") and the
+ * hold replaced by what the request was charged: when it is settled and no
+ * attempt of it is metered any more. `keep`: the answer its replay record
+ * keeps, if any. */
 static void exchange_book(exchange *x, const char *keep, size_t keep_len) {
     long long tok[NTOK];
     int estimated;
@@ -10189,22 +10216,9 @@ static void exchange_book(exchange *x, const char *keep, size_t keep_len) {
     if (x->kind->free) return; /* counting tokens costs nothing and leaves no event */
     buf e = {0};
     exchange_event_json(x, m, tok, cost, estimated, now, &e);
-    /* An idempotent request keeps a whole answer (a success, or the
-     * provider's own refusal) in its event for its retries; a failure, or
-     * an answer too large to keep, is not kept, so a retry tries afresh. */
     buf replay = {0};
     idem *r = x->idem;
-    if (r && x->cache_hit) { /* see idem.cached */
-        idem_answered(r, x, m, now);
-        r->status = 200;
-        r->stream = 0; /* the cache's answer is replayed whole */
-        r->cached = 1;
-        memcpy(r->cache_key, x->cache_key, 32);
-    } else if (r && keep && keep_len <= REPLAY_MAX_BYTES) {
-        idem_answered(r, x, m, now);
-        r->done = 0; /* until its event is written */
-        inf_idem_json(&replay, r, keep, keep_len);
-    }
+    if (r) exchange_keep(x, r, m, keep, keep_len, now, &replay);
     const char *model_name = m ? m->alias : x->chain[0]->alias;
     rec_view v = {.at = now,
                   .charged = cost,
@@ -11570,15 +11584,14 @@ static void request_ended(conn *c) {
     }
     if (ALOG.fd < 0) return;
     if (ALOG.b.len > ALOG_MAX) { ALOG.dropped++; return; }
-    char ts[64], path[512];
-    iso_time(wall_ms() - ms, ts);
+    char path[512];
     size_t q;
     const char *t = request_path(c, &q); /* the path alone: a query is never logged */
     snprintf(path, sizeof path, "%.*s", (int)(q < 500 ? q : 500), t);
     jwriter w;
     jw_init(&w, &ALOG.b);
     jw_open(&w, '{');
-    jw_key(&w, "ts"), jw_cstr(&w, ts);
+    jw_key(&w, "ts"), jw_time(&w, wall_ms() - ms, 0);
     jw_key(&w, "request_id"), jw_str_or_null(&w, c->rid);
     char client[INET6_ADDRSTRLEN];
     inet_ntop(addr_is_v4(c->client) ? AF_INET : AF_INET6,
@@ -11597,8 +11610,7 @@ static void request_ended(conn *c) {
     jw_key(&w, "served_model"), jw_str_or_null(&w, f->served);
     jw_key(&w, "attempts"), jw_ll_or_null(&w, f->attempts);
     for (int k = 0; k < NTOK; k++) {
-        jw_key(&w, tok_names[k]);
-        jw_ll_or_null(&w, f->tok[TOK_IN] < 0 ? -1 : f->tok[k]);
+        jw_key(&w, tok_names[k]), jw_ll_or_null(&w, f->tok[TOK_IN] < 0 ? -1 : f->tok[k]);
     }
     jw_key(&w, "cost");
     if (f->cost >= 0) jw_usd(&w, f->cost);
@@ -11659,6 +11671,34 @@ static void gauge(buf *b, const char *name, double v, ...) {
 
 static double START_TIME; /* wall clock seconds, when main() began */
 
+/* The process's own gauges, as Prometheus's client libraries name them. */
+static void metrics_process(buf *b) {
+    long pages = 0, fds = -1; /* the directory's own fd is not counted */
+    FILE *f = fopen("/proc/self/statm", "re");
+    if (f && fscanf(f, "%*s %ld", &pages) != 1) pages = 0;
+    if (f) fclose(f);
+    DIR *d = opendir("/proc/self/fd");
+    for (struct dirent *e; d && (e = readdir(d));) fds += e->d_name[0] != '.';
+    if (d) closedir(d);
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    metric_head(b, "process_resident_memory_bytes", "gauge", "Resident memory size in bytes.");
+    gauge(b, "process_resident_memory_bytes", (double)pages * (double)sysconf(_SC_PAGESIZE), NULL);
+    metric_head(b, "process_open_fds", "gauge", "Number of open file descriptors.");
+    gauge(b, "process_open_fds", (double)fds, NULL);
+    metric_head(b, "process_cpu_seconds_total", "counter",
+                "Total user and system CPU time spent in seconds.");
+    gauge(b, "process_cpu_seconds_total",
+          (double)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+                  (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6,
+          NULL);
+    metric_head(b, "process_start_time_seconds", "gauge",
+                "Start time of the process since unix epoch in seconds.");
+    gauge(b, "process_start_time_seconds", START_TIME, NULL);
+    metric_head(b, "ltg_build_info", "gauge", "Always 1: the version of ltg running.");
+    gauge(b, "ltg_build_info", 1, "version", LTG_VERSION, NULL);
+}
+
 /* The gauges, read from live state now. */
 static void metrics_gauges(buf *b) {
     int64_t now = wall_ms();
@@ -11705,30 +11745,7 @@ static void metrics_gauges(buf *b) {
     metric_head(b, "ltg_client_connections", "gauge", "Open client connections.");
     gauge(b, "ltg_client_connections", S.nconns - S.nadmin, "listener", "inference", NULL);
     gauge(b, "ltg_client_connections", S.nadmin, "listener", "admin", NULL);
-    long pages = 0, fds = -1; /* the directory's own fd is not counted */
-    FILE *f = fopen("/proc/self/statm", "re");
-    if (f && fscanf(f, "%*s %ld", &pages) != 1) pages = 0;
-    if (f) fclose(f);
-    DIR *d = opendir("/proc/self/fd");
-    for (struct dirent *e; d && (e = readdir(d));) fds += e->d_name[0] != '.';
-    if (d) closedir(d);
-    struct rusage ru;
-    getrusage(RUSAGE_SELF, &ru);
-    metric_head(b, "process_resident_memory_bytes", "gauge", "Resident memory size in bytes.");
-    gauge(b, "process_resident_memory_bytes", (double)pages * (double)sysconf(_SC_PAGESIZE), NULL);
-    metric_head(b, "process_open_fds", "gauge", "Number of open file descriptors.");
-    gauge(b, "process_open_fds", (double)fds, NULL);
-    metric_head(b, "process_cpu_seconds_total", "counter",
-                "Total user and system CPU time spent in seconds.");
-    gauge(b, "process_cpu_seconds_total",
-          (double)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
-                  (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6,
-          NULL);
-    metric_head(b, "process_start_time_seconds", "gauge",
-                "Start time of the process since unix epoch in seconds.");
-    gauge(b, "process_start_time_seconds", START_TIME, NULL);
-    metric_head(b, "ltg_build_info", "gauge", "Always 1: the version of ltg running.");
-    gauge(b, "ltg_build_info", 1, "version", LTG_VERSION, NULL);
+    metrics_process(b);
 }
 
 /* GET /metrics on the admin listener: the Prometheus text format 0.0.4. */
@@ -11776,8 +11793,7 @@ static void probe_reply(conn *c, int ready) {
     jwriter w;
     jw_init(&w, &b), jw_open(&w, '{'), jw_key(&w, "status"), jw_cstr(&w, status);
     if (why) {
-        jw_key(&w, "detail");
-        jw_cstr(&w, why);
+        jw_key(&w, "detail"), jw_cstr(&w, why);
     }
     jw_close(&w, '}');
     conn_reply(c, ready && strcmp(status, "ready") ? 503 : 200, "application/json",
@@ -12260,6 +12276,21 @@ static void fds_budget(void) {
     S.pfds = xcalloc((size_t)S.nfds_cap, sizeof *S.pfds);
 }
 
+/* Signals reach the loop through a self-pipe: the handler sets a flag and
+ * writes a byte that wakes poll(); the loop acts on the flag. */
+static int signals_install(void) {
+    if (pipe2(S.sig_pipe, O_NONBLOCK | O_CLOEXEC) < 0) return LTG_ERR;
+    loop_watch(S.sig_pipe[0], POLLIN, sig_pipe_read, NULL);
+    struct sigaction sa = {0};
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGHUP, &sa, NULL);
+    sigaction(SIGUSR1, &sa, NULL);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     char err[512];
     const char *why;
@@ -12298,15 +12329,7 @@ int main(int argc, char **argv) {
     S.ended = request_ended;
     S.error = route_error;
     S.up_open = up_start;
-    if (pipe2(S.sig_pipe, O_NONBLOCK | O_CLOEXEC) < 0) { perror("ltg: pipe"); return 1; }
-    loop_watch(S.sig_pipe[0], POLLIN, sig_pipe_read, NULL);
-    struct sigaction sa = {0};
-    sa.sa_handler = on_signal;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGHUP, &sa, NULL);
-    sigaction(SIGUSR1, &sa, NULL);
+    if (signals_install() < 0) { perror("ltg: pipe"); return 1; }
     timer_init(&accept_pause, accept_resume, NULL);
     timer_init(&drain_timer, drain_expired, NULL);
     dns_init();
