@@ -2,6 +2,7 @@
 #   make            the static, stripped gateway ./ltg
 #   make test       ./test.sh: unit + integration tests, again under ASan+UBSan, a short fuzz pass
 #   make bench      tests/bench.sh: ltg against nginx, same upstream, same run
+#   make profile    the same with ./ltg-profile (symbols, frame pointers) under perf record
 #   make fuzz       tests/fuzz.c under libFuzzer+ASan+UBSan, FUZZ_SECONDS (10) per target
 #   make valgrind   the integration suite with every ltg under valgrind's memcheck
 #   make soak       tests/soak.sh: SOAK_SECONDS (180) of mixed load; RSS and fds stable
@@ -62,6 +63,16 @@ demo: ltg tests/mock
 
 bench: ltg tests/mock tests/ledger-gen
 	tests/bench.sh
+
+# A symbolised build for perf: what make bench measures, with -g and frame pointers, not stripped.
+ltg-profile: ltg.c ltg.h | deps
+	$(CC) $(CFLAGS) -g -fno-omit-frame-pointer $(WARN) $(CFLAGS_EXTRA) -static -o $@ ltg.c $(BEARSSL) -lm
+
+profile: ltg-profile tests/mock tests/ledger-gen
+	@command -v perf >/dev/null || apt-get install -y -qq linux-perf >/dev/null 2>&1 || \
+	  { echo "make profile needs perf: sudo apt-get install linux-perf"; exit 1; }
+	LTG_BIN=./ltg-profile BENCH_PROFILE=1 BENCH_TLS=0 BENCH_HISTORY_EVENTS=0 BENCH_TODAY_EVENTS=0 \
+	  BENCH_TRAFFIC_BASE= BENCH_BASE= tests/bench.sh
 
 # The whole integration suite with every ltg it starts run under memcheck:
 # any invalid access, use of uninitialised memory or leak (definite, indirect
@@ -166,6 +177,6 @@ uninstall:
 	-rmdir $(DESTDIR)$(PREFIX)/share/ltg 2>/dev/null
 
 clean:
-	rm -f ltg ltg-asan ltg-valgrind tests/unit tests/unit-asan tests/mock tests/ledger-gen $(FUZZ_TARGETS:%=tests/fuzz-%)
+	rm -f ltg ltg-asan ltg-valgrind ltg-profile tests/unit tests/unit-asan tests/mock tests/ledger-gen $(FUZZ_TARGETS:%=tests/fuzz-%)
 
-.PHONY: all deps test demo bench fuzz valgrind soak install install-files uninstall clean
+.PHONY: all deps test demo bench profile fuzz valgrind soak install install-files uninstall clean

@@ -102,11 +102,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/aio_abi.h>
+#include <sys/eventfd.h>
 #include <sys/file.h>
 #include <sys/random.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
 #include <time.h>
 #include <unistd.h>
@@ -187,6 +190,7 @@ typedef struct {
     fd_handler *handler; /* NULL: nobody watches this fd */
     void *ctx;
     short events;
+    int64_t seen; /* S.now when it last had an event or a new interest */
 } fd_watch;
 
 static struct {
@@ -1678,6 +1682,14 @@ int sse_event_data(const char *ev, size_t n, buf *out) {
  * is requested only when a write returned EAGAIN (Redis's
  * handleClientsWithPendingWrites).
  *
+ * poll() costs per fd, so a thousand idle keep-alive clients would be paid
+ * for on every request. An fd that has had no event for HOT_MS (a client
+ * between requests, a pooled upstream connection, a quiet listener) is
+ * left out of the pollfd array, and every COLD_POLL_MS one turn polls them
+ * all: a request on an idle connection waits at most that long before ltg
+ * sees it, and the busy ones pay for the hot few. A loop with nothing hot
+ * polls everything and sleeps until its next timer.
+ *
  * Timers live in a binary min-heap; each knows its slot, so stopping one is
  * O(log n). Signals reach the loop through a self-pipe, never by
  * interrupting it at an unknown point.
@@ -1686,19 +1698,45 @@ int sse_event_data(const char *ev, size_t n, buf *out) {
  * (S.hooks, loop_hooks in ltg.h: the server's flush, the store's turn,
  * then the access log's write).
  */
+#define HOT_MS 1000      /* an fd without an event this long is polled only in a sweep */
+#define COLD_POLL_MS 5   /* how often a sweep polls every fd */
+
 static int *fds_to_close;
 static int nclose, close_cap;
+static int64_t sweep_due; /* the next turn that polls every fd */
 
 static void loop_watch(int fd, short events, fd_handler *h, void *ctx) {
     if (fd < 0 || fd >= S.nfds_cap) {
         ltg_log("fd %d beyond the fd table (%d)", fd, S.nfds_cap);
         abort();
     }
-    S.fds[fd] = (fd_watch){h, ctx, events};
+    S.fds[fd] = (fd_watch){h, ctx, events, S.now};
     if (fd >= S.fd_high) S.fd_high = fd + 1;
 }
 
-static void loop_events(int fd, short events) { S.fds[fd].events = events; }
+static void loop_events(int fd, short events) {
+    S.fds[fd].events = events;
+    S.fds[fd].seen = S.now;
+}
+
+/* The pollfd array of this turn: the hot fds, or every fd in a sweep.
+ * Returns how many; *cold counts those left out. */
+static int loop_pollfds(int *cold) {
+    int n = 0, sweep = S.now >= sweep_due;
+    *cold = 0;
+    for (int fd = 0; fd < S.fd_high; fd++) {
+        const fd_watch *w = &S.fds[fd];
+        /* an fd that wants nothing is not polled at all */
+        if (!w->handler || !w->events) continue;
+        if (!sweep && S.now - w->seen >= HOT_MS) {
+            (*cold)++;
+            continue;
+        }
+        S.pfds[n++] = (struct pollfd){fd, w->events, 0};
+    }
+    if (sweep) sweep_due = S.now + COLD_POLL_MS;
+    return n;
+}
 
 /* Stop watching fd and close it at the end of this turn. */
 static void loop_close(int fd) {
@@ -1794,16 +1832,14 @@ static void loop_run(void) {
         for (int i = 0; i < nclose; i++) close(fds_to_close[i]);
         nclose = 0;
         if (S.hooks.done && S.hooks.done()) return;
-        int n = 0;
-        /* an fd that wants nothing is not polled at all: poll() costs per fd */
-        for (int fd = 0; fd < S.fd_high; fd++)
-            if (S.fds[fd].handler && S.fds[fd].events)
-                S.pfds[n++] = (struct pollfd){fd, S.fds[fd].events, 0};
+        int cold, n = loop_pollfds(&cold);
         int timeout = busy ? 0 : -1;
         if (S.nheap && !busy) {
             int64_t d = S.heap[0]->when - clock_ms();
             timeout = d < 0 ? 0 : d > 60000 ? 60000 : (int)d;
         }
+        if (cold && (timeout < 0 || timeout > sweep_due - S.now))
+            timeout = (int)(sweep_due - S.now);
         int ready = poll(S.pfds, (nfds_t)n, timeout);
         if (ready < 0 && errno != EINTR) { ltg_log("poll: %s", strerror(errno)); abort(); }
         S.now = clock_ms();
@@ -1811,6 +1847,7 @@ static void loop_run(void) {
             if (!S.pfds[i].revents) continue;
             ready--;
             fd_watch *w = &S.fds[S.pfds[i].fd];
+            w->seen = S.now;
             /* NULL: unwatched earlier this turn */
             if (w->handler) w->handler(w->ctx, S.pfds[i].revents);
         }
@@ -6062,6 +6099,8 @@ typedef struct {
     off_t size;               /* durable + pending: where the next record lands */
     buf pending;              /* records not yet fsynced, kept until they are */
     size_t written;           /* of those, bytes already written */
+    size_t syncing;           /* of those, bytes an fsync in flight covers (log_sync_start) */
+    double sync_t0;           /* when that fsync began */
     int failing;              /* the last write or fsync failed: log_sync() tries again */
     char why[320];            /* what failed, for the operator and for a 503 */
 } logfile;
@@ -6156,27 +6195,127 @@ static int log_write(logfile *l) {
     return 0;
 }
 
+/* The first n bytes of the pending records are durable: let them go. */
+static void log_durable(logfile *l, size_t n) {
+    l->durable += (off_t)n;
+    memmove(l->pending.p, l->pending.p + n, l->pending.len - n);
+    l->pending.len -= n;
+    l->written -= n;
+    if (!l->pending.len && l->pending.cap > (1 << 20))
+        buf_free(&l->pending); /* a backlog's memory is not kept */
+    if (l->written < l->pending.len) return; /* a write failed since: still failing */
+    if (l->failing) ltg_log("%s is written again", l->path);
+    l->failing = 0;
+}
+
+/* An fsync failed: the file is cut back to what is durable, and every
+ * pending record will be written again from ltg's own copy. */
+static int log_unsynced(logfile *l, int e) {
+    l->written = 0;
+    if (ftruncate(l->fd, l->durable) < 0) { /* log_write cuts back first */ }
+    return log_failed(l, "fsync of", e);
+}
+
+/* ---- fsync off the loop ----
+ *
+ * An fdatasync takes half a millisecond on a quiet disk and tens of them
+ * on a busy one, and a request that arrives meanwhile waits for all of it.
+ * Linux AIO runs IOCB_CMD_FDSYNC (Linux 4.18) in a kernel worker and
+ * counts its end on an eventfd the loop polls, so the ledger's periodic
+ * fsync costs the loop two system calls and no wait. The records stay
+ * pending until it ends (log_synced), exactly as when ltg waits. Where AIO
+ * is refused (an old kernel, a sandbox), log_sync() waits, as before.
+ *
+ * While one runs, the loop writes to no file (disk_quiet): the fsync
+ * commits the file system's journal, and an append made during the commit
+ * waits for it -- the same stall, moved into write(). The records and
+ * access log lines of those few hundred microseconds wait in memory and go
+ * out in the turn after it ends. */
+#define AIO_MAX 8 /* fsyncs in flight: one per ledger day that is not sealed */
+
+static struct {
+    aio_context_t ctx;
+    int efd;      /* -1: no AIO, every fsync waits */
+    int inflight; /* fsyncs running */
+} AIO = {0, -1, 0};
+
+/* May the loop write to a file now? Not while an fsync runs. */
+static int disk_quiet(void) { return AIO.inflight == 0; }
+
+static void log_synced(logfile *l, long res);
+
+/* Take the fsyncs that ended; with `wait`, wait for one at least. */
+static void aio_reap(int wait) {
+    struct io_event ev[AIO_MAX];
+    struct timespec zero = {0, 0};
+    long n = syscall(SYS_io_getevents, AIO.ctx, wait ? 1 : 0, AIO_MAX, ev, wait ? NULL : &zero);
+    for (long i = 0; i < n; i++) log_synced((logfile *)(uintptr_t)ev[i].data, (long)ev[i].res);
+}
+
+static void aio_ready(void *ctx, int revents) {
+    (void)ctx;
+    (void)revents;
+    uint64_t count;
+    if (read(AIO.efd, &count, sizeof count) == sizeof count) aio_reap(0);
+}
+
+/* At start-up: AIO if the kernel gives it. */
+static void aio_start(void) {
+    AIO.efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (AIO.efd >= 0 && syscall(SYS_io_setup, AIO_MAX, &AIO.ctx) == 0) {
+        loop_watch(AIO.efd, POLLIN, aio_ready, NULL);
+        return;
+    }
+    ltg_log("no Linux AIO (%s): the ledger's fsyncs wait on the loop", strerror(errno));
+    if (AIO.efd >= 0) close(AIO.efd);
+    AIO.efd = -1;
+}
+
 /* Make the pending records durable: write them, fdatasync, and only then
- * let them go. A failed fsync cuts the file back to what is durable; the
- * records stay for the next try. */
+ * let them go (an fsync already in flight is waited for first). A failed
+ * fsync cuts the file back to what is durable; the records stay for the
+ * next try. */
 static int log_sync(logfile *l) {
+    while (l->syncing) aio_reap(1);
     if (log_write(l) < 0) return LTG_ERR;
     if (!l->pending.len) return 0;
     double t0 = clock_s();
     int rc = fdatasync(l->fd);
     metric_observe(M_FSYNC, clock_s() - t0, NULL);
-    if (rc < 0) {
-        int e = errno;
-        l->written = 0;
-        if (ftruncate(l->fd, l->durable) < 0) { /* log_write cuts back first */ }
-        return log_failed(l, "fsync of", e);
-    }
-    l->durable = l->size;
-    l->pending.len = l->written = 0;
-    if (l->pending.cap > (1 << 20)) buf_free(&l->pending); /* a backlog's memory is not kept */
-    if (l->failing) ltg_log("%s is written again", l->path);
-    l->failing = 0;
+    if (rc < 0) return log_unsynced(l, errno);
+    log_durable(l, l->pending.len);
     return 0;
+}
+
+/* The same without waiting: the records are written now and the kernel
+ * fsyncs them; log_synced() lets them go. One fsync per file at a time
+ * (l->syncing: a later one starts after it). */
+static int log_sync_start(logfile *l) {
+    if (l->syncing) return 0;
+    if (AIO.efd < 0) return log_sync(l);
+    if (log_write(l) < 0) return LTG_ERR;
+    if (!l->pending.len) return 0;
+    struct iocb cb = {.aio_data = (uintptr_t)l,
+                      .aio_lio_opcode = IOCB_CMD_FDSYNC,
+                      .aio_fildes = (uint32_t)l->fd,
+                      .aio_flags = IOCB_FLAG_RESFD,
+                      .aio_resfd = (uint32_t)AIO.efd};
+    struct iocb *list[1] = {&cb};
+    if (syscall(SYS_io_submit, AIO.ctx, 1, list) != 1) return log_sync(l);
+    AIO.inflight++;
+    l->syncing = l->written;
+    l->sync_t0 = clock_s();
+    return 0;
+}
+
+/* An fsync started by log_sync_start ended with `res` (0, or -errno). */
+static void log_synced(logfile *l, long res) {
+    size_t n = l->syncing;
+    l->syncing = 0;
+    AIO.inflight--;
+    metric_observe(M_FSYNC, clock_s() - l->sync_t0, NULL);
+    if (res < 0) log_unsynced(l, (int)-res);
+    else log_durable(l, n);
 }
 
 /* Append one record to l; with `sync`, make it durable before returning
@@ -7462,20 +7601,28 @@ static void seg_spends(segment *s, int64_t now, spend_fn *fn, void *ctx) {
 
 /* ---- writing ---- */
 
-/* Write and fsync every day whose events wait in memory; while one fails,
- * try again every second. */
+/* Write and fsync every day whose events wait in memory (`wait`: before
+ * returning; otherwise off the loop, log_sync_start). While one fails, try
+ * again every second; while one's fsync runs, look again in 20 ms for the
+ * events that came meanwhile. */
 static void ledger_sync(void *ctx);
 static timer ledger_sync_timer = {.slot = -1, .fire = ledger_sync};
 
-static void ledger_sync(void *ctx) {
-    (void)ctx;
-    int failing = 0;
+static void ledger_sync_all(int wait) {
+    int failing = 0, syncing = 0;
     for (int i = 0; i < LG.nseg; i++) {
-        segment *s = LG.seg[i];
-        if (s->state != SEG_SEALED && (s->f.pending.len || s->f.failing))
-            failing |= log_sync(&s->f) < 0;
+        logfile *f = &LG.seg[i]->f;
+        if (LG.seg[i]->state == SEG_SEALED || (!f->pending.len && !f->failing)) continue;
+        failing |= (wait ? log_sync(f) : log_sync_start(f)) < 0;
+        syncing |= f->syncing > 0;
     }
     if (failing) timer_set(&ledger_sync_timer, LEDGER_RETRY_MS);
+    else if (syncing) timer_set(&ledger_sync_timer, LEDGER_SYNC_MS);
+}
+
+static void ledger_sync(void *ctx) {
+    (void)ctx;
+    ledger_sync_all(0);
 }
 
 /* May events be recorded now? Not while a day's log fails to take them,
@@ -7626,7 +7773,7 @@ static void ledger_tick(int64_t now) {
     for (int i = 0; i < LG.nseg; i++) {
         segment *s = LG.seg[i];
         if (s->state != SEG_SEALED && !s->f.failing && s->f.written < s->f.pending.len &&
-            log_write(&s->f) < 0)
+            disk_quiet() && log_write(&s->f) < 0)
             timer_set(&ledger_sync_timer, LEDGER_RETRY_MS);
         if (s->state == SEG_OPEN && s->day < day_of(now)) s->state = SEG_SEALING;
         if (s->state == SEG_OPEN && s->idx_failing && S.now >= s->retry_at) seg_spill(s);
@@ -11548,7 +11695,7 @@ static void access_reopen(void) {
 
 /* Before the loop sleeps: the turn's lines, in one write. */
 static int access_flush(void) {
-    while (ALOG.b.len && ALOG.fd >= 0) {
+    while (ALOG.b.len && ALOG.fd >= 0 && disk_quiet()) {
         ssize_t w = write(ALOG.fd, ALOG.b.p, ALOG.b.len);
         if (w < 0 && errno == EINTR) continue;
         if (w <= 0) break; /* a full disk: kept, up to ALOG_MAX */
@@ -12333,13 +12480,14 @@ int main(int argc, char **argv) {
     timer_init(&accept_pause, accept_resume, NULL);
     timer_init(&drain_timer, drain_expired, NULL);
     dns_init();
+    aio_start();
     loop_watch(S.listen_fd, POLLIN, listener_accept, &S.listen_fd);
     loop_watch(S.admin_fd, POLLIN, listener_accept, &S.admin_fd);
     ltg_log("listening on %s (inference) and %s (admin); %d provider(s), %d model(s)",
             S.listen_addr, S.admin_addr, S.cat->nprov, S.cat->nmodels);
     loop_run();
     meters_close(); /* what the drain left metered is billed what is known: no event is lost */
-    ledger_sync(NULL);
+    ledger_sync_all(1);
     const char *lost;
     if (!ledger_writable(&lost))
         ltg_log("stopping with spend events that could not be written (%s): they are lost", lost);

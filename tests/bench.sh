@@ -28,6 +28,8 @@
 #   BENCH_STRICT=1  exit 1 when a target is missed (default: report only)
 #   BENCH_PIN=0     do not pin the 1-connection runs to one core (see below)
 #   BENCH_TLS=0     skip the HTTPS section (it needs the openssl command)
+#   BENCH_PROFILE=1 perf record ltg during its 64-connection run and print the top of the
+#                   profile (make profile: LTG_BIN=./ltg-profile, symbols kept; needs perf)
 #   BENCH_HISTORY_EVENTS  events of the long-history section (10000000; 0 skips it)
 #   BENCH_TODAY_EVENTS    events of the busy-day section, all of them today (10000000; 0 skips it)
 #   BENCH_TRAFFIC_BASE    the revision measured as "before" in the traffic section (b40c800,
@@ -507,7 +509,14 @@ measure() {
         pin "${pids[@]}"
         WRK_PREFIX="taskset -c $PIN_CPU"
     fi
+    local perf_pid=
+    if [ "${BENCH_PROFILE:-0}" = 1 ] && [ "$name" = ltg ] && [ "$4" = 64 ]; then
+        perf record -F 999 -g -p "${PID_OF[$name]}" -o "$T/perf.data" -- sleep "$SECS" \
+            >"$T/perf.log" 2>&1 &
+        perf_pid=$!
+    fi
     run_wrk "$name" "${URL[$name]}" "${PID_OF[$name]}" "$3" "$4" "$2"
+    [ -n "$perf_pid" ] && wait "$perf_pid"
     [ -n "$WRK_PREFIX" ] && unpin "${pids[@]}"
     WRK_PREFIX=
     s1=$(mock_stats)
@@ -603,6 +612,15 @@ echo "| connections the mock accepted during the runs (1 / 64 conns) | ${R[mock-
 echo
 echo "nginx master RSS (not counted above): $(mb "$(hwm_kb "$NGINX_MASTER")"); benchmark time ${ELAPSED} s"
 echo
+if [ -s "$T/perf.data" ]; then
+    echo "### ltg's profile at 64 connections (perf, self time, top 25)"
+    echo
+    echo '```'
+    perf report -i "$T/perf.data" --no-children --stdio --sort symbol 2>/dev/null |
+        grep -E '^ +[0-9.]+%' | head -n 25
+    echo '```'
+    echo
+fi
 pct() { awk -v a="$1" -v b="$2" 'BEGIN { if (b + 0 == 0) print "n/a"; else printf "%.3f %%", 100 * a / b }'; }
 
 # ---------------------------------------------------------------- the HTTPS runs

@@ -1484,6 +1484,28 @@ def t_client_keepalive():
         check(r.status == 200, "third request: %s" % r.brief())
 
 
+@test("idle keep-alive clients: left out of poll() after a second, swept, and answered")
+def t_idle_clients_swept():
+    conns = []
+    try:
+        for _ in range(100):
+            c = Conn(H.port)
+            conns.append(c)
+            c.send(http_request("GET", "/healthz", auth=None))
+            check(c.read_final_response().status == 200, "an idle client's first request")
+        time.sleep(1.5)  # past HOT_MS: every one of them is polled only in a sweep now
+        for i, c in enumerate(conns[::10]):
+            c.send(http_request("POST", "/v1/chat/completions", chat_body(content="cold %d" % i)))
+            r = c.read_final_response(10)
+            check(r.status == 200, "a request on a connection idle for 1.5 s: %s" % r.brief())
+        with Conn(H.port) as c:
+            c.send(http_request("GET", "/healthz", auth=None))
+            check(c.read_final_response(10).status == 200, "a new client beside 100 idle ones")
+    finally:
+        for c in conns:
+            c.close()
+
+
 @test("pipelining: two requests in one write, answers in order")
 def t_pipelining():
     first = http_request("POST", "/v1/chat/completions",

@@ -1136,13 +1136,19 @@ static void test_ledger_extremes(void) {
     store_reset();
 }
 
+/* A new log DIR/NAME in the unit directory (its path in path[400]). */
+static void unit_fresh_log(logfile *l, const char *name, char *path) {
+    snprintf(path, 400, "%s/%s", unit_dir, name);
+    unlink(path);
+    *l = (logfile){.fd = -1};
+    log_init(l, unit_dir, name, LOG_MAGIC);
+}
+
 /* A log whose disk fails keeps its records and writes them when it can. */
 static void test_log_failures(void) {
     char path[400];
-    snprintf(path, sizeof path, "%s/fail.log", unit_dir);
-    unlink(path);
-    logfile l = {.fd = -1};
-    log_init(&l, unit_dir, "fail.log", LOG_MAGIC);
+    logfile l;
+    unit_fresh_log(&l, "fail.log", path);
     const char *why;
     CHECK(log_append(&l, "one", 3, 1, &why) == 0 && file_size(path) == 8 + 11, "a synchronous append");
     int real = l.fd;
@@ -1159,6 +1165,45 @@ static void test_log_failures(void) {
     CHECK(b.len == 44 && memcmp(b.p + 19 + 8, "three", 5) == 0 && memcmp(b.p + 19 + 13 + 8, "four", 4) == 0, "nothing lost, nothing twice");
     buf_free(&b), buf_free(&l.pending);
     close(l.fd);
+}
+
+/* An fsync off the loop (Linux AIO): the records it covers go when it
+ * ends, those written meanwhile stay; no file is written while it runs; a
+ * failed one keeps every record for a rewrite. */
+static void test_log_async(void) {
+    char path[400];
+    logfile l;
+    unit_fresh_log(&l, "async.log", path);
+    const char *why;
+    AIO.efd = eventfd(0, EFD_CLOEXEC);
+    AIO.ctx = 0;
+    if (AIO.efd < 0 || syscall(SYS_io_setup, AIO_MAX, &AIO.ctx) < 0) {
+        printf("skip: test_log_async: no Linux AIO here (%s)\n", strerror(errno));
+        if (AIO.efd >= 0) close(AIO.efd);
+        AIO.efd = -1;
+        return;
+    }
+    CHECK(log_append(&l, "one", 3, 0, &why) == 0 && log_sync_start(&l) == 0, "started");
+    CHECK(l.syncing == 11 && !disk_quiet() && file_size(path) == 8 + 11, "written, fsync in flight: %zu", l.syncing);
+    CHECK(log_append(&l, "two", 3, 0, &why) == 0 && log_sync_start(&l) == 0 && l.syncing == 11, "one fsync at a time: %zu %zu %zu", l.syncing, l.written, l.pending.len);
+    uint64_t count;
+    CHECK(read(AIO.efd, &count, sizeof count) == sizeof count && count == 1, "its end counted on the eventfd");
+    aio_reap(0);
+    CHECK(!l.syncing && disk_quiet() && l.durable == 19 && l.pending.len == 11 && l.written == 0, "the first record let go, the second kept");
+    CHECK(log_sync_start(&l) == 0 && log_sync(&l) == 0 && l.durable == 30 && !l.pending.len && disk_quiet(), "log_sync waits for the one in flight");
+    CHECK(log_append(&l, "three", 5, 0, &why) == 0 && log_sync_start(&l) == 0, "another");
+    aio_reap(1);
+    CHECK(log_append(&l, "four", 4, 0, &why) == 0 && log_write(&l) == 0 && l.written == 12, "written, not fsynced");
+    l.syncing = l.written; /* as if an fsync of both had failed */
+    AIO.inflight++;
+    log_synced(&l, -EIO);
+    CHECK(l.failing && l.written == 0 && l.pending.len == 12 && l.durable == 43, "a failed fsync keeps them: %s", l.why);
+    CHECK(log_sync(&l) == 0 && !l.failing && file_size(path) == 43 + 12, "written again, once");
+    buf_free(&l.pending);
+    close(l.fd);
+    syscall(SYS_io_destroy, AIO.ctx);
+    close(AIO.efd);
+    AIO.efd = -1;
 }
 
 /* Expired idempotency records leave the state log within the hour, even
@@ -1937,7 +1982,7 @@ static void test_ledger_budgets_16k(void) { test_ledger_budgets(16 << 10); }
 static const struct { const char *name; void (*fn)(void); } TESTS[] = {
     T(test_json_reader), T(test_json_scan), T(test_json_writer), T(test_http_request), T(test_http_response),
     T(test_chunked), T(test_sse), T(test_config), T(test_dns), T(test_timers), T(test_plan),
-    T(test_group_validation), T(test_ledger_pieces), T(test_log), T(test_log_failures), T(test_compaction_on_time),
+    T(test_group_validation), T(test_ledger_pieces), T(test_log), T(test_log_failures), T(test_log_async), T(test_compaction_on_time),
     T(test_ledger_days), T(test_ledger_budgets_16m), T(test_ledger_budgets_16k), T(test_ledger_chunks),
     T(test_ledger_migration), T(test_ledger_extremes), T(test_exchange_fake),
 };
