@@ -164,8 +164,10 @@
  * token an output token -- and the others say which part was priced
  * apart: cache reads, cache writes (of them, 1-hour writes), reasoning. */
 enum { TOK_IN, TOK_CACHE_READ, TOK_CACHE_WRITE, TOK_CACHE_WRITE_1H, TOK_OUT, TOK_REASONING, NTOK };
-static const char *const tok_names[NTOK] = {"input_tokens", "cache_read_tokens", "cache_write_tokens",
-                                            "cache_write_1h_tokens", "output_tokens", "reasoning_tokens"};
+static const char *const tok_names[NTOK] = {
+    "input_tokens", "cache_read_tokens", "cache_write_tokens", "cache_write_1h_tokens",
+    "output_tokens", "reasoning_tokens"
+};
 
 typedef struct timer timer;
 typedef struct exchange exchange;
@@ -593,7 +595,9 @@ static void *hmap_del(hmap *m, const void *k, size_t n) {
  * observation is counted as dropped instead. Section 18 writes them out. */
 #define METRICS_MAX_SERIES 4096
 #define NBUCKETS 15
-static const double BUCKETS[NBUCKETS] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300};
+static const double BUCKETS[NBUCKETS] = {
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300
+};
 
 enum {
     M_REQUESTS, M_DURATION, M_ATTEMPTS, M_TTFT, M_TOKENS, M_HOLD_EXCEEDED, M_SPEND, M_TLS,
@@ -1668,7 +1672,8 @@ int sse_event_data(const char *ev, size_t n, buf *out) {
  * IMPLEMENTATION NOTES
  * One handler per fd, kept in a table indexed by the fd (Redis's ae.c).
  * Each turn runs the due timers and the before-sleep hooks, closes the
- * deferred fds, then rebuilds the pollfd array from that table, polls
+ * deferred fds, then rebuilds the pollfd array from that table (its hot
+ * fds, see below), polls
  * with the timeout of the nearest timer, and dispatches.
  *
  * Closing is deferred twice over. A closed connection is only marked and
@@ -1685,7 +1690,7 @@ int sse_event_data(const char *ev, size_t n, buf *out) {
  * poll() costs per fd, so a thousand idle keep-alive clients would be paid
  * for on every request. An fd that has had no event for HOT_MS (a client
  * between requests, a pooled upstream connection, a quiet listener) is
- * left out of the pollfd array, and every COLD_POLL_MS one turn polls them
+ * left out of the pollfd array, and every SWEEP_MS one turn polls them
  * all: a request on an idle connection waits at most that long before ltg
  * sees it, and the busy ones pay for the hot few. A loop with nothing hot
  * polls everything and sleeps until its next timer.
@@ -1699,7 +1704,7 @@ int sse_event_data(const char *ev, size_t n, buf *out) {
  * then the access log's write).
  */
 #define HOT_MS 1000      /* an fd without an event this long is polled only in a sweep */
-#define COLD_POLL_MS 5   /* how often a sweep polls every fd */
+#define SWEEP_MS 5       /* how often a sweep polls every fd */
 
 static int *fds_to_close;
 static int nclose, close_cap;
@@ -1734,7 +1739,7 @@ static int loop_pollfds(int *cold) {
         }
         S.pfds[n++] = (struct pollfd){fd, w->events, 0};
     }
-    if (sweep) sweep_due = S.now + COLD_POLL_MS;
+    if (sweep) sweep_due = S.now + SWEEP_MS;
     return n;
 }
 
@@ -3233,8 +3238,10 @@ static const br_x509_pkey *nv_get_pkey(const br_x509_class *const *ctx, unsigned
     if (usages) *usages = BR_KEYTYPE_KEYX | BR_KEYTYPE_SIGN;
     return br_x509_decoder_get_pkey(&nv->dc);
 }
-static const br_x509_class tls_noverify_class = {sizeof(tls_noverify), nv_start_chain, nv_start_cert, nv_append,
-                                                 nv_end_cert, nv_end_chain, nv_get_pkey};
+static const br_x509_class tls_noverify_class = {
+    sizeof(tls_noverify), nv_start_chain, nv_start_cert, nv_append, nv_end_cert, nv_end_chain,
+    nv_get_pkey
+};
 
 /* ---- a connection ---- */
 
@@ -3274,7 +3281,8 @@ static const char *tls_error_words(int err, char *tmp, size_t n) {
 static const uint16_t tls_suites[] = {
     BR_TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256, BR_TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256,
     BR_TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384, BR_TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384,
-    BR_TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256, BR_TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256,
+    BR_TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256,
+    BR_TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256
 };
 
 /* A client engine for provider p, ready to say ClientHello (resuming p's
@@ -3911,9 +3919,12 @@ enum {
     PERM_ALL = 1, PERM_GROUPS_WRITE = 2, PERM_GROUPS_READ = 4, PERM_KEYS_WRITE = 8,
     PERM_KEYS_READ = 16, PERM_SPEND_READ = 32, PERM_USAGE_READ = 64, PERM_METRICS_READ = 128
 };
-static const char *perm_names[] = {"*", "llm_token_gateway.token_groups.write", "llm_token_gateway.token_groups.read",
-                                   "llm_token_gateway.token_keys.write", "llm_token_gateway.token_keys.read",
-                                   "llm_token_gateway.spend.read", "llm_token_gateway.usage.read", "llm_token_gateway.metrics.read"};
+static const char *perm_names[] = {
+    "*", "llm_token_gateway.token_groups.write", "llm_token_gateway.token_groups.read",
+    "llm_token_gateway.token_keys.write", "llm_token_gateway.token_keys.read",
+    "llm_token_gateway.spend.read", "llm_token_gateway.usage.read",
+    "llm_token_gateway.metrics.read"
+};
 
 typedef struct {
     uint8_t sha[32];
@@ -4183,10 +4194,14 @@ static void prices_set(prices *p, const double usd[NPRICE]) {
  * provider bills. "long_context" is a second tier: its input and output
  * prices, the cache prices scaled with the input price. */
 static int cfg_prices(cfg *c, int v, const char *where, model *md) {
-    static const char *const names[NPRICE] = {"input_usd_per_mtok", "cache_read_usd_per_mtok", "cache_write_usd_per_mtok",
-                                              "cache_write_1h_usd_per_mtok", "output_usd_per_mtok"};
+    static const char *const names[NPRICE] = {
+        "input_usd_per_mtok", "cache_read_usd_per_mtok", "cache_write_usd_per_mtok",
+        "cache_write_1h_usd_per_mtok", "output_usd_per_mtok"
+    };
     static const double anthropic[NPRICE] = {1, 0.1, 1.25, 2, 0}, openai[NPRICE] = {1, 1, 1, 1, 0};
-    static const char *const long_fields[] = {"above_input_tokens", "input_usd_per_mtok", "output_usd_per_mtok", NULL};
+    static const char *const long_fields[] = {
+        "above_input_tokens", "input_usd_per_mtok", "output_usd_per_mtok", NULL
+    };
     const double *by_api = md->api == API_ANTHROPIC ? anthropic : openai;
     double usd[NPRICE], lusd[NPRICE];
     for (int k = 0; k < NPRICE; k++) {
@@ -4255,7 +4270,9 @@ static void *cfg_room(const cfg *c, int obj, size_t size) {
 }
 
 static int cfg_provider(cfg *c, catalog *cat, int k, const char *where) {
-    static const char *const fields[] = {"base_url", "api_key_env", "api_key_envs", "tls_verify", "api", NULL};
+    static const char *const fields[] = {
+        "base_url", "api_key_env", "api_key_envs", "tls_verify", "api", NULL
+    };
     provider *p = &cat->prov[cat->nprov++];
     p->name = json_strdup(c->s, c->t, k);
     p->tls_verify = 1;
@@ -4361,9 +4378,12 @@ static int cfg_routes(cfg *c, catalog *cat, model *md, int v, const char *where)
 }
 
 static int cfg_model(cfg *c, catalog *cat, int k, const char *where) {
-    static const char *const fields[] = {"provider", "upstream_model", "deployments", "weight", "input_usd_per_mtok", "output_usd_per_mtok",
-                                         "cache_read_usd_per_mtok", "cache_write_usd_per_mtok", "cache_write_1h_usd_per_mtok",
-                                         "long_context", "context_window", "max_output_tokens", "max_input_part_tokens", NULL};
+    static const char *const fields[] = {
+        "provider", "upstream_model", "deployments", "weight", "input_usd_per_mtok",
+        "output_usd_per_mtok", "cache_read_usd_per_mtok", "cache_write_usd_per_mtok",
+        "cache_write_1h_usd_per_mtok", "long_context", "context_window", "max_output_tokens",
+        "max_input_part_tokens", NULL
+    };
     model *md = &cat->models[cat->nmodels++];
     md->alias = json_strdup(c->s, c->t, k);
     md->max_output_tokens = 4096;
@@ -4634,7 +4654,9 @@ int attempt_context_length(int status, const char *body, size_t n) {
 
 /* see ltg.h */
 const char *outcome_name(attempt_outcome o) {
-    static const char *const names[] = {"ok", "no_work", "indeterminate", "terminal", "unknown_model", "circuit_open"};
+    static const char *const names[] = {
+        "ok", "no_work", "indeterminate", "terminal", "unknown_model", "circuit_open"
+    };
     return (unsigned)o < sizeof names / sizeof *names ? names[o] : "?";
 }
 
@@ -4784,7 +4806,8 @@ static int deployment_other(const model *m, uint32_t avoid, int64_t now) {
 #define IDEM_TTL_MS (24LL * 3600 * 1000)
 #define NAME_MAX_LEN 200
 
-static const char *const backoff_names[] = {"constant", "linear", "exponential", NULL}; /* backoff_kind, ltg.h */
+/* The names of backoff_kind (ltg.h), in its order. */
+static const char *const backoff_names[] = {"constant", "linear", "exponential", NULL};
 
 /* What every stored item starts with: its slot in the creation-order vector
  * and the size of its latest log record (for the compaction estimate). */
@@ -5303,8 +5326,10 @@ static int parse_log_common(const char *s, const json_tok *t, int i, char *id, l
  * takes: read-only, or unknown (`fields` says what there is). */
 static int field_refused(const char *s, const json_tok *t, int i, const char *key,
                          const char *fields, verr *e) {
-    static const char *const readonly[] = {"id", "record_type", "version", "created_at", "updated_at", "spend",
-                                           "reserved_spend", "budget_started_at", "resets_at", NULL};
+    static const char *const readonly[] = {
+        "id", "record_type", "version", "created_at", "updated_at", "spend", "reserved_spend",
+        "budget_started_at", "resets_at", NULL
+    };
     int ro = 0;
     for (const char *const *r = readonly; *r; r++) ro |= json_eq(s, t, i, *r);
     return ro ? verr_at(e, key, NULL, "is read-only: ltg sets it")
@@ -6045,7 +6070,8 @@ done:
  * (DATA/ledger/YYYY-MM-DD.log, section 14). Every acknowledged change is
  * one record in state.log, written and fsynced before the answer leaves
  * (Redis's appendfsync always); spend events are written at the end of
- * each loop turn and fsynced within 20 ms (Redis's everysec, tighter). A
+ * each loop turn and fsynced within 20 ms (Redis's everysec, tighter), by
+ * the kernel beside the loop ("fsync off the loop" below). A
  * file opens with an 8-byte magic of its kind; a record is
  *
  *     [length: 4 bytes LE][CRC-32 of the payload: 4 bytes LE][payload]
@@ -6198,8 +6224,7 @@ static int log_write(logfile *l) {
 /* The first n bytes of the pending records are durable: let them go. */
 static void log_durable(logfile *l, size_t n) {
     l->durable += (off_t)n;
-    memmove(l->pending.p, l->pending.p + n, l->pending.len - n);
-    l->pending.len -= n;
+    buf_consume(&l->pending, n);
     l->written -= n;
     if (!l->pending.len && l->pending.cap > (1 << 20))
         buf_free(&l->pending); /* a backlog's memory is not kept */
@@ -6225,12 +6250,8 @@ static int log_unsynced(logfile *l, int e) {
  * fsync costs the loop two system calls and no wait. The records stay
  * pending until it ends (log_synced), exactly as when ltg waits. Where AIO
  * is refused (an old kernel, a sandbox), log_sync() waits, as before.
- *
- * While one runs, the loop writes to no file (disk_quiet): the fsync
- * commits the file system's journal, and an append made during the commit
- * waits for it -- the same stall, moved into write(). The records and
- * access log lines of those few hundred microseconds wait in memory and go
- * out in the turn after it ends. */
+ * The loop goes on writing each turn's records meanwhile, so a crash of
+ * ltg itself still loses only the turn it dies in. */
 #define AIO_MAX 8 /* fsyncs in flight: one per ledger day that is not sealed */
 
 static struct {
@@ -6238,9 +6259,6 @@ static struct {
     int efd;      /* -1: no AIO, every fsync waits */
     int inflight; /* fsyncs running */
 } AIO = {0, -1, 0};
-
-/* May the loop write to a file now? Not while an fsync runs. */
-static int disk_quiet(void) { return AIO.inflight == 0; }
 
 static void log_synced(logfile *l, long res);
 
@@ -6259,16 +6277,19 @@ static void aio_ready(void *ctx, int revents) {
     if (read(AIO.efd, &count, sizeof count) == sizeof count) aio_reap(0);
 }
 
+/* AIO refused (`what` failed with errno): from now on every fsync waits. */
+static void aio_off(const char *what) {
+    ltg_log("no Linux AIO (%s: %s): the ledger's fsyncs wait on the loop", what, strerror(errno));
+    if (AIO.efd >= 0) loop_close(AIO.efd);
+    AIO.efd = -1;
+}
+
 /* At start-up: AIO if the kernel gives it. */
 static void aio_start(void) {
     AIO.efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (AIO.efd >= 0 && syscall(SYS_io_setup, AIO_MAX, &AIO.ctx) == 0) {
-        loop_watch(AIO.efd, POLLIN, aio_ready, NULL);
-        return;
-    }
-    ltg_log("no Linux AIO (%s): the ledger's fsyncs wait on the loop", strerror(errno));
-    if (AIO.efd >= 0) close(AIO.efd);
-    AIO.efd = -1;
+    if (AIO.efd >= 0) loop_watch(AIO.efd, POLLIN, aio_ready, NULL);
+    if (AIO.efd < 0) aio_off("eventfd");
+    else if (syscall(SYS_io_setup, AIO_MAX, &AIO.ctx) < 0) aio_off("io_setup");
 }
 
 /* Make the pending records durable: write them, fdatasync, and only then
@@ -6301,7 +6322,11 @@ static int log_sync_start(logfile *l) {
                       .aio_flags = IOCB_FLAG_RESFD,
                       .aio_resfd = (uint32_t)AIO.efd};
     struct iocb *list[1] = {&cb};
-    if (syscall(SYS_io_submit, AIO.ctx, 1, list) != 1) return log_sync(l);
+    if (syscall(SYS_io_submit, AIO.ctx, 1, list) != 1) {
+        /* a file system without it: no second try (once the others in flight are in) */
+        if (!AIO.inflight) aio_off("io_submit");
+        return log_sync(l);
+    }
     AIO.inflight++;
     l->syncing = l->written;
     l->sync_t0 = clock_s();
@@ -6674,7 +6699,8 @@ typedef struct {
     size_t model_len, event_len, replay_len;
 } rec_view;
 
-static const uint8_t rec_class_at[NTOK] = {4, 104, 108, 112, 8, 116}; /* where each token class is in the head */
+/* Where each token class is in the head. */
+static const uint8_t rec_class_at[NTOK] = {4, 104, 108, 112, 8, 116};
 
 static void rec_encode(buf *out, const rec_view *v) {
     uint8_t h[REC_HEAD] = {2, v->status, v->flags, (uint8_t)v->model_len};
@@ -6886,7 +6912,9 @@ typedef struct { uint32_t str, len, first, n; int64_t spent; } idx_name;
 /* model: in NAMES; "" group: all */
 typedef struct { char group[36]; uint32_t model; usage_row u; } idx_row;
 
-static const size_t sec_elem[NSEC] = {8, sizeof(idx_name), 1, sizeof(idx_gpos), sizeof(idx_gpos), sizeof(idx_row), sizeof(idx_row), 4};
+static const size_t sec_elem[NSEC] = {
+    8, sizeof(idx_name), 1, sizeof(idx_gpos), sizeof(idx_gpos), sizeof(idx_row), sizeof(idx_row), 4
+};
 
 /* The head of one chunk of an index file. */
 typedef struct {
@@ -7773,7 +7801,7 @@ static void ledger_tick(int64_t now) {
     for (int i = 0; i < LG.nseg; i++) {
         segment *s = LG.seg[i];
         if (s->state != SEG_SEALED && !s->f.failing && s->f.written < s->f.pending.len &&
-            disk_quiet() && log_write(&s->f) < 0)
+            log_write(&s->f) < 0)
             timer_set(&ledger_sync_timer, LEDGER_RETRY_MS);
         if (s->state == SEG_OPEN && s->day < day_of(now)) s->state = SEG_SEALING;
         if (s->state == SEG_OPEN && s->idx_failing && S.now >= s->retry_at) seg_spill(s);
@@ -9770,12 +9798,21 @@ struct wire_kind {
     int free;                    /* costs nothing: no budget, no spend event (count_tokens) */
 };
 
-#define USAGE_PROMPT .usage = {"prompt_tokens", "prompt_tokens_details.cached_tokens", NULL, NULL, "completion_tokens", \
-                               "completion_tokens_details.reasoning_tokens"}  /* chat's, completions', embeddings' */
-#define USAGE_IO .usage = {"input_tokens", "input_tokens_details.cached_tokens", NULL, NULL, "output_tokens", \
-                           "output_tokens_details.reasoning_tokens"}          /* the Responses API's */
-#define USAGE_ANTHROPIC .usage = {"input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens", \
-                                  "cache_creation.ephemeral_1h_input_tokens", "output_tokens", NULL}, .in_adds_cache = 1
+/* Where each API's usage object keeps each token class, in tok_names' order. */
+/* chat's, completions', embeddings' */
+#define USAGE_PROMPT                                                                     \
+    .usage = {"prompt_tokens", "prompt_tokens_details.cached_tokens", NULL, NULL,        \
+              "completion_tokens", "completion_tokens_details.reasoning_tokens"}
+/* the Responses API's */
+#define USAGE_IO                                                                         \
+    .usage = {"input_tokens", "input_tokens_details.cached_tokens", NULL, NULL,          \
+              "output_tokens", "output_tokens_details.reasoning_tokens"}
+/* Anthropic's, whose input_tokens leaves the cached ones out */
+#define USAGE_ANTHROPIC                                                                  \
+    .usage = {"input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens",  \
+              "cache_creation.ephemeral_1h_input_tokens", "output_tokens", NULL},         \
+    .in_adds_cache = 1
+
 static const wire_kind WIRE[] = {
     {"/v1/chat/completions", "/chat/completions", API_OPENAI, .stream = 1, .ask_usage = 1, USAGE_PROMPT,
      .max_out = {"max_tokens", "max_completion_tokens"}, .cut = CUT_DATA},
@@ -10305,7 +10342,9 @@ static void exchange_event_json(exchange *x, const model *m, const long long tok
 static void exchange_count(const exchange *x, const group *g, const model *m, int64_t cost) {
     for (int i = 0; i < x->nlog; i++)
         for (int c = 0; c < NTOK; c++) {
-            static const char *const type[NTOK] = {"input", "cache_read", "cache_write", NULL, "output", "reasoning"};
+            static const char *const type[NTOK] = {
+                "input", "cache_read", "cache_write", NULL, "output", "reasoning"
+            };
             if (type[c] && x->log[i].tok[c])
                 metric_add(M_TOKENS, (double)x->log[i].tok[c], "model",
                            x->chain[x->log[i].model]->alias, "type", type[c], NULL);
@@ -11180,7 +11219,9 @@ static int admit_key(admission *a, refusal *r) {
 /* json_scan's callback: an image, audio or file part of a prompt, in any
  * API's shape (a "type" that names one). */
 static void count_part(void *ctx, const char *name, size_t nlen, const char *v, size_t vlen) {
-    static const char *const kinds[] = {"image_url", "input_image", "image", "input_audio", "input_file", "file", "document", NULL};
+    static const char *const kinds[] = {
+        "image_url", "input_image", "image", "input_audio", "input_file", "file", "document", NULL
+    };
     /* compared unescaped */
     json_tok tn = {JSON_STRING, 0, (uint32_t)nlen, 0, 1},
              tv = {JSON_STRING, 0, (uint32_t)vlen, 0, 1};
@@ -11459,7 +11500,8 @@ static int admit_hold(admission *a, refusal *r) {
 
 /* The checks, in order: the first that does not admit decides. */
 static int (*const admission_checks[])(admission *, refusal *) = {
-    admit_key, admit_body, admit_model, admit_options, admit_overrides, admit_idempotency, admit_parallel, admit_storage, admit_hold,
+    admit_key, admit_body, admit_model, admit_options, admit_overrides, admit_idempotency,
+    admit_parallel, admit_storage, admit_hold
 };
 
 /* A refused request's answer: the error, and what it cost (nothing) and
@@ -11695,7 +11737,7 @@ static void access_reopen(void) {
 
 /* Before the loop sleeps: the turn's lines, in one write. */
 static int access_flush(void) {
-    while (ALOG.b.len && ALOG.fd >= 0 && disk_quiet()) {
+    while (ALOG.b.len && ALOG.fd >= 0) {
         ssize_t w = write(ALOG.fd, ALOG.b.p, ALOG.b.len);
         if (w < 0 && errno == EINTR) continue;
         if (w <= 0) break; /* a full disk: kept, up to ALOG_MAX */

@@ -1484,7 +1484,7 @@ def t_client_keepalive():
         check(r.status == 200, "third request: %s" % r.brief())
 
 
-@test("idle keep-alive clients: left out of poll() after a second, swept, and answered")
+@test("idle keep-alive clients: a request on a connection idle past HOT_MS is answered")
 def t_idle_clients_swept():
     conns = []
     try:

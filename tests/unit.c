@@ -16,7 +16,7 @@
 
 #include <sys/mman.h>
 
-static int passed, failed;
+static int passed, failed, skipped;
 
 #define CHECK(cond, ...)                                                  \
     do {                                                                  \
@@ -1168,8 +1168,8 @@ static void test_log_failures(void) {
 }
 
 /* An fsync off the loop (Linux AIO): the records it covers go when it
- * ends, those written meanwhile stay; no file is written while it runs; a
- * failed one keeps every record for a rewrite. */
+ * ends, those written meanwhile stay; a failed one keeps every record for
+ * a rewrite. */
 static void test_log_async(void) {
     char path[400];
     logfile l;
@@ -1178,19 +1178,20 @@ static void test_log_async(void) {
     AIO.efd = eventfd(0, EFD_CLOEXEC);
     AIO.ctx = 0;
     if (AIO.efd < 0 || syscall(SYS_io_setup, AIO_MAX, &AIO.ctx) < 0) {
-        printf("skip: test_log_async: no Linux AIO here (%s)\n", strerror(errno));
+        printf("skip - test_log_async (no Linux AIO here: %s)\n", strerror(errno));
+        skipped++;
         if (AIO.efd >= 0) close(AIO.efd);
         AIO.efd = -1;
         return;
     }
     CHECK(log_append(&l, "one", 3, 0, &why) == 0 && log_sync_start(&l) == 0, "started");
-    CHECK(l.syncing == 11 && !disk_quiet() && file_size(path) == 8 + 11, "written, fsync in flight: %zu", l.syncing);
+    CHECK(l.syncing == 11 && AIO.inflight == 1 && file_size(path) == 8 + 11, "written, fsync in flight: %zu", l.syncing);
     CHECK(log_append(&l, "two", 3, 0, &why) == 0 && log_sync_start(&l) == 0 && l.syncing == 11, "one fsync at a time: %zu %zu %zu", l.syncing, l.written, l.pending.len);
     uint64_t count;
     CHECK(read(AIO.efd, &count, sizeof count) == sizeof count && count == 1, "its end counted on the eventfd");
     aio_reap(0);
-    CHECK(!l.syncing && disk_quiet() && l.durable == 19 && l.pending.len == 11 && l.written == 0, "the first record let go, the second kept");
-    CHECK(log_sync_start(&l) == 0 && log_sync(&l) == 0 && l.durable == 30 && !l.pending.len && disk_quiet(), "log_sync waits for the one in flight");
+    CHECK(!l.syncing && !AIO.inflight && l.durable == 19 && l.pending.len == 11 && l.written == 0, "the first record let go, the second kept");
+    CHECK(log_sync_start(&l) == 0 && log_sync(&l) == 0 && l.durable == 30 && !l.pending.len && !AIO.inflight, "log_sync waits for the one in flight");
     CHECK(log_append(&l, "three", 5, 0, &why) == 0 && log_sync_start(&l) == 0, "another");
     aio_reap(1);
     CHECK(log_append(&l, "four", 4, 0, &why) == 0 && log_write(&l) == 0 && l.written == 12, "written, not fsynced");
@@ -2030,6 +2031,7 @@ int main(int argc, char **argv) {
         snprintf(cmd, sizeof cmd, "rm -rf %s", unit_dir);
         CHECK(system(cmd) == 0, "cleanup of %s", unit_dir);
     }
-    printf("unit: %d passed, %d failed\n", passed, failed);
+    if (skipped) printf("unit: %d passed, %d failed, %d skipped\n", passed, failed, skipped);
+    else printf("unit: %d passed, %d failed\n", passed, failed);
     return failed != 0;
 }
