@@ -72,10 +72,11 @@
  *  17. Inference: the proxy path
  *  18. Observability: metrics and the access log
  *  19. Routing
- *  20. main
+ *  20. Several instances: the Redis link
+ *  21. main
  *
  * Sections 3 to 9 are the engine -- parsers, the loop, the HTTP server,
- * name resolution, TLS and upstream connections -- and 10 to 19 the
+ * name resolution, TLS and upstream connections -- and 10 to 20 the
  * gateway built on it. The engine calls the gateway only through the hooks
  * of ltg.h; of the gateway's it carries only what the access log wants of a
  * request (req_facts) and what a provider needs beside its address (its API
@@ -124,7 +125,7 @@
  * may change the operator-facing ones. The process-wide state -- options,
  * the loop, the listeners -- is one global struct, `S`; each later section
  * keeps its own state in statics beside its code (the structs ST, LOG, LG,
- * CACHE, TLS, PINS, ALOG, METERS, TRUSTED; tables such as PEERS, METRICS, hosts;
+ * CACHE, TLS, PINS, ALOG, METERS, TRUSTED, CL; tables such as PEERS, METRICS, hosts;
  * the API kinds' WIRE), so a reader finds it where it is used. The few
  * other file-scope variables sit beside the functions that use them: the
  * loop's deferred closes, the client connection list, a handful of timers
@@ -257,6 +258,13 @@ static struct {
     int ndns_servers;
     dns_entry *dns_cache;
 } S;
+
+/* Section 20's, for the sections before it (the state is shared only with --cluster). */
+static int cl_on(void);
+static void cl_note_sid(const char *p, const json_tok *t);
+static const char *cl_applied(void);
+static const char *cl_unready(void);
+static void cl_metrics(buf *b);
 
 /* ===== 2. Utilities: logging, time, random, buffers, hashing, metrics, addresses =====
  *
@@ -2999,7 +3007,8 @@ static void dns_readable(void *ctx, int revents) {
 }
 
 /* Resolve `host` for upstream u. Returns 0 with *addr filled, LTG_AGAIN when
- * u will be called back through up_resolved(), or LTG_ERR with *err. */
+ * u will be called back through up_resolved() (u NULL: when the answer is
+ * cached), or LTG_ERR with *err. */
 static int dns_resolve(const char *host, upstream *u, struct sockaddr_storage *addr,
                        const char **err) {
     if (addr_parse(host, addr) == 0) return 0;
@@ -3029,8 +3038,10 @@ static int dns_resolve(const char *host, upstream *u, struct sockaddr_storage *a
         e->next = S.dns_cache;
         S.dns_cache = e;
     }
-    *up_wait_link(u) = e->waiters;
-    e->waiters = u;
+    if (u) { /* NULL: a caller that asks again later (section 20) */
+        *up_wait_link(u) = e->waiters;
+        e->waiters = u;
+    }
     if (!e->qid) {
         e->qid = (uint16_t)(rng_next() | 1);
         dns_send(e);
@@ -6014,6 +6025,7 @@ static int store_apply(void *ctx, const char *p, size_t n, off_t at, char *err, 
         goto done;
     }
     int ops = json_get(p, t, 0, "ops"), iv = json_get(p, t, 0, "idem"), o = ops + 1;
+    cl_note_sid(p, t); /* a record of the shared stream carries its id (section 20) */
     if (ops < 0 || t[ops].type != JSON_ARRAY) {
         snprintf(err, errlen, "no \"ops\" list");
         goto done;
@@ -6518,8 +6530,17 @@ static int compact_due(int64_t now) {
 static void compact_start(void) {
     LOG.tmp_fd = open(LOG.tmp, O_RDWR | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0600);
     if (LOG.tmp_fd < 0) { compact_abandon(strerror(errno)); return; }
-    if (write_all(LOG.tmp_fd, LOG_MAGIC, 8) < 0) { compact_abandon(strerror(errno)); return; }
-    LOG.tmp_size = 8;
+    buf head = {0}, sid = {0};
+    buf_append(&head, LOG_MAGIC, 8);
+    if (cl_applied()[0]) { /* where the shared stream is read from (section 20), kept */
+        buf_printf(&sid, "{\"sid\":\"%s\",\"ops\":[]}", cl_applied());
+        log_frame(&head, sid.p, sid.len);
+    }
+    int rc = write_all(LOG.tmp_fd, head.p, head.len);
+    LOG.tmp_size = (off_t)head.len;
+    buf_free(&head);
+    buf_free(&sid);
+    if (rc < 0) { compact_abandon(strerror(errno)); return; }
     LOG.compacting = ST.frozen = 1;
     LOG.gi = LOG.ki = LOG.ii = 0;
     /* items added later are in the tail */
@@ -9017,6 +9038,10 @@ static int idem_begin(conn *c, const admin_who *who, idem_ticket *tk) {
     return 0;
 }
 
+/* With --cluster, a change goes through the shared store instead (section 20). */
+static void cl_change(conn *c, const buf *rec, const idem *r, const char *id, long long base,
+                      const char *parent, int status, const buf *reply);
+
 /* Step 4 of every change: log `ops` (a JSON array) with the idempotency
  * record of its answer -- `kept` (a body) with `kept_status` and
  * `version` -- fsync, and only then apply it to memory (`it` put in the
@@ -9043,6 +9068,14 @@ static void admin_change(conn *c, const idem_ticket *tk, const buf *ops, const s
     jw_key(&w, "idem");
     idem_json(&w, r);
     jw_close(&w, '}');
+    if (cl_on()) { /* the shared stream decides, and every instance applies it (section 20) */
+        const char *parent = K == &KEYS ? ((const tkey *)it)->group_id : "";
+        cl_change(c, &p, r, it->id, del ? it->version : version - 1, parent, status, reply);
+        idem_free(r);
+        if (!del) K->drop(it);
+        buf_free(&p);
+        return;
+    }
     const char *why;
     int rc = state_append(p.p, p.len, &why);
     size_t idem_bytes = p.len - ops->len;
@@ -11415,6 +11448,25 @@ static int admit_overrides(admission *a, refusal *r) {
 
 /* Idempotency-Key (README "Idempotent inference"), keyed by the token key: one client's keys
  * never meet another's. A finished first request is replayed. */
+/* With --cluster, what needs a decision all instances share -- a budget, a
+ * rate limit, parallel slots, an Idempotency-Key -- is refused: each
+ * instance would count alone, N instances allowing N times the limit
+ * (README "Several instances": their shared admission is not built yet). */
+static int admit_shared(admission *a, refusal *r) {
+    if (!cl_on() || a->kind->free) return ADMIT;
+    const allowance *al[2] = {&a->key->s.al, &a->g->s.al};
+    size_t n;
+    int shared = a->g->max_parallel != UNSET ||
+                 http_header_get(a->c->in.p, a->c->req.h, a->c->req.nh, "idempotency-key", &n);
+    for (int i = 0; i < 2; i++)
+        shared |= al[i]->has_budget || al[i]->rpm_limit != UNSET || al[i]->tpm_limit != UNSET;
+    if (!shared) return ADMIT;
+    return refuse(r, 503, "store_unavailable", NULL,
+                  "with --cluster, budgets, rate limits, max_parallel_requests and "
+                  "Idempotency-Key are not yet shared between instances, and this request needs "
+                  "one of them: it is refused rather than counted by one instance alone");
+}
+
 static int admit_idempotency(admission *a, refusal *r) {
     a->ik = http_header_get(a->c->in.p, a->c->req.h, a->c->req.nh, "idempotency-key", &a->ikn);
     if (!a->ik) return ADMIT;
@@ -11500,8 +11552,8 @@ static int admit_hold(admission *a, refusal *r) {
 
 /* The checks, in order: the first that does not admit decides. */
 static int (*const admission_checks[])(admission *, refusal *) = {
-    admit_key, admit_body, admit_model, admit_options, admit_overrides, admit_idempotency,
-    admit_parallel, admit_storage, admit_hold
+    admit_key, admit_body, admit_model, admit_options, admit_overrides, admit_shared,
+    admit_idempotency, admit_parallel, admit_storage, admit_hold
 };
 
 /* A refused request's answer: the error, and what it cost (nothing) and
@@ -11945,6 +11997,7 @@ static void metrics_reply(conn *c) {
     buf b = {0};
     metrics_series(&b);
     metrics_gauges(&b);
+    if (cl_on()) cl_metrics(&b);
     conn_reply(c, 200, "text/plain; version=0.0.4; charset=utf-8", "Cache-Control: no-store\r\n",
                b.p, b.len);
     buf_free(&b);
@@ -11977,6 +12030,8 @@ static void probe_reply(conn *c, int ready) {
     } else if (ready && LOG.f.failing) {
         status = "storage_unavailable";
         why = "the state log cannot be written (see ltg's log)";
+    } else if (ready && (why = cl_unready())) {
+        status = "store_unavailable";
     }
     buf b = {0};
     jwriter w;
@@ -12106,7 +12161,726 @@ static void route(conn *c) {
     }
 }
 
-/* ===== 20. main =====
+/* ===== 20. Several instances: the Redis link =====
+ *
+ * IMPLEMENTATION NOTES
+ * With --cluster redis://HOST:PORT[/DB], several ltg processes share one
+ * Redis or Valkey primary and behave as one gateway (README "Several
+ * instances"). RESP2 is written here like HTTP and JSON: a command is an
+ * array of bulk strings; a reply is parsed into resp_tok, a flat array in
+ * document order like the JSON reader's tokens.
+ *
+ * Two links, each one TCP connection in the loop. CMD carries the calls,
+ * pipelined: the calls of a turn leave in one write, and the replies come
+ * back in order, matched to a FIFO of callbacks. TAIL is blocked in
+ * XREAD on the shared stream and doubles as the heartbeat. On every
+ * (re)connect a link authenticates, selects its database and asks ROLE,
+ * which must say master (a replica answers reads and refuses writes); CMD
+ * then loads ltg's functions (FUNCTION LOAD REPLACE) before it takes a
+ * call. A failure -- a refused connect, a reply that does not parse, no
+ * reply within CL_TIMEOUT_MS -- closes the link and fails its pending calls
+ * (their callers answer 503), and a timer reconnects after a backoff
+ * (CL_BACKOFF_MIN_MS doubling to CL_BACKOFF_MAX_MS, with jitter), for ever.
+ *
+ * The control plane (section 16's admin_change) does not write the local
+ * log first. A change is one call of ltg_cp_v1, which checks the item's
+ * version and the Idempotency-Key in Redis and appends the record to the
+ * stream ltg:log, all or nothing. Every instance -- the writer too --
+ * applies ltg:log in order through store_apply(), the code that replays the
+ * state log at start-up, after appending the record with its stream id
+ * ("sid") to its own state log: a restart replays the local copy and reads
+ * the stream from the last sid. The writer answers once its reader has
+ * applied its record, so what it answered, it shows.
+ *
+ * A change built on a copy the stream has moved past (another instance
+ * changed the item first) is refused by the function with the stream's
+ * last id; the writer waits until it has applied that far and runs the
+ * request again on the fresh copy: with If-Match, that is a 412; without,
+ * the change applies to the newer item.
+ */
+#define CL_TIMEOUT_MS 3000       /* no reply this long: the link is lost */
+#define CL_BACKOFF_MIN_MS 100
+#define CL_BACKOFF_MAX_MS 5000
+#define CL_BLOCK_MS 1000         /* XREAD's wait: the heartbeat */
+#define CL_READ_COUNT 16         /* records per XREAD */
+#define CL_MAX_CALLS 4096        /* calls in flight on a link; beyond, refused at once */
+#define CL_CHANGE_TRIES 3        /* runs of one change whose copy was stale */
+#define STR_(x) #x
+#define STR(x) STR_(x)         /* a number macro as a string */
+#define RESP_MAX_TOKS 1024
+#define RESP_MAX_DEPTH 8
+#define RESP_MAX_BULK (4 << 20) /* a change's record: its item and answer (bodies <= 1 MiB) */
+/* a reply's bytes: at most CL_READ_COUNT records, and their framing */
+#define RESP_MAX_REPLY ((size_t)CL_READ_COUNT * (RESP_MAX_BULK + 256))
+
+typedef struct {
+    char type;                /* '+' '-' ':' '$' '*', or '_' for a null */
+    long long num;            /* ':' its value, '*' its element count */
+    size_t off, len;          /* '+' '-' '$': the text */
+    int next;                 /* the token after this one and its elements */
+} resp_tok;
+
+/* One reply element at *at into t[*nt...]: 1 (with *at past it), 0 when the
+ * bytes end first, LTG_ERR when it is malformed or too big. */
+static int resp_elem(const char *p, size_t n, size_t *at, resp_tok *t, int max, int *nt,
+                     int depth) {
+    const char *nl = memchr(p + *at, '\n', n - *at);
+    if (!nl) return n - *at > 4096 ? LTG_ERR : 0;
+    size_t line = *at + 1, end = (size_t)(nl - p);
+    if (end == *at || p[end - 1] != '\r' || *nt >= max || depth > RESP_MAX_DEPTH) return LTG_ERR;
+    resp_tok *k = &t[(*nt)++];
+    *k = (resp_tok){.type = p[*at], .off = line, .len = end - 1 - line};
+    *at = end + 1;
+    if (k->type != '+' && k->type != '-') {
+        int neg = k->len > 1 && p[line] == '-';
+        long long v;
+        if (!k->type || !strchr(":$*", k->type) ||
+            parse_ll(p + line + neg, k->len - (size_t)neg, LLONG_MAX, &v) < 0)
+            return LTG_ERR;
+        k->num = neg ? -v : v;
+        if (k->type != ':' && neg) k->type = '_';
+    }
+    if (k->type == '$') {
+        if (k->num > RESP_MAX_BULK) return LTG_ERR;
+        if (n - *at < (size_t)k->num + 2) return 0;
+        k->off = *at;
+        k->len = (size_t)k->num;
+        if (memcmp(p + *at + k->len, "\r\n", 2) != 0) return LTG_ERR;
+        *at += k->len + 2;
+    }
+    for (long long i = 0; k->type == '*' && i < k->num; i++) {
+        int r = resp_elem(p, n, at, t, max, nt, depth + 1);
+        if (r <= 0) return r;
+    }
+    k->next = *nt;
+    return 1;
+}
+
+/* Is token i the bulk or simple string s? */
+static int resp_is(const char *p, const resp_tok *t, int i, const char *s) {
+    return (t[i].type == '$' || t[i].type == '+') && t[i].len == strlen(s) &&
+           memcmp(p + t[i].off, s, t[i].len) == 0;
+}
+
+/* A command: an array of bulk strings. */
+typedef struct {
+    const char *p;
+    size_t n;
+} rarg;
+#define RA(s) ((rarg){(s), strlen(s)})
+
+static void resp_cmd(buf *b, const rarg *a, int argc) {
+    buf_printf(b, "*%d\r\n", argc);
+    for (int i = 0; i < argc; i++) {
+        buf_printf(b, "$%zu\r\n", a[i].n);
+        buf_append(b, a[i].p, a[i].n);
+        buf_append(b, "\r\n", 2);
+    }
+}
+
+/* A call's callback: the reply in p, its tokens t (t[0] the reply); t is
+ * NULL when there will be none (the link was lost). */
+typedef void rl_reply(void *ctx, const char *p, const resp_tok *t);
+
+enum { RL_DOWN, RL_CONNECTING, RL_HELLO, RL_UP };
+
+typedef struct rlink {
+    const char *name;         /* "command", "stream": for ltg's log */
+    int fd, state, backoff_ms;
+    buf in, out;
+    struct { rl_reply *fn; void *ctx; } *q; /* calls awaiting their reply, a ring */
+    int qhead, qlen, qcap;
+    timer t;                  /* the reconnect backoff, or the reply timeout */
+    int64_t due;              /* S.now by which the oldest call's reply must be in */
+    void (*hello)(struct rlink *); /* queue the link's own handshake calls */
+    void (*up)(struct rlink *);    /* the handshake is done */
+    resp_tok tok[RESP_MAX_TOKS];
+} rlink;
+
+/* One pending control-plane change (its admin connection waits). */
+typedef struct cl_pending {
+    struct cl_pending *next;
+    conn *c;                  /* NULL once its client left */
+    char sid[32];             /* answer once the stream is applied up to here */
+    int status, tries;
+    long long version;
+    buf reply;                /* the answer (a new key's shows its secret: wiped) */
+    int rerun;                /* stale: run the request again, not answer */
+    timer t;
+} cl_pending;
+
+static struct {
+    const char *url, *password_env; /* --cluster, --cluster-password-env */
+    char host[256];
+    int port, db;
+    char *password;
+    rlink cmd, tail;
+    char applied[32];         /* the last ltg:log id applied ("ms-seq"; "" none) */
+    int64_t heard;            /* S.now of the tail link's last reply */
+    int lost;                 /* the stream ends before what this instance applied */
+    cl_pending *waiting;       /* changes whose answer waits for the reader */
+    int changes;              /* ... and all pending, waiting or calling */
+} CL;
+
+/* "ms-seq" ids, compared as the pairs of numbers they are. */
+static int sid_cmp(const char *a, const char *b) {
+    unsigned long long am = 0, as = 0, bm = 0, bs = 0;
+    sscanf(a, "%llu-%llu", &am, &as);
+    sscanf(b, "%llu-%llu", &bm, &bs);
+    return am != bm ? (am < bm ? -1 : 1) : as != bs ? (as < bs ? -1 : 1) : 0;
+}
+
+static void rl_connect(void *ctx);
+
+/* Lose the link: close it, fail what waits on it, reconnect later. */
+static void rl_fail(rlink *l, const char *why) {
+    if (l->state == RL_UP) ltg_log("cluster: %s link to %s:%d lost: %s", l->name, CL.host,
+                                   CL.port, why);
+    else if (l->backoff_ms == CL_BACKOFF_MIN_MS)
+        ltg_log("cluster: %s link to %s:%d: %s (retrying)", l->name, CL.host, CL.port, why);
+    if (l->fd >= 0) loop_close(l->fd);
+    l->fd = -1;
+    l->state = RL_DOWN;
+    l->in.len = l->out.len = 0;
+    while (l->qlen) { /* a callback may queue again: on a link that is down, it fails */
+        int i = l->qhead;
+        l->qhead = (l->qhead + 1) % l->qcap;
+        l->qlen--;
+        l->q[i].fn(l->q[i].ctx, NULL, NULL);
+    }
+    int64_t jitter = (int64_t)(rng_next() % (uint64_t)(l->backoff_ms / 2 + 1));
+    timer_set(&l->t, l->backoff_ms / 2 + jitter);
+    l->backoff_ms = l->backoff_ms * 2 > CL_BACKOFF_MAX_MS ? CL_BACKOFF_MAX_MS : l->backoff_ms * 2;
+}
+
+static void rl_timer(void *ctx) {
+    rlink *l = ctx;
+    if (l->state == RL_DOWN) rl_connect(l);
+    else rl_fail(l, "no reply within 3 s");
+}
+
+/* Queue a call; LTG_ERR (and no callback) when the link cannot take it. */
+static int rl_call(rlink *l, rl_reply *fn, void *ctx, const rarg *a, int argc) {
+    if (l->state == RL_DOWN || l->state == RL_CONNECTING || l->qlen == CL_MAX_CALLS)
+        return LTG_ERR;
+    if (l->qlen == l->qcap) {
+        int cap = l->qcap ? l->qcap * 2 : 16;
+        void *q = xcalloc((size_t)cap, sizeof *l->q);
+        for (int i = 0; i < l->qlen; i++)
+            memcpy((char *)q + (size_t)i * sizeof *l->q, &l->q[(l->qhead + i) % l->qcap],
+                   sizeof *l->q);
+        free(l->q);
+        l->q = q;
+        l->qcap = cap;
+        l->qhead = 0;
+    }
+    int i = (l->qhead + l->qlen++) % l->qcap;
+    l->q[i].fn = fn;
+    l->q[i].ctx = ctx;
+    resp_cmd(&l->out, a, argc);
+    loop_events(l->fd, POLLIN | POLLOUT);
+    if (l->qlen == 1) {
+        l->due = S.now + CL_TIMEOUT_MS;
+        timer_set(&l->t, CL_TIMEOUT_MS);
+    }
+    return 0;
+}
+
+/* Replies in: each to the oldest waiting call. */
+static void rl_replies(rlink *l) {
+    while (l->state != RL_DOWN && l->in.len) {
+        size_t at = 0;
+        int nt = 0, r = resp_elem(l->in.p, l->in.len, &at, l->tok, RESP_MAX_TOKS, &nt, 0);
+        if (r == 0 && l->in.len > RESP_MAX_REPLY) r = LTG_ERR;
+        if (r == 0) return;
+        if (r < 0 || !l->qlen) {
+            rl_fail(l, r < 0 ? "a reply that is not RESP" : "a reply to no call");
+            return;
+        }
+        int i = l->qhead;
+        l->qhead = (l->qhead + 1) % l->qcap;
+        l->qlen--;
+        l->due = S.now + CL_TIMEOUT_MS;
+        int fd = l->fd;
+        l->q[i].fn(l->q[i].ctx, l->in.p, l->tok);
+        if (l->fd != fd) return; /* the callback failed the link */
+        buf_consume(&l->in, at);
+    }
+}
+
+static void rl_io(void *ctx, int revents) {
+    rlink *l = ctx;
+    if (l->state == RL_CONNECTING) {
+        int err = 0;
+        socklen_t n = sizeof err;
+        getsockopt(l->fd, SOL_SOCKET, SO_ERROR, &err, &n);
+        if (err || (revents & (POLLERR | POLLHUP))) {
+            rl_fail(l, strerror(err ? err : ECONNREFUSED));
+            return;
+        }
+        l->state = RL_HELLO;
+        l->due = S.now + CL_TIMEOUT_MS;
+        loop_events(l->fd, POLLIN);
+        l->hello(l);
+    }
+    if (l->out.len && (revents & POLLOUT)) {
+        ssize_t n = send(l->fd, l->out.p, l->out.len, MSG_NOSIGNAL);
+        if (n < 0 && errno != EAGAIN) { rl_fail(l, strerror(errno)); return; }
+        if (n > 0) buf_consume(&l->out, (size_t)n);
+        if (!l->out.len) loop_events(l->fd, POLLIN);
+    }
+    if (revents & (POLLIN | POLLHUP | POLLERR)) {
+        for (;;) {
+            buf_reserve(&l->in, READ_CHUNK);
+            ssize_t n = recv(l->fd, l->in.p + l->in.len, READ_CHUNK, 0);
+            if (n > 0) { l->in.len += (size_t)n; continue; }
+            if (n == 0) { rl_fail(l, "the server closed the connection"); return; }
+            if (errno == EAGAIN || errno == EINTR) break;
+            rl_fail(l, strerror(errno));
+            return;
+        }
+        rl_replies(l);
+    }
+    if (l->state != RL_DOWN && l->qlen) timer_set(&l->t, l->due - S.now);
+    else if (l->state != RL_DOWN) timer_stop(&l->t); /* an idle link waits for nothing */
+}
+
+static void rl_connect(void *ctx) {
+    rlink *l = ctx;
+    struct sockaddr_storage ss;
+    const char *err = NULL;
+    int r = dns_resolve(CL.host, NULL, &ss, &err);
+    if (r == LTG_AGAIN) { timer_set(&l->t, 50); return; } /* the answer will be cached */
+    if (r < 0) { rl_fail(l, err); return; }
+    addr_set_port(&ss, CL.port);
+    l->fd = socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (l->fd < 0) { rl_fail(l, strerror(errno)); return; }
+    setsockopt(l->fd, IPPROTO_TCP, TCP_NODELAY, &(int){1}, sizeof(int));
+    if (connect(l->fd, (struct sockaddr *)&ss, addr_len(&ss)) < 0 && errno != EINPROGRESS) {
+        rl_fail(l, strerror(errno));
+        return;
+    }
+    l->state = RL_CONNECTING;
+    loop_watch(l->fd, POLLOUT, rl_io, l);
+    timer_set(&l->t, CL_TIMEOUT_MS);
+}
+
+/* The handshake: AUTH, SELECT, ROLE (each reply checked), then the link's own. */
+static void rl_hello_reply(void *ctx, const char *p, const resp_tok *t) {
+    rlink *l = ctx;
+    if (!t) return;
+    if (t[0].type == '-') {
+        char why[200];
+        snprintf(why, sizeof why, "%.*s", (int)(t[0].len > 150 ? 150 : t[0].len), p + t[0].off);
+        rl_fail(l, why);
+    }
+}
+
+static void rl_role_reply(void *ctx, const char *p, const resp_tok *t) {
+    rlink *l = ctx;
+    if (!t) return;
+    if (t[0].type != '*' || t[0].num < 1 || !resp_is(p, t, 1, "master")) {
+        rl_fail(l, "the server is not a primary (ROLE): ltg writes to the primary only");
+        return;
+    }
+    if (l->up) l->up(l);
+}
+
+static void rl_hello(rlink *l) {
+    char db[16];
+    snprintf(db, sizeof db, "%d", CL.db);
+    if (CL.password) rl_call(l, rl_hello_reply, l, (rarg[]){RA("AUTH"), RA(CL.password)}, 2);
+    if (CL.db) rl_call(l, rl_hello_reply, l, (rarg[]){RA("SELECT"), RA(db)}, 2);
+    rl_call(l, rl_role_reply, l, (rarg[]){RA("ROLE")}, 1);
+}
+
+/* ltg's functions in Redis: one library, its names versioned, so that an
+ * instance never calls code of another version during a rolling upgrade
+ * (a new version adds ltg_cp_v2 beside ltg_cp_v1, and the old instances
+ * keep calling theirs). Loaded by every instance on every connect.
+ *
+ * ltg_cp_v1: one control-plane change, all or nothing.
+ *   KEYS: ltg:log (the stream), ltg:ver (item id -> version, or "deleted"),
+ *         the change's idempotency key (a hash, kept IDEM_TTL_MS)
+ *   ARGV: item id, the version the change was built on (0: a new item),
+ *         its parent group's id ("" none), the record, the body's SHA-256,
+ *         the kept answer's status, version and body, the new version (or
+ *         "deleted"), the idempotency key's lifetime in ms
+ *   Returns {"ok", stream id}, {"replay", status, version, body},
+ *   {"conflict"} (the key was used with another body), or {"stale", the
+ *   stream's last id} (the item or its group changed first). */
+static const char CL_LIBRARY[] =
+    "#!lua name=ltg_v1\n"
+    "local function cp(keys, a)\n"
+    "  local kept = redis.call('HMGET', keys[3], 'body', 'status', 'version', 'answer')\n"
+    "  if kept[1] then\n"
+    "    if kept[1] ~= a[5] then return {'conflict'} end\n"
+    "    return {'replay', kept[2], kept[3], kept[4]}\n"
+    "  end\n"
+    "  local cur = redis.call('HGET', keys[2], a[1]) or '0'\n"
+    "  if a[3] ~= '' and redis.call('HGET', keys[2], a[3]) == 'deleted' then cur = 'deleted' end\n"
+    "  if cur ~= a[2] then\n"
+    "    local last = redis.call('XREVRANGE', keys[1], '+', '-', 'COUNT', 1)\n"
+    "    return {'stale', last[1] and last[1][1] or '0-0'}\n"
+    "  end\n"
+    "  local id = redis.call('XADD', keys[1], '*', 'r', a[4])\n"
+    "  redis.call('HSET', keys[2], a[1], a[9])\n"
+    "  redis.call('HSET', keys[3], 'body', a[5], 'status', a[6], 'version', a[7], 'answer', a[8])\n"
+    "  redis.call('PEXPIRE', keys[3], a[10])\n"
+    "  return {'ok', id}\n"
+    "end\n"
+    "redis.register_function('ltg_cp_v1', cp)\n";
+
+static void cl_tail_read(void);
+
+static void cl_loaded(void *ctx, const char *p, const resp_tok *t) {
+    rlink *l = ctx;
+    if (!t) return;
+    if (t[0].type == '-') {
+        char why[200];
+        snprintf(why, sizeof why, "FUNCTION LOAD: %.*s", (int)(t[0].len > 150 ? 150 : t[0].len),
+                 p + t[0].off);
+        rl_fail(l, why);
+        return;
+    }
+    l->state = RL_UP;
+    l->backoff_ms = CL_BACKOFF_MIN_MS;
+    ltg_log("cluster: command link to %s:%d up (functions ltg_v1 loaded)", CL.host, CL.port);
+}
+
+static void cl_cmd_up(rlink *l) {
+    rarg a[] = {RA("FUNCTION"), RA("LOAD"), RA("REPLACE"), {CL_LIBRARY, sizeof CL_LIBRARY - 1}};
+    rl_call(l, cl_loaded, l, a, 4);
+}
+
+/* The stream's last id, asked before reading it: a stream that ends before
+ * what this instance applied lost changes (a Redis restarted without its
+ * append-only file, a failover to a replica that had not received them). */
+static void cl_tail_checked(void *ctx, const char *p, const resp_tok *t) {
+    rlink *l = ctx;
+    if (!t) return;
+    char last[sizeof CL.applied] = "0-0";
+    if (t[0].type != '*' || (t[0].num && (t[1].type != '*' || t[2].type != '$' ||
+                                           t[2].len >= sizeof last))) {
+        rl_fail(l, "an answer to XREVRANGE that ltg cannot read");
+        return;
+    }
+    if (t[0].num) snprintf(last, sizeof last, "%.*s", (int)t[2].len, p + t[2].off);
+    int lost = CL.applied[0] && sid_cmp(last, CL.applied) < 0;
+    if (lost && !CL.lost)
+        ltg_log("cluster: the shared stream ltg:log ends at %s, before %s, which this instance "
+                "applied: Redis lost changes (restarted without its append-only file, or a "
+                "failover lost them); control-plane changes are refused until it is restored "
+                "(README \"Several instances\")", last, CL.applied);
+    CL.lost = lost;
+    l->state = RL_UP;
+    l->backoff_ms = CL_BACKOFF_MIN_MS;
+    CL.heard = S.now;
+    ltg_log("cluster: stream link to %s:%d up, reading ltg:log after %s", CL.host, CL.port,
+            CL.applied[0] ? CL.applied : "its start");
+    cl_tail_read();
+}
+
+static void cl_tail_up(rlink *l) {
+    rl_call(l, cl_tail_checked, l,
+            (rarg[]){RA("XREVRANGE"), RA("ltg:log"), RA("+"), RA("-"), RA("COUNT"), RA("1")}, 6);
+}
+
+/* Answer the changes the reader has now caught up with. */
+static void cl_changes_due(void);
+
+/* Apply one record of ltg:log: into memory, then into the local state log
+ * with its sid. A record that does not apply is skipped (and never logged:
+ * a replay would stop at it); LTG_ERR when the local log refused it -- the
+ * reader then reads it again after a backoff (applying a record twice
+ * changes nothing). */
+static int cl_apply(const char *sid, const char *p, size_t n) {
+    char prev[sizeof CL.applied], err[200];
+    const char *why;
+    int rc = 0;
+    memcpy(prev, CL.applied, sizeof prev);
+    buf rec = {0};
+    buf_printf(&rec, "{\"sid\":\"%s\",", sid);
+    buf_append(&rec, p + 1, n - 1); /* the record's own members after it */
+    if (store_apply(NULL, rec.p, rec.len, 0, err, sizeof err) < 0)
+        ltg_log("cluster: record %s of ltg:log does not apply here (skipped): %s", sid, err);
+    else if ((rc = state_append(rec.p, rec.len, &why)) < 0)
+        ltg_log("cluster: record %s of ltg:log is not in the state log yet: %s", sid, why);
+    buf_free(&rec);
+    if (rc < 0) memcpy(CL.applied, prev, sizeof prev);
+    else snprintf(CL.applied, sizeof CL.applied, "%s", sid);
+    return rc;
+}
+
+/* XREAD's answer: null (nothing new within CL_BLOCK_MS), or
+ * [[stream, [[id, [field, value...]]...]]]; a record is the field "r". */
+static void cl_tail_reply(void *ctx, const char *p, const resp_tok *t) {
+    (void)ctx;
+    if (!t) return;
+    CL.heard = S.now;
+    int ok = t[0].type == '_';
+    if (t[0].type == '*' && t[0].num == 1 && t[1].type == '*' && t[1].num == 2 &&
+        t[3].type == '*') {
+        ok = 1;
+        for (long long i = 0, e = 4; ok && i < t[3].num; i++, e = t[e].next) {
+            if (t[e].type != '*' || t[e].num != 2 || t[e + 1].type != '$' ||
+                t[e + 1].len >= sizeof CL.applied || t[e + 2].type != '*') {
+                ok = 0;
+                break;
+            }
+            char sid[sizeof CL.applied];
+            memcpy(sid, p + t[e + 1].off, t[e + 1].len);
+            sid[t[e + 1].len] = 0;
+            const resp_tok *rec = NULL;
+            for (long long j = 0, f = e + 3; j + 1 < t[e + 2].num; j += 2, f = t[t[f].next].next)
+                if (resp_is(p, t, (int)f, "r")) rec = &t[t[f].next];
+            if (!rec || rec->type != '$' || rec->len < 2 || p[rec->off] != '{') {
+                ltg_log("cluster: record %s of ltg:log is not ltg's (skipped)", sid);
+                snprintf(CL.applied, sizeof CL.applied, "%s", sid);
+            } else if (cl_apply(sid, p + rec->off, rec->len) < 0) {
+                cl_changes_due();
+                rl_fail(&CL.tail, "the state log refused a record");
+                return;
+            }
+        }
+    }
+    cl_changes_due();
+    if (!ok) { rl_fail(&CL.tail, "an answer to XREAD that ltg cannot read"); return; }
+    cl_tail_read();
+}
+
+static void cl_tail_read(void) {
+    rl_call(&CL.tail, cl_tail_reply, NULL,
+            (rarg[]){RA("XREAD"), RA("COUNT"), RA(STR(CL_READ_COUNT)), RA("BLOCK"),
+                     RA(STR(CL_BLOCK_MS)), RA("STREAMS"), RA("ltg:log"),
+                     RA(CL.applied[0] ? CL.applied : "0-0")},
+            8);
+}
+
+/* The changes: the admin connection waits, owned by its change. */
+static void cl_change_gone(void *owner) { ((cl_pending *)owner)->c = NULL; }
+static void cl_change_drained(void *owner) { (void)owner; }
+static const conn_owner cl_change_owner = {cl_change_gone, cl_change_drained};
+
+/* The connection again without its change, to answer; NULL when its client left. */
+static conn *cl_change_end(cl_pending *ch) {
+    conn *c = ch->c;
+    for (cl_pending **pp = &CL.waiting; *pp; pp = &(*pp)->next)
+        if (*pp == ch) { *pp = ch->next; break; }
+    timer_stop(&ch->t);
+    if (ch->reply.p) memset(ch->reply.p, 0, ch->reply.len);
+    buf_free(&ch->reply);
+    free(ch);
+    CL.changes--;
+    if (c) c->owner = NULL;
+    return c;
+}
+
+static int CL_RERUN; /* the tries before this run of a request, while it runs again */
+
+/* The reader has applied the change's record (or the stream's tail it was
+ * stale against): answer, or run the request again on the fresh copy. */
+static void cl_change_done(cl_pending *ch) {
+    int status = ch->status, rerun = ch->rerun, tries = ch->tries + 1;
+    long long version = ch->version;
+    buf reply = ch->reply;
+    ch->reply = (buf){0};
+    conn *c = cl_change_end(ch);
+    if (c && !rerun) admin_reply(c, status, version, 0, reply.p, reply.len);
+    else if (c && tries >= CL_CHANGE_TRIES)
+        admin_error(c, 503, "storage_unavailable", NULL, 0,
+                    "this item kept changing on other instances while this change was made: "
+                    "retry");
+    else if (c) {
+        CL_RERUN = tries;
+        route(c);
+        CL_RERUN = 0;
+    }
+    if (reply.p) memset(reply.p, 0, reply.len);
+    buf_free(&reply);
+}
+
+static void cl_changes_due(void) {
+    for (cl_pending *ch = CL.waiting, *next; ch; ch = next) {
+        next = ch->next;
+        if (sid_cmp(CL.applied, ch->sid) >= 0) cl_change_done(ch);
+    }
+}
+
+static void cl_change_late(void *ctx) {
+    cl_pending *ch = ctx;
+    conn *c = cl_change_end(ch);
+    if (c)
+        admin_error(c, 503, "storage_unavailable", NULL, 0,
+                    "the change is recorded in the shared store, but this instance has not "
+                    "read it back yet: retry with the same Idempotency-Key to see its answer");
+}
+
+/* ltg_cp_v1's answer (see CL_LIBRARY). */
+static void cl_change_reply(void *ctx, const char *p, const resp_tok *t) {
+    cl_pending *ch = ctx;
+    int n = t && t[0].type == '*' ? (int)t[0].num : 0;
+    if (n == 2 && (resp_is(p, t, 1, "ok") || resp_is(p, t, 1, "stale")) && t[2].type == '$' &&
+        t[2].len < sizeof ch->sid) {
+        ch->rerun = resp_is(p, t, 1, "stale");
+        memcpy(ch->sid, p + t[2].off, t[2].len);
+        ch->sid[t[2].len] = 0;
+        if (sid_cmp(CL.applied, ch->sid) >= 0) { cl_change_done(ch); return; }
+        ch->next = CL.waiting;
+        CL.waiting = ch;
+        timer_set(&ch->t, CL_TIMEOUT_MS);
+        return;
+    }
+    long long status, version;
+    if (n == 4 && resp_is(p, t, 1, "replay") && t[2].type == '$' && t[3].type == '$' &&
+        t[4].type == '$' && parse_ll(p + t[2].off, t[2].len, 599, &status) == 0 &&
+        parse_ll(p + t[3].off, t[3].len, LLONG_MAX, &version) == 0) {
+        conn *c = cl_change_end(ch);
+        if (c) admin_reply(c, (int)status, version, 1, p + t[4].off, t[4].len);
+        return;
+    }
+    int conflict = n == 1 && resp_is(p, t, 1, "conflict");
+    if (t && !conflict)
+        ltg_log("cluster: ltg_cp_v1 answered %.*s", (int)(t[0].len > 200 ? 200 : t[0].len),
+                t[0].type == '-' ? p + t[0].off : "what ltg cannot read");
+    conn *c = cl_change_end(ch);
+    if (c && conflict)
+        admin_error(c, 409, "idempotency_conflict", NULL, 0,
+                    "this Idempotency-Key was used for a different request body: use a new key for "
+                    "a new change");
+    else if (c)
+        admin_error(c, 503, "storage_unavailable", NULL, 0,
+                    "the shared store (Redis) did not take the change: nothing was changed; retry");
+}
+
+/* admin_change's way with --cluster: the record (`rec`, with its
+ * idempotency record `r`) goes to ltg_cp_v1, checked against the version
+ * `base` of item `id` (and that its group `parent` still is); the answer
+ * `reply` waits until this instance has applied it. */
+static void cl_change(conn *c, const buf *rec, const idem *r, const char *id, long long base,
+                      const char *parent, int status, const buf *reply) {
+    char idem_key[12 + 65], body[65], base_s[24], st[8], ver[24], ttl[24];
+    memcpy(idem_key, "ltg:idem:cp:", 12);
+    hex_encode(r->key, 32, idem_key + 12);
+    hex_encode(r->body, 32, body);
+    snprintf(base_s, sizeof base_s, "%lld", base);
+    snprintf(st, sizeof st, "%d", r->status);
+    snprintf(ver, sizeof ver, "%lld", r->version);
+    snprintf(ttl, sizeof ttl, "%lld", (long long)IDEM_TTL_MS);
+    cl_pending *ch = xcalloc(1, sizeof *ch);
+    ch->c = c;
+    ch->status = status;
+    ch->version = r->version;
+    ch->tries = CL_RERUN;
+    buf_append(&ch->reply, reply->p, reply->len);
+    timer_init(&ch->t, cl_change_late, ch);
+    CL.changes++;
+    rarg a[] = {RA("FCALL"), RA("ltg_cp_v1"), RA("3"), RA("ltg:log"), RA("ltg:ver"), RA(idem_key),
+                RA(id), RA(base_s), RA(parent), {rec->p, rec->len}, RA(body), RA(st), RA(ver),
+                RA(r->response), RA(r->version ? ver : "deleted"), RA(ttl)};
+    const char *why = cl_unready();
+    if (why || rl_call(&CL.cmd, cl_change_reply, ch, a, (int)(sizeof a / sizeof *a)) < 0) {
+        cl_change_end(ch);
+        admin_error(c, 503, "storage_unavailable", NULL, 0, "%s: nothing was changed; retry",
+                    why ? why : "the shared store (Redis) cannot take more calls now");
+        return;
+    }
+    c->owner = ch;
+    c->owner_ops = &cl_change_owner;
+}
+
+/* --cluster redis://HOST[:PORT][/DB] (and the password from
+ * --cluster-password-env): NULL, or what is wrong with it. */
+static const char *cl_parse(void) {
+    const char *u = CL.url, *end;
+    long long v;
+    if (strncmp(u, "redis://", 8) != 0) return "--cluster: expected redis://HOST[:PORT][/DB]";
+    u += 8;
+    if (*u == '[') { /* an IPv6 address */
+        end = strchr(u, ']');
+        if (!end) return "--cluster: an IPv6 address needs its closing ]";
+        snprintf(CL.host, sizeof CL.host, "%.*s", (int)(end - u - 1), u + 1);
+        u = end + 1;
+    } else {
+        size_t n = strcspn(u, ":/");
+        if (!n || n >= sizeof CL.host) return "--cluster: no host name, or too long";
+        snprintf(CL.host, sizeof CL.host, "%.*s", (int)n, u);
+        u += n;
+    }
+    CL.port = 6379;
+    if (*u == ':') {
+        size_t n = strcspn(++u, "/");
+        if (parse_ll(u, n, 65535, &v) < 0 || !v) return "--cluster: the port is not 1 to 65535";
+        CL.port = (int)v;
+        u += n;
+    }
+    if (*u == '/' && u[1]) {
+        if (parse_ll(u + 1, strlen(u + 1), 1000000, &v) < 0)
+            return "--cluster: the database (after /) is not a number";
+        CL.db = (int)v;
+    } else if (*u && strcmp(u, "/") != 0)
+        return "--cluster: expected redis://HOST[:PORT][/DB]";
+    if (CL.password_env) {
+        static char why[300];
+        const char *pw = getenv(CL.password_env);
+        snprintf(why, sizeof why, "--cluster-password-env: the environment variable %.200s is not "
+                 "set (or empty)", CL.password_env);
+        if (!pw || !*pw) return why;
+        CL.password = xstrdup(pw);
+    }
+    return NULL;
+}
+
+static void rl_init(rlink *l, const char *name, void (*up)(rlink *)) {
+    l->name = name;
+    l->fd = -1;
+    l->backoff_ms = CL_BACKOFF_MIN_MS;
+    l->hello = rl_hello;
+    l->up = up;
+    timer_init(&l->t, rl_timer, l);
+}
+
+/* Open both links (main, once the state log is replayed: CL.applied is
+ * where the stream is read from). */
+static void cl_start(void) {
+    rl_init(&CL.cmd, "command", cl_cmd_up);
+    rl_init(&CL.tail, "stream", cl_tail_up);
+    rl_connect(&CL.cmd);
+    rl_connect(&CL.tail);
+}
+
+static int cl_on(void) { return CL.url != NULL; }
+static const char *cl_applied(void) { return CL.applied; }
+
+/* Is the link usable? NULL, or why not (for /readyz). */
+static const char *cl_unready(void) {
+    if (!CL.url) return NULL;
+    if (CL.lost) return "the shared store lost changes this instance applied (see ltg's log)";
+    if (CL.cmd.state != RL_UP || CL.tail.state != RL_UP)
+        return "the shared store (Redis) cannot be reached (see ltg's log)";
+    return NULL;
+}
+
+/* GET /metrics: the link's state. */
+static void cl_metrics(buf *b) {
+    metric_head(b, "ltg_cluster_up", "gauge",
+                "1 while both links to the shared store (Redis) are up, else 0.");
+    gauge(b, "ltg_cluster_up", !cl_unready(), NULL);
+    metric_head(b, "ltg_cluster_heard_seconds", "gauge",
+                "Seconds since the stream link last had an answer from the shared store.");
+    gauge(b, "ltg_cluster_heard_seconds", (double)(S.now - CL.heard) / 1000, NULL);
+}
+
+/* Section 12's replay: a record applied from the stream carries its id, "sid". */
+static void cl_note_sid(const char *p, const json_tok *t) {
+    int v = json_get(p, t, 0, "sid");
+    size_t n = v >= 0 && t[v].type == JSON_STRING ? t[v].end - t[v].start : sizeof CL.applied;
+    if (n < sizeof CL.applied)
+        snprintf(CL.applied, sizeof CL.applied, "%.*s", (int)n, p + t[v].start);
+}
+
+
+/* ===== 21. main =====
  *
  * IMPLEMENTATION NOTES
  * Start-up: options (a table), the catalog, the listeners bound (a busy
@@ -12329,6 +13103,9 @@ static const char USAGE[] =
         "  --ca-file FILE           trust anchors for https:// providers (default: the system "
         "bundle)\n"
         "  --resolv-conf FILE       where the name servers are (default /etc/resolv.conf)\n"
+        "  --cluster redis://HOST[:PORT][/DB]  share groups and keys with other ltg instances\n"
+        "                           through this Redis or Valkey primary\n"
+        "  --cluster-password-env VAR  its password, from this environment variable\n"
         "  --version, --help        print the version, or this, and exit\n"
         "Signals: SIGTERM/SIGINT drain and exit, SIGHUP reloads the catalog, SIGUSR1 reopens the "
         "access log.\n";
@@ -12352,6 +13129,7 @@ typedef struct {
 static const option options[] = {
     {"--config", .str = &S.config_path}, {"--data", .str = &S.data_dir}, {"--listen", .str = &S.listen_addr},
     {"--admin-listen", .str = &S.admin_addr}, {"--resolv-conf", .str = &S.resolv_conf}, {"--ca-file", .str = &TLS.ca_file},
+    {"--cluster", .str = &CL.url}, {"--cluster-password-env", .str = &CL.password_env},
     {"--access-log", .str = &ALOG.path}, {"--metrics-auth", .i = &S.metrics_auth, .flag = 1}, {"--trusted-proxies", .str = &S.trusted_proxies},
     {"--max-conns", NULL, &S.max_conns, NULL, 1, 1000000, 1, 0},
     {"--max-conns-per-ip", NULL, &S.max_per_ip, NULL, 1, 1000000, 1, 0},
@@ -12396,6 +13174,8 @@ static void options_parse(int argc, char **argv) {
         if (o->i) *o->i = (int)(n * o->scale);
         else *o->ll = n * o->scale;
     }
+    const char *why = CL.url ? cl_parse() : NULL;
+    if (why) usage(why);
 }
 
 /* --data: made if missing, locked against a second ltg, the state log
@@ -12480,6 +13260,18 @@ static int signals_install(void) {
     return 0;
 }
 
+/* What the loop serves from its first turn: the listeners, the resolver,
+ * the fsyncs off the loop, the links of --cluster. */
+static void loop_start(void) {
+    timer_init(&accept_pause, accept_resume, NULL);
+    timer_init(&drain_timer, drain_expired, NULL);
+    dns_init();
+    aio_start();
+    if (CL.url) cl_start();
+    loop_watch(S.listen_fd, POLLIN, listener_accept, &S.listen_fd);
+    loop_watch(S.admin_fd, POLLIN, listener_accept, &S.admin_fd);
+}
+
 int main(int argc, char **argv) {
     char err[512];
     const char *why;
@@ -12519,12 +13311,7 @@ int main(int argc, char **argv) {
     S.error = route_error;
     S.up_open = up_start;
     if (signals_install() < 0) { perror("ltg: pipe"); return 1; }
-    timer_init(&accept_pause, accept_resume, NULL);
-    timer_init(&drain_timer, drain_expired, NULL);
-    dns_init();
-    aio_start();
-    loop_watch(S.listen_fd, POLLIN, listener_accept, &S.listen_fd);
-    loop_watch(S.admin_fd, POLLIN, listener_accept, &S.admin_fd);
+    loop_start();
     ltg_log("listening on %s (inference) and %s (admin); %d provider(s), %d model(s)",
             S.listen_addr, S.admin_addr, S.cat->nprov, S.cat->nmodels);
     loop_run();

@@ -34,8 +34,8 @@
  */
 #if !defined(FUZZ_HTTP_REQUEST) && !defined(FUZZ_HTTP_RESPONSE) && !defined(FUZZ_JSON) && !defined(FUZZ_CONFIG) && \
     !defined(FUZZ_LOG_REPLAY) && !defined(FUZZ_DNS) && !defined(FUZZ_STORED) && \
-    !defined(FUZZ_TLS_ANCHORS)
-#error "choose a target: -DFUZZ_HTTP_REQUEST, ..., -DFUZZ_TLS_ANCHORS (or run make fuzz)"
+    !defined(FUZZ_TLS_ANCHORS) && !defined(FUZZ_RESP)
+#error "choose a target: -DFUZZ_HTTP_REQUEST, ..., -DFUZZ_RESP (or run make fuzz)"
 #endif
 
 #define LTG_NO_MAIN
@@ -886,6 +886,40 @@ int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) {
     }
     free(TLS.ta);
     TLS.ta = NULL, TLS.nta = TLS.cap = 0;
+    return 0;
+}
+#endif
+
+/* ---- resp ---- */
+
+#ifdef FUZZ_RESP
+static void target_init(void) {}
+
+/* One Redis reply (section 20): whole, then every shorter prefix. A reply
+ * that parses is prefix-free -- each shorter prefix only wants more -- and
+ * its tokens stay within the input and their own list. */
+int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) {
+    static resp_tok t[RESP_MAX_TOKS];
+    const char *p = copy(d, n);
+    size_t at = 0;
+    int nt = 0, r = resp_elem(p, n, &at, t, RESP_MAX_TOKS, &nt, 0);
+    REQUIRE(r == 1 || r == 0 || r == LTG_ERR, "resp_elem returned %d", r);
+    if (r == 1) {
+        REQUIRE(at <= n && nt >= 1 && t[0].next == nt, "consumed %zu of %zu, %d tokens, next %d", at, n, nt,
+                t[0].next);
+        for (int i = 0; i < nt; i++)
+            REQUIRE(t[i].next > i && t[i].next <= nt && (strchr("+-$", t[i].type) == NULL || t[i].off + t[i].len <= at),
+                    "token %d: type %c next %d off %zu len %zu", i, t[i].type, t[i].next, t[i].off, t[i].len);
+        for (size_t k = 0; k < at; k++) {
+            const char *q = copy(d, k);
+            size_t a2 = 0;
+            int n2 = 0;
+            REQUIRE(resp_elem(q, k, &a2, t, RESP_MAX_TOKS, &n2, 0) == 0, "a prefix of %zu bytes of a whole reply "
+                    "did not just want more", k);
+            free((void *)q);
+        }
+    }
+    free((void *)p);
     return 0;
 }
 #endif

@@ -24,4 +24,5 @@ static void store_reset(void) {
     memset(&LG, 0, sizeof LG);
     timer_stop(&ledger_sync_timer);
     while (CACHE.head) cache_drop(CACHE.head);
+    CL.applied[0] = 0;
 }

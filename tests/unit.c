@@ -1974,6 +1974,70 @@ static void test_timers(void) {
     CHECK(S.nheap == 0 && t[2].slot == -1, "heap empty");
 }
 
+/* ---- RESP (section 20) ---- */
+
+/* Parse all of s: 1, 0 (wants more) or LTG_ERR; the tokens in t, their count in *nt. */
+static int resp_all(const char *s, size_t n, resp_tok *t, int max, int *nt) {
+    size_t at = 0;
+    *nt = 0;
+    const char *g = guarded(s, n);
+    int r = resp_elem(g, n, &at, t, max, nt, 0);
+    return r == 1 && at != n ? LTG_ERR : r;
+}
+
+static void test_resp(void) {
+    resp_tok t[64];
+    int nt;
+    static const char xread[] = "*1\r\n*2\r\n$7\r\nltg:log\r\n*2\r\n*2\r\n$3\r\n1-0\r\n*2\r\n$1\r\nr\r\n"
+                                "$2\r\n{}\r\n*2\r\n$3\r\n2-5\r\n*0\r\n";
+    CHECK(resp_all("+OK\r\n", 5, t, 64, &nt) == 1 && t[0].type == '+' && t[0].len == 2, "simple string");
+    CHECK(resp_all("-ERR no\r\n", 9, t, 64, &nt) == 1 && t[0].type == '-' && t[0].len == 6, "error");
+    CHECK(resp_all(":-42\r\n", 6, t, 64, &nt) == 1 && t[0].num == -42, "negative integer");
+    CHECK(resp_all("$-1\r\n", 5, t, 64, &nt) == 1 && t[0].type == '_', "null bulk");
+    CHECK(resp_all("*-1\r\n", 5, t, 64, &nt) == 1 && t[0].type == '_', "null array");
+    CHECK(resp_all("$0\r\n\r\n", 6, t, 64, &nt) == 1 && t[0].type == '$' && t[0].len == 0, "empty bulk");
+    CHECK(resp_all("$5\r\na\r\nbc\r\n", 11, t, 64, &nt) == 1 && t[0].len == 5, "a bulk holding CRLF");
+    CHECK(resp_all(xread, sizeof xread - 1, t, 64, &nt) == 1 && nt == 12 && t[0].next == 12 &&
+              t[3].num == 2 && t[4].next == 9 && resp_is(xread, t, 7, "r") && t[11].num == 0,
+          "an XREAD answer: %d tokens", nt);
+    for (size_t n = 0; n < sizeof xread - 1; n++) /* every prefix wants more, none reads past */
+        CHECK(resp_all(xread, n, t, 64, &nt) == 0, "prefix of %zu bytes", n);
+    static const char *const bad[] = {"?x\r\n", "+OK\n", ":12a\r\n", "$3\r\nabcd\r\n", "$x\r\n",
+                                      "*1\r\n!\r\n", ":\r\n", "$--1\r\n"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++)
+        CHECK(resp_all(bad[i], strlen(bad[i]), t, 64, &nt) == LTG_ERR, "malformed %s", bad[i]);
+    CHECK(resp_all("\0" "1\r\n", 4, t, 64, &nt) == LTG_ERR, "a NUL where the type is");
+    CHECK(resp_all("*3\r\n:1\r\n:2\r\n:3\r\n", 16, t, 3, &nt) == LTG_ERR, "more tokens than room");
+    char deep[200] = "";
+    for (int i = 0; i < 12; i++) strcat(deep, "*1\r\n");
+    strcat(deep, ":1\r\n");
+    CHECK(resp_all(deep, strlen(deep), t, 64, &nt) == LTG_ERR, "nested deeper than RESP_MAX_DEPTH");
+    CHECK(resp_all("$9999999999\r\n", 13, t, 64, &nt) == LTG_ERR, "a bulk over RESP_MAX_BULK");
+    buf b = {0};
+    resp_cmd(&b, (rarg[]){RA("SET"), RA("k"), {"a\r\nb", 4}}, 3);
+    CHECK(b.len == 30 && memcmp(b.p, "*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$4\r\na\r\nb\r\n", 30) == 0,
+          "a command: %.*s", (int)b.len, b.p);
+    buf_free(&b);
+    CHECK(sid_cmp("1-0", "1-0") == 0 && sid_cmp("9-1", "10-0") < 0 && sid_cmp("10-2", "10-10") < 0 &&
+              sid_cmp("1796525140541-0", "1796525134125-7") > 0,
+          "stream ids compare as numbers");
+    static const struct { const char *url, *host; int port, db, ok; } urls[] = {
+        {"redis://10.0.0.5", "10.0.0.5", 6379, 0, 1}, {"redis://r.internal:7000/3", "r.internal", 7000, 3, 1},
+        {"redis://[::1]:6380/", "::1", 6380, 0, 1}, {"redis://h:0", "", 0, 0, 0},
+        {"rediss://h", "", 0, 0, 0}, {"redis://:6379", "", 0, 0, 0}, {"redis://h:6379/x", "", 0, 0, 0},
+    };
+    for (size_t i = 0; i < sizeof urls / sizeof *urls; i++) {
+        CL.url = urls[i].url;
+        CL.db = 0;
+        const char *why = cl_parse();
+        CHECK(urls[i].ok ? !why && strcmp(CL.host, urls[i].host) == 0 && CL.port == urls[i].port &&
+                                   CL.db == urls[i].db
+                         : why != NULL,
+              "--cluster %s: %s (%s:%d/%d)", urls[i].url, why ? why : "ok", CL.host, CL.port, CL.db);
+    }
+    CL.url = NULL;
+}
+
 /* ---- the runner ---- */
 
 static void test_ledger_budgets_16m(void) { test_ledger_budgets(16LL << 20); }
@@ -1982,7 +2046,7 @@ static void test_ledger_budgets_16k(void) { test_ledger_budgets(16 << 10); }
 #define T(fn) {#fn, fn}
 static const struct { const char *name; void (*fn)(void); } TESTS[] = {
     T(test_json_reader), T(test_json_scan), T(test_json_writer), T(test_http_request), T(test_http_response),
-    T(test_chunked), T(test_sse), T(test_config), T(test_dns), T(test_timers), T(test_plan),
+    T(test_chunked), T(test_sse), T(test_resp), T(test_config), T(test_dns), T(test_timers), T(test_plan),
     T(test_group_validation), T(test_ledger_pieces), T(test_log), T(test_log_failures), T(test_log_async), T(test_compaction_on_time),
     T(test_ledger_days), T(test_ledger_budgets_16m), T(test_ledger_budgets_16k), T(test_ledger_chunks),
     T(test_ledger_migration), T(test_ledger_extremes), T(test_exchange_fake),

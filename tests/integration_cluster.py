@@ -1,0 +1,317 @@
+"""Integration tests: several ltg instances as one gateway on a real Redis (README "Several
+instances", issue #24).
+
+Each test starts Debian's redis-server (installed when we can; skipped with the reason otherwise)
+on a port of its own, with the settings the README asks for (appendonly yes, appendfsync always,
+maxmemory-policy noeviction), and three ltg instances (it.Aux) with --cluster pointing at it.
+
+1. The control plane through one stream: a group made on one instance is read on the others; the
+   same Idempotency-Key sent to another instance replays the answer; with another body, 409.
+2. One PATCH with one If-Match sent to the three at once: exactly one 200, the others 412, and
+   the three show the same version.
+3. A key deleted on one instance is refused (401) by the others within 1 s.
+4. An instance stopped while another changes a group reads the change when it starts again
+   (its local state log, then the stream from where it left off).
+5. Redis stopped: control-plane writes 503 storage_unavailable with nothing changed, /readyz 503,
+   ltg_cluster_up 0; Redis back (its append-only file kept): ltg reconnects by itself and
+   writes work again.
+6. Redis restarted without its append-only file (its stream lost what the instances applied): each
+   instance notices, says so in its log and /readyz, and refuses control-plane changes.
+7. A replica is not a primary: ltg does not use it (/readyz 503, and its log says why).
+8. What is not shared yet is refused, not counted alone: a request of a group with a budget gets
+   503 store_unavailable and nothing reaches the provider; an uncapped group is served.
+9. A bad --cluster exits 2 with a message that says what to fix.
+
+Runs alone: python3 tests/integration.py --ltg ./ltg --mock tests/mock --file cluster
+"""
+
+import integration as it
+
+import contextlib
+import os
+import subprocess
+import threading
+import time
+
+check = it.check
+
+
+class Redis:
+    """A redis-server of the test's own: its port, its directory, started and stopped."""
+
+    def __init__(self, tag, args=()):
+        self.bin = it.debian_tool("redis-server", "redis-server")
+        self.port = it.free_ports(1)[0]
+        self.dir = os.path.join(it.H.tmp, "redis-" + tag)
+        os.makedirs(self.dir, exist_ok=True)
+        self.args = list(args)
+        self.log_path = os.path.join(self.dir, "redis.log")
+        self.proc = None
+
+    def start(self):
+        self.proc = subprocess.Popen(
+            [self.bin, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
+             "--appendonly", "yes", "--appendfsync", "always", "--save", "",
+             "--maxmemory-policy", "noeviction", "--logfile", self.log_path] + self.args,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        it.wait_until("redis-server answering PING on port %d" % self.port, lambda: self.ping() == "+PONG", 10 * it.SLOW, 0.05)
+        return self
+
+    def cmd(self, *args):
+        """One command on a connection of its own: the reply's first line (RESP)."""
+        import socket
+        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as s:
+            s.sendall(("*%d\r\n" % len(args) + "".join("$%d\r\n%s\r\n" % (len(a.encode()), a) for a in args)).encode())
+            return s.recv(65536).decode("utf-8", "replace").split("\r\n")[0]
+
+    def ping(self):
+        try:
+            return self.cmd("PING")
+        except OSError:
+            return None
+
+    def stop(self):
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+    @property
+    def url(self):
+        return "redis://127.0.0.1:%d" % self.port
+
+
+@contextlib.contextmanager
+def cluster(tag, n=3, redis_args=()):
+    """A Redis and n ltg instances on it: (redis, [Aux...]); all stopped at the end."""
+    r = Redis(tag, redis_args).start()
+    auxes = [it.Aux("cl-%s-%d-%s" % (tag, i, os.urandom(2).hex()), args=["--cluster", r.url]) for i in range(n)]
+    try:
+        for a in auxes:
+            a.start()
+        for a in auxes:
+            wait_ready(a)
+        yield r, auxes
+        for a in auxes:
+            if a.proc is not None:
+                a.stop()
+    finally:
+        for a in auxes:
+            a.close()
+        r.stop()
+
+
+def ready(a):
+    try:
+        return it.one_request(a.admin_port, "GET", "/readyz", auth=None, timeout=5).status == 200
+    except Exception:
+        return False
+
+
+def wait_ready(a, timeout=10):
+    it.wait_until(lambda: "ltg (%s) ready on the cluster: %s" % (a.tag, a.text_since_start()[-400:]),
+                  lambda: ready(a), timeout * it.SLOW, 0.05)
+
+
+@it.test("cluster: a group made on one instance is read on the other two; its Idempotency-Key sent to "
+         "another instance replays the answer, and with another body gets 409")
+def t_cluster_cp_shared():
+    with cluster("cp") as (_, (a, b, c)):
+        body = it.group_body()
+        r = it.admin("POST", "/token_groups", body, idem="cl-g-1", port=a.admin_port)
+        d = it.check_admin_ok(r, 201, "POST on the first instance")["data"]
+        for x in (b, c):
+            got, v = it.get_group(d["id"], port=x.admin_port)
+            check(v == 1 and got["name"] == body["name"], "%s shows %r at version %d" % (x.tag, got["name"], v))
+        r = it.admin("POST", "/token_groups", body, idem="cl-g-1", port=b.admin_port)
+        check(r.status == 201 and r.header("x-ltg-replayed") == "true" and r.json()["data"]["id"] == d["id"],
+              "the same Idempotency-Key on another instance: %s" % r.brief())
+        r = it.admin("POST", "/token_groups", it.group_body(), idem="cl-g-1", port=c.admin_port)
+        it.check_admin_error(r, 409, "idempotency_conflict", what="the same key, another body, a third instance")
+        r = it.admin("GET", "/token_groups", port=c.admin_port)
+        names = [g["name"] for g in it.check_admin_ok(r, 200)["data"]]
+        check(names.count(body["name"]) == 1, "one group, not two: %r" % names)
+
+
+@it.test("cluster: nine PATCHes with one If-Match sent to three instances at once: exactly one 200, eight 412, "
+         "and all three show the same version")
+def t_cluster_if_match_race():
+    with cluster("race") as (_, auxes):
+        gid = it.create_group(port=auxes[0].admin_port)["id"]
+        for a in auxes:
+            it.wait_until("%s has the group" % a.tag, lambda a=a: it.admin("GET", "/token_groups/" + gid, port=a.admin_port).status == 200,
+                          5 * it.SLOW, 0.05)
+        out = [None] * 9
+        go = threading.Event()
+
+        def one(i):
+            go.wait()
+            out[i] = it.admin("PATCH", "/token_groups/" + gid, {"name": "race-%d" % i}, if_match=1,
+                              port=auxes[i % 3].admin_port)
+        ths = [threading.Thread(target=one, args=(i,)) for i in range(9)]
+        for t in ths:
+            t.start()
+        go.set()
+        for t in ths:
+            t.join(60)
+        st = sorted(r.status for r in out)
+        check(st == [200] + [412] * 8, "statuses %r, want one 200 and eight 412" % st)
+        winner = [r for r in out if r.status == 200][0].json()["data"]["name"]
+        for a in auxes:
+            d, v = it.get_group(gid, port=a.admin_port)
+            check(v == 2 and d["name"] == winner, "%s: version %d name %r, want 2 %r" % (a.tag, v, d["name"], winner))
+
+
+@it.test("cluster: a token key deleted on one instance is refused (401) by the other two within 1 s")
+def t_cluster_revoke():
+    with cluster("revoke") as (_, (a, b, c)):
+        gid = it.create_group(port=a.admin_port)["id"]
+        kd, token = it.create_key(gid, port=a.admin_port)
+        for x in (b, c):
+            it.wait_until("%s serves the new key" % x.tag,
+                          lambda x=x: it.one_request(x.port, "POST", "/v1/chat/completions", it.chat_body(), auth=token).status == 200,
+                          5 * it.SLOW, 0.05)
+        r = it.admin("DELETE", "/token_keys/" + kd["id"], if_match=1, port=a.admin_port)
+        it.check_admin_ok(r, 200, "DELETE on the first instance")
+        t0 = time.monotonic()
+        for x in (b, c):
+            it.wait_until("%s refuses the deleted key" % x.tag,
+                          lambda x=x: it.one_request(x.port, "POST", "/v1/chat/completions", it.chat_body(), auth=token).status == 401,
+                          1.0 * it.SLOW, 0.02)
+        check(time.monotonic() - t0 <= 1.0 * it.SLOW, "refused by both within %g s" % (time.monotonic() - t0))
+
+
+@it.test("cluster: an instance stopped while another changes a group sees the change when it starts again, "
+         "and so does its state log after a second restart without Redis's help")
+def t_cluster_restart():
+    with cluster("restart") as (r, (a, b, c)):
+        g = it.create_group(port=a.admin_port)
+        it.wait_until("the third instance has the group", lambda: it.admin("GET", "/token_groups/" + g["id"], port=c.admin_port).status == 200,
+                      5 * it.SLOW, 0.05)
+        c.stop()
+        rr = it.admin("PATCH", "/token_groups/" + g["id"], {"name": "changed-while-down"}, if_match=1, port=b.admin_port)
+        it.check_admin_ok(rr, 200, "PATCH on the second instance")
+        c.start()
+        wait_ready(c)
+        it.wait_until("the restarted instance shows the change",
+                      lambda: it.get_group(g["id"], port=c.admin_port)[0]["name"] == "changed-while-down", 5 * it.SLOW, 0.05)
+        # Its own copy: with Redis gone, a restart still knows the group as it was last applied.
+        c.stop()
+        r.stop()
+        c.start()
+        d, v = it.get_group(g["id"], port=c.admin_port)
+        check(v == 2 and d["name"] == "changed-while-down", "from its state log alone: version %d name %r" % (v, d["name"]))
+        r.start()
+        for x in (a, b, c):
+            wait_ready(x, 15)
+
+
+@it.test("cluster: Redis stopped: control-plane writes 503 storage_unavailable and change nothing, /readyz 503, "
+         "ltg_cluster_up 0; Redis back with its append-only file: reconnected by itself, writes work again")
+def t_cluster_redis_down():
+    with cluster("down", n=2) as (r, (a, b)):
+        g = it.create_group(port=a.admin_port)
+        r.stop()
+        it.wait_until("/readyz 503 once Redis is gone", lambda: not ready(a), 10 * it.SLOW, 0.05)
+        rd = it.one_request(a.admin_port, "GET", "/readyz", auth=None)
+        check(rd.status == 503 and rd.json().get("status") == "store_unavailable", "/readyz: %s" % rd.brief())
+        m = it.one_request(a.admin_port, "GET", "/metrics", auth=None).body.decode()
+        check("\nltg_cluster_up 0\n" in m, "ltg_cluster_up while Redis is down: %r"
+              % [l for l in m.splitlines() if l.startswith("ltg_cluster")])
+        rr = it.admin("PATCH", "/token_groups/" + g["id"], {"name": "while-redis-down"}, if_match=1, port=a.admin_port)
+        it.check_admin_error(rr, 503, "storage_unavailable", what="a PATCH while Redis is down")
+        rr = it.admin("POST", "/token_groups", it.group_body(), port=b.admin_port)
+        it.check_admin_error(rr, 503, "storage_unavailable", what="a POST while Redis is down")
+        d, v = it.get_group(g["id"], port=a.admin_port)
+        check(v == 1 and d["name"] == g["name"], "nothing changed: version %d name %r" % (v, d["name"]))
+        r.start()
+        for x in (a, b):
+            wait_ready(x, 15)
+        m = it.one_request(a.admin_port, "GET", "/metrics", auth=None).body.decode()
+        check("\nltg_cluster_up 1\n" in m, "ltg_cluster_up once Redis is back")
+        rr = it.admin("PATCH", "/token_groups/" + g["id"], {"name": "after"}, if_match=1, port=a.admin_port)
+        it.check_admin_ok(rr, 200, "a PATCH once Redis is back")
+        it.wait_until("the other instance shows it", lambda: it.get_group(g["id"], port=b.admin_port)[1] == 2, 5 * it.SLOW, 0.05)
+        log = a.text_since_start()
+        check("lost" in log and "up (functions ltg_v1 loaded)" in log, "ltg's log tells of the loss and the return: %r" % log[-600:])
+
+
+@it.test("cluster: Redis restarted without its append-only file: each instance notices the stream lost what it "
+         "applied, says so in its log and /readyz, and refuses control-plane changes with 503")
+def t_cluster_redis_lost():
+    with cluster("lost", n=2, redis_args=["--appendonly", "no"]) as (r, (a, b)):
+        g = it.create_group(port=a.admin_port)
+        it.wait_until("the other instance has the group", lambda: it.admin("GET", "/token_groups/" + g["id"], port=b.admin_port).status == 200,
+                      5 * it.SLOW, 0.05)
+        r.stop()
+        r.start()
+        for x in (a, b):
+            it.wait_until(lambda x=x: "%s notices the loss: %s" % (x.tag, x.text_since_start()[-500:]),
+                          lambda x=x: "Redis lost changes" in x.text_since_start(), 15 * it.SLOW, 0.1)
+            rd = it.one_request(x.admin_port, "GET", "/readyz", auth=None)
+            check(rd.status == 503 and "lost changes" in rd.json().get("detail", ""), "/readyz: %s" % rd.brief())
+        rr = it.admin("PATCH", "/token_groups/" + g["id"], {"name": "after-loss"}, if_match=1, port=a.admin_port)
+        e = it.check_admin_error(rr, 503, "storage_unavailable", what="a PATCH after the loss")
+        check("lost changes" in e["detail"], "the message: %r" % e["detail"])
+        check(it.get_group(g["id"], port=b.admin_port)[0]["name"] == g["name"], "the group is still served as it was")
+
+
+@it.test("cluster: ltg does not use a replica (ROLE): /readyz 503 and its log says the server is not a primary")
+def t_cluster_replica():
+    primary = Redis("primary").start()
+    replica = Redis("replica", ["--replicaof", "127.0.0.1", str(primary.port)]).start()
+    a = it.Aux("cl-replica-" + os.urandom(2).hex(), args=["--cluster", replica.url])
+    try:
+        a.start()
+        it.wait_until("ltg's log names the replica", lambda: "not a primary" in a.text_since_start(), 10 * it.SLOW, 0.05)
+        check(not ready(a), "/readyz answered ready on a replica")
+        r = it.admin("POST", "/token_groups", it.group_body(), port=a.admin_port)
+        it.check_admin_error(r, 503, "storage_unavailable", what="a POST through a replica")
+        a.stop()
+    finally:
+        a.close()
+        replica.stop()
+        primary.stop()
+
+
+@it.test("cluster: what is not shared yet is refused, not counted by one instance alone: a group with a budget, "
+         "a key with an rpm_limit, an Idempotency-Key get 503 store_unavailable, nothing sent upstream; an uncapped "
+         "group is served")
+def t_cluster_not_shared_refused():
+    with cluster("refuse", n=1) as (_, (a,)):
+        def key(**kw):
+            gid = it.create_group(port=a.admin_port, **kw)["id"]
+            return it.create_key(gid, port=a.admin_port)[1]
+        free = key()
+        r = it.one_request(a.port, "POST", "/v1/chat/completions", it.chat_body(), auth=free)
+        check(r.status == 200, "an uncapped group: %s" % r.brief())
+        before = it.H.mock_stats().get("calls", {}).get("kimi-k3", 0)
+        for what, token, hdrs in (("a group with a budget", key(max_budget=5), {}),
+                                  ("a group with an rpm_limit", key(rpm_limit=100), {}),
+                                  ("an Idempotency-Key", free, {"Idempotency-Key": "cl-inf-1"})):
+            r = it.one_request(a.port, "POST", "/v1/chat/completions", it.chat_body(), headers=hdrs, auth=token)
+            it.check_openai_error(r, 503, "store_unavailable")
+            check("not yet shared" in r.json()["error"]["message"], "%s: the message %r" % (what, r.body[:300]))
+        check(it.H.mock_stats().get("calls", {}).get("kimi-k3", 0) == before, "a refused request reached the provider")
+
+
+@it.test("cluster: a bad --cluster exits 2 and says what to fix")
+def t_cluster_bad_url():
+    for url, says in (("http://127.0.0.1:6379", "expected redis://"), ("redis://127.0.0.1:99999", "port"),
+                      ("redis://127.0.0.1:6379/x", "database")):
+        a = it.Aux("cl-bad-" + os.urandom(2).hex(), args=["--cluster", url])
+        try:
+            rc, text = a.start_fails()
+            check(rc == 2 and says in text, "--cluster %s: exit %r, %r" % (url, rc, text[-300:]))
+        finally:
+            a.close()
+    a = it.Aux("cl-bad-pw-" + os.urandom(2).hex(), args=["--cluster", "redis://127.0.0.1:1", "--cluster-password-env", "LTG_NO_SUCH_VAR"])
+    try:
+        rc, text = a.start_fails()
+        check(rc == 2 and "LTG_NO_SUCH_VAR" in text and "not set" in text, "an unset password variable: exit %r, %r" % (rc, text[-300:]))
+    finally:
+        a.close()
