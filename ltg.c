@@ -28,7 +28,8 @@
  *      key resolves to its group, the body's model must be allowed, the
  *      ledger must be writable, the first attempt's worst case must fit the
  *      key's and the group's budgets and rate limits and is held
- *      (hold_reserve, 15; each later attempt holds its own); an
+ *      (hold_reserve, 15; with --cluster, in the shared store: cl_hold,
+ *      20; each later attempt holds its own); an
  *      idempotent replay or a cached answer may answer here.
  *   3. exchange_attempt() (17) picks a deployment of the current model of
  *      the chain [M] + fallbacks[M] (deployment_pick, 11), rewrites "model"
@@ -265,6 +266,7 @@ static void cl_note_sid(const char *p, const json_tok *t);
 static const char *cl_applied(void);
 static const char *cl_unready(void);
 static void cl_metrics(buf *b);
+static int cl_unsettled(void);
 
 /* ===== 2. Utilities: logging, time, random, buffers, hashing, metrics, addresses =====
  *
@@ -8601,11 +8603,16 @@ static void rate_settle(allowance *a, int64_t sec, int64_t reserved, int64_t use
  * what the request was charged and used (a release is a settle of
  * nothing). They are the seam for a store that several ltg instances
  * share: it replaces these two, not the callers. */
-typedef struct {
+typedef struct hold {
     int64_t cost;   /* micro-USD held against each budget */
     int64_t tok;    /* tokens counted in each window */
     int64_t sec;    /* the second they are counted in */
     int held;       /* something is held (a later attempt adds to it) */
+    /* with --cluster, held in the shared store (section 20): its id there ("" none), and the
+     * list of live ones, whose leases are renewed */
+    char cid[40];
+    char scope[2][39];  /* the key's and the group's there: "k:<id>", "g:<id>" */
+    struct hold *prev, *next;
 } hold;
 
 typedef struct {
@@ -8630,7 +8637,7 @@ static int hold_reserve(allowance *const al[], int n, int64_t cost, int64_t tok,
             *why = (hold_refusal){i, "max_budget", 0};
             return LTG_ERR;
         }
-    if (!more) *h = (hold){0, 0, S.now / 1000, 1};
+    if (!more) *h = (hold){.sec = S.now / 1000, .held = 1};
     h->cost += cost;
     h->tok += tok;
     for (int i = 0; i < n; i++) {
@@ -8642,9 +8649,12 @@ static int hold_reserve(allowance *const al[], int n, int64_t cost, int64_t tok,
 
 /* The request held *h: it was charged `charged` micro-USD and used `used`
  * tokens. An allowance gone meanwhile (its key or group deleted) is NULL. */
+static void cl_settle(hold *h, int end, int64_t cost, int64_t tok, int64_t now);
+
 static void hold_settle(allowance *const al[], int n, hold *h, int64_t charged, int64_t used,
                         int64_t now) {
-    for (int i = 0; h->held && i < n; i++) {
+    if (h->cid[0] && h->held) cl_settle(h, 1, charged, used, now); /* held in the shared store */
+    for (int i = 0; h->held && !h->cid[0] && i < n; i++) {
         if (!al[i]) continue;
         budget_refresh(al[i], now);
         al[i]->reserved -= h->cost;
@@ -8653,7 +8663,7 @@ static void hold_settle(allowance *const al[], int n, hold *h, int64_t charged, 
         assert(al[i]->reserved >= 0);
         rate_settle(al[i], h->sec, h->tok, used);
     }
-    *h = (hold){0, 0, 0, 0};
+    *h = (hold){0};
 }
 
 /* One attempt of the request holding *h is billed: `less` micro-USD and
@@ -8661,7 +8671,8 @@ static void hold_settle(allowance *const al[], int n, hold *h, int64_t charged, 
  * that a later attempt is admitted against what was really spent (the
  * rest of the hold is settled with the request). */
 static void hold_shrink(allowance *const al[], int n, hold *h, int64_t less, int64_t fewer) {
-    for (int i = 0; h->held && i < n; i++) {
+    if (h->cid[0] && h->held) cl_settle(h, 0, less, fewer, wall_ms());
+    for (int i = 0; h->held && !h->cid[0] && i < n; i++) {
         if (!al[i]) continue;
         al[i]->reserved -= less;
         rate_settle(al[i], h->sec, fewer, 0);
@@ -9554,7 +9565,9 @@ static void admin_route(conn *c) {
  * and billed like any attempt given up on.
  *
  * Money (README "Cost"): every attempt is held before it starts (its own
- * worst case, attempt_hold; the first at admission) and billed once when
+ * worst case, attempt_hold; the first at admission; with --cluster, a
+ * request the shared store decides waits in X_HOLDING for each hold, and
+ * its first is taken once its exchange exists: section 20) and billed once when
  * it is over (attempt_bill): its provider's usage at its model's prices,
  * nothing when nothing reached the provider, else ltg's estimate. A whole
  * answer given up on after its request reached the provider is read on
@@ -9664,7 +9677,7 @@ enum { CACHE_NONE, CACHE_MISS, CACHE_BYPASS, CACHE_HIT };
  * backoff before its next attempt, or relaying a stream that has started;
  * its timer `t` means the request timeout, the backoff, or the stream's
  * idle limit accordingly. */
-typedef enum { X_ATTEMPTING, X_BACKOFF, X_RELAYING } x_state;
+typedef enum { X_ATTEMPTING, X_BACKOFF, X_RELAYING, X_HOLDING } x_state;
 
 typedef struct {
     uint32_t at, end;     /* the bytes of the client's body it replaces */
@@ -9766,6 +9779,8 @@ struct exchange {
     char last_reason[200];
     /* its attempts' worst cases, held against its key's and group's allowances (section 15) */
     hold hold;
+    int shared;           /* held in the shared store (--cluster, section 20) */
+    struct cl_wait *cl_wait; /* its call there while X_HOLDING */
     worst_shape shape;    /* what its attempts' worst cases are made of */
     worst w;              /* the current attempt's */
     usage_counts usage;   /* the current attempt's, as the provider reported it */
@@ -10107,8 +10122,15 @@ static void exchange_leave(exchange *x) {
     if (g) g->inflight--;
 }
 
+/* Section 20's, for an exchange held in the shared store (--cluster). */
+static int cl_hold(exchange *x, int first);
+static void cl_refuse_first(exchange *x, tkey *k, group *g, const hold_refusal *why,
+                            int64_t cost, double left);
+static void cl_forget(exchange *x);
+
 static void exchange_free(exchange *x) {
     exchange_leave(x);
+    cl_forget(x);
     if (x->probe) breaker_forget_probe(exchange_dep(x));
     S.ndetached -= x->detached;
     if (x->idem && !x->idem->done) idem_drop(x->idem); /* no answer kept: a retry runs afresh */
@@ -10611,9 +10633,10 @@ static int up_is_stream(const upstream *u) {
  * or the stream's start -- and nothing after a stream has started. */
 static void exchange_to(exchange *x, x_state to) {
     static const unsigned char next[] = {
-        [X_ATTEMPTING] = 1 << X_ATTEMPTING | 1 << X_BACKOFF | 1 << X_RELAYING,
+        [X_ATTEMPTING] = 1 << X_ATTEMPTING | 1 << X_BACKOFF | 1 << X_RELAYING | 1 << X_HOLDING,
         [X_BACKOFF] = 1 << X_ATTEMPTING,
         [X_RELAYING] = 0,
+        [X_HOLDING] = 1 << X_ATTEMPTING,
     };
     assert(next[x->state] >> to & 1);
     x->state = to;
@@ -10778,28 +10801,16 @@ static void attempt_over(exchange *x) {
     exchange_let_go(x);
 }
 
-/* Before an attempt starts, its worst case joins the request's hold
- * (README "Cost"; the first attempt's was held at admission). 0, or
- * LTG_ERR when it does not fit the key's or the group's budget or token
- * limit: the request ends there, and the answer says why. */
-static int attempt_hold(exchange *x) {
+/* The next attempt's worst case does not fit: the request ends here, and
+ * the answer says why. `a`: the allowance that refused (NULL: the attempt
+ * may cost more than MAX_CHARGE); `wait`: a rate limit's seconds; `left`:
+ * USD left in its budget. */
+static void attempt_refused(exchange *x, const allowance *a, long wait, double left) {
     model *m = exchange_model(x);
-    x->w = worst_case(&x->shape, m);
-    if (x->kind->free || (x->attempts == 0 && x->plan.model == 0)) return 0;
-    tkey *k = tkey_find(x->key_id);
     group *g = group_find(x->group_id);
-    allowance *al[2];
-    int n = 0;
-    if (k) al[n++] = &k->s.al;
-    if (g) al[n++] = &g->s.al;
-    hold_refusal why = {0, "max_budget", 0};
-    if (x->w.cost <= MAX_CHARGE &&
-        hold_reserve(al, n, x->w.cost, x->w.in + x->w.out, wall_ms(), &x->hold, &why) == 0)
-        return 0;
-    const allowance *a = x->w.cost <= MAX_CHARGE ? al[why.who] : NULL;
     const char *whose = a && g && a == &g->s.al ? "this key's group" : "this key";
     char msg[400];
-    if (a && why.wait)
+    if (a && wait)
         snprintf(msg, sizeof msg,
                  "the next attempt, on %s, may use up to %lld tokens, and %s allows %lld a minute: "
                  "the request ends here",
@@ -10813,15 +10824,47 @@ static int attempt_hold(exchange *x) {
         snprintf(msg, sizeof msg,
                  "the next attempt, on %s, may cost up to %.6f USD, and the budget of %s has %.6f "
                  "USD left: the request ends here",
-                 m->alias, (double)x->w.cost / MICRO, whose, budget_remaining(a, wall_ms()));
+                 m->alias, (double)x->w.cost / MICRO, whose, left);
     exchange_fail(x,
-                  !a         ? 400
-                  : why.wait ? 429
-                             : 403,
-                  !a         ? "invalid_request"
-                  : why.wait ? "rate_limited"
-                             : "budget_exceeded",
+                  !a     ? 400
+                  : wait ? 429
+                         : 403,
+                  !a     ? "invalid_request"
+                  : wait ? "rate_limited"
+                         : "budget_exceeded",
                   msg);
+}
+
+#define CL_UNAVAILABLE                                                                             \
+    "the shared store (Redis) cannot decide this request's budget or limits now: nothing more "   \
+    "was sent upstream; retry"
+
+/* Before an attempt starts, its worst case joins the request's hold
+ * (README "Cost"; the first attempt's was held at admission). 0, LTG_AGAIN
+ * when the shared store decides (the exchange waits in X_HOLDING), or
+ * LTG_ERR when it does not fit the key's or the group's budget or token
+ * limit: the request ended there, and the answer says why. */
+static int attempt_hold(exchange *x) {
+    model *m = exchange_model(x);
+    x->w = worst_case(&x->shape, m);
+    if (x->kind->free || (x->attempts == 0 && x->plan.model == 0)) return 0;
+    if (x->shared && x->w.cost <= MAX_CHARGE) {
+        if (cl_hold(x, 0) == LTG_AGAIN) return LTG_AGAIN;
+        exchange_fail(x, 503, "store_unavailable", CL_UNAVAILABLE);
+        return LTG_ERR;
+    }
+    tkey *k = tkey_find(x->key_id);
+    group *g = group_find(x->group_id);
+    allowance *al[2];
+    int n = 0;
+    if (k) al[n++] = &k->s.al;
+    if (g) al[n++] = &g->s.al;
+    hold_refusal why = {0, "max_budget", 0};
+    if (x->w.cost <= MAX_CHARGE &&
+        hold_reserve(al, n, x->w.cost, x->w.in + x->w.out, wall_ms(), &x->hold, &why) == 0)
+        return 0;
+    const allowance *a = x->w.cost <= MAX_CHARGE ? al[why.who] : NULL;
+    attempt_refused(x, a, why.wait, a ? budget_remaining(a, wall_ms()) : 0);
     return LTG_ERR;
 }
 
@@ -10888,6 +10931,9 @@ static plan_step attempt_decide(exchange *x, const attempt_result *r) {
 
 enum { ATTEMPT_STARTED, ATTEMPT_REFUSED, ATTEMPT_SKIPPED };
 
+static void exchange_attempt_held(exchange *x);
+static void exchange_attempt_go(exchange *x);
+
 /* Start the attempt the plan points at, on a deployment of its model
  * (section 11; the next key stays on the same one, a follow-up of a
  * Responses answer goes to the one that made it while its breaker lets
@@ -10904,9 +10950,24 @@ static int exchange_attempt(exchange *x, int next_key) {
         int pinned = x->pin >= 0 && breaker_ready(&m->dep[x->pin], S.now);
         x->dep = pinned ? x->pin : deployment_pick(m, x->avoid, S.now);
         if (x->dep < 0) return ATTEMPT_SKIPPED;
-        if (attempt_hold(x) < 0) return ATTEMPT_REFUSED;
-        breaker_allows(&m->dep[x->dep], S.now, &x->probe);
+        int held = attempt_hold(x);
+        if (held == LTG_AGAIN) return ATTEMPT_STARTED; /* once the shared store says so */
+        if (held < 0) return ATTEMPT_REFUSED;
+        exchange_attempt_held(x);
+        return ATTEMPT_STARTED;
     }
+    exchange_attempt_go(x);
+    return ATTEMPT_STARTED;
+}
+
+/* The attempt's worst case is held: its deployment's breaker lets it go. */
+static void exchange_attempt_held(exchange *x) {
+    breaker_allows(&exchange_model(x)->dep[x->dep], S.now, &x->probe);
+    exchange_attempt_go(x);
+}
+
+/* The attempt goes out: built, timed, on a connection of its deployment. */
+static void exchange_attempt_go(exchange *x) {
     assert(!x->u); /* the last attempt's connection went back in attempt_decide */
     x->usage = (usage_counts){0}; /* an earlier attempt's usage is not this one's */
     x->relayed = 0;
@@ -10918,7 +10979,6 @@ static int exchange_attempt(exchange *x, int next_key) {
     x->busy->inflight++;
     x->u = S.up_open(x->busy->p, x, exchange_upstream, x->req.p, x->req.len);
     buf_free(&x->req); /* the connection has its own copy; the next attempt builds its own */
-    return ATTEMPT_STARTED;
 }
 
 /* Act on the plan's step. An attempt to start now may find its model's
@@ -10978,6 +11038,8 @@ static void exchange_timer(void *ctx) {
                  x->stream ? "first event" : "answer", x->rp.request_timeout_ms);
         attempt_failed(x, msg, 1);
         return;
+    case X_HOLDING: /* waiting for the shared store, whose link has its own timeout */
+        return;
     case X_RELAYING: /* a started stream went quiet */
         if (u && u->paused)
             snprintf(msg, sizeof msg, "the client did not take the stream for %d s",
@@ -11001,7 +11063,7 @@ static void exchange_deadline(void *ctx) {
                  "the stream from %s ran past the limit of %d s (--max-stream-seconds)",
                  exchange_model(x)->alias, S.max_stream_s);
         exchange_fail(x, 504, "stream_interrupted", msg);
-    } else if (x->state == X_BACKOFF) {
+    } else if (x->state == X_BACKOFF || x->state == X_HOLDING) {
         exchange_give_up(x, 1);
     } else {
         snprintf(msg, sizeof msg, "no answer within the deadline of %lld ms", x->deadline_ms);
@@ -11107,6 +11169,11 @@ static void exchange_upstream(void *owner) {
 static void exchange_abort(void *owner) {
     exchange *x = owner;
     x->c->owner = NULL;
+    if (x->state == X_HOLDING && !x->hold.held) { /* not admitted yet: no event (section 20) */
+        x->c = NULL;
+        exchange_free(x);
+        return;
+    }
     if (x->idem && S.ndetached < S.max_conns) { /* it runs on alone (bounded: each holds an fd) */
         x->c = NULL;
         x->detached = 1;
@@ -11196,6 +11263,7 @@ typedef struct {
     /* a timeout or deadline shorter than the group's (see exchange.shortened) */
     int shortened;
     char retry_after[40];     /* a rate limit's Retry-After header line */
+    int shared;               /* decided by the shared store (--cluster: section 20) */
 } admission;
 
 /* A refusal: status, code, message, and header lines (each ending in CRLF). */
@@ -11448,23 +11516,22 @@ static int admit_overrides(admission *a, refusal *r) {
 
 /* Idempotency-Key (README "Idempotent inference"), keyed by the token key: one client's keys
  * never meet another's. A finished first request is replayed. */
-/* With --cluster, what needs a decision all instances share -- a budget, a
- * rate limit, parallel slots, an Idempotency-Key -- is refused: each
- * instance would count alone, N instances allowing N times the limit
- * (README "Several instances": their shared admission is not built yet). */
+static int allow_shared(const tkey *k, const group *g);
+
+/* With --cluster, a request whose key or group has a budget, a rate limit
+ * or max_parallel_requests is decided by the shared store (section 20), not
+ * here (`shared`). An Idempotency-Key is refused: its claim is not shared
+ * yet, and each instance would run the request once (README "Several
+ * instances"). */
 static int admit_shared(admission *a, refusal *r) {
     if (!cl_on() || a->kind->free) return ADMIT;
-    const allowance *al[2] = {&a->key->s.al, &a->g->s.al};
+    a->shared = allow_shared(a->key, a->g);
     size_t n;
-    int shared = a->g->max_parallel != UNSET ||
-                 http_header_get(a->c->in.p, a->c->req.h, a->c->req.nh, "idempotency-key", &n);
-    for (int i = 0; i < 2; i++)
-        shared |= al[i]->has_budget || al[i]->rpm_limit != UNSET || al[i]->tpm_limit != UNSET;
-    if (!shared) return ADMIT;
+    if (!http_header_get(a->c->in.p, a->c->req.h, a->c->req.nh, "idempotency-key", &n))
+        return ADMIT;
     return refuse(r, 503, "store_unavailable", NULL,
-                  "with --cluster, budgets, rate limits, max_parallel_requests and "
-                  "Idempotency-Key are not yet shared between instances, and this request needs "
-                  "one of them: it is refused rather than counted by one instance alone");
+                  "with --cluster, an Idempotency-Key is not yet shared between instances: the "
+                  "request is refused rather than run once by each instance");
 }
 
 static int admit_idempotency(admission *a, refusal *r) {
@@ -11492,13 +11559,17 @@ static int admit_idempotency(admission *a, refusal *r) {
     return REPLAY;
 }
 
-static int admit_parallel(admission *a, refusal *r) {
-    const group *g = a->g;
-    if (g->max_parallel <= 0 || g->inflight < g->max_parallel) return ADMIT;
+static int parallel_refuse(const group *g, refusal *r) {
     return refuse(
             r, 429, "too_many_parallel_requests", "Retry-After: 1\r\n",
             "this key's group allows %lld requests at a time and all are in flight: retry shortly",
             g->max_parallel);
+}
+
+static int admit_parallel(admission *a, refusal *r) {
+    const group *g = a->g;
+    if (g->max_parallel <= 0 || g->inflight < g->max_parallel || a->shared) return ADMIT;
+    return parallel_refuse(g, r);
 }
 
 /* Nothing is served that cannot be metered (section 14). */
@@ -11513,6 +11584,28 @@ static int admit_storage(admission *a, refusal *r) {
  * bytes / 3 and the output limit) -- is held against the key's and the
  * group's budgets and rate limits: the last check, so that a request
  * refused by another holds nothing. */
+/* A hold refused (by hold_reserve, or by the shared store: section 20):
+ * the answer. `left`: USD left in the budget that refused. */
+static int hold_refuse(admission *a, refusal *r, const hold_refusal *why, int64_t cost,
+                       double left) {
+    static const char *const whose[2] = {"this key", "this key's group"};
+    const allowance *w = why->who ? &a->g->s.al : &a->key->s.al;
+    if (why->wait) {
+        metric_add(M_RATE_LIMITED, 1, "token_group", a->g->s.name, "scope",
+                   why->who ? "group" : "key", "limit", why->limit, NULL);
+        snprintf(a->retry_after, sizeof a->retry_after, "Retry-After: %ld\r\n", why->wait);
+        return refuse(r, 429, "rate_limited", a->retry_after,
+                      "%s allows %lld %s a minute and the last minute used them: retry after %ld s",
+                      whose[why->who], why->limit[0] == 'r' ? w->rpm_limit : w->tpm_limit,
+                      why->limit[0] == 'r' ? "requests" : "tokens", why->wait);
+    }
+    return refuse(r, 403, "budget_exceeded", NULL,
+                  "the budget of %s, %.6f USD%s, has %.6f USD left, and this request may cost up "
+                  "to %.6f USD",
+                  whose[why->who], w->max_budget, w->budget_days ? " per period" : "", left,
+                  (double)cost / MICRO);
+}
+
 static int admit_hold(admission *a, refusal *r) {
     if (a->kind->free) return ADMIT;
     allowance *al[2] = {&a->key->s.al, &a->g->s.al};
@@ -11531,23 +11624,10 @@ static int admit_hold(admission *a, refusal *r) {
                           "this request may use up to %lld tokens, more than the tpm_limit of %s, "
                           "%lld a minute: lower its output limit",
                           (long long)tok, whose[i], al[i]->tpm_limit);
+    if (a->shared) return ADMIT; /* held in the shared store once its exchange is made */
     hold_refusal why;
     if (hold_reserve(al, 2, cost, tok, wall_ms(), &a->hold, &why) == 0) return ADMIT;
-    const allowance *w = al[why.who];
-    if (why.wait) {
-        metric_add(M_RATE_LIMITED, 1, "token_group", a->g->s.name, "scope",
-                   why.who ? "group" : "key", "limit", why.limit, NULL);
-        snprintf(a->retry_after, sizeof a->retry_after, "Retry-After: %ld\r\n", why.wait);
-        return refuse(r, 429, "rate_limited", a->retry_after,
-                      "%s allows %lld %s a minute and the last minute used them: retry after %ld s",
-                      whose[why.who], why.limit[0] == 'r' ? w->rpm_limit : w->tpm_limit,
-                      why.limit[0] == 'r' ? "requests" : "tokens", why.wait);
-    }
-    return refuse(r, 403, "budget_exceeded", NULL,
-                  "the budget of %s, %.6f USD%s, has %.6f USD left, and this request may cost up "
-                  "to %.6f USD",
-                  whose[why.who], w->max_budget, w->budget_days ? " per period" : "",
-                  budget_remaining(w, wall_ms()), (double)cost / MICRO);
+    return hold_refuse(a, r, &why, cost, budget_remaining(al[why.who], wall_ms()));
 }
 
 /* The checks, in order: the first that does not admit decides. */
@@ -11604,6 +11684,7 @@ static exchange *exchange_new(admission *a) {
     x->shortened = a->shortened;
     x->started = S.now;
     x->hold = a->hold; /* held by admit_hold */
+    x->shared = a->shared;
     x->shape = a->shape;
     a->g->inflight++;
     timer_init(&x->deadline, exchange_deadline, x);
@@ -11636,19 +11717,17 @@ static void admission_facts(const admission *a) {
     if (m) snprintf(f->requested, sizeof f->requested, "%s", m->alias);
 }
 
-/* Admitted: a cached answer, or the first attempt. Every check ran
- * first: a cached answer never bypasses policy. */
-static void inference_start(admission *a) {
-    exchange *x = exchange_new(a);
+/* Admitted and held: a cached answer, or the first attempt. Every check
+ * ran first: a cached answer never bypasses policy. */
+static void inference_go(exchange *x) {
+    conn *c = x->c;
     cache_entry *hit = x->cache_mode == CACHE_MISS ? cache_get(x->cache_key) : NULL;
     if (x->cache_mode != CACHE_NONE) {
-        a->c->f.cache = hit ? "hit" : x->cache_mode == CACHE_MISS ? "miss" : "bypass";
-        metric_add(M_CACHE, 1, "result", a->c->f.cache, NULL);
+        c->f.cache = hit ? "hit" : x->cache_mode == CACHE_MISS ? "miss" : "bypass";
+        metric_add(M_CACHE, 1, "result", c->f.cache, NULL);
     }
     if (!hit) {
-        timer_set(&x->deadline, a->deadline_ms);
-        a->c->owner = x;
-        a->c->owner_ops = &exchange_owner;
+        timer_set(&x->deadline, x->deadline_ms);
         exchange_start(x);
         return;
     }
@@ -11661,9 +11740,25 @@ static void inference_start(admission *a) {
     exchange_headers(x, 200, &h);
     exchange_cost_headers(x, cost, &h);
     x->c = NULL;
+    c->owner = NULL;
     exchange_free(x);
-    conn_reply(a->c, 200, "application/json", h.p, hit->body, hit->len);
+    conn_reply(c, 200, "application/json", h.p, hit->body, hit->len);
     buf_free(&h);
+}
+
+/* Admitted: the exchange, which owns the connection from now on. With
+ * --cluster, a request decided by the shared store is held there first
+ * (section 20: its answer goes on with inference_go). */
+static void inference_start(admission *a) {
+    exchange *x = exchange_new(a);
+    a->c->owner = x;
+    a->c->owner_ops = &exchange_owner;
+    if (!x->shared) {
+        inference_go(x);
+        return;
+    }
+    x->w = worst_case(&x->shape, x->chain[0]);
+    if (cl_hold(x, 1) != LTG_AGAIN) cl_refuse_first(x, a->key, a->g, NULL, 0, 0);
 }
 
 /* POST to an inference endpoint (a row of WIRE): parse, admit, start. */
@@ -12359,8 +12454,9 @@ static void rl_timer(void *ctx) {
     else rl_fail(l, "no reply within 3 s");
 }
 
-/* Queue a call; LTG_ERR (and no callback) when the link cannot take it. */
-static int rl_call(rlink *l, rl_reply *fn, void *ctx, const rarg *a, int argc) {
+/* Queue a call (a command already in RESP); LTG_ERR (and no callback)
+ * when the link cannot take it. */
+static int rl_call_raw(rlink *l, rl_reply *fn, void *ctx, const buf *cmd) {
     if (l->state == RL_DOWN || l->state == RL_CONNECTING || l->qlen == CL_MAX_CALLS)
         return LTG_ERR;
     if (l->qlen == l->qcap) {
@@ -12377,13 +12473,21 @@ static int rl_call(rlink *l, rl_reply *fn, void *ctx, const rarg *a, int argc) {
     int i = (l->qhead + l->qlen++) % l->qcap;
     l->q[i].fn = fn;
     l->q[i].ctx = ctx;
-    resp_cmd(&l->out, a, argc);
+    buf_append(&l->out, cmd->p, cmd->len);
     loop_events(l->fd, POLLIN | POLLOUT);
     if (l->qlen == 1) {
         l->due = S.now + CL_TIMEOUT_MS;
         timer_set(&l->t, CL_TIMEOUT_MS);
     }
     return 0;
+}
+
+static int rl_call(rlink *l, rl_reply *fn, void *ctx, const rarg *a, int argc) {
+    buf cmd = {0};
+    resp_cmd(&cmd, a, argc);
+    int rc = rl_call_raw(l, fn, ctx, &cmd);
+    buf_free(&cmd);
+    return rc;
 }
 
 /* Replies in: each to the oldest waiting call. */
@@ -12497,7 +12601,10 @@ static void rl_hello(rlink *l) {
 /* ltg's functions in Redis: one library, its names versioned, so that an
  * instance never calls code of another version during a rolling upgrade
  * (a new version adds ltg_cp_v2 beside ltg_cp_v1, and the old instances
- * keep calling theirs). Loaded by every instance on every connect.
+ * keep calling theirs). Loaded by every instance on every connect. The
+ * control plane's, ltg_cp_v1, then the money's: ltg_hold_v1,
+ * ltg_settle_v1, ltg_renew_v1 (their keys and arguments are described in
+ * the Lua; see "the shared money" below).
  *
  * ltg_cp_v1: one control-plane change, all or nothing.
  *   KEYS: ltg:log (the stream), ltg:ver (item id -> version, or "deleted"),
@@ -12529,9 +12636,185 @@ static const char CL_LIBRARY[] =
     "  redis.call('PEXPIRE', keys[3], a[10])\n"
     "  return {'ok', id}\n"
     "end\n"
-    "redis.register_function('ltg_cp_v1', cp)\n";
+    "redis.register_function('ltg_cp_v1', cp)\n"
+    "-- The money and the windows. A scope is \"k:<key id>\" or \"g:<group id>\".\n"
+    "--   ltg:b:<scope>    hash: p (the budget period's start, ms), spent, held (nano-USD)\n"
+    "--   ltg:r:<scope>    hash: r<second> requests, t<second> tokens, of the last 60 s\n"
+    "--   ltg:h:<scope>    zset: hold id -> the end of its lease (ms, Redis's clock)\n"
+    "--   ltg:par:<scope>  zset: hold id -> the end of its lease (a group's requests in flight)\n"
+    "--   ltg:hv           hash: hold id -> \"cost tokens second par scope...\"\n"
+    "--                    (par: the group's scope when it holds a parallel slot, else -)\n"
+    "--   ltg:seq:<owner>  the last settle applied from that instance (a boot of it)\n"
+    "local function now_ms()\n"
+    "  local t = redis.call('TIME')\n"
+    "  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
+    "end\n"
+    "local function words(s)\n"
+    "  local w = {}\n"
+    "  for x in string.gmatch(s, '%S+') do w[#w + 1] = x end\n"
+    "  return w\n"
+    "end\n"
+    "-- Let hold `id` go: its cost leaves each scope's held, its slot its group.\n"
+    "local function release(id)\n"
+    "  local v = redis.call('HGET', 'ltg:hv', id)\n"
+    "  if not v then return nil end\n"
+    "  local f = words(v)\n"
+    "  for i = 5, #f do\n"
+    "    redis.call('HINCRBY', 'ltg:b:' .. f[i], 'held', -tonumber(f[1]))\n"
+    "    redis.call('ZREM', 'ltg:h:' .. f[i], id)\n"
+    "  end\n"
+    "  if f[4] ~= '-' then redis.call('ZREM', 'ltg:par:' .. f[4], id) end\n"
+    "  redis.call('HDEL', 'ltg:hv', id)\n"
+    "  return f\n"
+    "end\n"
+    "-- Holds whose lease ended (their instance died) go.\n"
+    "local function reap(zset, now)\n"
+    "  for _, id in ipairs(redis.call('ZRANGEBYSCORE', zset, '-inf', now)) do\n"
+    "    if not release(id) then redis.call('ZREM', zset, id) end\n"
+    "  end\n"
+    "end\n"
+    "-- A scope's spent and held, in the period that starts at p (a later period\n"
+    "-- starts with nothing spent; an earlier p is a caller behind: the current one).\n"
+    "local function budget(scope, p)\n"
+    "  local b = 'ltg:b:' .. scope\n"
+    "  if p > tonumber(redis.call('HGET', b, 'p') or '-1') then\n"
+    "    redis.call('HSET', b, 'p', p, 'spent', 0)\n"
+    "  end\n"
+    "  local v = redis.call('HMGET', b, 'spent', 'held')\n"
+    "  return tonumber(v[1] or '0'), tonumber(v[2] or '0')\n"
+    "end\n"
+    "-- Seconds until `need` more requests (kind r) or tokens (t) fit under\n"
+    "-- `limit` in the 60 s up to second `sec` (0: now; -1 limit: none).\n"
+    "local function window(scope, kind, sec, need, limit)\n"
+    "  local all = redis.call('HGETALL', 'ltg:r:' .. scope)\n"
+    "  local used, per, old = 0, {}, {}\n"
+    "  for i = 1, #all, 2 do\n"
+    "    local s = tonumber(string.sub(all[i], 2))\n"
+    "    if s <= sec - 60 then old[#old + 1] = all[i]\n"
+    "    elseif string.sub(all[i], 1, 1) == kind then\n"
+    "      used = used + tonumber(all[i + 1])\n"
+    "      per[#per + 1] = {s, tonumber(all[i + 1])}\n"
+    "    end\n"
+    "  end\n"
+    "  if #old > 0 then redis.call('HDEL', 'ltg:r:' .. scope, unpack(old)) end\n"
+    "  if limit < 0 or used + need <= limit then return 0 end\n"
+    "  table.sort(per, function(x, y) return x[1] < y[1] end)\n"
+    "  for _, e in ipairs(per) do\n"
+    "    used = used - e[2]\n"
+    "    if used + need <= limit then return e[1] + 60 - sec end\n"
+    "  end\n"
+    "  return 60\n"
+    "end\n"
+    "-- ltg_hold_v1: ARGV hold id, first (1: the request's first attempt, which\n"
+    "-- counts a request and takes a parallel slot), cost (nano-USD), tokens,\n"
+    "-- lease (ms), the group's scope and its max_parallel_requests (-1: none),\n"
+    "-- then per scope: scope, budget cap (-1: none), period start, rpm, tpm.\n"
+    "-- All or nothing: {'ok', second, spent, held, spent, held...} or\n"
+    "-- {'refused', scope index from 0, limit, seconds to wait or nano-USD left}.\n"
+    "local function hold(keys, a)\n"
+    "  local id, first, cost, tok = a[1], a[2] == '1', tonumber(a[3]), tonumber(a[4])\n"
+    "  local now = now_ms()\n"
+    "  local sec, lease = math.floor(now / 1000), now + tonumber(a[5])\n"
+    "  local par, maxpar = a[6], tonumber(a[7])\n"
+    "  local n = (#a - 7) / 5\n"
+    "  local function arg(i, k) return a[7 + 5 * i + k] end\n"
+    "  for i = 0, n - 1 do reap('ltg:h:' .. arg(i, 1), now) end\n"
+    "  if first and maxpar >= 0 then\n"
+    "    reap('ltg:par:' .. par, now)\n"
+    "    if redis.call('ZCARD', 'ltg:par:' .. par) >= maxpar then\n"
+    "      return {'refused', n - 1, 'max_parallel_requests', 1}\n"
+    "    end\n"
+    "  end\n"
+    "  for i = 0, n - 1 do\n"
+    "    local w = first and window(arg(i, 1), 'r', sec, 1, tonumber(arg(i, 4))) or 0\n"
+    "    if w > 0 then return {'refused', i, 'rpm_limit', w} end\n"
+    "    w = window(arg(i, 1), 't', sec, tok, tonumber(arg(i, 5)))\n"
+    "    if w > 0 then return {'refused', i, 'tpm_limit', w} end\n"
+    "  end\n"
+    "  for i = 0, n - 1 do\n"
+    "    local cap = tonumber(arg(i, 2))\n"
+    "    local spent, held = budget(arg(i, 1), tonumber(arg(i, 3)))\n"
+    "    if cap >= 0 and spent + held + cost > cap then\n"
+    "      return {'refused', i, 'max_budget', math.max(cap - spent - held, 0)}\n"
+    "    end\n"
+    "  end\n"
+    "  local v = redis.call('HGET', 'ltg:hv', id)\n"
+    "  local f = v and words(v) or {0, 0, sec, maxpar >= 0 and par or '-'}\n"
+    "  local got, scopes = {'ok', tonumber(f[3])}, ''\n"
+    "  for i = 0, n - 1 do\n"
+    "    local scope = arg(i, 1)\n"
+    "    scopes = scopes .. ' ' .. scope\n"
+    "    redis.call('HINCRBY', 'ltg:b:' .. scope, 'held', cost)\n"
+    "    redis.call('ZADD', 'ltg:h:' .. scope, lease, id)\n"
+    "    if tonumber(arg(i, 4)) >= 0 or tonumber(arg(i, 5)) >= 0 then\n"
+    "      if first then redis.call('HINCRBY', 'ltg:r:' .. scope, 'r' .. sec, 1) end\n"
+    "      redis.call('HINCRBY', 'ltg:r:' .. scope, 't' .. f[3], tok)\n"
+    "      redis.call('EXPIRE', 'ltg:r:' .. scope, 120)\n"
+    "    end\n"
+    "    local spent, held = budget(scope, tonumber(arg(i, 3)))\n"
+    "    got[#got + 1] = spent\n"
+    "    got[#got + 1] = held\n"
+    "  end\n"
+    "  if first and maxpar >= 0 then redis.call('ZADD', 'ltg:par:' .. par, lease, id) end\n"
+    "  local sum = (tonumber(f[1]) + cost) .. ' ' .. (tonumber(f[2]) + tok)\n"
+    "  redis.call('HSET', 'ltg:hv', id, sum .. ' ' .. f[3] .. ' ' .. f[4] .. scopes)\n"
+    "  return got\n"
+    "end\n"
+    "-- ltg_settle_v1: ARGV owner, seq, hold id, what ('end' or 'shrink'), cost\n"
+    "-- (nano-USD: charged, or let go), tokens (used, or let go), then per scope:\n"
+    "-- scope, period start. Applied once per (owner, seq): a repeat after a lost\n"
+    "-- reply is {'dup'}. An end charges `cost` even when the hold's lease ran\n"
+    "-- out meanwhile; {'ok', spent, held...} per scope.\n"
+    "local function settle(keys, a)\n"
+    "  local seqkey, seq = 'ltg:seq:' .. a[1], tonumber(a[2])\n"
+    "  if tonumber(redis.call('GET', seqkey) or '0') >= seq then return {'dup'} end\n"
+    "  redis.call('SET', seqkey, seq, 'EX', 86400)\n"
+    "  local id, cost, tok = a[3], tonumber(a[5]), tonumber(a[6])\n"
+    "  local v = redis.call('HGET', 'ltg:hv', id)\n"
+    "  local f = v and words(v)\n"
+    "  local sec, got = math.floor(now_ms() / 1000), {'ok'}\n"
+    "  if f and a[4] == 'end' then release(id) end\n"
+    "  if f and a[4] == 'shrink' then\n"
+    "    for i = 5, #f do redis.call('HINCRBY', 'ltg:b:' .. f[i], 'held', -cost) end\n"
+    "    local left = (tonumber(f[1]) - cost) .. ' ' .. (tonumber(f[2]) - tok)\n"
+    "    redis.call('HSET', 'ltg:hv', id, left .. ' ' .. table.concat(f, ' ', 3))\n"
+    "  end\n"
+    "  for i = 7, #a, 2 do\n"
+    "    if a[4] == 'end' then\n"
+    "      budget(a[i], tonumber(a[i + 1]))\n"
+    "      redis.call('HINCRBY', 'ltg:b:' .. a[i], 'spent', cost)\n"
+    "    end\n"
+    "    local delta = a[4] == 'end' and f and tok - tonumber(f[2]) or -tok\n"
+    "    local r, slot = 'ltg:r:' .. a[i], 't' .. (f and f[3] or '')\n"
+    "    if f and tonumber(f[3]) > sec - 60 and redis.call('HEXISTS', r, slot) == 1 then\n"
+    "      if redis.call('HINCRBY', r, slot, delta) < 0 then redis.call('HSET', r, slot, 0) end\n"
+    "    end\n"
+    "    local spent, held = budget(a[i], tonumber(a[i + 1]))\n"
+    "    got[#got + 1] = spent\n"
+    "    got[#got + 1] = held\n"
+    "  end\n"
+    "  return got\n"
+    "end\n"
+    "-- ltg_renew_v1: ARGV lease (ms), then hold ids: each lease extended (its\n"
+    "-- request still runs); {ids whose hold is gone}.\n"
+    "local function renew(keys, a)\n"
+    "  local lease, gone = now_ms() + tonumber(a[1]), {}\n"
+    "  for i = 2, #a do\n"
+    "    local v = redis.call('HGET', 'ltg:hv', a[i])\n"
+    "    if not v then gone[#gone + 1] = a[i] else\n"
+    "      local f = words(v)\n"
+    "      for j = 5, #f do redis.call('ZADD', 'ltg:h:' .. f[j], 'XX', lease, a[i]) end\n"
+    "      if f[4] ~= '-' then redis.call('ZADD', 'ltg:par:' .. f[4], 'XX', lease, a[i]) end\n"
+    "    end\n"
+    "  end\n"
+    "  return gone\n"
+    "end\n"
+    "redis.register_function('ltg_hold_v1', hold)\n"
+    "redis.register_function('ltg_settle_v1', settle)\n"
+    "redis.register_function('ltg_renew_v1', renew)\n";
 
 static void cl_tail_read(void);
+static void cl_outbox_pump(void);
 
 static void cl_loaded(void *ctx, const char *p, const resp_tok *t) {
     rlink *l = ctx;
@@ -12546,6 +12829,7 @@ static void cl_loaded(void *ctx, const char *p, const resp_tok *t) {
     l->state = RL_UP;
     l->backoff_ms = CL_BACKOFF_MIN_MS;
     ltg_log("cluster: command link to %s:%d up (functions ltg_v1 loaded)", CL.host, CL.port);
+    cl_outbox_pump(); /* what a lost link left unacknowledged, again, in order */
 }
 
 static void cl_cmd_up(rlink *l) {
@@ -12789,6 +13073,317 @@ static void cl_change(conn *c, const buf *rec, const idem *r, const char *id, lo
     c->owner_ops = &cl_change_owner;
 }
 
+/* ---- the shared money: holds in the store, settles exactly once ----
+ *
+ * With --cluster, a request whose key or group has a budget, a rate limit
+ * or max_parallel_requests (exchange's `shared`) is held in the store, not
+ * in memory: its first hold (inference_start) and each later attempt's
+ * (attempt_hold) are one call of ltg_hold_v1 each, all or nothing over the
+ * key's and the group's scopes, on the primary's clock; the exchange waits
+ * in X_HOLDING for the answer. A hold is a lease, renewed every
+ * CL_RENEW_MS while its request runs: the holds of an instance that died
+ * run out within CL_LEASE_MS. Settles and shrinks (hold_settle,
+ * hold_shrink) go through an outbox, in order, each numbered: ltg_settle_v1
+ * applies one number once, so one sent again after a lost reply charges
+ * nothing twice. What the store answers -- spent and held per scope -- is
+ * what GET and x-ltg-budget-remaining show. */
+#define CL_LEASE_MS 20000
+#define CL_RENEW_MS 5000
+
+/* A call of ltg_hold_v1 waiting for its answer; x NULL once its exchange
+ * is gone (a hold granted then is let go at once). */
+typedef struct cl_wait {
+    exchange *x;
+    int first;
+    int64_t cost, tok;        /* micro-USD, tokens */
+    char id[40];
+} cl_wait;
+
+/* One settle or shrink not yet acknowledged, in the outbox. */
+typedef struct cl_op {
+    struct cl_op *next;
+    unsigned long long seq;
+    buf cmd;                  /* the whole FCALL, to send again after a lost link */
+    char scope[2][39];        /* whose spend the answer updates ("" none) */
+    int sent;
+} cl_op;
+
+static struct {
+    char owner[17];           /* this boot of this instance: random */
+    unsigned long long holds, seq;
+    hold *live;               /* holds held, renewed */
+    cl_op *head, *tail;       /* the outbox, in order */
+    timer renew;
+} CLM;
+
+/* Does this request need a decision all instances share? */
+static int allow_shared(const tkey *k, const group *g) {
+    const allowance *al[2] = {&k->s.al, &g->s.al};
+    int shared = g->max_parallel != UNSET;
+    for (int i = 0; i < 2; i++)
+        shared |= al[i]->has_budget || al[i]->rpm_limit != UNSET || al[i]->tpm_limit != UNSET;
+    return shared;
+}
+
+/* The allowance of scope "k:<id>" or "g:<id>", or NULL (deleted). */
+static allowance *scope_allowance(const char *scope) {
+    stored *st = scope[0] == 'k' ? (stored *)tkey_find(scope + 2) : (stored *)group_find(scope + 2);
+    return st ? &st->al : NULL;
+}
+
+/* The store's spent and held of a scope (nano-USD), shown from now on. */
+static void scope_seen(const char *scope, const resp_tok *spent, const resp_tok *held) {
+    allowance *a = scope_allowance(scope);
+    if (!a || spent->type != ':' || held->type != ':') return;
+    budget_refresh(a, wall_ms());
+    a->spend = spent->num / 1000;
+    a->reserved = held->num / 1000;
+}
+
+static void cl_settled(void *ctx, const char *p, const resp_tok *t) {
+    cl_op *op = ctx;
+    if (!t) { op->sent = 0; return; } /* the link was lost: sent again when it is back */
+    if (t[0].type == '-') { /* READONLY, NOREPLICAS, LOADING...: again, once reconnected */
+        char why[200];
+        snprintf(why, sizeof why, "ltg_settle_v1: %.*s", (int)(t[0].len > 150 ? 150 : t[0].len),
+                 p + t[0].off);
+        op->sent = 0;
+        rl_fail(&CL.cmd, why);
+        return;
+    }
+    if (t[0].type == '*' && t[0].num >= 1 && (resp_is(p, t, 1, "ok") || resp_is(p, t, 1, "dup")))
+        for (int i = 0, k = 2; i < 2 && op->scope[i][0] && k + 1 <= t[0].num; i++, k += 2)
+            scope_seen(op->scope[i], &t[k], &t[k + 1]);
+    else
+        ltg_log("cluster: settle %llu: an answer ltg cannot read (dropped)", op->seq);
+    assert(op == CLM.head);
+    CLM.head = op->next;
+    if (!CLM.head) CLM.tail = NULL;
+    buf_free(&op->cmd);
+    free(op);
+}
+
+/* Settles the store has not acknowledged (a drain waits for them, within --drain-seconds;
+ * what is left then is logged). */
+static int cl_unsettled(void) {
+    int n = 0;
+    for (cl_op *op = CLM.head; op; op = op->next) n++;
+    return n;
+}
+
+/* Send what the outbox has not sent (all of it after a lost link). */
+static void cl_outbox_pump(void) {
+    for (cl_op *op = CLM.head; op && CL.cmd.state == RL_UP; op = op->next) {
+        if (op->sent) continue;
+        if (rl_call_raw(&CL.cmd, cl_settled, op, &op->cmd) < 0) return;
+        op->sent = 1;
+    }
+}
+
+static void cl_live(hold *h, int add) {
+    if (add) {
+        h->prev = NULL;
+        h->next = CLM.live;
+        if (CLM.live) CLM.live->prev = h;
+        CLM.live = h;
+        return;
+    }
+    if (h->prev) h->prev->next = h->next;
+    else if (CLM.live == h) CLM.live = h->next;
+    if (h->next) h->next->prev = h->prev;
+    h->prev = h->next = NULL;
+}
+
+/* An exchange goes: a call of ltg_hold_v1 still out finds no one; its hold leaves the list. */
+static void cl_forget(exchange *x) {
+    if (x->cl_wait) x->cl_wait->x = NULL;
+    if (x->hold.cid[0]) cl_live(&x->hold, 0);
+}
+
+/* hold_settle's and hold_shrink's way with --cluster: one numbered op in
+ * the outbox. `end`: the request is over (`cost` charged, `tok` used);
+ * else a shrink (`cost` and `tok` let go). The scopes' periods are this
+ * instance's view; the store never moves a period back. */
+static void cl_settle(hold *h, int end, int64_t cost, int64_t tok, int64_t now) {
+    cl_op *op = xcalloc(1, sizeof *op);
+    op->seq = ++CLM.seq;
+    char num[5][24];
+    snprintf(num[0], 24, "%llu", op->seq);
+    snprintf(num[1], 24, "%lld", (long long)cost * 1000);
+    snprintf(num[2], 24, "%lld", (long long)tok);
+    rarg a[13] = {RA("FCALL"), RA("ltg_settle_v1"), RA("0"), RA(CLM.owner), RA(num[0]), RA(h->cid),
+                  RA(end ? "end" : "shrink"), RA(num[1]), RA(num[2])};
+    int argc = 9;
+    for (int i = 0; i < 2 && h->scope[i][0]; i++) {
+        allowance *al = scope_allowance(h->scope[i]);
+        int64_t start = -1, e;
+        if (al) allow_period(al, now, &start, &e);
+        snprintf(num[3 + i], 24, "%lld", (long long)start);
+        a[argc++] = RA(h->scope[i]);
+        a[argc++] = RA(num[3 + i]);
+        memcpy(op->scope[i], h->scope[i], sizeof op->scope[i]);
+    }
+    resp_cmd(&op->cmd, a, argc);
+    if (CLM.tail) CLM.tail->next = op;
+    else CLM.head = op;
+    CLM.tail = op;
+    if (end) cl_live(h, 0);
+    cl_outbox_pump();
+}
+
+static void cl_renewed(void *ctx, const char *p, const resp_tok *t) {
+    (void)ctx, (void)p;
+    if (t && t[0].type == '*' && t[0].num > 0)
+        ltg_log("cluster: %lld hold(s) had run out of their lease before it was renewed (the "
+                "store was out of reach for over %d s): their requests go on, and are charged "
+                "when they end", t[0].num, CL_LEASE_MS / 1000);
+}
+
+/* Every CL_RENEW_MS: the leases of the holds of requests still running. */
+static void cl_renew(void *ctx) {
+    (void)ctx;
+    timer_set(&CLM.renew, CL_RENEW_MS);
+    int n = 2;
+    for (hold *h = CLM.live; h; h = h->next) n++;
+    if (n == 2 || CL.cmd.state != RL_UP) return;
+    rarg *a = xcalloc((size_t)n + 2, sizeof *a);
+    int argc = 0;
+    a[argc++] = RA("FCALL"), a[argc++] = RA("ltg_renew_v1"), a[argc++] = RA("0");
+    a[argc++] = RA(STR(CL_LEASE_MS));
+    for (hold *h = CLM.live; h; h = h->next) a[argc++] = RA(h->cid);
+    rl_call(&CL.cmd, cl_renewed, NULL, a, argc);
+    free(a);
+}
+
+/* A first hold refused (`why`; NULL: the store could not answer): as
+ * admission refuses, and the exchange goes without a spend event. */
+static void cl_refuse_first(exchange *x, tkey *k, group *g, const hold_refusal *why,
+                            int64_t cost, double left) {
+    admission a = {.c = x->c, .key = k, .g = g};
+    refusal r;
+    if (!why || !k || !g) refuse(&r, 503, "store_unavailable", NULL, "%s", CL_UNAVAILABLE);
+    else if (why->limit[4] == 'p') parallel_refuse(g, &r); /* "max_parallel_requests" */
+    else hold_refuse(&a, &r, why, cost, left);
+    conn *c = x->c;
+    x->c = NULL;
+    if (c) c->owner = NULL;
+    exchange_free(x);
+    if (c) inference_refuse(&a, &r);
+}
+
+/* The store refused x's hold (or could not answer: t is not a refusal):
+ * the first, like admission, without a spend event; a later one ends the
+ * request (attempt_refused). */
+static void cl_refused(exchange *x, const cl_wait *w, const char *p, const resp_tok *t) {
+    static const char *const limits[] = {"rpm_limit", "tpm_limit", "max_budget",
+                                         "max_parallel_requests"};
+    tkey *k = tkey_find(x->key_id);
+    group *g = group_find(x->group_id);
+    hold_refusal why = {0, NULL, 0};
+    if (k && g && t && t[0].type == '*' && t[0].num == 4 && resp_is(p, t, 1, "refused") &&
+        t[2].type == ':' && (t[2].num == 0 || t[2].num == 1) && t[4].type == ':')
+        for (size_t i = 0; i < sizeof limits / sizeof *limits; i++)
+            if (resp_is(p, t, 3, limits[i])) why = (hold_refusal){(int)t[2].num, limits[i], 0};
+    allowance *al[2] = {k ? &k->s.al : NULL, g ? &g->s.al : NULL};
+    int budget = why.limit && why.limit[4] == 'b'; /* the value: nano-USD left, else seconds */
+    if (why.limit && !budget) why.wait = (long)t[4].num;
+    double left = budget ? (double)t[4].num / 1e9 : 0;
+    if (!why.limit && !w->first)
+        exchange_fail(x, 503, "store_unavailable", CL_UNAVAILABLE);
+    else if (!w->first)
+        attempt_refused(x, al[why.who], why.wait, left);
+    else
+        cl_refuse_first(x, k, g, why.limit ? &why : NULL, w->cost, left);
+}
+
+/* ltg_hold_v1's answer: {'ok', second, spent, held...} or a refusal. */
+static void cl_held(void *ctx, const char *p, const resp_tok *t) {
+    cl_wait *w = ctx;
+    exchange *x = w->x;
+    int ok = t && t[0].type == '*' && t[0].num >= 2 && resp_is(p, t, 1, "ok") && t[2].type == ':';
+    if (x && x->settled) { /* it ended meanwhile (its deadline, its client), its settle sent */
+        x->cl_wait = NULL;
+        x = NULL;
+    }
+    if (!x) { /* its exchange is gone: a first hold let go (a later one went with its settle) */
+        if (ok && w->first) {
+            hold h = {.cid = ""};
+            memcpy(h.cid, w->id, sizeof h.cid);
+            cl_settle(&h, 1, 0, 0, wall_ms());
+        }
+        free(w);
+        return;
+    }
+    x->cl_wait = NULL;
+    exchange_to(x, X_ATTEMPTING);
+    hold *h = &x->hold;
+    if (!ok) {
+        if (!h->held) h->cid[0] = 0; /* nothing is held under it */
+        cl_refused(x, w, p, t);
+        free(w);
+        return;
+    }
+    if (!h->held) {
+        h->held = 1;
+        h->sec = t[2].num;
+        cl_live(h, 1);
+    }
+    h->cost += w->cost;
+    h->tok += w->tok;
+    for (int i = 0; i < 2 && 4 + 2 * i <= t[0].num; i++)
+        scope_seen(h->scope[i], &t[3 + 2 * i], &t[4 + 2 * i]);
+    int first = w->first;
+    free(w);
+    if (first) inference_go(x);
+    else exchange_attempt_held(x);
+}
+
+/* Hold x->w, the worst case of x's next attempt (or, `first`, of its
+ * first, at admission), in the store. LTG_AGAIN: the answer goes to
+ * cl_held; LTG_ERR: the store cannot be asked now. */
+static int cl_hold(exchange *x, int first) {
+    tkey *k = tkey_find(x->key_id);
+    group *g = group_find(x->group_id);
+    if (!k || !g || cl_unready()) return LTG_ERR;
+    hold *h = &x->hold;
+    if (!h->cid[0]) {
+        snprintf(h->cid, sizeof h->cid, "%s:%llu", CLM.owner, ++CLM.holds);
+        snprintf(h->scope[0], sizeof h->scope[0], "k:%s", k->s.id);
+        snprintf(h->scope[1], sizeof h->scope[1], "g:%s", g->s.id);
+    }
+    allowance *al[2] = {&k->s.al, &g->s.al};
+    char num[12][24];
+    int nn = 0, argc = 0;
+    rarg a[20];
+#define NUM(v) (snprintf(num[nn], 24, "%lld", (long long)(v)), nn++, RA(num[nn - 1]))
+    a[argc++] = RA("FCALL"), a[argc++] = RA("ltg_hold_v1"), a[argc++] = RA("0");
+    a[argc++] = RA(h->cid), a[argc++] = RA(first ? "1" : "0");
+    a[argc++] = NUM(x->w.cost * 1000), a[argc++] = NUM(x->w.in + x->w.out);
+    a[argc++] = RA(STR(CL_LEASE_MS)), a[argc++] = RA(h->scope[1]);
+    a[argc++] = NUM(g->max_parallel == UNSET ? -1 : g->max_parallel);
+    for (int i = 0; i < 2; i++) {
+        int64_t start, end;
+        allow_period(al[i], wall_ms(), &start, &end);
+        a[argc++] = RA(h->scope[i]);
+        a[argc++] = NUM(al[i]->has_budget ? usd_to_micro(al[i]->max_budget) * 1000 : -1);
+        a[argc++] = NUM(start);
+        a[argc++] = NUM(al[i]->rpm_limit == UNSET ? -1 : al[i]->rpm_limit);
+        a[argc++] = NUM(al[i]->tpm_limit == UNSET ? -1 : al[i]->tpm_limit);
+    }
+#undef NUM
+    cl_wait *w = xcalloc(1, sizeof *w);
+    *w = (cl_wait){x, first, x->w.cost, x->w.in + x->w.out, ""};
+    memcpy(w->id, h->cid, sizeof w->id);
+    if (rl_call(&CL.cmd, cl_held, w, a, argc) < 0) {
+        free(w);
+        return LTG_ERR;
+    }
+    x->cl_wait = w;
+    timer_stop(&x->t); /* an attempt's timeout that did not fire: not this wait's */
+    exchange_to(x, X_HOLDING);
+    return LTG_AGAIN;
+}
+
 /* --cluster redis://HOST[:PORT][/DB] (and the password from
  * --cluster-password-env): NULL, or what is wrong with it. */
 static const char *cl_parse(void) {
@@ -12843,6 +13438,10 @@ static void rl_init(rlink *l, const char *name, void (*up)(rlink *)) {
 /* Open both links (main, once the state log is replayed: CL.applied is
  * where the stream is read from). */
 static void cl_start(void) {
+    uint64_t r = rng_next();
+    for (int i = 0; i < 16; i++) CLM.owner[i] = "0123456789abcdef"[(r >> (60 - 4 * i)) & 15];
+    timer_init(&CLM.renew, cl_renew, NULL);
+    timer_set(&CLM.renew, CL_RENEW_MS);
     rl_init(&CL.cmd, "command", cl_cmd_up);
     rl_init(&CL.tail, "stream", cl_tail_up);
     rl_connect(&CL.cmd);
@@ -13028,7 +13627,8 @@ static void loop_signals(void) {
 }
 
 static int loop_should_exit(void) {
-    return S.draining && ((S.nconns == 0 && S.nexchanges == 0) || S.now >= S.drain_until);
+    return S.draining &&
+           ((S.nconns == 0 && S.nexchanges == 0 && !cl_unsettled()) || S.now >= S.drain_until);
 }
 
 static void sig_pipe_read(void *ctx, int revents) {
@@ -13320,6 +13920,10 @@ int main(int argc, char **argv) {
     const char *lost;
     if (!ledger_writable(&lost))
         ltg_log("stopping with spend events that could not be written (%s): they are lost", lost);
+    if (cl_unsettled())
+        ltg_log("cluster: stopping with %d settle(s) the shared store has not acknowledged: the "
+                "holds they end run out with their leases, and their charges are missing there "
+                "(this instance's ledger has them)", cl_unsettled());
     if (TLS.full + TLS.resumed)
         ltg_log("TLS handshakes: %llu full, %llu resumed", (unsigned long long)TLS.full,
                 (unsigned long long)TLS.resumed);

@@ -17,15 +17,21 @@ maxmemory-policy noeviction), and three ltg instances (it.Aux) with --cluster po
    writes work again.
 6. Redis restarted without its append-only file (its stream lost what the instances applied): each
    instance notices, says so in its log and /readyz, and refuses control-plane changes.
-7. A replica is not a primary: ltg does not use it (/readyz 503, and its log says why).
-8. What is not shared yet is refused, not counted alone: a request of a group with a budget gets
+7. Budgets, rate limits and parallel slots are decided by the store, on every instance at once:
+   64 parallel requests spread over three instances against a group budget that fits exactly 4
+   worst cases: 4 served, 60 refused 403 budget_exceeded, 4 calls upstream, and the store's spend
+   is the sum of the answers' costs with nothing held after; rpm_limit 10: exactly 10 served;
+   max_parallel_requests 3: 3 served while 3 run. A later attempt's hold too.
+8. A replica is not a primary: ltg does not use it (/readyz 503, and its log says why).
+9. What is not shared yet is refused, not counted alone: a request of a group with a budget gets
    503 store_unavailable and nothing reaches the provider; an uncapped group is served.
-9. A bad --cluster exits 2 with a message that says what to fix.
+10. A bad --cluster exits 2 with a message that says what to fix.
 
 Runs alone: python3 tests/integration.py --ltg ./ltg --mock tests/mock --file cluster
 """
 
 import integration as it
+import integration_traffic as traffic
 
 import contextlib
 import os
@@ -57,12 +63,19 @@ class Redis:
         it.wait_until("redis-server answering PING on port %d" % self.port, lambda: self.ping() == "+PONG", 10 * it.SLOW, 0.05)
         return self
 
-    def cmd(self, *args):
-        """One command on a connection of its own: the reply's first line (RESP)."""
+    def cmd(self, *args, whole=False):
+        """One command on a connection of its own: the reply's first line (RESP), or its lines."""
         import socket
         with socket.create_connection(("127.0.0.1", self.port), timeout=5) as s:
             s.sendall(("*%d\r\n" % len(args) + "".join("$%d\r\n%s\r\n" % (len(a.encode()), a) for a in args)).encode())
-            return s.recv(65536).decode("utf-8", "replace").split("\r\n")[0]
+            lines = s.recv(65536).decode("utf-8", "replace").split("\r\n")
+            return lines if whole else lines[0]
+
+    def budget(self, scope):
+        """What the store holds of a scope ("g:<id>", "k:<id>"): {"spent": nano-USD, "held": ...}."""
+        lines = self.cmd("HGETALL", "ltg:b:" + scope, whole=True)
+        vals = [l for l in lines[1:] if l and not l.startswith("$")]
+        return {k: int(v) for k, v in zip(vals[::2], vals[1::2])}
 
     def ping(self):
         try:
@@ -215,6 +228,10 @@ def t_cluster_restart():
 def t_cluster_redis_down():
     with cluster("down", n=2) as (r, (a, b)):
         g = it.create_group(port=a.admin_port)
+        _, capped = group_key(a, max_budget=5, budget_duration="1d")
+        _, free = group_key(a)
+        it.wait_until("the other instance has the keys", lambda: it.one_request(b.port, "POST", "/v1/chat/completions",
+                      it.chat_body(), auth=free).status == 200, 5 * it.SLOW, 0.05)
         r.stop()
         it.wait_until("/readyz 503 once Redis is gone", lambda: not ready(a), 10 * it.SLOW, 0.05)
         rd = it.one_request(a.admin_port, "GET", "/readyz", auth=None)
@@ -228,6 +245,12 @@ def t_cluster_redis_down():
         it.check_admin_error(rr, 503, "storage_unavailable", what="a POST while Redis is down")
         d, v = it.get_group(g["id"], port=a.admin_port)
         check(v == 1 and d["name"] == g["name"], "nothing changed: version %d name %r" % (v, d["name"]))
+        before = kimi_calls()
+        x = it.one_request(b.port, "POST", "/v1/chat/completions", it.chat_body(), auth=capped)
+        it.check_openai_error(x, 503, "store_unavailable")
+        check(kimi_calls() == before, "a request with a budget reached the provider while Redis was down")
+        x = it.one_request(b.port, "POST", "/v1/chat/completions", it.chat_body(), auth=free)
+        check(x.status == 200, "an uncapped group while Redis is down: %s" % x.brief())
         r.start()
         for x in (a, b):
             wait_ready(x, 15)
@@ -278,25 +301,139 @@ def t_cluster_replica():
         primary.stop()
 
 
-@it.test("cluster: what is not shared yet is refused, not counted by one instance alone: a group with a budget, "
-         "a key with an rpm_limit, an Idempotency-Key get 503 store_unavailable, nothing sent upstream; an uncapped "
-         "group is served")
+def spread(auxes, n, token, body):
+    """n requests at once, request i to instance i % 3, each on its own connection: the responses."""
+    return traffic.parallel(n, token, body, ports=[a.port for a in auxes])
+
+
+def group_key(a, **kw):
+    gid = it.create_group(port=a.admin_port, **dict({"allowed_models": ["Kimi-K3"]}, **kw))["id"]
+    return gid, it.create_key(gid, port=a.admin_port)[1]
+
+
+def kimi_calls():
+    return it.H.mock_stats().get("calls", {}).get("kimi-k3", 0)
+
+
+@it.test("cluster: a group budget that fits exactly 4 worst cases, 64 parallel requests over three instances: 4 "
+         "served, 60 refused 403 budget_exceeded, 4 calls upstream; the store's spend is the sum of the answers' "
+         "costs, nothing held after, and every instance shows it")
+def t_cluster_budget_parallel():
+    with cluster("budget") as (r, auxes):
+        m = 2000
+        body = traffic.body_off5(mock="head_delay_ms=300 events=%d" % m, max_tokens=m)
+        worst = traffic.worst_micro(body, m)
+        gid, token = group_key(auxes[0], max_budget=(4 * worst + 1) / 1e6, budget_duration="1d")
+        for a in auxes:
+            it.wait_until("%s has the key" % a.tag, lambda a=a: it.admin("GET", "/token_groups/" + gid, port=a.admin_port).status == 200,
+                          5 * it.SLOW, 0.05)
+        before = kimi_calls()
+        rs = spread(auxes, 64, token, body)
+        ok = [x for x in rs if x.status == 200]
+        check(len(ok) == 4, "served %d of 64, want 4: %r" % (len(ok), sorted(set(x.status for x in rs))))
+        for x in rs:
+            if x.status != 200:
+                it.check_openai_error(x, 403, "budget_exceeded")
+                check("the budget of this key's group" in x.json()["error"]["message"], "the refusal: %r" % x.body[:300])
+        check(kimi_calls() - before == 4, "the provider saw %d calls, want 4" % (kimi_calls() - before))
+        costs = [traffic.micro(x.header("x-ltg-cost")) for x in ok]
+        check(all(0 < c < worst for c in costs), "costs %r, each under the worst case %d" % (costs, worst))
+        it.wait_until(lambda: "the store's spend %r, want %d nano-USD and nothing held" % (r.budget("g:" + gid), sum(costs) * 1000),
+                      lambda: r.budget("g:" + gid) == {"p": r.budget("g:" + gid).get("p"), "spent": sum(costs) * 1000, "held": 0},
+                      10 * it.SLOW, 0.1)
+        check(sum(costs) <= 4 * worst + 1, "spent %d over the budget %d" % (sum(costs), 4 * worst + 1))
+        x = it.one_request(auxes[2].port, "POST", "/v1/chat/completions", body, auth=token)
+        it.check_openai_error(x, 403, "budget_exceeded")
+        check(kimi_calls() - before == 4, "a refused request reached the provider")
+
+
+@it.test("cluster: rpm_limit 10 under 64 parallel requests over three instances: exactly 10 served, 54 refused 429 "
+         "rate_limited with Retry-After; max_parallel_requests 3: 3 served at once, the others 429")
+def t_cluster_rpm_parallel():
+    with cluster("rpm") as (_, auxes):
+        gid, token = group_key(auxes[0], rpm_limit=10)
+        pgid, ptoken = group_key(auxes[0], max_parallel_requests=3)
+        for a in auxes:
+            it.wait_until("%s has the keys" % a.tag, lambda a=a: it.admin("GET", "/token_groups/" + pgid, port=a.admin_port).status == 200,
+                          5 * it.SLOW, 0.05)
+        before = kimi_calls()
+        rs = spread(auxes, 64, token, it.chat_body(directive="head_delay_ms=300"))
+        st = sorted(x.status for x in rs)
+        check(st.count(200) == 10 and st.count(429) == 54, "rpm_limit 10: %r" % st)
+        for x in rs:
+            if x.status == 429:
+                traffic.check_limited(x, "a refused request")
+        check(kimi_calls() - before == 10, "the provider saw %d calls, want 10" % (kimi_calls() - before))
+        rs = spread(auxes, 30, ptoken, it.chat_body(directive="head_delay_ms=1500"))
+        st = sorted(x.status for x in rs)
+        check(st.count(200) == 3 and st.count(429) == 27, "max_parallel_requests 3: %r" % st)
+        for x in rs:
+            if x.status == 429:
+                it.check_openai_error(x, 429, "too_many_parallel_requests")
+        x = it.one_request(auxes[1].port, "POST", "/v1/chat/completions", it.chat_body(), auth=ptoken)
+        check(x.status == 200, "a request once the three are done: %s" % x.brief())
+
+
+@it.test("cluster: a fallback's attempt is held in the store too: a 503 on the first model, the fallback served, "
+         "the store's spend is the answer's cost, nothing held after")
+def t_cluster_fallback_hold():
+    with cluster("fallback", n=1) as (r, (a,)):
+        d = it.create_group({"name": "fb-" + it.new_idem(), "allowed_models": ["Kimi-K3", "GLM-5.3-Flash"],
+                             "fallbacks": {"Kimi-K3": ["GLM-5.3-Flash"]}, "max_budget": 10, "budget_duration": "1d"},
+                            port=a.admin_port)
+        token = it.create_key(d["id"], port=a.admin_port)[1]
+        it.H.mock_post("/_mock/script", {"model": "kimi-k3", "steps": ["status=503"]})
+        x = it.one_request(a.port, "POST", "/v1/chat/completions", it.chat_body(), auth=token)
+        check(x.status == 200 and x.header("x-ltg-served-model") == "GLM-5.3-Flash" and x.header("x-ltg-attempts") == "2",
+              "served by the fallback after one attempt: %s %r %r" % (x.brief(), x.header("x-ltg-served-model"), x.header("x-ltg-attempts")))
+        cost = traffic.micro(x.header("x-ltg-cost"))
+        it.wait_until(lambda: "the store: %r, want spent %d" % (r.budget("g:" + d["id"]), cost * 1000),
+                      lambda: r.budget("g:" + d["id"]).get("spent") == cost * 1000 and r.budget("g:" + d["id"]).get("held") == 0,
+                      10 * it.SLOW, 0.1)
+
+
+@it.test("cluster: an instance SIGKILLed with a request in flight: its hold runs out within 30 s, and the budget it "
+         "held is free again on the other instance")
+def t_cluster_killed_lease():
+    with cluster("kill", n=2) as (r, (a, b)):
+        m = 2000
+        slow = traffic.body_off5(mock="head_delay_ms=60000 events=%d" % m, max_tokens=m)
+        body = traffic.body_off5(mock="events=%d" % m, max_tokens=m)
+        worst = max(traffic.worst_micro(slow, m), traffic.worst_micro(body, m))
+        gid, token = group_key(a, max_budget=(worst + 1) / 1e6, budget_duration="1d")
+        it.wait_until("the other instance has the key", lambda: it.admin("GET", "/token_groups/" + gid, port=b.admin_port).status == 200,
+                      5 * it.SLOW, 0.05)
+        threading.Thread(target=lambda: _quiet(lambda: it.one_request(a.port, "POST", "/v1/chat/completions", slow, auth=token, timeout=90)),
+                         daemon=True).start()
+        it.wait_until("the slow request is held", lambda: r.budget("g:" + gid).get("held", 0) > 0, 10 * it.SLOW, 0.05)
+        a.kill()
+        t0 = time.monotonic()
+        x = it.one_request(b.port, "POST", "/v1/chat/completions", body, auth=token)
+        it.check_openai_error(x, 403, "budget_exceeded")
+        it.wait_until("the dead instance's hold runs out", lambda: it.one_request(b.port, "POST", "/v1/chat/completions", body,
+                      auth=token).status == 200, 30 * it.SLOW, 1.0)
+        check(time.monotonic() - t0 <= 30 * it.SLOW, "freed after %.1f s" % (time.monotonic() - t0))
+
+
+def _quiet(fn):
+    try:
+        fn()
+    except Exception:
+        pass            # its instance was killed under it
+
+
+@it.test("cluster: an Idempotency-Key is refused with 503 store_unavailable (its claim is not shared yet), "
+         "nothing sent upstream; an uncapped group is served")
 def t_cluster_not_shared_refused():
     with cluster("refuse", n=1) as (_, (a,)):
-        def key(**kw):
-            gid = it.create_group(port=a.admin_port, **kw)["id"]
-            return it.create_key(gid, port=a.admin_port)[1]
-        free = key()
+        _, free = group_key(a)
         r = it.one_request(a.port, "POST", "/v1/chat/completions", it.chat_body(), auth=free)
         check(r.status == 200, "an uncapped group: %s" % r.brief())
-        before = it.H.mock_stats().get("calls", {}).get("kimi-k3", 0)
-        for what, token, hdrs in (("a group with a budget", key(max_budget=5), {}),
-                                  ("a group with an rpm_limit", key(rpm_limit=100), {}),
-                                  ("an Idempotency-Key", free, {"Idempotency-Key": "cl-inf-1"})):
-            r = it.one_request(a.port, "POST", "/v1/chat/completions", it.chat_body(), headers=hdrs, auth=token)
-            it.check_openai_error(r, 503, "store_unavailable")
-            check("not yet shared" in r.json()["error"]["message"], "%s: the message %r" % (what, r.body[:300]))
-        check(it.H.mock_stats().get("calls", {}).get("kimi-k3", 0) == before, "a refused request reached the provider")
+        before = kimi_calls()
+        r = it.one_request(a.port, "POST", "/v1/chat/completions", it.chat_body(), headers={"Idempotency-Key": "cl-inf-1"}, auth=free)
+        it.check_openai_error(r, 503, "store_unavailable")
+        check("not yet shared" in r.json()["error"]["message"], "the message %r" % r.body[:300])
+        check(kimi_calls() == before, "a refused request reached the provider")
 
 
 @it.test("cluster: a bad --cluster exits 2 and says what to fix")

@@ -32,17 +32,20 @@ def calls():
     return it.H.mock_stats().get("calls", {}).get("kimi-k3", 0)
 
 
-def parallel(n, token, body):
+def parallel(n, token, body, ports=None):
     """n requests at once, each on its own connection: their responses. token: one token key, or a
-    list of them used in turn (request i uses token[i % len(token)])."""
+    list of them used in turn (request i uses token[i % len(token)]); ports: the inference ports to
+    spread them over the same way (the harness's ltg's when None)."""
     out = [None] * n
     go = threading.Event()
     tokens = token if isinstance(token, list) else [token]
+    ports = ports or [it.H.port]
 
     def one(i):
         go.wait()
         try:
-            out[i] = it.one_request(it.H.port, "POST", "/v1/chat/completions", body, auth=tokens[i % len(tokens)], timeout=60)
+            out[i] = it.one_request(ports[i % len(ports)], "POST", "/v1/chat/completions", body, auth=tokens[i % len(tokens)],
+                                    timeout=60)
         except Exception as e:          # a failure to connect is the test's failure, below
             out[i] = e
     ths = [threading.Thread(target=one, args=(i,)) for i in range(n)]
