@@ -265,6 +265,7 @@ static int cl_on(void);
 static void cl_note_sid(const char *p, const json_tok *t);
 static const char *cl_applied(void);
 static const char *cl_unready(void);
+static int cl_behind(void);
 static void cl_metrics(buf *b);
 static int cl_unsettled(void);
 
@@ -9050,8 +9051,8 @@ static int idem_begin(conn *c, const admin_who *who, idem_ticket *tk) {
 }
 
 /* With --cluster, a change goes through the shared store instead (section 20). */
-static void cl_change(conn *c, const buf *rec, const idem *r, const char *id, long long base,
-                      const char *parent, int status, const buf *reply);
+static void cl_change(conn *c, const buf *rec, const idem *r, const stored *it, long long base,
+                      const char *parent, int status, const buf *reply, int del);
 
 /* Step 4 of every change: log `ops` (a JSON array) with the idempotency
  * record of its answer -- `kept` (a body) with `kept_status` and
@@ -9081,7 +9082,7 @@ static void admin_change(conn *c, const idem_ticket *tk, const buf *ops, const s
     jw_close(&w, '}');
     if (cl_on()) { /* the shared stream decides, and every instance applies it (section 20) */
         const char *parent = K == &KEYS ? ((const tkey *)it)->group_id : "";
-        cl_change(c, &p, r, it->id, del ? it->version : version - 1, parent, status, reply);
+        cl_change(c, &p, r, it, del ? it->version : version - 1, parent, status, reply, del);
         idem_free(r);
         if (!del) K->drop(it);
         buf_free(&p);
@@ -11524,7 +11525,12 @@ static int allow_shared(const tkey *k, const group *g);
  * yet, and each instance would run the request once (README "Several
  * instances"). */
 static int admit_shared(admission *a, refusal *r) {
-    if (!cl_on() || a->kind->free) return ADMIT;
+    if (!cl_on()) return ADMIT;
+    if (cl_behind()) /* its keys and groups may be stale: a revoked key would still pass */
+        return refuse(r, 503, "store_unavailable", NULL,
+                      "this instance missed changes to keys and groups, and serves nothing until "
+                      "its operator restores its state (see its log)");
+    if (a->kind->free) return ADMIT;
     a->shared = allow_shared(a->key, a->g);
     size_t n;
     if (!http_header_get(a->c->in.p, a->c->req.h, a->c->req.nh, "idempotency-key", &n))
@@ -12413,6 +12419,7 @@ static struct {
     char applied[32];         /* the last ltg:log id applied ("ms-seq"; "" none) */
     int64_t heard;            /* S.now of the tail link's last reply */
     int lost;                 /* the stream ends before what this instance applied */
+    int behind;               /* ... or was trimmed past it: this instance missed changes */
     cl_pending *waiting;       /* changes whose answer waits for the reader */
     int changes;              /* ... and all pending, waiting or calling */
 } CL;
@@ -12625,13 +12632,19 @@ static const char CL_LIBRARY[] =
     "    return {'replay', kept[2], kept[3], kept[4]}\n"
     "  end\n"
     "  local cur = redis.call('HGET', keys[2], a[1]) or '0'\n"
-    "  if a[3] ~= '' and redis.call('HGET', keys[2], a[3]) == 'deleted' then cur = 'deleted' end\n"
+    "  if a[3] ~= '' and redis.call('HEXISTS', keys[2], a[3]) == 0 then cur = 'gone' end\n"
     "  if cur ~= a[2] then\n"
     "    local last = redis.call('XREVRANGE', keys[1], '+', '-', 'COUNT', 1)\n"
     "    return {'stale', last[1] and last[1][1] or '0-0'}\n"
     "  end\n"
     "  local id = redis.call('XADD', keys[1], '*', 'r', a[4])\n"
-    "  redis.call('HSET', keys[2], a[1], a[9])\n"
+    "  if a[9] ~= 'deleted' then redis.call('HSET', keys[2], a[1], a[9]) end\n"
+    "  for i = 11, #a do -- a deletion: the item's (and a group's keys') versions and counts go\n"
+    "    redis.call('HDEL', keys[2], string.sub(a[i], 3))\n"
+    "    for _, k in ipairs({'ltg:b:', 'ltg:r:', 'ltg:h:', 'ltg:par:'}) do\n"
+    "      redis.call('DEL', k .. a[i])\n"
+    "    end\n"
+    "  end\n"
     "  redis.call('HSET', keys[3], 'body', a[5], 'status', a[6], 'version', a[7], 'answer', a[8])\n"
     "  redis.call('PEXPIRE', keys[3], a[10])\n"
     "  return {'ok', id}\n"
@@ -12645,6 +12658,7 @@ static const char CL_LIBRARY[] =
     "--   ltg:hv           hash: hold id -> \"cost tokens second par scope...\"\n"
     "--                    (par: the group's scope when it holds a parallel slot, else -)\n"
     "--   ltg:seq:<owner>  the last settle applied from that instance (a boot of it)\n"
+    "--   ltg:insts        hash: instance -> \"<last ltg:log id applied> <ms>\" (ltg_trim_v1)\n"
     "local function now_ms()\n"
     "  local t = redis.call('TIME')\n"
     "  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
@@ -12659,8 +12673,10 @@ static const char CL_LIBRARY[] =
     "  local v = redis.call('HGET', 'ltg:hv', id)\n"
     "  if not v then return nil end\n"
     "  local f = words(v)\n"
-    "  for i = 5, #f do\n"
-    "    redis.call('HINCRBY', 'ltg:b:' .. f[i], 'held', -tonumber(f[1]))\n"
+    "  for i = 5, #f do -- a scope deleted meanwhile has no counts left to lower\n"
+    "    if redis.call('EXISTS', 'ltg:b:' .. f[i]) == 1 then\n"
+    "      redis.call('HINCRBY', 'ltg:b:' .. f[i], 'held', -tonumber(f[1]))\n"
+    "    end\n"
     "    redis.call('ZREM', 'ltg:h:' .. f[i], id)\n"
     "  end\n"
     "  if f[4] ~= '-' then redis.call('ZREM', 'ltg:par:' .. f[4], id) end\n"
@@ -12809,6 +12825,26 @@ static const char CL_LIBRARY[] =
     "  end\n"
     "  return gone\n"
     "end\n"
+    "-- ltg_trim_v1: ARGV this instance (a boot of it), the last ltg:log id it applied. The\n"
+    "-- stream keeps what every instance heard from in 7 days has not applied yet.\n"
+    "local function before(x, y)\n"
+    "  local xm, xs = string.match(x, '(%d+)-(%d+)')\n"
+    "  local ym, ys = string.match(y, '(%d+)-(%d+)')\n"
+    "  xm, xs, ym, ys = tonumber(xm), tonumber(xs), tonumber(ym), tonumber(ys)\n"
+    "  return xm < ym or (xm == ym and xs < ys)\n"
+    "end\n"
+    "local function trim(keys, a)\n"
+    "  local now, low = now_ms(), nil\n"
+    "  redis.call('HSET', 'ltg:insts', a[1], a[2] .. ' ' .. now)\n"
+    "  local all = redis.call('HGETALL', 'ltg:insts')\n"
+    "  for i = 1, #all, 2 do\n"
+    "    local f = words(all[i + 1])\n"
+    "    if tonumber(f[2]) < now - 7 * 86400000 then redis.call('HDEL', 'ltg:insts', all[i])\n"
+    "    elseif not low or before(f[1], low) then low = f[1] end\n"
+    "  end\n"
+    "  return redis.call('XTRIM', 'ltg:log', 'MINID', low)\n"
+    "end\n"
+    "redis.register_function('ltg_trim_v1', trim)\n"
     "redis.register_function('ltg_hold_v1', hold)\n"
     "redis.register_function('ltg_settle_v1', settle)\n"
     "redis.register_function('ltg_renew_v1', renew)\n";
@@ -12837,26 +12873,46 @@ static void cl_cmd_up(rlink *l) {
     rl_call(l, cl_loaded, l, a, 4);
 }
 
-/* The stream's last id, asked before reading it: a stream that ends before
- * what this instance applied lost changes (a Redis restarted without its
- * append-only file, a failover to a replica that had not received them). */
+/* What XINFO STREAM says of ltg:log, asked before reading it. A stream
+ * whose last id is before what this instance applied lost changes (a
+ * Redis restarted without its append-only file, a failover to a replica
+ * that had not received them); one trimmed past what it applied (an
+ * instance away longer than the trim keeps) cannot give it what it missed. */
 static void cl_tail_checked(void *ctx, const char *p, const resp_tok *t) {
     rlink *l = ctx;
     if (!t) return;
-    char last[sizeof CL.applied] = "0-0";
-    if (t[0].type != '*' || (t[0].num && (t[1].type != '*' || t[2].type != '$' ||
-                                           t[2].len >= sizeof last))) {
-        rl_fail(l, "an answer to XREVRANGE that ltg cannot read");
+    char last[sizeof CL.applied] = "0-0", first[sizeof CL.applied] = "0-0";
+    long long length = 0, added = 0;
+    if (t[0].type == '*') /* pairs of a name and its value */
+        for (int i = 1, n = 0; n + 1 < t[0].num; n += 2, i = t[t[i].next].next) {
+            const resp_tok *v = &t[t[i].next];
+            char *into = resp_is(p, t, i, "last-generated-id")         ? last
+                         : resp_is(p, t, i, "recorded-first-entry-id") ? first
+                                                                       : NULL;
+            if (into && v->type == '$' && v->len < sizeof last)
+                snprintf(into, sizeof last, "%.*s", (int)v->len, p + v->off);
+            if (resp_is(p, t, i, "length") && v->type == ':') length = v->num;
+            if (resp_is(p, t, i, "entries-added") && v->type == ':') added = v->num;
+        }
+    else if (t[0].type != '-') { /* -ERR no such key: a stream not made yet */
+        rl_fail(l, "an answer to XINFO STREAM that ltg cannot read");
         return;
     }
-    if (t[0].num) snprintf(last, sizeof last, "%.*s", (int)t[2].len, p + t[2].off);
     int lost = CL.applied[0] && sid_cmp(last, CL.applied) < 0;
+    /* trimmed (ltg_trim_v1 keeps what every instance applied): what it applied is gone too */
+    int behind = added > length && sid_cmp(CL.applied[0] ? CL.applied : "0-0", first) < 0;
     if (lost && !CL.lost)
         ltg_log("cluster: the shared stream ltg:log ends at %s, before %s, which this instance "
                 "applied: Redis lost changes (restarted without its append-only file, or a "
                 "failover lost them); control-plane changes are refused until it is restored "
                 "(README \"Several instances\")", last, CL.applied);
+    if (behind && !CL.behind)
+        ltg_log("cluster: ltg:log was trimmed past what this instance applied (%s; it begins at "
+                "%s): it missed changes, and serves nothing until its state log is replaced by a "
+                "copy of another instance's (README \"Several instances\")",
+                CL.applied[0] ? CL.applied : "nothing", first);
     CL.lost = lost;
+    CL.behind = behind;
     l->state = RL_UP;
     l->backoff_ms = CL_BACKOFF_MIN_MS;
     CL.heard = S.now;
@@ -12866,8 +12922,7 @@ static void cl_tail_checked(void *ctx, const char *p, const resp_tok *t) {
 }
 
 static void cl_tail_up(rlink *l) {
-    rl_call(l, cl_tail_checked, l,
-            (rarg[]){RA("XREVRANGE"), RA("ltg:log"), RA("+"), RA("-"), RA("COUNT"), RA("1")}, 6);
+    rl_call(l, cl_tail_checked, l, (rarg[]){RA("XINFO"), RA("STREAM"), RA("ltg:log")}, 3);
 }
 
 /* Answer the changes the reader has now caught up with. */
@@ -13041,8 +13096,8 @@ static void cl_change_reply(void *ctx, const char *p, const resp_tok *t) {
  * idempotency record `r`) goes to ltg_cp_v1, checked against the version
  * `base` of item `id` (and that its group `parent` still is); the answer
  * `reply` waits until this instance has applied it. */
-static void cl_change(conn *c, const buf *rec, const idem *r, const char *id, long long base,
-                      const char *parent, int status, const buf *reply) {
+static void cl_change(conn *c, const buf *rec, const idem *r, const stored *it, long long base,
+                      const char *parent, int status, const buf *reply, int del) {
     char idem_key[12 + 65], body[65], base_s[24], st[8], ver[24], ttl[24];
     memcpy(idem_key, "ltg:idem:cp:", 12);
     hex_encode(r->key, 32, idem_key + 12);
@@ -13059,11 +13114,27 @@ static void cl_change(conn *c, const buf *rec, const idem *r, const char *id, lo
     buf_append(&ch->reply, reply->p, reply->len);
     timer_init(&ch->t, cl_change_late, ch);
     CL.changes++;
-    rarg a[] = {RA("FCALL"), RA("ltg_cp_v1"), RA("3"), RA("ltg:log"), RA("ltg:ver"), RA(idem_key),
-                RA(id), RA(base_s), RA(parent), {rec->p, rec->len}, RA(body), RA(st), RA(ver),
-                RA(r->response), RA(r->version ? ver : "deleted"), RA(ttl)};
+    /* a deletion names the scopes whose counts go: the item's, and a group's keys' */
+    int n = del ? 1 : 0;
+    for (int i = 0; del && !parent[0] && i < ST.kv.n; i++)
+        n += ST.kv.p[i] && strcmp(((tkey *)ST.kv.p[i])->group_id, it->id) == 0;
+    char(*scopes)[39] = xcalloc((size_t)n + 1, sizeof *scopes);
+    rarg *a = xcalloc((size_t)n + 16, sizeof *a);
+    int argc = 0;
+    rarg fixed[] = {RA("FCALL"), RA("ltg_cp_v1"), RA("3"), RA("ltg:log"), RA("ltg:ver"),
+                    RA(idem_key), RA(it->id), RA(base_s), RA(parent), {rec->p, rec->len},
+                    RA(body), RA(st), RA(ver), RA(r->response), RA(del ? "deleted" : ver), RA(ttl)};
+    for (size_t i = 0; i < sizeof fixed / sizeof *fixed; i++) a[argc++] = fixed[i];
+    if (del) snprintf(scopes[0], 39, "%c:%s", parent[0] ? 'k' : 'g', it->id);
+    for (int i = 0, k = 1; del && !parent[0] && i < ST.kv.n; i++)
+        if (ST.kv.p[i] && strcmp(((tkey *)ST.kv.p[i])->group_id, it->id) == 0)
+            snprintf(scopes[k++], 39, "k:%s", ((tkey *)ST.kv.p[i])->s.id);
+    for (int i = 0; i < n; i++) a[argc++] = RA(scopes[i]);
     const char *why = cl_unready();
-    if (why || rl_call(&CL.cmd, cl_change_reply, ch, a, (int)(sizeof a / sizeof *a)) < 0) {
+    int rc = why ? LTG_ERR : rl_call(&CL.cmd, cl_change_reply, ch, a, argc);
+    free(a);
+    free(scopes);
+    if (rc < 0) {
         cl_change_end(ch);
         admin_error(c, 503, "storage_unavailable", NULL, 0, "%s: nothing was changed; retry",
                     why ? why : "the shared store (Redis) cannot take more calls now");
@@ -13216,8 +13287,9 @@ static void cl_settle(hold *h, int end, int64_t cost, int64_t tok, int64_t now) 
     int argc = 9;
     for (int i = 0; i < 2 && h->scope[i][0]; i++) {
         allowance *al = scope_allowance(h->scope[i]);
-        int64_t start = -1, e;
-        if (al) allow_period(al, now, &start, &e);
+        int64_t start, e;
+        if (!al) continue; /* deleted: nothing of it is counted any more */
+        allow_period(al, now, &start, &e);
         snprintf(num[3 + i], 24, "%lld", (long long)start);
         a[argc++] = RA(h->scope[i]);
         a[argc++] = RA(num[3 + i]);
@@ -13233,6 +13305,8 @@ static void cl_settle(hold *h, int end, int64_t cost, int64_t tok, int64_t now) 
 
 static void cl_renewed(void *ctx, const char *p, const resp_tok *t) {
     (void)ctx, (void)p;
+    if (t && t[0].type == '-')
+        ltg_log("cluster: %.*s", (int)(t[0].len > 200 ? 200 : t[0].len), p + t[0].off);
     if (t && t[0].type == '*' && t[0].num > 0)
         ltg_log("cluster: %lld hold(s) had run out of their lease before it was renewed (the "
                 "store was out of reach for over %d s): their requests go on, and are charged "
@@ -13243,6 +13317,12 @@ static void cl_renewed(void *ctx, const char *p, const resp_tok *t) {
 static void cl_renew(void *ctx) {
     (void)ctx;
     timer_set(&CLM.renew, CL_RENEW_MS);
+    /* what this instance applied, so that the stream keeps what it has not (ltg_trim_v1) */
+    if (CL.cmd.state == RL_UP && !CL.lost && !CL.behind)
+        rl_call(&CL.cmd, cl_renewed, NULL,
+                (rarg[]){RA("FCALL"), RA("ltg_trim_v1"), RA("0"), RA(CLM.owner),
+                         RA(CL.applied[0] ? CL.applied : "0-0")},
+                5);
     int n = 2;
     for (hold *h = CLM.live; h; h = h->next) n++;
     if (n == 2 || CL.cmd.state != RL_UP) return;
@@ -13449,12 +13529,15 @@ static void cl_start(void) {
 }
 
 static int cl_on(void) { return CL.url != NULL; }
+static int cl_behind(void) { return CL.behind; }
 static const char *cl_applied(void) { return CL.applied; }
 
 /* Is the link usable? NULL, or why not (for /readyz). */
 static const char *cl_unready(void) {
     if (!CL.url) return NULL;
     if (CL.lost) return "the shared store lost changes this instance applied (see ltg's log)";
+    if (CL.behind)
+        return "this instance missed changes the shared stream no longer has (see ltg's log)";
     if (CL.cmd.state != RL_UP || CL.tail.state != RL_UP)
         return "the shared store (Redis) cannot be reached (see ltg's log)";
     return NULL;

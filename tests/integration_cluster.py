@@ -422,6 +422,47 @@ def _quiet(fn):
         pass            # its instance was killed under it
 
 
+@it.test("cluster: the store holds what is live, not history: ltg:log is trimmed to what every instance applied, a "
+         "deleted group's versions and counts (and its keys') leave it; a new instance on a trimmed log serves nothing "
+         "and says to copy a peer's state log, and with that copy it joins")
+def t_cluster_trim():
+    import shutil
+    with cluster("trim", n=2) as (r, (a, b)):
+        gid, token = group_key(a, max_budget=5, budget_duration="1d")
+        kid = it.admin("GET", "/token_keys?token_group_id=" + gid, port=a.admin_port).json()["data"][0]["id"]
+        x = it.one_request(a.port, "POST", "/v1/chat/completions", it.chat_body(), auth=token)
+        check(x.status == 200, "a request of the group: %s" % x.brief())
+        for i in range(5):
+            it.create_group(port=b.admin_port)
+        it.wait_until(lambda: "ltg:log trimmed to its last record: XLEN %s" % r.cmd("XLEN", "ltg:log"),
+                      lambda: r.cmd("XLEN", "ltg:log") == ":1", 15 * it.SLOW, 0.2)
+        check(r.cmd("HEXISTS", "ltg:ver", kid) == ":1" and r.cmd("EXISTS", "ltg:b:g:" + gid) == ":1",
+              "the live group's version and counts are there")
+        it.check_admin_ok(it.admin("DELETE", "/token_groups/" + gid, if_match=1, port=a.admin_port), 200)
+        for k in ("ltg:b:g:" + gid, "ltg:b:k:" + kid, "ltg:r:g:" + gid):
+            check(r.cmd("EXISTS", k) == ":0", "%s is still in the store after the group's deletion" % k)
+        for i in (gid, kid):
+            check(r.cmd("HEXISTS", "ltg:ver", i) == ":0", "the deleted %s's version is still in ltg:ver" % i)
+        late = it.Aux("cl-trim-late-" + os.urandom(2).hex(), args=["--cluster", r.url])
+        try:
+            late.start()
+            it.wait_until("the late instance says it missed changes", lambda: "trimmed past" in late.text_since_start(),
+                          10 * it.SLOW, 0.05)
+            rd = it.one_request(late.admin_port, "GET", "/readyz", auth=None)
+            check(rd.status == 503 and "missed changes" in rd.json().get("detail", ""), "/readyz: %s" % rd.brief())
+            late.stop()
+            os.makedirs(late.data_dir, exist_ok=True)
+            shutil.copy(os.path.join(b.data_dir, "state.log"), os.path.join(late.data_dir, "state.log"))
+            late.start()
+            wait_ready(late)
+            names = sorted(g["name"] for g in it.check_admin_ok(it.admin("GET", "/token_groups", port=late.admin_port), 200)["data"])
+            want = sorted(g["name"] for g in it.check_admin_ok(it.admin("GET", "/token_groups", port=b.admin_port), 200)["data"])
+            check(names == want, "with a peer's state log: %r, want %r" % (names, want))
+            late.stop()
+        finally:
+            late.close()
+
+
 @it.test("cluster: an Idempotency-Key is refused with 503 store_unavailable (its claim is not shared yet), "
          "nothing sent upstream; an uncapped group is served")
 def t_cluster_not_shared_refused():
