@@ -612,7 +612,7 @@ static const double BUCKETS[NBUCKETS] = {
 
 enum {
     M_REQUESTS, M_DURATION, M_ATTEMPTS, M_TTFT, M_TOKENS, M_HOLD_EXCEEDED, M_SPEND, M_TLS,
-    M_CACHE, M_LEDGER, M_FSYNC, M_KEY_FAILS, M_RATE_LIMITED, M_DROPPED, NFAMILIES
+    M_CACHE, M_LEDGER, M_FSYNC, M_KEY_FAILS, M_RATE_LIMITED, M_CLUSTER_CALL, M_DROPPED, NFAMILIES
 };
 
 typedef struct {
@@ -11866,6 +11866,7 @@ static const struct { const char *name, *type, *help; } FAMILY[NFAMILIES] = {
     [M_FSYNC] = {"ltg_log_fsync_seconds", "histogram", "Each fdatasync of the state log or the ledger."},
     [M_KEY_FAILS] = {"ltg_provider_key_failures_total", "counter", "A provider key answered 401 or 403 and rested (key: its index, never the key)."},
     [M_RATE_LIMITED] = {"ltg_rate_limited_total", "counter", "Requests refused with 429 rate_limited, by group, the limit's scope (key or group) and limit."},
+    [M_CLUSTER_CALL] = {"ltg_cluster_call_seconds", "histogram", "With --cluster: calls on the command link to the shared store, from queued to answered."},
     [M_DROPPED] = {"ltg_metrics_series_dropped_total", "counter", "Observations not recorded: the series table was full."},
 };
 
@@ -12389,7 +12390,11 @@ typedef struct rlink {
     const char *name;         /* "command", "stream": for ltg's log */
     int fd, state, backoff_ms;
     buf in, out;
-    struct { rl_reply *fn; void *ctx; } *q; /* calls awaiting their reply, a ring */
+    struct {
+        rl_reply *fn;
+        void *ctx;
+        int64_t at;           /* S.now when queued */
+    } *q;                     /* calls awaiting their reply, a ring */
     int qhead, qlen, qcap;
     timer t;                  /* the reconnect backoff, or the reply timeout */
     int64_t due;              /* S.now by which the oldest call's reply must be in */
@@ -12418,6 +12423,7 @@ static struct {
     rlink cmd, tail;
     char applied[32];         /* the last ltg:log id applied ("ms-seq"; "" none) */
     int64_t heard;            /* S.now of the tail link's last reply */
+    double lag;               /* seconds from the last record's XADD to its apply here */
     int lost;                 /* the stream ends before what this instance applied */
     int behind;               /* ... or was trimmed past it: this instance missed changes */
     cl_pending *waiting;       /* changes whose answer waits for the reader */
@@ -12480,6 +12486,7 @@ static int rl_call_raw(rlink *l, rl_reply *fn, void *ctx, const buf *cmd) {
     int i = (l->qhead + l->qlen++) % l->qcap;
     l->q[i].fn = fn;
     l->q[i].ctx = ctx;
+    l->q[i].at = S.now;
     buf_append(&l->out, cmd->p, cmd->len);
     loop_events(l->fd, POLLIN | POLLOUT);
     if (l->qlen == 1) {
@@ -12513,6 +12520,7 @@ static void rl_replies(rlink *l) {
         l->qlen--;
         l->due = S.now + CL_TIMEOUT_MS;
         int fd = l->fd;
+        if (l == &CL.cmd) metric_observe(M_CLUSTER_CALL, (double)(S.now - l->q[i].at) / 1000, NULL);
         l->q[i].fn(l->q[i].ctx, l->in.p, l->tok);
         if (l->fd != fd) return; /* the callback failed the link */
         buf_consume(&l->in, at);
@@ -12948,6 +12956,7 @@ static int cl_apply(const char *sid, const char *p, size_t n) {
     buf_free(&rec);
     if (rc < 0) memcpy(CL.applied, prev, sizeof prev);
     else snprintf(CL.applied, sizeof CL.applied, "%s", sid);
+    CL.lag = (double)(wall_ms() - strtoll(sid, NULL, 10)) / 1000; /* Redis's clock against ours */
     return rc;
 }
 
@@ -13551,6 +13560,13 @@ static void cl_metrics(buf *b) {
     metric_head(b, "ltg_cluster_heard_seconds", "gauge",
                 "Seconds since the stream link last had an answer from the shared store.");
     gauge(b, "ltg_cluster_heard_seconds", (double)(S.now - CL.heard) / 1000, NULL);
+    metric_head(b, "ltg_cluster_stream_lag_seconds", "gauge",
+                "From the shared stream's last record applied here being added to its apply "
+                "(the two clocks' difference included).");
+    gauge(b, "ltg_cluster_stream_lag_seconds", CL.lag, NULL);
+    metric_head(b, "ltg_cluster_unsettled", "gauge",
+                "Settles the shared store has not acknowledged yet (the outbox).");
+    gauge(b, "ltg_cluster_unsettled", cl_unsettled(), NULL);
 }
 
 /* Section 12's replay: a record applied from the stream carries its id, "sid". */

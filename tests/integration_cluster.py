@@ -148,6 +148,10 @@ def t_cluster_cp_shared():
         r = it.admin("GET", "/token_groups", port=c.admin_port)
         names = [g["name"] for g in it.check_admin_ok(r, 200)["data"]]
         check(names.count(body["name"]) == 1, "one group, not two: %r" % names)
+        m = it.one_request(a.admin_port, "GET", "/metrics", auth=None).body.decode()
+        for want in ("\nltg_cluster_up 1\n", "\nltg_cluster_unsettled 0\n", "\nltg_cluster_call_seconds_count ",
+                     "\nltg_cluster_stream_lag_seconds ", "# TYPE ltg_cluster_call_seconds histogram\n"):
+            check(want in m, "the metrics lack %r: %r" % (want, [l for l in m.splitlines() if "cluster" in l]))
 
 
 @it.test("cluster: nine PATCHes with one If-Match sent to three instances at once: exactly one 200, eight 412, "
@@ -370,8 +374,10 @@ def t_cluster_rpm_parallel():
         for x in rs:
             if x.status == 429:
                 it.check_openai_error(x, 429, "too_many_parallel_requests")
-        x = it.one_request(auxes[1].port, "POST", "/v1/chat/completions", it.chat_body(), auth=ptoken)
-        check(x.status == 200, "a request once the three are done: %s" % x.brief())
+        # A slot goes when the store applies the request's settle, a moment after its answer.
+        it.wait_until("a request once the three are done is served",
+                      lambda: it.one_request(auxes[1].port, "POST", "/v1/chat/completions", it.chat_body(), auth=ptoken).status == 200,
+                      5 * it.SLOW, 0.05)
 
 
 @it.test("cluster: a fallback's attempt is held in the store too: a 503 on the first model, the fallback served, "
