@@ -1,6 +1,7 @@
 # ltg -- build, test, demo, bench.
 #   make            the static, stripped gateway ./ltg
 #   make test       ./test.sh: unit + integration tests, again under ASan+UBSan, a short fuzz pass
+#   make cluster-demo  tests/cluster-demo.sh: three instances on one Redis behind HAProxy
 #   make bench      tests/bench.sh: ltg against nginx, same upstream, same run
 #   make profile    the same with ./ltg-profile (symbols, frame pointers) under perf record
 #   make fuzz       tests/fuzz.c under libFuzzer+ASan+UBSan, FUZZ_SECONDS (10) per target
@@ -60,6 +61,10 @@ test: ltg ltg-asan tests/unit tests/unit-asan tests/mock tests/ledger-gen
 
 demo: ltg tests/mock
 	tests/demo.sh
+
+# Three instances on one Redis behind HAProxy (installs redis-server and haproxy when it can).
+cluster-demo: ltg tests/mock
+	tests/cluster-demo.sh
 
 bench: ltg tests/mock tests/ledger-gen
 	tests/bench.sh
@@ -179,4 +184,4 @@ uninstall:
 clean:
 	rm -f ltg ltg-asan ltg-valgrind ltg-profile tests/unit tests/unit-asan tests/mock tests/ledger-gen $(FUZZ_TARGETS:%=tests/fuzz-%)
 
-.PHONY: all deps test demo bench profile fuzz valgrind soak install install-files uninstall clean
+.PHONY: all deps test demo cluster-demo bench profile fuzz valgrind soak install install-files uninstall clean

@@ -10837,8 +10837,8 @@ static void attempt_refused(exchange *x, const allowance *a, long wait, double l
 }
 
 #define CL_UNAVAILABLE                                                                             \
-    "the shared store (Redis) cannot decide this request's budget or limits now: nothing more "   \
-    "was sent upstream; retry"
+    "the shared store (Redis) cannot decide this request's budget or limits now: it goes no "      \
+    "further; retry"
 
 /* Before an attempt starts, its worst case joins the request's hold
  * (README "Cost"; the first attempt's was held at admission). 0, LTG_AGAIN

@@ -483,6 +483,22 @@ def t_cluster_not_shared_refused():
         check(kimi_calls() == before, "a refused request reached the provider")
 
 
+@it.test("cluster: make cluster-demo's tour runs to its end: the budget admits exactly 5 of 30 calls spread by HAProxy, "
+         "a stale If-Match is 412, a revoked key is 401 everywhere, Redis stopped and started again")
+def t_cluster_demo():
+    it.debian_tool("redis-server", "redis-server")
+    it.debian_tool("haproxy", "haproxy")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PATH=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")
+    p = subprocess.run(["bash", os.path.join(here, "cluster-demo.sh")], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, env=env, timeout=180 * it.SLOW)
+    out = p.stdout.decode("utf-8", "replace")
+    check(p.returncode == 0, "the demo exited %d: %s" % (p.returncode, out[-1500:]))
+    for want in ("5 x HTTP 200", "25 x HTTP 403", "(HTTP 412: the same If-Match on instance 3)", "instance 3: HTTP 401",
+                 "a call of the group with a budget: store_unavailable", "instance 1 /readyz: {\"status\":\"ready\"}"):
+        check(want in out, "the demo's output lacks %r: %s" % (want, out[-2500:]))
+
+
 @it.test("cluster: a bad --cluster exits 2 and says what to fix")
 def t_cluster_bad_url():
     for url, says in (("http://127.0.0.1:6379", "expected redis://"), ("redis://127.0.0.1:99999", "port"),
