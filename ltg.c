@@ -8613,6 +8613,7 @@ typedef struct hold {
      * list of live ones, whose leases are renewed */
     char cid[40];
     char scope[2][39];  /* the key's and the group's there: "k:<id>", "g:<id>" */
+    int64_t less, fewer; /* shrunk here, not there yet: sent before a later attempt's hold */
     struct hold *prev, *next;
 } hold;
 
@@ -8672,7 +8673,10 @@ static void hold_settle(allowance *const al[], int n, hold *h, int64_t charged, 
  * that a later attempt is admitted against what was really spent (the
  * rest of the hold is settled with the request). */
 static void hold_shrink(allowance *const al[], int n, hold *h, int64_t less, int64_t fewer) {
-    if (h->cid[0] && h->held) cl_settle(h, 0, less, fewer, wall_ms());
+    if (h->cid[0] && h->held) { /* the settle that ends the request lets all go at once */
+        h->less += less;
+        h->fewer += fewer;
+    }
     for (int i = 0; h->held && !h->cid[0] && i < n; i++) {
         if (!al[i]) continue;
         al[i]->reserved -= less;
@@ -13435,6 +13439,10 @@ static int cl_hold(exchange *x, int first) {
     group *g = group_find(x->group_id);
     if (!k || !g || cl_unready()) return LTG_ERR;
     hold *h = &x->hold;
+    if (h->less || h->fewer) { /* what earlier attempts did not use, let go first (in order) */
+        cl_settle(h, 0, h->less, h->fewer, wall_ms());
+        h->less = h->fewer = 0;
+    }
     if (!h->cid[0]) {
         snprintf(h->cid, sizeof h->cid, "%s:%llu", CLM.owner, ++CLM.holds);
         snprintf(h->scope[0], sizeof h->scope[0], "k:%s", k->s.id);

@@ -14,7 +14,9 @@
 # BENCH_P99_SECONDS runs, alternating A B and B A); 1 connection beside
 # 1,000 idle keep-alive clients; short streams at 64 connections. It prints
 # the medians, the median of the rounds' ratios ltg/nginx and their spread,
-# and one summary line per target, met or not.
+# and one summary line per target, met or not. Then several instances on one
+# Redis (issue 24): one ltg against one with --cluster, every request held and
+# settled in Redis; one with --cluster against three behind HAProxy.
 #
 # Then the same over HTTPS: a second mock in TLS mode (certificates from
 # tests/tls-certs.sh, DNS:localhost), ltg with an https:// provider and
@@ -35,6 +37,7 @@
 #   BENCH_STRICT=1  exit 1 when a target is missed (default: report only)
 #   BENCH_PIN=0     do not pin the 1-connection runs to one core (see below)
 #   BENCH_TLS=0     skip the HTTPS section (it needs the openssl command)
+#   BENCH_CLUSTER=0 skip the several-instances section (it needs redis-server and haproxy)
 #   BENCH_PROFILE=1 perf record ltg during its 64-connection run and print the top of the
 #                   profile (make profile: LTG_BIN=./ltg-profile, symbols kept; needs perf)
 #   BENCH_HISTORY_EVENTS  events of the long-history section (10000000; 0 skips it)
@@ -68,6 +71,7 @@ WARM=${BENCH_WARMUP:-1}
 STRICT=${BENCH_STRICT:-0}
 PIN=${BENCH_PIN:-1}
 TLS=${BENCH_TLS:-1}
+CLUSTER=${BENCH_CLUSTER:-1}
 case $SECS in '' | *[!0-9]* | 0) echo "bench: BENCH_SECONDS must be a whole number >= 1" >&2; exit 1 ;; esac
 case $WARM in '' | *[!0-9]*) echo "bench: BENCH_WARMUP must be a whole number >= 0" >&2; exit 1 ;; esac
 
@@ -105,6 +109,10 @@ install_tools() {
     local want=() pkg
     command -v wrk >/dev/null || want+=(wrk)
     command -v curl >/dev/null || want+=(curl)
+    if [ "$CLUSTER" = 1 ]; then
+        command -v redis-server >/dev/null || want+=(redis-server)
+        command -v haproxy >/dev/null || want+=(haproxy)
+    fi
     if ! command -v nginx >/dev/null; then
         # nginx-light is the smallest build with the proxy and upstream keepalive.
         pkg=nginx
@@ -128,6 +136,8 @@ install_tools() {
     fi
     if [ "$POLICY_RC_CREATED" = 1 ]; then rm -f /usr/sbin/policy-rc.d; POLICY_RC_CREATED=0; fi
     command -v wrk >/dev/null && command -v nginx >/dev/null && command -v curl >/dev/null || die "tools still missing after install"
+    [ "$CLUSTER" = 0 ] || { command -v redis-server >/dev/null && command -v haproxy >/dev/null; } ||
+        die "redis-server or haproxy still missing after install"
 }
 install_tools
 
@@ -865,6 +875,89 @@ stat_row "CPU us/request" nginx ltg stream cpu
 stat_row "p99 latency us" nginx ltg stream p99
 echo
 
+# ---------------------------------------------------------------- several instances
+# --cluster on the hot path (issue 24). A group and a key with a budget and an
+# rpm_limit set never to refuse, so that every request is held and settled in
+# the shared store (ltg_hold_v1, ltg_settle_v1). Pairs in rounds of A B B A as
+# above, at 64 connections: one instance without --cluster against one with it
+# (the same limits, held in memory or in Redis); then one instance with
+# --cluster against three behind HAProxy (which adds a hop of its own; on 2
+# cores, wrk, the mock, Redis, HAProxy and three ltg share them).
+if [ "$CLUSTER" = 1 ]; then
+    CL_PORT=$(free_port)
+    mkdir -p "$T/redis"
+    redis-server --port "$CL_PORT" --bind 127.0.0.1 --dir "$T/redis" --appendonly yes --appendfsync always \
+        --save '' --maxmemory-policy noeviction --logfile "$T/redis/redis.log" &
+    PIDS+=($!)
+    for _ in $(seq 50); do (exec 3<>"/dev/tcp/127.0.0.1/$CL_PORT") 2>/dev/null && break; sleep 0.1; done
+    limited_key() { # ADMIN_PORT VAR: a group and key with a budget and an rpm_limit that never refuse
+        local ca="http://127.0.0.1:$1/v2/llm_token_gateway" gid
+        gid=$(curl -s "$ca/token_groups" -H "Authorization: Bearer $LTG_BENCH_ADMIN_KEY" -H "Idempotency-Key: bench-cg-$$-$1" \
+              -d "{\"name\":\"bench-cluster\",\"allowed_models\":[\"$ALIAS\"],\"max_budget\":1000000,\"budget_duration\":\"1d\",\"rpm_limit\":1000000}" |
+              sed -n 's/.*"id":"\([^"]*\)".*/\1/p' | head -n 1)
+        printf -v "$2" '%s' "$(curl -s "$ca/token_keys" -H "Authorization: Bearer $LTG_BENCH_ADMIN_KEY" -H "Idempotency-Key: bench-ck-$$-$1" \
+              -d "{\"name\":\"bench\",\"token_group_id\":\"$gid\"}" | sed -n 's/.*"token":"\(ltg_sk_[^"]*\)".*/\1/p')"
+        [ -n "${!2}" ] || die "could not provision the cluster section's group and key"
+    }
+    launch_ltg ltg-solo "$T/ltg.json"
+    URL[ltg-solo]=http://127.0.0.1:$L_PORT PID_OF[ltg-solo]=$L_PID
+    limited_key "$L_ADMIN_PORT" SOLO_KEY
+    declare -A CL_HTTP CL_ADMIN
+    CL_PIDS=()
+    for i in 1 2 3; do
+        launch_ltg "ltg-cl$i" "$T/ltg.json" --cluster "redis://127.0.0.1:$CL_PORT"
+        CL_HTTP[$i]=$L_PORT CL_ADMIN[$i]=$L_ADMIN_PORT
+        CL_PIDS+=("$L_PID")
+    done
+    URL[ltg-cluster]=http://127.0.0.1:${CL_HTTP[1]} PID_OF[ltg-cluster]=${CL_PIDS[0]}
+    limited_key "${CL_ADMIN[1]}" CL_KEY
+    LB_PORT=$(free_port)
+    printf '%s\n' "global" "    maxconn 4096" "defaults" "    mode http" "    timeout connect 2s" \
+        "    timeout client 60s" "    timeout server 60s" "frontend ltg" "    bind 127.0.0.1:$LB_PORT" \
+        "    default_backend ltgs" "backend ltgs" "    balance roundrobin" \
+        "    server ltg1 127.0.0.1:${CL_HTTP[1]}" "    server ltg2 127.0.0.1:${CL_HTTP[2]}" \
+        "    server ltg3 127.0.0.1:${CL_HTTP[3]}" >"$T/haproxy.cfg"
+    haproxy -f "$T/haproxy.cfg" -db >"$T/haproxy.log" 2>&1 &
+    HA_PID=$!
+    PIDS+=("$HA_PID")
+    for _ in $(seq 50); do curl -s -o /dev/null "http://127.0.0.1:$LB_PORT/healthz" && break; sleep 0.1; done
+    URL[ltg-three]=http://127.0.0.1:$LB_PORT PID_OF[ltg-three]=$HA_PID
+    write_lua "$T/post-solo.lua" "$SOLO_KEY"
+    write_lua "$T/post-cluster.lua" "$CL_KEY"
+    LUA_OF[ltg-solo]=$T/post-solo.lua LUA_OF[ltg-cluster]=$T/post-cluster.lua LUA_OF[ltg-three]=$T/post-cluster.lua
+    for n in ltg-solo ltg-cluster ltg-three; do
+        k=$CL_KEY
+        [ "$n" = ltg-solo ] && k=$SOLO_KEY
+        st=$(curl -s -o /dev/null -w '%{http_code}' -m 5 "${URL[$n]}/v1/chat/completions" -H "Authorization: Bearer $k" --data-binary "$BODY")
+        [ "$st" = 200 ] || die "$n answered $st to the bench request"
+    done
+    fcalls() { redis-cli -p "$CL_PORT" info commandstats | sed -n 's/^cmdstat_fcall:calls=\([0-9]*\).*/\1/p'; }
+    pair_rounds ltg-solo ltg-cluster 2 64 cl abba
+    CL_CALLS0=$(fcalls)
+    CL_REQS0=$(mock_stat "$UPSTREAM_MODEL")
+    LUA=$T/post-cluster.lua
+    wrk -t2 -c64 -d"${SECS}s" -s "$LUA" "${URL[ltg-cluster]}" >/dev/null 2>&1
+    CL_PER_REQ=$(awk -v c=$(($(fcalls) - CL_CALLS0)) -v r=$(($(mock_stat "$UPSTREAM_MODEL") - CL_REQS0)) \
+        'BEGIN { printf "%.2f", r ? c / r : 0 }')
+    LUA=$T/post.lua
+    pair_rounds ltg-cluster ltg-three 2 64 three abba
+    echo "### several instances (--cluster, one Redis), 64 connections, $ROUNDS rounds of A B B A"
+    echo
+    echo "- a group and key with a budget and an rpm_limit that never refuse: every request held and settled in the"
+    echo "  store; Redis $(redis-server --version | sed -n 's/.*v=\([0-9.]*\).*/\1/p'), appendfsync always, on this VM's disk"
+    echo "- Redis function calls per request with --cluster: $CL_PER_REQ (FCALLs over the requests the mock saw"
+    echo "  in one more ${SECS} s run; renewals and trims included)"
+    echo "- three: three ltg instances with --cluster behind HAProxy (round robin); its CPU column is HAProxy's"
+    echo
+    echo "| metric | A | B | B/A (median) | spread of the rounds |"
+    echo "| --- | ---: | ---: | ---: | ---: |"
+    stat_row "requests/s: one instance (A) vs one with --cluster (B)" ltg-solo ltg-cluster cl rps; CL_R="$S_MED $S_LO $S_HI"
+    stat_row "CPU us/request of ltg: the same" ltg-solo ltg-cluster cl cpu
+    stat_row "p99 latency us: the same" ltg-solo ltg-cluster cl p99
+    stat_row "requests/s: one with --cluster (A) vs three behind HAProxy (B)" ltg-cluster ltg-three three rps; THREE_R="$S_MED $S_LO $S_HI"
+    echo
+fi
+
 # ---------------------------------------------------------------- traffic
 # Deployments and limits on the hot path (issue 15): ltg-traffic is this
 # build with the bench alias spread over two deployments (both to the mock,
@@ -985,6 +1078,12 @@ target "short streams/s at 64 conns" ">=" 0.8 "$STREAM_R"
 if [ "$IDLE_CLIENTS" -gt 0 ]; then
     [ "$IDLE_OK" = 1 ] || IDLE_R="0 0 0"
     target "requests/s at 1 conn with $IDLE_CLIENTS idle clients" ">=" 0.5 "$IDLE_R"
+fi
+if [ "$CLUSTER" = 1 ]; then
+    read -r med lo hi <<<"$CL_R"
+    printf -- '- --cluster, every request held and settled in Redis: %.2fx one instance without (rounds %.2f-%.2f; reported)\n' "$med" "$lo" "$hi"
+    read -r med lo hi <<<"$THREE_R"
+    printf -- '- three instances behind HAProxy: %.2fx one (rounds %.2f-%.2f; reported)\n' "$med" "$lo" "$hi"
 fi
 echo "- ltg peak RSS <= 15 MiB ($LIMIT_KB kB): $(verdict "$t3") (${R[ltg,hwm]} kB, with today's ledger index" \
      "of the events of these runs, up to --ledger-index-mb: 16 MiB by default)"

@@ -380,16 +380,19 @@ def t_cluster_rpm_parallel():
                       5 * it.SLOW, 0.05)
 
 
-@it.test("cluster: a fallback's attempt is held in the store too: a 503 on the first model, the fallback served, "
-         "the store's spend is the answer's cost, nothing held after")
+@it.test("cluster: a fallback's attempt is held in the store too, against what the first really spent: a budget that "
+         "fits one worst case, a 503 on the first model (nothing charged), the fallback served; the store's spend is the "
+         "answer's cost, nothing held after")
 def t_cluster_fallback_hold():
     with cluster("fallback", n=1) as (r, (a,)):
+        body = traffic.body_off5(max_tokens=1000)
+        worst = traffic.worst_micro(body, 1000)     # Kimi-K3's; GLM-5.3-Flash's is lower
         d = it.create_group({"name": "fb-" + it.new_idem(), "allowed_models": ["Kimi-K3", "GLM-5.3-Flash"],
-                             "fallbacks": {"Kimi-K3": ["GLM-5.3-Flash"]}, "max_budget": 10, "budget_duration": "1d"},
-                            port=a.admin_port)
+                             "fallbacks": {"Kimi-K3": ["GLM-5.3-Flash"]}, "max_budget": (worst + 1) / 1e6,
+                             "budget_duration": "1d"}, port=a.admin_port)
         token = it.create_key(d["id"], port=a.admin_port)[1]
         it.H.mock_post("/_mock/script", {"model": "kimi-k3", "steps": ["status=503"]})
-        x = it.one_request(a.port, "POST", "/v1/chat/completions", it.chat_body(), auth=token)
+        x = it.one_request(a.port, "POST", "/v1/chat/completions", body, auth=token)
         check(x.status == 200 and x.header("x-ltg-served-model") == "GLM-5.3-Flash" and x.header("x-ltg-attempts") == "2",
               "served by the fallback after one attempt: %s %r %r" % (x.brief(), x.header("x-ltg-served-model"), x.header("x-ltg-attempts")))
         cost = traffic.micro(x.header("x-ltg-cost"))
