@@ -12602,6 +12602,10 @@ static void rl_hello_reply(void *ctx, const char *p, const resp_tok *t) {
 static void rl_role_reply(void *ctx, const char *p, const resp_tok *t) {
     rlink *l = ctx;
     if (!t) return;
+    if (t[0].type == '-') { /* -LOADING after a restart, -NOAUTH...: said, and again later */
+        rl_hello_reply(ctx, p, t);
+        return;
+    }
     if (t[0].type != '*' || t[0].num < 1 || !resp_is(p, t, 1, "master")) {
         rl_fail(l, "the server is not a primary (ROLE): ltg writes to the primary only");
         return;
@@ -12906,8 +12910,14 @@ static void cl_tail_checked(void *ctx, const char *p, const resp_tok *t) {
             if (resp_is(p, t, i, "length") && v->type == ':') length = v->num;
             if (resp_is(p, t, i, "entries-added") && v->type == ':') added = v->num;
         }
-    else if (t[0].type != '-') { /* -ERR no such key: a stream not made yet */
-        rl_fail(l, "an answer to XINFO STREAM that ltg cannot read");
+    else if (t[0].type != '-' || t[0].len < 15 ||
+             memcmp(p + t[0].off, "ERR no such key", 15) != 0) {
+        /* an error but -ERR no such key (a stream not made yet): -LOADING while Redis reads its
+         * append-only file after a restart, or what ltg cannot read: ask again later */
+        char why[200];
+        snprintf(why, sizeof why, "XINFO STREAM: %.*s", (int)(t[0].len > 150 ? 150 : t[0].len),
+                 t[0].type == '-' ? p + t[0].off : "an answer ltg cannot read");
+        rl_fail(l, why);
         return;
     }
     int lost = CL.applied[0] && sid_cmp(last, CL.applied) < 0;
