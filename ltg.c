@@ -12368,6 +12368,16 @@ static int resp_is(const char *p, const resp_tok *t, int i, const char *s) {
            memcmp(p + t[i].off, s, t[i].len) == 0;
 }
 
+/* "what: " and an error reply's text (or that the reply is not one ltg can
+ * read), into out, for ltg's log. */
+static const char *resp_why(const char *what, const char *p, const resp_tok *t, char *out,
+                            size_t n) {
+    if (t[0].type == '-')
+        snprintf(out, n, "%s: %.*s", what, (int)(t[0].len > 150 ? 150 : t[0].len), p + t[0].off);
+    else snprintf(out, n, "%s: an answer ltg cannot read", what);
+    return out;
+}
+
 /* A command: an array of bulk strings. */
 typedef struct {
     const char *p;
@@ -12592,11 +12602,8 @@ static void rl_connect(void *ctx) {
 static void rl_hello_reply(void *ctx, const char *p, const resp_tok *t) {
     rlink *l = ctx;
     if (!t) return;
-    if (t[0].type == '-') {
-        char why[200];
-        snprintf(why, sizeof why, "%.*s", (int)(t[0].len > 150 ? 150 : t[0].len), p + t[0].off);
-        rl_fail(l, why);
-    }
+    char why[200];
+    if (t[0].type == '-') rl_fail(l, resp_why("the handshake", p, t, why, sizeof why));
 }
 
 static void rl_role_reply(void *ctx, const char *p, const resp_tok *t) {
@@ -12871,11 +12878,9 @@ static void cl_outbox_pump(void);
 static void cl_loaded(void *ctx, const char *p, const resp_tok *t) {
     rlink *l = ctx;
     if (!t) return;
+    char why[200];
     if (t[0].type == '-') {
-        char why[200];
-        snprintf(why, sizeof why, "FUNCTION LOAD: %.*s", (int)(t[0].len > 150 ? 150 : t[0].len),
-                 p + t[0].off);
-        rl_fail(l, why);
+        rl_fail(l, resp_why("FUNCTION LOAD", p, t, why, sizeof why));
         return;
     }
     l->state = RL_UP;
@@ -12915,9 +12920,7 @@ static void cl_tail_checked(void *ctx, const char *p, const resp_tok *t) {
         /* an error but -ERR no such key (a stream not made yet): -LOADING while Redis reads its
          * append-only file after a restart, or what ltg cannot read: ask again later */
         char why[200];
-        snprintf(why, sizeof why, "XINFO STREAM: %.*s", (int)(t[0].len > 150 ? 150 : t[0].len),
-                 t[0].type == '-' ? p + t[0].off : "an answer ltg cannot read");
-        rl_fail(l, why);
+        rl_fail(l, resp_why("XINFO STREAM", p, t, why, sizeof why));
         return;
     }
     int lost = CL.applied[0] && sid_cmp(last, CL.applied) < 0;
@@ -13102,9 +13105,8 @@ static void cl_change_reply(void *ctx, const char *p, const resp_tok *t) {
         return;
     }
     int conflict = n == 1 && resp_is(p, t, 1, "conflict");
-    if (t && !conflict)
-        ltg_log("cluster: ltg_cp_v1 answered %.*s", (int)(t[0].len > 200 ? 200 : t[0].len),
-                t[0].type == '-' ? p + t[0].off : "what ltg cannot read");
+    char why[200];
+    if (t && !conflict) ltg_log("cluster: %s", resp_why("ltg_cp_v1", p, t, why, sizeof why));
     conn *c = cl_change_end(ch);
     if (c && conflict)
         admin_error(c, 409, "idempotency_conflict", NULL, 0,
@@ -13138,20 +13140,18 @@ static void cl_change(conn *c, const buf *rec, const idem *r, const stored *it, 
     timer_init(&ch->t, cl_change_late, ch);
     CL.changes++;
     /* a deletion names the scopes whose counts go: the item's, and a group's keys' */
-    int n = del ? 1 : 0;
-    for (int i = 0; del && !parent[0] && i < ST.kv.n; i++)
-        n += ST.kv.p[i] && strcmp(((tkey *)ST.kv.p[i])->group_id, it->id) == 0;
-    char(*scopes)[39] = xcalloc((size_t)n + 1, sizeof *scopes);
-    rarg *a = xcalloc((size_t)n + 16, sizeof *a);
+    int n = 0, most = del ? ST.kv.n + 1 : 0;
+    char(*scopes)[39] = xcalloc((size_t)most + 1, sizeof *scopes);
+    rarg *a = xcalloc((size_t)most + 16, sizeof *a);
     int argc = 0;
     rarg fixed[] = {RA("FCALL"), RA("ltg_cp_v1"), RA("3"), RA("ltg:log"), RA("ltg:ver"),
                     RA(idem_key), RA(it->id), RA(base_s), RA(parent), {rec->p, rec->len},
                     RA(body), RA(st), RA(ver), RA(r->response), RA(del ? "deleted" : ver), RA(ttl)};
     for (size_t i = 0; i < sizeof fixed / sizeof *fixed; i++) a[argc++] = fixed[i];
-    if (del) snprintf(scopes[0], 39, "%c:%s", parent[0] ? 'k' : 'g', it->id);
-    for (int i = 0, k = 1; del && !parent[0] && i < ST.kv.n; i++)
+    if (del) snprintf(scopes[n++], 39, "%c:%s", parent[0] ? 'k' : 'g', it->id);
+    for (int i = 0; del && !parent[0] && i < ST.kv.n; i++)
         if (ST.kv.p[i] && strcmp(((tkey *)ST.kv.p[i])->group_id, it->id) == 0)
-            snprintf(scopes[k++], 39, "k:%s", ((tkey *)ST.kv.p[i])->s.id);
+            snprintf(scopes[n++], 39, "k:%s", ((tkey *)ST.kv.p[i])->s.id);
     for (int i = 0; i < n; i++) a[argc++] = RA(scopes[i]);
     const char *why = cl_unready();
     int rc = why ? LTG_ERR : rl_call(&CL.cmd, cl_change_reply, ch, a, argc);
@@ -13237,12 +13237,10 @@ static void scope_seen(const char *scope, const resp_tok *spent, const resp_tok 
 static void cl_settled(void *ctx, const char *p, const resp_tok *t) {
     cl_op *op = ctx;
     if (!t) { op->sent = 0; return; } /* the link was lost: sent again when it is back */
+    char why[200];
     if (t[0].type == '-') { /* READONLY, NOREPLICAS, LOADING...: again, once reconnected */
-        char why[200];
-        snprintf(why, sizeof why, "ltg_settle_v1: %.*s", (int)(t[0].len > 150 ? 150 : t[0].len),
-                 p + t[0].off);
         op->sent = 0;
-        rl_fail(&CL.cmd, why);
+        rl_fail(&CL.cmd, resp_why("ltg_settle_v1", p, t, why, sizeof why));
         return;
     }
     if (t[0].type == '*' && t[0].num >= 1 && (resp_is(p, t, 1, "ok") || resp_is(p, t, 1, "dup")))
@@ -13327,9 +13325,10 @@ static void cl_settle(hold *h, int end, int64_t cost, int64_t tok, int64_t now) 
 }
 
 static void cl_renewed(void *ctx, const char *p, const resp_tok *t) {
-    (void)ctx, (void)p;
+    (void)ctx;
+    char why[200];
     if (t && t[0].type == '-')
-        ltg_log("cluster: %.*s", (int)(t[0].len > 200 ? 200 : t[0].len), p + t[0].off);
+        ltg_log("cluster: %s", resp_why("ltg_renew_v1 or ltg_trim_v1", p, t, why, sizeof why));
     if (t && t[0].type == '*' && t[0].num > 0)
         ltg_log("cluster: %lld hold(s) had run out of their lease before it was renewed (the "
                 "store was out of reach for over %d s): their requests go on, and are charged "

@@ -6,26 +6,27 @@ on a port of its own, with the settings the README asks for (appendonly yes, app
 maxmemory-policy noeviction), and three ltg instances (it.Aux) with --cluster pointing at it.
 
 1. The control plane through one stream: a group made on one instance is read on the others; the
-   same Idempotency-Key sent to another instance replays the answer; with another body, 409.
-2. One PATCH with one If-Match sent to the three at once: exactly one 200, the others 412, and
-   the three show the same version.
+   same Idempotency-Key sent to another instance replays the answer; with another body, 409; the
+   link's metrics.
+2. Nine PATCHes with one If-Match sent to the three at once: exactly one 200, eight 412, and the
+   three show the same version.
 3. A key deleted on one instance is refused (401) by the others within 1 s.
-4. An instance stopped while another changes a group reads the change when it starts again
-   (its local state log, then the stream from where it left off).
-5. Redis stopped: control-plane writes 503 storage_unavailable with nothing changed, /readyz 503,
-   ltg_cluster_up 0; Redis back (its append-only file kept): ltg reconnects by itself and
-   writes work again.
-6. Redis restarted without its append-only file (its stream lost what the instances applied): each
-   instance notices, says so in its log and /readyz, and refuses control-plane changes.
+4. An instance stopped while another changes a group reads the change when it starts again (its
+   local state log, then the stream from where it left off).
+5. Redis stopped: control-plane writes 503 storage_unavailable with nothing changed, a budgeted
+   request 503 store_unavailable (an uncapped one served), /readyz 503, ltg_cluster_up 0; Redis
+   back (its append-only file kept): ltg reconnects by itself and writes work again.
+6. Redis restarted without its append-only file: each instance notices, says so in its log and
+   /readyz, and refuses control-plane changes.
 7. Budgets, rate limits and parallel slots are decided by the store, on every instance at once:
-   64 parallel requests spread over three instances against a group budget that fits exactly 4
-   worst cases: 4 served, 60 refused 403 budget_exceeded, 4 calls upstream, and the store's spend
-   is the sum of the answers' costs with nothing held after; rpm_limit 10: exactly 10 served;
-   max_parallel_requests 3: 3 served while 3 run. A later attempt's hold too.
-8. A replica is not a primary: ltg does not use it (/readyz 503, and its log says why).
-9. What is not shared yet is refused, not counted alone: a request of a group with a budget gets
-   503 store_unavailable and nothing reaches the provider; an uncapped group is served.
-10. A bad --cluster exits 2 with a message that says what to fix.
+   64 parallel requests over three instances against a group budget that fits exactly 4 worst
+   cases (4 served, the store's spend their sum, nothing held after); rpm_limit 10;
+   max_parallel_requests 3; a fallback's hold against what the first attempt really spent; an
+   instance SIGKILLed with a hold (its lease runs out).
+8. The store holds what is live: the stream trimmed, a deleted group's counts gone; a late
+   instance serves nothing until given a peer's state log.
+9. A replica is not a primary: ltg does not use it. An inference Idempotency-Key is refused (not
+   shared yet). make cluster-demo runs to its end. A bad --cluster exits 2 with a message.
 
 Runs alone: python3 tests/integration.py --ltg ./ltg --mock tests/mock --file cluster
 """
