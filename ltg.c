@@ -48,7 +48,8 @@
  *      answer given up on is first read to its end by a meter);
  *      exchange_settle() bills the answer, and exchange_book() -- once no
  *      meter is left -- replaces the hold by what was charged (hold_settle,
- *      15) and adds the spend event to today's segment (14); the upstream
+ *      15) and adds the spend event to today's segment (14; with --cluster
+ *      it goes through the shared stream, and comes back from it: 20); the upstream
  *      connection returns to the pool and the client connection waits for
  *      its next request (6), once request_ended() (18) has counted it in
  *      the metrics and written its access log line.
@@ -268,6 +269,8 @@ static const char *cl_unready(void);
 static int cl_behind(void);
 static void cl_metrics(buf *b);
 static int cl_unsettled(void);
+static int cl_outbox_full(void);
+static int cl_day_over(int64_t end);
 
 /* ===== 2. Utilities: logging, time, random, buffers, hashing, metrics, addresses =====
  *
@@ -6146,6 +6149,8 @@ typedef struct {
     char why[320];            /* what failed, for the operator and for a 503 */
 } logfile;
 
+static logfile *cl_outbox_file(void); /* section 20's outbox, written with the ledger */
+
 static struct {
     logfile f;                /* DATA/state.log */
     char tmp[256];
@@ -6267,7 +6272,7 @@ static int log_unsynced(logfile *l, int e) {
  * is refused (an old kernel, a sandbox), log_sync() waits, as before.
  * The loop goes on writing each turn's records meanwhile, so a crash of
  * ltg itself still loses only the turn it dies in. */
-#define AIO_MAX 8 /* fsyncs in flight: one per ledger day that is not sealed */
+#define AIO_MAX 8 /* fsyncs in flight: one per ledger day that is not sealed, the outbox */
 
 static struct {
     aio_context_t ctx;
@@ -6691,6 +6696,7 @@ static void compact_step(int64_t now) {
 #define IDX_RETRY_MS 10000               /* an index file that could not be written */
 #define REC_HEAD_V1 104                  /* a record's head before the token classes */
 #define REC_HEAD 120
+#define REC_HEAD_V3 136                  /* ... and the stream id */
 #define IDX_ENDIAN 0x01020304u
 
 enum { EV_SUCCEEDED, EV_FAILED, EV_PARTIAL, EV_ABANDONED };
@@ -6714,27 +6720,33 @@ static uint64_t get_le64(const uint8_t *p) { return get_le32(p) | (uint64_t)get_
  *   [104] cache read, cache write, 1-hour cache write, reasoning tokens (u32 LE)
  *   [120] the model alias, the event's JSON, the replay record's JSON
  * Version 1 (before the token classes) has no [104..120): its classes read
- * as 0, and everything else as version 2. */
+ * as 0, and everything else as version 2. Version 3 is an event of the
+ * cluster's shared ledger (section 20): [120] its id in the stream
+ * ltg:events (ms, then sequence; u64 LE), then the alias at [136]. */
 typedef struct {
     int64_t at, charged;
     uint32_t tok[NTOK];
     uint8_t status, flags;
     const char *key, *group, *model, *event, *replay;
     size_t model_len, event_len, replay_len;
+    uint64_t sid[2];            /* version 3: its stream id; {0, 0} otherwise */
 } rec_view;
 
 /* Where each token class is in the head. */
 static const uint8_t rec_class_at[NTOK] = {4, 104, 108, 112, 8, 116};
 
 static void rec_encode(buf *out, const rec_view *v) {
-    uint8_t h[REC_HEAD] = {2, v->status, v->flags, (uint8_t)v->model_len};
+    int v3 = v->sid[0] != 0;
+    uint8_t h[REC_HEAD_V3] = {v3 ? 3 : 2, v->status, v->flags, (uint8_t)v->model_len};
     for (int k = 0; k < NTOK; k++) put_le32(h + rec_class_at[k], v->tok[k]);
     put_le32(h + 12, (uint32_t)v->event_len);
     put_le64(h + 16, (uint64_t)v->at);
     put_le64(h + 24, (uint64_t)v->charged);
     memcpy(h + 32, v->key, 36);
     memcpy(h + 68, v->group, 36);
-    buf_append(out, h, REC_HEAD);
+    put_le64(h + 120, v->sid[0]);
+    put_le64(h + 128, v->sid[1]);
+    buf_append(out, h, v3 ? REC_HEAD_V3 : REC_HEAD);
     buf_append(out, v->model, v->model_len);
     buf_append(out, v->event, v->event_len);
     buf_append(out, v->replay, v->replay_len);
@@ -6742,8 +6754,8 @@ static void rec_encode(buf *out, const rec_view *v) {
 
 static int rec_decode(const char *p, size_t n, rec_view *v) {
     const uint8_t *h = (const uint8_t *)p;
-    size_t head = n >= 1 && h[0] == 1 ? REC_HEAD_V1 : REC_HEAD;
-    if (n < head || h[0] < 1 || h[0] > 2 || h[1] > EV_ABANDONED ||
+    size_t head = n < 1 ? 1 : h[0] == 1 ? REC_HEAD_V1 : h[0] == 3 ? REC_HEAD_V3 : REC_HEAD;
+    if (n < head || h[0] < 1 || h[0] > 3 || h[1] > EV_ABANDONED ||
         h[2] > (EVF_CACHE_HIT | EVF_REPLAY | EVF_ESTIMATED))
         return LTG_ERR;
     *v = (rec_view){.at = (int64_t)get_le64(h + 16),
@@ -6752,6 +6764,7 @@ static int rec_decode(const char *p, size_t n, rec_view *v) {
                     .flags = h[2]};
     for (int k = 0; k < NTOK; k++)
         v->tok[k] = rec_class_at[k] + 4u <= head ? get_le32(h + rec_class_at[k]) : 0;
+    if (h[0] == 3) v->sid[0] = get_le64(h + 120), v->sid[1] = get_le64(h + 128);
     v->model_len = h[3];
     v->event_len = get_le32(h + 12);
     if (head + v->model_len + v->event_len > n) return LTG_ERR;
@@ -7660,16 +7673,27 @@ static void seg_spends(segment *s, int64_t now, spend_fn *fn, void *ctx) {
 static void ledger_sync(void *ctx);
 static timer ledger_sync_timer = {.slot = -1, .fire = ledger_sync};
 
+/* The files written so, for i from 0 to LG.nseg: the days not sealed and,
+ * last, with --cluster, the outbox (section 20); NULL for the others. */
+static logfile *ledger_file(int i) {
+    if (i == LG.nseg) return cl_outbox_file();
+    return LG.seg[i]->state != SEG_SEALED ? &LG.seg[i]->f : NULL;
+}
+
 static void ledger_sync_all(int wait) {
     int failing = 0, syncing = 0;
-    for (int i = 0; i < LG.nseg; i++) {
-        logfile *f = &LG.seg[i]->f;
-        if (LG.seg[i]->state == SEG_SEALED || (!f->pending.len && !f->failing)) continue;
+    for (int i = 0; i <= LG.nseg; i++) {
+        logfile *f = ledger_file(i);
+        if (!f || (!f->pending.len && !f->failing)) continue;
         failing |= (wait ? log_sync(f) : log_sync_start(f)) < 0;
         syncing |= f->syncing > 0;
     }
     if (failing) timer_set(&ledger_sync_timer, LEDGER_RETRY_MS);
     else if (syncing) timer_set(&ledger_sync_timer, LEDGER_SYNC_MS);
+}
+
+static void ledger_sync_soon(void) {
+    if (ledger_sync_timer.slot < 0) timer_set(&ledger_sync_timer, LEDGER_SYNC_MS);
 }
 
 static void ledger_sync(void *ctx) {
@@ -7680,6 +7704,13 @@ static void ledger_sync(void *ctx) {
 /* May events be recorded now? Not while a day's log fails to take them,
  * nor while today's index is full and cannot be spilled. */
 static int ledger_writable(const char **why) {
+    logfile *ob = cl_outbox_file();
+    if (ob && ob->failing) { *why = ob->why; return 0; }
+    if (ob && cl_outbox_full()) {
+        *why = "the outbox of events for the shared store (Redis) is full: Redis has been out of "
+               "reach too long";
+        return 0;
+    }
     for (int i = 0; i < LG.nseg; i++) {
         const segment *s = LG.seg[i];
         if (s->state != SEG_SEALED && s->f.failing) { *why = s->f.why; return 0; }
@@ -7691,10 +7722,24 @@ static int ledger_writable(const char **why) {
     return 1;
 }
 
+/* The event's "created_at" says its record's time, when ledger_add moved
+ * it (a clock that went back; with --cluster, the stream's time). */
+static void rec_stamp(buf *p, const rec_view *v) {
+    static const char name[] = "\"created_at\":\"";
+    char ts[64], *e = p->p + (p->len - v->replay_len - v->event_len);
+    char *at = memmem(e, v->event_len, name, sizeof name - 1);
+    iso_time(v->at, ts);
+    at = at ? at + sizeof name - 1 : NULL;
+    if (at && strlen(ts) == 24 && at + 24 < e + v->event_len && at[24] == '"') memcpy(at, ts, 24);
+}
+
 /* Append one event (v, whose time is set here: `now`, or the last event's
- * if the clock went back). Returns where its record went, for a replay. */
+ * if the clock went back, and never in a day already sealed). Returns
+ * where its record went, for a replay. */
 static int ledger_add(rec_view *v, int64_t now, int64_t *day, uint64_t *off, uint32_t *len) {
-    v->at = now > LG.last_at ? now : LG.last_at;
+    const segment *last = LG.nseg ? LG.seg[LG.nseg - 1] : NULL;
+    int64_t floor = !last ? 0 : last->state == SEG_OPEN ? LG.last_at : last->day + DAY_MS;
+    v->at = now > floor ? now : floor;
     LG.last_at = v->at;
     segment *s = seg_open();
     if (!s || s->day < day_of(v->at)) {
@@ -7707,6 +7752,7 @@ static int ledger_add(rec_view *v, int64_t now, int64_t *day, uint64_t *off, uin
     if (v->charged > MAX_CHARGE) v->charged = MAX_CHARGE;
     buf p = {0};
     rec_encode(&p, v);
+    rec_stamp(&p, v);
     rec_view back;
     const char *why = "a record its own reader would refuse (a bug: see the log)";
     *day = s->day;
@@ -7718,7 +7764,7 @@ static int ledger_add(rec_view *v, int64_t now, int64_t *day, uint64_t *off, uin
     else {
         seg_index(s, v, *off, *len);
         metric_add(M_LEDGER, 1, NULL);
-        if (ledger_sync_timer.slot < 0) timer_set(&ledger_sync_timer, LEDGER_SYNC_MS);
+        ledger_sync_soon();
     }
     buf_free(&p);
     return rc;
@@ -7822,12 +7868,15 @@ static int64_t ledger_retained_from(int64_t now) {
  * is sealed, a chunk that could not be written tried again, one expired
  * day deleted. */
 static void ledger_tick(int64_t now) {
+    for (int i = 0; i <= LG.nseg; i++) {
+        logfile *f = ledger_file(i);
+        if (f && !f->failing && f->written < f->pending.len && log_write(f) < 0)
+            timer_set(&ledger_sync_timer, LEDGER_RETRY_MS);
+    }
     for (int i = 0; i < LG.nseg; i++) {
         segment *s = LG.seg[i];
-        if (s->state != SEG_SEALED && !s->f.failing && s->f.written < s->f.pending.len &&
-            log_write(&s->f) < 0)
-            timer_set(&ledger_sync_timer, LEDGER_RETRY_MS);
-        if (s->state == SEG_OPEN && s->day < day_of(now)) s->state = SEG_SEALING;
+        if (s->state == SEG_OPEN && s->day < day_of(now) && cl_day_over(s->day + DAY_MS))
+            s->state = SEG_SEALING;
         if (s->state == SEG_OPEN && s->idx_failing && S.now >= s->retry_at) seg_spill(s);
         seg_seal_step(s);
     }
@@ -7962,7 +8011,7 @@ static int ledger_migrate(const char *data, char *err, size_t errlen) {
     return 0;
 }
 
-static int day_cmp(const void *a, const void *b) {
+static int i64_cmp(const void *a, const void *b) {
     return (*(const int64_t *)a > *(const int64_t *)b) -
            (*(const int64_t *)a < *(const int64_t *)b);
 }
@@ -7999,12 +8048,13 @@ static int ledger_open(const char *data, int64_t now, char *err, size_t errlen) 
         days[ndays++] = ms;
     }
     closedir(d);
-    if (ndays) qsort(days, ndays, sizeof *days, day_cmp);
+    if (ndays) qsort(days, ndays, sizeof *days, i64_cmp);
     int rc = 0;
     for (size_t i = 0; i < ndays && rc == 0; i++) {
         segment *s = seg_new(days[i]);
         struct stat st;
-        int open_day = i == ndays - 1 && days[i] >= day_of(now);
+        /* with --cluster, the stream says when a day is over (cl_day_over) */
+        int open_day = i == ndays - 1 && (days[i] >= day_of(now) || cl_on());
         uint64_t from = stat(s->f.path, &st) == 0 ? idx_load(s, (uint64_t)st.st_size) : 8;
         if (!open_day && s->nchunk && from == (uint64_t)st.st_size) {
             s->state = SEG_SEALED;
@@ -8030,6 +8080,25 @@ static int ledger_open(const char *data, int64_t now, char *err, size_t errlen) 
            LG.seg[0]->day < ledger_retained_from(now) && ledger_retire(LG.seg[0], now) == 0) {
     }
     return 0;
+}
+
+/* The stream id of the newest event, "ms-seq" into out (32 bytes), when it
+ * has one (an event of the cluster's shared ledger, section 20); else "". */
+static void ledger_last_sid(char out[32]) {
+    out[0] = 0;
+    segment *s = NULL;
+    for (int i = LG.nseg - 1; i >= 0 && !s; i--)
+        if (seg_count(LG.seg[i])) s = LG.seg[i];
+    seg_view v;
+    rec_view rv;
+    buf rec = {0};
+    if (s && view_open(&v, s, 0, NULL, UINT32_MAX) == 0) {
+        if (view_record(&v, seg_count(s) - 1, &rec, &rv) == 0 && rv.sid[0])
+            snprintf(out, 32, "%llu-%llu", (unsigned long long)rv.sid[0],
+                     (unsigned long long)rv.sid[1]);
+        view_close(&v);
+    }
+    buf_free(&rec);
 }
 
 /* ---- queries ---- */
@@ -8651,16 +8720,19 @@ static int hold_reserve(allowance *const al[], int n, int64_t cost, int64_t tok,
 
 /* The request held *h: it was charged `charged` micro-USD and used `used`
  * tokens. An allowance gone meanwhile (its key or group deleted) is NULL. */
-static void cl_settle(hold *h, int end, int64_t cost, int64_t tok, int64_t now);
+static void cl_settle(hold *h, int end, int64_t cost, int64_t tok, int64_t now,
+                      const buf *event);
 
 static void hold_settle(allowance *const al[], int n, hold *h, int64_t charged, int64_t used,
-                        int64_t now) {
-    if (h->cid[0] && h->held) cl_settle(h, 1, charged, used, now); /* held in the shared store */
+                        int64_t now, const buf *event) {
+    /* with --cluster the settle and the event go to the shared store; what
+     * was spent is counted when the event comes back from it (cl_event) */
+    if (cl_on() && ((h->cid[0] && h->held) || event)) cl_settle(h, 1, charged, used, now, event);
     for (int i = 0; h->held && !h->cid[0] && i < n; i++) {
         if (!al[i]) continue;
         budget_refresh(al[i], now);
         al[i]->reserved -= h->cost;
-        al[i]->spend += charged;
+        al[i]->spend += cl_on() ? 0 : charged;
         /* what is held is what requests in flight hold: no more is let go */
         assert(al[i]->reserved >= 0);
         rate_settle(al[i], h->sec, h->tok, used);
@@ -10443,6 +10515,20 @@ static void exchange_keep(exchange *x, idem *r, model *m, const char *keep, size
     }
 }
 
+/* The request's replay record is in the ledger at [off, off + len) of day
+ * (`written`): its answer is replayed from there from now on; not written,
+ * a retry runs again. */
+static void idem_recorded(idem *r, int written, int64_t now, int64_t day, uint64_t off,
+                          uint32_t len) {
+    r->done = written;
+    r->keep = NULL;
+    if (!written) return;
+    r->expires = now + IDEM_TTL_MS;
+    r->day = day;
+    r->off = off;
+    r->len = len;
+}
+
 /* The spend event is written (README "The consumption ledger") and the
  * hold replaced by what the request was charged: when it is settled and no
  * attempt of it is metered any more. `keep`: the answer its replay record
@@ -10456,10 +10542,13 @@ static void exchange_book(exchange *x, const char *keep, size_t keep_len) {
     allowance *al[2];
     /* the ledger never goes back in time */
     int64_t now = wall_ms() > LG.last_at ? wall_ms() : LG.last_at;
+    int64_t used = x->cache_hit ? 0 : tok[TOK_IN] + tok[TOK_OUT];
     exchange_allowances(x, al);
-    hold_settle(al, 2, &x->hold, cost, x->cache_hit ? 0 : tok[TOK_IN] + tok[TOK_OUT], now);
     exchange_count(x, g, m, cost);
-    if (x->kind->free) return; /* counting tokens costs nothing and leaves no event */
+    if (x->kind->free) { /* counting tokens costs nothing and leaves no event */
+        hold_settle(al, 2, &x->hold, cost, used, now, NULL);
+        return;
+    }
     buf e = {0};
     exchange_event_json(x, m, tok, cost, estimated, now, &e);
     buf replay = {0};
@@ -10481,20 +10570,20 @@ static void exchange_book(exchange *x, const char *keep, size_t keep_len) {
                   .replay = replay.len ? replay.p : "",
                   .replay_len = replay.len};
     for (int c = 0; c < NTOK; c++) v.tok[c] = tok[c] > UINT32_MAX ? UINT32_MAX : (uint32_t)tok[c];
-    int64_t day;
-    uint64_t off;
-    uint32_t len;
-    int written = ledger_add(&v, now, &day, &off, &len) == 0;
-    if (r && replay.len) { /* replayed from the ledger from now on (or, not written, run again) */
-        r->done = written;
-        r->keep = NULL;
-        if (written) {
-            r->expires = now + IDEM_TTL_MS;
-            r->day = day;
-            r->off = off;
-            r->len = len;
-        }
+    int64_t day = 0;
+    uint64_t off = 0;
+    uint32_t len = 0;
+    int written = 0;
+    if (cl_on()) { /* the event goes to the shared ledger, and comes back to this one from it */
+        buf rec = {0};
+        rec_encode(&rec, &v);
+        hold_settle(al, 2, &x->hold, cost, used, now, &rec);
+        buf_free(&rec);
+    } else {
+        hold_settle(al, 2, &x->hold, cost, used, now, NULL);
+        written = ledger_add(&v, now, &day, &off, &len) == 0;
     }
+    if (r && replay.len) idem_recorded(r, written, now, day, off, len);
     buf_free(&e);
     buf_free(&replay);
 }
@@ -12303,12 +12392,23 @@ static void route(conn *c) {
  * last id; the writer waits until it has applied that far and runs the
  * request again on the fresh copy: with If-Match, that is a 412; without,
  * the change applies to the newer item.
+ *
+ * The ledger is shared the same way. An instance does not write its own
+ * spend events: each goes, inside the settle of its request, to the stream
+ * ltg:events (through the outbox, "the shared money" below), and every
+ * instance -- the one that served it too -- reads that stream with ltg:log
+ * and adds each event to its ledger at the stream's time with its stream
+ * id (cl_event). So every instance's days hold the same records in the
+ * same order, and a restart reads the stream on from the newest event its
+ * ledger has (ledger_last_sid).
  */
 #define CL_TIMEOUT_MS 3000       /* no reply this long: the link is lost */
 #define CL_BACKOFF_MIN_MS 100
 #define CL_BACKOFF_MAX_MS 5000
 #define CL_BLOCK_MS 1000         /* XREAD's wait: the heartbeat */
 #define CL_READ_COUNT 16         /* records per XREAD */
+#define CL_DAY_GRACE_MS 60000    /* a ledger day is sealed once read this long after its end */
+#define CL_EVENTS_KEEP_MS 172800000 /* ltg:events keeps no more than this (48 h) */
 #define CL_MAX_CALLS 4096        /* calls in flight on a link; beyond, refused at once */
 #define CL_CHANGE_TRIES 3        /* runs of one change whose copy was stale */
 #define STR_(x) #x
@@ -12436,6 +12536,9 @@ static struct {
     char *password;
     rlink cmd, tail;
     char applied[32];         /* the last ltg:log id applied ("ms-seq"; "" none) */
+    char ev_applied[32];      /* the last ltg:events id in the ledger ("" none) */
+    int64_t read_at;          /* wall ms when the pending XREAD was sent */
+    int64_t caught_up;        /* ... of the last that found every event there was */
     int64_t heard;            /* S.now of the tail link's last reply */
     double lag;               /* seconds from the last record's XADD to its apply here */
     int lost;                 /* the stream ends before what this instance applied */
@@ -12799,15 +12902,17 @@ static const char CL_LIBRARY[] =
     "  redis.call('HSET', 'ltg:hv', id, sum .. ' ' .. f[3] .. ' ' .. f[4] .. scopes)\n"
     "  return got\n"
     "end\n"
-    "-- ltg_settle_v1: ARGV owner, seq, hold id, what ('end' or 'shrink'), cost\n"
-    "-- (nano-USD: charged, or let go), tokens (used, or let go), then per scope:\n"
-    "-- scope, period start. Applied once per (owner, seq): a repeat after a lost\n"
-    "-- reply is {'dup'}. An end charges `cost` even when the hold's lease ran\n"
-    "-- out meanwhile; {'ok', spent, held...} per scope.\n"
+    "-- ltg_settle_v1: ARGV owner, seq, hold id ('' none), what ('end' or 'shrink'),\n"
+    "-- cost (nano-USD: charged, or let go), tokens (used, or let go), the spend\n"
+    "-- event ('' none), then per scope: scope, period start. Applied once per\n"
+    "-- (owner, seq): a repeat after a lost reply is {'dup'}. An end charges `cost`\n"
+    "-- even when the hold's lease ran out meanwhile, and adds the event to\n"
+    "-- ltg:events (fields o owner, q seq, e event, b \"scope spent held...\");\n"
+    "-- {'ok', spent, held...} per scope.\n"
     "local function settle(keys, a)\n"
     "  local seqkey, seq = 'ltg:seq:' .. a[1], tonumber(a[2])\n"
     "  if tonumber(redis.call('GET', seqkey) or '0') >= seq then return {'dup'} end\n"
-    "  redis.call('SET', seqkey, seq, 'EX', 86400)\n"
+    "  redis.call('SET', seqkey, seq, 'EX', 2592000)\n"
     "  local id, cost, tok = a[3], tonumber(a[5]), tonumber(a[6])\n"
     "  local v = redis.call('HGET', 'ltg:hv', id)\n"
     "  local f = v and words(v)\n"
@@ -12818,7 +12923,8 @@ static const char CL_LIBRARY[] =
     "    local left = (tonumber(f[1]) - cost) .. ' ' .. (tonumber(f[2]) - tok)\n"
     "    redis.call('HSET', 'ltg:hv', id, left .. ' ' .. table.concat(f, ' ', 3))\n"
     "  end\n"
-    "  for i = 7, #a, 2 do\n"
+    "  local b = {}\n"
+    "  for i = 8, #a, 2 do\n"
     "    if a[4] == 'end' then\n"
     "      budget(a[i], tonumber(a[i + 1]))\n"
     "      redis.call('HINCRBY', 'ltg:b:' .. a[i], 'spent', cost)\n"
@@ -12831,6 +12937,11 @@ static const char CL_LIBRARY[] =
     "    local spent, held = budget(a[i], tonumber(a[i + 1]))\n"
     "    got[#got + 1] = spent\n"
     "    got[#got + 1] = held\n"
+    "    b[#b + 1] = a[i] .. ' ' .. spent .. ' ' .. held\n"
+    "  end\n"
+    "  if a[7] ~= '' then\n"
+    "    redis.call('XADD', 'ltg:events', '*', 'o', a[1], 'q', a[2], 'e', a[7],\n"
+    "               'b', table.concat(b, ' '))\n"
     "  end\n"
     "  return got\n"
     "end\n"
@@ -12848,8 +12959,9 @@ static const char CL_LIBRARY[] =
     "  end\n"
     "  return gone\n"
     "end\n"
-    "-- ltg_trim_v1: ARGV this instance (a boot of it), the last ltg:log id it applied. The\n"
-    "-- stream keeps what every instance heard from in 7 days has not applied yet.\n"
+    "-- ltg_trim_v1: ARGV this instance (a boot of it), the last ltg:log id and the\n"
+    "-- last ltg:events id it applied. Each stream keeps what an instance heard from\n"
+    "-- in 7 days has not applied yet; ltg:events no more than CL_EVENTS_KEEP_MS.\n"
     "local function before(x, y)\n"
     "  local xm, xs = string.match(x, '(%d+)-(%d+)')\n"
     "  local ym, ys = string.match(y, '(%d+)-(%d+)')\n"
@@ -12857,14 +12969,20 @@ static const char CL_LIBRARY[] =
     "  return xm < ym or (xm == ym and xs < ys)\n"
     "end\n"
     "local function trim(keys, a)\n"
-    "  local now, low = now_ms(), nil\n"
-    "  redis.call('HSET', 'ltg:insts', a[1], a[2] .. ' ' .. now)\n"
+    "  local now, low, lowev = now_ms(), nil, nil\n"
+    "  local keep = (now - tonumber(a[4])) .. '-0'\n"
+    "  redis.call('HSET', 'ltg:insts', a[1], a[2] .. ' ' .. now .. ' ' .. a[3])\n"
     "  local all = redis.call('HGETALL', 'ltg:insts')\n"
     "  for i = 1, #all, 2 do\n"
     "    local f = words(all[i + 1])\n"
     "    if tonumber(f[2]) < now - 7 * 86400000 then redis.call('HDEL', 'ltg:insts', all[i])\n"
-    "    elseif not low or before(f[1], low) then low = f[1] end\n"
+    "    else\n"
+    "      if not low or before(f[1], low) then low = f[1] end\n"
+    "      if not lowev or before(f[3] or '0-0', lowev) then lowev = f[3] or '0-0' end\n"
+    "    end\n"
     "  end\n"
+    "  if before(lowev, keep) then lowev = keep end\n"
+    "  redis.call('XTRIM', 'ltg:events', 'MINID', lowev)\n"
     "  return redis.call('XTRIM', 'ltg:log', 'MINID', low)\n"
     "end\n"
     "redis.register_function('ltg_trim_v1', trim)\n"
@@ -12894,6 +13012,64 @@ static void cl_cmd_up(rlink *l) {
     rl_call(l, cl_loaded, l, a, 4);
 }
 
+/* What XINFO STREAM says of a stream: its last id, its first, and whether it
+ * was trimmed. 0; LTG_AGAIN for an empty stream (-ERR no such key: not made
+ * yet); LTG_ERR for another error (-LOADING while a restarted Redis reads
+ * its append-only file...: the link fails, and asks again later). */
+typedef struct {
+    char last[32], first[32];
+    int trimmed;
+} xinfo;
+
+static int xinfo_read(rlink *l, const char *p, const resp_tok *t, xinfo *x) {
+    long long length = 0, added = 0;
+    *x = (xinfo){"0-0", "0-0", 0};
+    if (t[0].type == '*') /* pairs of a name and its value */
+        for (int i = 1, n = 0; n + 1 < t[0].num; n += 2, i = t[t[i].next].next) {
+            const resp_tok *v = &t[t[i].next];
+            char *into = resp_is(p, t, i, "last-generated-id")         ? x->last
+                         : resp_is(p, t, i, "recorded-first-entry-id") ? x->first
+                                                                       : NULL;
+            if (into && v->type == '$' && v->len < sizeof x->last)
+                snprintf(into, sizeof x->last, "%.*s", (int)v->len, p + v->off);
+            if (resp_is(p, t, i, "length") && v->type == ':') length = v->num;
+            if (resp_is(p, t, i, "entries-added") && v->type == ':') added = v->num;
+        }
+    else if (t[0].type != '-' || t[0].len < 15 ||
+             memcmp(p + t[0].off, "ERR no such key", 15) != 0) {
+        char why[200];
+        rl_fail(l, resp_why("XINFO STREAM", p, t, why, sizeof why));
+        return LTG_ERR;
+    }
+    x->trimmed = added > length;
+    return t[0].type == '*' ? 0 : LTG_AGAIN;
+}
+
+/* ltg:events: a ledger that the stream was trimmed past (an instance away
+ * longer than it keeps) misses events; one that Redis lost events from has
+ * some the others may not. Both are said; the reader goes on. */
+static void cl_events_checked(void *ctx, const char *p, const resp_tok *t) {
+    rlink *l = ctx;
+    xinfo x;
+    if (!t || xinfo_read(l, p, t, &x) == LTG_ERR) return;
+    const char *had = CL.ev_applied[0] ? CL.ev_applied : "0-0";
+    if (x.trimmed && sid_cmp(had, x.first) < 0)
+        ltg_log("cluster: ltg:events was trimmed past this instance's ledger (it has events to "
+                "%s; the stream begins at %s): the events between are missing here; copy the "
+                "sealed days of DATA/ledger from another instance (README \"Several instances\")",
+                had, x.first);
+    if (sid_cmp(x.last, had) < 0)
+        ltg_log("cluster: ltg:events ends at %s, before %s, which this instance's ledger has: "
+                "Redis lost events (restarted without its append-only file, or a failover lost "
+                "them)", x.last, had);
+    l->state = RL_UP;
+    l->backoff_ms = CL_BACKOFF_MIN_MS;
+    CL.heard = S.now;
+    ltg_log("cluster: stream link to %s:%d up, reading ltg:log after %s, ltg:events after %s",
+            CL.host, CL.port, CL.applied[0] ? CL.applied : "its start", had);
+    cl_tail_read();
+}
+
 /* What XINFO STREAM says of ltg:log, asked before reading it. A stream
  * whose last id is before what this instance applied lost changes (a
  * Redis restarted without its append-only file, a failover to a replica
@@ -12901,57 +13077,33 @@ static void cl_cmd_up(rlink *l) {
  * instance away longer than the trim keeps) cannot give it what it missed. */
 static void cl_tail_checked(void *ctx, const char *p, const resp_tok *t) {
     rlink *l = ctx;
-    if (!t) return;
-    char last[sizeof CL.applied] = "0-0", first[sizeof CL.applied] = "0-0";
-    long long length = 0, added = 0;
-    if (t[0].type == '*') /* pairs of a name and its value */
-        for (int i = 1, n = 0; n + 1 < t[0].num; n += 2, i = t[t[i].next].next) {
-            const resp_tok *v = &t[t[i].next];
-            char *into = resp_is(p, t, i, "last-generated-id")         ? last
-                         : resp_is(p, t, i, "recorded-first-entry-id") ? first
-                                                                       : NULL;
-            if (into && v->type == '$' && v->len < sizeof last)
-                snprintf(into, sizeof last, "%.*s", (int)v->len, p + v->off);
-            if (resp_is(p, t, i, "length") && v->type == ':') length = v->num;
-            if (resp_is(p, t, i, "entries-added") && v->type == ':') added = v->num;
-        }
-    else if (t[0].type != '-' || t[0].len < 15 ||
-             memcmp(p + t[0].off, "ERR no such key", 15) != 0) {
-        /* an error but -ERR no such key (a stream not made yet): -LOADING while Redis reads its
-         * append-only file after a restart, or what ltg cannot read: ask again later */
-        char why[200];
-        rl_fail(l, resp_why("XINFO STREAM", p, t, why, sizeof why));
-        return;
-    }
-    int lost = CL.applied[0] && sid_cmp(last, CL.applied) < 0;
+    xinfo x;
+    if (!t || xinfo_read(l, p, t, &x) == LTG_ERR) return;
+    int lost = CL.applied[0] && sid_cmp(x.last, CL.applied) < 0;
     /* trimmed (ltg_trim_v1 keeps what every instance applied): what it applied is gone too */
-    int behind = added > length && sid_cmp(CL.applied[0] ? CL.applied : "0-0", first) < 0;
+    int behind = x.trimmed && sid_cmp(CL.applied[0] ? CL.applied : "0-0", x.first) < 0;
     if (lost && !CL.lost)
         ltg_log("cluster: the shared stream ltg:log ends at %s, before %s, which this instance "
                 "applied: Redis lost changes (restarted without its append-only file, or a "
                 "failover lost them); control-plane changes are refused until it is restored "
-                "(README \"Several instances\")", last, CL.applied);
+                "(README \"Several instances\")", x.last, CL.applied);
     if (behind && !CL.behind)
         ltg_log("cluster: ltg:log was trimmed past what this instance applied (%s; it begins at "
                 "%s): it missed changes, and serves nothing until its state log is replaced by a "
                 "copy of another instance's (README \"Several instances\")",
-                CL.applied[0] ? CL.applied : "nothing", first);
+                CL.applied[0] ? CL.applied : "nothing", x.first);
     CL.lost = lost;
     CL.behind = behind;
-    l->state = RL_UP;
-    l->backoff_ms = CL_BACKOFF_MIN_MS;
-    CL.heard = S.now;
-    ltg_log("cluster: stream link to %s:%d up, reading ltg:log after %s", CL.host, CL.port,
-            CL.applied[0] ? CL.applied : "its start");
-    cl_tail_read();
 }
 
 static void cl_tail_up(rlink *l) {
     rl_call(l, cl_tail_checked, l, (rarg[]){RA("XINFO"), RA("STREAM"), RA("ltg:log")}, 3);
+    rl_call(l, cl_events_checked, l, (rarg[]){RA("XINFO"), RA("STREAM"), RA("ltg:events")}, 3);
 }
 
 /* Answer the changes the reader has now caught up with. */
 static void cl_changes_due(void);
+static void scope_seen(const char *scope, long long spent, long long held);
 
 /* Apply one record of ltg:log: into memory, then into the local state log
  * with its sid. A record that does not apply is skipped (and never logged:
@@ -12977,49 +13129,113 @@ static int cl_apply(const char *sid, const char *p, size_t n) {
     return rc;
 }
 
+/* One entry of ltg:log (its tokens from e in t): applied; LTG_ERR when the state log
+ * refused it. */
+static int cl_log_entry(const char *sid, const char *p, const resp_tok *t, int e) {
+    const resp_tok *rec = NULL;
+    for (long long j = 0, f = e + 3; j + 1 < t[e + 2].num; j += 2, f = t[t[f].next].next)
+        if (resp_is(p, t, (int)f, "r")) rec = &t[t[f].next];
+    if (!rec || rec->type != '$' || rec->len < 2 || p[rec->off] != '{') {
+        ltg_log("cluster: record %s of ltg:log is not ltg's (skipped)", sid);
+        snprintf(CL.applied, sizeof CL.applied, "%s", sid);
+        return 0;
+    }
+    return cl_apply(sid, p + rec->off, rec->len);
+}
+
+/* One entry of ltg:events, a spend event (field e, the record its instance
+ * made) with the store's spent and held of its scopes after it (field b):
+ * into the ledger, at the stream's time and with its id (record version
+ * 3), so that every instance's days hold the same records in the same
+ * order. What a scope without a budget spent is counted here; a budget's
+ * is the store's. */
+static int cl_event(const char *sid, const char *p, const resp_tok *t, int e) {
+    const resp_tok *ev = NULL, *b = NULL;
+    for (long long j = 0, f = e + 3; j + 1 < t[e + 2].num; j += 2, f = t[t[f].next].next) {
+        if (resp_is(p, t, (int)f, "e")) ev = &t[t[f].next];
+        if (resp_is(p, t, (int)f, "b")) b = &t[t[f].next];
+    }
+    rec_view v;
+    unsigned long long ms = 0, seq = 0;
+    sscanf(sid, "%llu-%llu", &ms, &seq);
+    snprintf(CL.ev_applied, sizeof CL.ev_applied, "%s", sid);
+    if (!ev || ev->type != '$' || rec_decode(p + ev->off, ev->len, &v) < 0 || v.sid[0] || !ms) {
+        ltg_log("cluster: entry %s of ltg:events is not an event of ltg's (skipped)", sid);
+        return 0;
+    }
+    v.sid[0] = ms, v.sid[1] = seq;
+    v.flags &= (uint8_t)~EVF_REPLAY, v.replay_len = 0; /* an answer is replayed where it ran */
+    int64_t day;
+    uint64_t off;
+    uint32_t len;
+    if (ledger_add(&v, (int64_t)ms, &day, &off, &len) < 0) return 0; /* logged */
+    char id[2][37];
+    snprintf(id[0], sizeof id[0], "%.36s", v.key);
+    snprintf(id[1], sizeof id[1], "%.36s", v.group);
+    stored *st[2] = {(stored *)tkey_find(id[0]), (stored *)group_find(id[1])};
+    for (int i = 0; i < 2; i++)
+        if (st[i] && !st[i]->al.has_budget) {
+            budget_refresh(&st[i]->al, v.at);
+            st[i]->al.spend += v.charged;
+        }
+    char scope[40];
+    long long spent, held;
+    int used;
+    for (const char *q = b && b->type == '$' ? p + b->off : "", *end = q + (b ? b->len : 0);
+         q < end && sscanf(q, "%39s %lld %lld%n", scope, &spent, &held, &used) == 3; q += used)
+        scope_seen(scope, spent, held);
+    return 0;
+}
+
 /* XREAD's answer: null (nothing new within CL_BLOCK_MS), or
- * [[stream, [[id, [field, value...]]...]]]; a record is the field "r". */
+ * [[stream, [[id, [field, value...]]...]]...], ltg:log's and ltg:events's. */
 static void cl_tail_reply(void *ctx, const char *p, const resp_tok *t) {
     (void)ctx;
     if (!t) return;
     CL.heard = S.now;
-    int ok = t[0].type == '_';
-    if (t[0].type == '*' && t[0].num == 1 && t[1].type == '*' && t[1].num == 2 &&
-        t[3].type == '*') {
-        ok = 1;
-        for (long long i = 0, e = 4; ok && i < t[3].num; i++, e = t[e].next) {
-            if (t[e].type != '*' || t[e].num != 2 || t[e + 1].type != '$' ||
-                t[e + 1].len >= sizeof CL.applied || t[e + 2].type != '*') {
-                ok = 0;
-                break;
-            }
+    int ok = t[0].type == '_' || t[0].type == '*', events = 0;
+    for (long long k = 0, s = 1; ok && t[0].type == '*' && k < t[0].num; k++, s = t[s].next) {
+        ok = t[s].type == '*' && t[s].num == 2 && t[s + 2].type == '*';
+        int log = ok && resp_is(p, t, (int)s + 1, "ltg:log");
+        for (long long i = 0, e = s + 3; ok && i < t[s + 2].num; i++, e = t[e].next) {
             char sid[sizeof CL.applied];
-            memcpy(sid, p + t[e + 1].off, t[e + 1].len);
-            sid[t[e + 1].len] = 0;
-            const resp_tok *rec = NULL;
-            for (long long j = 0, f = e + 3; j + 1 < t[e + 2].num; j += 2, f = t[t[f].next].next)
-                if (resp_is(p, t, (int)f, "r")) rec = &t[t[f].next];
-            if (!rec || rec->type != '$' || rec->len < 2 || p[rec->off] != '{') {
-                ltg_log("cluster: record %s of ltg:log is not ltg's (skipped)", sid);
-                snprintf(CL.applied, sizeof CL.applied, "%s", sid);
-            } else if (cl_apply(sid, p + rec->off, rec->len) < 0) {
+            ok = t[e].type == '*' && t[e].num == 2 && t[e + 1].type == '$' &&
+                 t[e + 1].len < sizeof sid && t[e + 2].type == '*';
+            if (!ok) break;
+            snprintf(sid, sizeof sid, "%.*s", (int)t[e + 1].len, p + t[e + 1].off);
+            events += !log;
+            if ((log ? cl_log_entry : cl_event)(sid, p, t, (int)e) < 0) {
                 cl_changes_due();
                 rl_fail(&CL.tail, "the state log refused a record");
                 return;
             }
         }
     }
+    if (ok && CL.read_at && events < CL_READ_COUNT) CL.caught_up = CL.read_at; /* all there was */
     cl_changes_due();
     if (!ok) { rl_fail(&CL.tail, "an answer to XREAD that ltg cannot read"); return; }
     cl_tail_read();
 }
 
+/* Read on: ltg:log, and ltg:events while the ledger can take them. */
 static void cl_tail_read(void) {
-    rl_call(&CL.tail, cl_tail_reply, NULL,
-            (rarg[]){RA("XREAD"), RA("COUNT"), RA(STR(CL_READ_COUNT)), RA("BLOCK"),
-                     RA(STR(CL_BLOCK_MS)), RA("STREAMS"), RA("ltg:log"),
-                     RA(CL.applied[0] ? CL.applied : "0-0")},
-            8);
+    const char *why;
+    int events = ledger_writable(&why);
+    rarg a[] = {RA("XREAD"), RA("COUNT"), RA(STR(CL_READ_COUNT)), RA("BLOCK"),
+                RA(STR(CL_BLOCK_MS)), RA("STREAMS"), RA("ltg:log"), RA("ltg:events"),
+                RA(CL.applied[0] ? CL.applied : "0-0"),
+                RA(CL.ev_applied[0] ? CL.ev_applied : "0-0")};
+    if (!events) a[7] = a[8]; /* STREAMS ltg:log <id> */
+    CL.read_at = events ? wall_ms() : 0;
+    rl_call(&CL.tail, cl_tail_reply, NULL, a, events ? 10 : 8);
+}
+
+/* Is the day that ends at `end` over in the shared ledger: has the stream
+ * been read to its end a minute after it (Redis's clock and this one may
+ * differ, and an event is added to the stream before it is read)? Without
+ * --cluster, a day is over at its end. */
+static int cl_day_over(int64_t end) {
+    return !CL.url || CL.caught_up >= end + CL_DAY_GRACE_MS;
 }
 
 /* The changes: the admin connection waits, owned by its change. */
@@ -13196,7 +13412,7 @@ typedef struct cl_wait {
 /* One settle or shrink not yet acknowledged, in the outbox. */
 typedef struct cl_op {
     struct cl_op *next;
-    unsigned long long seq;
+    unsigned long long file;  /* the outbox file that holds it */
     buf cmd;                  /* the whole FCALL, to send again after a lost link */
     char scope[2][39];        /* whose spend the answer updates ("" none) */
     int sent;
@@ -13206,7 +13422,12 @@ static struct {
     char owner[17];           /* this boot of this instance: random */
     unsigned long long holds, seq;
     hold *live;               /* holds held, renewed */
-    cl_op *head, *tail;       /* the outbox, in order */
+    cl_op *head, *last;       /* the outbox, in order */
+    int n;                    /* ... its ops */
+    size_t bytes;             /* ... and their commands' bytes */
+    char dir[256];            /* DATA/outbox */
+    logfile f;                /* the outbox file ops are appended to */
+    unsigned long long file;  /* ... its number */
     timer renew;
 } CLM;
 
@@ -13225,14 +13446,67 @@ static allowance *scope_allowance(const char *scope) {
     return st ? &st->al : NULL;
 }
 
-/* The store's spent and held of a scope (nano-USD), shown from now on. */
-static void scope_seen(const char *scope, const resp_tok *spent, const resp_tok *held) {
+/* The store's spent and held of a scope (nano-USD), shown from now on: a
+ * budget's (a scope without one shows the events applied, cl_event). */
+static void scope_seen(const char *scope, long long spent, long long held) {
     allowance *a = scope_allowance(scope);
-    if (!a || spent->type != ':' || held->type != ':') return;
+    if (!a || !a->has_budget) return;
     budget_refresh(a, wall_ms());
-    a->spend = spent->num / 1000;
-    a->reserved = held->num / 1000;
+    a->spend = spent / 1000;
+    a->reserved = held / 1000;
 }
+
+/* ---- the outbox ----
+ *
+ * Every settle and shrink, with the spend event an end carries, is
+ * appended to an outbox file, DATA/outbox/<number>.log (framed like the
+ * state log, fsynced with the ledger's days), and sent at once; it stays
+ * in memory until the store acknowledges it, and is sent again, in order,
+ * after a lost link. A file past CL_OUTBOX_FILE is closed (fsynced) and a
+ * new one begun; a closed file goes once every op in it is acknowledged.
+ * At start-up the files left by a crash are read back and sent again,
+ * under their own boot's numbers: ltg_settle_v1 applies each once. So a
+ * request served while Redis is out of reach has its event kept and
+ * shipped when Redis returns, and one served just before a crash too. The
+ * ops in memory are bounded by CL_OUTBOX_MAX bytes: past it, inference is
+ * refused as when the ledger cannot be written (cl_outbox_full). */
+#define CL_OUTBOX_FILE (1 << 20)
+#define CL_OUTBOX_MAX (64u << 20)
+#define OUTBOX_MAGIC "LTGOUT1\n"
+
+static void cl_outbox_name(unsigned long long n, char name[32]) {
+    snprintf(name, 32, "%020llu.log", n);
+}
+
+static void cl_op_add(cl_op *op) {
+    if (CLM.last) CLM.last->next = op;
+    else CLM.head = op;
+    CLM.last = op;
+    CLM.n++;
+    CLM.bytes += op->cmd.len;
+}
+
+/* Journal op in the current outbox file (a new one past CL_OUTBOX_FILE,
+ * once the old one is durable). A failed write keeps it in memory and says
+ * so through ledger_writable (the file is retried with the ledger's). */
+static void cl_journal(cl_op *op) {
+    char name[32];
+    const char *why;
+    if (CLM.f.size > CL_OUTBOX_FILE && log_sync(&CLM.f) == 0) {
+        if (CLM.f.fd >= 0) close(CLM.f.fd);
+        cl_outbox_name(++CLM.file, name);
+        log_init(&CLM.f, CLM.dir, name, OUTBOX_MAGIC);
+    }
+    op->file = CLM.file;
+    if (log_append(&CLM.f, op->cmd.p, op->cmd.len, 0, &why) < 0)
+        ltg_log("cluster: a settle was not journaled: %s", why);
+    ledger_sync_soon();
+}
+
+/* The outbox's file for the ledger's writes and fsyncs; NULL without --cluster. */
+static logfile *cl_outbox_file(void) { return CL.url ? &CLM.f : NULL; }
+
+static int cl_outbox_full(void) { return CLM.bytes > CL_OUTBOX_MAX; }
 
 static void cl_settled(void *ctx, const char *p, const resp_tok *t) {
     cl_op *op = ctx;
@@ -13243,25 +13517,30 @@ static void cl_settled(void *ctx, const char *p, const resp_tok *t) {
         rl_fail(&CL.cmd, resp_why("ltg_settle_v1", p, t, why, sizeof why));
         return;
     }
-    if (t[0].type == '*' && t[0].num >= 1 && (resp_is(p, t, 1, "ok") || resp_is(p, t, 1, "dup")))
+    if (t[0].type == '*' && t[0].num >= 1 && (resp_is(p, t, 1, "ok") || resp_is(p, t, 1, "dup"))) {
         for (int i = 0, k = 2; i < 2 && op->scope[i][0] && k + 1 <= t[0].num; i++, k += 2)
-            scope_seen(op->scope[i], &t[k], &t[k + 1]);
-    else
-        ltg_log("cluster: settle %llu: an answer ltg cannot read (dropped)", op->seq);
+            if (t[k].type == ':' && t[k + 1].type == ':')
+                scope_seen(op->scope[i], t[k].num, t[k + 1].num);
+    } else
+        ltg_log("cluster: a settle had an answer ltg cannot read (dropped)");
     assert(op == CLM.head);
     CLM.head = op->next;
-    if (!CLM.head) CLM.tail = NULL;
+    if (!CLM.head) CLM.last = NULL;
+    CLM.n--;
+    CLM.bytes -= op->cmd.len;
+    if (op->file != CLM.file && (!CLM.head || CLM.head->file != op->file)) {
+        char name[32], path[300];
+        cl_outbox_name(op->file, name);
+        snprintf(path, sizeof path, "%s/%s", CLM.dir, name);
+        if (unlink(path) < 0) ltg_log("cluster: %s: %s", path, strerror(errno));
+    }
     buf_free(&op->cmd);
     free(op);
 }
 
 /* Settles the store has not acknowledged (a drain waits for them, within --drain-seconds;
  * what is left then is logged). */
-static int cl_unsettled(void) {
-    int n = 0;
-    for (cl_op *op = CLM.head; op; op = op->next) n++;
-    return n;
-}
+static int cl_unsettled(void) { return CLM.n; }
 
 /* Send what the outbox has not sent (all of it after a lost link). */
 static void cl_outbox_pump(void) {
@@ -13270,6 +13549,56 @@ static void cl_outbox_pump(void) {
         if (rl_call_raw(&CL.cmd, cl_settled, op, &op->cmd) < 0) return;
         op->sent = 1;
     }
+}
+
+/* One op of an outbox file left by an earlier boot (log_replay's callback). */
+static int cl_outbox_load(void *ctx, const char *p, size_t n, off_t at, char *why, size_t len) {
+    (void)ctx, (void)at, (void)why, (void)len;
+    cl_op *op = xcalloc(1, sizeof *op);
+    op->file = CLM.file;
+    buf_append(&op->cmd, p, n);
+    cl_op_add(op);
+    return 0;
+}
+
+/* At start-up: the outbox files an earlier boot left, read back to be sent
+ * again; new ops go to a file numbered after them. */
+static int cl_outbox_open(const char *data, char *err, size_t errlen) {
+    snprintf(CLM.dir, sizeof CLM.dir, "%.200s/outbox", data);
+    if (mkdir(CLM.dir, 0700) < 0 && errno != EEXIST) {
+        snprintf(err, errlen, "%s: %s", CLM.dir, strerror(errno));
+        return LTG_ERR;
+    }
+    DIR *d = opendir(CLM.dir);
+    if (!d) { snprintf(err, errlen, "%s: %s", CLM.dir, strerror(errno)); return LTG_ERR; }
+    int64_t *files = NULL;
+    long long v;
+    size_t n = 0;
+    char name[32];
+    for (struct dirent *de; (de = readdir(d));)
+        if (strlen(de->d_name) == 24 && sscanf(de->d_name, "%20lld.log", &v) == 1 && v >= 0) {
+            files = xrealloc(files, (n + 1) * sizeof *files);
+            files[n++] = v;
+        }
+    closedir(d);
+    qsort(files, n, sizeof *files, i64_cmp);
+    int rc = 0;
+    for (size_t i = 0; i < n && rc == 0; i++) {
+        logfile f = {.fd = -1};
+        int had = CLM.n;
+        cl_outbox_name((unsigned long long)files[i], name);
+        CLM.file = (unsigned long long)files[i];
+        rc = log_open(&f, CLM.dir, name, OUTBOX_MAGIC, 0, cl_outbox_load, NULL, err, errlen);
+        if (f.fd >= 0) close(f.fd);
+        buf_free(&f.pending);
+        if (rc == 0 && CLM.n == had) unlink(f.path); /* nothing in it: no op will take it away */
+    }
+    if (CLM.n) ltg_log("cluster: %d settle(s) of an earlier run found in %s: sent again", CLM.n,
+                       CLM.dir);
+    free(files);
+    cl_outbox_name(++CLM.file, name);
+    log_init(&CLM.f, CLM.dir, name, OUTBOX_MAGIC);
+    return rc;
 }
 
 static void cl_live(hold *h, int add) {
@@ -13293,20 +13622,23 @@ static void cl_forget(exchange *x) {
 }
 
 /* hold_settle's and hold_shrink's way with --cluster: one numbered op in
- * the outbox. `end`: the request is over (`cost` charged, `tok` used);
- * else a shrink (`cost` and `tok` let go). The scopes' periods are this
- * instance's view; the store never moves a period back. */
-static void cl_settle(hold *h, int end, int64_t cost, int64_t tok, int64_t now) {
+ * the outbox. `end`: the request is over (`cost` charged, `tok` used, the
+ * spend event, a ledger record, in `event`: NULL for none); else a shrink
+ * (`cost` and `tok` let go). A request held in memory (no h->cid) sends
+ * only its event. The scopes' periods are this instance's view; the store
+ * never moves a period back. */
+static void cl_settle(hold *h, int end, int64_t cost, int64_t tok, int64_t now,
+                      const buf *event) {
     cl_op *op = xcalloc(1, sizeof *op);
-    op->seq = ++CLM.seq;
     char num[5][24];
-    snprintf(num[0], 24, "%llu", op->seq);
+    snprintf(num[0], 24, "%llu", ++CLM.seq);
     snprintf(num[1], 24, "%lld", (long long)cost * 1000);
     snprintf(num[2], 24, "%lld", (long long)tok);
-    rarg a[13] = {RA("FCALL"), RA("ltg_settle_v1"), RA("0"), RA(CLM.owner), RA(num[0]), RA(h->cid),
-                  RA(end ? "end" : "shrink"), RA(num[1]), RA(num[2])};
-    int argc = 9;
-    for (int i = 0; i < 2 && h->scope[i][0]; i++) {
+    rarg a[14] = {RA("FCALL"), RA("ltg_settle_v1"), RA("0"), RA(CLM.owner), RA(num[0]), RA(h->cid),
+                  RA(end ? "end" : "shrink"), RA(num[1]), RA(num[2]),
+                  event ? (rarg){event->p, event->len} : RA("")};
+    int argc = 10;
+    for (int i = 0; i < 2 && h->cid[0] && h->scope[i][0]; i++) {
         allowance *al = scope_allowance(h->scope[i]);
         int64_t start, e;
         if (!al) continue; /* deleted: nothing of it is counted any more */
@@ -13317,9 +13649,8 @@ static void cl_settle(hold *h, int end, int64_t cost, int64_t tok, int64_t now) 
         memcpy(op->scope[i], h->scope[i], sizeof op->scope[i]);
     }
     resp_cmd(&op->cmd, a, argc);
-    if (CLM.tail) CLM.tail->next = op;
-    else CLM.head = op;
-    CLM.tail = op;
+    cl_journal(op);
+    cl_op_add(op);
     if (end) cl_live(h, 0);
     cl_outbox_pump();
 }
@@ -13343,8 +13674,10 @@ static void cl_renew(void *ctx) {
     if (CL.cmd.state == RL_UP && !CL.lost && !CL.behind)
         rl_call(&CL.cmd, cl_renewed, NULL,
                 (rarg[]){RA("FCALL"), RA("ltg_trim_v1"), RA("0"), RA(CLM.owner),
-                         RA(CL.applied[0] ? CL.applied : "0-0")},
-                5);
+                         RA(CL.applied[0] ? CL.applied : "0-0"),
+                         RA(CL.ev_applied[0] ? CL.ev_applied : "0-0"),
+                         RA(STR(CL_EVENTS_KEEP_MS))},
+                7);
     int n = 2;
     for (hold *h = CLM.live; h; h = h->next) n++;
     if (n == 2 || CL.cmd.state != RL_UP) return;
@@ -13411,7 +13744,7 @@ static void cl_held(void *ctx, const char *p, const resp_tok *t) {
         if (ok && w->first) {
             hold h = {.cid = ""};
             memcpy(h.cid, w->id, sizeof h.cid);
-            cl_settle(&h, 1, 0, 0, wall_ms());
+            cl_settle(&h, 1, 0, 0, wall_ms(), NULL);
         }
         free(w);
         return;
@@ -13433,7 +13766,8 @@ static void cl_held(void *ctx, const char *p, const resp_tok *t) {
     h->cost += w->cost;
     h->tok += w->tok;
     for (int i = 0; i < 2 && 4 + 2 * i <= t[0].num; i++)
-        scope_seen(h->scope[i], &t[3 + 2 * i], &t[4 + 2 * i]);
+        if (t[3 + 2 * i].type == ':' && t[4 + 2 * i].type == ':')
+            scope_seen(h->scope[i], t[3 + 2 * i].num, t[4 + 2 * i].num);
     int first = w->first;
     free(w);
     if (first) inference_go(x);
@@ -13449,7 +13783,7 @@ static int cl_hold(exchange *x, int first) {
     if (!k || !g || cl_unready()) return LTG_ERR;
     hold *h = &x->hold;
     if (h->less || h->fewer) { /* what earlier attempts did not use, let go first (in order) */
-        cl_settle(h, 0, h->less, h->fewer, wall_ms());
+        cl_settle(h, 0, h->less, h->fewer, wall_ms(), NULL);
         h->less = h->fewer = 0;
     }
     if (!h->cid[0]) {
@@ -13544,6 +13878,7 @@ static void rl_init(rlink *l, const char *name, void (*up)(rlink *)) {
 /* Open both links (main, once the state log is replayed: CL.applied is
  * where the stream is read from). */
 static void cl_start(void) {
+    ledger_last_sid(CL.ev_applied);
     uint64_t r = rng_next();
     for (int i = 0; i < 16; i++) CLM.owner[i] = "0123456789abcdef"[(r >> (60 - 4 * i)) & 15];
     timer_init(&CLM.renew, cl_renew, NULL);
@@ -13921,6 +14256,7 @@ static int state_open(char *err, size_t errlen) {
     int64_t now = wall_ms();
     LOG.last_compaction = now;
     if (ledger_open(S.data_dir, now, err, errlen) < 0) return LTG_ERR;
+    if (CL.url && cl_outbox_open(S.data_dir, err, errlen) < 0) return LTG_ERR;
     budget_rebuild(now);
     ledger_replays(now - IDEM_TTL_MS, inf_idem_restore);
     CACHE.limit = (size_t)S.cache_mb << 20;
@@ -14037,9 +14373,9 @@ int main(int argc, char **argv) {
     if (!ledger_writable(&lost))
         ltg_log("stopping with spend events that could not be written (%s): they are lost", lost);
     if (cl_unsettled())
-        ltg_log("cluster: stopping with %d settle(s) the shared store has not acknowledged: the "
-                "holds they end run out with their leases, and their charges are missing there "
-                "(this instance's ledger has them)", cl_unsettled());
+        ltg_log("cluster: stopping with %d settle(s) the shared store has not acknowledged: they "
+                "are kept in DATA/outbox and sent at the next start (the holds they end run out "
+                "with their leases meanwhile)", cl_unsettled());
     if (TLS.full + TLS.resumed)
         ltg_log("TLS handshakes: %llu full, %llu resumed", (unsigned long long)TLS.full,
                 (unsigned long long)TLS.resumed);

@@ -23,9 +23,14 @@ maxmemory-policy noeviction), and three ltg instances (it.Aux) with --cluster po
    cases (4 served, the store's spend their sum, nothing held after); rpm_limit 10;
    max_parallel_requests 3; a fallback's hold against what the first attempt really spent; an
    instance SIGKILLed with a hold (its lease runs out).
-8. The store holds what is live: the stream trimmed, a deleted group's counts gone; a late
+8. One ledger: requests served by three instances, with and without a budget, are the same
+   events in the same order on every instance (the segment files byte for byte), /usage/summary
+   the same everywhere; Redis stopped: an uncapped group's events are kept and shipped when it is
+   back, each once; an instance SIGKILLed with events not shipped sends them when it starts again,
+   and those already shipped are not counted twice.
+9. The store holds what is live: the stream trimmed, a deleted group's counts gone; a late
    instance serves nothing until given a peer's state log.
-9. A replica is not a primary: ltg does not use it. An inference Idempotency-Key is refused (not
+10. A replica is not a primary: ltg does not use it. An inference Idempotency-Key is refused (not
    shared yet). make cluster-demo runs to its end. A bad --cluster exits 2 with a message.
 
 Runs alone: python3 tests/integration.py --ltg ./ltg --mock tests/mock --file cluster
@@ -423,6 +428,95 @@ def t_cluster_killed_lease():
         it.wait_until("the dead instance's hold runs out", lambda: it.one_request(b.port, "POST", "/v1/chat/completions", body,
                       auth=token).status == 200, 30 * it.SLOW, 1.0)
         check(time.monotonic() - t0 <= 30 * it.SLOW, "freed after %.1f s" % (time.monotonic() - t0))
+
+
+def ledger_of(a):
+    """Every spend event a instance answers for, yesterday to tomorrow, in its order."""
+    import datetime
+    today = datetime.datetime.now(datetime.timezone.utc).date()
+    q = "start_date=%s&end_date=%s&page[size]=1000" % (today - datetime.timedelta(days=1), today + datetime.timedelta(days=2))
+    return it.check_admin_ok(it.admin("GET", "/spend/events?" + q, port=a.admin_port), 200)["data"]
+
+
+def same_ledgers(auxes, n):
+    """Wait until every instance answers for n events, then check they are the same, in the same order, and
+    their segment files byte for byte: the events."""
+    it.wait_until(lambda: "every instance has the %d events: %r" % (n, [len(ledger_of(a)) for a in auxes]),
+                  lambda: all(len(ledger_of(a)) == n for a in auxes), 15 * it.SLOW, 0.1)
+    first = ledger_of(auxes[0])
+    ids = [e["id"] for e in first]
+    check(len(set(ids)) == n, "an event twice: %r" % ids)
+    for a in auxes[1:]:
+        check(ledger_of(a) == first, "%s answers other events than %s" % (a.tag, auxes[0].tag))
+    for a in auxes:
+        check(not a.text_since(0).count("not an event of ltg's"), "%s skipped an event" % a.tag)
+    days = sorted(f for f in os.listdir(os.path.join(auxes[0].data_dir, "ledger")) if f.endswith(".log"))
+    for d in days:
+        blobs = [open(os.path.join(a.data_dir, "ledger", d), "rb").read() for a in auxes]
+        check(all(b == blobs[0] for b in blobs), "the segment %s differs between instances" % d)
+    return first
+
+
+@it.test("cluster: one ledger: requests served by three instances, with and without a budget, are the same events "
+         "in the same order on every instance (their segment files byte for byte), each once; /usage/summary and a "
+         "group's spend are the same everywhere and equal the answers' costs")
+def t_cluster_one_ledger():
+    import datetime
+    with cluster("ledger") as (r, auxes):
+        free_gid, free = group_key(auxes[0])
+        capped_gid, capped = group_key(auxes[0], max_budget=5, budget_duration="1d")
+        for a in auxes:
+            it.wait_until("%s has the keys" % a.tag, lambda a=a: it.admin("GET", "/token_groups/" + capped_gid,
+                          port=a.admin_port).status == 200, 5 * it.SLOW, 0.05)
+        costs = {free_gid: 0, capped_gid: 0}
+        for i in range(12):
+            gid, token = (free_gid, free) if i % 2 else (capped_gid, capped)
+            x = it.one_request(auxes[i % 3].port, "POST", "/v1/chat/completions", it.chat_body(), auth=token)
+            check(x.status == 200, "request %d: %s" % (i, x.brief()))
+            costs[gid] += traffic.micro(x.header("x-ltg-cost"))
+        events = same_ledgers(auxes, 12)
+        at = [e["created_at"] for e in events]
+        check(at == sorted(at) or at == sorted(at, reverse=True), "created_at out of order: %r" % at)
+        today = datetime.datetime.now(datetime.timezone.utc).date()
+        for gid in (free_gid, capped_gid):
+            q = "/usage/summary?token_group_id=%s&start_date=%s&end_date=%s" % (gid, today - datetime.timedelta(days=1),
+                                                                              today + datetime.timedelta(days=2))
+            sums = [it.admin("GET", q, port=a.admin_port).body for a in auxes]
+            check(all(s == sums[0] for s in sums), "/usage/summary differs between instances: %r" % sums)
+            it.wait_until(lambda gid=gid: "every instance shows the group's spend %d micro-USD: %r" % (
+                              costs[gid], [it.get_group(gid, port=a.admin_port)[0].get("spend") for a in auxes]),
+                          lambda gid=gid: all(traffic.micro(str(it.get_group(gid, port=a.admin_port)[0]["spend"])) == costs[gid]
+                                              for a in auxes), 5 * it.SLOW, 0.1)
+
+
+@it.test("cluster: Redis stopped: requests of an uncapped group are served and their events kept; Redis back: every "
+         "instance's ledger has each of them once, and the same; an instance SIGKILLed with events not shipped sends "
+         "them when it starts again, and those already shipped are not counted twice")
+def t_cluster_ledger_outage():
+    with cluster("outage") as (r, (a, b, c)):
+        _, free = group_key(a)
+        it.wait_until("the others have the key", lambda: all(it.one_request(x.port, "POST", "/v1/chat/completions", it.chat_body(),
+                      auth=free).status == 200 for x in (b, c)), 5 * it.SLOW, 0.05)
+        n = len(same_ledgers((a, b, c), 2))
+        r.stop()
+        it.wait_until("/readyz 503 once Redis is gone", lambda: not ready(a) and not ready(c), 10 * it.SLOW, 0.05)
+        for x in (a, a, b, c, c, c):
+            y = it.one_request(x.port, "POST", "/v1/chat/completions", it.chat_body(), auth=free)
+            check(y.status == 200, "an uncapped group while Redis is down: %s" % y.brief())
+        m = it.one_request(c.admin_port, "GET", "/metrics", auth=None).body.decode()
+        check("\nltg_cluster_unsettled 3\n" in m, "three events wait in the outbox: %r"
+              % [l for l in m.splitlines() if l.startswith("ltg_cluster_unsettled")])
+        c.kill()        # with three events not shipped, and the two before in its outbox file
+        r.start()
+        for x in (a, b):
+            wait_ready(x, 15)
+        c.start()
+        wait_ready(c, 15)
+        same_ledgers((a, b, c), n + 6)
+        check("settle(s) of an earlier run found" in c.text_since_start(),
+              "the restarted instance tells of its outbox: %r" % c.text_since_start()[-600:])
+        outbox = sorted(os.listdir(os.path.join(c.data_dir, "outbox")))
+        check(len(outbox) <= 1, "the outbox files of the earlier run are gone once shipped: %r" % outbox)
 
 
 def _quiet(fn):
