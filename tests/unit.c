@@ -1718,10 +1718,10 @@ static void test_ledger_pieces(void) {
     CHECK(hold_reserve(both, 2, 0, 30, 10000, &h4, &hwhy) < 0 && strcmp(hwhy.limit, "tpm_limit") == 0 && h4.tok == 25,
           "a later attempt past the tpm_limit: refused, the hold as it was");
     h1 = h4;
-    hold_settle(both, 2, &h1, 25, 5, 10000);
+    hold_settle(both, 2, &h1, 25, 5, 10000, NULL);
     CHECK(ka.reserved == 10 && ka.spend == 25 && ga.reserved == 10 && ga.spend == 25 && rl_used(ka.rl, 5000, 1) == 25 && h1.sec == 0,
           "settled: the real cost and tokens replace the worst case");
-    hold_settle((allowance *[]){NULL, &ga}, 2, &h2, 0, 0, 10000);
+    hold_settle((allowance *[]){NULL, &ga}, 2, &h2, 0, 0, 10000, NULL);
     CHECK(ga.reserved == 0 && ka.reserved == 10, "an allowance gone (its key deleted) is skipped");
     free(ka.rl), free(ga.rl);
     S.now = hnow0;
