@@ -8527,6 +8527,7 @@ static void inf_idem_restore(const rec_view *rv, int64_t day, uint64_t off, uint
     idem head = {.inference = 1};
     if (json_parse(p, rv->replay_len, t, 16, 1, &res) < 0 || idem_parse_head(p, t, 0, &head) < 0)
         return;
+
     int m = json_get(p, t, 0, "m"), str = json_get(p, t, 0, "st");
     if (m < 0) return;
     idem *rec = xmalloc(sizeof *rec);
@@ -10205,12 +10206,21 @@ static void cl_refuse_first(exchange *x, tkey *k, group *g, const hold_refusal *
                             int64_t cost, double left);
 static void cl_forget(exchange *x);
 
+/* x's record of its Idempotency-Key goes: from the table when no answer is
+ * kept (a retry runs afresh). With --cluster it was never in the table
+ * (the store holds the claim; the answer comes back with the event). */
+static void exchange_idem_free(exchange *x) {
+    if (x->idem && cl_on()) idem_free(x->idem);
+    else if (x->idem && !x->idem->done) idem_drop(x->idem);
+    x->idem = NULL;
+}
+
 static void exchange_free(exchange *x) {
     exchange_leave(x);
     cl_forget(x);
     if (x->probe) breaker_forget_probe(exchange_dep(x));
     S.ndetached -= x->detached;
-    if (x->idem && !x->idem->done) idem_drop(x->idem); /* no answer kept: a retry runs afresh */
+    exchange_idem_free(x);
     timer_stop(&x->deadline);
     timer_stop(&x->t);
     exchange_let_go(x);
@@ -10502,7 +10512,8 @@ static void idem_answered(idem *r, const exchange *x, const model *m, int64_t no
  * answer is found again in the cache. */
 static void exchange_keep(exchange *x, idem *r, model *m, const char *keep, size_t keep_len,
                           int64_t now, buf *replay) {
-    if (x->cache_hit) { /* see idem.cached */
+    if (x->cache_hit && !cl_on()) { /* see idem.cached (with --cluster, kept: not every
+                                     * instance has it in its cache) */
         idem_answered(r, x, m, now);
         r->status = 200;
         r->stream = 0; /* the cache's answer is replayed whole */
@@ -10570,20 +10581,20 @@ static void exchange_book(exchange *x, const char *keep, size_t keep_len) {
                   .replay = replay.len ? replay.p : "",
                   .replay_len = replay.len};
     for (int c = 0; c < NTOK; c++) v.tok[c] = tok[c] > UINT32_MAX ? UINT32_MAX : (uint32_t)tok[c];
-    int64_t day = 0;
-    uint64_t off = 0;
-    uint32_t len = 0;
-    int written = 0;
+    int64_t day;
+    uint64_t off;
+    uint32_t len;
     if (cl_on()) { /* the event goes to the shared ledger, and comes back to this one from it */
         buf rec = {0};
         rec_encode(&rec, &v);
         hold_settle(al, 2, &x->hold, cost, used, now, &rec);
         buf_free(&rec);
+        exchange_idem_free(x); /* its answer comes back with the event (cl_event) */
     } else {
         hold_settle(al, 2, &x->hold, cost, used, now, NULL);
-        written = ledger_add(&v, now, &day, &off, &len) == 0;
+        int written = ledger_add(&v, now, &day, &off, &len) == 0;
+        if (r && replay.len) idem_recorded(r, written, now, day, off, len);
     }
-    if (r && replay.len) idem_recorded(r, written, now, day, off, len);
     buf_free(&e);
     buf_free(&replay);
 }
@@ -11613,10 +11624,9 @@ static int admit_overrides(admission *a, refusal *r) {
 static int allow_shared(const tkey *k, const group *g);
 
 /* With --cluster, a request whose key or group has a budget, a rate limit
- * or max_parallel_requests is decided by the shared store (section 20), not
- * here (`shared`). An Idempotency-Key is refused: its claim is not shared
- * yet, and each instance would run the request once (README "Several
- * instances"). */
+ * or max_parallel_requests, or that carries an Idempotency-Key, is decided
+ * by the shared store (section 20), not here (`shared`): the key is claimed
+ * there with the first hold, so that one instance runs the request. */
 static int admit_shared(admission *a, refusal *r) {
     if (!cl_on()) return ADMIT;
     if (cl_behind()) /* its keys and groups may be stale: a revoked key would still pass */
@@ -11624,13 +11634,23 @@ static int admit_shared(admission *a, refusal *r) {
                       "this instance missed changes to keys and groups, and serves nothing until "
                       "its operator restores its state (see its log)");
     if (a->kind->free) return ADMIT;
-    a->shared = allow_shared(a->key, a->g);
     size_t n;
-    if (!http_header_get(a->c->in.p, a->c->req.h, a->c->req.nh, "idempotency-key", &n))
-        return ADMIT;
-    return refuse(r, 503, "store_unavailable", NULL,
-                  "with --cluster, an Idempotency-Key is not yet shared between instances: the "
-                  "request is refused rather than run once by each instance");
+    a->shared = allow_shared(a->key, a->g) ||
+                http_header_get(a->c->in.p, a->c->req.h, a->c->req.nh, "idempotency-key", &n);
+    return ADMIT;
+}
+
+/* An Idempotency-Key already used: with another body (`conflict`), or its
+ * first request still running (with --cluster, or its answer not yet read
+ * from the shared ledger). */
+static int idem_refuse(refusal *r, int conflict) {
+    if (conflict)
+        return refuse(r, 409, "idempotency_conflict", NULL,
+                      "this Idempotency-Key was used with a different request body: use a new key "
+                      "for a new request");
+    return refuse(r, 409, "idempotency_in_flight", "Retry-After: 1\r\n",
+                  "the first request with this Idempotency-Key is still in flight: retry "
+                  "shortly to get its answer");
 }
 
 static int admit_idempotency(admission *a, refusal *r) {
@@ -11647,14 +11667,8 @@ static int admit_idempotency(admission *a, refusal *r) {
     sha256(a->body, a->c->body.len, a->body_hash);
     a->replay = idem_find(a->idem_key, 1, wall_ms());
     if (!a->replay) return ADMIT;
-    if (memcmp(a->replay->body, a->body_hash, 32) != 0)
-        return refuse(r, 409, "idempotency_conflict", NULL,
-                      "this Idempotency-Key was used with a different request body: use a new key "
-                      "for a new request");
-    if (!a->replay->done)
-        return refuse(r, 409, "idempotency_in_flight", "Retry-After: 1\r\n",
-                      "the first request with this Idempotency-Key is still in flight: retry "
-                      "shortly to get its answer");
+    if (memcmp(a->replay->body, a->body_hash, 32) != 0) return idem_refuse(r, 1);
+    if (!a->replay->done) return idem_refuse(r, 0);
     return REPLAY;
 }
 
@@ -11800,7 +11814,7 @@ static exchange *exchange_new(admission *a) {
         x->idem->inference = 1;
         memcpy(x->idem->key, a->idem_key, 32);
         memcpy(x->idem->body, a->body_hash, 32);
-        idem_put(x->idem, 0); /* in place of a gone record with the same key */
+        if (!cl_on()) idem_put(x->idem, 0); /* in place of a gone record with the same key */
     }
     return x;
 }
@@ -12400,7 +12414,10 @@ static void route(conn *c) {
  * and adds each event to its ledger at the stream's time with its stream
  * id (cl_event). So every instance's days hold the same records in the
  * same order, and a restart reads the stream on from the newest event its
- * ledger has (ledger_last_sid).
+ * ledger has (ledger_last_sid). An idempotent request's kept answer rides
+ * in its event, so every instance can replay it; the key itself is claimed
+ * in the store with the request's first hold (ltg_hold_v1), so that one
+ * instance runs it.
  */
 #define CL_TIMEOUT_MS 3000       /* no reply this long: the link is lost */
 #define CL_BACKOFF_MIN_MS 100
@@ -12781,8 +12798,11 @@ static const char CL_LIBRARY[] =
     "--   ltg:r:<scope>    hash: r<second> requests, t<second> tokens, of the last 60 s\n"
     "--   ltg:h:<scope>    zset: hold id -> the end of its lease (ms, Redis's clock)\n"
     "--   ltg:par:<scope>  zset: hold id -> the end of its lease (a group's requests in flight)\n"
-    "--   ltg:hv           hash: hold id -> \"cost tokens second par scope...\"\n"
-    "--                    (par: the group's scope when it holds a parallel slot, else -)\n"
+    "--   ltg:hv           hash: hold id -> \"cost tokens second par claim scope...\"\n"
+    "--                    (par: the group's scope when it holds a parallel slot, else -;\n"
+    "--                    claim: its Idempotency-Key's, else -)\n"
+    "--   ltg:ik:<sha>     hash: body (the request's SHA-256), sid (its event's id in\n"
+    "--                    ltg:events once answered): the claim of an Idempotency-Key\n"
     "--   ltg:seq:<owner>  the last settle applied from that instance (a boot of it)\n"
     "--   ltg:insts        hash: instance -> \"<last ltg:log id applied> <ms>\" (ltg_trim_v1)\n"
     "local function now_ms()\n"
@@ -12799,7 +12819,7 @@ static const char CL_LIBRARY[] =
     "  local v = redis.call('HGET', 'ltg:hv', id)\n"
     "  if not v then return nil end\n"
     "  local f = words(v)\n"
-    "  for i = 5, #f do -- a scope deleted meanwhile has no counts left to lower\n"
+    "  for i = 6, #f do -- a scope deleted meanwhile has no counts left to lower\n"
     "    if redis.call('EXISTS', 'ltg:b:' .. f[i]) == 1 then\n"
     "      redis.call('HINCRBY', 'ltg:b:' .. f[i], 'held', -tonumber(f[1]))\n"
     "    end\n"
@@ -12850,16 +12870,24 @@ static const char CL_LIBRARY[] =
     "-- ltg_hold_v1: ARGV hold id, first (1: the request's first attempt, which\n"
     "-- counts a request and takes a parallel slot), cost (nano-USD), tokens,\n"
     "-- lease (ms), the group's scope and its max_parallel_requests (-1: none),\n"
-    "-- then per scope: scope, budget cap (-1: none), period start, rpm, tpm.\n"
-    "-- All or nothing: {'ok', second, spent, held, spent, held...} or\n"
-    "-- {'refused', scope index from 0, limit, seconds to wait or nano-USD left}.\n"
+    "-- the Idempotency-Key's claim ('' none) and the body's SHA-256, then per\n"
+    "-- scope: scope, budget cap (-1: none), period start, rpm, tpm. All or\n"
+    "-- nothing: {'ok', second, spent, held, spent, held...}, {'refused', scope\n"
+    "-- index from 0, limit, seconds to wait or nano-USD left}, or {'claimed',\n"
+    "-- 'conflict' (another body), 'busy' (its request runs) or 'done', sid}.\n"
     "local function hold(keys, a)\n"
     "  local id, first, cost, tok = a[1], a[2] == '1', tonumber(a[3]), tonumber(a[4])\n"
     "  local now = now_ms()\n"
     "  local sec, lease = math.floor(now / 1000), now + tonumber(a[5])\n"
-    "  local par, maxpar = a[6], tonumber(a[7])\n"
-    "  local n = (#a - 7) / 5\n"
-    "  local function arg(i, k) return a[7 + 5 * i + k] end\n"
+    "  local par, maxpar, claim = a[6], tonumber(a[7]), a[8]\n"
+    "  local n = (#a - 9) / 5\n"
+    "  local function arg(i, k) return a[9 + 5 * i + k] end\n"
+    "  if first and claim ~= '' then\n"
+    "    local c = redis.call('HMGET', claim, 'body', 'sid')\n"
+    "    if c[1] and c[1] ~= a[9] then return {'claimed', 'conflict'} end\n"
+    "    if c[2] then return {'claimed', 'done', c[2]} end\n"
+    "    if c[1] then return {'claimed', 'busy'} end\n"
+    "  end\n"
     "  for i = 0, n - 1 do reap('ltg:h:' .. arg(i, 1), now) end\n"
     "  if first and maxpar >= 0 then\n"
     "    reap('ltg:par:' .. par, now)\n"
@@ -12881,7 +12909,12 @@ static const char CL_LIBRARY[] =
     "    end\n"
     "  end\n"
     "  local v = redis.call('HGET', 'ltg:hv', id)\n"
-    "  local f = v and words(v) or {0, 0, sec, maxpar >= 0 and par or '-'}\n"
+    "  local f = v and words(v) or {0, 0, sec, maxpar >= 0 and par or '-', '-'}\n"
+    "  if first and claim ~= '' then\n"
+    "    f[5] = claim\n"
+    "    redis.call('HSET', claim, 'body', a[9])\n"
+    "    redis.call('PEXPIRE', claim, tonumber(a[5]))\n"
+    "  end\n"
     "  local got, scopes = {'ok', tonumber(f[3])}, ''\n"
     "  for i = 0, n - 1 do\n"
     "    local scope = arg(i, 1)\n"
@@ -12899,7 +12932,7 @@ static const char CL_LIBRARY[] =
     "  end\n"
     "  if first and maxpar >= 0 then redis.call('ZADD', 'ltg:par:' .. par, lease, id) end\n"
     "  local sum = (tonumber(f[1]) + cost) .. ' ' .. (tonumber(f[2]) + tok)\n"
-    "  redis.call('HSET', 'ltg:hv', id, sum .. ' ' .. f[3] .. ' ' .. f[4] .. scopes)\n"
+    "  redis.call('HSET', 'ltg:hv', id, sum .. ' ' .. table.concat(f, ' ', 3, 5) .. scopes)\n"
     "  return got\n"
     "end\n"
     "-- ltg_settle_v1: ARGV owner, seq, hold id ('' none), what ('end' or 'shrink'),\n"
@@ -12919,7 +12952,7 @@ static const char CL_LIBRARY[] =
     "  local sec, got = math.floor(now_ms() / 1000), {'ok'}\n"
     "  if f and a[4] == 'end' then release(id) end\n"
     "  if f and a[4] == 'shrink' then\n"
-    "    for i = 5, #f do redis.call('HINCRBY', 'ltg:b:' .. f[i], 'held', -cost) end\n"
+    "    for i = 6, #f do redis.call('HINCRBY', 'ltg:b:' .. f[i], 'held', -cost) end\n"
     "    local left = (tonumber(f[1]) - cost) .. ' ' .. (tonumber(f[2]) - tok)\n"
     "    redis.call('HSET', 'ltg:hv', id, left .. ' ' .. table.concat(f, ' ', 3))\n"
     "  end\n"
@@ -12939,9 +12972,13 @@ static const char CL_LIBRARY[] =
     "    got[#got + 1] = held\n"
     "    b[#b + 1] = a[i] .. ' ' .. spent .. ' ' .. held\n"
     "  end\n"
-    "  if a[7] ~= '' then\n"
-    "    redis.call('XADD', 'ltg:events', '*', 'o', a[1], 'q', a[2], 'e', a[7],\n"
-    "               'b', table.concat(b, ' '))\n"
+    "  local sid = a[7] ~= '' and redis.call('XADD', 'ltg:events', '*', 'o', a[1], 'q', a[2],\n"
+    "                                       'e', a[7], 'b', table.concat(b, ' '))\n"
+    "  if f and f[5] ~= '-' and a[4] == 'end' then -- a kept answer is replayed from the ledger\n"
+    "    if sid and bit.band(string.byte(a[7], 3), 2) ~= 0 then\n"
+    "      redis.call('HSET', f[5], 'sid', sid)\n"
+    "      redis.call('PEXPIRE', f[5], 86400000)\n"
+    "    else redis.call('DEL', f[5]) end\n"
     "  end\n"
     "  return got\n"
     "end\n"
@@ -12953,8 +12990,9 @@ static const char CL_LIBRARY[] =
     "    local v = redis.call('HGET', 'ltg:hv', a[i])\n"
     "    if not v then gone[#gone + 1] = a[i] else\n"
     "      local f = words(v)\n"
-    "      for j = 5, #f do redis.call('ZADD', 'ltg:h:' .. f[j], 'XX', lease, a[i]) end\n"
+    "      for j = 6, #f do redis.call('ZADD', 'ltg:h:' .. f[j], 'XX', lease, a[i]) end\n"
     "      if f[4] ~= '-' then redis.call('ZADD', 'ltg:par:' .. f[4], 'XX', lease, a[i]) end\n"
+    "      if f[5] ~= '-' then redis.call('PEXPIRE', f[5], tonumber(a[1])) end\n"
     "    end\n"
     "  end\n"
     "  return gone\n"
@@ -13164,11 +13202,11 @@ static int cl_event(const char *sid, const char *p, const resp_tok *t, int e) {
         return 0;
     }
     v.sid[0] = ms, v.sid[1] = seq;
-    v.flags &= (uint8_t)~EVF_REPLAY, v.replay_len = 0; /* an answer is replayed where it ran */
     int64_t day;
     uint64_t off;
     uint32_t len;
     if (ledger_add(&v, (int64_t)ms, &day, &off, &len) < 0) return 0; /* logged */
+    if (v.flags & EVF_REPLAY) inf_idem_restore(&v, day, off, len); /* replayed here too */
     char id[2][37];
     snprintf(id[0], sizeof id[0], "%.36s", v.key);
     snprintf(id[1], sizeof id[1], "%.36s", v.group);
@@ -13581,7 +13619,7 @@ static int cl_outbox_open(const char *data, char *err, size_t errlen) {
             files[n++] = v;
         }
     closedir(d);
-    qsort(files, n, sizeof *files, i64_cmp);
+    if (n) qsort(files, n, sizeof *files, i64_cmp);
     int rc = 0;
     for (size_t i = 0; i < n && rc == 0; i++) {
         logfile f = {.fd = -1};
@@ -13697,6 +13735,7 @@ static void cl_refuse_first(exchange *x, tkey *k, group *g, const hold_refusal *
     admission a = {.c = x->c, .key = k, .g = g};
     refusal r;
     if (!why || !k || !g) refuse(&r, 503, "store_unavailable", NULL, "%s", CL_UNAVAILABLE);
+    else if (why->limit[0] == 'i') idem_refuse(&r, why->limit[12] == 'c'); /* "idempotency_..." */
     else if (why->limit[4] == 'p') parallel_refuse(g, &r); /* "max_parallel_requests" */
     else hold_refuse(&a, &r, why, cost, left);
     conn *c = x->c;
@@ -13715,14 +13754,18 @@ static void cl_refused(exchange *x, const cl_wait *w, const char *p, const resp_
     tkey *k = tkey_find(x->key_id);
     group *g = group_find(x->group_id);
     hold_refusal why = {0, NULL, 0};
+    double left = 0;
     if (k && g && t && t[0].type == '*' && t[0].num == 4 && resp_is(p, t, 1, "refused") &&
         t[2].type == ':' && (t[2].num == 0 || t[2].num == 1) && t[4].type == ':')
         for (size_t i = 0; i < sizeof limits / sizeof *limits; i++)
             if (resp_is(p, t, 3, limits[i])) why = (hold_refusal){(int)t[2].num, limits[i], 0};
+    if (why.limit && why.limit[4] == 'b') left = (double)t[4].num / 1e9; /* nano-USD left */
+    else if (why.limit) why.wait = (long)t[4].num;                      /* seconds */
+    /* the Idempotency-Key's claim: another body; or its request runs, or ran on another
+     * instance and its answer has not reached this one's ledger yet */
+    if (k && g && t && t[0].type == '*' && t[0].num >= 2 && resp_is(p, t, 1, "claimed"))
+        why.limit = resp_is(p, t, 2, "conflict") ? "idempotency_conflict" : "idempotency_in_flight";
     allowance *al[2] = {k ? &k->s.al : NULL, g ? &g->s.al : NULL};
-    int budget = why.limit && why.limit[4] == 'b'; /* the value: nano-USD left, else seconds */
-    if (why.limit && !budget) why.wait = (long)t[4].num;
-    double left = budget ? (double)t[4].num / 1e9 : 0;
     if (!why.limit && !w->first)
         exchange_fail(x, 503, "store_unavailable", CL_UNAVAILABLE);
     else if (!w->first)
@@ -13794,13 +13837,20 @@ static int cl_hold(exchange *x, int first) {
     allowance *al[2] = {&k->s.al, &g->s.al};
     char num[12][24];
     int nn = 0, argc = 0;
-    rarg a[20];
+    rarg a[22];
+    char claim[8 + 65] = "", body[65] = "";
+    if (first && x->idem) { /* the Idempotency-Key, claimed with the first hold */
+        memcpy(claim, "ltg:ik:", 7);
+        hex_encode(x->idem->key, 32, claim + 7);
+        hex_encode(x->idem->body, 32, body);
+    }
 #define NUM(v) (snprintf(num[nn], 24, "%lld", (long long)(v)), nn++, RA(num[nn - 1]))
     a[argc++] = RA("FCALL"), a[argc++] = RA("ltg_hold_v1"), a[argc++] = RA("0");
     a[argc++] = RA(h->cid), a[argc++] = RA(first ? "1" : "0");
     a[argc++] = NUM(x->w.cost * 1000), a[argc++] = NUM(x->w.in + x->w.out);
     a[argc++] = RA(STR(CL_LEASE_MS)), a[argc++] = RA(h->scope[1]);
     a[argc++] = NUM(g->max_parallel == UNSET ? -1 : g->max_parallel);
+    a[argc++] = RA(claim), a[argc++] = RA(body);
     for (int i = 0; i < 2; i++) {
         int64_t start, end;
         allow_period(al[i], wall_ms(), &start, &end);

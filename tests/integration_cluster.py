@@ -30,8 +30,11 @@ maxmemory-policy noeviction), and three ltg instances (it.Aux) with --cluster po
    and those already shipped are not counted twice.
 9. The store holds what is live: the stream trimmed, a deleted group's counts gone; a late
    instance serves nothing until given a peer's state log.
-10. A replica is not a primary: ltg does not use it. An inference Idempotency-Key is refused (not
-   shared yet). make cluster-demo runs to its end. A bad --cluster exits 2 with a message.
+10. An inference Idempotency-Key is claimed in the store: replayed by the other instances, 409
+   with another body, 409 idempotency_in_flight on another instance while it runs, a cached answer
+   replayed by another instance.
+11. A replica is not a primary: ltg does not use it. make cluster-demo runs to its end. A bad
+   --cluster exits 2 with a message.
 
 Runs alone: python3 tests/integration.py --ltg ./ltg --mock tests/mock --file cluster
 """
@@ -321,6 +324,13 @@ def group_key(a, **kw):
     return gid, it.create_key(gid, port=a.admin_port)[1]
 
 
+def everywhere(gid, auxes):
+    """Wait until every instance of auxes has group gid (and so its keys)."""
+    for a in auxes:
+        it.wait_until("%s has the group" % a.tag, lambda a=a: it.admin("GET", "/token_groups/" + gid, port=a.admin_port).status == 200,
+                      5 * it.SLOW, 0.05)
+
+
 def kimi_calls():
     return it.H.mock_stats().get("calls", {}).get("kimi-k3", 0)
 
@@ -334,9 +344,7 @@ def t_cluster_budget_parallel():
         body = traffic.body_off5(mock="head_delay_ms=300 events=%d" % m, max_tokens=m)
         worst = traffic.worst_micro(body, m)
         gid, token = group_key(auxes[0], max_budget=(4 * worst + 1) / 1e6, budget_duration="1d")
-        for a in auxes:
-            it.wait_until("%s has the key" % a.tag, lambda a=a: it.admin("GET", "/token_groups/" + gid, port=a.admin_port).status == 200,
-                          5 * it.SLOW, 0.05)
+        everywhere(gid, auxes)
         before = kimi_calls()
         rs = spread(auxes, 64, token, body)
         ok = [x for x in rs if x.status == 200]
@@ -363,9 +371,7 @@ def t_cluster_rpm_parallel():
     with cluster("rpm") as (_, auxes):
         gid, token = group_key(auxes[0], rpm_limit=10)
         pgid, ptoken = group_key(auxes[0], max_parallel_requests=3)
-        for a in auxes:
-            it.wait_until("%s has the keys" % a.tag, lambda a=a: it.admin("GET", "/token_groups/" + pgid, port=a.admin_port).status == 200,
-                          5 * it.SLOW, 0.05)
+        everywhere(pgid, auxes)
         before = kimi_calls()
         rs = spread(auxes, 64, token, it.chat_body(directive="head_delay_ms=300"))
         st = sorted(x.status for x in rs)
@@ -465,9 +471,7 @@ def t_cluster_one_ledger():
     with cluster("ledger") as (r, auxes):
         free_gid, free = group_key(auxes[0])
         capped_gid, capped = group_key(auxes[0], max_budget=5, budget_duration="1d")
-        for a in auxes:
-            it.wait_until("%s has the keys" % a.tag, lambda a=a: it.admin("GET", "/token_groups/" + capped_gid,
-                          port=a.admin_port).status == 200, 5 * it.SLOW, 0.05)
+        everywhere(capped_gid, auxes)
         costs = {free_gid: 0, capped_gid: 0}
         for i in range(12):
             gid, token = (free_gid, free) if i % 2 else (capped_gid, capped)
@@ -567,18 +571,58 @@ def t_cluster_trim():
             late.close()
 
 
-@it.test("cluster: an Idempotency-Key is refused with 503 store_unavailable (its claim is not shared yet), "
-         "nothing sent upstream; an uncapped group is served")
-def t_cluster_not_shared_refused():
-    with cluster("refuse", n=1) as (_, (a,)):
-        _, free = group_key(a)
-        r = it.one_request(a.port, "POST", "/v1/chat/completions", it.chat_body(), auth=free)
-        check(r.status == 200, "an uncapped group: %s" % r.brief())
+@it.test("cluster: an Idempotency-Key is claimed in the store: answered on one instance, replayed by the others "
+         "(one call upstream, one event), 409 idempotency_conflict with another body; sent to two instances at once, "
+         "one runs it and the other answers 409 idempotency_in_flight; a cached answer is replayed by another instance")
+def t_cluster_idempotency():
+    with cluster("idem") as (_, (a, b, c)):
+        gid, free = group_key(a)
+        everywhere(gid, (b, c))
         before = kimi_calls()
-        r = it.one_request(a.port, "POST", "/v1/chat/completions", it.chat_body(), headers={"Idempotency-Key": "cl-inf-1"}, auth=free)
-        it.check_openai_error(r, 503, "store_unavailable")
-        check("not yet shared" in r.json()["error"]["message"], "the message %r" % r.body[:300])
-        check(kimi_calls() == before, "a refused request reached the provider")
+        body = it.chat_body()
+        first = it.one_request(a.port, "POST", "/v1/chat/completions", body, headers={"Idempotency-Key": "cl-inf-1"}, auth=free)
+        check(first.status == 200, "the first request: %s" % first.brief())
+        for x in (b, c, a):
+            it.wait_until(lambda x=x: "%s replays the answer" % x.tag, lambda x=x: it.one_request(
+                x.port, "POST", "/v1/chat/completions", body, headers={"Idempotency-Key": "cl-inf-1"}, auth=free).status == 200,
+                5 * it.SLOW, 0.05)
+            y = it.one_request(x.port, "POST", "/v1/chat/completions", body, headers={"Idempotency-Key": "cl-inf-1"}, auth=free)
+            check(y.header("x-ltg-replayed") == "true" and y.body == first.body, "%s: %s %r" % (x.tag, y.brief(), y.header("x-ltg-replayed")))
+        check(kimi_calls() - before == 1, "the provider saw %d calls, want 1" % (kimi_calls() - before))
+        y = it.one_request(c.port, "POST", "/v1/chat/completions", it.chat_body(content="another"), headers={"Idempotency-Key": "cl-inf-1"},
+                           auth=free)
+        it.check_openai_error(y, 409, "idempotency_conflict")
+        check(len([e for e in same_ledgers((a, b, c), 1)]) == 1, "one event")
+        # Two instances at once: one runs it.
+        slow = it.chat_body(directive="head_delay_ms=1500")
+        out = [None, None]
+
+        def one(i, x):
+            out[i] = it.one_request(x.port, "POST", "/v1/chat/completions", slow, headers={"Idempotency-Key": "cl-inf-2"}, auth=free)
+        before = kimi_calls()
+        ths = [threading.Thread(target=one, args=(0, b)), threading.Thread(target=one, args=(1, c))]
+        ths[0].start()
+        time.sleep(0.3)
+        ths[1].start()
+        for t in ths:
+            t.join(60)
+        st = sorted(x.status for x in out)
+        check(st == [200, 409], "statuses %r, want one 200 and one 409" % st)
+        it.check_openai_error([x for x in out if x.status == 409][0], 409, "idempotency_in_flight")
+        check(kimi_calls() - before == 1, "the provider saw %d calls, want 1" % (kimi_calls() - before))
+        it.wait_until("the other instance replays it", lambda: it.one_request(c.port, "POST", "/v1/chat/completions", slow,
+                      headers={"Idempotency-Key": "cl-inf-2"}, auth=free).header("x-ltg-replayed") == "true", 5 * it.SLOW, 0.05)
+        same_ledgers((a, b, c), 2)
+        # A cached answer is kept in its event: another instance, whose cache lacks it, replays it.
+        cgid, cached = group_key(a, cache_ttl=600)
+        everywhere(cgid, (b, c))
+        x = it.one_request(a.port, "POST", "/v1/chat/completions", it.chat_body(content="cache me"), auth=cached)
+        hit = it.one_request(a.port, "POST", "/v1/chat/completions", it.chat_body(content="cache me"),
+                             headers={"Idempotency-Key": "cl-inf-3"}, auth=cached)
+        check(x.status == 200 and hit.header("x-ltg-cache") == "hit", "a cache hit: %s %r" % (hit.brief(), hit.header("x-ltg-cache")))
+        it.wait_until("another instance replays the cached answer", lambda: it.one_request(b.port, "POST", "/v1/chat/completions",
+                      it.chat_body(content="cache me"), headers={"Idempotency-Key": "cl-inf-3"}, auth=cached).header("x-ltg-replayed") == "true",
+                      5 * it.SLOW, 0.05)
 
 
 @it.test("cluster: make cluster-demo's tour runs to its end: the budget admits exactly 5 of 30 calls spread by HAProxy, "
