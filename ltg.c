@@ -12390,6 +12390,9 @@ static void route(conn *c) {
  * reply within CL_TIMEOUT_MS -- closes the link and fails its pending calls
  * (their callers answer 503), and a timer reconnects after a backoff
  * (CL_BACKOFF_MIN_MS doubling to CL_BACKOFF_MAX_MS, with jitter), for ever.
+ * An answer READONLY (the primary was demoted) fails the link too. With
+ * sentinel://, a third link asks a Sentinel where the primary is before
+ * each (re)connect (cl_discover), so a failover is followed by itself.
  *
  * The control plane (section 16's admin_change) does not write the local
  * log first. A change is one call of ltg_cp_v1, which checks the item's
@@ -12424,6 +12427,7 @@ static void route(conn *c) {
 #define CL_BACKOFF_MAX_MS 5000
 #define CL_BLOCK_MS 1000         /* XREAD's wait: the heartbeat */
 #define CL_READ_COUNT 16         /* records per XREAD */
+#define CL_MAX_SENTINELS 8
 #define CL_DAY_GRACE_MS 60000    /* a ledger day is sealed once read this long after its end */
 #define CL_EVENTS_KEEP_MS 172800000 /* ltg:events keeps no more than this (48 h) */
 #define CL_MAX_CALLS 4096        /* calls in flight on a link; beyond, refused at once */
@@ -12529,6 +12533,7 @@ typedef struct rlink {
     int qhead, qlen, qcap;
     timer t;                  /* the reconnect backoff, or the reply timeout */
     int64_t due;              /* S.now by which the oldest call's reply must be in */
+    int discover;             /* with Sentinel: waits for the primary's address */
     void (*hello)(struct rlink *); /* queue the link's own handshake calls */
     void (*up)(struct rlink *);    /* the handshake is done */
     resp_tok tok[RESP_MAX_TOKS];
@@ -12548,10 +12553,15 @@ typedef struct cl_pending {
 
 static struct {
     const char *url, *password_env; /* --cluster, --cluster-password-env */
-    char host[256];
+    char host[256];           /* the primary (with Sentinel: as it last said) */
     int port, db;
     char *password;
     rlink cmd, tail;
+    /* sentinel://: the Sentinels, asked in turn for the primary of `master` */
+    char master[128];
+    struct { char host[256]; int port; } sen[CL_MAX_SENTINELS];
+    int nsen, seni;
+    rlink sent;
     char applied[32];         /* the last ltg:log id applied ("ms-seq"; "" none) */
     char ev_applied[32];      /* the last ltg:events id in the ledger ("" none) */
     int64_t read_at;          /* wall ms when the pending XREAD was sent */
@@ -12575,15 +12585,30 @@ static int sid_cmp(const char *a, const char *b) {
 static void rl_connect(void *ctx);
 
 /* Lose the link: close it, fail what waits on it, reconnect later. */
-static void rl_fail(rlink *l, const char *why) {
-    if (l->state == RL_UP) ltg_log("cluster: %s link to %s:%d lost: %s", l->name, CL.host,
-                                   CL.port, why);
-    else if (l->backoff_ms == CL_BACKOFF_MIN_MS)
-        ltg_log("cluster: %s link to %s:%d: %s (retrying)", l->name, CL.host, CL.port, why);
+/* Where link l connects: the primary, or the Sentinel asked now. */
+static const char *rl_host(const rlink *l, int *port) {
+    int i = CL.seni;
+    *port = l == &CL.sent ? CL.sen[i].port : CL.port;
+    return l == &CL.sent ? CL.sen[i].host : CL.host;
+}
+
+/* Close l's connection, with nothing to say (rl_fail says why, and retries). */
+static void rl_close(rlink *l) {
     if (l->fd >= 0) loop_close(l->fd);
     l->fd = -1;
     l->state = RL_DOWN;
     l->in.len = l->out.len = 0;
+    timer_stop(&l->t);
+}
+
+static void rl_fail(rlink *l, const char *why) {
+    int port;
+    const char *host = rl_host(l, &port);
+    if (l->state == RL_UP) ltg_log("cluster: %s link to %s:%d lost: %s", l->name, host, port, why);
+    else if (l->backoff_ms == CL_BACKOFF_MIN_MS)
+        ltg_log("cluster: %s link to %s:%d: %s (retrying)", l->name, host, port, why);
+    rl_close(l);
+    if (l == &CL.sent) CL.seni = (CL.seni + 1) % CL.nsen; /* the next Sentinel, next time */
     while (l->qlen) { /* a callback may queue again: on a link that is down, it fails */
         int i = l->qhead;
         l->qhead = (l->qhead + 1) % l->qcap;
@@ -12657,6 +12682,11 @@ static void rl_replies(rlink *l) {
         if (l == &CL.cmd) metric_observe(M_CLUSTER_CALL, (double)(S.now - l->q[i].at) / 1000, NULL);
         l->q[i].fn(l->q[i].ctx, l->in.p, l->tok);
         if (l->fd != fd) return; /* the callback failed the link */
+        if (l->tok[0].type == '-' && l->tok[0].len >= 8 && !memcmp(l->in.p + l->tok[0].off,
+                                                                  "READONLY", 8)) {
+            rl_fail(l, "the server is a replica now (READONLY): the primary moved");
+            return;
+        }
         buf_consume(&l->in, at);
     }
 }
@@ -12698,14 +12728,20 @@ static void rl_io(void *ctx, int revents) {
     else if (l->state != RL_DOWN) timer_stop(&l->t); /* an idle link waits for nothing */
 }
 
+static void cl_discover(rlink *l);
+
 static void rl_connect(void *ctx) {
     rlink *l = ctx;
     struct sockaddr_storage ss;
     const char *err = NULL;
-    int r = dns_resolve(CL.host, NULL, &ss, &err);
+    int port;
+    if (CL.nsen && l != &CL.sent && !l->discover) { cl_discover(l); return; }
+    l->discover = 0;
+    const char *host = rl_host(l, &port);
+    int r = dns_resolve(host, NULL, &ss, &err);
     if (r == LTG_AGAIN) { timer_set(&l->t, 50); return; } /* the answer will be cached */
     if (r < 0) { rl_fail(l, err); return; }
-    addr_set_port(&ss, CL.port);
+    addr_set_port(&ss, port);
     l->fd = socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (l->fd < 0) { rl_fail(l, strerror(errno)); return; }
     setsockopt(l->fd, IPPROTO_TCP, TCP_NODELAY, &(int){1}, sizeof(int));
@@ -12716,6 +12752,45 @@ static void rl_connect(void *ctx) {
     l->state = RL_CONNECTING;
     loop_watch(l->fd, POLLOUT, rl_io, l);
     timer_set(&l->t, CL_TIMEOUT_MS);
+}
+
+/* With sentinel://, each (re)connect of a link to the primary first asks a
+ * Sentinel where the primary is (a failover moves it): link l waits, and
+ * the Sentinel link, one call long, asks the Sentinels in turn. */
+static void cl_discover(rlink *l) {
+    l->discover = 1;
+    if (CL.sent.state == RL_DOWN && CL.sent.t.slot < 0) rl_connect(&CL.sent);
+}
+
+/* SENTINEL get-master-addr-by-name's answer: [ip, port], or null (a name it does not know). */
+static void cl_sentinel_reply(void *ctx, const char *p, const resp_tok *t) {
+    rlink *l = ctx;
+    long long port;
+    char why[200];
+    if (!t) return;
+    if (t[0].type != '*' || t[0].num != 2 || t[1].type != '$' || t[2].type != '$' ||
+        t[1].len >= sizeof CL.host || parse_ll(p + t[2].off, t[2].len, 65535, &port) < 0) {
+        rl_fail(l, t[0].type == '-' ? resp_why("SENTINEL", p, t, why, sizeof why)
+                                    : "it does not know the primary's name (see --cluster)");
+        return;
+    }
+    char host[sizeof CL.host];
+    snprintf(host, sizeof host, "%.*s", (int)t[1].len, p + t[1].off);
+    if (strcmp(host, CL.host) != 0 || port != CL.port)
+        ltg_log("cluster: Sentinel %s:%d says the primary of %s is %s:%lld", CL.sen[CL.seni].host,
+                CL.sen[CL.seni].port, CL.master, host, port);
+    memcpy(CL.host, host, sizeof host);
+    CL.port = (int)port;
+    rl_close(l);
+    l->backoff_ms = CL_BACKOFF_MIN_MS;
+    rlink *links[2] = {&CL.cmd, &CL.tail};
+    for (int i = 0; i < 2; i++)
+        if (links[i]->discover) rl_connect(links[i]);
+}
+
+static void cl_sentinel_ask(rlink *l) {
+    rl_call(l, cl_sentinel_reply, l,
+            (rarg[]){RA("SENTINEL"), RA("get-master-addr-by-name"), RA(CL.master)}, 3);
 }
 
 /* The handshake: AUTH, SELECT, ROLE (each reply checked), then the link's own. */
@@ -13874,43 +13949,71 @@ static int cl_hold(exchange *x, int first) {
     return LTG_AGAIN;
 }
 
-/* --cluster redis://HOST[:PORT][/DB] (and the password from
- * --cluster-password-env): NULL, or what is wrong with it. */
-static const char *cl_parse(void) {
-    const char *u = CL.url, *end;
+/* HOST[:PORT] (HOST may be [an IPv6 address]) at *u, up to one of `stop`:
+ * into host and port (`port` unless it says one); NULL, or what is wrong. */
+static const char *cl_hostport(const char **u, const char *stop, char host[256], int *port) {
+    const char *end;
     long long v;
-    if (strncmp(u, "redis://", 8) != 0) return "--cluster: expected redis://HOST[:PORT][/DB]";
-    u += 8;
-    if (*u == '[') { /* an IPv6 address */
-        end = strchr(u, ']');
+    size_t n;
+    if (**u == '[') { /* an IPv6 address */
+        end = strchr(*u, ']');
         if (!end) return "--cluster: an IPv6 address needs its closing ]";
-        snprintf(CL.host, sizeof CL.host, "%.*s", (int)(end - u - 1), u + 1);
-        u = end + 1;
+        snprintf(host, 256, "%.*s", (int)(end - *u - 1), *u + 1);
+        *u = end + 1;
     } else {
-        size_t n = strcspn(u, ":/");
-        if (!n || n >= sizeof CL.host) return "--cluster: no host name, or too long";
-        snprintf(CL.host, sizeof CL.host, "%.*s", (int)n, u);
-        u += n;
+        char seps[8];
+        snprintf(seps, sizeof seps, ":%s", stop);
+        if (!(n = strcspn(*u, seps)) || n >= 256) return "--cluster: no host name, or too long";
+        snprintf(host, 256, "%.*s", (int)n, *u);
+        *u += n;
     }
-    CL.port = 6379;
-    if (*u == ':') {
-        size_t n = strcspn(++u, "/");
-        if (parse_ll(u, n, 65535, &v) < 0 || !v) return "--cluster: the port is not 1 to 65535";
-        CL.port = (int)v;
-        u += n;
+    if (**u == ':') {
+        n = strcspn(++*u, stop);
+        if (parse_ll(*u, n, 65535, &v) < 0 || !v) return "--cluster: the port is not 1 to 65535";
+        *port = (int)v;
+        *u += n;
     }
+    return NULL;
+}
+
+/* --cluster redis://HOST[:PORT][/DB] or
+ * sentinel://HOST[:PORT][,HOST[:PORT]...]/MASTER_NAME[/DB] (and the
+ * password from --cluster-password-env): NULL, or what is wrong with it. */
+static const char *cl_parse(void) {
+    const char *u = CL.url, *why;
+    long long v;
+    if (strncmp(u, "sentinel://", 11) == 0) {
+        u += 11;
+        do {
+            if (CL.nsen == CL_MAX_SENTINELS) return "--cluster: more than 8 Sentinels";
+            CL.sen[CL.nsen].port = 26379;
+            why = cl_hostport(&u, ",/", CL.sen[CL.nsen].host, &CL.sen[CL.nsen].port);
+            if (why) return why;
+            CL.nsen++;
+        } while (*u == ',' && *++u);
+        size_t n = *u == '/' ? strcspn(++u, "/") : 0;
+        if (!n || n >= sizeof CL.master)
+            return "--cluster: expected sentinel://HOST[:PORT][,HOST[:PORT]...]/MASTER_NAME[/DB]";
+        snprintf(CL.master, sizeof CL.master, "%.*s", (int)n, u);
+        u += n;
+    } else if (strncmp(u, "redis://", 8) == 0) {
+        u += 8;
+        CL.port = 6379;
+        if ((why = cl_hostport(&u, "/", CL.host, &CL.port))) return why;
+    } else
+        return "--cluster: expected redis://HOST[:PORT][/DB] or sentinel://HOST[:PORT]/MASTER_NAME";
     if (*u == '/' && u[1]) {
         if (parse_ll(u + 1, strlen(u + 1), 1000000, &v) < 0)
             return "--cluster: the database (after /) is not a number";
         CL.db = (int)v;
     } else if (*u && strcmp(u, "/") != 0)
-        return "--cluster: expected redis://HOST[:PORT][/DB]";
+        return "--cluster: expected redis://HOST[:PORT][/DB] or sentinel://HOST[:PORT]/MASTER_NAME";
     if (CL.password_env) {
-        static char why[300];
+        static char pwhy[300];
         const char *pw = getenv(CL.password_env);
-        snprintf(why, sizeof why, "--cluster-password-env: the environment variable %.200s is not "
-                 "set (or empty)", CL.password_env);
-        if (!pw || !*pw) return why;
+        snprintf(pwhy, sizeof pwhy, "--cluster-password-env: the environment variable %.200s is "
+                 "not set (or empty)", CL.password_env);
+        if (!pw || !*pw) return pwhy;
         CL.password = xstrdup(pw);
     }
     return NULL;
@@ -13935,6 +14038,9 @@ static void cl_start(void) {
     timer_set(&CLM.renew, CL_RENEW_MS);
     rl_init(&CL.cmd, "command", cl_cmd_up);
     rl_init(&CL.tail, "stream", cl_tail_up);
+    rl_init(&CL.sent, "sentinel", NULL);
+    CL.sent.hello = cl_sentinel_ask;
+    if (CL.nsen) snprintf(CL.host, sizeof CL.host, "(not known yet)");
     rl_connect(&CL.cmd);
     rl_connect(&CL.tail);
 }

@@ -33,7 +33,11 @@ maxmemory-policy noeviction), and three ltg instances (it.Aux) with --cluster po
 10. An inference Idempotency-Key is claimed in the store: replayed by the other instances, 409
    with another body, 409 idempotency_in_flight on another instance while it runs, a cached answer
    replayed by another instance.
-11. A replica is not a primary: ltg does not use it. make cluster-demo runs to its end. A bad
+11. Sentinel: a primary with a replica (min-replicas-to-write 1): the replica paused, the lone
+   primary refuses writes (a budgeted request 503, an uncapped one served and shipped later);
+   the primary killed, the replica promoted and found by both instances, nothing acknowledged
+   lost.
+12. A replica is not a primary: ltg does not use it, and leaves a primary demoted under it. make cluster-demo runs to its end. A bad
    --cluster exits 2 with a message.
 
 Runs alone: python3 tests/integration.py --ltg ./ltg --mock tests/mock --file cluster
@@ -296,7 +300,8 @@ def t_cluster_redis_lost():
         check(it.get_group(g["id"], port=b.admin_port)[0]["name"] == g["name"], "the group is still served as it was")
 
 
-@it.test("cluster: ltg does not use a replica (ROLE): /readyz 503 and its log says the server is not a primary")
+@it.test("cluster: ltg does not use a replica (ROLE): /readyz 503 and its log says the server is not a primary; a primary "
+         "demoted under ltg refuses its next write (READONLY), and ltg leaves it")
 def t_cluster_replica():
     primary = Redis("primary").start()
     replica = Redis("replica", ["--replicaof", "127.0.0.1", str(primary.port)]).start()
@@ -308,6 +313,23 @@ def t_cluster_replica():
         r = it.admin("POST", "/token_groups", it.group_body(), port=a.admin_port)
         it.check_admin_error(r, 503, "storage_unavailable", what="a POST through a replica")
         a.stop()
+        # A primary demoted while ltg is connected: its first write is refused (READONLY), and ltg
+        # leaves it.
+        b = it.Aux("cl-demoted-" + os.urandom(2).hex(), args=["--cluster", primary.url])
+        b.start()
+        wait_ready(b)
+        it.create_group(port=b.admin_port)
+        other = Redis("other").start()
+        try:
+            check(primary.cmd("REPLICAOF", "127.0.0.1", str(other.port)) == "+OK", "REPLICAOF")
+            r = it.admin("POST", "/token_groups", it.group_body(), port=b.admin_port)
+            it.check_admin_error(r, 503, "storage_unavailable", what="a POST on a demoted primary")
+            it.wait_until("ltg leaves the demoted primary", lambda: "replica now (READONLY)" in b.text_since_start()
+                          and not ready(b), 10 * it.SLOW, 0.05)
+            b.stop()
+        finally:
+            b.close()
+            other.stop()
     finally:
         a.close()
         replica.stop()
@@ -523,6 +545,89 @@ def t_cluster_ledger_outage():
         check(len(outbox) <= 1, "the outbox files of the earlier run are gone once shipped: %r" % outbox)
 
 
+@it.test("cluster: Sentinel: a primary with a replica (min-replicas-to-write 1) and a Sentinel; the replica paused: "
+         "the lone primary refuses writes, so a budgeted request is 503 and an uncapped one is served, its event "
+         "shipped once the replica is back; the primary killed: the Sentinel promotes the replica, both instances find "
+         "it by themselves, and nothing acknowledged is lost")
+def t_cluster_sentinel():
+    import signal
+    primary = Redis("s-primary", ["--min-replicas-to-write", "1", "--min-replicas-max-lag", "2"]).start()
+    replica = Redis("s-replica", ["--replicaof", "127.0.0.1", str(primary.port), "--repl-diskless-sync-delay", "0"]).start()
+    sport = it.free_ports(1)[0]
+    sdir = os.path.join(it.H.tmp, "sentinel")
+    os.makedirs(sdir, exist_ok=True)
+    conf = os.path.join(sdir, "sentinel.conf")
+    with open(conf, "w") as f:
+        f.write("port %d\nbind 127.0.0.1\ndir %s\nlogfile %s\n" % (sport, sdir, os.path.join(sdir, "sentinel.log")) +
+                "sentinel monitor ltg 127.0.0.1 %d 1\n" % primary.port +
+                "sentinel down-after-milliseconds ltg 1000\nsentinel failover-timeout ltg 5000\n")
+    sentinel = subprocess.Popen([primary.bin, conf, "--sentinel"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    url = "sentinel://127.0.0.1:%d/ltg" % sport
+    auxes = [it.Aux("cl-sent-%d-%s" % (i, os.urandom(2).hex()), args=["--cluster", url]) for i in range(2)]
+    a, b = auxes
+    try:
+        it.wait_until("the replica in sync", lambda: "master_link_status:up" in "".join(replica.cmd("INFO", "replication", whole=True)),
+                      10 * it.SLOW, 0.1)
+        for x in auxes:
+            x.start()
+        for x in auxes:
+            wait_ready(x, 15)
+        check("Sentinel 127.0.0.1:%d says the primary of ltg is 127.0.0.1:%d" % (sport, primary.port) in a.text_since_start(),
+              "ltg's log names the primary the Sentinel gave: %r" % a.text_since_start()[-600:])
+        gid, capped = group_key(a, max_budget=5, budget_duration="1d")
+        _, free = group_key(a)
+        everywhere(gid, (b,))
+        x = it.one_request(b.port, "POST", "/v1/chat/completions", it.chat_body(), auth=capped)
+        check(x.status == 200, "a budgeted request: %s" % x.brief())
+        same_ledgers(auxes, 1)
+        # The replica paused: the primary refuses writes within min-replicas-max-lag.
+        os.kill(replica.proc.pid, signal.SIGSTOP)
+        try:
+            it.wait_until("the primary refuses writes", lambda: primary.cmd("SET", "ltg:probe", "1").startswith("-NOREPLICAS"),
+                          15 * it.SLOW, 0.2)
+            before = kimi_calls()
+            x = it.one_request(a.port, "POST", "/v1/chat/completions", it.chat_body(), auth=capped)
+            it.check_openai_error(x, 503, "store_unavailable")
+            check(kimi_calls() == before, "a budgeted request reached the provider while the primary refused writes")
+            r = it.admin("PATCH", "/token_groups/" + gid, {"name": "lone"}, if_match=1, port=a.admin_port)
+            it.check_admin_error(r, 503, "storage_unavailable", what="a PATCH while the primary refuses writes")
+            x = it.one_request(a.port, "POST", "/v1/chat/completions", it.chat_body(), auth=free)
+            check(x.status == 200, "an uncapped request: %s" % x.brief())
+        finally:
+            os.kill(replica.proc.pid, signal.SIGCONT)
+        same_ledgers(auxes, 2)
+        r = it.admin("PATCH", "/token_groups/" + gid, {"name": "before-failover"}, if_match=1, port=a.admin_port)
+        it.check_admin_ok(r, 200, "a PATCH once the replica is back")
+        it.wait_until("the replica has every event", lambda: replica.cmd("XLEN", "ltg:events") == primary.cmd("XLEN", "ltg:events")
+                      and replica.cmd("XLEN", "ltg:log") == primary.cmd("XLEN", "ltg:log"), 10 * it.SLOW, 0.1)
+        # The primary killed: the Sentinel promotes the replica, and both instances find it.
+        primary.proc.kill()
+        primary.proc.wait()
+        primary.proc = None
+        for x in auxes:
+            it.wait_until(lambda x=x: "%s finds the new primary: %s" % (x.tag, x.text_since_start()[-800:]),
+                          lambda x=x: ("says the primary of ltg is 127.0.0.1:%d" % replica.port) in x.text_since_start() and ready(x),
+                          40 * it.SLOW, 0.2)
+        d, v = it.get_group(gid, port=b.admin_port)
+        check(v == 2 and d["name"] == "before-failover", "the acknowledged change: version %d name %r" % (v, d["name"]))
+        r = it.admin("PATCH", "/token_groups/" + gid, {"name": "after-failover"}, if_match=2, port=b.admin_port)
+        it.check_admin_ok(r, 200, "a PATCH on the new primary")
+        it.wait_until("the other instance shows it", lambda: it.get_group(gid, port=a.admin_port)[1] == 3, 5 * it.SLOW, 0.05)
+        x = it.one_request(a.port, "POST", "/v1/chat/completions", it.chat_body(), auth=capped)
+        check(x.status == 200, "a budgeted request on the new primary: %s" % x.brief())
+        same_ledgers(auxes, 3)
+        for x in auxes:
+            x.stop()
+    finally:
+        for x in auxes:
+            x.close()
+        sentinel.terminate()
+        sentinel.wait(10)
+        replica.stop()
+        primary.stop()
+
+
 def _quiet(fn):
     try:
         fn()
@@ -644,7 +749,8 @@ def t_cluster_demo():
 @it.test("cluster: a bad --cluster exits 2 and says what to fix")
 def t_cluster_bad_url():
     for url, says in (("http://127.0.0.1:6379", "expected redis://"), ("redis://127.0.0.1:99999", "port"),
-                      ("redis://127.0.0.1:6379/x", "database")):
+                      ("redis://127.0.0.1:6379/x", "database"), ("sentinel://127.0.0.1:26379", "MASTER_NAME"),
+                      ("sentinel://127.0.0.1:0/ltg", "port")):
         a = it.Aux("cl-bad-" + os.urandom(2).hex(), args=["--cluster", url])
         try:
             rc, text = a.start_fails()
