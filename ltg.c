@@ -267,6 +267,7 @@ static void cl_note_sid(const char *p, const json_tok *t);
 static const char *cl_applied(void);
 static const char *cl_unready(void);
 static int cl_behind(void);
+static int cl_stale(void);
 static void cl_metrics(buf *b);
 static int cl_unsettled(void);
 static int cl_outbox_full(void);
@@ -11633,6 +11634,11 @@ static int admit_shared(admission *a, refusal *r) {
         return refuse(r, 503, "store_unavailable", NULL,
                       "this instance missed changes to keys and groups, and serves nothing until "
                       "its operator restores its state (see its log)");
+    if (cl_stale())
+        return refuse(r, 503, "store_unavailable", "Retry-After: 1\r\n",
+                      "this instance has not heard from the shared store (Redis) for a while: a "
+                      "key revoked meanwhile could not be refused, so it serves nothing until it "
+                      "hears again");
     if (a->kind->free) return ADMIT;
     size_t n;
     a->shared = allow_shared(a->key, a->g) ||
@@ -12567,6 +12573,7 @@ static struct {
     int64_t read_at;          /* wall ms when the pending XREAD was sent */
     int64_t caught_up;        /* ... of the last that found every event there was */
     int64_t heard;            /* S.now of the tail link's last reply */
+    int stale_ms;             /* --cluster-stale-after: not heard this long, nothing is served */
     double lag;               /* seconds from the last record's XADD to its apply here */
     int lost;                 /* the stream ends before what this instance applied */
     int behind;               /* ... or was trimmed past it: this instance missed changes */
@@ -14047,6 +14054,10 @@ static void cl_start(void) {
 
 static int cl_on(void) { return CL.url != NULL; }
 static int cl_behind(void) { return CL.behind; }
+
+/* Has this instance not heard from the store for --cluster-stale-after? Its keys and groups may
+ * then be stale: a key revoked meanwhile would still pass. */
+static int cl_stale(void) { return CL.url && S.now - CL.heard > CL.stale_ms; }
 static const char *cl_applied(void) { return CL.applied; }
 
 /* Is the link usable? NULL, or why not (for /readyz). */
@@ -14277,6 +14288,7 @@ static void options_default(void) {
     S.meter_s = 300;
     S.ledger_days = 90;
     S.ledger_index = 16LL << 20;
+    CL.stale_ms = 60000;
 }
 
 #ifndef LTG_NO_MAIN
@@ -14337,6 +14349,7 @@ static const option options[] = {
     {"--config", .str = &S.config_path}, {"--data", .str = &S.data_dir}, {"--listen", .str = &S.listen_addr},
     {"--admin-listen", .str = &S.admin_addr}, {"--resolv-conf", .str = &S.resolv_conf}, {"--ca-file", .str = &TLS.ca_file},
     {"--cluster", .str = &CL.url}, {"--cluster-password-env", .str = &CL.password_env},
+    {"--cluster-stale-after", NULL, &CL.stale_ms, NULL, 1, 86400, 1000, 0},
     {"--access-log", .str = &ALOG.path}, {"--metrics-auth", .i = &S.metrics_auth, .flag = 1}, {"--trusted-proxies", .str = &S.trusted_proxies},
     {"--max-conns", NULL, &S.max_conns, NULL, 1, 1000000, 1, 0},
     {"--max-conns-per-ip", NULL, &S.max_per_ip, NULL, 1, 1000000, 1, 0},

@@ -21,7 +21,7 @@ maxmemory-policy noeviction), and three ltg instances (it.Aux) with --cluster po
 7. Budgets, rate limits and parallel slots are decided by the store, on every instance at once:
    64 parallel requests over three instances against a group budget that fits exactly 4 worst
    cases (4 served, the store's spend their sum, nothing held after); rpm_limit 10;
-   max_parallel_requests 3; a fallback's hold against what the first attempt really spent; an
+   max_parallel_requests 3; tpm_limit of 5 worst cases; a fallback's hold against what the first attempt really spent; an
    instance SIGKILLed with a hold (its lease runs out).
 8. One ledger: requests served by three instances, with and without a budget, are the same
    events in the same order on every instance (the segment files byte for byte), /usage/summary
@@ -37,7 +37,9 @@ maxmemory-policy noeviction), and three ltg instances (it.Aux) with --cluster po
    primary refuses writes (a budgeted request 503, an uncapped one served and shipped later);
    the primary killed, the replica promoted and found by both instances, nothing acknowledged
    lost.
-12. A replica is not a primary: ltg does not use it, and leaves a primary demoted under it. make cluster-demo runs to its end. A bad
+12. --cluster-stale-after: an instance that has not heard from Redis refuses even uncapped
+   requests, and serves again once it hears.
+13. A replica is not a primary: ltg does not use it, and leaves a primary demoted under it. make cluster-demo runs to its end. A bad
    --cluster exits 2 with a message.
 
 Runs alone: python3 tests/integration.py --ltg ./ltg --mock tests/mock --file cluster
@@ -112,10 +114,10 @@ class Redis:
 
 
 @contextlib.contextmanager
-def cluster(tag, n=3, redis_args=()):
-    """A Redis and n ltg instances on it: (redis, [Aux...]); all stopped at the end."""
+def cluster(tag, n=3, redis_args=(), args=()):
+    """A Redis and n ltg instances on it (with args): (redis, [Aux...]); all stopped at the end."""
     r = Redis(tag, redis_args).start()
-    auxes = [it.Aux("cl-%s-%d-%s" % (tag, i, os.urandom(2).hex()), args=["--cluster", r.url]) for i in range(n)]
+    auxes = [it.Aux("cl-%s-%d-%s" % (tag, i, os.urandom(2).hex()), args=["--cluster", r.url] + list(args)) for i in range(n)]
     try:
         for a in auxes:
             a.start()
@@ -278,6 +280,7 @@ def t_cluster_redis_down():
         it.wait_until("the other instance shows it", lambda: it.get_group(g["id"], port=b.admin_port)[1] == 2, 5 * it.SLOW, 0.05)
         log = a.text_since_start()
         check("lost" in log and "up (functions ltg_v1 loaded)" in log, "ltg's log tells of the loss and the return: %r" % log[-600:])
+        same_ledgers((a, b), 2)     # the uncapped requests' events, one of them kept through the outage
 
 
 @it.test("cluster: Redis restarted without its append-only file: each instance notices the stream lost what it "
@@ -388,7 +391,8 @@ def t_cluster_budget_parallel():
 
 
 @it.test("cluster: rpm_limit 10 under 64 parallel requests over three instances: exactly 10 served, 54 refused 429 "
-         "rate_limited with Retry-After; max_parallel_requests 3: 3 served at once, the others 429")
+         "rate_limited with Retry-After; max_parallel_requests 3: 3 served at once, the others 429; tpm_limit of 5 worst "
+         "cases: 5 served; the three ledgers the same")
 def t_cluster_rpm_parallel():
     with cluster("rpm") as (_, auxes):
         gid, token = group_key(auxes[0], rpm_limit=10)
@@ -412,6 +416,21 @@ def t_cluster_rpm_parallel():
         it.wait_until("a request once the three are done is served",
                       lambda: it.one_request(auxes[1].port, "POST", "/v1/chat/completions", it.chat_body(), auth=ptoken).status == 200,
                       5 * it.SLOW, 0.05)
+        # tpm_limit: the worst cases held at once never pass it, whichever instance holds them.
+        body = it.chat_body(directive="head_delay_ms=1000", max_tokens=300)
+        worst = traffic.worst_tokens(body, 300)
+        tgid, ttoken = group_key(auxes[0], tpm_limit=worst * 5 + worst // 2)
+        everywhere(tgid, auxes)
+        before = kimi_calls()
+        rs = spread(auxes, 64, ttoken, body)
+        st = sorted(x.status for x in rs)
+        check(st.count(200) == 5 and st.count(429) == 59, "tpm_limit of 5 worst cases: %r" % st)
+        check(kimi_calls() - before == 5, "the provider saw %d calls, want 5" % (kimi_calls() - before))
+        traffic.check_limited([x for x in rs if x.status == 429][0], "over the tpm_limit")
+        # Settled with the real usage, a few tokens each: the minute has room again.
+        it.wait_until("a request fits again once the five are settled", lambda: it.one_request(
+            auxes[2].port, "POST", "/v1/chat/completions", body, auth=ttoken).status == 200, 10 * it.SLOW, 0.1)
+        same_ledgers(auxes, 10 + 3 + 1 + 5 + 1)
 
 
 @it.test("cluster: a fallback's attempt is held in the store too, against what the first really spent: a budget that "
@@ -456,6 +475,9 @@ def t_cluster_killed_lease():
         it.wait_until("the dead instance's hold runs out", lambda: it.one_request(b.port, "POST", "/v1/chat/completions", body,
                       auth=token).status == 200, 30 * it.SLOW, 1.0)
         check(time.monotonic() - t0 <= 30 * it.SLOW, "freed after %.1f s" % (time.monotonic() - t0))
+        a.start()       # the killed request left no event; the other's reaches the restarted one too
+        wait_ready(a)
+        same_ledgers((a, b), 1)
 
 
 def ledger_of(a):
@@ -626,6 +648,31 @@ def t_cluster_sentinel():
         sentinel.wait(10)
         replica.stop()
         primary.stop()
+
+
+@it.test("cluster: an instance that has not heard from Redis for --cluster-stale-after refuses even uncapped requests "
+         "(503 store_unavailable: a key revoked meanwhile could not be refused), and serves again once it hears")
+def t_cluster_stale():
+    with cluster("stale", n=1, args=["--cluster-stale-after", "2"]) as (r, (a,)):
+        _, free = group_key(a)
+        check(it.one_request(a.port, "POST", "/v1/chat/completions", it.chat_body(), auth=free).status == 200, "served")
+        r.stop()
+        served = [1]
+
+        def refused():
+            st = it.one_request(a.port, "POST", "/v1/chat/completions", it.chat_body(), auth=free).status
+            served[0] += st == 200      # until stale, served (its event kept for Redis's return)
+            return st == 503
+        it.wait_until("refused once stale", refused, 10 * it.SLOW, 0.2)
+        before = kimi_calls()
+        x = it.one_request(a.port, "POST", "/v1/chat/completions", it.chat_body(), auth=free)
+        it.check_openai_error(x, 503, "store_unavailable")
+        check("has not heard from the shared store" in x.json()["error"]["message"], "the message: %r" % x.body[:300])
+        check(kimi_calls() == before, "a refused request reached the provider")
+        r.start()
+        wait_ready(a, 15)
+        check(it.one_request(a.port, "POST", "/v1/chat/completions", it.chat_body(), auth=free).status == 200, "served again")
+        same_ledgers((a,), served[0] + 1)
 
 
 def _quiet(fn):
