@@ -810,6 +810,7 @@ if [ "$TLS" = 1 ]; then
     TLS_LINE=$(grep -o 'TLS handshakes: [0-9]* full, [0-9]* resumed' "$T/ltg-tls.log" | tail -n1)
     TLS_FULL=$(printf '%s' "$TLS_LINE" | sed -n 's/.*: \([0-9]*\) full.*/\1/p')
     TLS_RESUMED=$(printf '%s' "$TLS_LINE" | sed -n 's/.* \([0-9]*\) resumed.*/\1/p')
+    STAT_URL=$MOCK_URL   # the sections after this one count the plain mock's requests
 fi
 
 if [ "$TLS" = 1 ]; then

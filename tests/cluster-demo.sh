@@ -155,5 +155,17 @@ for _ in $(seq 100); do curl -sf "http://127.0.0.1:${PORT[1]}/readyz" >/dev/null
 echo "Redis started again (its append-only file kept): instance 1 /readyz: $(curl -s "http://127.0.0.1:${PORT[1]}/readyz")"
 echo "  a call of an uncapped group through HAProxy: HTTP $(curl -s -o /dev/null -w '%{http_code}' "$LB/v1/chat/completions" -H "Authorization: Bearer $FREE" -d "$BODY")"
 
+step "6. One ledger: every instance answers for every call, whichever instance served it"
+FROM=$(date -u -d yesterday +%F) TO=$(date -u -d '2 days' +%F)
+for _ in $(seq 50); do  # the call kept through the outage reaches every ledger once shipped
+  n=$(admin "$(adm 3)/spend/events?start_date=$FROM&end_date=$TO&page%5Bsize%5D=1000" | field 'd["meta"]["total_results"]')
+  [ "$n" = 7 ] && break; sleep 0.1
+done
+for i in 1 2 3; do
+  admin "$(adm "$i")/spend/events?start_date=$FROM&end_date=$TO&page%5Bsize%5D=1000" |
+    field '"  instance %d: %d events, their ids hashed %s" % ('"$i"', d["meta"]["total_results"],
+           __import__("hashlib").sha256(" ".join(e["id"] for e in d["data"]).encode()).hexdigest()[:16])'
+done
+
 step "Done. What instance 1 logged of the cluster:"
 grep 'cluster:' "$dir/ltg1.log" | sed 's/^/  /'

@@ -778,7 +778,8 @@ def t_cluster_idempotency():
 
 
 @it.test("cluster: make cluster-demo's tour runs to its end: the budget admits exactly 5 of 30 calls spread by HAProxy, "
-         "a stale If-Match is 412, a revoked key is 401 everywhere, Redis stopped and started again")
+         "a stale If-Match is 412, a revoked key is 401 everywhere, Redis stopped and started again, the same 7 events on the "
+         "three instances")
 def t_cluster_demo():
     it.debian_tool("redis-server", "redis-server")
     it.debian_tool("haproxy", "haproxy")
@@ -791,6 +792,10 @@ def t_cluster_demo():
     for want in ("5 x HTTP 200", "25 x HTTP 403", "(HTTP 412: the same If-Match on instance 3)", "instance 3: HTTP 401",
                  "a call of the group with a budget: store_unavailable", "instance 1 /readyz: {\"status\":\"ready\"}"):
         check(want in out, "the demo's output lacks %r: %s" % (want, out[-2500:]))
+    import re
+    ledgers = re.findall(r"instance \d: (\d+) events, their ids hashed (\w+)", out)
+    check(len(ledgers) == 3 and len(set(ledgers)) == 1 and ledgers[0][0] == "7",
+          "the three ledgers of the demo: %r" % ledgers)
 
 
 @it.test("cluster: a bad --cluster exits 2 and says what to fix")
