@@ -151,13 +151,16 @@ echo "  a call of the group with a budget: $(curl -s "http://127.0.0.1:${PORT[2]
 echo "  a call of an uncapped group: HTTP $(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:${PORT[2]}/v1/chat/completions" -H "Authorization: Bearer $FREE" -d "$BODY")"
 echo "  ltg_cluster_up on instance 2: $(curl -s "http://127.0.0.1:${ADMIN_PORT[2]}/metrics" | grep '^ltg_cluster_up')"
 start_redis
-for _ in $(seq 100); do curl -sf "http://127.0.0.1:${PORT[1]}/readyz" >/dev/null && break; sleep 0.1; done
+for i in 1 2 3; do  # each instance reconnects by itself; HAProxy sends to those ready
+  for _ in $(seq 150); do curl -sf "http://127.0.0.1:${PORT[$i]}/readyz" >/dev/null && break; sleep 0.1; done
+done
+sleep 1.2  # HAProxy's health check (every 500 ms) sees them back
 echo "Redis started again (its append-only file kept): instance 1 /readyz: $(curl -s "http://127.0.0.1:${PORT[1]}/readyz")"
 echo "  a call of an uncapped group through HAProxy: HTTP $(curl -s -o /dev/null -w '%{http_code}' "$LB/v1/chat/completions" -H "Authorization: Bearer $FREE" -d "$BODY")"
 
 step "6. One ledger: every instance answers for every call, whichever instance served it"
 FROM=$(date -u -d yesterday +%F) TO=$(date -u -d '2 days' +%F)
-for _ in $(seq 50); do  # the call kept through the outage reaches every ledger once shipped
+for _ in $(seq 100); do  # the call kept through the outage reaches every ledger once shipped
   n=$(admin "$(adm 3)/spend/events?start_date=$FROM&end_date=$TO&page%5Bsize%5D=1000" | field 'd["meta"]["total_results"]')
   [ "$n" = 7 ] && break; sleep 0.1
 done
