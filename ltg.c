@@ -8017,6 +8017,39 @@ static int i64_cmp(const void *a, const void *b) {
            (*(const int64_t *)a < *(const int64_t *)b);
 }
 
+/* The logs of directory `dir` (made if missing), each named by a number
+ * that name(dir, file, &number) reads (0: not one of them), in order: a
+ * malloc'd array (of *n; never NULL but on an error, in err). */
+static int64_t *dir_logs(const char *dir, int (*name)(const char *, const char *, int64_t *),
+                         size_t *n, char *err, size_t errlen) {
+    DIR *d = mkdir(dir, 0700) < 0 && errno != EEXIST ? NULL : opendir(dir);
+    if (!d) { snprintf(err, errlen, "%s: %s", dir, strerror(errno)); return NULL; }
+    int64_t *v = xmalloc(sizeof *v), x;
+    *n = 0;
+    for (struct dirent *de; (de = readdir(d));)
+        if (name(dir, de->d_name, &x)) {
+            v = xrealloc(v, (*n + 1) * sizeof *v);
+            v[(*n)++] = x;
+        }
+    closedir(d);
+    qsort(v, *n, sizeof *v, i64_cmp);
+    return v;
+}
+
+/* A day's segment, YYYY-MM-DD.log, by its midnight; a .tmp file an
+ * interrupted write left goes. */
+static int seg_name(const char *dir, const char *file, int64_t *ms) {
+    char day[16], path[320];
+    size_t n = strlen(file);
+    if (n > 4 && strcmp(file + n - 4, ".tmp") == 0) {
+        snprintf(path, sizeof path, "%s/%.60s", dir, file);
+        unlink(path);
+    }
+    if (n != 14 || strcmp(file + 10, ".log") != 0) return 0;
+    snprintf(day, sizeof day, "%.10s", file);
+    return parse_day(day, ms) == 0;
+}
+
 /* ---- start-up ---- */
 
 /* Open DATA/ledger at start-up: migrate an old ledger.log, check every
@@ -8026,30 +8059,9 @@ static int i64_cmp(const void *a, const void *b) {
 static int ledger_open(const char *data, int64_t now, char *err, size_t errlen) {
     snprintf(LG.dir, sizeof LG.dir, "%.200s/ledger", data);
     if (ledger_migrate(data, err, errlen) < 0) return LTG_ERR;
-    if (mkdir(LG.dir, 0700) < 0 && errno != EEXIST) {
-        snprintf(err, errlen, "%s: %s", LG.dir, strerror(errno));
-        return LTG_ERR;
-    }
-    DIR *d = opendir(LG.dir);
-    if (!d) { snprintf(err, errlen, "%s: %s", LG.dir, strerror(errno)); return LTG_ERR; }
-    int64_t *days = NULL;
-    size_t ndays = 0;
-    for (struct dirent *de; (de = readdir(d));) {
-        char day[16], path[320];
-        size_t n = strlen(de->d_name);
-        int64_t ms;
-        if (n > 4 && strcmp(de->d_name + n - 4, ".tmp") == 0) {
-            snprintf(path, sizeof path, "%s/%.60s", LG.dir, de->d_name);
-            unlink(path);
-        }
-        if (n != 14 || strcmp(de->d_name + 10, ".log") != 0) continue;
-        snprintf(day, sizeof day, "%.10s", de->d_name);
-        if (parse_day(day, &ms) < 0) continue;
-        days = xrealloc(days, (ndays + 1) * sizeof *days);
-        days[ndays++] = ms;
-    }
-    closedir(d);
-    if (ndays) qsort(days, ndays, sizeof *days, i64_cmp);
+    size_t ndays;
+    int64_t *days = dir_logs(LG.dir, seg_name, &ndays, err, errlen);
+    if (!days) return LTG_ERR;
     int rc = 0;
     for (size_t i = 0; i < ndays && rc == 0; i++) {
         segment *s = seg_new(days[i]);
@@ -13681,27 +13693,22 @@ static int cl_outbox_load(void *ctx, const char *p, size_t n, off_t at, char *wh
     return 0;
 }
 
+/* An outbox file, <20 digits>.log, by its number. */
+static int cl_outbox_number(const char *dir, const char *file, int64_t *n) {
+    long long v;
+    (void)dir;
+    *n = strlen(file) == 24 && sscanf(file, "%20lld.log", &v) == 1 && v >= 0 ? v : -1;
+    return *n >= 0;
+}
+
 /* At start-up: the outbox files an earlier boot left, read back to be sent
  * again; new ops go to a file numbered after them. */
 static int cl_outbox_open(const char *data, char *err, size_t errlen) {
     snprintf(CLM.dir, sizeof CLM.dir, "%.200s/outbox", data);
-    if (mkdir(CLM.dir, 0700) < 0 && errno != EEXIST) {
-        snprintf(err, errlen, "%s: %s", CLM.dir, strerror(errno));
-        return LTG_ERR;
-    }
-    DIR *d = opendir(CLM.dir);
-    if (!d) { snprintf(err, errlen, "%s: %s", CLM.dir, strerror(errno)); return LTG_ERR; }
-    int64_t *files = NULL;
-    long long v;
-    size_t n = 0;
+    size_t n;
     char name[32];
-    for (struct dirent *de; (de = readdir(d));)
-        if (strlen(de->d_name) == 24 && sscanf(de->d_name, "%20lld.log", &v) == 1 && v >= 0) {
-            files = xrealloc(files, (n + 1) * sizeof *files);
-            files[n++] = v;
-        }
-    closedir(d);
-    if (n) qsort(files, n, sizeof *files, i64_cmp);
+    int64_t *files = dir_logs(CLM.dir, cl_outbox_number, &n, err, errlen);
+    if (!files) return LTG_ERR;
     int rc = 0;
     for (size_t i = 0; i < n && rc == 0; i++) {
         logfile f = {.fd = -1};
