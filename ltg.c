@@ -68,7 +68,7 @@
  *  11. The attempt plan: retry, fallback, breakers, deployments
  *  12. The store: token groups, token keys, idempotency records
  *  13. The append-only log
- *  14. The ledger: daily segments, index files, retention
+ *  14. The ledger: daily segments, index files, retention, the chain
  *  15. Budgets and rate limits, the cache, idempotent inference
  *  16. The control plane
  *  17. Inference: the proxy path
@@ -213,6 +213,7 @@ static struct {
     int ledger_days;          /* days of spend events kept (section 14) */
     /* bytes today's index may hold in memory before it is spilled (section 14) */
     long long ledger_index;
+    const char *ledger_key_env; /* --ledger-key-env: the ledger's chain is keyed by it */
     int metrics_auth;         /* GET /metrics needs an admin key (section 18) */
     long long max_body;
     int head_timeout_ms, idle_timeout_ms;
@@ -1314,6 +1315,9 @@ void jw_bool(jwriter *w, int v) { jw_sep(w); buf_puts(w->out, v ? "true" : "fals
 void jw_null(jwriter *w) { jw_sep(w); buf_puts(w->out, "null"); }
 void jw_raw(jwriter *w, const char *json, size_t n) { jw_sep(w); buf_append(w->out, json, n); }
 
+/* A string, or null for NULL or "". */
+static void jw_str_or_null(jwriter *w, const char *s) { jw_cstr(w, s && *s ? s : NULL); }
+
 /* A number that may be unknown: null when it is. */
 static void jw_int_or_null(jwriter *w, int known, long long v) {
     if (known) jw_int(w, v);
@@ -1935,6 +1939,8 @@ typedef struct {
     long long tok[NTOK];      /* its usage; [TOK_IN] -1: none (refused before dispatch) */
     int64_t cost;             /* micro-USD; -1: unknown */
     int estimated;            /* the cost is ltg's estimate (README "Cost") */
+    /* an inference call's W3C trace (README "Trace context"): its id, its flags; "" none */
+    char trace_id[33], trace_flags[3];
 } req_facts;
 
 struct conn {
@@ -6614,7 +6620,7 @@ static void compact_step(int64_t now) {
             (long long)LOG.f.size);
 }
 
-/* ===== 14. The ledger: daily segments, index files, retention =====
+/* ===== 14. The ledger: daily segments, index files, retention, the chain =====
  *
  * IMPLEMENTATION NOTES
  * Every inference request that reached dispatch or the cache leaves one
@@ -6681,6 +6687,17 @@ static void compact_step(int64_t now) {
  * period it belongs to, and the day it runs to), so its spend never
  * shrinks; a group without a budget shows only the days kept.
  *
+ * The chain (--ledger-key-env; README "An auditable ledger"): a day begun
+ * with a key is chained. Its log's first record is its link -- the head of
+ * the chain it continues (the newest chained day's last event's chain, or
+ * 32 zero bytes, the seed) -- and each of its events ends with its chain,
+ * HMAC-SHA-256 of the chain before it and the record's own bytes up to it
+ * (chain_of). So each day can be checked alone from its link, and the days
+ * against each other (`ltg verify`, at the end of this section). A day is
+ * chained from its first record or not at all: a key given mid-day chains
+ * the next day on. The index file's chunks carry the day's link and its
+ * head after them, so GET /spend/chain reads no log.
+ *
  * A failed write or fsync keeps the events in memory (section 13) and
  * ledger_writable() says so: inference then refuses new requests with 503
  * before dispatch, since nothing may be served that cannot be metered, and
@@ -6689,7 +6706,7 @@ static void compact_step(int64_t now) {
  * limit only by the requests already in flight), tried again every 10 s.
  */
 #define SEG_MAGIC "LTGSEG1\n"
-#define IDX_MAGIC "LTGIDX4\n"       /* 4: a file of chunks (1-3, one index a file, are rebuilt) */
+#define IDX_MAGIC "LTGIDX5\n"       /* 5: chunks that carry the chain (1-4 are rebuilt) */
 #define LEDGER_V1_MAGIC "LTGLED1\n"      /* DATA/ledger.log of earlier versions, migrated once */
 #define DAY_MS 86400000LL
 #define LEDGER_SYNC_MS 20
@@ -6698,12 +6715,14 @@ static void compact_step(int64_t now) {
 #define REC_HEAD_V1 104                  /* a record's head before the token classes */
 #define REC_HEAD 120
 #define REC_HEAD_V3 136                  /* ... and the stream id */
+#define CHAIN_LEN 32                     /* an HMAC-SHA-256 */
+#define LINK_LEN 48                      /* the record that begins a chained day */
 #define IDX_ENDIAN 0x01020304u
 
 enum { EV_SUCCEEDED, EV_FAILED, EV_PARTIAL, EV_ABANDONED };
 static const char *const ev_status_names[] = {"succeeded", "failed", "partial", "abandoned"};
-/* EVF_ESTIMATED: usage_status "estimated" */
-enum { EVF_CACHE_HIT = 1, EVF_REPLAY = 2, EVF_ESTIMATED = 4 };
+/* EVF_ESTIMATED: usage_status "estimated"; EVF_CHAINED: the record ends with its chain */
+enum { EVF_CACHE_HIT = 1, EVF_REPLAY = 2, EVF_ESTIMATED = 4, EVF_CHAINED = 8 };
 
 static void put_le64(uint8_t *p, uint64_t v) {
     put_le32(p, (uint32_t)v);
@@ -6723,7 +6742,9 @@ static uint64_t get_le64(const uint8_t *p) { return get_le32(p) | (uint64_t)get_
  * Version 1 (before the token classes) has no [104..120): its classes read
  * as 0, and everything else as version 2. Version 3 is an event of the
  * cluster's shared ledger (section 20): [120] its id in the stream
- * ltg:events (ms, then sequence; u64 LE), then the alias at [136]. */
+ * ltg:events (ms, then sequence; u64 LE), then the alias at [136]. A
+ * chained record (EVF_CHAINED) ends with its chain: 32 bytes after the
+ * replay record. */
 typedef struct {
     int64_t at, charged;
     uint32_t tok[NTOK];
@@ -6731,6 +6752,7 @@ typedef struct {
     const char *key, *group, *model, *event, *replay;
     size_t model_len, event_len, replay_len;
     uint64_t sid[2];            /* version 3: its stream id; {0, 0} otherwise */
+    const uint8_t *chain;       /* EVF_CHAINED: its last CHAIN_LEN bytes; else NULL */
 } rec_view;
 
 /* Where each token class is in the head. */
@@ -6757,8 +6779,9 @@ static int rec_decode(const char *p, size_t n, rec_view *v) {
     const uint8_t *h = (const uint8_t *)p;
     size_t head = n < 1 ? 1 : h[0] == 1 ? REC_HEAD_V1 : h[0] == 3 ? REC_HEAD_V3 : REC_HEAD;
     if (n < head || h[0] < 1 || h[0] > 3 || h[1] > EV_ABANDONED ||
-        h[2] > (EVF_CACHE_HIT | EVF_REPLAY | EVF_ESTIMATED))
+        h[2] > (EVF_CACHE_HIT | EVF_REPLAY | EVF_ESTIMATED | EVF_CHAINED))
         return LTG_ERR;
+    size_t tail = h[2] & EVF_CHAINED ? CHAIN_LEN : 0;
     *v = (rec_view){.at = (int64_t)get_le64(h + 16),
                     .charged = (int64_t)get_le64(h + 24),
                     .status = h[1],
@@ -6768,19 +6791,50 @@ static int rec_decode(const char *p, size_t n, rec_view *v) {
     if (h[0] == 3) v->sid[0] = get_le64(h + 120), v->sid[1] = get_le64(h + 128);
     v->model_len = h[3];
     v->event_len = get_le32(h + 12);
-    if (head + v->model_len + v->event_len > n) return LTG_ERR;
+    if (head + v->model_len + v->event_len + tail > n) return LTG_ERR;
     v->key = p + 32;
     v->group = p + 68;
     v->model = p + head;
     v->event = v->model + v->model_len;
     v->replay = v->event + v->event_len;
-    v->replay_len = n - head - v->model_len - v->event_len;
+    v->replay_len = n - head - v->model_len - v->event_len - tail;
+    v->chain = tail ? h + n - CHAIN_LEN : NULL;
     for (int i = 32; i < 104; i++) /* two ids: hex digits and dashes */
         if (!isxdigit(h[i]) && h[i] != '-') return LTG_ERR;
     if (!v->model_len || memchr(v->model, 0, v->model_len) || v->charged < 0 ||
         v->charged > MAX_CHARGE)
         return LTG_ERR;
     return (v->flags & EVF_REPLAY) && !v->replay_len ? LTG_ERR : 0;
+}
+
+/* ---- the chain (README "An auditable ledger") ---- */
+
+/* An event's chain: HMAC-SHA-256, under the ledger's key, of the chain
+ * before it and of its record's bytes up to its own chain. */
+static void chain_of(const br_hmac_key_context *key, const uint8_t prev[CHAIN_LEN], const void *p,
+                     size_t n, uint8_t out[CHAIN_LEN]) {
+    br_hmac_context h;
+    br_hmac_init(&h, key, 0);
+    br_hmac_update(&h, prev, CHAIN_LEN);
+    br_hmac_update(&h, p, n);
+    br_hmac_out(&h, out);
+}
+
+/* A chained day's first record, its link: [0] 0 (no event's version)
+ * [8] the day whose chain it continues (its midnight, i64 LE; 0: none,
+ * the seed) [16] that chain's head, or 32 zero bytes, the seed. */
+static void link_encode(buf *out, int64_t day, const uint8_t head[CHAIN_LEN]) {
+    uint8_t l[LINK_LEN] = {0};
+    put_le64(l + 8, (uint64_t)day);
+    memcpy(l + 16, head, CHAIN_LEN);
+    buf_append(out, l, sizeof l);
+}
+
+static int link_decode(const char *p, size_t n, int64_t *day, uint8_t head[CHAIN_LEN]) {
+    if (n != LINK_LEN || p[0] != 0) return LTG_ERR;
+    *day = (int64_t)get_le64((const uint8_t *)p + 8);
+    memcpy(head, p + 16, CHAIN_LEN);
+    return 0;
 }
 
 /* ---- a day's index: the events in memory ---- */
@@ -6958,11 +7012,13 @@ static const size_t sec_elem[NSEC] = {
 typedef struct {
     char magic[8];
     uint32_t endian, nevents;
-    uint32_t first, unused;     /* the day's number of its first event */
+    uint32_t first;             /* the day's number of its first event */
+    uint32_t chained;           /* the day is chained: its link, and the chain after this chunk */
     int64_t day, last_at;
     uint64_t log_from, log_to;  /* the log bytes its events' records fill */
     uint64_t end;               /* where in the file the chunk ends: the next one begins */
     uint64_t sec[NSEC][2];      /* each section's place in the file, and its length */
+    uint8_t link[CHAIN_LEN], head[CHAIN_LEN];
     uint32_t crc;               /* of the chunk's bytes after its head */
     uint32_t head_crc;          /* of the head before this field */
 } idx_header;
@@ -6977,6 +7033,9 @@ typedef struct {
     /* a chunk could not be written: said once, tried again at retry_at */
     int idx_failing;
     int64_t retry_at;           /* (S.now) */
+    /* a chained day: the head its link continues, and its newest chained event's chain */
+    int chained;
+    uint8_t link[CHAIN_LEN], head[CHAIN_LEN];
 } segment;
 
 static struct {
@@ -6985,6 +7044,8 @@ static struct {
     int nseg, cap;
     /* the latest event's created_at: the ledger's time never goes back */
     int64_t last_at;
+    int keyed;                  /* --ledger-key-env: new days are chained with this key */
+    br_hmac_key_context key;
 } LG;
 
 static int64_t day_of(int64_t ms) { return ms - ((ms % DAY_MS) + DAY_MS) % DAY_MS; }
@@ -7051,6 +7112,13 @@ static void seg_index(segment *s, const rec_view *v, uint64_t off, uint32_t len)
 static int seg_apply(void *ctx, const char *p, size_t n, off_t at, char *why, size_t whylen) {
     segment *s = ctx;
     rec_view v;
+    int64_t day;
+    /* the first record (past the magic and its frame) may be the link of a chained day */
+    if (at == 16 && link_decode(p, n, &day, s->link) == 0) {
+        s->chained = 1;
+        memcpy(s->head, s->link, CHAIN_LEN);
+        return 0;
+    }
     if (rec_decode(p, n, &v) < 0) {
         snprintf(why, whylen, "not a spend event record");
         return LTG_ERR;
@@ -7058,6 +7126,7 @@ static int seg_apply(void *ctx, const char *p, size_t n, off_t at, char *why, si
     int64_t first = seg_last_at(s);
     v.at = v.at < first ? first : v.at >= s->day + DAY_MS ? s->day + DAY_MS - 1 : v.at;
     seg_index(s, &v, (uint64_t)at, (uint32_t)n);
+    if (v.chain && s->chained) memcpy(s->head, v.chain, CHAIN_LEN);
     return 0;
 }
 
@@ -7078,6 +7147,9 @@ static void seg_add_chunk(segment *s, const idx_header *h) {
         s->chunk = xrealloc(s->chunk, s->chunk_cap * sizeof *s->chunk);
     }
     s->chunk[s->nchunk++] = *h;
+    s->chained = (int)h->chained;
+    memcpy(s->link, h->link, CHAIN_LEN);
+    memcpy(s->head, h->head, CHAIN_LEN);
 }
 
 /* Writes an index file through a buffer, summing its CRC. */
@@ -7217,8 +7289,11 @@ static int idx_write(segment *s) {
                     .nevents = m->n,
                     .first = seg_chunked(s),
                     .day = s->day,
-                    .last_at = seg_last_at(s)};
+                    .last_at = seg_last_at(s),
+                    .chained = (uint32_t)s->chained};
     memcpy(h.magic, IDX_MAGIC, 8);
+    memcpy(h.link, s->link, CHAIN_LEN);
+    memcpy(h.head, s->head, CHAIN_LEN);
     h.log_from = s->nchunk ? s->chunk[s->nchunk - 1].log_to : 8;
     h.log_to = m->n ? m->ix[m->n - 1].off + m->ix[m->n - 1].len : h.log_from;
     idx_out o = {.fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC | (at ? 0 : O_TRUNC), 0600),
@@ -7734,9 +7809,37 @@ static void rec_stamp(buf *p, const rec_view *v) {
     if (at && strlen(ts) == 24 && at + 24 < e + v->event_len && at[24] == '"') memcpy(at, ts, 24);
 }
 
+/* The chain's head: the newest chained day's (and that day), or the seed. */
+static const uint8_t *chain_head(int64_t *day) {
+    static const uint8_t seed[CHAIN_LEN];
+    for (int i = LG.nseg - 1; i >= 0; i--)
+        if (LG.seg[i]->chained) {
+            *day = LG.seg[i]->day;
+            return LG.seg[i]->head;
+        }
+    *day = 0;
+    return seed;
+}
+
+/* Chain the new day s: its first record links it to the chain's head. */
+static void chain_begin(segment *s) {
+    int64_t day;
+    const uint8_t *head = chain_head(&day);
+    const char *why;
+    buf l = {0};
+    link_encode(&l, day, head);
+    if (log_append(&s->f, l.p, l.len, 0, &why) == 0) {
+        s->chained = 1;
+        memcpy(s->link, head, CHAIN_LEN);
+        memcpy(s->head, head, CHAIN_LEN);
+    }
+    buf_free(&l);
+}
+
 /* Append one event (v, whose time is set here: `now`, or the last event's
  * if the clock went back, and never in a day already sealed). Returns
- * where its record went, for a replay. */
+ * where its record went, for a replay. With a key, a new day begins with
+ * its link, and each event of a chained day ends with its chain. */
 static int ledger_add(rec_view *v, int64_t now, int64_t *day, uint64_t *off, uint32_t *len) {
     const segment *last = LG.nseg ? LG.seg[LG.nseg - 1] : NULL;
     int64_t floor = !last ? 0 : last->state == SEG_OPEN ? LG.last_at : last->day + DAY_MS;
@@ -7751,9 +7854,16 @@ static int ledger_add(rec_view *v, int64_t now, int64_t *day, uint64_t *off, uin
         ltg_log("ledger: a charge of %lld micro-USD recorded as %lld, the most one event may hold",
                 (long long)v->charged, MAX_CHARGE);
     if (v->charged > MAX_CHARGE) v->charged = MAX_CHARGE;
+    if (LG.keyed && !s->chained && s->f.size == 8) chain_begin(s);
+    v->flags = (uint8_t)((v->flags & ~EVF_CHAINED) | (LG.keyed && s->chained ? EVF_CHAINED : 0));
     buf p = {0};
+    uint8_t chain[CHAIN_LEN];
     rec_encode(&p, v);
     rec_stamp(&p, v);
+    if (v->flags & EVF_CHAINED) {
+        chain_of(&LG.key, s->head, p.p, p.len, chain);
+        buf_append(&p, chain, CHAIN_LEN);
+    }
     rec_view back;
     const char *why = "a record its own reader would refuse (a bug: see the log)";
     *day = s->day;
@@ -7764,6 +7874,7 @@ static int ledger_add(rec_view *v, int64_t now, int64_t *day, uint64_t *off, uin
     if (rc < 0) ltg_log("ledger: an event was not recorded: %s", why);
     else {
         seg_index(s, v, *off, *len);
+        if (v->flags & EVF_CHAINED) memcpy(s->head, chain, CHAIN_LEN);
         metric_add(M_LEDGER, 1, NULL);
         ledger_sync_soon();
     }
@@ -8036,18 +8147,25 @@ static int64_t *dir_logs(const char *dir, int (*name)(const char *, const char *
     return v;
 }
 
-/* A day's segment, YYYY-MM-DD.log, by its midnight; a .tmp file an
- * interrupted write left goes. */
+/* A day's log by its name, YYYY-MM-DD.log by its midnight (`ltg verify` reads
+ * with it: it changes nothing). */
+static int day_log_name(const char *dir, const char *file, int64_t *ms) {
+    char day[16];
+    (void)dir;
+    if (strlen(file) != 14 || strcmp(file + 10, ".log") != 0) return 0;
+    snprintf(day, sizeof day, "%.10s", file);
+    return parse_day(day, ms) == 0;
+}
+
+/* The same, where ltg starts: a .tmp file an interrupted write left goes. */
 static int seg_name(const char *dir, const char *file, int64_t *ms) {
-    char day[16], path[320];
+    char path[320];
     size_t n = strlen(file);
     if (n > 4 && strcmp(file + n - 4, ".tmp") == 0) {
         snprintf(path, sizeof path, "%s/%.60s", dir, file);
         unlink(path);
     }
-    if (n != 14 || strcmp(file + 10, ".log") != 0) return 0;
-    snprintf(day, sizeof day, "%.10s", file);
-    return parse_day(day, ms) == 0;
+    return day_log_name(dir, file, ms);
 }
 
 /* ---- start-up ---- */
@@ -8092,6 +8210,30 @@ static int ledger_open(const char *data, int64_t now, char *err, size_t errlen) 
     while (LG.nseg && LG.seg[0]->state == SEG_SEALED &&
            LG.seg[0]->day < ledger_retained_from(now) && ledger_retire(LG.seg[0], now) == 0) {
     }
+    const segment *o = seg_open();
+    if (o && o->chained && !LG.keyed)
+        ltg_log("warning: ledger: %s is chained, and ltg runs without --ledger-key-env: its "
+                "events from now on carry no chain, and `ltg verify` will report the day broken "
+                "at the first of them",
+                o->f.path);
+    if (o && !o->chained && LG.keyed && o->f.size > 8)
+        ltg_log("ledger: %s began without the chain and stays so: the chain begins with the next "
+                "day's log",
+                o->f.path);
+    return 0;
+}
+
+/* --ledger-key-env VAR: the chain's key, the variable's bytes (32 at least). */
+static int ledger_key(const char *var, br_hmac_key_context *key, char *err, size_t errlen) {
+    const char *k = getenv(var);
+    size_t n = k ? strlen(k) : 0;
+    if (n < 32) {
+        snprintf(err, errlen,
+                 "--ledger-key-env %.64s: %s (make one with: head -c 32 /dev/urandom | base64)",
+                 var, n ? "the key is shorter than 32 bytes" : "the variable is not set, or empty");
+        return LTG_ERR;
+    }
+    br_hmac_key_init(key, &br_sha256_vtable, k, n);
     return 0;
 }
 
@@ -8123,6 +8265,16 @@ typedef struct {
     uint32_t snap_n;            /* and the first snap_n of that day */
 } ledger_query;
 
+/* An event as the API shows it: its JSON, with its chain when it has one. */
+static void event_json(jwriter *w, const rec_view *rv) {
+    size_t n = rv->event_len;
+    if (!rv->chain || n < 2 || rv->event[n - 1] != '}') { jw_raw(w, rv->event, n); return; }
+    char hex[2 * CHAIN_LEN + 1];
+    hex_encode(rv->chain, CHAIN_LEN, hex);
+    jw_raw(w, rv->event, n - 1);
+    buf_printf(w->out, ",\"chain\":\"%s\"}", hex);
+}
+
 /* The events of q, from the skip-th on, at most `size` of them, into w;
  * returns how many q has in all. */
 static size_t ledger_page(const ledger_query *q, size_t skip, size_t size, jwriter *w) {
@@ -8152,7 +8304,7 @@ static size_t ledger_page(const ledger_query *q, size_t skip, size_t size, jwrit
                      n > 0 && r < n && total + (size_t)r < skip + size; r++)
                     if (view_pos(&v, (uint64_t)r, &pos) == 0 &&
                         view_record(&v, pos, &rec, &rv) == 0)
-                        jw_raw(w, rv.event, rv.event_len);
+                        event_json(w, &rv);
                 if (n > 0) total += (size_t)n;
             }
         view_close(&v);
@@ -8269,6 +8421,186 @@ static void ledger_replays(int64_t since, void (*fn)(const rec_view *rv, int64_t
         view_close(&v);
     }
     buf_free(&rec);
+}
+
+/* ---- ltg verify: the chain, checked offline ----
+ *
+ * `ltg verify --data DIR [--ledger-key-env VAR] [--from DAY] [--head
+ * DAY:HEX]...` reads DIR/ledger's logs as a replay does, a day at a time
+ * through one buffer, and changes nothing: its memory does not grow with
+ * the history. Each chained day's events are chained again from its link
+ * and compared with the chains they carry; each link with the head of the
+ * chained day before it; each head given with the chain as it stands at
+ * the end of that day. One line per day; exit 0 only when all verify. */
+
+typedef struct {
+    br_hmac_key_context key;
+    int keyed;
+    int chained;                /* a chained day verified last: head is where it ends */
+    uint8_t head[CHAIN_LEN];
+    int64_t head_day;
+    char last[128];             /* its last event, "event ID at offset N" */
+    struct { int64_t day; uint8_t head[CHAIN_LEN]; int done; } *given; /* --head */
+    int ngiven, failed;
+} verifier;
+
+/* "event ID at offset N" of the record p (payload n bytes) framed at off. */
+static void verify_what(const char *p, size_t n, off_t off, char *out, size_t cap) {
+    rec_view v;
+    const char *k = rec_decode(p, n, &v) == 0 ? memmem(v.event, v.event_len, "\"id\":\"", 6) : NULL;
+    const char *e = k ? memchr(k + 6, '"', v.event_len - (size_t)(k + 6 - v.event)) : NULL;
+    if (e && e - k < 70) snprintf(out, cap, "event %.*s at offset %lld", (int)(e - k - 6), k + 6, (long long)off);
+    else snprintf(out, cap, "the record at offset %lld", (long long)off);
+}
+
+static void verify_hex(const uint8_t *h, char out[2 * CHAIN_LEN + 1]) { hex_encode(h, CHAIN_LEN, out); }
+
+/* A day's link (continuing day lday's head) against the chain so far:
+ * why is set when it does not continue it; note says where a chain begins. */
+static void verify_begin(verifier *V, const char *path, int64_t lday, const uint8_t *lhead,
+                         char *note, size_t notecap, char *why, size_t cap) {
+    char ld[64] = "the seed", vd[64], a[2 * CHAIN_LEN + 1], b[2 * CHAIN_LEN + 1];
+    if (!V->keyed) {
+        fprintf(stderr, "ltg verify: %s is chained: give its key with --ledger-key-env VAR\n",
+                path);
+        exit(2);
+    }
+    if (lday) iso_time(lday, ld);
+    if (!V->chained) {
+        snprintf(note, notecap, lday ? " (continues %.10s's head, not verified here)"
+                                     : " (the chain begins here, from the seed)", ld);
+        return;
+    }
+    if (memcmp(lhead, V->head, CHAIN_LEN) == 0) return;
+    iso_time(V->head_day, vd);
+    verify_hex(lhead, a), verify_hex(V->head, b);
+    if (lday == V->head_day)
+        snprintf(why, cap, "its link continues %.10s's head %.16s..., but %.10s ends at %.16s... "
+                 "after its %s: %.10s was truncated or changed", ld, a, vd, b, V->last, vd);
+    else
+        snprintf(why, cap, "its link continues %.10s%s, but the chained day before it here is "
+                 "%.10s: %s", ld, lday ? "'s head" : "", vd,
+                 lday > V->head_day ? "a day between them is missing" : "it was changed");
+}
+
+/* The heads given for days before `before` (with `before` itself: at),
+ * against the chain as it stands. */
+static void verify_given(verifier *V, int64_t before, int at, const uint8_t *head) {
+    for (int i = 0; i < V->ngiven; i++) {
+        if (V->given[i].done || V->given[i].day > before || (!at && V->given[i].day == before))
+            continue;
+        char d[64], a[2 * CHAIN_LEN + 1], b[2 * CHAIN_LEN + 1];
+        const uint8_t *h = at && V->given[i].day == before ? head : V->chained ? V->head : NULL;
+        V->given[i].done = 1;
+        iso_time(V->given[i].day, d);
+        verify_hex(V->given[i].head, a);
+        if (h && memcmp(h, V->given[i].head, CHAIN_LEN) == 0) {
+            printf("%.10s head %s matches the head given\n", d, a);
+            continue;
+        }
+        V->failed++;
+        if (!h) printf("%.10s FAILED: the head %.16s... is given, but no verified chain reaches "
+                       "the day here\n", d, a);
+        else {
+            verify_hex(h, b);
+            printf("%.10s FAILED: the head given is %.16s..., the ledger here ends the day at "
+                   "%.16s... (after its %s): events were removed or changed\n", d, a, b, V->last);
+        }
+    }
+}
+
+/* One day being verified: where its chain stands, and what went wrong. */
+typedef struct {
+    const char *path;
+    int chained;                /* its link began a chain */
+    long long events;
+    uint8_t cur[CHAIN_LEN];     /* the chain after its last event verified */
+    char what[128], why[512], note[160];
+} vday;
+
+/* One whole record of the day (payload p of len bytes, framed at off). */
+static void verify_record(verifier *V, vday *D, const char *p, uint32_t len, off_t off) {
+    rec_view rv;
+    int64_t lday;
+    uint8_t want[CHAIN_LEN];
+    verify_what(p, len, off, D->what, sizeof D->what);
+    if (off == 8 && link_decode(p, len, &lday, D->cur) == 0) {
+        verify_begin(V, D->path, lday, D->cur, D->note, sizeof D->note, D->why, sizeof D->why);
+        D->chained = !D->why[0];
+        return;
+    }
+    if (rec_decode(p, len, &rv) < 0)
+        snprintf(D->why, sizeof D->why, "%s is not a spend event", D->what);
+    else if (!D->chained != !rv.chain)
+        snprintf(D->why, sizeof D->why, "%s %s", D->what,
+                 D->chained ? "carries no chain in a chained day"
+                            : "carries a chain in a day without a link");
+    else if (D->chained) {
+        chain_of(&V->key, D->cur, p, len - CHAIN_LEN, want);
+        if (memcmp(want, rv.chain, CHAIN_LEN) != 0)
+            snprintf(D->why, sizeof D->why, "%s does not verify: it was changed, an event "
+                     "before it was removed or moved, or the key is not this ledger's", D->what);
+        memcpy(D->cur, want, CHAIN_LEN);
+    }
+    if (D->why[0]) return;
+    D->events++;
+    memcpy(V->last, D->what, sizeof V->last);
+}
+
+/* Verify one day's log, framed as replay reads it, and print its line. */
+static void verify_day(verifier *V, const char *dir, int64_t day, int newest) {
+    char path[320], d[64], hex[2 * CHAIN_LEN + 1];
+    vday D = {.path = path};
+    seg_path(day, ".log", dir, path, sizeof path);
+    iso_time(day, d);
+    verify_given(V, day, 0, NULL);
+    buf b = {0};
+    off_t base = 0, off = 8, end = 0;
+    struct stat st;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    const uint8_t *h = fd < 0 || fstat(fd, &st) < 0 ? NULL : log_bytes(fd, &b, &base, 0, 8);
+    if (!h || memcmp(h, SEG_MAGIC, 8) != 0)
+        snprintf(D.why, sizeof D.why, "%s: %s", path, h ? "not a ledger log" : strerror(errno));
+    else end = st.st_size;
+    while (!D.why[0] && off < end) {
+        off_t left = end - off;
+        h = left >= 8 ? log_bytes(fd, &b, &base, off, 8) : NULL;
+        uint32_t len = h ? get_le32(h) : 0;
+        const uint8_t *r = !h || len > LOG_MAX_RECORD || (off_t)len > left - 8
+                                   ? NULL
+                                   : log_bytes(fd, &b, &base, off, 8 + (size_t)len);
+        int bad_sum = r && crc32(r + 8, len) != get_le32(r + 4);
+        if (newest && (!r || (bad_sum && off + 8 + (off_t)len == end))) { /* as replay sees it */
+            snprintf(D.note, sizeof D.note, " (a torn last record at offset %lld, a crash "
+                     "mid-write: ltg cuts it off at its next start)", (long long)off);
+            break;
+        }
+        if (!r)
+            snprintf(D.why, sizeof D.why, "a record cut short at offset %lld: the day was "
+                     "truncated", (long long)off);
+        else if (bad_sum) {
+            verify_what((const char *)r + 8, len, off, D.what, sizeof D.what);
+            snprintf(D.why, sizeof D.why, "%s fails its checksum: it was changed", D.what);
+        } else verify_record(V, &D, (const char *)r + 8, len, off);
+        off += 8 + (off_t)len;
+    }
+    if (fd >= 0) close(fd);
+    buf_free(&b);
+    if (!D.why[0] && !D.chained && V->chained)
+        snprintf(D.why, sizeof D.why, "no chain (%lld events) after chained days: the chain "
+                 "stops here", D.events);
+    if (D.why[0]) {
+        printf("%.10s FAILED: %s\n", d, D.why);
+        V->failed++;
+        V->chained = 0; /* what follows is verified on its own */
+    } else if (D.chained) {
+        verify_hex(D.cur, hex);
+        printf("%.10s ok %lld events, head %s%s\n", d, D.events, hex, D.note);
+        V->chained = 1;
+        memcpy(V->head, D.cur, CHAIN_LEN);
+        V->head_day = day;
+    } else printf("%.10s no chain: %lld events%s\n", d, D.events, D.note);
+    verify_given(V, day, 1, D.why[0] || !D.chained ? NULL : D.cur);
 }
 
 /* ===== 15. Budgets and rate limits, the cache, idempotent inference =====
@@ -9556,6 +9888,54 @@ static void usage_summary(conn *c, const admin_who *who, const char *id, const s
     free(mu);
 }
 
+/* GET /spend/chain?date=YYYY-MM-DD (README "An auditable ledger"): the
+ * day's events and its chain's head -- after its last event, or for a day
+ * without events the head that went through it: the link of the next
+ * chained day, or the newest head. A day still open may grow. */
+static void spend_chain(conn *c, const admin_who *who, const char *id, const store_kind *K) {
+    (void)K, (void)who, (void)id;
+    char d[32];
+    int64_t day, now = wall_ms(), hday;
+    const char *ds = query_get(c, "date", NULL, d, sizeof d);
+    if (!ds || parse_day(ds, &day) < 0 || day > now) {
+        admin_error(c, 400, "invalid_request", NULL, 0,
+                    "date must be a day (YYYY-MM-DD) that has begun, UTC");
+        return;
+    }
+    if (day < ledger_retained_from(now)) {
+        admin_error(c, 404, "not_found", NULL, 0,
+                    "%s is older than the ledger keeps (--ledger-days %d)", ds, S.ledger_days);
+        return;
+    }
+    const segment *s = NULL, *next = NULL;
+    for (int i = LG.nseg - 1; i >= 0; i--) {
+        if (LG.seg[i]->day == day) s = LG.seg[i];
+        if (LG.seg[i]->day > day && LG.seg[i]->chained) next = LG.seg[i];
+    }
+    const uint8_t *newest = chain_head(&hday);
+    const uint8_t *head = s ? (s->chained ? s->head : NULL) : next ? next->link : hday ? newest : NULL;
+    if (!head) {
+        admin_error(c, 409, "not_chained", NULL, 0,
+                    LG.keyed ? "%s is not chained: it began before ltg had --ledger-key-env "
+                               "(the chain begins with the next day's log)"
+                             : "%s is not chained: ltg runs without --ledger-key-env",
+                    ds);
+        return;
+    }
+    char hex[2 * CHAIN_LEN + 1];
+    hex_encode(head, CHAIN_LEN, hex);
+    buf b = {0};
+    jwriter w;
+    jw_init(&w, &b), jw_open(&w, '{'), jw_key(&w, "data"), jw_open(&w, '{');
+    jw_key(&w, "date"), jw_time(&w, day, 1);
+    jw_key(&w, "events"), jw_int(&w, s ? seg_count(s) : 0);
+    jw_key(&w, "head"), jw_cstr(&w, hex);
+    jw_key(&w, "sealed"), jw_bool(&w, day_of(now) > day && (!s || s->state == SEG_SEALED));
+    jw_close(&w, '}'), jw_close(&w, '}');
+    admin_reply(c, 200, 0, 0, b.p, b.len);
+    buf_free(&b);
+}
+
 /* The control plane's endpoints: a path under API_PREFIX ("{id}" is one
  * segment), a method, the permission it needs, its handler, and the kind
  * of item it serves (NULL: none). */
@@ -9578,6 +9958,7 @@ static const admin_endpoint admin_endpoints[] = {
     {"PATCH", "/token_keys/{id}", PERM_KEYS_WRITE, item_update, &KEYS},
     {"DELETE", "/token_keys/{id}", PERM_KEYS_WRITE, item_delete, &KEYS},
     {"GET", "/spend/events", PERM_SPEND_READ, spend_events, NULL},
+    {"GET", "/spend/chain", PERM_SPEND_READ, spend_chain, NULL},
     {"GET", "/usage/summary", PERM_USAGE_READ, usage_summary, NULL},
 };
 
@@ -9611,7 +9992,7 @@ static void admin_route(conn *c) {
     if (!allow[0]) {
         admin_error(c, 404, "not_found", NULL, 0,
                     "no such endpoint (the control plane has /token_groups, /token_keys, "
-                    "/spend/events and /usage/summary)");
+                    "/spend/events, /spend/chain and /usage/summary)");
     } else if (!hit) {
         admin_error(c, 405, "method_not_allowed", NULL, 0, "use %s on %.100s", allow, path);
     } else if (admin_allowed(c, &who, hit->perm)) {
@@ -9821,6 +10202,7 @@ typedef struct {
     int estimated;
     int billed;           /* tok, cost and estimated are final */
     int pending;          /* it is being metered (meter_start) */
+    char span[17];        /* the span id its request's traceparent gave it ("" none) */
 } attempt_entry;
 
 struct exchange {
@@ -9861,6 +10243,8 @@ struct exchange {
     char pin_id[257];     /* ... that id ("" when none) */
     /* the client's, passed on to an Anthropic provider */
     char anthropic_version[64], anthropic_beta[256];
+    char tracestate[512];  /* the client's, passed on to every provider */
+    char trace_id[33], trace_flags[3], span[17]; /* its trace; the current attempt's span */
     /* the provider key of the current attempt (-1: none); keys refused during it */
     int key, key_tries;
     int detached;         /* idempotent, its client gone: it runs on alone */
@@ -10112,6 +10496,9 @@ static void exchange_build(exchange *x) {
                    x->anthropic_version[0] ? x->anthropic_version : "2023-06-01");
         if (x->anthropic_beta[0]) buf_printf(&x->req, "anthropic-beta: %s\r\n", x->anthropic_beta);
     } else if (key) buf_printf(&x->req, "Authorization: Bearer %s\r\n", key);
+    hex_encode((const uint8_t *)(uint64_t[]){rng_next()}, 8, x->span); /* a span per attempt */
+    buf_printf(&x->req, "traceparent: 00-%s-%s-%s\r\n", x->trace_id, x->span, x->trace_flags);
+    if (x->tracestate[0]) buf_printf(&x->req, "tracestate: %s\r\n", x->tracestate);
     buf_puts(&x->req, "\r\n");
     uint32_t at = 0; /* the body with its edits, straight into the request: no copy between */
     for (int i = 0; i < x->nedit; i++) {
@@ -10315,6 +10702,7 @@ static void exchange_attempts_json(exchange *x, jwriter *w) {
         jw_key(w, "status"), jw_int(w, e->status);
         jw_key(w, "outcome"), jw_cstr(w, outcome_name(e->outcome));
         jw_key(w, "ms"), jw_int(w, e->ms);
+        jw_key(w, "span_id"), jw_str_or_null(w, e->span);
         if (e->error[0]) {
             jw_key(w, "error"), jw_cstr(w, e->error);
         }
@@ -10350,7 +10738,9 @@ static void attempt_log(exchange *x, const attempt_plan *at, int status, attempt
                          0,
                          0,
                          skipped,
-                         0};
+                         0,
+                         ""};
+    if (!skipped) memcpy(e->span, x->span, sizeof e->span);
     if (why) snprintf(e->error, sizeof e->error, "%.99s", why);
 }
 
@@ -10473,6 +10863,7 @@ static void exchange_event_json(exchange *x, const model *m, const long long tok
     jw_key(&w, "id"), jw_cstr(&w, id);
     jw_key(&w, "record_type"), jw_cstr(&w, "spend_event");
     jw_key(&w, "request_id"), jw_cstr(&w, x->rid);
+    jw_key(&w, "trace_id"), jw_str_or_null(&w, x->trace_id);
     jw_key(&w, "created_at"), jw_cstr(&w, ts);
     jw_key(&w, "endpoint"), jw_cstr(&w, x->kind->path);
     jw_key(&w, "token_key_id"), jw_cstr(&w, x->key_id);
@@ -11797,6 +12188,9 @@ static exchange *exchange_new(admission *a) {
     x->nchain = a->nchain;
     conn_header(a->c, "anthropic-version", x->anthropic_version, sizeof x->anthropic_version);
     conn_header(a->c, "anthropic-beta", x->anthropic_beta, sizeof x->anthropic_beta);
+    conn_header(a->c, "tracestate", x->tracestate, sizeof x->tracestate);
+    memcpy(x->trace_id, a->c->f.trace_id, sizeof x->trace_id);
+    memcpy(x->trace_flags, a->c->f.trace_flags, sizeof x->trace_flags);
     /* "model": see exchange_build */
     x->edit[x->nedit++] = (body_edit){a->t[a->mv].start - 1, a->t[a->mv].end + 1, NULL};
     if (a->usage.text) {
@@ -12030,7 +12424,6 @@ static int access_flush(void) {
     return 0;
 }
 
-static void jw_str_or_null(jwriter *w, const char *s) { jw_cstr(w, s && *s ? s : NULL); }
 
 static void jw_ll_or_null(jwriter *w, long long v) {
     if (v < 0) jw_null(w);
@@ -12061,6 +12454,7 @@ static void request_ended(conn *c) {
     jw_open(&w, '{');
     jw_key(&w, "ts"), jw_time(&w, wall_ms() - ms, 0);
     jw_key(&w, "request_id"), jw_str_or_null(&w, c->rid);
+    jw_key(&w, "trace_id"), jw_str_or_null(&w, f->trace_id);
     char client[INET6_ADDRSTRLEN];
     inet_ntop(addr_is_v4(c->client) ? AF_INET : AF_INET6,
               addr_is_v4(c->client) ? c->client + 12 : c->client, client, sizeof client);
@@ -12359,6 +12753,30 @@ static const route_row *route_find(conn *c, char *rest, size_t cap) {
     return NULL;
 }
 
+/* An inference call's trace: its traceparent's (W3C Trace Context level 1:
+ * a version, a trace id and a parent id that are not all zeros, flags; a
+ * later version may add fields), or, without one that parses, a new trace. */
+static void trace_start(conn *c) {
+    char tp[128];
+    conn_header(c, "traceparent", tp, sizeof tp);
+    size_t n = strlen(tp);
+    int ok = n >= 55 && tp[2] == '-' && tp[35] == '-' && tp[52] == '-' &&
+             (n == 55 || (memcmp(tp, "00", 2) != 0 && tp[55] == '-')) && memcmp(tp, "ff", 2) != 0;
+    for (size_t i = 0; ok && i < 55; i++)
+        ok = i == 2 || i == 35 || i == 52 || isdigit((unsigned char)tp[i]) ||
+             (tp[i] >= 'a' && tp[i] <= 'f');
+    ok = ok && strspn(tp + 3, "0") < 32 && strspn(tp + 36, "0") < 16;
+    if (ok) {
+        memcpy(c->f.trace_id, tp + 3, 32);
+        memcpy(c->f.trace_flags, tp + 53, 2);
+    } else {
+        uint64_t r[2] = {rng_next(), rng_next() | 1}; /* never all zeros */
+        hex_encode((const uint8_t *)r, 16, c->f.trace_id);
+        memcpy(c->f.trace_flags, "00", 2);
+    }
+    c->f.trace_id[32] = c->f.trace_flags[2] = 0;
+}
+
 static void route(conn *c) {
     /* "req_%016llx%08llx", without printf: every request makes one */
     uint64_t r = rng_next(), seq = ++S.request_seq & 0xffffffff;
@@ -12372,6 +12790,7 @@ static void route(conn *c) {
     if (!c->admin && (!row || row->on == ON_INFERENCE)) {
         c->f.endpoint = !row ? "other" : row->kind ? row->kind->path : row->path;
         c->f.anthropic = row && row->kind && row->kind->api == API_ANTHROPIC;
+        if (row && row->kind) trace_start(c);
     }
     if (!row && c->admin) {
         admin_error(c, 404, "not_found", NULL, 0, "no such endpoint: the control plane is under "
@@ -14310,7 +14729,9 @@ static const char USAGE[] =
         "llm_token_gateway.metrics.read\n"
         "  --ledger-days N          days of spend events kept (default 90)\n"
         "  --ledger-index-mb N      memory for today's ledger index (default 16): past it, spilled "
-        "to its index file\n  --cache-mb N             memory for the response cache (default 64)\n"
+        "to its index file\n"
+        "  --ledger-key-env VAR     chain the ledger's events with the key in this environment "
+        "variable\n  --cache-mb N             memory for the response cache (default 64)\n"
         "  --max-conns N            inference connections (default 1024)\n"
         "  --max-conns-per-ip N     inference connections per client address (default a quarter of "
         "--max-conns)\n"
@@ -14336,9 +14757,66 @@ static const char USAGE[] =
         "Signals: SIGTERM/SIGINT drain and exit, SIGHUP reloads the catalog, SIGUSR1 reopens the "
         "access log.\n";
 
-static void usage(const char *why) {
-    fprintf(stderr, "ltg: %s\n%s", why, USAGE);
+static void usage(const char *text, const char *why) {
+    fprintf(stderr, "ltg: %s\n%s", why, text);
     exit(2);
+}
+
+static const char VERIFY_USAGE[] =
+        "usage: ltg verify --data DIR [--ledger-key-env VAR] [--from YYYY-MM-DD] "
+        "[--head YYYY-MM-DD:HEX]...\n"
+        "  checks the chain of DIR/ledger's spend events, offline: one line per day; exit 0 only\n"
+        "  when every day verifies and every head given (from GET /spend/chain) matches\n";
+
+static int verify_main(int argc, char **argv) {
+    verifier V = {0};
+    const char *data = NULL, *var = NULL;
+    char dir[300], err[512], why[128];
+    int64_t from = INT64_MIN, day;
+    for (int i = 2; i < argc; i += 2) {
+        const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        snprintf(why, sizeof why, "%.40s needs a value", o);
+        if (!v) usage(VERIFY_USAGE, why);
+        if (strcmp(o, "--data") == 0) data = v;
+        else if (strcmp(o, "--ledger-key-env") == 0) var = v;
+        else if (strcmp(o, "--from") == 0 && parse_day(v, &from) == 0) continue;
+        else if (strcmp(o, "--head") == 0 && strlen(v) == 11 + 2 * CHAIN_LEN && v[10] == ':') {
+            char d[11];
+            snprintf(d, sizeof d, "%.10s", v);
+            V.given = xrealloc(V.given, (size_t)(V.ngiven + 1) * sizeof *V.given);
+            V.given[V.ngiven].done = 0;
+            if (parse_day(d, &V.given[V.ngiven].day) < 0 ||
+                hex_decode(v + 11, 2 * CHAIN_LEN, V.given[V.ngiven].head) < 0)
+                usage(VERIFY_USAGE, "--head is YYYY-MM-DD:HEX, the day's head from GET /spend/chain");
+            V.ngiven++;
+        } else {
+            snprintf(why, sizeof why, "%.40s %.40s: %s", o, v,
+                     strcmp(o, "--from") == 0 ? "not a day (YYYY-MM-DD)"
+                     : strcmp(o, "--head") == 0 ? "not YYYY-MM-DD:HEX (64 hex digits)"
+                                                : "unknown option");
+            usage(VERIFY_USAGE, why);
+        }
+    }
+    if (!data) usage(VERIFY_USAGE, "--data DIR is required");
+    if ((V.keyed = var != NULL) && ledger_key(var, &V.key, err, sizeof err) < 0)
+        usage(VERIFY_USAGE, err);
+    snprintf(dir, sizeof dir, "%.200s/ledger", data);
+    struct stat st;
+    size_t n = 0;
+    int64_t *days = stat(dir, &st) == 0 ? dir_logs(dir, day_log_name, &n, err, sizeof err) : NULL;
+    if (!days) {
+        fprintf(stderr, "ltg verify: %s: %s\n", dir, errno ? strerror(errno) : err);
+        return 2;
+    }
+    long long verified = 0;
+    for (size_t i = 0; i < n; i++)
+        if ((day = days[i]) >= from) verify_day(&V, dir, day, i == n - 1), verified++;
+    verify_given(&V, INT64_MAX, 0, NULL);
+    if (V.failed) printf("FAILED: %d problem(s) in %lld day(s)\n", V.failed, verified);
+    else printf("verified: %lld day(s)\n", verified);
+    free(days);
+    free(V.given);
+    return V.failed ? 1 : 0;
 }
 
 /* The command line: each option a string, or a whole number in a range
@@ -14370,6 +14848,7 @@ static const option options[] = {
     {"--meter-abandoned-seconds", NULL, &S.meter_s, NULL, 0, 3600, 1, 0},
     {"--ledger-days", NULL, &S.ledger_days, NULL, 1, 3650, 1, 0},
     {"--ledger-index-mb", NULL, NULL, &S.ledger_index, 1, 4096, 1 << 20, 0},
+    {"--ledger-key-env", .str = &S.ledger_key_env},
 };
 
 /* The defaults, then the command line over them; exits 2 on a bad one. */
@@ -14385,12 +14864,12 @@ static void options_parse(int argc, char **argv) {
         while (k < sizeof options / sizeof *options && strcmp(options[k].name, argv[i]) != 0) k++;
         char why[256];
         snprintf(why, sizeof why, "unknown option %.200s", argv[i]);
-        if (k == sizeof options / sizeof *options) usage(why);
+        if (k == sizeof options / sizeof *options) usage(USAGE, why);
         const option *o = &options[k];
         if (o->flag) { *o->i = 1; continue; }
         const char *v = ++i < argc ? argv[i] : NULL;
         snprintf(why, sizeof why, "%s needs a value", o->name);
-        if (!v) usage(why);
+        if (!v) usage(USAGE, why);
         long long n;
         if (o->str) { *o->str = v; continue; }
         if (parse_ll(v, strlen(v), o->max, &n) < 0 || n < o->min) {
@@ -14402,7 +14881,7 @@ static void options_parse(int argc, char **argv) {
         else *o->ll = n * o->scale;
     }
     const char *why = CL.url ? cl_parse() : NULL;
-    if (why) usage(why);
+    if (why) usage(USAGE, why);
 }
 
 /* --data: made if missing, locked against a second ltg, the state log
@@ -14431,6 +14910,8 @@ static int state_open(char *err, size_t errlen) {
         return LTG_ERR;
     int64_t now = wall_ms();
     LOG.last_compaction = now;
+    LG.keyed = S.ledger_key_env != NULL;
+    if (LG.keyed && ledger_key(S.ledger_key_env, &LG.key, err, errlen) < 0) return LTG_ERR;
     if (ledger_open(S.data_dir, now, err, errlen) < 0) return LTG_ERR;
     if (CL.url && cl_outbox_open(S.data_dir, err, errlen) < 0) return LTG_ERR;
     budget_rebuild(now);
@@ -14504,11 +14985,12 @@ int main(int argc, char **argv) {
     char err[512];
     const char *why;
     START_TIME = (double)wall_ms() / 1000;
+    if (argc > 1 && strcmp(argv[1], "verify") == 0) return verify_main(argc, argv);
     options_parse(argc, argv);
     if (!S.config_path)
-        usage("--config FILE is required: the catalog of providers, models and admin keys");
+        usage(USAGE, "--config FILE is required: the catalog of providers, models and admin keys");
     if (!S.data_dir)
-        usage("--data DIR is required: the directory that keeps token groups, keys and the ledger");
+        usage(USAGE, "--data DIR is required: the directory that keeps token groups, keys and the ledger");
     if (access_open(err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
     if (S.trusted_proxies && trusted_parse(S.trusted_proxies, &why) < 0) {
         fprintf(stderr, "ltg: --trusted-proxies %s: %s\n", S.trusted_proxies, why);

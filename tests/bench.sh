@@ -1299,7 +1299,7 @@ TD1=$(date -u -d "$TDAY +1 day" +%F)
 TIDX=$T/today/ledger/$TDAY.idx
 [ -f "$TIDX" ] || die "tests/ledger-gen wrote no index file for $TDAY"
 TODAY_DISK=$(du -sb "$T/today/ledger" | cut -f1)
-idx_chunks() { grep -o -a -F 'LTGIDX4' "$1" | wc -l; } # every chunk begins with the magic
+idx_chunks() { grep -o -a -F 'LTGIDX5' "$1" | wc -l; } # every chunk begins with the magic
 TIDX_SIZE=$(stat -c %s "$TIDX") TCHUNKS=$(idx_chunks "$TIDX")
 start_timed "$ROOT/ltg" "$T/today" "$T/today.log"
 TP=$S_PORT TAP=$S_ADMIN TODAY_PID=$S_PID TODAY_START_MS=$S_MS

@@ -1342,9 +1342,9 @@ def t_ledger_torn():
 # ===== 9. a busy day: today's index spilled in chunks ==============================================
 
 def idx_chunks(path):
-    """The chunks of an index file: its LTGIDX4 magics (every chunk starts with one)."""
+    """The chunks of an index file: its LTGIDX5 magics (every chunk starts with one)."""
     with open(path, "rb") as f:
-        return f.read().count(b"LTGIDX4\n")
+        return f.read().count(b"LTGIDX5\n")
 
 
 def replayed_of(text, log_path):

@@ -17,6 +17,8 @@
  * each event, so the files are exactly ltg's: with --ledger-index-mb INDEX_MB
  * (default 16), the open day's index in memory is spilled to its index file
  * in sealed chunks as ltg spills it (synchronously, inside ledger_add()).
+ * With LEDGER_KEY in the environment, the days are chained with that key (as
+ * ltg --ledger-key-env LEDGER_KEY chains them).
  * Prints one group id and one key id for the benchmark's filtered queries
  * (group 3 and key 6, or the last of each when there are fewer).
  */
@@ -58,6 +60,7 @@ int main(int argc, char **argv) {
     options_default();
     S.ledger_index = (long long)index_mb << 20;
     S.ledger_days = 90, S.now = clock_ms();
+    if (getenv("LEDGER_KEY") && (LG.keyed = 1) && ledger_key("LEDGER_KEY", &LG.key, err, sizeof err) < 0) { fprintf(stderr, "ledger-gen: %s\n", err); return 2; }
     store_init();
     if (log_open(&LOG.f, data, "state.log", LOG_MAGIC, 0, store_apply, NULL, err, sizeof err) < 0) { fprintf(stderr, "ledger-gen: %s\n", err); return 1; }
     int64_t now = wall_ms(), start = days ? now - (int64_t)days * DAY_MS : day_of(now); /* DAYS 0: today, from its midnight */
