@@ -47,6 +47,9 @@
 #   BENCH_TRAFFIC_ROUNDS  its interleaved rounds (4)
 #   BENCH_TRAFFIC_SAME=1  give that base the same catalog, limits and budgets (a base that has them)
 #   BENCH_BASE      the git revision measured as "before" there (2a946e7; empty skips it)
+#   BENCH_CHAIN_BASE      the revision measured as "before" in the chained-ledger section
+#                         (60e14ca, before issue 25; empty skips the section)
+#   BENCH_CHAIN_ROUNDS    its interleaved rounds (4)
 #
 # The 1-connection runs are pinned (taskset) to one core, the same for both
 # sides: wrk, the mock and the proxy under test all on the last CPU.
@@ -356,6 +359,15 @@ launch_ltg() {
     done
     tail -20 "$T/$name.log" >&2
     die "$name did not start"
+}
+
+# build_at REV OUT: ltg.c and ltg.h of git revision REV built into OUT; 1 when this clone has no REV
+build_at() {
+    git -C "$ROOT" cat-file -e "$1^{commit}" 2>/dev/null || return 1
+    rm -rf "$T/src-$1" && mkdir -p "$T/src-$1"
+    git -C "$ROOT" archive "$1" ltg.c ltg.h | tar -x -C "$T/src-$1"
+    ${CC:-cc} -O2 -std=c11 -w -static -o "$2" "$T/src-$1/ltg.c" $(ls /usr/lib/*/libbearssl.a | head -n 1) -lm ||
+        die "building $1 failed"
 }
 
 start_ltg() {
@@ -972,11 +984,25 @@ fi
 # medians compared.
 TRAFFIC_BASE=${BENCH_TRAFFIC_BASE-b40c800}
 TRAFFIC_ROUNDS=${BENCH_TRAFFIC_ROUNDS:-4}
-if [ -n "$TRAFFIC_BASE" ] && git -C "$ROOT" cat-file -e "$TRAFFIC_BASE^{commit}" 2>/dev/null; then
-    rm -rf "$T/traffic-src" && mkdir -p "$T/traffic-src"
-    git -C "$ROOT" archive "$TRAFFIC_BASE" ltg.c ltg.h | tar -x -C "$T/traffic-src"
-    ${CC:-cc} -O2 -std=c11 -w -static -o "$T/ltg-before" "$T/traffic-src/ltg.c" $(ls /usr/lib/*/libbearssl.a | head -n 1) -lm ||
-        die "building $TRAFFIC_BASE failed"
+# interleave A B ROUNDS: ROUNDS rounds of a warm-up and a 64-connection run of each (URL, PID_OF
+# and LUA_OF[name] set), in the order A B, B A, A B... so that a drift of the machine (this VM's
+# throughput wanders by 20 % over minutes) falls on both; each one's requests/s into RUNS[name]
+declare -A RUNS=() LUA_OF=()
+interleave() {
+    local round n order
+    for round in $(seq "$3"); do
+        order="$1 $2"
+        [ $((round % 2)) = 0 ] && order="$2 $1"
+        for n in $order; do
+            LUA=${LUA_OF[$n]}
+            warm_up "$n"
+            measure "$n" "c64r$round" 2 64
+            RUNS[$n]="${RUNS[$n]:-} ${R[$n,c64r$round,rps]}"
+        done
+    done
+    LUA=$T/post.lua
+}
+if [ -n "$TRAFFIC_BASE" ] && build_at "$TRAFFIC_BASE" "$T/ltg-before"; then
     cat >"$T/ltg-traffic.json" <<EOF
 {
   "providers": { "mock": { "base_url": "$MOCK_URL/v1", "api_key_env": "LTG_BENCH_MOCK_KEY" } },
@@ -1013,25 +1039,14 @@ EOF
     write_lua "$T/post-before.lua" "$BEFORE_KEY"
     URL[ltg-traffic]=http://127.0.0.1:$TR_PORT URL[ltg-before]=http://127.0.0.1:$BEFORE_PORT
     PID_OF[ltg-traffic]=$TR_PID PID_OF[ltg-before]=$BEFORE_PID
-    declare -A TRAFFIC_LUA=([ltg-traffic]=$T/post-traffic.lua [ltg-before]=$T/post-before.lua)
-    declare -A TRAFFIC_RPS=()
+    LUA_OF[ltg-traffic]=$T/post-traffic.lua LUA_OF[ltg-before]=$T/post-before.lua
     s0=$(mock_stats)
-    for round in $(seq "$TRAFFIC_ROUNDS"); do
-        order="ltg-before ltg-traffic"
-        [ $((round % 2)) = 0 ] && order="ltg-traffic ltg-before"   # ABBA...: a drift of the machine falls on both alike
-        for n in $order; do
-            LUA=${TRAFFIC_LUA[$n]}
-            warm_up "$n"
-            measure "$n" "c64r$round" 2 64
-            TRAFFIC_RPS[$n]="${TRAFFIC_RPS[$n]:-} ${R[$n,c64r$round,rps]}"
-        done
-    done
-    LUA=$T/post.lua
+    interleave ltg-before ltg-traffic "$TRAFFIC_ROUNDS"
     s1=$(mock_stats)
     TR_A=$(($(mock_stat bench-mode1 "$s1") - $(mock_stat bench-mode1 "$s0")))
     TR_B=$(($(mock_stat bench-mode2 "$s1") - $(mock_stat bench-mode2 "$s0")))
     # shellcheck disable=SC2086
-    TR_BEFORE=$(median ${TRAFFIC_RPS[ltg-before]}) TR_NOW=$(median ${TRAFFIC_RPS[ltg-traffic]})
+    TR_BEFORE=$(median ${RUNS[ltg-before]}) TR_NOW=$(median ${RUNS[ltg-traffic]})
     TR_ERR=${R[ltg-traffic,c64r1,errs]}
     for round in $(seq "$TRAFFIC_ROUNDS"); do
         case ${R[ltg-traffic,c64r$round,errs]} in *=[1-9]*) ERRORS_SEEN=1; TR_ERR=${R[ltg-traffic,c64r$round,errs]} ;; esac
@@ -1049,11 +1064,53 @@ EOF
     echo
     echo "| metric | ltg-before | ltg-traffic | ratio |"
     echo "| --- | ---: | ---: | ---: |"
-    echo "| requests/s, 64 conns (median; the runs) | $TR_BEFORE (${TRAFFIC_RPS[ltg-before]# }) | $TR_NOW (${TRAFFIC_RPS[ltg-traffic]# }) | $(ratio "$TR_NOW" "$TR_BEFORE") |"
+    echo "| requests/s, 64 conns (median; the runs) | $TR_BEFORE (${RUNS[ltg-before]# }) | $TR_NOW (${RUNS[ltg-traffic]# }) | $(ratio "$TR_NOW" "$TR_BEFORE") |"
     echo "| requests to each deployment (warm-ups included) | | $TR_A : $TR_B | |"
     echo
     TRAFFIC_T=$(awk -v a="$TR_NOW" -v b="$TR_BEFORE" 'BEGIN {print (a >= 0.97 * b) ? 1 : 0}')
     kill "$BEFORE_PID" "$TR_PID" 2>/dev/null; wait "$BEFORE_PID" "$TR_PID" 2>/dev/null
+fi
+
+# ---------------------------------------------------------------- the chain
+# The chained ledger (issue 25): ltg-chained is this build with
+# --ledger-key-env (one HMAC-SHA-256 of each spend event's record);
+# ltg-unchained is BENCH_CHAIN_BASE (default 60e14ca, the build before the
+# issue) built here, the same catalog; interleaved as above. Then ltg verify
+# reads what ltg-chained wrote: its time per event.
+CHAIN_BASE=${BENCH_CHAIN_BASE-60e14ca}
+CHAIN_ROUNDS=${BENCH_CHAIN_ROUNDS:-4}
+LTG_BENCH_LEDGER_KEY=$(head -c 32 /dev/urandom | base64)
+export LTG_BENCH_LEDGER_KEY
+if [ -n "$CHAIN_BASE" ] && build_at "$CHAIN_BASE" "$T/ltg-unchained"; then
+    launch_ltg ltg-chained "$T/ltg.json" --ledger-key-env LTG_BENCH_LEDGER_KEY
+    CH_PID=$L_PID URL[ltg-chained]=http://127.0.0.1:$L_PORT PID_OF[ltg-chained]=$L_PID
+    provision_key "$L_ADMIN_PORT" CH_KEY
+    LTG_BIN=$T/ltg-unchained launch_ltg ltg-unchained "$T/ltg.json"
+    UN_PID=$L_PID URL[ltg-unchained]=http://127.0.0.1:$L_PORT PID_OF[ltg-unchained]=$L_PID
+    provision_key "$L_ADMIN_PORT" UN_KEY
+    write_lua "$T/post-chained.lua" "$CH_KEY"
+    write_lua "$T/post-unchained.lua" "$UN_KEY"
+    LUA_OF[ltg-chained]=$T/post-chained.lua LUA_OF[ltg-unchained]=$T/post-unchained.lua
+    interleave ltg-unchained ltg-chained "$CHAIN_ROUNDS"
+    # shellcheck disable=SC2086
+    CH_BEFORE=$(median ${RUNS[ltg-unchained]}) CH_NOW=$(median ${RUNS[ltg-chained]})
+    kill "$UN_PID" "$CH_PID" 2>/dev/null; wait "$UN_PID" "$CH_PID" 2>/dev/null
+    t0=$(now_ms)
+    "$ROOT/ltg" verify --data "$T/ltg-chained-data" --ledger-key-env LTG_BENCH_LEDGER_KEY >"$T/verify.out" 2>&1 ||
+        { tail -5 "$T/verify.out" >&2; die "ltg verify failed on ltg-chained's ledger"; }
+    V_MS=$(( $(now_ms) - t0 ))
+    V_EVENTS=$(awk '/ ok [0-9]+ events/ {n += $3} END {print n + 0}' "$T/verify.out")
+    echo "### the chained ledger (same run, interleaved)"
+    echo
+    echo "- ltg-unchained: $CHAIN_BASE (before issue 25); ltg-chained: this build with --ledger-key-env"
+    echo "- $CHAIN_ROUNDS rounds, each: ${WARM} s warm-up and ${SECS} s at 64 connections of each, in the order A B, B A, A B..."
+    echo
+    echo "| metric | ltg-unchained | ltg-chained | ratio |"
+    echo "| --- | ---: | ---: | ---: |"
+    echo "| requests/s, 64 conns (median; the runs) | $CH_BEFORE (${RUNS[ltg-unchained]# }) | $CH_NOW (${RUNS[ltg-chained]# }) | $(ratio "$CH_NOW" "$CH_BEFORE") |"
+    echo "| ltg verify of what ltg-chained wrote | | $V_EVENTS events in $V_MS ms ($(awk -v m="$V_MS" -v n="$V_EVENTS" 'BEGIN {printf "%.2f", n ? m * 1000 / n : 0}') µs each) | |"
+    echo
+    CHAIN_T=$(awk -v a="$CH_NOW" -v b="$CH_BEFORE" 'BEGIN {print (a >= 0.97 * b) ? 1 : 0}')
 fi
 
 # ---------------------------------------------------------------- targets
@@ -1088,6 +1145,7 @@ if [ "$CLUSTER" = 1 ]; then
 fi
 echo "- ltg peak RSS <= 15 MiB ($LIMIT_KB kB): $(verdict "$t3") (${R[ltg,hwm]} kB, with today's ledger index" \
      "of the events of these runs, up to --ledger-index-mb: 16 MiB by default)"
+[ -n "${CHAIN_T:-}" ] && echo "- the chained ledger: requests/s at 64 conns no lower than before issue 25 (>= 0.97x): $(verdict "$CHAIN_T") ($(ratio "$CH_NOW" "$CH_BEFORE"))"
 [ -n "${TRAFFIC_T:-}" ] && echo "- two deployments and limits on: requests/s at 64 conns no lower than before issue 15 (>= 0.97x, the run-to-run noise): $(verdict "$TRAFFIC_T") ($(ratio "$TR_NOW" "$TR_BEFORE"))"
 echo "- ltg errors under load (non-2xx, socket errors): $( [ "$ERRORS_SEEN" = 0 ] && echo none || echo "SEEN:${ERRORS_NOTE:- the check after the load failed}")"
 if [ "$TLS" = 1 ]; then
@@ -1196,10 +1254,10 @@ start_timed() {
 hist_ok() { verdict "$(awk "BEGIN {print ($1) ? 1 : 0}")"; }
 if [ "$HIST_N" -gt 0 ]; then
 t0=$(now_ms)
-read -r HGID HKID < <("$ROOT/tests/ledger-gen" "$T/history" "$HIST_N" 30 100) || die "tests/ledger-gen failed"
+read -r HGID HKID < <(LEDGER_KEY=$LTG_BENCH_LEDGER_KEY "$ROOT/tests/ledger-gen" "$T/history" "$HIST_N" 30 100) || die "tests/ledger-gen failed"
 GEN_S=$(( ($(now_ms) - t0) / 1000 ))
 HIST_DISK=$(du -sb "$T/history/ledger" | cut -f1)
-start_timed "$ROOT/ltg" "$T/history" "$T/history.log"
+start_timed "$ROOT/ltg" "$T/history" "$T/history.log" --ledger-key-env LTG_BENCH_LEDGER_KEY
 HP=$S_PORT HAP=$S_ADMIN HIST_PID=$S_PID HIST_START_MS=$S_MS
 HIST_PEAK=$(kb "$HIST_PID" VmHWM)
 HA="http://127.0.0.1:$HAP/v2/llm_token_gateway"
@@ -1221,13 +1279,19 @@ q_sum=$(time_query "/usage/summary?start_date=$DS&end_date=$D2")
 q_gsum=$(time_query "/usage/summary?start_date=$DS&end_date=$D2&token_group_id=$HGID")
 HIST_EVENTS=$(sed -n 's/.*ledger: \([0-9]*\) spend event(s).*/\1/p' "$T/history.log")
 kill "$HIST_PID" 2>/dev/null; wait "$HIST_PID" 2>/dev/null
+# ltg verify of the whole chained history (issue 25): its time, and its peak RSS where GNU time is
+t0=$(now_ms)
+if [ -x /usr/bin/time ]; then
+    /usr/bin/time -f %M -o "$T/verify-hist.rss" "$ROOT/ltg" verify --data "$T/history" --ledger-key-env LTG_BENCH_LEDGER_KEY >"$T/verify-hist.out" 2>&1
+else "$ROOT/ltg" verify --data "$T/history" --ledger-key-env LTG_BENCH_LEDGER_KEY >"$T/verify-hist.out" 2>&1; fi ||
+    { tail -5 "$T/verify-hist.out" >&2; die "ltg verify failed on the long history"; }
+HV_MS=$(( $(now_ms) - t0 )) HV_RSS=$(cat "$T/verify-hist.rss" 2>/dev/null || echo "?")
+HV_EVENTS=$(awk '/ ok [0-9]+ events/ {n += $3} END {print n + 0}' "$T/verify-hist.out")
 
 # before: BASE built here, on a ledger.log of BASE_N events in its format
 BASE_NOTE="not measured (BENCH_BASE empty)"
-if [ -n "$BASE" ] && git -C "$ROOT" cat-file -e "$BASE^{commit}" 2>/dev/null; then
-    rm -rf "$T/base-src" && mkdir -p "$T/base-src" "$T/base-data"
-    git -C "$ROOT" archive "$BASE" ltg.c ltg.h | tar -x -C "$T/base-src"
-    ${CC:-cc} -O2 -std=c11 -w -static -o "$T/base-ltg" "$T/base-src/ltg.c" $(ls /usr/lib/*/libbearssl.a | head -n 1) -lm || die "building $BASE failed"
+if [ -n "$BASE" ] && build_at "$BASE" "$T/base-ltg"; then
+    mkdir -p "$T/base-data"
     python3 - "$T/base-data/ledger.log" "$BASE_N" <<'PY'
 import json, struct, sys, uuid, zlib, datetime
 path, n = sys.argv[1], int(sys.argv[2])
@@ -1267,6 +1331,7 @@ echo "| --- | ---: | ---: | --- |"
 echo "| start-up to /healthz | ${B_START:-?} ms | $HIST_START_MS ms | <= 1000 ms: $(hist_ok "$HIST_START_MS <= 1000") |"
 echo "| peak RSS at start-up | ${B_PEAK:-?} kB | $HIST_PEAK kB | <= steady + 32 MiB: $(hist_ok "$HIST_PEAK <= $HIST_RSS + 32768") (steady $HIST_RSS kB) |"
 echo "| steady RssAnon (--cache-mb 16, after load) | ${B_ANON:-?} kB | $HIST_ANON kB | <= 64 MiB: $(hist_ok "$HIST_ANON <= 65536") |"
+echo "| ltg verify of the whole history | | $HV_EVENTS events in $HV_MS ms, peak RSS $HV_RSS kB | (reported) |"
 echo "| disk per event (logs and index files) | $(( ${BASE_DISK:-0} / BASE_N )) B | $(( HIST_DISK / HIST_N )) B | (reported) |"
 echo "| /spend/events, page 1 of 30 days | | $q_page ms | < 10 ms: $(hist_ok "$q_page < 10") |"
 echo "| /spend/events, page 150,000 of 30 days | | $q_deep ms | < 10 ms: $(hist_ok "$q_deep < 10") |"

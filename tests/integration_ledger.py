@@ -36,7 +36,7 @@ check = it.check
 FREE_MODEL = {"provider": "mock", "upstream_model": "glm-5.3-flash", "input_usd_per_mtok": 0, "output_usd_per_mtok": 0}
 TOKEN_CLASSES = ("input_tokens", "cache_read_tokens", "cache_write_tokens", "cache_write_1h_tokens", "output_tokens",
                  "reasoning_tokens")
-EVENT_FIELDS = ("id", "request_id", "created_at", "endpoint", "token_key_id", "token_group_id", "requested_model", "model",
+EVENT_FIELDS = ("id", "request_id", "trace_id", "created_at", "endpoint", "token_key_id", "token_group_id", "requested_model", "model",
                 "attempts", "status", "http_status", "cache_hit") + TOKEN_CLASSES + ("cost", "usage_status", "latency_ms", "attempt_log")
 USAGE_FIELDS = ("requests", "succeeded_requests", "failed_requests", "partial_requests", "abandoned_requests", "cache_hits") + \
     TOKEN_CLASSES + ("spend", "reserved_spend")
@@ -246,6 +246,7 @@ def check_event_shape(ev, what):
         check(f in ev, "%s: the event lacks %s: %r" % (what, f, ev))
     check(isinstance(ev["id"], str) and ev["id"], "%s: id %r" % (what, ev["id"]))
     check(isinstance(ev["request_id"], str) and ev["request_id"], "%s: request_id %r" % (what, ev["request_id"]))
+    check(re.fullmatch(r"[0-9a-f]{32}", ev["trace_id"] or "") and ev["trace_id"] != "0" * 32, "%s: trace_id %r" % (what, ev["trace_id"]))
     iso_ms(ev["created_at"])
     for f in ("token_key_id", "token_group_id", "requested_model", "status", "usage_status"):
         check(isinstance(ev[f], str) and ev[f], "%s: %s %r" % (what, f, ev[f]))

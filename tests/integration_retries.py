@@ -35,6 +35,7 @@ import integration as it
 import datetime
 import json
 import os
+import re
 import select
 import socket
 import threading
@@ -173,10 +174,13 @@ def check_attempt_list(att, expect, what):
     for x, w in zip(att, expect):
         # "error" (why the attempt did not succeed) is ltg's addition to the API.md shape: on every
         # failed attempt, never on a success.
-        fields = {"model", "deployment", "attempt", "status", "outcome", "ms"} | ({"error"} if x.get("outcome") != "ok" else set())
+        fields = {"model", "deployment", "attempt", "status", "outcome", "ms", "span_id"} | ({"error"} if x.get("outcome") != "ok" else set())
         # what the attempt was charged (README "Cost"); not yet in a live answer while it is metered
         fields |= it.ATTEMPT_BILL if set(x) & it.ATTEMPT_BILL else set()
         check(set(x) == fields, "%s: entry %r: fields must be exactly %s" % (what, x, ", ".join(sorted(fields))))
+        # span_id: the span of the attempt's traceparent (README "Trace context"); none for a skip
+        check(re.fullmatch(r"[0-9a-f]{16}", x["span_id"] or "") if x["outcome"] != "circuit_open" else x["span_id"] is None,
+              "%s: entry %r: span_id" % (what, x))
         # "deployment" names the route the attempt took (API.md 9): provider/upstream_model, null
         # for a model skipped by its breakers.
         with open(_config_path()) as f:
