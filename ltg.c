@@ -279,12 +279,13 @@ static int cl_day_over(int64_t end);
  * IMPLEMENTATION NOTES
  * Log lines go to stderr with a UTC timestamp; ltg never logs a secret.
  * Also here: CRC-32 for log records, UUIDs for ids, one hash table (open
- * addressing) that every index of the store uses, and the table of metric
- * series that every section counts into (section 18 writes it out).
+ * addressing) that every index of the store uses, the table of metric
+ * series that every section counts into (section 18 writes it out), and
+ * SHA-256.
  * `S.now` is read before the timers run and again after poll() returns
  * (libuv does the same): every timer set in between agrees on what "now"
- * is. Random numbers for ids and jitter come from BearSSL's HMAC-DRBG,
- * seeded from getrandom(); secrets (when the control plane issues keys)
+ * is. Random numbers for ids and jitter come from BearSSL's HMAC-DRBG
+ * (over ltg's SHA-256), seeded from getrandom(); secrets (when the control plane issues keys)
  * come from getrandom() directly.
  */
 static void ltg_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -318,6 +319,170 @@ static double clock_s(void) { /* finer, for what takes less than a millisecond (
     return (double)ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
+/* SHA-256, for every hash ltg takes on the hot path: a token key looked
+ * up, the random ids' HMAC-DRBG, the ledger's chain (section 14). On an
+ * x86-64 processor with the SHA extensions (cpuid leaf 7, EBX bit 29: most
+ * made since 2017) its compression runs on them, about five times BearSSL's
+ * portable code; elsewhere BearSSL's runs. LTG_SHA256 gives it to BearSSL
+ * as a hash class, so its HMAC and HMAC-DRBG use it; the unit tests hold
+ * both compressions to BearSSL's own SHA-256. */
+static const uint32_t SHA256_IV[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                                      0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+
+static void be32_put(uint8_t *p, const uint32_t *v, int n) {
+    for (int i = 0; i < 4 * n; i++) p[i] = (uint8_t)(v[i / 4] >> (24 - 8 * (i % 4)));
+}
+static void be32_get(uint32_t *v, const uint8_t *p, int n) {
+    for (int i = 0; i < n; i++)
+        v[i] = (uint32_t)p[4 * i] << 24 | (uint32_t)p[4 * i + 1] << 16 | (uint32_t)p[4 * i + 2] << 8 | p[4 * i + 3];
+}
+
+/* The compression of nb 64-byte blocks into st, with BearSSL's code. */
+static void sha256_blocks_portable(uint32_t st[8], const uint8_t *p, size_t nb) {
+    uint8_t b[32];
+    be32_put(b, st, 8);
+    br_sha256_context c;
+    br_sha256_init(&c);
+    br_sha256_set_state(&c, b, 64);
+    br_sha256_update(&c, p, 64 * nb);
+    br_sha256_state(&c, b);
+    be32_get(st, b, 8);
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#include <immintrin.h>
+
+static const uint32_t SHA256_K[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
+
+/* The same on the SHA extensions. They hold the state as two halves, ABEF
+ * and CDGH; each sha256rnds2 does two rounds, and sha256msg1/msg2 extend the
+ * message four words at a time: w[i % 4] is words 4i..4i+3. */
+__attribute__((target("sha,sse4.1,ssse3"))) static void sha256_blocks_ni(uint32_t st[8], const uint8_t *p,
+                                                                          size_t nb) {
+    const __m128i bswap = _mm_set_epi64x(0x0c0d0e0f08090a0bLL, 0x0405060700010203LL);
+    __m128i dcba = _mm_loadu_si128((const __m128i *)st), hgfe = _mm_loadu_si128((const __m128i *)(st + 4));
+    __m128i cdab = _mm_shuffle_epi32(dcba, 0xB1), efgh = _mm_shuffle_epi32(hgfe, 0x1B);
+    __m128i abef = _mm_alignr_epi8(cdab, efgh, 8), cdgh = _mm_blend_epi16(efgh, cdab, 0xF0);
+    for (; nb; nb--, p += 64) {
+        __m128i abef0 = abef, cdgh0 = cdgh, w[4];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) {
+            __m128i *x = &w[i % 4];
+            if (i < 4)
+                *x = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(p + 16 * i)), bswap);
+            else { /* w[i-4] + s0(w[i-3]) + w[i-2..i-1]'s words 1-4, then s1 */
+                __m128i w3 = w[(i + 1) % 4], w2 = w[(i + 2) % 4], w1 = w[(i + 3) % 4];
+                *x = _mm_sha256msg2_epu32(
+                    _mm_add_epi32(_mm_sha256msg1_epu32(*x, w3), _mm_alignr_epi8(w1, w2, 4)), w1);
+            }
+            __m128i m = _mm_add_epi32(*x, _mm_loadu_si128((const __m128i *)(SHA256_K + 4 * i)));
+            cdgh = _mm_sha256rnds2_epu32(cdgh, abef, m);
+            abef = _mm_sha256rnds2_epu32(abef, cdgh, _mm_shuffle_epi32(m, 0x0E));
+        }
+        abef = _mm_add_epi32(abef, abef0);
+        cdgh = _mm_add_epi32(cdgh, cdgh0);
+    }
+    __m128i feba = _mm_shuffle_epi32(abef, 0x1B), dchg = _mm_shuffle_epi32(cdgh, 0xB1);
+    _mm_storeu_si128((__m128i *)st, _mm_blend_epi16(feba, dchg, 0xF0));
+    _mm_storeu_si128((__m128i *)(st + 4), _mm_alignr_epi8(dchg, feba, 8));
+}
+
+static int sha_ni_present(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_SSE4_1) && (c & bit_SSSE3) &&
+           __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b >> 29 & 1);
+}
+#else
+static int sha_ni_present(void) { return 0; }
+#define sha256_blocks_ni sha256_blocks_portable
+#endif
+
+static int SHA_NI = -1; /* 1: the SHA extensions, 0: BearSSL's code, -1: not asked yet */
+
+static void sha256_blocks(uint32_t st[8], const uint8_t *p, size_t nb) {
+    if (SHA_NI < 0) SHA_NI = sha_ni_present();
+    (SHA_NI ? sha256_blocks_ni : sha256_blocks_portable)(st, p, nb);
+}
+
+/* A SHA-256 in progress, laid out as a BearSSL hash context (vtable first). */
+typedef struct {
+    const br_hash_class *vtable;
+    uint32_t st[8];
+    uint8_t blk[64];
+    size_t fill;                /* bytes in blk */
+    uint64_t len;               /* bytes taken */
+} sha_run;
+
+static void sha_add(const br_hash_class **ctx, const void *data, size_t n) {
+    sha_run *s = (sha_run *)ctx;
+    const uint8_t *p = data;
+    s->len += n;
+    while (n) {
+        if (!s->fill && n >= 64) { /* whole blocks straight from the data */
+            sha256_blocks(s->st, p, n / 64);
+            p += n & ~(size_t)63;
+            n &= 63;
+            continue;
+        }
+        size_t k = 64 - s->fill < n ? 64 - s->fill : n;
+        memcpy(s->blk + s->fill, p, k);
+        s->fill += k, p += k, n -= k;
+        if (s->fill == 64) sha256_blocks(s->st, s->blk, 1), s->fill = 0;
+    }
+}
+
+static void sha_out(const br_hash_class *const *ctx, void *out) {
+    sha_run s = *(const sha_run *)ctx; /* the context goes on unchanged, as BearSSL's does */
+    uint64_t bits = s.len * 8;
+    uint8_t pad[72] = {0x80};
+    size_t k = (s.fill < 56 ? 56 : 120) - s.fill;
+    for (int i = 0; i < 8; i++) pad[k + i] = (uint8_t)(bits >> (56 - 8 * i));
+    sha_add(&s.vtable, pad, k + 8);
+    be32_put(out, s.st, 8);
+}
+
+static uint64_t sha_state(const br_hash_class *const *ctx, void *out) {
+    const sha_run *s = (const sha_run *)ctx;
+    be32_put(out, s->st, 8);
+    return s->len;
+}
+
+static void sha_set_state(const br_hash_class **ctx, const void *stb, uint64_t count) {
+    sha_run *s = (sha_run *)ctx;
+    be32_get(s->st, stb, 8);
+    s->len = count, s->fill = 0; /* count is a multiple of 64 */
+}
+
+static void sha_init(const br_hash_class **ctx);
+static const br_hash_class LTG_SHA256 = {
+    sizeof(sha_run),
+    BR_HASHDESC_ID(br_sha256_ID) | BR_HASHDESC_OUT(32) | BR_HASHDESC_STATE(32) | BR_HASHDESC_LBLEN(6) |
+        BR_HASHDESC_MD_PADDING | BR_HASHDESC_MD_PADDING_BE,
+    sha_init, sha_add, sha_out, sha_state, sha_set_state};
+_Static_assert(sizeof(sha_run) <= sizeof(br_hash_compat_context), "BearSSL's HMAC holds it");
+
+static void sha_init(const br_hash_class **ctx) {
+    sha_run *s = (sha_run *)ctx;
+    *s = (sha_run){.vtable = &LTG_SHA256};
+    memcpy(s->st, SHA256_IV, sizeof s->st);
+}
+
+static void sha256(const void *data, size_t n, uint8_t out[32]) {
+    sha_run s;
+    sha_init(&s.vtable);
+    sha_add(&s.vtable, data, n);
+    sha_out(&s.vtable, out);
+}
+
 /* Random numbers for every id ltg makes (request ids, resource UUIDs, DNS
  * query ids) and for retry jitter: BearSSL's HMAC-DRBG (SHA-256), seeded
  * with 32 bytes from getrandom(), so that no id tells anything of the
@@ -331,7 +496,7 @@ static void rng_seed(void) {
         ltg_log("getrandom: %s: no seed for the random ids", strerror(errno));
         abort();
     }
-    br_hmac_drbg_init(&S.rng, &br_sha256_vtable, seed, sizeof seed);
+    br_hmac_drbg_init(&S.rng, &LTG_SHA256, seed, sizeof seed);
     S.rng_left = 0;
 }
 
@@ -385,16 +550,29 @@ void buf_append(buf *b, const void *data, size_t n) {
     b->p[b->len] = 0;
 }
 void buf_puts(buf *b, const char *s) { buf_append(b, s, strlen(s)); }
+void buf_cat(buf *b, ...) {
+    va_list ap;
+    va_start(ap, b);
+    for (const char *s; (s = va_arg(ap, const char *));) buf_puts(b, s);
+    va_end(ap);
+}
+/* Formatted once into the room there is; only what does not fit is
+ * formatted again, into more (a request writes a dozen heads this way). */
 void buf_printf(buf *b, const char *fmt, ...) {
+    buf_reserve(b, 0);
     va_list ap;
     va_start(ap, fmt);
-    int n = vsnprintf(NULL, 0, fmt, ap);
+    int n = vsnprintf(b->p + b->len, b->cap - b->len, fmt, ap);
     va_end(ap);
-    buf_reserve(b, (size_t)n);
-    va_start(ap, fmt);
-    vsnprintf(b->p + b->len, (size_t)n + 1, fmt, ap);
-    va_end(ap);
+    if (n < 0) n = 0; /* no format of ltg's fails; if one did, nothing is added */
+    if ((size_t)n >= b->cap - b->len) {
+        buf_reserve(b, (size_t)n);
+        va_start(ap, fmt);
+        vsnprintf(b->p + b->len, (size_t)n + 1, fmt, ap);
+        va_end(ap);
+    }
     b->len += (size_t)n;
+    b->p[b->len] = 0;
 }
 void buf_consume(buf *b, size_t n) {
     if (n >= b->len) { b->len = 0; if (b->p) b->p[0] = 0; return; }
@@ -438,11 +616,22 @@ static int64_t wall_ms(void) {
 
 /* "2026-11-29T18:00:00.123Z" into out (64 bytes). */
 static void iso_time(int64_t ms, char out[64]) {
-    time_t sec = (time_t)(ms / 1000);
-    struct tm tm;
-    gmtime_r(&sec, &tm);
-    snprintf(out, 64, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900, tm.tm_mon + 1,
-             tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, (int)(ms % 1000));
+    static time_t last = -1; /* a request writes three times of the same second: formatted once */
+    static char head[96];    /* room for any int the fields could be; the clamp keeps them to 20 */
+    ms = ms < 0 ? 0 : ms > 253402300799999LL ? 253402300799999LL : ms; /* 1970 to 9999 */
+    int m = (int)((ms % 1000 + 1000) % 1000);
+    time_t sec = (time_t)((ms - m) / 1000);
+    if (sec != last) {
+        struct tm tm;
+        gmtime_r(&sec, &tm);
+        snprintf(head, sizeof head, "%04d-%02d-%02dT%02d:%02d:%02d.", tm.tm_year + 1900, tm.tm_mon + 1,
+                 tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec);
+        last = sec;
+    }
+    int n = (int)strlen(head);
+    memcpy(out, head, (size_t)n);
+    out[n] = (char)('0' + m / 100), out[n + 1] = (char)('0' + m / 10 % 10), out[n + 2] = (char)('0' + m % 10);
+    memcpy(out + n + 3, "Z", 2);
 }
 
 /* "YYYY-MM-DD" as the wall ms of its midnight UTC; LTG_ERR when it is not a date. */
@@ -3965,13 +4154,6 @@ struct catalog {
     int refs;    /* requests in flight that use this catalog, plus 1 while current */
 };
 
-static void sha256(const void *data, size_t n, uint8_t out[32]) {
-    br_sha256_context ctx;
-    br_sha256_init(&ctx);
-    br_sha256_update(&ctx, data, n);
-    br_sha256_out(&ctx, out);
-}
-
 /* Compare two secrets in time that depends only on their lengths. */
 static int secret_eq(const void *a, size_t an, const void *b, size_t bn) {
     const uint8_t *x = a, *y = b;
@@ -6809,8 +6991,9 @@ static int rec_decode(const char *p, size_t n, rec_view *v) {
 
 /* ---- the chain (README "An auditable ledger") ---- */
 
-/* An event's chain: HMAC-SHA-256, under the ledger's key, of the chain
- * before it and of its record's bytes up to its own chain. */
+/* An event's chain: HMAC-SHA-256 (BearSSL's, on ltg's SHA-256: section 2),
+ * under the ledger's key, of the chain before it and of its record's bytes
+ * up to its own chain. */
 static void chain_of(const br_hmac_key_context *key, const uint8_t prev[CHAIN_LEN], const void *p,
                      size_t n, uint8_t out[CHAIN_LEN]) {
     br_hmac_context h;
@@ -8233,7 +8416,7 @@ static int ledger_key(const char *var, br_hmac_key_context *key, char *err, size
                  var, n ? "the key is shorter than 32 bytes" : "the variable is not set, or empty");
         return LTG_ERR;
     }
-    br_hmac_key_init(key, &br_sha256_vtable, k, n);
+    br_hmac_key_init(key, &LTG_SHA256, k, n);
     return 0;
 }
 
@@ -10491,14 +10674,14 @@ static void exchange_build(exchange *x) {
     x->key = provider_key(p);
     const char *key = x->key >= 0 ? p->keys[x->key] : NULL;
     if (p->api == API_ANTHROPIC) {
-        if (key) buf_printf(&x->req, "x-api-key: %s\r\n", key);
-        buf_printf(&x->req, "anthropic-version: %s\r\n",
-                   x->anthropic_version[0] ? x->anthropic_version : "2023-06-01");
-        if (x->anthropic_beta[0]) buf_printf(&x->req, "anthropic-beta: %s\r\n", x->anthropic_beta);
-    } else if (key) buf_printf(&x->req, "Authorization: Bearer %s\r\n", key);
+        if (key) buf_cat(&x->req, "x-api-key: ", key, "\r\n", NULL);
+        buf_cat(&x->req, "anthropic-version: ",
+                x->anthropic_version[0] ? x->anthropic_version : "2023-06-01", "\r\n", NULL);
+        if (x->anthropic_beta[0]) buf_cat(&x->req, "anthropic-beta: ", x->anthropic_beta, "\r\n", NULL);
+    } else if (key) buf_cat(&x->req, "Authorization: Bearer ", key, "\r\n", NULL);
     hex_encode((const uint8_t *)(uint64_t[]){rng_next()}, 8, x->span); /* a span per attempt */
-    buf_printf(&x->req, "traceparent: 00-%s-%s-%s\r\n", x->trace_id, x->span, x->trace_flags);
-    if (x->tracestate[0]) buf_printf(&x->req, "tracestate: %s\r\n", x->tracestate);
+    buf_cat(&x->req, "traceparent: 00-", x->trace_id, "-", x->span, "-", x->trace_flags, "\r\n", NULL);
+    if (x->tracestate[0]) buf_cat(&x->req, "tracestate: ", x->tracestate, "\r\n", NULL);
     buf_puts(&x->req, "\r\n");
     uint32_t at = 0; /* the body with its edits, straight into the request: no copy between */
     for (int i = 0; i < x->nedit; i++) {
@@ -10658,10 +10841,10 @@ static void exchange_end(exchange *x) {
 
 /* The x-ltg headers every inference answer carries (README "Retries and fallback"). */
 static void exchange_headers(exchange *x, int status, buf *h) {
-    buf_printf(h, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-attempts: %d\r\n", x->rid,
-               x->rid, x->attempts);
-    if (status >= 200 && status < 300)
-        buf_printf(h, "x-ltg-served-model: %s\r\n", exchange_model(x)->alias);
+    buf_cat(h, "x-ltg-request-id: ", x->rid, "\r\nX-Request-ID: ", x->rid, "\r\nx-ltg-attempts: ", NULL);
+    buf_uint(h, (unsigned)x->attempts);
+    buf_puts(h, "\r\n");
+    if (status >= 200 && status < 300) buf_cat(h, "x-ltg-served-model: ", exchange_model(x)->alias, "\r\n", NULL);
     if (x->cache_mode == CACHE_MISS) buf_puts(h, "x-ltg-cache: miss\r\n");
     if (x->cache_mode == CACHE_BYPASS) buf_puts(h, "x-ltg-cache: bypass\r\n");
     if (x->cache_mode == CACHE_HIT) buf_puts(h, "x-ltg-cache: hit\r\n");
@@ -12973,6 +13156,7 @@ typedef struct rlink {
     int discover;             /* with Sentinel: waits for the primary's address */
     void (*hello)(struct rlink *); /* queue the link's own handshake calls */
     void (*up)(struct rlink *);    /* the handshake is done */
+    char said[160];           /* why it failed, as last logged: a new reason is logged once */
     resp_tok tok[RESP_MAX_TOKS];
 } rlink;
 
@@ -13043,8 +13227,9 @@ static void rl_fail(rlink *l, const char *why) {
     int port;
     const char *host = rl_host(l, &port);
     if (l->state == RL_UP) ltg_log("cluster: %s link to %s:%d lost: %s", l->name, host, port, why);
-    else if (l->backoff_ms == CL_BACKOFF_MIN_MS)
+    else if (strncmp(why, l->said, sizeof l->said - 1) != 0)
         ltg_log("cluster: %s link to %s:%d: %s (retrying)", l->name, host, port, why);
+    snprintf(l->said, sizeof l->said, "%s", why);
     rl_close(l);
     if (l == &CL.sent) CL.seni = (CL.seni + 1) % CL.nsen; /* the next Sentinel, next time */
     while (l->qlen) { /* a callback may queue again: on a link that is down, it fails */
@@ -13123,6 +13308,12 @@ static void rl_replies(rlink *l) {
         if (l->tok[0].type == '-' && l->tok[0].len >= 8 && !memcmp(l->in.p + l->tok[0].off,
                                                                   "READONLY", 8)) {
             rl_fail(l, "the server is a replica now (READONLY): the primary moved");
+            return;
+        }
+        if (l->tok[0].type == '-' && l->tok[0].len >= 22 &&
+            !memcmp(l->in.p + l->tok[0].off, "ERR Function not found", 22)) {
+            rl_fail(l, "the server lost ltg's functions (flushed, or made a replica): loaded again "
+                       "on reconnecting");
             return;
         }
         buf_consume(&l->in, at);
@@ -13764,7 +13955,11 @@ static void cl_tail_reply(void *ctx, const char *p, const resp_tok *t) {
     }
     if (ok && CL.read_at && events < CL_READ_COUNT) CL.caught_up = CL.read_at; /* all there was */
     cl_changes_due();
-    if (!ok) { rl_fail(&CL.tail, "an answer to XREAD that ltg cannot read"); return; }
+    if (!ok) { /* -UNBLOCKED when the server is made a replica, say */
+        char why[200];
+        rl_fail(&CL.tail, resp_why("XREAD", p, t, why, sizeof why));
+        return;
+    }
     cl_tail_read();
 }
 

@@ -36,6 +36,7 @@ typedef struct {
 void buf_reserve(buf *b, size_t extra);            /* room for `extra` more bytes */
 void buf_append(buf *b, const void *data, size_t n);
 void buf_puts(buf *b, const char *s);
+void buf_cat(buf *b, ...) __attribute__((sentinel)); /* the strings given, up to a NULL */
 void buf_printf(buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void buf_consume(buf *b, size_t n);                /* drop the first n bytes */
 void buf_free(buf *b);

@@ -188,6 +188,7 @@ cpu_ticks() { # utime + stime of the whole process (all threads)
     echo $((${12} + ${13}))
 }
 hwm_kb() { awk '/^VmHWM:/ {print $2}' "/proc/$1/status" 2>/dev/null || echo 0; }
+now_ms() { date +%s%3N; }
 
 # ---------------------------------------------------------------- upstream: the mock
 "$ROOT/tests/mock" --port 0 2>"$T/mock.log" &
@@ -1222,7 +1223,6 @@ BASE=${BENCH_BASE-2a946e7}
 BASE_N=${BENCH_BASE_EVENTS:-1000000}
 # The helpers of this section and the next.
 kb() { awk -v k="$2:" '$1 == k {print $2}' "/proc/$1/status" 2>/dev/null; }
-now_ms() { date +%s%3N; }
 # time_query PATH...: best of 5, in ms, from the admin API at $HA (an answer other than 200 is
 # said, and counts as 999999 ms)
 time_query() {

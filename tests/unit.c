@@ -2043,13 +2043,71 @@ static void test_resp(void) {
 static void test_ledger_budgets_16m(void) { test_ledger_budgets(16LL << 20); }
 static void test_ledger_budgets_16k(void) { test_ledger_budgets(16 << 10); }
 
+/* ltg's SHA-256 (section 2), on the SHA extensions when the processor has
+ * them and on BearSSL's code: equal to BearSSL's SHA-256 for every length
+ * around the block boundaries, whole and in pieces; its HMAC (keys short and
+ * long) and HMAC-DRBG equal BearSSL's on its own SHA-256; RFC 4231's case 2. */
+static void test_sha256(void) {
+    uint8_t msg[300], key[100], mine[32], theirs[32];
+    for (size_t i = 0; i < sizeof msg; i++) msg[i] = (uint8_t)(i * 7 + 1);
+    for (size_t i = 0; i < sizeof key; i++) key[i] = (uint8_t)(i * 13 + 5);
+    int ni = sha_ni_present();
+    if (!ni) printf("skip - test_sha256 on the SHA extensions (this processor has none)\n"), skipped++;
+    for (int path = 0; path <= ni; path++) {
+        SHA_NI = path;
+        const char *how = path ? "SHA extensions" : "portable";
+        int same = 1;
+        for (size_t n = 0; n <= sizeof msg && same; n++) {
+            sha_run r;
+            sha_init(&r.vtable);
+            sha_add(&r.vtable, msg, n / 3); /* in pieces */
+            sha_add(&r.vtable, msg + n / 3, n - n / 3);
+            sha_out(&r.vtable, mine);
+            br_sha256_context c;
+            br_sha256_init(&c);
+            br_sha256_update(&c, msg, n);
+            br_sha256_out(&c, theirs);
+            CHECK((same = !memcmp(mine, theirs, 32)), "%s: SHA-256 of %zu bytes", how, n);
+        }
+        for (size_t kn = 32; kn <= sizeof key && same; kn += 34) /* 32, 66 (hashed first), 100 */
+            for (size_t n = 0; n <= sizeof msg && same; n += 7) {
+                br_hmac_key_context k1, k2;
+                br_hmac_key_init(&k1, &LTG_SHA256, key, kn);
+                br_hmac_key_init(&k2, &br_sha256_vtable, key, kn);
+                chain_of(&k1, msg + n % 50, msg, n, mine);
+                chain_of(&k2, msg + n % 50, msg, n, theirs);
+                CHECK((same = !memcmp(mine, theirs, 32)), "%s: HMAC, key %zu bytes, message 32 + %zu", how, kn, n);
+            }
+        br_hmac_drbg_context d1, d2;
+        uint8_t o1[200], o2[200];
+        br_hmac_drbg_init(&d1, &LTG_SHA256, key, 32);
+        br_hmac_drbg_init(&d2, &br_sha256_vtable, key, 32);
+        for (int i = 0; i < 3; i++) {
+            br_hmac_drbg_generate(&d1, o1, sizeof o1);
+            br_hmac_drbg_generate(&d2, o2, sizeof o2);
+            CHECK(!memcmp(o1, o2, sizeof o1), "%s: HMAC-DRBG, draw %d", how, i);
+        }
+        br_hmac_key_context k;
+        br_hmac_context h;
+        br_hmac_key_init(&k, &LTG_SHA256, "Jefe", 4);
+        br_hmac_init(&h, &k, 0);
+        br_hmac_update(&h, "what do ya want for nothing?", 28);
+        br_hmac_out(&h, mine);
+        char hex[65];
+        hex_encode(mine, 32, hex);
+        CHECK(!strcmp(hex, "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"),
+              "%s: RFC 4231 case 2: %s", how, hex);
+    }
+    SHA_NI = -1;
+}
+
 #define T(fn) {#fn, fn}
 static const struct { const char *name; void (*fn)(void); } TESTS[] = {
     T(test_json_reader), T(test_json_scan), T(test_json_writer), T(test_http_request), T(test_http_response),
     T(test_chunked), T(test_sse), T(test_resp), T(test_config), T(test_dns), T(test_timers), T(test_plan),
     T(test_group_validation), T(test_ledger_pieces), T(test_log), T(test_log_failures), T(test_log_async), T(test_compaction_on_time),
     T(test_ledger_days), T(test_ledger_budgets_16m), T(test_ledger_budgets_16k), T(test_ledger_chunks),
-    T(test_ledger_migration), T(test_ledger_extremes), T(test_exchange_fake),
+    T(test_ledger_migration), T(test_ledger_extremes), T(test_sha256), T(test_exchange_fake),
 };
 #define NTESTS (sizeof TESTS / sizeof *TESTS)
 
