@@ -22,7 +22,8 @@
  *
  * The life of one chat request:
  *   1. conn_read() gathers bytes; http_head_end()/http_parse_request() find
- *      and parse the head, the body arrives (Content-Length or chunked) (6).
+ *      and parse the head, route_begin() (19) gives the request its id, the
+ *      body arrives (Content-Length or chunked) (6).
  *   2. route() (19) sends it to inference_call() (17): parse, admit, start.
  *      Admission is a list of checks, each a refusal or nothing: the token
  *      key resolves to its group, the body's model must be allowed, the
@@ -221,6 +222,7 @@ static struct {
 
     /* the loop */
     loop_hooks hooks;         /* what the loop calls (ltg.h): set by main */
+    server_begin *begin;      /* what the server tells of each head that parses: route_begin() */
     server_serve *serve;      /* what the server hands each request to: route() */
     server_ended *ended;      /* and tells when it is over: request_ended() */
     server_error *error;      /* and has answer the errors it finds: route_error() */
@@ -2343,6 +2345,7 @@ static const char *http_reason(int status) {
         {100, "Continue"}, {200, "OK"}, {201, "Created"}, {400, "Bad Request"}, {401, "Unauthorized"},
         {403, "Forbidden"}, {404, "Not Found"}, {405, "Method Not Allowed"}, {408, "Request Timeout"},
         {409, "Conflict"}, {412, "Precondition Failed"}, {413, "Content Too Large"}, {417, "Expectation Failed"},
+        {426, "Upgrade Required"},
         {428, "Precondition Required"}, {429, "Too Many Requests"}, {431, "Request Header Fields Too Large"},
         {500, "Internal Server Error"}, {501, "Not Implemented"}, {502, "Bad Gateway"},
         {503, "Service Unavailable"}, {504, "Gateway Timeout"}};
@@ -2475,8 +2478,9 @@ static void conn_error(conn *c, int status, const char *code, const char *header
 static void conn_fail(conn *c, int status, const char *code, const char *msg) {
     c->close_after = c->linger = 1;
     c->req.keep_alive = 0;
-    /* maybe not this request's: its head did not parse (a HEAD gets the body, then the close) */
-    c->req.method = (slice){0, 0};
+    /* a head that did not parse: its method is maybe not this request's (a HEAD gets the body,
+     * then the close) */
+    if (!c->began) c->req.method = (slice){0, 0};
     conn_error(c, status, code, NULL, "%s", msg);
 }
 
@@ -2558,13 +2562,14 @@ static int conn_take_head(conn *c) {
         conn_fail(c, st, code, c->req.err);
         return 0;
     }
+    c->began = S.now;
+    if (S.begin) S.begin(c);
     if (c->req.content_length > S.max_body) {
         char m[128];
-        snprintf(m, sizeof m, "the request body is larger than %lld bytes", S.max_body);
+        snprintf(m, sizeof m, "the request body is larger than %lld bytes (--max-body-mb)", S.max_body);
         conn_fail(c, 413, "body_too_large", m);
         return 0;
     }
-    c->began = S.now;
     conn_to(c, CONN_BODY);
     int has_body = c->req.chunked || c->req.content_length > 0;
     if (has_body && c->req.expect_continue && c->in.len == c->head_len)
@@ -11979,19 +11984,21 @@ static int refuse(refusal *r, int status, const char *code, const char *headers,
     return REFUSE;
 }
 
-/* The token key and its group. Only the SHA-256 of the presented secret is looked up. */
+/* The token key and its group: from Authorization: Bearer, or x-api-key
+ * (Anthropic's clients send it, to /v1/models too). Only the SHA-256 of the
+ * presented secret is looked up. */
 static int admit_key(admission *a, refusal *r) {
     size_t n;
     uint8_t h[32];
     const char *secret = request_bearer(a->c, &n);
     int anthropic = a->kind && a->kind->api == API_ANTHROPIC;
-    if (!secret && anthropic &&
-        (secret = http_header_get(a->c->in.p, a->c->req.h, a->c->req.nh, "x-api-key", &n)) && !n)
+    if (!secret && (secret = http_header_get(a->c->in.p, a->c->req.h, a->c->req.nh, "x-api-key", &n)) &&
+        !n)
         secret = NULL;
     if (!secret)
         return refuse(r, 401, "invalid_api_key", NULL, "missing API key: send the header %s",
                       anthropic ? "x-api-key: ltg_sk_... (or Authorization: Bearer ltg_sk_...)"
-                                : "Authorization: Bearer ltg_sk_...");
+                                : "Authorization: Bearer ltg_sk_... (or x-api-key: ltg_sk_...)");
     sha256(secret, n, h);
     a->key = hmap_get(&ST.keys_by_hash, h, 32);
     a->g = a->key ? group_find(a->key->group_id) : NULL;
@@ -12902,6 +12909,7 @@ typedef struct {
 } route_row;
 
 static const route_row ROUTES[] = {
+    {ON_BOTH, 0, "/", "GET", 1, serve_probe, NULL}, /* a client's first probe: as /healthz */
     {ON_BOTH, 0, "/healthz", "GET", 1, serve_probe, NULL},
     {ON_BOTH, 0, "/readyz", "GET", 1, serve_probe, NULL},
     {ON_ADMIN, 0, "/metrics", "GET", 1, serve_metrics, NULL},
@@ -12960,7 +12968,9 @@ static void trace_start(conn *c) {
     c->f.trace_id[32] = c->f.trace_flags[2] = 0;
 }
 
-static void route(conn *c) {
+/* S.begin: a request's head is in. Its id, and what its path says: the
+ * endpoint it is counted by, the shape of its errors, its trace. */
+static void route_begin(conn *c) {
     /* "req_%016llx%08llx", without printf: every request makes one */
     uint64_t r = rng_next(), seq = ++S.request_seq & 0xffffffff;
     memcpy(c->rid, "req_", 4);
@@ -12975,6 +12985,14 @@ static void route(conn *c) {
         c->f.anthropic = row && row->kind && row->kind->api == API_ANTHROPIC;
         if (row && row->kind) trace_start(c);
     }
+}
+
+/* S.serve: the request, whole, to its row's handler (route_begin named it). */
+static void route(conn *c) {
+    char rest[ALIAS_MAX * 3];
+    const route_row *row = route_find(c, rest, sizeof rest);
+    const char *up;
+    size_t n;
     if (!row && c->admin) {
         admin_error(c, 404, "not_found", NULL, 0, "no such endpoint: the control plane is under "
                     API_PREFIX " (and /metrics, /healthz, /readyz)");
@@ -12982,6 +13000,13 @@ static void route(conn *c) {
         conn_error(c, 404, "not_found", NULL,
                    "no such endpoint (ltg serves /v1/chat/completions, /v1/completions, "
                    "/v1/responses, /v1/embeddings, /v1/messages and /v1/models)");
+    } else if (row->kind && method_is(c, "GET") && (up = http_header_get(c->in.p, c->req.h, c->req.nh,
+                                                                       "upgrade", &n)) &&
+               header_has_token(up, n, "websocket")) {
+        /* Codex's Responses over WebSocket: 426 has it fall back to HTTP at once (a 405, after
+         * another try) */
+        conn_error(c, 426, "websocket_unsupported", "Upgrade: HTTP/1.1\r\n",
+                   "ltg serves %s over HTTP only: POST it (WebSocket is not served)", row->kind->path);
     } else if (row->method && !method_is(c, row->method) && !(row->head && method_is(c, "HEAD"))) {
         conn_error(c, 405, "method_not_allowed", NULL, "use %s for %s", row->method,
                    row->kind ? row->kind->path : row->path);
@@ -13010,7 +13035,9 @@ static void route(conn *c) {
  * reply within CL_TIMEOUT_MS -- closes the link and fails its pending calls
  * (their callers answer 503), and a timer reconnects after a backoff
  * (CL_BACKOFF_MIN_MS doubling to CL_BACKOFF_MAX_MS, with jitter), for ever.
- * An answer READONLY (the primary was demoted) fails the link too. With
+ * An answer READONLY (the primary was demoted), the UNBLOCKED that ends a
+ * blocked XREAD when that happens, or ERR Function not found (the server
+ * lost the functions) fails the link too. With
  * sentinel://, a third link asks a Sentinel where the primary is before
  * each (re)connect (cl_discover), so a failover is followed by itself.
  *
@@ -13156,7 +13183,7 @@ typedef struct rlink {
     int discover;             /* with Sentinel: waits for the primary's address */
     void (*hello)(struct rlink *); /* queue the link's own handshake calls */
     void (*up)(struct rlink *);    /* the handshake is done */
-    char said[160];           /* why it failed, as last logged: a new reason is logged once */
+    char said[256];           /* why it failed, as last logged: a new reason is logged once */
     resp_tok tok[RESP_MAX_TOKS];
 } rlink;
 
@@ -14904,7 +14931,7 @@ static void options_default(void) {
     S.head_timeout_ms = 10000;
     S.idle_timeout_ms = 120000;
     S.cache_mb = 64;
-    S.max_stream_s = 600;
+    S.max_stream_s = 3600; /* 128,000 output tokens at 40 a second take 53 minutes */
     S.stream_idle_s = 120;
     S.meter_s = 300;
     S.ledger_days = 90;
@@ -14937,7 +14964,7 @@ static const char USAGE[] =
         "  --head-timeout S         a request head must arrive within S seconds (default 10)\n"
         "  --idle-timeout S         an idle keep-alive connection is closed after S seconds "
         "(default 120)\n"
-        "  --max-stream-seconds S   a started stream is cut after S seconds (default 600)\n"
+        "  --max-stream-seconds S   a started stream is cut after S seconds (default 3600)\n"
         "  --stream-idle-seconds S  a started stream is cut after S seconds without an event "
         "(default 120)\n"
         "  --meter-abandoned-seconds S  an answer given up on is still read S seconds for its "
@@ -15211,6 +15238,7 @@ int main(int argc, char **argv) {
     if (state_open(err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
     fds_budget();
     S.hooks = (loop_hooks){{conn_tick, store_tick, access_flush}, loop_signals, loop_should_exit};
+    S.begin = route_begin;
     S.serve = route;
     S.ended = request_ended;
     S.error = route_error;

@@ -293,6 +293,11 @@ typedef struct {
  * pipelined request on its own turn -- replying never re-enters the
  * parser. */
 typedef void server_serve(conn *c);
+/* Once a request's head parses, before its body is read, the server calls
+ * begin(c): what it learns of the request there (its id, its endpoint) is
+ * known to the errors the server may answer before serve(c), a body too
+ * large or too slow. */
+typedef void server_begin(conn *c);
 /* Once per request, when it is over -- its answer handed to the socket, or
  * its client gone first -- the server calls ended(c), which may read the
  * request and what the server recorded of its answer (the access log and

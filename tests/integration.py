@@ -4235,49 +4235,57 @@ NPM_PINS = {
     "@anthropic-ai/sdk": ("1.15.0",  "1.15.0"),    # no engines field
     "zod":               ("4.6.7",   "4.6.7"),
 }
+# The coding agents (integration_agents.py), in tests/agents/node_modules: a prefix of their own,
+# so that neither install removes the other's packages.
+AGENT_PINS = {
+    "@anthropic-ai/claude-code": ("2.1.197", "2.1.197"),   # a native binary; its postinstall links it
+    "@openai/codex":             ("0.171.0", "0.171.0"),   # bin/codex.js (node >= 16) and a native binary
+}
 NPM_INSTALL_TIMEOUT = 300
-_node_ready = {}   # the outcome of node_packages(), once per process: {"node": path} or {"skip": why}
+_node_ready = {}   # node_packages()'s outcome per prefix, once per process: {"node": path} or {"skip": why}
 
 
-def npm_installed(name):
-    """The version of tests/node_modules/NAME, or None."""
+def npm_installed(name, prefix=HERE):
+    """The version of PREFIX/node_modules/NAME, or None."""
     try:
-        with open(os.path.join(HERE, "node_modules", *name.split("/"), "package.json")) as f:
+        with open(os.path.join(prefix, "node_modules", *name.split("/"), "package.json")) as f:
             return json.load(f).get("version")
     except (OSError, ValueError):
         return None
 
 
-def node_packages():
-    """The node binary, with every pinned package in tests/node_modules (one npm install of them
-    all when one is missing or differs, under install_lock); TestSkip when that cannot be."""
-    if not _node_ready:
-        with install_lock():     # one npm install at a time in tests/node_modules (--jobs)
-            _node_ready.update(_node_install())
-    if "skip" in _node_ready:
-        raise TestSkip(_node_ready["skip"])
-    return _node_ready["node"]
+def node_packages(pins=None, prefix=HERE):
+    """The node binary, with every package of `pins` (NPM_PINS) in PREFIX/node_modules (one npm
+    install of them all when one is missing or differs, under install_lock); TestSkip when that
+    cannot be."""
+    if prefix not in _node_ready:
+        with install_lock():     # one npm install at a time (--jobs)
+            _node_ready[prefix] = _node_install(pins or NPM_PINS, prefix)
+    if "skip" in _node_ready[prefix]:
+        raise TestSkip(_node_ready[prefix]["skip"])
+    return _node_ready[prefix]["node"]
 
 
-def _node_install():
+def _node_install(pins, prefix):
     node, npm = shutil.which("node"), shutil.which("npm")
     if not node:
         return {"skip": "no node"}
     p = subprocess.run([node, "-p", "process.versions.node"], stdout=subprocess.PIPE, timeout=30)
     new = int((p.stdout.decode().strip() or "0").split(".")[0]) >= 22
-    specs = ["%s@%s" % (name, v[0] if new else v[1]) for name, v in sorted(NPM_PINS.items())]
-    off = [s for s in specs if npm_installed(s.rsplit("@", 1)[0]) != s.rsplit("@", 1)[1]]
+    specs = ["%s@%s" % (name, v[0] if new else v[1]) for name, v in sorted(pins.items())]
+    off = [s for s in specs if npm_installed(s.rsplit("@", 1)[0], prefix) != s.rsplit("@", 1)[1]]
     if not off:
         return {"node": node}
     if not npm:
-        return {"skip": "no npm, and tests/node_modules lacks %s" % " ".join(off)}
+        return {"skip": "no npm, and %s/node_modules lacks %s" % (os.path.relpath(prefix), " ".join(off))}
+    os.makedirs(prefix, exist_ok=True)
     try:
-        p = subprocess.run([npm, "install", "--prefix", HERE, "--no-save", "--no-audit", "--no-fund"] + specs,
+        p = subprocess.run([npm, "install", "--prefix", prefix, "--no-save", "--no-audit", "--no-fund"] + specs,
                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            timeout=NPM_INSTALL_TIMEOUT)
     except subprocess.TimeoutExpired:
         return {"skip": "npm install %s took more than %d s" % (" ".join(specs), NPM_INSTALL_TIMEOUT)}
-    off = [s for s in specs if npm_installed(s.rsplit("@", 1)[0]) != s.rsplit("@", 1)[1]]
+    off = [s for s in specs if npm_installed(s.rsplit("@", 1)[0], prefix) != s.rsplit("@", 1)[1]]
     if p.returncode != 0 or off:
         return {"skip": "npm install %s failed (exit %d; still missing: %s): %s"
                         % (" ".join(specs), p.returncode, " ".join(off) or "-",

@@ -92,6 +92,13 @@
  *     framing=length|chunked|eof    how a non-stream body is delimited
  *     hang                 never answer; wait until the peer closes
  *     ok                   a normal answer
+ *     tool_call            an answer that asks for one call of the coding agents'
+ *                          shell tool, running "echo mock-tool-$((6*7))" (whose
+ *                          output, mock-tool-42, shows that it ran): Messages, a
+ *                          tool_use of Claude Code's Bash ({"command"}, stop_reason
+ *                          tool_use); Responses, a function_call of Codex's
+ *                          exec_command ({"cmd"}); streamed or not (chat and
+ *                          completions answer text as ever)
  *
  * and hostile answers, each bounded, each ended as soon as the peer leaves:
  *
@@ -455,6 +462,7 @@ struct directive {
     long junk_after_ms;          /* -1: no junk */
     long content_kb;             /* a whole answer's text: N KiB of "x" (0: the usual greeting) */
     long raw_status;             /* -1: the status line says the real status; else this number */
+    long tool_call;              /* answer with one call of the agent's shell tool, not text */
     struct usage usage;
 };
 
@@ -488,6 +496,7 @@ static const struct { const char *name; size_t offset; enum token_kind kind; } d
     { "junk_after_ms", offsetof(struct directive, junk_after_ms), TOKEN_NUMBER },
     { "content_kb", offsetof(struct directive, content_kb), TOKEN_NUMBER },
     { "raw_status", offsetof(struct directive, raw_status), TOKEN_NUMBER },
+    { "tool_call", offsetof(struct directive, tool_call), TOKEN_FLAG },
     { "input_tokens", offsetof(struct directive, usage.input), TOKEN_COUNT },
     { "cached_tokens", offsetof(struct directive, usage.cached), TOKEN_COUNT },
     { "cache_write", offsetof(struct directive, usage.cache_write), TOKEN_COUNT },
@@ -1205,7 +1214,15 @@ struct answer {                  /* what every part of one answer shares */
     char model[MODEL_MAX];
     const char *text;            /* a whole answer's content: the greeting, or content_kb of "x" */
     size_t text_len;
+    int tool_call;               /* the directive's tool_call */
 };
+
+/* tool_call: the command the agents' shell tools are asked to run, whose output
+ * ("mock-tool-42") proves that the tool ran; Claude Code's Bash takes
+ * {"command"}, Codex's exec_command {"cmd"}. */
+#define TOOL_COMMAND "echo mock-tool-$((6*7))"
+#define ANTHROPIC_TOOL_INPUT "{\"command\":\"" TOOL_COMMAND "\"}"
+#define RESPONSES_TOOL_ARGS "{\"cmd\":\"" TOOL_COMMAND "\"}"
 
 static void put_string(struct buf *b, const char *s) { buf_json_string(b, s, strlen(s)); }
 
@@ -1461,6 +1478,13 @@ static void put_part(struct buf *b, const struct answer *a, int done)
 
 static void put_item(struct buf *b, const struct answer *a, int done)
 {
+    if (a->tool_call) {
+        buf_printf(b, "{\"type\":\"function_call\",\"id\":\"fc_mock_%lu\",\"call_id\":\"call_mock_%lu\","
+                   "\"name\":\"exec_command\",\"arguments\":", a->id, a->id);
+        put_string(b, done ? RESPONSES_TOOL_ARGS : "");
+        buf_printf(b, ",\"status\":\"%s\"}", done ? "completed" : "in_progress");
+        return;
+    }
     buf_printf(b, "{\"type\":\"message\",\"id\":\"msg_mock_%lu\",\"status\":\"%s\",\"role\":\"assistant\",\"content\":[",
                a->id, done ? "completed" : "in_progress");
     if (done)
@@ -1506,8 +1530,20 @@ static const char *responses_event(struct conn *c, struct answer *a, int step)
         "response.output_text.delta",
         "response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed",
     };
+    static const char *const tool_types[] = {       /* tool_call: no content part */
+        NULL, NULL, NULL, NULL, "response.function_call_arguments.delta", "response.function_call_arguments.done",
+    };
     struct buf *b = &c->json;
     b->len = 0;
+    if (a->tool_call && step >= 3 && step <= 6) {
+        if (!tool_types[step])
+            return NULL;         /* stream_step() sends nothing for this step */
+        buf_printf(b, "{\"type\":\"%s\",\"sequence_number\":%ld,\"item_id\":\"fc_mock_%lu\",\"output_index\":0,\"%s\":",
+                   tool_types[step], a->seq++, a->id, step == 4 ? "delta" : "arguments");
+        put_string(b, RESPONSES_TOOL_ARGS);
+        buf_puts(b, "}");
+        return tool_types[step];
+    }
     buf_printf(b, "{\"type\":\"%s\",\"sequence_number\":%ld", types[step], a->seq++);
     switch (step) {
     case 0: case 1: case 8:
@@ -1541,7 +1577,10 @@ static void put_message(struct buf *b, const struct answer *a, int done)
 {
     buf_printf(b, "{\"id\":\"msg_mock_%lu\",\"type\":\"message\",\"role\":\"assistant\",\"model\":", a->id);
     put_string(b, a->model);
-    if (done) {
+    if (done && a->tool_call) {
+        buf_printf(b, ",\"content\":[{\"type\":\"tool_use\",\"id\":\"toolu_mock_%lu\",\"name\":\"Bash\",\"input\":"
+                   ANTHROPIC_TOOL_INPUT "}],\"stop_reason\":\"tool_use\",\"stop_sequence\":null", a->id);
+    } else if (done) {
         buf_puts(b, ",\"content\":[{\"type\":\"text\",\"text\":");
         put_text(b, a);
         buf_puts(b, "}],\"stop_reason\":\"end_turn\",\"stop_sequence\":null");
@@ -1579,14 +1618,20 @@ static const char *messages_event(struct conn *c, struct answer *a, int step)
     if (step == 0) {
         buf_puts(b, ",\"message\":");
         put_message(b, a, 0);
+    } else if (step == 1 && a->tool_call) {
+        buf_printf(b, ",\"index\":0,\"content_block\":{\"type\":\"tool_use\",\"id\":\"toolu_mock_%lu\",\"name\":\"Bash\",\"input\":{}}", a->id);
     } else if (step == 1) {
         buf_puts(b, ",\"index\":0,\"content_block\":{\"type\":\"text\",\"text\":\"\"}");
+    } else if (step == 3 && a->tool_call) {
+        buf_puts(b, ",\"index\":0,\"delta\":{\"type\":\"input_json_delta\",\"partial_json\":");
+        put_string(b, ANTHROPIC_TOOL_INPUT);
+        buf_puts(b, "}");
     } else if (step == 3) {
         buf_puts(b, ",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"word \"}");
     } else if (step == 4) {
         buf_puts(b, ",\"index\":0");
     } else if (step == 5) {
-        buf_puts(b, ",\"delta\":{\"stop_reason\":\"end_turn\",\"stop_sequence\":null}");
+        buf_printf(b, ",\"delta\":{\"stop_reason\":\"%s\",\"stop_sequence\":null}", a->tool_call ? "tool_use" : "end_turn");
         put_anthropic_usage(b, a, USAGE_DELTA);
     }
     buf_puts(b, "}");
@@ -1769,7 +1814,10 @@ static int serve_inference(struct conn *c, const struct request *r, const struct
     struct directive d;
     if (directive_parse(directive, &d, why, sizeof why) < 0)
         return send_api_error(c, r, &directive_ok, api, 400, "mock_bad_directive", why);
+    if (d.tool_call)
+        d.events = 1;            /* one delta carries the whole tool input */
     a.events = d.events;
+    a.tool_call = (int)d.tool_call;
     a.usage = d.usage;
     if (a.usage.input < 0)
         a.usage.input = r->body_len / 4 ? (long long)(r->body_len / 4) : 1;
