@@ -12987,12 +12987,17 @@ static void route_begin(conn *c) {
     }
 }
 
+/* A WebSocket handshake (RFC 6455 4.1): a GET asking to upgrade to it. */
+static int websocket_asked(conn *c) {
+    size_t n;
+    const char *up = http_header_get(c->in.p, c->req.h, c->req.nh, "upgrade", &n);
+    return method_is(c, "GET") && up && header_has_token(up, n, "websocket");
+}
+
 /* S.serve: the request, whole, to its row's handler (route_begin named it). */
 static void route(conn *c) {
     char rest[ALIAS_MAX * 3];
     const route_row *row = route_find(c, rest, sizeof rest);
-    const char *up;
-    size_t n;
     if (!row && c->admin) {
         admin_error(c, 404, "not_found", NULL, 0, "no such endpoint: the control plane is under "
                     API_PREFIX " (and /metrics, /healthz, /readyz)");
@@ -13000,9 +13005,7 @@ static void route(conn *c) {
         conn_error(c, 404, "not_found", NULL,
                    "no such endpoint (ltg serves /v1/chat/completions, /v1/completions, "
                    "/v1/responses, /v1/embeddings, /v1/messages and /v1/models)");
-    } else if (row->kind && method_is(c, "GET") && (up = http_header_get(c->in.p, c->req.h, c->req.nh,
-                                                                       "upgrade", &n)) &&
-               header_has_token(up, n, "websocket")) {
+    } else if (row->kind && websocket_asked(c)) {
         /* Codex's Responses over WebSocket: 426 has it fall back to HTTP at once (a 405, after
          * another try) */
         conn_error(c, 426, "websocket_unsupported", "Upgrade: HTTP/1.1\r\n",
