@@ -287,8 +287,8 @@ static int cl_day_over(int64_t end);
  * `S.now` is read before the timers run and again after poll() returns
  * (libuv does the same): every timer set in between agrees on what "now"
  * is. Random numbers for ids and jitter come from BearSSL's HMAC-DRBG
- * (over ltg's SHA-256), seeded from getrandom(); secrets (when the control plane issues keys)
- * come from getrandom() directly.
+ * (over ltg's SHA-256), seeded from getrandom(); secrets (when the
+ * control plane issues keys) come from getrandom() directly.
  */
 static void ltg_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void ltg_log(const char *fmt, ...) {
@@ -335,8 +335,7 @@ static void be32_put(uint8_t *p, const uint32_t *v, int n) {
     for (int i = 0; i < 4 * n; i++) p[i] = (uint8_t)(v[i / 4] >> (24 - 8 * (i % 4)));
 }
 static void be32_get(uint32_t *v, const uint8_t *p, int n) {
-    for (int i = 0; i < n; i++)
-        v[i] = (uint32_t)p[4 * i] << 24 | (uint32_t)p[4 * i + 1] << 16 | (uint32_t)p[4 * i + 2] << 8 | p[4 * i + 3];
+    for (int i = 0; i < 4 * n; i++) v[i / 4] = v[i / 4] << 8 | p[i];
 }
 
 /* The compression of nb 64-byte blocks into st, with BearSSL's code. */
@@ -368,10 +367,11 @@ static const uint32_t SHA256_K[64] = {
 /* The same on the SHA extensions. They hold the state as two halves, ABEF
  * and CDGH; each sha256rnds2 does two rounds, and sha256msg1/msg2 extend the
  * message four words at a time: w[i % 4] is words 4i..4i+3. */
-__attribute__((target("sha,sse4.1,ssse3"))) static void sha256_blocks_ni(uint32_t st[8], const uint8_t *p,
-                                                                          size_t nb) {
+__attribute__((target("sha,sse4.1,ssse3")))
+static void sha256_blocks_ni(uint32_t st[8], const uint8_t *p, size_t nb) {
     const __m128i bswap = _mm_set_epi64x(0x0c0d0e0f08090a0bLL, 0x0405060700010203LL);
-    __m128i dcba = _mm_loadu_si128((const __m128i *)st), hgfe = _mm_loadu_si128((const __m128i *)(st + 4));
+    __m128i dcba = _mm_loadu_si128((const __m128i *)st);
+    __m128i hgfe = _mm_loadu_si128((const __m128i *)(st + 4));
     __m128i cdab = _mm_shuffle_epi32(dcba, 0xB1), efgh = _mm_shuffle_epi32(hgfe, 0x1B);
     __m128i abef = _mm_alignr_epi8(cdab, efgh, 8), cdgh = _mm_blend_epi16(efgh, cdab, 0xF0);
     for (; nb; nb--, p += 64) {
@@ -467,8 +467,8 @@ static void sha_set_state(const br_hash_class **ctx, const void *stb, uint64_t c
 static void sha_init(const br_hash_class **ctx);
 static const br_hash_class LTG_SHA256 = {
     sizeof(sha_run),
-    BR_HASHDESC_ID(br_sha256_ID) | BR_HASHDESC_OUT(32) | BR_HASHDESC_STATE(32) | BR_HASHDESC_LBLEN(6) |
-        BR_HASHDESC_MD_PADDING | BR_HASHDESC_MD_PADDING_BE,
+    BR_HASHDESC_ID(br_sha256_ID) | BR_HASHDESC_OUT(32) | BR_HASHDESC_STATE(32) |
+        BR_HASHDESC_LBLEN(6) | BR_HASHDESC_MD_PADDING | BR_HASHDESC_MD_PADDING_BE,
     sha_init, sha_add, sha_out, sha_state, sha_set_state};
 _Static_assert(sizeof(sha_run) <= sizeof(br_hash_compat_context), "BearSSL's HMAC holds it");
 
@@ -626,14 +626,16 @@ static void iso_time(int64_t ms, char out[64]) {
     if (sec != last) {
         struct tm tm;
         gmtime_r(&sec, &tm);
-        snprintf(head, sizeof head, "%04d-%02d-%02dT%02d:%02d:%02d.", tm.tm_year + 1900, tm.tm_mon + 1,
-                 tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec);
+        snprintf(head, sizeof head, "%04d-%02d-%02dT%02d:%02d:%02d.", tm.tm_year + 1900,
+                 tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec);
         last = sec;
     }
     int n = (int)strlen(head);
     memcpy(out, head, (size_t)n);
-    out[n] = (char)('0' + m / 100), out[n + 1] = (char)('0' + m / 10 % 10), out[n + 2] = (char)('0' + m % 10);
-    memcpy(out + n + 3, "Z", 2);
+    out[n++] = (char)('0' + m / 100);
+    out[n++] = (char)('0' + m / 10 % 10);
+    out[n++] = (char)('0' + m % 10);
+    memcpy(out + n, "Z", 2);
 }
 
 /* "YYYY-MM-DD" as the wall ms of its midnight UTC; LTG_ERR when it is not a date. */
@@ -2566,7 +2568,8 @@ static int conn_take_head(conn *c) {
     if (S.begin) S.begin(c);
     if (c->req.content_length > S.max_body) {
         char m[128];
-        snprintf(m, sizeof m, "the request body is larger than %lld bytes (--max-body-mb)", S.max_body);
+        snprintf(m, sizeof m, "the request body is larger than %lld bytes (--max-body-mb)",
+                 S.max_body);
         conn_fail(c, 413, "body_too_large", m);
         return 0;
     }
@@ -8637,11 +8640,10 @@ static void verify_what(const char *p, size_t n, off_t off, char *out, size_t ca
     rec_view v;
     const char *k = rec_decode(p, n, &v) == 0 ? memmem(v.event, v.event_len, "\"id\":\"", 6) : NULL;
     const char *e = k ? memchr(k + 6, '"', v.event_len - (size_t)(k + 6 - v.event)) : NULL;
-    if (e && e - k < 70) snprintf(out, cap, "event %.*s at offset %lld", (int)(e - k - 6), k + 6, (long long)off);
+    if (e && e - k < 70)
+        snprintf(out, cap, "event %.*s at offset %lld", (int)(e - k - 6), k + 6, (long long)off);
     else snprintf(out, cap, "the record at offset %lld", (long long)off);
 }
-
-static void verify_hex(const uint8_t *h, char out[2 * CHAIN_LEN + 1]) { hex_encode(h, CHAIN_LEN, out); }
 
 /* A day's link (continuing day lday's head) against the chain so far:
  * why is set when it does not continue it; note says where a chain begins. */
@@ -8661,7 +8663,7 @@ static void verify_begin(verifier *V, const char *path, int64_t lday, const uint
     }
     if (memcmp(lhead, V->head, CHAIN_LEN) == 0) return;
     iso_time(V->head_day, vd);
-    verify_hex(lhead, a), verify_hex(V->head, b);
+    hex_encode(lhead, CHAIN_LEN, a), hex_encode(V->head, CHAIN_LEN, b);
     if (lday == V->head_day)
         snprintf(why, cap, "its link continues %.10s's head %.16s..., but %.10s ends at %.16s... "
                  "after its %s: %.10s was truncated or changed", ld, a, vd, b, V->last, vd);
@@ -8681,7 +8683,7 @@ static void verify_given(verifier *V, int64_t before, int at, const uint8_t *hea
         const uint8_t *h = at && V->given[i].day == before ? head : V->chained ? V->head : NULL;
         V->given[i].done = 1;
         iso_time(V->given[i].day, d);
-        verify_hex(V->given[i].head, a);
+        hex_encode(V->given[i].head, CHAIN_LEN, a);
         if (h && memcmp(h, V->given[i].head, CHAIN_LEN) == 0) {
             printf("%.10s head %s matches the head given\n", d, a);
             continue;
@@ -8690,7 +8692,7 @@ static void verify_given(verifier *V, int64_t before, int at, const uint8_t *hea
         if (!h) printf("%.10s FAILED: the head %.16s... is given, but no verified chain reaches "
                        "the day here\n", d, a);
         else {
-            verify_hex(h, b);
+            hex_encode(h, CHAIN_LEN, b);
             printf("%.10s FAILED: the head given is %.16s..., the ledger here ends the day at "
                    "%.16s... (after its %s): events were removed or changed\n", d, a, b, V->last);
         }
@@ -8782,7 +8784,7 @@ static void verify_day(verifier *V, const char *dir, int64_t day, int newest) {
         V->failed++;
         V->chained = 0; /* what follows is verified on its own */
     } else if (D.chained) {
-        verify_hex(D.cur, hex);
+        hex_encode(D.cur, CHAIN_LEN, hex);
         printf("%.10s ok %lld events, head %s%s\n", d, D.events, hex, D.note);
         V->chained = 1;
         memcpy(V->head, D.cur, CHAIN_LEN);
@@ -10100,8 +10102,9 @@ static void spend_chain(conn *c, const admin_who *who, const char *id, const sto
         if (LG.seg[i]->day == day) s = LG.seg[i];
         if (LG.seg[i]->day > day && LG.seg[i]->chained) next = LG.seg[i];
     }
-    const uint8_t *newest = chain_head(&hday);
-    const uint8_t *head = s ? (s->chained ? s->head : NULL) : next ? next->link : hday ? newest : NULL;
+    const uint8_t *newest = chain_head(&hday), *head = hday ? newest : NULL;
+    if (s) head = s->chained ? s->head : NULL;
+    else if (next) head = next->link;
     if (!head) {
         admin_error(c, 409, "not_chained", NULL, 0,
                     LG.keyed ? "%s is not chained: it began before ltg had --ledger-key-env "
@@ -10682,10 +10685,12 @@ static void exchange_build(exchange *x) {
         if (key) buf_cat(&x->req, "x-api-key: ", key, "\r\n", NULL);
         buf_cat(&x->req, "anthropic-version: ",
                 x->anthropic_version[0] ? x->anthropic_version : "2023-06-01", "\r\n", NULL);
-        if (x->anthropic_beta[0]) buf_cat(&x->req, "anthropic-beta: ", x->anthropic_beta, "\r\n", NULL);
+        if (x->anthropic_beta[0])
+            buf_cat(&x->req, "anthropic-beta: ", x->anthropic_beta, "\r\n", NULL);
     } else if (key) buf_cat(&x->req, "Authorization: Bearer ", key, "\r\n", NULL);
     hex_encode((const uint8_t *)(uint64_t[]){rng_next()}, 8, x->span); /* a span per attempt */
-    buf_cat(&x->req, "traceparent: 00-", x->trace_id, "-", x->span, "-", x->trace_flags, "\r\n", NULL);
+    buf_cat(&x->req, "traceparent: 00-", x->trace_id, "-", x->span, "-", x->trace_flags, "\r\n",
+            NULL);
     if (x->tracestate[0]) buf_cat(&x->req, "tracestate: ", x->tracestate, "\r\n", NULL);
     buf_puts(&x->req, "\r\n");
     uint32_t at = 0; /* the body with its edits, straight into the request: no copy between */
@@ -10846,10 +10851,12 @@ static void exchange_end(exchange *x) {
 
 /* The x-ltg headers every inference answer carries (README "Retries and fallback"). */
 static void exchange_headers(exchange *x, int status, buf *h) {
-    buf_cat(h, "x-ltg-request-id: ", x->rid, "\r\nX-Request-ID: ", x->rid, "\r\nx-ltg-attempts: ", NULL);
+    buf_cat(h, "x-ltg-request-id: ", x->rid, "\r\nX-Request-ID: ", x->rid, "\r\n", NULL);
+    buf_puts(h, "x-ltg-attempts: ");
     buf_uint(h, (unsigned)x->attempts);
     buf_puts(h, "\r\n");
-    if (status >= 200 && status < 300) buf_cat(h, "x-ltg-served-model: ", exchange_model(x)->alias, "\r\n", NULL);
+    if (status >= 200 && status < 300)
+        buf_cat(h, "x-ltg-served-model: ", exchange_model(x)->alias, "\r\n", NULL);
     if (x->cache_mode == CACHE_MISS) buf_puts(h, "x-ltg-cache: miss\r\n");
     if (x->cache_mode == CACHE_BYPASS) buf_puts(h, "x-ltg-cache: bypass\r\n");
     if (x->cache_mode == CACHE_HIT) buf_puts(h, "x-ltg-cache: hit\r\n");
@@ -11992,9 +11999,10 @@ static int admit_key(admission *a, refusal *r) {
     uint8_t h[32];
     const char *secret = request_bearer(a->c, &n);
     int anthropic = a->kind && a->kind->api == API_ANTHROPIC;
-    if (!secret && (secret = http_header_get(a->c->in.p, a->c->req.h, a->c->req.nh, "x-api-key", &n)) &&
-        !n)
-        secret = NULL;
+    if (!secret) {
+        secret = http_header_get(a->c->in.p, a->c->req.h, a->c->req.nh, "x-api-key", &n);
+        if (secret && !n) secret = NULL;
+    }
     if (!secret)
         return refuse(r, 401, "invalid_api_key", NULL, "missing API key: send the header %s",
                       anthropic ? "x-api-key: ltg_sk_... (or Authorization: Bearer ltg_sk_...)"
@@ -12925,7 +12933,7 @@ static const route_row ROUTES[] = {
 _Static_assert(sizeof WIRE / sizeof *WIRE == 6, "a row of ROUTES for each row of WIRE");
 
 /* The row of c's path on c's listener, or NULL; rest: what follows its
- * path (at most cap - 1 bytes of it). */
+ * path (at most cap - 1 bytes of it; cap 0: not asked). */
 static const route_row *route_find(conn *c, char *rest, size_t cap) {
     size_t n;
     const char *t = request_path(c, &n);
@@ -12937,7 +12945,7 @@ static const route_row *route_find(conn *c, char *rest, size_t cap) {
             continue;
         if (n == len || (r->sub && t[len] == '/' && n > len + 1)) {
             size_t k = n == len ? 0 : n - len - 1;
-            snprintf(rest, cap, "%.*s", (int)(k < cap ? k : cap - 1), t + n - k);
+            if (cap) snprintf(rest, cap, "%.*s", (int)(k < cap ? k : cap - 1), t + n - k);
             return r;
         }
     }
@@ -12977,8 +12985,7 @@ static void route_begin(conn *c) {
     for (int i = 0; i < 16; i++) c->rid[4 + i] = "0123456789abcdef"[(r >> (60 - 4 * i)) & 15];
     for (int i = 0; i < 8; i++) c->rid[20 + i] = "0123456789abcdef"[(seq >> (28 - 4 * i)) & 15];
     c->rid[28] = 0;
-    char rest[ALIAS_MAX * 3];
-    const route_row *row = route_find(c, rest, sizeof rest);
+    const route_row *row = route_find(c, NULL, 0);
     /* an inference request is counted by its endpoint, an unknown path as "other"; a probe not */
     if (!c->admin && (!row || row->on == ON_INFERENCE)) {
         c->f.endpoint = !row ? "other" : row->kind ? row->kind->path : row->path;
@@ -13009,7 +13016,8 @@ static void route(conn *c) {
         /* Codex's Responses over WebSocket: 426 has it fall back to HTTP at once (a 405, after
          * another try) */
         conn_error(c, 426, "websocket_unsupported", "Upgrade: HTTP/1.1\r\n",
-                   "ltg serves %s over HTTP only: POST it (WebSocket is not served)", row->kind->path);
+                   "ltg serves %s over HTTP only: POST it (WebSocket is not served)",
+                   row->kind->path);
     } else if (row->method && !method_is(c, row->method) && !(row->head && method_is(c, "HEAD"))) {
         conn_error(c, 405, "method_not_allowed", NULL, "use %s for %s", row->method,
                    row->kind ? row->kind->path : row->path);
@@ -13316,7 +13324,15 @@ static int rl_call(rlink *l, rl_reply *fn, void *ctx, const rarg *a, int argc) {
     return rc;
 }
 
-/* Replies in: each to the oldest waiting call. */
+/* Is the reply just read an error that begins with `prefix`? */
+static int rl_error_is(const rlink *l, const char *prefix) {
+    size_t n = strlen(prefix);
+    const resp_tok *t = &l->tok[0];
+    return t->type == '-' && t->len >= n && !memcmp(l->in.p + t->off, prefix, n);
+}
+
+/* Replies in: each to the oldest waiting call. After it, an answer that
+ * says the server no longer takes ltg's writes fails the link. */
 static void rl_replies(rlink *l) {
     while (l->state != RL_DOWN && l->in.len) {
         size_t at = 0;
@@ -13335,13 +13351,11 @@ static void rl_replies(rlink *l) {
         if (l == &CL.cmd) metric_observe(M_CLUSTER_CALL, (double)(S.now - l->q[i].at) / 1000, NULL);
         l->q[i].fn(l->q[i].ctx, l->in.p, l->tok);
         if (l->fd != fd) return; /* the callback failed the link */
-        if (l->tok[0].type == '-' && l->tok[0].len >= 8 && !memcmp(l->in.p + l->tok[0].off,
-                                                                  "READONLY", 8)) {
+        if (rl_error_is(l, "READONLY")) {
             rl_fail(l, "the server is a replica now (READONLY): the primary moved");
             return;
         }
-        if (l->tok[0].type == '-' && l->tok[0].len >= 22 &&
-            !memcmp(l->in.p + l->tok[0].off, "ERR Function not found", 22)) {
+        if (rl_error_is(l, "ERR Function not found")) {
             rl_fail(l, "the server lost ltg's functions (flushed, or made a replica): loaded again "
                        "on reconnecting");
             return;
@@ -15012,7 +15026,8 @@ static int verify_main(int argc, char **argv) {
             V.given[V.ngiven].done = 0;
             if (parse_day(d, &V.given[V.ngiven].day) < 0 ||
                 hex_decode(v + 11, 2 * CHAIN_LEN, V.given[V.ngiven].head) < 0)
-                usage(VERIFY_USAGE, "--head is YYYY-MM-DD:HEX, the day's head from GET /spend/chain");
+                usage(VERIFY_USAGE,
+                      "--head is YYYY-MM-DD:HEX, the day's head from GET /spend/chain");
             V.ngiven++;
         } else {
             snprintf(why, sizeof why, "%.40s %.40s: %s", o, v,
@@ -15206,6 +15221,20 @@ static void loop_start(void) {
     loop_watch(S.admin_fd, POLLIN, listener_accept, &S.admin_fd);
 }
 
+/* At exit: what stopping leaves undone, and the TLS handshakes made. */
+static void stop_report(void) {
+    const char *lost;
+    if (!ledger_writable(&lost))
+        ltg_log("stopping with spend events that could not be written (%s): they are lost", lost);
+    if (cl_unsettled())
+        ltg_log("cluster: stopping with %d settle(s) the shared store has not acknowledged: they "
+                "are kept in DATA/outbox and sent at the next start (the holds they end run out "
+                "with their leases meanwhile)", cl_unsettled());
+    if (TLS.full + TLS.resumed)
+        ltg_log("TLS handshakes: %llu full, %llu resumed", (unsigned long long)TLS.full,
+                (unsigned long long)TLS.resumed);
+}
+
 int main(int argc, char **argv) {
     char err[512];
     const char *why;
@@ -15215,7 +15244,8 @@ int main(int argc, char **argv) {
     if (!S.config_path)
         usage(USAGE, "--config FILE is required: the catalog of providers, models and admin keys");
     if (!S.data_dir)
-        usage(USAGE, "--data DIR is required: the directory that keeps token groups, keys and the ledger");
+        usage(USAGE, "--data DIR is required: the directory that keeps token groups, keys and the "
+                     "ledger");
     if (access_open(err, sizeof err) < 0) { fprintf(stderr, "ltg: %s\n", err); return 1; }
     if (S.trusted_proxies && trusted_parse(S.trusted_proxies, &why) < 0) {
         fprintf(stderr, "ltg: --trusted-proxies %s: %s\n", S.trusted_proxies, why);
@@ -15253,16 +15283,7 @@ int main(int argc, char **argv) {
     loop_run();
     meters_close(); /* what the drain left metered is billed what is known: no event is lost */
     ledger_sync_all(1);
-    const char *lost;
-    if (!ledger_writable(&lost))
-        ltg_log("stopping with spend events that could not be written (%s): they are lost", lost);
-    if (cl_unsettled())
-        ltg_log("cluster: stopping with %d settle(s) the shared store has not acknowledged: they "
-                "are kept in DATA/outbox and sent at the next start (the holds they end run out "
-                "with their leases meanwhile)", cl_unsettled());
-    if (TLS.full + TLS.resumed)
-        ltg_log("TLS handshakes: %llu full, %llu resumed", (unsigned long long)TLS.full,
-                (unsigned long long)TLS.resumed);
+    stop_report();
     access_flush();
     ltg_log("stopped");
     return 0;

@@ -88,7 +88,7 @@ def agent_env(home, extra):
     return env
 
 
-def run(argv, env, what, timeout=120):
+def run(argv, env, timeout=120):
     os.makedirs(env["HOME"], exist_ok=True)
     p = subprocess.run(argv, env=env, cwd=env["HOME"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE, timeout=timeout * it.SLOW)
@@ -105,7 +105,7 @@ def claude(token, prompt, tag):
         "ANTHROPIC_BASE_URL": "http://127.0.0.1:%d" % ltg().port, "ANTHROPIC_AUTH_TOKEN": token,
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
         "CLAUDE_CODE_MAX_RETRIES": "0", "CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK": "1"})
-    rc, out, err = run(["claude", "-p", prompt, "--output-format", "json"], env, "claude")
+    rc, out, err = run(["claude", "-p", prompt, "--output-format", "json"], env)
     try:
         j = json.loads(out)
     except ValueError:
@@ -198,7 +198,7 @@ def codex(token, prompt, tag, model="gpt-5.5", extra="", ok=True):
     with open(os.path.join(home, ".codex", "config.toml"), "w") as f:
         f.write(CODEX_CONFIG % {"model": model, "port": ltg().port} + extra)
     env = agent_env(home, {"CODEX_HOME": os.path.join(home, ".codex"), "LTG_TOKEN_KEY": token})
-    rc, out, err = run(["codex", "exec", "--json", "--skip-git-repo-check", "--ephemeral", prompt], env, "codex")
+    rc, out, err = run(["codex", "exec", "--json", "--skip-git-repo-check", "--ephemeral", prompt], env)
     evs = []
     for line in out.splitlines():
         try:
