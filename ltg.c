@@ -10462,6 +10462,7 @@ struct exchange {
     buf record;           /* a stream's events, for that record */
     buf event;            /* the data of the stream's event being read (stream_take) */
     int record_full;      /* too long to keep for a replay */
+    int whole;            /* the stream's last event was relayed (stream_last) */
     uint8_t cache_key[32];
 };
 
@@ -10734,9 +10735,34 @@ static void response_pin(exchange *x, const char *s, size_t n, int event) {
  * comment, a keep-alive); SSE_HIDE for the usage chunk ltg asked for on
  * its own (kept from the client); else SSE_RELAY. */
 enum { SSE_RELAY, SSE_EMPTY, SSE_HIDE };
+
+/* Is this event (its data in `data`) the last word of its stream -- chat's and completions'
+ * [DONE], Anthropic's message_stop, a Responses stream's response.completed, .incomplete or
+ * .failed -- after which a client has the whole answer? The event's name is its `event:` line
+ * or, without one, its data's "type". */
+static int stream_last(const char *ev, size_t n, const buf *data) {
+    static const char *const last[] = {"message_stop", "response.completed",
+                                       "response.incomplete", "response.failed"};
+    if (data->len == 6 && memcmp(data->p, "[DONE]", 6) == 0) return 1;
+    const char *name = NULL;
+    size_t len = 0;
+    if (n > 6 && memcmp(ev, "event:", 6) == 0) {
+        name = ev + 6 + (ev[6] == ' ');
+        len = strcspn(name, "\r\n");
+    } else if (data->len > 10 && memcmp(data->p, "{\"type\":\"", 9) == 0) {
+        name = data->p + 9;
+        const char *q = memchr(name, '"', data->len - 9);
+        len = q ? (size_t)(q - name) : 0;
+    }
+    for (size_t i = 0; name && i < sizeof last / sizeof last[0]; i++)
+        if (len == strlen(last[i]) && memcmp(name, last[i], len) == 0) return 1;
+    return 0;
+}
+
 static int stream_take(exchange *x, const char *ev, size_t n) {
     buf *data = &x->event;
     if (!sse_event_data(ev, n, data) || !data->len) return SSE_EMPTY;
+    x->whole |= stream_last(ev, n, data);
     if (data->len == 6 && memcmp(data->p, "[DONE]", 6) == 0) return SSE_RELAY;
     response_pin(x, data->p, data->len, 1);
     int no_choices, r = usage_read(x->kind, x->kind->event_usage, data->p, data->len, &x->usage,
@@ -11788,6 +11814,15 @@ static void stream_broken(exchange *x, const char *why) {
     exchange_fail(x, 502, "stream_interrupted", msg);
 }
 
+/* A stream the client has whole: a success, its replay record (if any) its events. */
+static void stream_succeeded(exchange *x) {
+    exchange_settle(x, 200, EV_SUCCEEDED, x->plan.model, 0,
+                    x->record_full ? NULL
+                    : x->record.p  ? x->record.p
+                                   : "",
+                    x->record.len);
+}
+
 /* Relay the stream's complete events; end it when the provider's body ends. */
 static void exchange_relay_stream(exchange *x) {
     upstream *u = x->u;
@@ -11815,11 +11850,7 @@ static void exchange_relay_stream(exchange *x) {
             exchange_chunk(x, u->body.p, u->body.len);
         }
         x_send(x, "0\r\n\r\n", 5);
-        exchange_settle(x, 200, EV_SUCCEEDED, x->plan.model, 0,
-                        x->record_full ? NULL
-                        : x->record.p  ? x->record.p
-                                       : "",
-                        x->record.len);
+        stream_succeeded(x);
         exchange_end(x);
         return;
     }
@@ -11876,6 +11907,14 @@ static void exchange_abort(void *owner) {
     if (x->state == X_HOLDING && !x->hold.held) { /* not admitted yet: no event (section 20) */
         x->c = NULL;
         exchange_free(x);
+        return;
+    }
+    if (x->state == X_RELAYING && x->whole && !conn_unsent(x->c)) {
+        /* the client took the stream's last event, then closed before the provider's end of
+         * stream: it has the whole answer, so the request succeeded */
+        stream_succeeded(x);
+        x->c = NULL; /* after the settle, which tells the access log */
+        exchange_end(x);
         return;
     }
     if (x->idem && S.ndetached < S.max_conns) { /* it runs on alone (bounded: each holds an fd) */

@@ -9,6 +9,7 @@ upstream model. Runs alone: python3 tests/integration_apis.py --ltg ./ltg --mock
 
 import datetime
 import json
+import time
 
 import integration as it
 
@@ -331,6 +332,71 @@ def spend_events_at(a, g):
     q = "/spend/events?start_date=%s&end_date=%s&token_group_id=%s&page[size]=1000" % (
         today - datetime.timedelta(days=1), today + datetime.timedelta(days=2), g["id"])
     return it.check_admin_ok(it.admin("GET", q, port=a.admin_port), 200, "GET /spend/events")["data"]
+
+
+def close_after_last(port, path, body, headers, auth, last):
+    """Stream `body`, read it up to the event that ends it (`last`, as Codex and other clients
+    do), close at once: the request id and everything read. The mock's end of stream comes 3 s
+    after that event, so the close always comes first."""
+    c = it.Conn(port, timeout=20)
+    try:
+        c.send(it.http_request("POST", path, body, headers=headers, auth=auth))
+        r = c.read_head(20)
+        check(r.status == 200, "%s: status %d" % (path, r.status))
+        got, deadline = b"", time.monotonic() + 20
+        while last not in got:
+            chunk = c.read_chunk(deadline)
+            check(chunk is not None, "%s: the stream ended before %r: %r" % (path, last, got[-300:]))
+            got += chunk
+        return r.header("x-ltg-request-id"), got
+    finally:
+        c.close()
+
+
+def wait_event(find, what, timeout=15.0):
+    """The spend event find() returns (it raises until it is written), waited for."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return find()
+        except it.TestFailure:
+            if time.monotonic() > deadline:
+                raise it.TestFailure("%s: no spend event within %g s" % (what, timeout))
+            time.sleep(0.1)
+
+
+@it.test("streams: a client that closes as soon as it has the last event (chat's [DONE], Messages' "
+         "message_stop, Responses' response.completed), before the provider's end of stream: "
+         "succeeded, billed its usage; one that closes before it: abandoned")
+def t_close_after_last_event():
+    slow_end = "end_delay_ms=3000"
+    g, token = key_for(["Kimi-K3"])
+    cases = [("/v1/chat/completions", it.chat_body(stream=True, directive=slow_end), b"data: [DONE]"),
+             ("/v1/responses", dict(resp_body(stream=True), mock=slow_end), b"event: response.completed")]
+    for path, body, last in cases:
+        rid, got = close_after_last(it.H.port, path, body, None, token, last)
+        e = wait_event(lambda: spend_event(g, rid), path)
+        check(e["status"] == "succeeded" and e["http_status"] == 200 and e["output_tokens"] > 0 and
+              e["usage_status"] == "reported", "%s: the client had the whole stream: %r" % (path, e))
+    # Closed before the last event: the client does not have the answer.
+    rid, _ = close_after_last(it.H.port, "/v1/chat/completions",
+                              it.chat_body(stream=True, directive="events=3 event_delay_ms=2000"), None, token,
+                              b"data: ")
+    e = wait_event(lambda: spend_event(g, rid), "cut")
+    check(e["status"] == "abandoned" and e["http_status"] == 499, "closed mid-stream: %r" % e)
+    a = anthropic_ltg("close-after-last")
+    try:
+        a.start()
+        g = it.create_group(it.group_body(allowed_models=["Claude-M"]), port=a.admin_port)
+        token = it.create_key(g["id"], port=a.admin_port)[1]
+        body = dict(msg_body(stream=True), mock=slow_end)
+        rid, _ = close_after_last(a.port, "/v1/messages", body, {"x-api-key": token}, None,
+                                  b"event: message_stop")
+        e = wait_event(lambda: spend_event_at(a, g, rid), "/v1/messages")
+        check(e["status"] == "succeeded" and e["http_status"] == 200 and e["output_tokens"] > 0,
+              "/v1/messages: the client had the whole stream: %r" % e)
+    finally:
+        a.close()
 
 
 def spend_event_at(a, g, rid):

@@ -86,6 +86,8 @@
  *     head_delay_ms=N      wait before the response head
  *     first_event_delay_ms=N, event_delay_ms=N, events=N    shape a stream: the
  *                          opening events go at once, the first delta N ms later
+ *     end_delay_ms=N       a stream's body ends N ms after its last event (as a
+ *                          provider's end of stream may come in a later read)
  *     cut_after=N          stream: close abruptly after N content events (deltas)
  *     reset                read the request, then reset the connection (RST)
  *     close                answer with "Connection: close", then close
@@ -452,6 +454,7 @@ struct directive {
     long status;                 /* 0: a normal answer */
     long retry_after;            /* -1: no Retry-After header */
     long head_delay_ms, first_event_delay_ms, event_delay_ms;
+    long end_delay_ms;           /* a stream: between its last event and the end of its body */
     long events;                 /* content events in a stream (and, by default, output tokens) */
     long cut_after;              /* -1: never cut */
     long context_length, reset, close, hang;    /* flags */
@@ -482,6 +485,7 @@ static const struct { const char *name; size_t offset; enum token_kind kind; } d
     { "head_delay_ms", offsetof(struct directive, head_delay_ms), TOKEN_NUMBER },
     { "first_event_delay_ms", offsetof(struct directive, first_event_delay_ms), TOKEN_NUMBER },
     { "event_delay_ms", offsetof(struct directive, event_delay_ms), TOKEN_NUMBER },
+    { "end_delay_ms", offsetof(struct directive, end_delay_ms), TOKEN_NUMBER },
     { "events", offsetof(struct directive, events), TOKEN_NUMBER },
     { "cut_after", offsetof(struct directive, cut_after), TOKEN_NUMBER },
     { "context_length", offsetof(struct directive, context_length), TOKEN_FLAG },
@@ -1780,6 +1784,8 @@ static int send_stream(struct conn *c, const struct request *r, const struct dir
     for (int step = api->opening + 1; step <= api->opening + api->closing; step++)
         if (stream_step(c, a, d, step, n++) < 0)
             return 0;
+    if (d->end_delay_ms && conn_wait(c, d->end_delay_ms) < 0)
+        return 0;
     if (conn_send(c, "0\r\n\r\n", 5) < 0)
         return 0;
     return keep;

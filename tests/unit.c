@@ -312,6 +312,29 @@ static void test_sse(void) {
     CHECK(sse_event_len("data: a\n", 8) == 0, "incomplete");
     CHECK(sse_event_len("data: a\r\n\r", 10) == 0, "CR at the end waits");
     CHECK(sse_event_len(": ping\n\n", 8) == 8, "comment event");
+
+    /* The moment a client has a whole stream, for each API: its last event (after it, a client
+     * that closes has its answer: the request succeeded). */
+    static const struct { const char *ev; int last; } ends[] = {
+        {"data: [DONE]\n\n", 1},                                            /* chat, completions */
+        {"data: {\"id\":\"c\",\"choices\":[{\"finish_reason\":\"stop\"}]}\n\n", 0},
+        {"event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n", 1}, /* Anthropic */
+        {"event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{}}\n\n", 0},
+        {"data: {\"type\":\"message_stop\"}\n\n", 1},                     /* no event: line */
+        {"event: response.completed\r\ndata: {\"type\":\"response.completed\"}\r\n\r\n", 1},
+        {"event: response.incomplete\ndata: {}\n\n", 1},                    /* Responses */
+        {"event: response.failed\ndata: {}\n\n", 1},
+        {"event: response.output_text.done\ndata: {}\n\n", 0},
+        {"event: response.completed_x\ndata: {}\n\n", 0},
+        {"data: {\"type\":\"response.completed\",\"response\":{}}\n\n", 1},
+        {"data: {\"type\":\"response.created\"}\n\n", 0},
+    };
+    for (size_t i = 0; i < sizeof ends / sizeof ends[0]; i++) {
+        size_t n = strlen(ends[i].ev);
+        sse_event_data(ends[i].ev, n, &d);
+        CHECK(stream_last(ends[i].ev, n, &d) == ends[i].last, "the last event? %s", ends[i].ev);
+    }
+    buf_free(&d);
 }
 
 /* ---- config ---- */
