@@ -256,7 +256,6 @@ static struct {
     br_hmac_drbg_context rng; /* every id and jitter: seeded from getrandom (section 2) */
     uint8_t rng_pool[512];    /* its output not yet used */
     size_t rng_left;
-    uint64_t request_seq;
 
     /* name resolution */
     struct sockaddr_storage dns_servers[3];
@@ -13018,11 +13017,11 @@ static void trace_start(conn *c) {
 /* S.begin: a request's head is in. Its id, and what its path says: the
  * endpoint it is counted by, the shape of its errors, its trace. */
 static void route_begin(conn *c) {
-    /* "req_%016llx%08llx", without printf: every request makes one */
-    uint64_t r = rng_next(), seq = ++S.request_seq & 0xffffffff;
+    /* "req_" and 96 random bits in hex, without printf: every request makes one. Nothing in
+     * it counts (a caller who sees two ids learns nothing of the traffic between them). */
+    uint64_t r[2] = {rng_next(), rng_next()};
     memcpy(c->rid, "req_", 4);
-    for (int i = 0; i < 16; i++) c->rid[4 + i] = "0123456789abcdef"[(r >> (60 - 4 * i)) & 15];
-    for (int i = 0; i < 8; i++) c->rid[20 + i] = "0123456789abcdef"[(seq >> (28 - 4 * i)) & 15];
+    hex_encode((const uint8_t *)r, 12, c->rid + 4);
     c->rid[28] = 0;
     const route_row *row = route_find(c, NULL, 0);
     /* an inference request is counted by its endpoint, an unknown path as "other"; a probe not */

@@ -147,6 +147,26 @@ def t_http_lingering_close():
     check(it.one_request(H.port, "GET", "/healthz", auth=None).status == 200, "ltg serves after them")
 
 
+@it.test("http: request ids count nothing: two unauthenticated calls' ids, in any of their digits, "
+         "do not tell how many requests came between them")
+def t_http_request_ids_random():
+    ids = []
+    for _ in range(40):
+        r = it.one_request(it.H.port, "GET", "/v1/no-such-path", auth=None)
+        rid = r.header("x-ltg-request-id") or ""
+        it.check(len(rid) == 28 and rid.startswith("req_"), "the id %r" % rid)
+        ids.append(int(rid[4:], 16))
+    # Any run of 16 or 32 bits that counted would move by a small step from one id to the
+    # next (other tests' requests come between); 96 random bits, split so, almost never do.
+    for bits in (16, 32):
+        for shift in range(0, 96 - bits + 1, 4):
+            part = [(v >> shift) & ((1 << bits) - 1) for v in ids]
+            steps = [(b - a) % (1 << bits) for a, b in zip(part, part[1:])]
+            small = sum(1 for d in steps if d < 64)
+            it.check(small < len(steps) // 2, "bits %d..%d of the request ids count: steps %r"
+                     % (shift, shift + bits - 1, steps[:10]))
+
+
 @it.test("http: --data whose parents do not exist is created")
 def t_http_data_parents():
     a = it.Aux("data-parents-" + os.urandom(3).hex())
