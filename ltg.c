@@ -10332,6 +10332,9 @@ static void inference_error(conn *c, int status, const char *code, const char *h
 #define MAX_CHAIN (1 + MAX_FALLBACKS)
 #define MAX_ATTEMPT_LOG (MAX_CHAIN * 5)
 #define REPLAY_MAX_BYTES (8 << 20) /* the largest answer kept for an idempotent replay */
+/* With --cluster, the largest spend event sent to the shared stream, a kept answer in it; an
+ * event with its answer larger than this goes without it (every reader takes it whole). */
+#define CL_MAX_EVENT ((16 << 20) - 65536)
 
 enum { CACHE_NONE, CACHE_MISS, CACHE_BYPASS, CACHE_HIT };
 
@@ -11136,8 +11139,8 @@ static void idem_answered(idem *r, const exchange *x, const model *m, int64_t no
  * answer is found again in the cache. */
 static void exchange_keep(exchange *x, idem *r, model *m, const char *keep, size_t keep_len,
                           int64_t now, buf *replay) {
-    if (x->cache_hit && !cl_on()) { /* see idem.cached (with --cluster, kept: not every
-                                     * instance has it in its cache) */
+    if (x->cache_hit) { /* see idem.cached: no copy of a cached answer is kept */
+        if (cl_on()) return; /* nor shared: the claim goes with the event, a retry runs again */
         idem_answered(r, x, m, now);
         r->status = 200;
         r->stream = 0; /* the cache's answer is replayed whole */
@@ -11211,6 +11214,11 @@ static void exchange_book(exchange *x, const char *keep, size_t keep_len) {
     if (cl_on()) { /* the event goes to the shared ledger, and comes back to this one from it */
         buf rec = {0};
         rec_encode(&rec, &v);
+        if (rec.len > CL_MAX_EVENT && v.replay_len) { /* every reader must take it whole */
+            v.replay = "", v.replay_len = 0, v.flags &= (uint8_t)~EVF_REPLAY;
+            rec.len = 0;
+            rec_encode(&rec, &v); /* the answer is not kept: a retry runs again */
+        }
         hold_settle(al, 2, &x->hold, cost, used, now, &rec);
         buf_free(&rec);
         exchange_idem_free(x); /* its answer comes back with the event (cl_event) */
@@ -13132,9 +13140,13 @@ static void route(conn *c) {
 #define STR(x) STR_(x)         /* a number macro as a string */
 #define RESP_MAX_TOKS 1024
 #define RESP_MAX_DEPTH 8
-#define RESP_MAX_BULK (4 << 20) /* a change's record: its item and answer (bodies <= 1 MiB) */
-/* a reply's bytes: at most CL_READ_COUNT records, and their framing */
-#define RESP_MAX_REPLY ((size_t)CL_READ_COUNT * (RESP_MAX_BULK + 256))
+/* One string of a reply: a change's record (its item and answer: bodies <= 1 MiB), or a spend
+ * event with the answer its replay keeps (CL_MAX_EVENT, section 17), and room to spare. */
+#define RESP_MAX_BULK (CL_MAX_EVENT + 65536)
+/* A reply's bytes: one entry of each stream read whole. A read of CL_READ_COUNT entries that
+ * comes to more fails, and the reader reads on one entry at a time (cl_tail_read). */
+#define RESP_MAX_REPLY ((size_t)2 * RESP_MAX_BULK + 65536)
+#define CL_MAX_FIELDS 64         /* an entry's fields and values: ltg's have 2 to 8 */
 
 typedef struct {
     char type;                /* '+' '-' ':' '$' '*', or '_' for a null */
@@ -13179,6 +13191,19 @@ static int resp_elem(const char *p, size_t n, size_t *at, resp_tok *t, int max, 
     return 1;
 }
 
+/* What a server sent, for ltg's log: at most n - 1 bytes, a byte that is not printable ASCII
+ * (a newline would begin a forged log line) as \xHH, cut with "..." when longer. */
+static void log_escape(const char *p, size_t len, char *out, size_t n) {
+    size_t o = 0;
+    for (size_t i = 0; i < len && o + 8 < n; i++) {
+        unsigned char ch = (unsigned char)p[i];
+        if (ch >= 0x20 && ch < 0x7f && ch != '\\') out[o++] = (char)ch;
+        else o += (size_t)snprintf(out + o, n - o, "\\x%02x", ch);
+        if (i + 1 < len && o + 8 >= n) o += (size_t)snprintf(out + o, n - o, "...");
+    }
+    out[o] = 0;
+}
+
 /* Is token i the bulk or simple string s? */
 static int resp_is(const char *p, const resp_tok *t, int i, const char *s) {
     return (t[i].type == '$' || t[i].type == '+') && t[i].len == strlen(s) &&
@@ -13189,9 +13214,11 @@ static int resp_is(const char *p, const resp_tok *t, int i, const char *s) {
  * read), into out, for ltg's log. */
 static const char *resp_why(const char *what, const char *p, const resp_tok *t, char *out,
                             size_t n) {
-    if (t[0].type == '-')
-        snprintf(out, n, "%s: %.*s", what, (int)(t[0].len > 150 ? 150 : t[0].len), p + t[0].off);
-    else snprintf(out, n, "%s: an answer ltg cannot read", what);
+    if (t[0].type == '-') {
+        char text[160];
+        log_escape(p + t[0].off, t[0].len, text, sizeof text);
+        snprintf(out, n, "%s: %s", what, text);
+    } else snprintf(out, n, "%s: an answer ltg cannot read", what);
     return out;
 }
 
@@ -13250,6 +13277,8 @@ typedef struct cl_pending {
 
 static struct {
     const char *url, *password_env; /* --cluster, --cluster-password-env */
+    const char *sen_password_env;   /* --cluster-sentinel-password-env */
+    char *sen_password;
     char host[256];           /* the primary (with Sentinel: as it last said) */
     int port, db;
     char *password;
@@ -13266,6 +13295,10 @@ static struct {
     int64_t heard;            /* S.now of the tail link's last reply */
     int stale_ms;             /* --cluster-stale-after: not heard this long, nothing is served */
     double lag;               /* seconds from the last record's XADD to its apply here */
+    /* the stream link's last read failed (its reply too large, or not RESP): 1, read one entry
+     * at a time; 2, that failed too: the entry that cannot be read is found and skipped */
+    int unread;
+    long long skipped;        /* entries skipped so (ltg_cluster_skipped_total) */
     int lost;                 /* the stream ends before what this instance applied */
     int behind;               /* ... or was trimmed past it: this instance missed changes */
     cl_pending *waiting;       /* changes whose answer waits for the reader */
@@ -13377,8 +13410,12 @@ static void rl_replies(rlink *l) {
         int nt = 0, r = resp_elem(l->in.p, l->in.len, &at, l->tok, RESP_MAX_TOKS, &nt, 0);
         if (r == 0 && l->in.len > RESP_MAX_REPLY) r = LTG_ERR;
         if (r == 0) return;
+        if (r < 0 && l == &CL.tail) CL.unread = CL.unread ? 2 : 1; /* see cl_tail_read */
         if (r < 0 || !l->qlen) {
-            rl_fail(l, r < 0 ? "a reply that is not RESP" : "a reply to no call");
+            rl_fail(l, r < 0 && l == &CL.tail ? "a read too large to take, or not RESP: read "
+                                                "again in smaller steps"
+                       : r < 0                  ? "a reply that is not RESP"
+                                                : "a reply to no call");
             return;
         }
         int i = l->qhead;
@@ -13487,6 +13524,15 @@ static void cl_sentinel_reply(void *ctx, const char *p, const resp_tok *t) {
     }
     char host[sizeof CL.host];
     snprintf(host, sizeof host, "%.*s", (int)t[1].len, p + t[1].off);
+    if (!t[1].len || strspn(host, "0123456789abcdefghijklmnopqrstuvwxyz"
+                                  "ABCDEFGHIJKLMNOPQRSTUVWXYZ.-_:") != t[1].len) {
+        char shown[80];
+        log_escape(p + t[1].off, t[1].len, shown, sizeof shown);
+        snprintf(why, sizeof why, "it named a primary that is not a host name or address: %s",
+                 shown);
+        rl_fail(l, why);
+        return;
+    }
     if (strcmp(host, CL.host) != 0 || port != CL.port)
         ltg_log("cluster: Sentinel %s:%d says the primary of %s is %s:%lld", CL.sen[CL.seni].host,
                 CL.sen[CL.seni].port, CL.master, host, port);
@@ -13499,7 +13545,13 @@ static void cl_sentinel_reply(void *ctx, const char *p, const resp_tok *t) {
         if (links[i]->discover) rl_connect(links[i]);
 }
 
+static void rl_hello_reply(void *ctx, const char *p, const resp_tok *t);
+
+/* The Sentinel link's handshake: AUTH (with --cluster-sentinel-password-env), then the one
+ * question. */
 static void cl_sentinel_ask(rlink *l) {
+    if (CL.sen_password)
+        rl_call(l, rl_hello_reply, l, (rarg[]){RA("AUTH"), RA(CL.sen_password)}, 2);
     rl_call(l, cl_sentinel_reply, l,
             (rarg[]){RA("SENTINEL"), RA("get-master-addr-by-name"), RA(CL.master)}, 3);
 }
@@ -13809,6 +13861,37 @@ static const char CL_LIBRARY[] =
     "  redis.call('XTRIM', 'ltg:events', 'MINID', lowev)\n"
     "  return redis.call('XTRIM', 'ltg:log', 'MINID', low)\n"
     "end\n"
+    "-- ltg_peek_v1: ARGV the last ltg:log id and the last ltg:events id read. The\n"
+    "-- next entry of each, as {id ('' none), bytes, fields}: what the reader cannot\n"
+    "-- take whole, it skips.\n"
+    "local function peek(keys, a)\n"
+    "  local out = {}\n"
+    "  for i, k in ipairs({'ltg:log', 'ltg:events'}) do\n"
+    "    local e = redis.call('XRANGE', k, '(' .. a[i], '+', 'COUNT', 1)[1]\n"
+    "    local n = 0\n"
+    "    for _, v in ipairs(e and e[2] or {}) do n = n + #v end\n"
+    "    out[#out + 1] = e and e[1] or ''\n"
+    "    out[#out + 1] = n\n"
+    "    out[#out + 1] = e and #e[2] or 0\n"
+    "  end\n"
+    "  return out\n"
+    "end\n"
+    "redis.register_function('ltg_peek_v1', peek)\n"
+    "-- ltg_info_v1: ARGV a stream. What XINFO STREAM says of it, but for its first\n"
+    "-- and last entries: an error for a stream that does not exist.\n"
+    "local function info(keys, a)\n"
+    "  local r = redis.pcall('XINFO', 'STREAM', a[1])\n"
+    "  if r.err then return r end\n"
+    "  local out = {}\n"
+    "  for i = 1, #r, 2 do\n"
+    "    if type(r[i + 1]) ~= 'table' then\n"
+    "      out[#out + 1] = r[i]\n"
+    "      out[#out + 1] = r[i + 1]\n"
+    "    end\n"
+    "  end\n"
+    "  return out\n"
+    "end\n"
+    "redis.register_function('ltg_info_v1', info)\n"
     "redis.register_function('ltg_trim_v1', trim)\n"
     "redis.register_function('ltg_hold_v1', hold)\n"
     "redis.register_function('ltg_settle_v1', settle)\n"
@@ -13920,9 +14003,17 @@ static void cl_tail_checked(void *ctx, const char *p, const resp_tok *t) {
     CL.behind = behind;
 }
 
+/* The stream link loads the functions too (it may come up first), then asks ltg_info_v1 of
+ * both streams: XINFO STREAM's own answer holds the first and last entries whole, which may be
+ * ones it cannot read (cl_peeked). */
 static void cl_tail_up(rlink *l) {
-    rl_call(l, cl_tail_checked, l, (rarg[]){RA("XINFO"), RA("STREAM"), RA("ltg:log")}, 3);
-    rl_call(l, cl_events_checked, l, (rarg[]){RA("XINFO"), RA("STREAM"), RA("ltg:events")}, 3);
+    rl_call(l, rl_hello_reply, l,
+            (rarg[]){RA("FUNCTION"), RA("LOAD"), RA("REPLACE"), {CL_LIBRARY, sizeof CL_LIBRARY - 1}},
+            4);
+    rl_call(l, cl_tail_checked, l, (rarg[]){RA("FCALL"), RA("ltg_info_v1"), RA("0"), RA("ltg:log")},
+            4);
+    rl_call(l, cl_events_checked, l,
+            (rarg[]){RA("FCALL"), RA("ltg_info_v1"), RA("0"), RA("ltg:events")}, 4);
 }
 
 /* Answer the changes the reader has now caught up with. */
@@ -14002,11 +14093,15 @@ static int cl_event(const char *sid, const char *p, const resp_tok *t, int e) {
             budget_refresh(&st[i]->al, v.at);
             st[i]->al.spend += v.charged;
         }
-    char scope[40];
+    /* b is "scope spent held" for each of two scopes at most: copied out, NUL-terminated, since
+     * a reply's bytes are not (sscanf must not read past the field) */
+    char scope[40], bs[256];
     long long spent, held;
     int used;
-    for (const char *q = b && b->type == '$' ? p + b->off : "", *end = q + (b ? b->len : 0);
-         q < end && sscanf(q, "%39s %lld %lld%n", scope, &spent, &held, &used) == 3; q += used)
+    snprintf(bs, sizeof bs, "%.*s", b && b->type == '$' && b->len < sizeof bs ? (int)b->len : 0,
+             b ? p + b->off : "");
+    for (const char *q = bs; sscanf(q, "%39s %lld %lld%n", scope, &spent, &held, &used) == 3;
+         q += used)
         scope_seen(scope, spent, held);
     return 0;
 }
@@ -14035,7 +14130,10 @@ static void cl_tail_reply(void *ctx, const char *p, const resp_tok *t) {
             }
         }
     }
-    if (ok && CL.read_at && events < CL_READ_COUNT) CL.caught_up = CL.read_at; /* all there was */
+    if (ok && CL.read_at && events < CL_READ_COUNT && !CL.unread)
+        CL.caught_up = CL.read_at; /* all there was */
+    /* read one at a time after a read too large: whole reads again after a small entry */
+    if (ok && CL.unread && CL.tail.in.len < RESP_MAX_BULK / CL_READ_COUNT) CL.unread = 0;
     cl_changes_due();
     if (!ok) { /* -UNBLOCKED when the server is made a replica, say */
         char why[200];
@@ -14045,14 +14143,56 @@ static void cl_tail_reply(void *ctx, const char *p, const resp_tok *t) {
     cl_tail_read();
 }
 
-/* Read on: ltg:log, and ltg:events while the ledger can take them. */
+/* ltg_peek_v1's answer: the next entry of ltg:log and of ltg:events, each as its id ("" none),
+ * bytes and fields. One that the reader cannot take whole (past RESP_MAX_BULK or
+ * CL_MAX_FIELDS: no instance writes one) is skipped, said and counted, and the reader reads on:
+ * a stream is never wedged on one entry. */
+static void cl_peeked(void *ctx, const char *p, const resp_tok *t) {
+    (void)ctx;
+    if (!t) return;
+    char why[200], *applied[2] = {CL.applied, CL.ev_applied};
+    static const char *const names[2] = {"ltg:log", "ltg:events"};
+    if (t[0].type != '*' || t[0].num != 6) {
+        rl_fail(&CL.tail, resp_why("ltg_peek_v1", p, t, why, sizeof why));
+        return;
+    }
+    int found = 0;
+    for (int i = 0, k = 1; i < 2; i++, k += 3) {
+        if (t[k].type != '$' || !t[k].len || t[k].len >= sizeof CL.applied ||
+            t[k + 1].type != ':' || t[k + 2].type != ':' ||
+            (t[k + 1].num <= RESP_MAX_BULK && t[k + 2].num <= CL_MAX_FIELDS))
+            continue;
+        snprintf(applied[i], sizeof CL.applied, "%.*s", (int)t[k].len, p + t[k].off);
+        ltg_log("cluster: entry %s of %s is %lld bytes in %lld fields, more than ltg reads (%d "
+                "bytes, %d fields; no instance writes one): skipped%s", applied[i], names[i],
+                t[k + 1].num, t[k + 2].num, RESP_MAX_BULK, CL_MAX_FIELDS,
+                i ? ": the event it held is not in this ledger" : ": the change it held is not "
+                "applied here");
+        CL.skipped++;
+        found = 1;
+    }
+    if (!found) ltg_log("cluster: a read of the shared streams failed, though no entry is too "
+                        "large to read: read again");
+    CL.unread = 1;
+    cl_tail_read();
+}
+
+/* Read on: ltg:log, and ltg:events while the ledger can take them; after a read that failed,
+ * one entry at a time (CL.unread), and after that failed too, the entry that cannot be read is
+ * found first (cl_peeked). */
 static void cl_tail_read(void) {
     const char *why;
     int events = ledger_writable(&why);
-    rarg a[] = {RA("XREAD"), RA("COUNT"), RA(STR(CL_READ_COUNT)), RA("BLOCK"),
+    const char *last[2] = {CL.applied[0] ? CL.applied : "0-0",
+                           CL.ev_applied[0] ? CL.ev_applied : "0-0"};
+    if (CL.unread == 2) {
+        rl_call(&CL.tail, cl_peeked, NULL,
+                (rarg[]){RA("FCALL"), RA("ltg_peek_v1"), RA("0"), RA(last[0]), RA(last[1])}, 5);
+        return;
+    }
+    rarg a[] = {RA("XREAD"), RA("COUNT"), RA(CL.unread ? "1" : STR(CL_READ_COUNT)), RA("BLOCK"),
                 RA(STR(CL_BLOCK_MS)), RA("STREAMS"), RA("ltg:log"), RA("ltg:events"),
-                RA(CL.applied[0] ? CL.applied : "0-0"),
-                RA(CL.ev_applied[0] ? CL.ev_applied : "0-0")};
+                RA(last[0]), RA(last[1])};
     if (!events) a[7] = a[8]; /* STREAMS ltg:log <id> */
     CL.read_at = events ? wall_ms() : 0;
     rl_call(&CL.tail, cl_tail_reply, NULL, a, events ? 10 : 8);
@@ -14710,6 +14850,10 @@ static const char *cl_parse(void) {
         u += 8;
         CL.port = 6379;
         if ((why = cl_hostport(&u, "/", CL.host, &CL.port))) return why;
+    } else if (strncmp(u, "rediss://", 9) == 0) {
+        return "--cluster: rediss:// (TLS to Redis) is not supported: keep Redis on loopback or a "
+               "private network, or reach it through a TLS tunnel (stunnel, spiped) and give "
+               "redis:// of the tunnel's local end";
     } else
         return "--cluster: expected redis://HOST[:PORT][/DB] or sentinel://HOST[:PORT]/MASTER_NAME";
     if (*u == '/' && u[1]) {
@@ -14718,13 +14862,17 @@ static const char *cl_parse(void) {
         CL.db = (int)v;
     } else if (*u && strcmp(u, "/") != 0)
         return "--cluster: expected redis://HOST[:PORT][/DB] or sentinel://HOST[:PORT]/MASTER_NAME";
-    if (CL.password_env) {
+    const char *envs[2] = {CL.password_env, CL.sen_password_env};
+    char **into[2] = {&CL.password, &CL.sen_password};
+    for (int i = 0; i < 2; i++) {
         static char pwhy[300];
-        const char *pw = getenv(CL.password_env);
-        snprintf(pwhy, sizeof pwhy, "--cluster-password-env: the environment variable %.200s is "
-                 "not set (or empty)", CL.password_env);
+        const char *pw = envs[i] ? getenv(envs[i]) : NULL;
+        if (!envs[i]) continue;
+        snprintf(pwhy, sizeof pwhy, "--cluster-%spassword-env: the environment variable %.200s "
+                 "is not set (or empty)", i ? "sentinel-" : "", envs[i]);
         if (!pw || !*pw) return pwhy;
-        CL.password = xstrdup(pw);
+        if (i && !CL.nsen) return "--cluster-sentinel-password-env: --cluster names no Sentinels";
+        *into[i] = xstrdup(pw);
     }
     return NULL;
 }
@@ -14789,6 +14937,9 @@ static void cl_metrics(buf *b) {
     metric_head(b, "ltg_cluster_unsettled", "gauge",
                 "Settles the shared store has not acknowledged yet (the outbox).");
     gauge(b, "ltg_cluster_unsettled", cl_unsettled(), NULL);
+    metric_head(b, "ltg_cluster_skipped_total", "counter",
+                "Entries of the shared streams skipped, too large to read (see ltg's log).");
+    gauge(b, "ltg_cluster_skipped_total", (double)CL.skipped, NULL);
 }
 
 /* Section 12's replay: a record applied from the stream carries its id, "sid". */
@@ -15030,6 +15181,7 @@ static const char USAGE[] =
         "  --cluster redis://HOST[:PORT][/DB]  share groups and keys with other ltg instances\n"
         "                           through this Redis or Valkey primary\n"
         "  --cluster-password-env VAR  its password, from this environment variable\n"
+        "  --cluster-sentinel-password-env VAR  the Sentinels' password (sentinel:// only)\n"
         "  --version, --help        print the version, or this, and exit\n"
         "Signals: SIGTERM/SIGINT drain and exit, SIGHUP reloads the catalog, SIGUSR1 reopens the "
         "access log.\n";
@@ -15112,6 +15264,7 @@ static const option options[] = {
     {"--config", .str = &S.config_path}, {"--data", .str = &S.data_dir}, {"--listen", .str = &S.listen_addr},
     {"--admin-listen", .str = &S.admin_addr}, {"--resolv-conf", .str = &S.resolv_conf}, {"--ca-file", .str = &TLS.ca_file},
     {"--cluster", .str = &CL.url}, {"--cluster-password-env", .str = &CL.password_env},
+    {"--cluster-sentinel-password-env", .str = &CL.sen_password_env},
     {"--cluster-stale-after", NULL, &CL.stale_ms, NULL, 1, 86400, 1000, 0},
     {"--access-log", .str = &ALOG.path}, {"--metrics-auth", .i = &S.metrics_auth, .flag = 1}, {"--trusted-proxies", .str = &S.trusted_proxies},
     {"--max-conns", NULL, &S.max_conns, NULL, 1, 1000000, 1, 0},

@@ -31,8 +31,9 @@ maxmemory-policy noeviction), and three ltg instances (it.Aux) with --cluster po
 9. The store holds what is live: the stream trimmed, a deleted group's counts gone; a late
    instance serves nothing until given a peer's state log.
 10. An inference Idempotency-Key is claimed in the store: replayed by the other instances, 409
-   with another body, 409 idempotency_in_flight on another instance while it runs, a cached answer
-   replayed by another instance.
+   with another body, 409 idempotency_in_flight on another instance while it runs; a cached answer
+   is not copied (a retry runs again). Events too large for a small reader (a kept 6 MiB answer;
+   17 MiB entries no instance writes, skipped and counted) never wedge the streams.
 11. Sentinel: a primary with a replica (min-replicas-to-write 1): the replica paused, the lone
    primary refuses writes (a budgeted request 503, an uncapped one served and shipped later);
    the primary killed, the replica promoted and found by both instances, nothing acknowledged
@@ -653,6 +654,81 @@ def t_cluster_sentinel():
         primary.stop()
 
 
+@it.test("cluster: a Sentinel with a password: without --cluster-sentinel-password-env ltg is refused and says so; "
+         "with it, ltg finds the primary. A Sentinel that names a host that is not one (a newline in it) is not "
+         "followed, and what it sent is logged escaped")
+def t_cluster_sentinel_auth():
+    import socket
+    primary = Redis("sa-primary").start()
+    sport = it.free_ports(1)[0]
+    sdir = os.path.join(it.H.tmp, "sentinel-auth")
+    os.makedirs(sdir, exist_ok=True)
+    conf = os.path.join(sdir, "sentinel.conf")
+    with open(conf, "w") as f:
+        f.write("port %d\nbind 127.0.0.1\ndir %s\nlogfile %s\nrequirepass sentinel-secret\n"
+                % (sport, sdir, os.path.join(sdir, "sentinel.log")) + "sentinel monitor ltg 127.0.0.1 %d 1\n" % primary.port)
+    sentinel = subprocess.Popen([primary.bin, conf, "--sentinel"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    url = "sentinel://127.0.0.1:%d/ltg" % sport
+    # A fake Sentinel: whatever it is asked, it names "evil\nhost" as the primary.
+    fake = socket.socket()
+    fake.bind(("127.0.0.1", 0))
+    fake.listen(8)
+    fake.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                c, _ = fake.accept()
+            except socket.timeout:
+                continue
+            with c:
+                c.settimeout(2)
+                try:
+                    if c.recv(4096):
+                        c.sendall(b"*2\r\n$9\r\nevil\nhost\r\n$4\r\n6379\r\n")
+                except OSError:
+                    pass
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    auxes = [it.Aux("cl-sa-none-" + os.urandom(2).hex(), args=["--cluster", url]),
+             it.Aux("cl-sa-pw-" + os.urandom(2).hex(), args=["--cluster", url, "--cluster-sentinel-password-env",
+                                                             "LTG_IT_SENTINEL_PW"],
+                    env=dict(it.H.env, LTG_IT_SENTINEL_PW="sentinel-secret")),
+             it.Aux("cl-sa-evil-" + os.urandom(2).hex(), args=["--cluster", "sentinel://127.0.0.1:%d/ltg" % fake.getsockname()[1]])]
+    none, pw, evil = auxes
+    try:
+        it.wait_until("the Sentinel answering", lambda: subprocess.run(
+            ["redis-cli", "-p", str(sport), "-a", "sentinel-secret", "--no-auth-warning", "PING"], capture_output=True,
+            text=True).stdout.strip() == "PONG", 10 * it.SLOW, 0.1)
+        for x in auxes:
+            x.start()
+        wait_ready(pw, 15)
+        check("says the primary of ltg is 127.0.0.1:%d" % primary.port in pw.text_since_start(), "with the password: %r"
+              % pw.text_since_start()[-400:])
+        it.wait_until(lambda: "without the password, ltg says it was refused: %r" % none.text_since_start()[-400:],
+                      lambda: "NOAUTH" in none.text_since_start() or "Authentication required" in none.text_since_start(),
+                      10 * it.SLOW, 0.1)
+        check(not ready(none), "an instance the Sentinel refused is not ready")
+        it.wait_until(lambda: "the fake Sentinel's host is refused: %r" % evil.text_since_start()[-400:],
+                      lambda: "not a host name or address: evil\\x0ahost" in evil.text_since_start(), 10 * it.SLOW, 0.1)
+        check(not any(l.startswith("host") for l in evil.text_since_start().split("\n")), "a log line began with what the "
+              "Sentinel sent after its newline")
+        check(not ready(evil), "an instance that was named a bad host is not ready")
+        for x in auxes:
+            x.stop()
+    finally:
+        stop.set()
+        th.join(5)
+        fake.close()
+        for x in auxes:
+            x.close()
+        sentinel.terminate()
+        sentinel.wait(10)
+        primary.stop()
+
+
 @it.test("cluster: an instance that has not heard from Redis for --cluster-stale-after refuses even uncapped requests "
          "(503 store_unavailable: a key revoked meanwhile could not be refused), and serves again once it hears")
 def t_cluster_stale():
@@ -728,7 +804,8 @@ def t_cluster_trim():
 
 @it.test("cluster: an Idempotency-Key is claimed in the store: answered on one instance, replayed by the others "
          "(one call upstream, one event), 409 idempotency_conflict with another body; sent to two instances at once, "
-         "one runs it and the other answers 409 idempotency_in_flight; a cached answer is replayed by another instance")
+         "one runs it and the other answers 409 idempotency_in_flight; a cached answer is not copied: a retry on another "
+         "instance runs again")
 def t_cluster_idempotency():
     with cluster("idem") as (_, (a, b, c)):
         gid, free = group_key(a)
@@ -768,16 +845,110 @@ def t_cluster_idempotency():
         it.wait_until("the other instance replays it", lambda: it.one_request(c.port, "POST", "/v1/chat/completions", slow,
                       headers={"Idempotency-Key": "cl-inf-2"}, auth=free).header("x-ltg-replayed") == "true", 5 * it.SLOW, 0.05)
         same_ledgers((a, b, c), 2)
-        # A cached answer is kept in its event: another instance, whose cache lacks it, replays it.
+        # A cached answer is not copied into its event (as on one instance): its key's claim goes with
+        # the event, and a retry on an instance whose cache lacks the answer runs again.
         cgid, cached = group_key(a, cache_ttl=600)
         everywhere(cgid, (b, c))
         x = it.one_request(a.port, "POST", "/v1/chat/completions", it.chat_body(content="cache me"), auth=cached)
         hit = it.one_request(a.port, "POST", "/v1/chat/completions", it.chat_body(content="cache me"),
                              headers={"Idempotency-Key": "cl-inf-3"}, auth=cached)
         check(x.status == 200 and hit.header("x-ltg-cache") == "hit", "a cache hit: %s %r" % (hit.brief(), hit.header("x-ltg-cache")))
-        it.wait_until("another instance replays the cached answer", lambda: it.one_request(b.port, "POST", "/v1/chat/completions",
-                      it.chat_body(content="cache me"), headers={"Idempotency-Key": "cl-inf-3"}, auth=cached).header("x-ltg-replayed") == "true",
-                      5 * it.SLOW, 0.05)
+        same_ledgers((a, b, c), 4)
+        before = kimi_calls()
+        y = it.one_request(b.port, "POST", "/v1/chat/completions", it.chat_body(content="cache me"),
+                           headers={"Idempotency-Key": "cl-inf-3"}, auth=cached)
+        check(y.status == 200 and y.header("x-ltg-replayed") is None and y.header("x-ltg-cache") == "miss" and
+              kimi_calls() - before == 1, "the retry on another instance runs again: %s %r" % (y.brief(), y.header("x-ltg-cache")))
+
+
+def redis_send(r, *args):
+    """One command of any size on a connection of its own: the reply's first line."""
+    import socket
+    with socket.create_connection(("127.0.0.1", r.port), timeout=30) as s:
+        parts = [b"*%d\r\n" % len(args)]
+        for a in args:
+            a = a if isinstance(a, bytes) else a.encode()
+            parts += [b"$%d\r\n" % len(a), a, b"\r\n"]
+        s.sendall(b"".join(parts))
+        return s.recv(65536).split(b"\r\n")[0].decode()
+
+
+def metric(a, name):
+    text = it.one_request(a.admin_port, "GET", "/metrics", auth=None).body.decode()
+    for line in text.split("\n"):
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
+@it.test("cluster: events too large for a small reader never wedge the stream: an idempotent 6 MiB answer is "
+         "kept, read by every instance and replayed by another; an entry of 17 MiB that no instance writes, in "
+         "ltg:events and in ltg:log, is skipped, said and counted, and what follows it is read")
+def t_cluster_large_events():
+    with cluster("large", n=2) as (r, (a, b)):
+        gid, free = group_key(a)
+        everywhere(gid, (b,))
+        body = it.chat_body(directive="content_kb=6144")
+        first = it.one_request(a.port, "POST", "/v1/chat/completions", body, headers={"Idempotency-Key": "cl-big-1"},
+                               auth=free, timeout=60)
+        check(first.status == 200 and len(first.body) > 6 << 20, "the 6 MiB answer: %s" % first.brief())
+        same_ledgers((a, b), 1)
+        y = it.one_request(b.port, "POST", "/v1/chat/completions", body, headers={"Idempotency-Key": "cl-big-1"},
+                           auth=free, timeout=60)
+        check(y.header("x-ltg-replayed") == "true" and y.body == first.body, "another instance replays it: %s" % y.brief())
+        # Entries no instance writes, each larger than a reader takes: skipped, and the streams read on.
+        check(redis_send(r, "XADD", "ltg:events", "*", "e", b"x" * (17 << 20)).startswith("$"), "XADD to ltg:events")
+        check(redis_send(r, "XADD", "ltg:log", "*", "r", b"{" + b" " * (17 << 20) + b"}").startswith("$"), "XADD to ltg:log")
+        x = it.one_request(b.port, "POST", "/v1/chat/completions", it.chat_body(), auth=free)
+        check(x.status == 200, "a request after them: %s" % x.brief())
+        same_ledgers((a, b), 2)
+        gid2 = it.create_group(port=b.admin_port, allowed_models=["Kimi-K3"])["id"]
+        everywhere(gid2, (a, b))
+        for z in (a, b):
+            it.wait_until("%s counts the two skipped entries" % z.tag,
+                          lambda z=z: metric(z, "ltg_cluster_skipped_total") == 2, 10 * it.SLOW, 0.1)
+            text = z.text_since_start()
+            check("of ltg:events is %d bytes in 2 fields, more than ltg reads" % ((17 << 20) + 1) in text and
+                  "of ltg:log is" in text, "%s says what it skipped: %r" % (z.tag, text[-800:]))
+            check(ready(z), "%s is ready" % z.tag)
+
+
+def dir_bytes(path):
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def redis_memory(r):
+    for line in r.cmd("INFO", "memory", whole=True):
+        if line.startswith("used_memory:"):
+            return int(line.split(":")[1])
+    return 0
+
+
+@it.test("cluster: a $0 cache hit with a fresh Idempotency-Key copies no answer into Redis or any ledger (20 hits of "
+         "a 1.2 MB answer: under 1 MB more in each); a retry of one runs again (a cache hit on its instance)")
+def t_cluster_cache_hits_no_copy():
+    with cluster("cache", n=2) as (r, (a, b)):
+        gid, cached = group_key(a, cache_ttl=600)
+        everywhere(gid, (b,))
+        body = it.chat_body(directive="content_kb=1200")
+        x = it.one_request(a.port, "POST", "/v1/chat/completions", body, auth=cached, timeout=30)
+        check(x.status == 200 and x.header("x-ltg-cache") == "miss", "the first call: %s" % x.brief())
+        same_ledgers((a, b), 1)
+        mem0, led0 = redis_memory(r), [dir_bytes(os.path.join(z.data_dir, "ledger")) for z in (a, b)]
+        for i in range(20):
+            h = it.one_request(a.port, "POST", "/v1/chat/completions", body, headers={"Idempotency-Key": "cl-hit-%d" % i},
+                               auth=cached, timeout=30)
+            check(h.status == 200 and h.header("x-ltg-cache") == "hit" and h.body == x.body, "hit %d: %s" % (i, h.brief()))
+        same_ledgers((a, b), 21)
+        grown = redis_memory(r) - mem0
+        check(grown < 1 << 20, "Redis grew by %d bytes for 20 cache hits" % grown)
+        for z, before in zip((a, b), led0):
+            g = dir_bytes(os.path.join(z.data_dir, "ledger")) - before
+            check(g < 1 << 20, "%s's ledger grew by %d bytes for 20 cache hits" % (z.tag, g))
+        again = it.one_request(a.port, "POST", "/v1/chat/completions", body, headers={"Idempotency-Key": "cl-hit-0"},
+                               auth=cached, timeout=30)
+        check(again.status == 200 and again.header("x-ltg-cache") == "hit" and again.body == x.body,
+              "a retry of a hit: %s %r" % (again.brief(), again.header("x-ltg-cache")))
 
 
 @it.test("cluster: make cluster-demo's tour runs to its end: the budget admits exactly 5 of 30 calls spread by HAProxy, "
@@ -810,6 +981,14 @@ def t_cluster_bad_url():
         try:
             rc, text = a.start_fails()
             check(rc == 2 and says in text, "--cluster %s: exit %r, %r" % (url, rc, text[-300:]))
+        finally:
+            a.close()
+    for args, says in ((["--cluster", "rediss://127.0.0.1:6380"], "not supported"),
+                       (["--cluster", "redis://127.0.0.1:1", "--cluster-sentinel-password-env", "HOME"], "no Sentinels")):
+        a = it.Aux("cl-bad-" + os.urandom(2).hex(), args=args)
+        try:
+            rc, text = a.start_fails()
+            check(rc == 2 and says in text, "%s: exit %r, %r" % (args, rc, text[-300:]))
         finally:
             a.close()
     a = it.Aux("cl-bad-pw-" + os.urandom(2).hex(), args=["--cluster", "redis://127.0.0.1:1", "--cluster-password-env", "LTG_NO_SUCH_VAR"])
