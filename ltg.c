@@ -13591,7 +13591,8 @@ static void rl_hello(rlink *l) {
  * (a new version adds ltg_cp_v2 beside ltg_cp_v1, and the old instances
  * keep calling theirs). Loaded by every instance on every connect. The
  * control plane's, ltg_cp_v1, then the money's: ltg_hold_v1,
- * ltg_settle_v1, ltg_renew_v1 (their keys and arguments are described in
+ * ltg_settle_v1 and _v2, ltg_renew_v1, and the reader's ltg_peek_v1 and
+ * ltg_info_v1 (their keys and arguments are described in
  * the Lua; see "the shared money" below).
  *
  * ltg_cp_v1: one control-plane change, all or nothing.
@@ -13895,6 +13896,18 @@ static const char CL_LIBRARY[] =
     "redis.register_function('ltg_trim_v1', trim)\n"
     "redis.register_function('ltg_hold_v1', hold)\n"
     "redis.register_function('ltg_settle_v1', settle)\n"
+    "-- ltg_settle_v2: ltg_settle_v1's, with prev after seq: the number of the op\n"
+    "-- of this owner that must be applied first (0: none). One sent while that one\n"
+    "-- was refused (NOREPLICAS, OOM, BUSY in the middle of a pipeline) is not applied\n"
+    "-- either: {'gap', last applied}; it is sent again after it, in order.\n"
+    "local function settle2(keys, a)\n"
+    "  local last = tonumber(redis.call('GET', 'ltg:seq:' .. a[1]) or '0')\n"
+    "  if last >= tonumber(a[2]) then return {'dup'} end\n"
+    "  if last < tonumber(a[3]) then return {'gap', last} end\n"
+    "  table.remove(a, 3)\n"
+    "  return settle(keys, a)\n"
+    "end\n"
+    "redis.register_function('ltg_settle_v2', settle2)\n"
     "redis.register_function('ltg_renew_v1', renew)\n";
 
 static void cl_tail_read(void);
@@ -14361,9 +14374,10 @@ static void cl_change(conn *c, const buf *rec, const idem *r, const stored *it, 
  * in X_HOLDING for the answer. A hold is a lease, renewed every
  * CL_RENEW_MS while its request runs: the holds of an instance that died
  * run out within CL_LEASE_MS. Settles and shrinks (hold_settle,
- * hold_shrink) go through an outbox, in order, each numbered: ltg_settle_v1
- * applies one number once, so one sent again after a lost reply charges
- * nothing twice. What the store answers -- spent and held per scope -- is
+ * hold_shrink) go through an outbox, in order, each numbered: ltg_settle_v2
+ * applies one number once and only after the one before it, so one sent again
+ * after a lost reply charges nothing twice, and one sent after a settle Redis
+ * refused (in the same pipeline) waits for it to be sent again first. What the store answers -- spent and held per scope -- is
  * what GET and x-ltg-budget-remaining show. */
 #define CL_LEASE_MS 20000
 #define CL_RENEW_MS 5000
@@ -14433,7 +14447,7 @@ static void scope_seen(const char *scope, long long spent, long long held) {
  * after a lost link. A file past CL_OUTBOX_FILE is closed (fsynced) and a
  * new one begun; a closed file goes once every op in it is acknowledged.
  * At start-up the files left by a crash are read back and sent again,
- * under their own boot's numbers: ltg_settle_v1 applies each once. So a
+ * under their own boot's numbers: ltg_settle_v2 applies each once. So a
  * request served while Redis is out of reach has its event kept and
  * shipped when Redis returns, and one served just before a crash too. The
  * ops in memory are bounded by CL_OUTBOX_MAX bytes: past it, inference is
@@ -14476,13 +14490,63 @@ static logfile *cl_outbox_file(void) { return CL.url ? &CLM.f : NULL; }
 
 static int cl_outbox_full(void) { return CLM.bytes > CL_OUTBOX_MAX; }
 
+/* An op's command, parsed into t (NULL when it is not an ltg_settle_v2's, as an older
+ * version's ltg_settle_v1 is not). */
+static resp_tok *cl_op_parse(const cl_op *op) {
+    static resp_tok t[RESP_MAX_TOKS];
+    size_t at = 0;
+    int nt = 0;
+    if (resp_elem(op->cmd.p, op->cmd.len, &at, t, RESP_MAX_TOKS, &nt, 0) <= 0 || t[0].type != '*' ||
+        t[0].num < 6 || !resp_is(op->cmd.p, t, 2, "ltg_settle_v2"))
+        return NULL;
+    return t;
+}
+
+/* Its number, for ltg's log ("?" for an older version's). */
+static const char *cl_op_seq(const cl_op *op) {
+    static char seq[24];
+    const resp_tok *t = cl_op_parse(op);
+    snprintf(seq, sizeof seq, "%.*s", t && t[5].len < 20 ? (int)t[5].len : 1,
+             t ? op->cmd.p + t[5].off : "?");
+    return seq;
+}
+
+/* The op applied before it becomes `prev`: its command is written again. */
+static void cl_op_prev(cl_op *op, const char *prev) {
+    const resp_tok *t = cl_op_parse(op);
+    if (!t) return;
+    rarg a[40];
+    int argc = 0;
+    for (int i = 1; i < t[0].next && argc < 40; i++)
+        a[argc++] = i == 6 ? RA(prev) : (rarg){op->cmd.p + t[i].off, t[i].len};
+    buf cmd = {0};
+    resp_cmd(&cmd, a, argc);
+    CLM.bytes += cmd.len - op->cmd.len;
+    buf_free(&op->cmd);
+    op->cmd = cmd;
+}
+
 static void cl_settled(void *ctx, const char *p, const resp_tok *t) {
     cl_op *op = ctx;
     if (!t) { op->sent = 0; return; } /* the link was lost: sent again when it is back */
     char why[200];
     if (t[0].type == '-') { /* READONLY, NOREPLICAS, LOADING...: again, once reconnected */
         op->sent = 0;
-        rl_fail(&CL.cmd, resp_why("ltg_settle_v1", p, t, why, sizeof why));
+        rl_fail(&CL.cmd, resp_why("ltg_settle_v2", p, t, why, sizeof why));
+        return;
+    }
+    if (t[0].type == '*' && t[0].num >= 1 && resp_is(p, t, 1, "gap")) {
+        /* an op before it was refused: all again, in order, once reconnected. At the head of
+         * the outbox, the op before it is in no outbox any more (its journal write failed
+         * before a crash): it is sent again without waiting for it. */
+        if (op == CLM.head) {
+            ltg_log("cluster: settle %s waits for one that is lost: sent again without it",
+                    cl_op_seq(op));
+            cl_op_prev(op, "0");
+        }
+        op->sent = 0;
+        rl_fail(&CL.cmd, "a settle was refused in the middle of a pipeline: the settles from it "
+                         "on are sent again, in order");
         return;
     }
     if (t[0].type == '*' && t[0].num >= 1 && (resp_is(p, t, 1, "ok") || resp_is(p, t, 1, "dup"))) {
@@ -14519,13 +14583,24 @@ static void cl_outbox_pump(void) {
     }
 }
 
-/* One op of an outbox file left by an earlier boot (log_replay's callback). */
+/* One op of an outbox file left by an earlier boot (log_replay's callback). What comes first
+ * of its boot's ops waits for none (those before it were applied, or are lost); the others, for
+ * the one before them, as when they were sent. */
 static int cl_outbox_load(void *ctx, const char *p, size_t n, off_t at, char *why, size_t len) {
     (void)ctx, (void)at, (void)why, (void)len;
+    static char owner[64], seq[24];
     cl_op *op = xcalloc(1, sizeof *op);
     op->file = CLM.file;
     buf_append(&op->cmd, p, n);
     cl_op_add(op);
+    const resp_tok *t = cl_op_parse(op);
+    if (!t || t[4].len >= sizeof owner || t[5].len >= sizeof seq) return 0;
+    int same = CLM.n > 1 && strlen(owner) == t[4].len && !memcmp(owner, p + t[4].off, t[4].len);
+    char prev[24];
+    snprintf(prev, sizeof prev, "%s", same ? seq : "0");
+    snprintf(owner, sizeof owner, "%.*s", (int)t[4].len, p + t[4].off);
+    snprintf(seq, sizeof seq, "%.*s", (int)t[5].len, p + t[5].off);
+    cl_op_prev(op, prev);
     return 0;
 }
 
@@ -14593,14 +14668,15 @@ static void cl_forget(exchange *x) {
 static void cl_settle(hold *h, int end, int64_t cost, int64_t tok, int64_t now,
                       const buf *event) {
     cl_op *op = xcalloc(1, sizeof *op);
-    char num[5][24];
+    char num[6][24];
     snprintf(num[0], 24, "%llu", ++CLM.seq);
     snprintf(num[1], 24, "%lld", (long long)cost * 1000);
     snprintf(num[2], 24, "%lld", (long long)tok);
-    rarg a[14] = {RA("FCALL"), RA("ltg_settle_v1"), RA("0"), RA(CLM.owner), RA(num[0]), RA(h->cid),
-                  RA(end ? "end" : "shrink"), RA(num[1]), RA(num[2]),
+    snprintf(num[5], 24, "%llu", CLM.seq - 1); /* the op before it, applied first */
+    rarg a[15] = {RA("FCALL"), RA("ltg_settle_v2"), RA("0"), RA(CLM.owner), RA(num[0]), RA(num[5]),
+                  RA(h->cid), RA(end ? "end" : "shrink"), RA(num[1]), RA(num[2]),
                   event ? (rarg){event->p, event->len} : RA("")};
-    int argc = 10;
+    int argc = 11;
     for (int i = 0; i < 2 && h->cid[0] && h->scope[i][0]; i++) {
         allowance *al = scope_allowance(h->scope[i]);
         int64_t start, e;

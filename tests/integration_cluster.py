@@ -913,6 +913,151 @@ def t_cluster_large_events():
             check(ready(z), "%s is ready" % z.tag)
 
 
+class Injector:
+    """A RESP proxy between ltg and a real Redis that answers the next settles it is told to with an
+    error of its own, in their place in the pipeline, and forwards every other command. An injected
+    error is held until a later settle has been forwarded and applied by Redis, so that the settle
+    after the refused one is always in the same pipeline: the case to test."""
+
+    def __init__(self, redis):
+        import socket
+        self.redis_port = redis.port
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.errors = []            # the errors for the next settles, in order
+        self.injected = 0
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self.accept, daemon=True)]
+        self.threads[0].start()
+
+    @property
+    def url(self):
+        return "redis://127.0.0.1:%d" % self.port
+
+    def accept(self):
+        import socket
+        while not self.stop.is_set():
+            try:
+                c, _ = self.sock.accept()
+            except socket.timeout:
+                continue
+            up = socket.create_connection(("127.0.0.1", self.redis_port))
+            slots, later = [], threading.Condition()
+            for fn in (self.client_side, self.server_side):
+                th = threading.Thread(target=fn, args=(c, up, slots, later), daemon=True)
+                th.start()
+                self.threads.append(th)
+
+    @staticmethod
+    def element(f):
+        """One RESP element read from file f, as its raw bytes and, for an array, its items' texts."""
+        line = f.readline()
+        if not line:
+            raise EOFError
+        raw, items = line, []
+        if line[:1] == b"$" and int(line[1:]) >= 0:
+            data = f.read(int(line[1:]) + 2)
+            raw += data
+            items.append(data[:-2])
+        elif line[:1] == b"*" and int(line[1:]) > 0:
+            for _ in range(int(line[1:])):
+                r, i = Injector.element(f)
+                raw += r
+                items += i[:1]
+        return raw, items
+
+    def client_side(self, c, up, slots, later):
+        f = c.makefile("rb")
+        try:
+            while True:
+                raw, items = self.element(f)
+                settle = len(items) > 1 and items[0].upper() == b"FCALL" and items[1].startswith(b"ltg_settle_")
+                with self.lock:
+                    err = self.errors.pop(0) if settle and self.errors else None
+                with later:
+                    if err:
+                        slots.append(("error", err))
+                    else:
+                        up.sendall(raw)
+                        slots.append(("settle" if settle else "redis", None))
+                    later.notify_all()
+        except (EOFError, OSError, ValueError):
+            pass
+        finally:
+            up.close()
+
+    def server_side(self, c, up, slots, later):
+        f = up.makefile("rb")
+        try:
+            while True:
+                with later:
+                    later.wait_for(lambda: slots or self.stop.is_set(), 1)
+                    if not slots:
+                        if self.stop.is_set():
+                            return
+                        continue
+                    kind, err = slots[0]
+                    if kind == "error":     # held until a later settle reached Redis (10 s at most)
+                        later.wait_for(lambda: any(k == "settle" for k, _ in slots[1:]), 10)
+                    slots.pop(0)
+                if kind == "error":
+                    c.sendall(b"-" + err.encode() + b"\r\n")
+                    with self.lock:
+                        self.injected += 1
+                else:
+                    c.sendall(self.element(f)[0])
+        except (EOFError, OSError, ValueError):
+            pass
+        finally:
+            c.close()
+
+    def close(self):
+        self.stop.set()
+        self.sock.close()
+
+
+@it.test("cluster: settles are exactly once when Redis refuses one in the middle of a pipeline and applies the next "
+         "(NOREPLICAS, OOM, BUSY injected by a proxy between real replies): every charge and event is there once, "
+         "nothing left held")
+def t_cluster_settle_refused_midway():
+    r = Redis("inject").start()
+    proxy = Injector(r)
+    a = it.Aux("cl-inject-" + os.urandom(2).hex(), args=["--cluster", proxy.url])
+    try:
+        a.start()
+        wait_ready(a)
+        gid, capped = group_key(a, max_budget=5, budget_duration="1d")
+        _, free = group_key(a)      # its request needs no call before its settle: nothing waits behind
+        cost, n = 0, 0
+        for err in ("NOREPLICAS Not enough good replicas to write.",
+                    "OOM command not allowed when used memory > 'maxmemory'.",
+                    "BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE."):
+            with proxy.lock:
+                proxy.errors.append(err)
+            for token in (capped, free):    # the first one's settle is refused, the second's is applied
+                x = it.one_request(a.port, "POST", "/v1/chat/completions", it.chat_body(), auth=token)
+                check(x.status == 200, "%s: %s" % (err.split()[0], x.brief()))
+                cost += traffic.micro(x.header("x-ltg-cost")) if token == capped else 0
+                n += 1
+            it.wait_until("the %s injected" % err.split()[0], lambda: proxy.injected == n // 2, 15 * it.SLOW, 0.05)
+            it.wait_until(lambda: "%d events in the ledger after %s: %d" % (n, err.split()[0], len(ledger_of(a))),
+                          lambda: len(ledger_of(a)) == n, 15 * it.SLOW, 0.1)
+        events = ledger_of(a)
+        check(len(set(e["request_id"] for e in events)) == n, "an event twice: %r" % [e["request_id"] for e in events])
+        it.wait_until(lambda: "the store charged %d nano-USD with nothing held: %r" % (cost * 1000, r.budget("g:" + gid)),
+                      lambda: r.budget("g:" + gid).get("spent") == cost * 1000 and r.budget("g:" + gid).get("held") == 0,
+                      15 * it.SLOW, 0.1)
+        a.stop()
+    finally:
+        a.close()
+        proxy.close()
+        r.stop()
+
+
 def dir_bytes(path):
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
