@@ -2164,6 +2164,7 @@ struct conn {
     uint8_t client[16];
     int trusted;              /* it comes from --trusted-proxies */
     int proxy_pending;        /* ... and may still begin with a PROXY protocol header */
+    int proxied;              /* ... it did: its client is final (X-Forwarded-For is not read) */
     int forwarded;            /* its peer is the X-Forwarded-For client of the request in service */
     /* what serves the current request over several turns (an exchange), or NULL */
     void *owner;
@@ -2737,7 +2738,8 @@ static int conn_shed(int admin) {
  * for is, and is the one the access log names: given by a PROXY protocol
  * header (v1 or v2, HAProxy's send-proxy) at the connection's start, or by
  * X-Forwarded-For on each request (the rightmost address that is not a
- * trusted proxy: what nginx's $proxy_add_x_forwarded_for appends). From
+ * trusted proxy: what nginx's $proxy_add_x_forwarded_for appends), never
+ * both: after a PROXY header the connection's client is final. From
  * any other address both are ignored -- a PROXY header is bad HTTP, and a
  * client cannot name itself someone else. IPv6 clients are counted per /64
  * (one host has a /64 to pick addresses from). */
@@ -2885,6 +2887,7 @@ static int conn_proxy(conn *c) {
     c->proxy_pending = 0;
     if (!n) return 1;
     buf_consume(&c->in, (size_t)n);
+    c->proxied = 1;
     if (c->admin) return 1;
     peer *p = peer_of(c->client);
     if (p->n >= S.max_per_ip) {
@@ -2901,10 +2904,13 @@ static int conn_proxy(conn *c) {
 /* A request through a trusted proxy names its client in X-Forwarded-For
  * (the last such header): the rightmost address that is not a trusted
  * proxy. The connection counts for that client from now on; LTG_ERR when
- * that client holds --max-conns-per-ip connections already. */
+ * that client holds --max-conns-per-ip connections already. A connection
+ * that began with a PROXY header has its client from it, for all its
+ * requests: an X-Forwarded-For on it is the client's own word. */
 static int conn_forwarded(conn *c) {
     const char *v = NULL;
     size_t n = 0;
+    if (c->proxied) return 0;
     for (int i = 0; i < c->req.nh; i++)
         if (ascii_casecmp_n(c->in.p + c->req.h[i].name.off, c->req.h[i].name.len,
                             "x-forwarded-for") == 0) {

@@ -663,6 +663,36 @@ def t_proxies_v1_strict():
         check(not failures, "; ".join(failures))
 
 
+@it.test("proxies: after a PROXY header the connection's client is final: an X-Forwarded-For the client sends "
+         "through it names no one else, in the access log or against --max-conns-per-ip, on any of its requests")
+def t_proxies_proxy_then_xff():
+    with Gateway("proxy-xff", ["--trusted-proxies", "127.0.0.1", "--max-conns-per-ip", "2"]) as g:
+        held = []
+        try:
+            rids = []
+            for i in range(2):
+                c = it.Conn(g.port, timeout=15)
+                held.append(c)
+                c.send(proxy_v1("TCP4", "198.51.100.50", "127.0.0.1"))
+                for j in range(2):   # each request names someone else
+                    o = request_on(c, it.http_request("GET", "/v1/models", auth=g.token,
+                                                      headers={"X-Forwarded-For": "203.0.113.%d" % (10 * i + j + 1)}), 15)
+                    check(o.kind == "answer" and o.status == 200, "connection %d, request %d: %r" % (i, j, o))
+                    rids.append(o.r.header("x-ltg-request-id"))
+            lines = g.wait_lines(lambda l: l["request_id"] in rids, len(rids))
+            check([l["client"] for l in lines] == ["198.51.100.50"] * len(rids),
+                  "the access log's clients: %r" % [l["client"] for l in lines])
+            # The PROXY client holds its 2 connections: a third is closed, whatever it forwards.
+            with it.Conn(g.port, timeout=15) as c:
+                c.send(proxy_v1("TCP4", "198.51.100.50", "127.0.0.1") +
+                       it.http_request("GET", "/healthz", auth=None, headers={"X-Forwarded-For": "203.0.113.99"}))
+                check(c.wait_closed(5) and not c.buf.startswith(b"HTTP/1.1 200"),
+                      "a third connection of 198.51.100.50 (--max-conns-per-ip 2) was served: %r" % c.buf[:100])
+        finally:
+            for c in held:
+                c.close()
+
+
 # ===== 5. IPv6 clients counted per /64 ============================================================
 
 def proxied_conn(port, hdr, timeout=15):
