@@ -8636,6 +8636,8 @@ typedef struct {
     uint8_t head[CHAIN_LEN];
     int64_t head_day;
     char last[128];             /* its last event, "event ID at offset N" */
+    int64_t first_day, last_day; /* the days read so far (0: none), whatever they held */
+    int last_failed;            /* ... the last one did not verify */
     struct { int64_t day; uint8_t head[CHAIN_LEN]; int done; } *given; /* --head */
     int ngiven, failed;
 } verifier;
@@ -8661,7 +8663,18 @@ static void verify_begin(verifier *V, const char *path, int64_t lday, const uint
         exit(2);
     }
     if (lday) iso_time(lday, ld);
-    if (!V->chained) {
+    if (!V->chained && lday && V->first_day && lday >= V->first_day) {
+        /* the day it continues was read here, and holds no chain that verified */
+        if (lday == V->last_day && V->last_failed)
+            snprintf(note, notecap, " (continues %.10s's head; that day failed)", ld);
+        else
+            snprintf(why, cap, "its link continues %.10s's head, but %.10s here %s", ld, ld,
+                     lday == V->last_day ? "carries no chain: it was rewritten without it"
+                     : lday > V->last_day ? "is missing"
+                                          : "is not the day before it: days were rewritten");
+        return;
+    }
+    if (!V->chained) { /* before the first day read: deleted by retention, or before --from */
         snprintf(note, notecap, lday ? " (continues %.10s's head, not verified here)"
                                      : " (the chain begins here, from the seed)", ld);
         return;
@@ -8795,6 +8808,9 @@ static void verify_day(verifier *V, const char *dir, int64_t day, int newest) {
         memcpy(V->head, D.cur, CHAIN_LEN);
         V->head_day = day;
     } else printf("%.10s no chain: %lld events%s\n", d, D.events, D.note);
+    if (!V->first_day) V->first_day = day;
+    V->last_day = day;
+    V->last_failed = D.why[0] != 0;
     verify_given(V, day, 1, D.why[0] || !D.chained ? NULL : D.cur);
 }
 

@@ -159,7 +159,8 @@ def expect_failed(data_dir, day, words, what, *args, key=KEY):
 
 
 @it.test("chain: ltg verify finds a changed byte, a changed charge, a removed event, two swapped, a truncated day, a "
-         "deleted day, a wrong head, a wrong key -- each named by day, event id and offset; --from, heads that match")
+         "deleted day, the oldest days rewritten without their chain, a wrong head, a wrong key -- each named by day, "
+         "event id and offset; --from, heads that match")
 def t_chain_verify_tamper():
     base = generated("chain-base-" + os.urandom(3).hex())
     logs = day_logs(base)
@@ -258,6 +259,22 @@ def t_chain_verify_tamper():
     for ext in (".log", ".idx"):
         os.unlink(os.path.join(d, "ledger", days[2] + ext))
     expect_failed(d, days[3], [days[2], "missing"], "a day deleted from the middle")
+    shutil.rmtree(d)
+
+    # The oldest chained days rewritten without their chain, by someone without the key (link, chains
+    # and the chained flag gone, events removed and charges zeroed, CRCs made good): the next day's
+    # link names a day on disk that is not chained to it.
+    d = copy_of(base, "chain-unchained-" + os.urandom(3).hex())
+    for day in days[:2]:
+        path = os.path.join(d, "ledger", day + ".log")
+        ps = []
+        for _, p in records(path)[1:11]:
+            p = bytearray(p[:-CHAIN_LEN])
+            p[2] &= ~EVF_CHAINED & 0xff
+            struct.pack_into("<q", p, 24, 0)
+            ps.append(bytes(p))
+        write_records(path, ps)
+    expect_failed(d, days[2], [day2, "no chain", "rewritten"], "the oldest chained days rewritten unchained")
     shutil.rmtree(d)
 
     # Heads: the right ones match, a wrong one is named, and the newest events removed show only against a head.
