@@ -5104,6 +5104,7 @@ typedef struct {
     long long cache_ttl;      /* seconds; UNSET = null */
     long long max_parallel;   /* UNSET = null: unlimited */
     int inflight;             /* requests in flight (runtime, not logged) */
+    int meters;               /* its abandoned answers metered now (runtime, section 17) */
 } group;
 
 typedef struct {
@@ -6044,6 +6045,7 @@ typedef struct store_kind {
 
 static void group_placed(stored *it, stored *old) {
     if (old) ((group *)it)->inflight = ((group *)old)->inflight;
+    if (old) ((group *)it)->meters = ((group *)old)->meters;
 }
 
 static void group_forget(stored *it);
@@ -11466,8 +11468,9 @@ static void key_rest(exchange *x, int status) {
  * most --meter-abandoned-seconds and METER_MAX_BODY bytes, and the attempt
  * is billed with the usage the answer reports (or, when none comes, its
  * estimate). The request's spend event waits for its last meter. At most
- * METER_MAX meters at a time: past that, the oldest is closed and billed
- * its estimate. */
+ * METER_MAX meters at a time: past that, one is closed and billed its
+ * estimate -- the oldest of the group that holds the most (meter_victim),
+ * so that one tenant's abandoned calls never cost another its meter. */
 typedef struct meter {
     struct meter *prev, *next;  /* METERS, oldest first */
     exchange *x;
@@ -11495,6 +11498,8 @@ static void meter_end(meter *m) {
                               &no_choices) > 0;
     e->pending = 0;
     attempt_bill(x, e, u, &uc, 0);
+    group *g = group_find(x->group_id);
+    if (g && g->meters > 0) g->meters--;
     *(m->prev ? &m->prev->next : &METERS.head) = m->next;
     *(m->next ? &m->next->prev : &METERS.tail) = m->prev;
     METERS.n--;
@@ -11514,11 +11519,27 @@ static void meter_event(void *owner) {
 
 static void meter_timer(void *ctx) { meter_end(ctx); }
 
+/* The meter closed when x needs one and all are taken: the oldest of the group holding the
+ * most meters (a deleted group's first; x's own group on a tie). */
+static meter *meter_victim(const exchange *x) {
+    const group *own = group_find(x->group_id), *vg = NULL;
+    meter *victim = NULL;
+    int most = -1;
+    for (meter *m = METERS.head; m; m = m->next) {
+        const group *g = group_find(m->x->group_id);
+        int n = g ? g->meters : INT_MAX;
+        if (n > most || (n == most && g == own && vg != own)) most = n, victim = m, vg = g;
+    }
+    return victim;
+}
+
 /* The current attempt's connection, its answer still to come, goes to a
  * meter; the attempt is no longer the exchange's. */
 static void meter_start(exchange *x, attempt_entry *e) {
-    /* the oldest: billed its estimate */
-    if (METERS.n >= S.max_meters && METERS.head) meter_end(METERS.head);
+    /* one is closed, billed its estimate */
+    if (METERS.n >= S.max_meters && METERS.head) meter_end(meter_victim(x));
+    group *g = group_find(x->group_id);
+    if (g) g->meters++;
     meter *m = xcalloc(1, sizeof *m);
     m->x = x;
     m->entry = (int)(e - x->log);

@@ -34,6 +34,11 @@ What they cover, one test each:
 5. A client that stops reading a 12 MiB answer (keep-alive, and with Connection: close) is closed
    after --idle-timeout without progress; an idempotent stream whose client stopped reading and
    then left runs to its end without it (no longer held back), and the retry gets it replayed.
+6. Another tenant's abandoned calls: one group fills every meter (--max-conns 8: 8 meters), and
+   the meter closed to make room is its own oldest, not the quiet group's, whose abandoned answer
+   is still read to its end and billed what the provider reported.
+7. A body sent all but its last byte, before any key is checked: closed after --idle-timeout with
+   nothing flowing; many such bodies at once are capped by the bytes held for unchecked requests.
 
 Timing bounds are wide (a 2-core machine, busy, and the ASan build); lower bounds are only used
 where ltg must wait (the 408).
@@ -50,6 +55,7 @@ import shutil
 import socket
 import subprocess
 import threading
+import types
 import time
 
 check = it.check
@@ -662,6 +668,36 @@ def t_detached_paused_stream():
           "the retry: %s, x-ltg-replayed %r (the stream did not run to its end)" % (r.brief(), r.header("x-ltg-replayed")))
     check(r.body.count(b"data: ") == 20000 + 2, "the replay holds %d data lines, want %d"
           % (r.body.count(b"data: "), 20000 + 2))
+
+
+# ===== 5. another tenant's abandoned calls =========================================================
+
+@it.test("hostile client: a tenant whose abandoned calls fill every meter closes its own oldest, not another "
+         "tenant's: that one is still read to its end and billed what the provider reported")
+def t_meters_per_group():
+    a = it.Aux("meters-" + os.urandom(2).hex(), args=["--max-conns", "8"])   # 8 meters at most
+    try:
+        a.start()
+        gids = [it.create_group(port=a.admin_port, allowed_models=["Kimi-K3"])["id"] for _ in range(2)]
+        tokens = [it.create_key(g, port=a.admin_port)[1] for g in gids]
+        hdr = {"x-ltg-request-timeout": "100", "x-ltg-max-attempts": "1"}
+
+        def abandoned(token, delay):
+            body = it.chat_body(directive="head_delay_ms=%d input_tokens=1000 output_tokens=5" % delay)
+            r = it.one_request(a.port, "POST", "/v1/chat/completions", body, headers=hdr, auth=token, timeout=30)
+            check(r.status == 504, "an attempt past its timeout: %s" % r.brief())
+            return r.header("x-ltg-request-id")
+        quiet = abandoned(tokens[0], 6000)      # the quiet tenant's one meter, the oldest
+        for _ in range(12):                     # the noisy tenant's: more than all the meters there are
+            abandoned(tokens[1], 20000)
+        e = it.ledger_event(a, types.SimpleNamespace(gid=gids[0]), quiet, wait=30 * it.SLOW)
+        att = e["attempt_log"][0]
+        check(att.get("usage_status") == "reported" and att.get("input_tokens") == 1000 and att.get("output_tokens") == 5,
+              "the quiet tenant's abandoned attempt was billed %r for %r in, %r out (%s): its meter was closed by "
+              "another tenant's calls" % (att.get("cost"), att.get("input_tokens"), att.get("output_tokens"),
+                                          att.get("usage_status")))
+    finally:
+        a.close()
 
 
 if __name__ == "__main__":   # this file alone: python3 tests/integration_hostile_clients.py --ltg ./ltg --mock tests/mock
