@@ -2095,7 +2095,8 @@ static void loop_run(void) {
  * keep-alive limit; HEAD, the head limit (counted from the head's first
  * byte, not re-armed by a slow trickle: that is what stops slowloris);
  * BODY, the body's rate (--head-timeout from the head, and a second more
- * per BODY_MIN_RATE bytes); BUSY, none; LINGER, LINGER_MS. While an answer
+ * per BODY_MIN_RATE bytes, but never --head-timeout without a byte); BUSY,
+ * none; LINGER, LINGER_MS. While an answer
  * waits to be written, it fires only if the client took nothing since it
  * started: a client that stops reading is closed, not kept for ever.
  *
@@ -2166,6 +2167,7 @@ struct conn {
     int proxy_pending;        /* ... and may still begin with a PROXY protocol header */
     int proxied;              /* ... it did: its client is final (X-Forwarded-For is not read) */
     int forwarded;            /* its peer is the X-Forwarded-For client of the request in service */
+    int64_t body_seen, body_at; /* the body's bytes so far, and S.now when they last grew */
     /* what serves the current request over several turns (an exchange), or NULL */
     void *owner;
     const conn_owner *owner_ops; /* and how it is told of the client (ltg.h) */
@@ -2504,14 +2506,19 @@ static void conn_timer(void *ctx) {
     conn_fail(c, 408, "request_timeout",
               c->state == CONN_HEAD
                       ? "the request head did not arrive in time"
-                      : "the request body arrived too slowly (it must keep up 4 KiB/s)");
+                      : "the request body arrived too slowly (it must keep up 4 KiB/s, and "
+                        "pause no longer than --head-timeout)");
 }
 
 /* A body has --head-timeout, and a second more per BODY_MIN_RATE bytes of
- * it -- decoded bytes: framing earns no time. */
+ * it -- decoded bytes: framing earns no time -- and no more than
+ * --head-timeout without a byte of it (time earned is not idle time). */
 static void conn_body_timer(conn *c) {
     int64_t body = c->req.chunked ? (int64_t)c->body.len : (int64_t)(c->in.len - c->head_len);
-    timer_set(&c->t, c->state_at + S.head_timeout_ms + body * 1000 / BODY_MIN_RATE - S.now);
+    if (c->state_at == S.now || body != c->body_seen) c->body_seen = body, c->body_at = S.now;
+    int64_t rate = c->state_at + S.head_timeout_ms + body * 1000 / BODY_MIN_RATE,
+            idle = c->body_at + S.head_timeout_ms;
+    timer_set(&c->t, (rate < idle ? rate : idle) - S.now);
 }
 
 /* The one place a connection changes state: the transition is checked and
@@ -2565,7 +2572,7 @@ static int conn_take_head(conn *c) {
         return 0;
     }
     c->began = S.now;
-    if (S.begin) S.begin(c);
+    if (S.begin && S.begin(c) < 0) return 0;
     if (c->req.content_length > S.max_body) {
         char m[128];
         snprintf(m, sizeof m, "the request body is larger than %lld bytes (--max-body-mb)",
@@ -9527,6 +9534,19 @@ static int admin_auth(conn *c, admin_who *who) {
     return 0;
 }
 
+/* Does the request carry one of the catalog's admin keys (route_body_allowed)? Every key is
+ * compared, as admin_auth does. */
+static int admin_key_known(conn *c) {
+    size_t n;
+    uint8_t sha[32];
+    const char *key = request_bearer(c, &n);
+    int found = 0;
+    if (!key) return 0;
+    sha256(key, n, sha);
+    for (int i = 0; i < S.cat->nadmins; i++) found |= secret_eq(sha, 32, S.cat->admins[i].sha, 32);
+    return found;
+}
+
 /* Does `who` hold permission bit `need`? Answers 403 when not. A write
  * permission includes the matching read. */
 static int admin_allowed(conn *c, const admin_who *who, int need) {
@@ -12083,27 +12103,40 @@ static int refuse(refusal *r, int status, const char *code, const char *headers,
 /* The token key and its group: from Authorization: Bearer, or x-api-key
  * (Anthropic's clients send it, to /v1/models too). Only the SHA-256 of the
  * presented secret is looked up. */
+/* The token key the request's credential names (Bearer, or x-api-key), or NULL. */
+static tkey *request_tkey(conn *c, const char **secret, size_t *n) {
+    uint8_t h[32];
+    *secret = request_bearer(c, n);
+    if (!*secret) {
+        *secret = http_header_get(c->in.p, c->req.h, c->req.nh, "x-api-key", n);
+        if (*secret && !*n) *secret = NULL;
+    }
+    if (!*secret) return NULL;
+    sha256(*secret, *n, h);
+    tkey *k = hmap_get(&ST.keys_by_hash, h, 32);
+    return k && group_find(k->group_id) && secret_eq(k->hash, 32, h, 32) ? k : NULL;
+}
+
+/* Does the request carry a token key of the store's (route_body_allowed)? */
+static int token_key_known(conn *c) {
+    const char *secret;
+    size_t n;
+    return request_tkey(c, &secret, &n) != NULL;
+}
+
 static int admit_key(admission *a, refusal *r) {
     size_t n;
-    uint8_t h[32];
-    const char *secret = request_bearer(a->c, &n);
+    const char *secret;
     int anthropic = a->kind && a->kind->api == API_ANTHROPIC;
-    if (!secret) {
-        secret = http_header_get(a->c->in.p, a->c->req.h, a->c->req.nh, "x-api-key", &n);
-        if (secret && !n) secret = NULL;
-    }
+    a->key = request_tkey(a->c, &secret, &n);
     if (!secret)
         return refuse(r, 401, "invalid_api_key", NULL, "missing API key: send the header %s",
                       anthropic ? "x-api-key: ltg_sk_... (or Authorization: Bearer ltg_sk_...)"
                                 : "Authorization: Bearer ltg_sk_... (or x-api-key: ltg_sk_...)");
-    sha256(secret, n, h);
-    a->key = hmap_get(&ST.keys_by_hash, h, 32);
     a->g = a->key ? group_find(a->key->group_id) : NULL;
-    if (!a->g || !secret_eq(a->key->hash, 32, h, 32)) {
-        a->g = NULL;
+    if (!a->g)
         return refuse(r, 401, "invalid_api_key", NULL,
                       "invalid API key: unknown or revoked (admin keys are not accepted here)");
-    }
     if (a->key->s.blocked)
         return refuse(r, 403, "key_blocked", NULL,
                       "this token key is blocked (an admin unblocks it: PATCH /token_keys/{id} "
@@ -13065,9 +13098,33 @@ static void trace_start(conn *c) {
     c->f.trace_id[32] = c->f.trace_flags[2] = 0;
 }
 
+static int admin_key_known(conn *c);
+static int token_key_known(conn *c);
+
+/* A request whose body did not come with its head is read on only for a key that may send it:
+ * a token key of the store's for an inference API, an admin key for the control plane (a
+ * route that takes no body, none). Else it is refused at once (its body is not read, and the
+ * connection closes), so a caller without a key holds no more than what came with the head. */
+static int route_body_allowed(conn *c, const route_row *row) {
+    int pending = c->req.chunked || (c->req.content_length > 0 &&
+                                      c->in.len - c->head_len < (size_t)c->req.content_length);
+    if (!pending) return 0;
+    if (row && row->kind ? token_key_known(c)
+        : row && row->serve == serve_admin ? admin_key_known(c)
+                                           : 0)
+        return 0;
+    if (row && (row->kind || row->serve == serve_admin))
+        conn_fail(c, 401, c->admin ? "unauthorized" : "invalid_api_key",
+                  "missing or invalid key: a request body is read only with a valid key "
+                  "(Authorization: Bearer ..., or x-api-key on the inference plane)");
+    else conn_fail(c, 413, "body_too_large", "this endpoint takes no request body");
+    return LTG_ERR;
+}
+
 /* S.begin: a request's head is in. Its id, and what its path says: the
- * endpoint it is counted by, the shape of its errors, its trace. */
-static void route_begin(conn *c) {
+ * endpoint it is counted by, the shape of its errors, its trace; a body that is still to come
+ * is read only for a known key (route_body_allowed). */
+static int route_begin(conn *c) {
     /* "req_" and 96 random bits in hex, without printf: every request makes one. Nothing in
      * it counts (a caller who sees two ids learns nothing of the traffic between them). */
     uint64_t r[2] = {rng_next(), rng_next()};
@@ -13081,6 +13138,7 @@ static void route_begin(conn *c) {
         c->f.anthropic = row && row->kind && row->kind->api == API_ANTHROPIC;
         if (row && row->kind) trace_start(c);
     }
+    return route_body_allowed(c, row);
 }
 
 /* A WebSocket handshake (RFC 6455 4.1): a GET asking to upgrade to it. */

@@ -700,6 +700,60 @@ def t_meters_per_group():
         a.close()
 
 
+# ===== 7. bodies held before a key is checked ======================================================
+
+def body_head(path, length, token):
+    """A POST's head only, with Content-Length `length` and the bearer token (it.TOKEN: the harness's; None: none)."""
+    token = it.H.token if token is it.TOKEN else token
+    auth = "Authorization: Bearer %s\r\n" % token if token else ""
+    return ("POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n"
+            % (path, length, auth)).encode()
+
+
+@it.test("hostile client: a body sent all but its last byte is closed (408) --head-timeout after its last byte, "
+         "however much time its size earned; a body still to come is read only for a valid key: without one, 401 at "
+         "once on either plane (413 on a path that takes no body), and 16 such 8 MiB bodies hold no memory",
+         ltg_args=("--head-timeout", "2"))
+def t_body_before_key():
+    H = it.H
+    pid = H.ltg_proc.pid
+    body = b'{"model":"Kimi-K3","messages":[{"role":"user","content":"' + b"x" * (1 << 20) + b'"}]}'
+    with it.Conn(H.port, timeout=30) as c:
+        start = time.monotonic()
+        c.send(body_head("/v1/chat/completions", len(body), it.TOKEN) + body[:-1])
+        r = c.read_final_response(30)
+        took = time.monotonic() - start
+        check(r.status == 408 and took < 15, "a 1 MiB body stalled before its last byte: %d after %.1f s (its size "
+              "earned 256 s; --head-timeout 2 without a byte)" % (r.status, took))
+    rss0 = it.rss_kib(pid)
+    socks = []
+    try:
+        for port, path, token, status in ((H.port, "/v1/chat/completions", None, 401),
+                                          (H.port, "/v1/chat/completions", "ltg_sk_" + "z" * 43, 401),
+                                          (H.admin_port, it.API + "/token_groups", "not-an-admin-key", 401),
+                                          (H.port, "/healthz", None, 413)):
+            with it.Conn(port, timeout=15) as c:
+                c.send(body_head(path, 8 << 20, token) + b"{" * 4096)
+                r = c.read_final_response(10)
+                check(r.status == status, "%s with %s and a body to come: %s, want %d" % (path, token, r.brief(), status))
+                check(c.wait_closed(10), "%s: the connection stayed open after the refusal" % path)
+        for _ in range(16):
+            s = socket.create_connection(("127.0.0.1", H.port), timeout=15)
+            s.sendall(body_head("/v1/chat/completions", 8 << 20, None))
+            socks.append(s)
+        for s in socks:             # as much as each can send before its 401
+            try:
+                s.sendall(b"x" * (1 << 20))
+            except OSError:
+                pass
+        grown = it.rss_kib(pid) - rss0
+        check(grown < 8 * 1024, "16 bodies of callers without a key grew ltg's RSS by %d KiB" % grown)
+    finally:
+        for s in socks:
+            s.close()
+    check_serves(H.port, H.admin_port, what="after the bodies without a key: ")
+
+
 if __name__ == "__main__":   # this file alone: python3 tests/integration_hostile_clients.py --ltg ./ltg --mock tests/mock
     import sys
     sys.exit(it.main(only=__name__))
