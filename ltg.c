@@ -2167,6 +2167,7 @@ struct conn {
     int proxy_pending;        /* ... and may still begin with a PROXY protocol header */
     int proxied;              /* ... it did: its client is final (X-Forwarded-For is not read) */
     int forwarded;            /* its peer is the X-Forwarded-For client of the request in service */
+    int refuse_body;          /* set by S.begin: 401, 404 or 413 for a body not whole at once */
     int64_t body_seen, body_at; /* the body's bytes so far, and S.now when they last grew */
     /* what serves the current request over several turns (an exchange), or NULL */
     void *owner;
@@ -2572,7 +2573,8 @@ static int conn_take_head(conn *c) {
         return 0;
     }
     c->began = S.now;
-    if (S.begin && S.begin(c) < 0) return 0;
+    c->refuse_body = 0;
+    if (S.begin) S.begin(c);
     if (c->req.content_length > S.max_body) {
         char m[128];
         snprintf(m, sizeof m, "the request body is larger than %lld bytes (--max-body-mb)",
@@ -2634,7 +2636,18 @@ static void conn_process(conn *c) {
         /* its first byte: the head's limit starts */
         if (c->state == CONN_IDLE) conn_to(c, CONN_HEAD);
         if (c->state == CONN_HEAD && !conn_take_head(c)) break;
-        if (!conn_take_body(c)) break;
+        if (!conn_take_body(c)) {
+            /* more of it to come: read on only for a request that may send it */
+            if (c->state == CONN_BODY && c->refuse_body == 413)
+                conn_fail(c, 413, "body_too_large", "this endpoint takes no request body");
+            else if (c->state == CONN_BODY && c->refuse_body == 404)
+                conn_fail(c, 404, "not_found", "no such endpoint (its body is not read)");
+            else if (c->state == CONN_BODY && c->refuse_body)
+                conn_fail(c, 401, c->admin ? "unauthorized" : "invalid_api_key",
+                          "missing or invalid key: a request body is read only with a valid key "
+                          "(Authorization: Bearer ..., or x-api-key on the inference plane)");
+            break;
+        }
         conn_to(c, CONN_BUSY);
         if (c->trusted && conn_forwarded(c) < 0) {
             conn_error(c, 429, "too_many_connections", "Retry-After: 1\r\n",
@@ -13103,28 +13116,23 @@ static int token_key_known(conn *c);
 
 /* A request whose body did not come with its head is read on only for a key that may send it:
  * a token key of the store's for an inference API, an admin key for the control plane (a
- * route that takes no body, none). Else it is refused at once (its body is not read, and the
- * connection closes), so a caller without a key holds no more than what came with the head. */
-static int route_body_allowed(conn *c, const route_row *row) {
+ * route that takes no body, or an unknown path, for none). Else the server refuses it (c->refuse_body, ltg.h) once its
+ * first read leaves it unfinished, so a caller without a key holds no more than that read. */
+static void route_body_allowed(conn *c, const route_row *row) {
     int pending = c->req.chunked || (c->req.content_length > 0 &&
                                       c->in.len - c->head_len < (size_t)c->req.content_length);
-    if (!pending) return 0;
+    if (!pending) return;
     if (row && row->kind ? token_key_known(c)
         : row && row->serve == serve_admin ? admin_key_known(c)
                                            : 0)
-        return 0;
-    if (row && (row->kind || row->serve == serve_admin))
-        conn_fail(c, 401, c->admin ? "unauthorized" : "invalid_api_key",
-                  "missing or invalid key: a request body is read only with a valid key "
-                  "(Authorization: Bearer ..., or x-api-key on the inference plane)");
-    else conn_fail(c, 413, "body_too_large", "this endpoint takes no request body");
-    return LTG_ERR;
+        return;
+    c->refuse_body = !row ? 404 : row->kind || row->serve == serve_admin ? 401 : 413;
 }
 
 /* S.begin: a request's head is in. Its id, and what its path says: the
  * endpoint it is counted by, the shape of its errors, its trace; a body that is still to come
  * is read only for a known key (route_body_allowed). */
-static int route_begin(conn *c) {
+static void route_begin(conn *c) {
     /* "req_" and 96 random bits in hex, without printf: every request makes one. Nothing in
      * it counts (a caller who sees two ids learns nothing of the traffic between them). */
     uint64_t r[2] = {rng_next(), rng_next()};
@@ -13138,7 +13146,7 @@ static int route_begin(conn *c) {
         c->f.anthropic = row && row->kind && row->kind->api == API_ANTHROPIC;
         if (row && row->kind) trace_start(c);
     }
-    return route_body_allowed(c, row);
+    route_body_allowed(c, row);
 }
 
 /* A WebSocket handshake (RFC 6455 4.1): a GET asking to upgrade to it. */
@@ -13566,7 +13574,12 @@ static void rl_io(void *ctx, int revents) {
             buf_reserve(&l->in, READ_CHUNK);
             ssize_t n = recv(l->fd, l->in.p + l->in.len, READ_CHUNK, 0);
             if (n > 0) { l->in.len += (size_t)n; continue; }
-            if (n == 0) { rl_fail(l, "the server closed the connection"); return; }
+            if (n == 0) { /* what came before the close is answered first */
+                int fd = l->fd;
+                rl_replies(l);
+                if (l->fd == fd && l->state != RL_DOWN) rl_fail(l, "the server closed the connection");
+                return;
+            }
             if (errno == EAGAIN || errno == EINTR) break;
             rl_fail(l, strerror(errno));
             return;

@@ -296,9 +296,11 @@ typedef void server_serve(conn *c);
 /* Once a request's head parses, before its body is read, the server calls
  * begin(c): what it learns of the request there (its id, its endpoint) is
  * known to the errors the server may answer before serve(c), a body too
- * large or too slow. It returns LTG_ERR when it has refused the request
- * already (conn_fail: its body is not read), else 0. */
-typedef int server_begin(conn *c);
+ * large or too slow. It may set c->refuse_body to 401 (no key that may send
+ * a body), 404 (no such path) or 413 (a path that takes none): a body that is not whole after
+ * the read that brought its head is then refused so, and the connection
+ * closed. */
+typedef void server_begin(conn *c);
 /* Once per request, when it is over -- its answer handed to the socket, or
  * its client gone first -- the server calls ended(c), which may read the
  * request and what the server recorded of its answer (the access log and
