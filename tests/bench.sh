@@ -50,6 +50,9 @@
 #   BENCH_CHAIN_BASE      the revision measured as "before" in the chained-ledger section
 #                         (60e14ca, before issue 25; empty skips the section)
 #   BENCH_CHAIN_ROUNDS    its interleaved rounds (4)
+#   BENCH_BEFORE    the revision measured as "the build before" (HEAD~1; empty skips it): this
+#                   build against it, the same catalog and flags, interleaved
+#   BENCH_BEFORE_ROUNDS   its interleaved rounds (6)
 #
 # The 1-connection runs are pinned (taskset) to one core, the same for both
 # sides: wrk, the mock and the proxy under test all on the last CPU.
@@ -1082,20 +1085,31 @@ CHAIN_BASE=${BENCH_CHAIN_BASE-60e14ca}
 CHAIN_ROUNDS=${BENCH_CHAIN_ROUNDS:-4}
 LTG_BENCH_LEDGER_KEY=$(head -c 32 /dev/urandom | base64)
 export LTG_BENCH_LEDGER_KEY
-if [ -n "$CHAIN_BASE" ] && build_at "$CHAIN_BASE" "$T/ltg-unchained"; then
-    launch_ltg ltg-chained "$T/ltg.json" --ledger-key-env LTG_BENCH_LEDGER_KEY
-    CH_PID=$L_PID URL[ltg-chained]=http://127.0.0.1:$L_PORT PID_OF[ltg-chained]=$L_PID
-    provision_key "$L_ADMIN_PORT" CH_KEY
-    LTG_BIN=$T/ltg-unchained launch_ltg ltg-unchained "$T/ltg.json"
-    UN_PID=$L_PID URL[ltg-unchained]=http://127.0.0.1:$L_PORT PID_OF[ltg-unchained]=$L_PID
-    provision_key "$L_ADMIN_PORT" UN_KEY
-    write_lua "$T/post-chained.lua" "$CH_KEY"
-    write_lua "$T/post-unchained.lua" "$UN_KEY"
-    LUA_OF[ltg-chained]=$T/post-chained.lua LUA_OF[ltg-unchained]=$T/post-unchained.lua
-    interleave ltg-unchained ltg-chained "$CHAIN_ROUNDS"
+# versus REV BEFORE NOW ROUNDS [ARG...]: git revision REV built here (as BEFORE) and this build
+# (as NOW, with ARGs) on the same catalog, each with a key of its own, interleaved for ROUNDS
+# rounds; their medians into AB_BEFORE and AB_NOW. 1 when REV cannot be built here.
+versus() {
+    local rev=$1 before=$2 now=$3 rounds=$4 now_pid before_pid
+    shift 4
+    build_at "$rev" "$T/$before" || return 1
+    launch_ltg "$now" "$T/ltg.json" "$@"
+    now_pid=$L_PID URL[$now]=http://127.0.0.1:$L_PORT PID_OF[$now]=$L_PID
+    provision_key "$L_ADMIN_PORT" AB_KEY
+    write_lua "$T/post-$now.lua" "$AB_KEY"
+    LTG_BIN=$T/$before launch_ltg "$before" "$T/ltg.json"
+    before_pid=$L_PID URL[$before]=http://127.0.0.1:$L_PORT PID_OF[$before]=$L_PID
+    provision_key "$L_ADMIN_PORT" AB_KEY
+    write_lua "$T/post-$before.lua" "$AB_KEY"
+    LUA_OF[$now]=$T/post-$now.lua LUA_OF[$before]=$T/post-$before.lua
+    interleave "$before" "$now" "$rounds"
     # shellcheck disable=SC2086
-    CH_BEFORE=$(median ${RUNS[ltg-unchained]}) CH_NOW=$(median ${RUNS[ltg-chained]})
-    kill "$UN_PID" "$CH_PID" 2>/dev/null; wait "$UN_PID" "$CH_PID" 2>/dev/null
+    AB_BEFORE=$(median ${RUNS[$before]}) AB_NOW=$(median ${RUNS[$now]})
+    kill "$before_pid" "$now_pid" 2>/dev/null; wait "$before_pid" "$now_pid" 2>/dev/null
+    return 0
+}
+if [ -n "$CHAIN_BASE" ] && versus "$CHAIN_BASE" ltg-unchained ltg-chained "$CHAIN_ROUNDS" \
+        --ledger-key-env LTG_BENCH_LEDGER_KEY; then
+    CH_BEFORE=$AB_BEFORE CH_NOW=$AB_NOW
     t0=$(now_ms)
     "$ROOT/ltg" verify --data "$T/ltg-chained-data" --ledger-key-env LTG_BENCH_LEDGER_KEY >"$T/verify.out" 2>&1 ||
         { tail -5 "$T/verify.out" >&2; die "ltg verify failed on ltg-chained's ledger"; }
@@ -1112,6 +1126,23 @@ if [ -n "$CHAIN_BASE" ] && build_at "$CHAIN_BASE" "$T/ltg-unchained"; then
     echo "| ltg verify of what ltg-chained wrote | | $V_EVENTS events in $V_MS ms ($(awk -v m="$V_MS" -v n="$V_EVENTS" 'BEGIN {printf "%.2f", n ? m * 1000 / n : 0}') µs each) | |"
     echo
     CHAIN_T=$(awk -v a="$CH_NOW" -v b="$CH_BEFORE" 'BEGIN {print (a >= 0.97 * b) ? 1 : 0}')
+fi
+
+# This build against the build before it (BENCH_BEFORE, default HEAD~1 of this clone: set it to
+# the revision a change started from), the same catalog and flags, interleaved as above.
+BEFORE=${BENCH_BEFORE-HEAD~1}
+BEFORE_ROUNDS=${BENCH_BEFORE_ROUNDS:-6}
+if [ -n "$BEFORE" ] && versus "$BEFORE" ltg-before-build ltg-this-build "$BEFORE_ROUNDS"; then
+    echo "### this build against the build before (same run, interleaved)"
+    echo
+    echo "- ltg-before-build: $BEFORE ($(git -C "$ROOT" rev-parse --short "$BEFORE" 2>/dev/null)); ltg-this-build: this tree"
+    echo "- $BEFORE_ROUNDS rounds, each: ${WARM} s warm-up and ${SECS} s at 64 connections of each, in the order A B, B A, A B..."
+    echo
+    echo "| metric | before | this build | ratio |"
+    echo "| --- | ---: | ---: | ---: |"
+    echo "| requests/s, 64 conns (median; the runs) | $AB_BEFORE (${RUNS[ltg-before-build]# }) | $AB_NOW (${RUNS[ltg-this-build]# }) | $(ratio "$AB_NOW" "$AB_BEFORE") |"
+    echo
+    BEFORE_T=$(awk -v a="$AB_NOW" -v b="$AB_BEFORE" 'BEGIN {print (a >= 0.97 * b) ? 1 : 0}')
 fi
 
 # ---------------------------------------------------------------- targets
@@ -1147,6 +1178,7 @@ fi
 echo "- ltg peak RSS <= 15 MiB ($LIMIT_KB kB): $(verdict "$t3") (${R[ltg,hwm]} kB, with today's ledger index" \
      "of the events of these runs, up to --ledger-index-mb: 16 MiB by default)"
 [ -n "${CHAIN_T:-}" ] && echo "- the chained ledger: requests/s at 64 conns no lower than before issue 25 (>= 0.97x): $(verdict "$CHAIN_T") ($(ratio "$CH_NOW" "$CH_BEFORE"))"
+[ -n "${BEFORE_T:-}" ] && echo "- this build: requests/s at 64 conns no lower than the build before, $BEFORE (>= 0.97x): $(verdict "$BEFORE_T") ($(ratio "$AB_NOW" "$AB_BEFORE"))"
 [ -n "${TRAFFIC_T:-}" ] && echo "- two deployments and limits on: requests/s at 64 conns no lower than before issue 15 (>= 0.97x, the run-to-run noise): $(verdict "$TRAFFIC_T") ($(ratio "$TR_NOW" "$TR_BEFORE"))"
 echo "- ltg errors under load (non-2xx, socket errors): $( [ "$ERRORS_SEEN" = 0 ] && echo none || echo "SEEN:${ERRORS_NOTE:- the check after the load failed}")"
 if [ "$TLS" = 1 ]; then
