@@ -255,6 +255,21 @@ def filler_sent(alias):
     return it.H.mock_stats().get("filler_bytes", {}).get(up(alias), 0)
 
 
+def settled_filler_sent(alias, quiet=0.5, timeout=15.0):
+    """filler_sent(alias) once it stops growing: unchanged for `quiet` s (bounded wait; the mock counts
+    a piece once its send returned, and stops when its peer leaves or stops reading)."""
+    deadline = time.monotonic() + timeout * it.SLOW
+    last, since = filler_sent(alias), time.monotonic()
+    while time.monotonic() - since < quiet:
+        check(time.monotonic() < deadline, "the mock still sends filler of %s after %g s (%d MiB so far)"
+              % (alias, timeout * it.SLOW, last // MIB))
+        time.sleep(0.05)
+        now = filler_sent(alias)
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
 # ===== before the answer starts: indeterminate, the fallback serves ===============================
 # (what, the directive, the failed attempt's status: the provider's, 0 when no head was parsed,
 #  the longest the request may take in s)
@@ -320,8 +335,7 @@ def t_hp_length_at_head(a):
     script(A, ["body_mb=1024"])
     r = call(a, g, A)
     check_headers(r, 200, 2, B)
-    time.sleep(0.3)      # the mock counts a piece once its send returned
-    sent = filler_sent(A)
+    sent = settled_filler_sent(A)
     check(sent < 32 * MIB, "the mock sent %d MiB of a body declared as 1 GiB before ltg gave up: a Content-Length "
           "over 64 MiB should fail when the head arrives" % (sent // MIB))
 
@@ -468,6 +482,18 @@ def mock_connections():
     return it.H.mock_stats()["connections"]
 
 
+def bytes_waiting_from(port):
+    """Does a connection to 127.0.0.1:port (ltg's end) hold received bytes nobody read yet (the
+    rx_queue of /proc/net/tcp)?"""
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            if fields[2] == "0100007F:%04X" % port and fields[3] == "01" and int(fields[4].split(":")[1], 16) > 0:
+                return True
+    return False
+
+
 def junk_test(solo, delay_ms):
     @hptest("junk %s after a whole answer: the answer served (ok), the connection not reused"
             % ("in the same write" if delay_ms == 0 else "%d ms" % delay_ms))
@@ -477,6 +503,7 @@ def junk_test(solo, delay_ms):
         g = group(a, [S])
         script(S, ["junk_after_ms=%d" % delay_ms])
         c0 = mock_connections()
+        at = a.log_size()
         r = call(a, g, S)
         check_headers(r, 200, 1, S, "the answer followed by junk")
         check(r.json()["choices"][0]["message"]["content"] == "Hello from %s." % up(S),
@@ -484,7 +511,12 @@ def junk_test(solo, delay_ms):
         check_event(a, g, r, "succeeded", 200, S, [(S, 1, 200, "ok")], "the answer followed by junk")
         c1 = mock_connections()
         check(c1 == c0 + 1, "the first request to a fresh provider: %d connections at the mock, want 1" % (c1 - c0))
-        time.sleep(0.3 + delay_ms / 1000.0)     # the junk is there before the next request
+        # The junk is there before the next request: read with the answer (ltg says so and does not
+        # pool the connection), or waiting unread on the pooled connection.
+        it.wait_until("the junk after the answer did not reach ltg (no log line about it, no bytes waiting on a "
+                      "connection to the mock)",
+                      lambda: "sent bytes after its answer" in a.text_since(at) or bytes_waiting_from(it.H.mock_port),
+                      10 * it.SLOW, step=0.02)
         r = call(a, g, S)
         check_headers(r, 200, 1, S, "the next request")
         c2 = mock_connections()

@@ -984,12 +984,12 @@ def t_budget_period():
           "x-ltg-cost %r, x-ltg-budget-remaining %r" % (r.header("x-ltg-cost"), r.header("x-ltg-budget-remaining")))
     g1, _ = it.get_group(gid)
     check(micro(g1["spend"]) == c1, "spend %r after one call costing %d micro-USD" % (g1["spend"], c1))
-    time.sleep(0.02)
+    time.sleep(0.02)    # on purpose: times are in ms; a PATCH in the same ms could not show a period moving
     d = patch_group(gid, {"max_budget": 2})
     check(d["budget_started_at"] == g0["budget_started_at"] and micro(d["spend"]) == c1,
           "a new max_budget must keep the period: budget_started_at %r -> %r, spend %r"
           % (g0["budget_started_at"], d["budget_started_at"], d["spend"]))
-    time.sleep(0.02)
+    time.sleep(0.02)    # on purpose, as above: the new period must start a later ms
     d = patch_group(gid, {"budget_duration": "30d"})
     start1 = iso_ms(d["budget_started_at"])
     check(start1 > start0, "a new budget_duration must start a new period: budget_started_at %r -> %r"
@@ -1004,7 +1004,7 @@ def t_budget_period():
           "x-ltg-budget-remaining %r in the new period, want 2 - %.6f" % (r.header("x-ltg-budget-remaining"), c2 / 1e6))
     g3, _ = it.get_group(gid)
     check(micro(g3["spend"]) == c2, "spend %r in the new period, want only the new call's %.6f" % (g3["spend"], c2 / 1e6))
-    time.sleep(0.02)
+    time.sleep(0.02)    # on purpose, as above
     d = patch_group(gid, {"budget_duration": None})
     check(d["resets_at"] is None and iso_ms(d["budget_started_at"]) > start1 and micro(d["spend"]) == 0,
           "lifetime: a new period with no end: %r" % d)
@@ -1128,6 +1128,7 @@ def t_cache_ttl():
     if time.monotonic() - t0 < 0.8:
         check(r.header("x-ltg-cache") == "hit" and upstream_calls() == n0 + 1, "within the TTL: x-ltg-cache %r"
               % r.header("x-ltg-cache"))
+    # Time passes on purpose: the 1 s TTL must expire (polling for a miss would accept any expiry).
     time.sleep(2.1)
     n1 = upstream_calls()
     r = ok200(call(s, b), "after the TTL")

@@ -136,6 +136,14 @@ def check_calls(expect, what):
     check(got == expect, "%s: calls at the mock %r, want %r" % (what, got, expect))
 
 
+def quiet(seconds):
+    """Let `seconds` pass on purpose before check_calls() asserts that no MORE calls came (no late
+    retry, no fallback): a negative check, which no condition can express. Every call it expects
+    reached the mock before ltg answered (the mock counts a call when it arrives), so a slow
+    machine can only make the check more lenient, never fail it."""
+    time.sleep(seconds)
+
+
 def times(alias):
     """The mock's t_ms of every call of this model, in order."""
     return [e["t_ms"] for e in stats().get("log", []) if e.get("model") == up(alias)]
@@ -366,7 +374,7 @@ def t_rt_indeterminate(a):
         script(B, ["status=503"])
         r = call(a, g, A)
         check_fail(r, 503, 2, [(A, 1, st, "indeterminate"), (B, 1, 503, "indeterminate")], what=d)
-        time.sleep(0.05)
+        quiet(0.05)     # no late retry of A
         check_calls({A: 1, B: 1}, d)
     # A timeout with max_attempts 5 and no fallback: one call, 504.
     A, = fresh(1)
@@ -433,7 +441,7 @@ def t_rt_context_length(a):
         e = it.check_openai_error(r, st, "context_length_exceeded")
         check("maximum context length" in e["message"] and "attempts" not in e,
               "%s: the provider's answer should be relayed as it is: %r" % (d, r.body[:300]))
-        time.sleep(0.05)
+        quiet(0.05)     # no late retry, no fallback
         check_calls({A: 1, B: 0}, d)
 
 
@@ -451,7 +459,7 @@ def t_rt_terminal(a):
             e = it.check_openai_error(r, st, code)
             check(e["message"] == "mock error %d" % st and "attempts" not in e,
                   "%s: the provider's answer should be relayed as it is: %r" % (what, r.body[:300]))
-            time.sleep(0.05)
+            quiet(0.05)     # no late retry, no fallback
             check_calls({A: 1, B: 0}, what)
 
 
@@ -533,7 +541,7 @@ def t_rt_retry_after(a):
     script(A, ["status=503 retry_after=1", "ok"])
     r = call(a, g, A)
     check_fail(r, 503, 1, [(A, 1, 503, "indeterminate")], what="503 with Retry-After")
-    time.sleep(1.3)
+    quiet(1.3)      # past the Retry-After of 1 s: still no second call
     check_calls({A: 1}, "503 with Retry-After")
 
 
@@ -545,7 +553,7 @@ def t_rt_deadline_hang(a):
     r = call(a, g, A, headers={"x-ltg-deadline": "1500"})
     check_fail(r, 504, 1, [(A, 1, 0, "indeterminate", (1300, 4000))], code="deadline_exceeded", what="hang")
     check(1.4 <= r.elapsed <= 4.0, "hang: answered after %.2f s, the deadline is 1.5 s" % r.elapsed)
-    time.sleep(0.2)
+    quiet(0.2)      # no retry after the deadline
     check_calls({A: 1}, "hang")
     # A stream whose first event never comes in time.
     A, = fresh(1)
@@ -583,7 +591,9 @@ def t_rt_long_call(a):
         script(A, ["head_delay_ms=35000"])
         r = call(a, g, A, timeout=120)
         it.check_x_headers(r, 200, 1, A, "a provider that takes 35 s")
-        time.sleep(max(0.0, 95 - (time.monotonic() - t0)))   # the Codex-style pool: reused after 90 s idle
+        # Time passes on purpose: the connection must stay idle for 95 s (the Codex-style pool
+        # reuses a connection idle 90 s; ltg's default idle timeout is 120 s).
+        time.sleep(max(0.0, 95 - (time.monotonic() - t0)))
         idle.send(it.http_request("GET", "/v1/models", auth=g.token))
         check(idle.read_final_response(15).status == 200, "the connection idle for 95 s was closed (the default is 120 s)")
 
@@ -598,7 +608,7 @@ def t_rt_deadline_plan(a):
     check_fail(r, 504, 2, [(A, 1, 0, "indeterminate", (900, 2500)), (B, 1, 0, "indeterminate", (100, 2000))],
                code="deadline_exceeded")
     check(1.5 <= r.elapsed <= 4.0, "answered after %.2f s, the deadline is 1.6 s" % r.elapsed)
-    time.sleep(0.2)
+    quiet(0.2)      # C is never called, not even late
     check_calls({A: 1, B: 1, C: 0}, "deadline over a plan of three")
 
 
@@ -639,7 +649,7 @@ def t_rt_deadline_retry_last(a):
         r = call(a, g, A, headers={"x-ltg-deadline": "2500"})
         check(r.elapsed < 1.5, "%s: answered after %.2f s, want at once (not at the deadline, not after the wait)"
               % (what, r.elapsed))
-        time.sleep(0.3)
+        quiet(0.3)      # the skipped retry is not made late either
         check_calls({A: 1}, what)
         try:
             check_fail(r, 504, 1, [(A, 1, 429, "no_work")], code="deadline_exceeded", what=what)
@@ -857,7 +867,7 @@ def t_rt_stream_cut(a):
     check(isinstance(err, dict) and err.get("code") == "stream_interrupted" and err.get("type") == "upstream_error"
           and isinstance(err.get("message"), str) and err["message"],
           "the last event should be {\"error\":{message, type upstream_error, code stream_interrupted}}: %r" % datas[-1])
-    time.sleep(0.5)
+    quiet(0.5)      # no failover after the cut, not even late
     check_calls({A: 1, B: 0}, "cut stream")
     e = ledger_event(a, g, r.header("x-ltg-request-id"))
     check(e.get("status") == "partial" and e.get("http_status") == 200 and e.get("model") == A,
@@ -866,6 +876,25 @@ def t_rt_stream_cut(a):
 
 
 # ===== circuit breaker ============================================================================
+
+def breaker_open(a, alias):
+    """ltg_circuit_open of alias (one deployment) on ltg a's /metrics: is its breaker open?"""
+    r = it.one_request(a.admin_port, "GET", "/metrics", auth=None, timeout=30)
+    check(r.status == 200, "GET /metrics: %s" % r.brief())
+    m = re.search(r'^ltg_circuit_open\{model="%s",[^}]*\} (\S+)$' % re.escape(alias), r.body.decode("utf-8", "replace"), re.M)
+    check(m, "no ltg_circuit_open series for %s on /metrics" % alias)
+    return float(m.group(1)) != 0
+
+
+def wait_probe_due(a, alias, since, what):
+    """Wait (bounded) until the breaker of alias lets a probe through (ltg_circuit_open back to 0);
+    `since`: a time before the breaker opened, so that it must have been at least 5 s."""
+    it.wait_until("%s: the breaker of %s still open" % (what, alias), lambda: not breaker_open(a, alias),
+                  20 * it.SLOW, step=0.05)
+    took = time.monotonic() - since
+    check(took >= 4.95, "%s: the breaker of %s let a probe through %.2f s after it opened, before its 5 s"
+          % (what, alias, took))
+
 
 def _wait_call(alias, n, timeout=10.0):
     it.wait_until(lambda: "the mock's calls of %s: %d, want %d" % (alias, calls(alias), n),
@@ -878,10 +907,10 @@ def t_rt_breaker(a):
     g = group(a, [P, F], {P: [F]})
     script(P, ["status=503"] * 5)
     for i in range(5):
+        t_open_lo = time.monotonic()     # the breaker opens during the 5th call: after this
         r = call(a, g, P)
         it.check_x_headers(r, 200, 2, F, "failure %d of the primary" % (i + 1))
         check_calls({P: i + 1, F: i + 1}, "failure %d of the primary" % (i + 1))
-    t_open = time.monotonic()
     # Open: skipped, no call, not counted in x-ltg-attempts, logged as circuit_open.
     r = call(a, g, P)
     it.check_x_headers(r, 200, 1, F, "the breaker open")
@@ -894,23 +923,25 @@ def t_rt_breaker(a):
     r = call(a, g, P)
     check_fail(r, 503, 1, [(P, 1, 0, "circuit_open"), (F, 1, 503, "indeterminate")], what="the breaker open, F failing")
     check_calls({P: 5, F: 7}, "the breaker open, F failing")
-    # Still open 3 s after.
-    time.sleep(max(0, t_open + 3.0 - time.monotonic()))
+    # Still open 3 s after. Time passes on purpose (the breaker stays open 5 s; no state to poll
+    # says "3 s"); counted from before the 5th failure, so that it is at least 2 s before the
+    # breaker may let a probe through, however long that call took.
+    time.sleep(max(0, t_open_lo + 3.0 - time.monotonic()))
     r = call(a, g, P)
     it.check_x_headers(r, 200, 1, F, "the breaker open after 3 s")
     check_calls({P: 5, F: 8}, "the breaker open after 3 s")
     # After 5 s: one probe; it fails: open again at once.
-    time.sleep(max(0, t_open + 5.3 - time.monotonic()))
+    wait_probe_due(a, P, t_open_lo, "the first probe")
     script(P, ["status=503"])
+    t_open_lo = time.monotonic()        # the failed probe opens it again: after this
     r = call(a, g, P)
     it.check_x_headers(r, 200, 2, F, "the probe (failing)")
     check_calls({P: 6, F: 9}, "the probe (failing)")
-    t_open = time.monotonic()
     r = call(a, g, P)
     it.check_x_headers(r, 200, 1, F, "after a failed probe")
     check_calls({P: 6, F: 10}, "after a failed probe")
     # After 5 s more: one probe (slow, so that another request comes while it runs: turned away).
-    time.sleep(max(0, t_open + 5.3 - time.monotonic()))
+    wait_probe_due(a, P, t_open_lo, "the second probe")
     script(P, ["head_delay_ms=3000"])
     res = {}
 
@@ -946,10 +977,10 @@ def t_rt_breaker_probe_gone(a):
     g = group(a, [P, F], {P: [F]})
     script(P, ["status=500"] * 5)
     for i in range(5):
+        t_open_lo = time.monotonic()     # the breaker opens during the 5th call: after this
         it.check_x_headers(call(a, g, P), 200, 2, F, "failure %d" % (i + 1))
-    t_open = time.monotonic()
     it.check_x_headers(call(a, g, P), 200, 1, F, "open")
-    time.sleep(max(0, t_open + 5.3 - time.monotonic()))
+    wait_probe_due(a, P, t_open_lo, "the probe")
     script(P, ["hang"])
     with it.Conn(a.port, timeout=10) as c:
         c.send(it.http_request("POST", "/v1/chat/completions", it.chat_body(model=P), auth=g.token))
@@ -958,12 +989,9 @@ def t_rt_breaker_probe_gone(a):
     # ltg sees the client gone and cancels the probe (the breaker forgets it at once); the probe's
     # upstream connection is read on for its usage for --meter-abandoned-seconds (3 s here), then
     # closed, which the mock counts.
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and stats().get("open_connections", 0) >= open_before:
-        time.sleep(0.05)
-    check(stats().get("open_connections", 0) < open_before,
-          "the probe's upstream connection is still open 10 s after its client left")
-    time.sleep(0.1)
+    it.wait_until(lambda: "the probe's upstream connection still open after its client left (the mock counts %d "
+                          "open connections, %d before)" % (stats().get("open_connections", 0), open_before),
+                  lambda: stats().get("open_connections", 0) < open_before, 20, step=0.05)
     r = call(a, g, P)
     it.check_x_headers(r, 200, 1, P, "after the probe's client left (the next request is the probe)")
     check_calls({P: 7, F: 6}, "after the probe's client left")

@@ -675,19 +675,19 @@ def check_parallel_429(token):
             held["r"] = chat(token=token, directive="head_delay_ms=3000", label="held request")
         except Exception as e:
             held["e"] = e
+    n0 = it.H.mock_stats()["requests"]
     th = threading.Thread(target=slow, daemon=True)
     th.start()
-    got = None
-    for _ in range(100):
-        time.sleep(0.1)
-        if not th.is_alive():
-            break
+    try:
+        # Held: it reached the mock, which keeps it 3 s.
+        it.wait_until("the held request did not reach the mock", lambda: it.H.mock_stats()["requests"] > n0 or not th.is_alive(),
+                      15 * it.SLOW, step=0.02)
+        check(th.is_alive(), "the held request ended before a parallel one could be sent: %r"
+              % (held.get("e") or held.get("r") and held["r"].brief()))
         r = chat(token=token, label="parallel request")
-        if r.status == 429:
-            got = r
-            break
-    th.join(30)
-    check(got is not None, "no 429 too_many_parallel_requests while a request was held")
+    finally:
+        th.join(30)
+    check(r.status == 429, "no 429 too_many_parallel_requests while a request was held: %s" % r.brief())
     check("e" not in held and held.get("r") is not None and held["r"].status == 200,
           "the held request: %r" % (held.get("e") or held.get("r") and held["r"].brief()))
 

@@ -227,6 +227,15 @@ def settled_stats(m, want, timeout=3.0):
         time.sleep(0.05)
 
 
+def in_flight(a, alias):
+    """ltg_deployment_in_flight of model alias on ltg a's /metrics (0 when it has no series)."""
+    r = it.one_request(a.admin_port, "GET", "/metrics", auth=None)
+    check(r.status == 200, "GET /metrics: %s" % r.brief())
+    m = re.search(r'^ltg_deployment_in_flight\{model="%s",[^}]*\} (\d+)$' % re.escape(alias),
+                  r.body.decode("utf-8", "replace"), re.M)
+    return int(m.group(1)) if m else 0
+
+
 def calls_of(st, upstream_model):
     return st.get("calls", {}).get(upstream_model, 0)
 
@@ -634,7 +643,10 @@ def t_tls_stall_deadline():
 
     th = threading.Thread(target=stalled)
     th.start()
-    time.sleep(0.3)
+    it.wait_until("the second stalled call's attempt is not in flight (ltg_deployment_in_flight of TLS-Stall-2)",
+                  lambda: in_flight(a, "TLS-Stall-2") >= 1 or not th.is_alive(), 10 * it.SLOW, step=0.02)
+    check(th.is_alive(), "the second stalled call ended before a call to another provider could be made: %s"
+          % (res["r"].brief() if "r" in res else repr(res.get("e"))))
     r = call(a, tok, "TLS-Good", timeout=10)
     check_ok(r, "TLS-Good", "tls-good", "a call while a handshake stalls")
     check(r.elapsed < 1.5, "a call to another provider took %.2f s while a handshake stalled" % r.elapsed)
@@ -678,7 +690,7 @@ def t_tls_large():
     with c:
         c.send(it.http_request("POST", "/v1/chat/completions",
                                it.chat_body(model="TLS-Big", stream=True, directive="events=%d" % n), auth=tok))
-        time.sleep(2.0)
+        time.sleep(2.0)     # on purpose: the client does not read for 2 s (ltg must stop reading, then resume)
         r = c.read_final_response(120)
     check_stream(r, "TLS-Big", "tls-big", n, "a stream of %d events read slowly" % n)
 
@@ -793,9 +805,9 @@ def t_tls_reload():
                 json.dump(with_tls, f)
             at = a.log_size()
             a.proc.send_signal(signal.SIGHUP)
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and "SIGHUP" not in a.text_since(at):
-                time.sleep(0.05)
+            it.wait_until(lambda: "no log line about the SIGHUP: %r" % a.text_since(at)[-400:],
+                          lambda: re.search(r"SIGHUP: config (taken|refused)[^\n]*\n", a.text_since(at)), 20 * it.SLOW,
+                          step=0.05)
             text = a.text_since(at)
             if taken:
                 check("config taken" in text, "the reload adding an https provider: %r" % text[-400:])
