@@ -2061,6 +2061,36 @@ static void test_resp(void) {
     CL.url = NULL;
 }
 
+/* An entry of ltg:events read from the stream (cl_event) whose last field, b (the scopes' spent
+ * and held), ends where the reply's bytes do, on an unmapped page: read within its bytes. */
+static void test_cl_event_bounds(void) {
+    char err[512], cmd[1400];
+    snprintf(ledger_data, sizeof ledger_data, "%s/cl-event", unit_dir);
+    snprintf(cmd, sizeof cmd, "rm -rf %s && mkdir -p %s", ledger_data, ledger_data);
+    CHECK(system(cmd) == 0, "mkdir");
+    S.ledger_days = 90, S.now = 1000000;
+    CHECK(unit_reopen_ledger(UDAY + 1000, err) == 0, "an empty ledger: %s", err);
+    rec_view v = {.charged = 7, .status = EV_SUCCEEDED, .key = unit_id('k', 1), .group = unit_id('g', 1),
+                  .model = "m", .model_len = 1, .event = "{}", .event_len = 2, .replay = ""};
+    buf rec = {0}, ent = {0};
+    rec_encode(&rec, &v);
+    char sid[32], b[] = "g:x 1000 0";
+    snprintf(sid, sizeof sid, "%lld-0", (long long)(UDAY + 5000));
+    buf_printf(&ent, "*2\r\n$%zu\r\n%s\r\n*4\r\n$1\r\ne\r\n$%zu\r\n", strlen(sid), sid, rec.len);
+    buf_append(&ent, rec.p, rec.len);
+    buf_printf(&ent, "\r\n$1\r\nb\r\n$%zu\r\n%s\r\n", strlen(b), b);
+    resp_tok t[16];
+    int nt = 0;
+    size_t at = 0;
+    const char *g = guarded(ent.p, ent.len);
+    CHECK(resp_elem(g, ent.len, &at, t, 16, &nt, 0) == 1 && at == ent.len, "the entry parses");
+    CHECK(cl_event(sid, g, t, 0) == 0 && strcmp(CL.ev_applied, sid) == 0, "the event is read: %s", CL.ev_applied);
+    buf_free(&rec);
+    buf_free(&ent);
+    CL.ev_applied[0] = 0;
+    store_reset();
+}
+
 /* ---- the runner ---- */
 
 static void test_ledger_budgets_16m(void) { test_ledger_budgets(16LL << 20); }
@@ -2127,7 +2157,7 @@ static void test_sha256(void) {
 #define T(fn) {#fn, fn}
 static const struct { const char *name; void (*fn)(void); } TESTS[] = {
     T(test_json_reader), T(test_json_scan), T(test_json_writer), T(test_http_request), T(test_http_response),
-    T(test_chunked), T(test_sse), T(test_resp), T(test_config), T(test_dns), T(test_timers), T(test_plan),
+    T(test_chunked), T(test_sse), T(test_resp), T(test_cl_event_bounds), T(test_config), T(test_dns), T(test_timers), T(test_plan),
     T(test_group_validation), T(test_ledger_pieces), T(test_log), T(test_log_failures), T(test_log_async), T(test_compaction_on_time),
     T(test_ledger_days), T(test_ledger_budgets_16m), T(test_ledger_budgets_16k), T(test_ledger_chunks),
     T(test_ledger_migration), T(test_ledger_extremes), T(test_sha256), T(test_exchange_fake),
