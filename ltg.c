@@ -2584,7 +2584,8 @@ static int conn_take_head(conn *c) {
     }
     conn_to(c, CONN_BODY);
     int has_body = c->req.chunked || c->req.content_length > 0;
-    if (has_body && c->req.expect_continue && c->in.len == c->head_len)
+    /* (a body that would be refused is not asked for: the refusal comes instead) */
+    if (has_body && c->req.expect_continue && c->in.len == c->head_len && !c->refuse_body)
         conn_send(c, "HTTP/1.1 100 Continue\r\n\r\n", 25);
     return 1;
 }
@@ -13116,8 +13117,9 @@ static int token_key_known(conn *c);
 
 /* A request whose body did not come with its head is read on only for a key that may send it:
  * a token key of the store's for an inference API, an admin key for the control plane (a
- * route that takes no body, or an unknown path, for none). Else the server refuses it (c->refuse_body, ltg.h) once its
- * first read leaves it unfinished, so a caller without a key holds no more than that read. */
+ * route that takes no body, or an unknown path, for none). Else the server refuses it
+ * (c->refuse_body, ltg.h) once its first read leaves it unfinished, so a caller without a key
+ * holds no more than that read. */
 static void route_body_allowed(conn *c, const route_row *row) {
     int pending = c->req.chunked || (c->req.content_length > 0 &&
                                       c->in.len - c->head_len < (size_t)c->req.content_length);
@@ -13577,7 +13579,8 @@ static void rl_io(void *ctx, int revents) {
             if (n == 0) { /* what came before the close is answered first */
                 int fd = l->fd;
                 rl_replies(l);
-                if (l->fd == fd && l->state != RL_DOWN) rl_fail(l, "the server closed the connection");
+                if (l->fd == fd && l->state != RL_DOWN)
+                    rl_fail(l, "the server closed the connection");
                 return;
             }
             if (errno == EAGAIN || errno == EINTR) break;
@@ -14134,9 +14137,8 @@ static void cl_tail_checked(void *ctx, const char *p, const resp_tok *t) {
  * both streams: XINFO STREAM's own answer holds the first and last entries whole, which may be
  * ones it cannot read (cl_peeked). */
 static void cl_tail_up(rlink *l) {
-    rl_call(l, rl_hello_reply, l,
-            (rarg[]){RA("FUNCTION"), RA("LOAD"), RA("REPLACE"), {CL_LIBRARY, sizeof CL_LIBRARY - 1}},
-            4);
+    rarg load[] = {RA("FUNCTION"), RA("LOAD"), RA("REPLACE"), {CL_LIBRARY, sizeof CL_LIBRARY - 1}};
+    rl_call(l, rl_hello_reply, l, load, 4);
     rl_call(l, cl_tail_checked, l, (rarg[]){RA("FCALL"), RA("ltg_info_v1"), RA("0"), RA("ltg:log")},
             4);
     rl_call(l, cl_events_checked, l,
@@ -14491,8 +14493,9 @@ static void cl_change(conn *c, const buf *rec, const idem *r, const stored *it, 
  * hold_shrink) go through an outbox, in order, each numbered: ltg_settle_v2
  * applies one number once and only after the one before it, so one sent again
  * after a lost reply charges nothing twice, and one sent after a settle Redis
- * refused (in the same pipeline) waits for it to be sent again first. What the store answers -- spent and held per scope -- is
- * what GET and x-ltg-budget-remaining show. */
+ * refused (in the same pipeline) waits for it to be sent again first. What
+ * the store answers -- spent and held per scope -- is what GET and
+ * x-ltg-budget-remaining show. */
 #define CL_LEASE_MS 20000
 #define CL_RENEW_MS 5000
 
