@@ -521,13 +521,43 @@ STREAM_BYTES = STREAM_EVENTS * 170  # about 170 bytes an event on the wire: ~50 
 RSS_SLACK_KIB = 16 * 1024
 
 
+def tcp_state(ports):
+    """ss -tinme of the established connections on these local or remote ports, for a failure message."""
+    if not shutil.which("ss"):
+        return "(no ss)"
+    flt = " or ".join("sport = :%d or dport = :%d" % (p, p) for p in ports)
+    out = subprocess.run(["ss", "-tinmeoH", "state", "established", "( %s )" % flt],
+                         capture_output=True, text=True, timeout=10).stdout
+    return " | ".join(" ".join(l.split()) for l in out.replace("\n\t", " ").splitlines())
+
+
 def count_stream(sock, timeout):
-    """Read a chunked SSE answer to its end: (status line, number of "data: " lines, its last bytes)."""
-    sock.settimeout(timeout)
-    deadline = time.monotonic() + timeout
+    """Read a chunked SSE answer to its end: (status line, number of "data: " lines, its last bytes).
+    Fails `timeout` s after it starts, naming what was read, how long ago the last byte came and the
+    TCP state of both hops (client-ltg, ltg-mock), so that a stall says where it is."""
+    sock.settimeout(1)
+    start = last_byte = time.monotonic()
+    deadline, got = start + timeout, [0]
+
+    def recv(size):
+        nonlocal last_byte
+        while True:
+            if time.monotonic() >= deadline:
+                raise it.TestFailure(
+                    "the stream did not end within %.0f s: %d bytes read, the last %.1f s ago; TCP: %s"
+                    % (timeout, got[0], time.monotonic() - last_byte,
+                       tcp_state((sock.getsockname()[1], it.H.mock_port))))
+            try:
+                data = sock.recv(size)
+            except socket.timeout:
+                continue
+            got[0] += len(data)
+            last_byte = time.monotonic()
+            return data
+
     head = b""
     while b"\r\n\r\n" not in head:
-        data = sock.recv(65536)
+        data = recv(65536)
         check(data, "closed before the answer's head")
         head += data
     head, buf = head.split(b"\r\n\r\n", 1)
@@ -538,9 +568,9 @@ def count_stream(sock, timeout):
         tail = window[-5:]
         last = (last + buf)[-64:]
         if last.endswith(b"\r\n0\r\n\r\n"):
+            it.log("the stream read in %.1f s" % (time.monotonic() - start))
             return head.split(b"\r\n", 1)[0], n, last
-        check(time.monotonic() < deadline, "the stream did not end within %.0f s" % timeout)
-        buf = sock.recv(1 << 20)
+        buf = recv(1 << 20)
         check(buf, "the stream was closed before its end (%d events read)" % n)
 
 
@@ -590,7 +620,11 @@ def t_never_reads():
             check(mock_socket_bytes() == stalled, "the mock sent more 2 s after it had stalled")
             check(stalled - sent0 < STREAM_BYTES // 2, "the mock sent %d bytes of the %d of the stream to a client "
                   "that read nothing" % (stalled - sent0, STREAM_BYTES))
-        # Now read it all: every event, then [DONE] and the last chunk.
+        # Now read it all: every event, then [DONE] and the last chunk. The 4 KiB receive buffer
+        # made the stall quick; read with it, the kernel drops most segments that arrive (each
+        # larger than the buffer), and each drop waits for a retransmission timer that doubles:
+        # under load, one stall of up to two minutes (the test's flake). A reader has a buffer.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 256 << 10)
         status, n, last = count_stream(s, 120)
         check(status.startswith(b"HTTP/1.1 200"), "status line %r" % status)
         check(n == STREAM_EVENTS + 2, "%d data lines, want %d (%d events, the finish event, [DONE])"
