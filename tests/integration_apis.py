@@ -355,6 +355,7 @@ def close_after_last(port, path, body, headers, auth, last):
 
 def wait_event(find, what, timeout=15.0):
     """The spend event find() returns (it raises until it is written), waited for."""
+    timeout *= it.SLOW
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -362,7 +363,7 @@ def wait_event(find, what, timeout=15.0):
         except it.TestFailure:
             if time.monotonic() > deadline:
                 raise it.TestFailure("%s: no spend event within %g s" % (what, timeout))
-            time.sleep(0.1)
+            time.sleep(0.1)     # backoff: polling for the event
 
 
 @it.test("streams: a client that closes as soon as it has the last event (chat's [DONE], Messages' "

@@ -593,8 +593,9 @@ def t_cluster_sentinel():
     auxes = [it.Aux("cl-sent-%d-%s" % (i, os.urandom(2).hex()), args=["--cluster", url]) for i in range(2)]
     a, b = auxes
     try:
+        # (the primary's full sync waits its repl-diskless-sync-delay, 5 s by default: a wide deadline)
         it.wait_until("the replica in sync", lambda: "master_link_status:up" in "".join(replica.cmd("INFO", "replication", whole=True)),
-                      10 * it.SLOW, 0.1)
+                      30 * it.SLOW, 0.1)
         for x in auxes:
             x.start()
         for x in auxes:
@@ -834,7 +835,8 @@ def t_cluster_idempotency():
         before = kimi_calls()
         ths = [threading.Thread(target=one, args=(0, b)), threading.Thread(target=one, args=(1, c))]
         ths[0].start()
-        time.sleep(0.3)
+        # b has claimed the key once its call reaches the provider: only then does c send the same.
+        it.wait_until("the first instance's call reaching the provider", lambda: kimi_calls() - before >= 1, 10 * it.SLOW, 0.02)
         ths[1].start()
         for t in ths:
             t.join(60)

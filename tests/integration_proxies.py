@@ -61,6 +61,7 @@ def stop_proc(p, timeout=10):
 def wait_proxy_ready(port, proc, logpath, what, source="127.0.0.9", timeout=15):
     """Until GET /healthz through the proxy on `port` answers 200 (bounded); TestFailure with the
     proxy's log when it exits or does not get there."""
+    timeout *= it.SLOW
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
@@ -75,7 +76,7 @@ def wait_proxy_ready(port, proc, logpath, what, source="127.0.0.9", timeout=15):
                 last = r.brief()
         except Exception as e:
             last = "%s: %s" % (type(e).__name__, e)
-        time.sleep(0.1)
+        time.sleep(0.1)     # backoff: polling for the proxy
     raise it.TestFailure("%s not relaying GET /healthz within %d s (last: %s): %s" % (what, timeout, last, read_text(logpath)[-800:]))
 
 
@@ -151,7 +152,7 @@ class Gateway:
             got = [l for l in self.lines() if pred(l)]
             if len(got) >= want or time.monotonic() > deadline:
                 return got
-            time.sleep(0.05)
+            time.sleep(0.05)    # backoff: polling the access log
 
     def all_lines(self):
         """Every JSON line of the access log, health probes included."""
@@ -244,6 +245,23 @@ def inference_conns(g):
         if line.startswith('ltg_client_connections{listener="inference"} '):
             return float(line.rsplit(" ", 1)[1])
     check(False, "no ltg_client_connections{listener=\"inference\"} in /metrics")
+
+
+def in_flight(g):
+    """Attempts in flight upstream on the gateway's ltg (ltg_deployment_in_flight, summed)."""
+    return it.metric_sum(g.a.admin_port, "ltg_deployment_in_flight")
+
+
+def wait_settled(g, n, answered, what):
+    """Until each of the abusive client's n requests has reached the upstream (in flight there) or
+    been refused (answered() counts those): ltg has dealt with every one of them."""
+    got = [0, 0]
+
+    def settled():
+        got[:] = [in_flight(g), answered()]
+        return got[0] + got[1] >= n
+    it.wait_until(lambda: "%s: the abusive client's %d requests dealt with by ltg (in flight upstream %d, refused %d)"
+                  % (what, n, got[0], got[1]), settled, 20 * it.SLOW, 0.05)
 
 
 def check_others_served(others, what):
@@ -356,7 +374,8 @@ def t_proxies_haproxy():
             readers = [threading.Thread(target=reader, args=(i,), daemon=True) for i in range(10)]
             for t in readers:
                 t.start()
-            time.sleep(1.0)
+            # The 10 connections through ltg: 4 held upstream, the rest closed.
+            wait_settled(g, 10, lambda: len([o for o in held if o is not None]), "behind HAProxy")
             # Meanwhile 5 other clients, one request each.
             others = in_threads([lambda s=s: one_via(hp.port, g.chat(tag="other-" + s, keep_alive=False), s) for s in OTHERS])
             t_others = max(o.t for o in others)
@@ -383,11 +402,13 @@ def t_proxies_haproxy():
               "--max-conns-per-ip connections: %s" % g.a.text_since_start()[-600:])
         # Its connections gone, the abusive client is served again. Gone means ltg has seen HAProxy
         # close them (asynchronously, after the client did): until then they still count.
-        deadline = time.monotonic() + 15
-        while inference_conns(g) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        check(inference_conns(g) == 0, "ltg still counts %r inference connections 15 s after the client closed them"
-              % inference_conns(g))
+        seen = [None]
+
+        def all_gone():
+            seen[0] = inference_conns(g)
+            return seen[0] == 0
+        it.wait_until(lambda: "ltg still counts %r inference connections after the client closed them" % seen[0],
+                      all_gone, 15 * it.SLOW, 0.1)
         again = one_via(hp.port, g.chat(tag="abuse-again", keep_alive=False), ABUSER)
         check(again.kind == "answer" and again.status == 200, "the abusive client, its connections closed, "
               "is not served again: %r" % again)
@@ -458,7 +479,8 @@ def t_proxies_nginx():
                                       for i in range(10)], timeout=50)
         t = threading.Thread(target=abuse, daemon=True)
         t.start()
-        time.sleep(1.5)
+        # The 10 requests through ltg: 4 held upstream, the rest answered 429 (the access log says).
+        wait_settled(g, 10, lambda: len([l for l in chats(g.lines(), ABUSER) if l["status"] == 429]), "behind nginx")
         others = in_threads([lambda s=s: one_via(ng.port, g.chat(tag="other-" + s, keep_alive=False), s) for s in OTHERS])
         t_others = max(o.t for o in others)
         t.join(55)
@@ -508,15 +530,16 @@ def t_proxies_nginx_idle_pool():
                                    for i in range(4)], timeout=50)
         t = threading.Thread(target=burst, daemon=True)
         t.start()
-        time.sleep(1.0)
+        it.wait_until(lambda: "client A's 4 requests in flight upstream (%g)" % in_flight(g), lambda: in_flight(g) >= 4,
+                      20 * it.SLOW, 0.05)
         # Client B: its request is answered after A's four (a longer upstream delay).
         b = one_via(ng.port, g.chat("head_delay_ms=5000", "late-b", keep_alive=False), OTHERS[0])
         t.join(55)
         check(not t.is_alive() and "a" in box, "client A's burst: no outcome within 55 s")
         check(all(o.kind == "answer" and o.status == 200 for o in box["a"]), "client A's 4 concurrent requests (its cap): %r" % box["a"])
         check(b.kind == "answer" and b.status == 200, "client B's request: %r" % b)
-        time.sleep(0.5)
-        # A, with nothing in flight, makes requests one at a time.
+        # A, with nothing in flight (ltg has finished every request), makes requests one at a time.
+        it.wait_until(lambda: "nothing in flight upstream (%g)" % in_flight(g), lambda: in_flight(g) == 0, 10 * it.SLOW, 0.05)
         got = []
         for i in range(3):
             o = one_via(ng.port, g.chat(tag="after-%d" % i, keep_alive=False), ABUSER)
@@ -592,7 +615,7 @@ def t_proxies_direct_headers():
             with it.Conn(g.port, timeout=15, nodelay=True) as c:
                 for p in pieces[:-1]:
                     c.send(p)
-                    time.sleep(0.2)
+                    time.sleep(0.2)     # a pace: each piece arrives on its own
                 c.send(pieces[-1])
                 # Two requests on the connection: both are the named client's.
                 o1 = request_on(c, models_req(g), 15)
@@ -747,13 +770,13 @@ def t_proxies_ipv6_64():
             check(o.kind == "answer" and o.status == 200, "a connection naming 198.51.100.2 (another IPv4 client): %r" % o)
             # One of the /64's connections closed: the /64 may have a new one.
             held[0].close()
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 10 * it.SLOW
             while True:
                 with it.Conn(g.port, timeout=15) as c:
                     o = request_on(c, hdr("2001:db8::5") + healthz(close=True), 10)
                 if (o.kind == "answer" and o.status == 200) or time.monotonic() > deadline:
                     break
-                time.sleep(0.3)
+                time.sleep(0.3)     # backoff: until ltg has seen the close
             check(o.kind == "answer" and o.status == 200, "after one of its two connections closed, a connection naming "
                   "2001:db8::5 (same /64): %r" % o)
         finally:
