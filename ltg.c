@@ -23,7 +23,8 @@
  * The life of one chat request:
  *   1. conn_read() gathers bytes; http_head_end()/http_parse_request() find
  *      and parse the head, route_begin() (19) gives the request its id, the
- *      body arrives (Content-Length or chunked) (6).
+ *      body arrives (Content-Length or chunked; one still to come after the
+ *      head's read, only for a known key) (6).
  *   2. route() (19) sends it to inference_call() (17): parse, admit, start.
  *      Admission is a list of checks, each a refusal or nothing: the token
  *      key resolves to its group, the body's model must be allowed, the
@@ -2109,7 +2110,9 @@ static void loop_run(void) {
  *
  * Against one client holding every slot (slowloris, slow bodies, slow
  * reads): a head must be complete within --head-timeout of its first byte,
- * a body must keep up BODY_MIN_RATE after that; one client address may
+ * a body must keep up BODY_MIN_RATE after that and never pause that long,
+ * and one still to come after the head's read is read only when begin()
+ * set no refuse_body (the gateway's: a key that may send one); one client address may
  * hold --max-conns-per-ip inference connections (its next are closed); and
  * when a listener's table is full, a connection without a request in
  * service -- an idle keep-alive one first, then one of the client holding
