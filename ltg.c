@@ -9520,6 +9520,19 @@ static void admin_reply(conn *c, int status, long long version, int replayed, co
     buf_free(&h);
 }
 
+/* The permissions of the admin keys whose SHA-256 is sha, into *perms: 1 when one matched.
+ * Every key is compared: the time does not say which matched. */
+static int admin_perms(const uint8_t sha[32], int *perms) {
+    int found = 0;
+    *perms = 0;
+    for (int i = 0; i < S.cat->nadmins; i++)
+        if (secret_eq(sha, 32, S.cat->admins[i].sha, 32)) {
+            *perms |= S.cat->admins[i].perms;
+            found = 1;
+        }
+    return found;
+}
+
 /* Who is asking: 0 with *who filled, or LTG_ERR after answering 401. */
 static int admin_auth(conn *c, admin_who *who) {
     size_t n;
@@ -9536,32 +9549,22 @@ static int admin_auth(conn *c, admin_who *who) {
         return LTG_ERR;
     }
     sha256(key, n, who->sha);
-    int found = 0;
-    who->perms = 0;
-    /* every key is compared: the time does not say which matched */
-    for (int i = 0; i < S.cat->nadmins; i++)
-        if (secret_eq(who->sha, 32, S.cat->admins[i].sha, 32)) {
-            who->perms |= S.cat->admins[i].perms;
-            found = 1;
-        }
-    if (!found) {
+    if (!admin_perms(who->sha, &who->perms)) {
         admin_error(c, 401, "unauthorized", NULL, 0, "unknown admin key");
         return LTG_ERR;
     }
     return 0;
 }
 
-/* Does the request carry one of the catalog's admin keys (route_body_allowed)? Every key is
- * compared, as admin_auth does. */
+/* Does the request carry one of the catalog's admin keys (route_body_allowed)? */
 static int admin_key_known(conn *c) {
     size_t n;
     uint8_t sha[32];
+    int perms;
     const char *key = request_bearer(c, &n);
-    int found = 0;
     if (!key) return 0;
     sha256(key, n, sha);
-    for (int i = 0; i < S.cat->nadmins; i++) found |= secret_eq(sha, 32, S.cat->admins[i].sha, 32);
-    return found;
+    return admin_perms(sha, &perms);
 }
 
 /* Does `who` hold permission bit `need`? Answers 403 when not. A write
@@ -12117,10 +12120,9 @@ static int refuse(refusal *r, int status, const char *code, const char *headers,
     return REFUSE;
 }
 
-/* The token key and its group: from Authorization: Bearer, or x-api-key
- * (Anthropic's clients send it, to /v1/models too). Only the SHA-256 of the
- * presented secret is looked up. */
-/* The token key the request's credential names (Bearer, or x-api-key), or NULL. */
+/* The token key the request's credential names, whose group exists, or NULL: from
+ * Authorization: Bearer, or x-api-key (Anthropic's clients send it, to /v1/models too), *secret
+ * the credential (NULL: none). Only the SHA-256 of the presented secret is looked up. */
 static tkey *request_tkey(conn *c, const char **secret, size_t *n) {
     uint8_t h[32];
     *secret = request_bearer(c, n);
@@ -13127,11 +13129,10 @@ static void route_body_allowed(conn *c, const route_row *row) {
     int pending = c->req.chunked || (c->req.content_length > 0 &&
                                       c->in.len - c->head_len < (size_t)c->req.content_length);
     if (!pending) return;
-    if (row && row->kind ? token_key_known(c)
-        : row && row->serve == serve_admin ? admin_key_known(c)
-                                           : 0)
-        return;
-    c->refuse_body = !row ? 404 : row->kind || row->serve == serve_admin ? 401 : 413;
+    if (!row) c->refuse_body = 404;
+    else if (row->kind) c->refuse_body = token_key_known(c) ? 0 : 401;
+    else if (row->serve == serve_admin) c->refuse_body = admin_key_known(c) ? 0 : 401;
+    else c->refuse_body = 413;
 }
 
 /* S.begin: a request's head is in. Its id, and what its path says: the

@@ -822,6 +822,14 @@ static void unit_tick(int64_t now) {
     ledger_tick(now);
 }
 
+/* ledger_data: a new, empty directory of unit_dir named `name`, for a test's ledger. */
+static void unit_data_dir(const char *name) {
+    char cmd[1400];
+    snprintf(ledger_data, sizeof ledger_data, "%s/%s", unit_dir, name);
+    snprintf(cmd, sizeof cmd, "rm -rf %s && mkdir -p %s", ledger_data, ledger_data);
+    CHECK(system(cmd) == 0, "mkdir %s", ledger_data);
+}
+
 static int unit_reopen_ledger(int64_t now, char *err) {
     store_reset();
     snprintf(LOG.tmp, sizeof LOG.tmp, "%.200s/state.log.tmp", ledger_data);
@@ -855,11 +863,9 @@ static tkey *unit_key(int i, int grp, int budget_days, int64_t anchor) {
 }
 
 static void test_ledger_days(void) {
-    char err[512], cmd[1400], path[400], got[256];
+    char err[512], path[400], got[256];
     size_t total;
-    snprintf(ledger_data, sizeof ledger_data, "%s/ledger-days", unit_dir);
-    snprintf(cmd, sizeof cmd, "rm -rf %s && mkdir -p %s", ledger_data, ledger_data);
-    CHECK(system(cmd) == 0, "mkdir");
+    unit_data_dir("ledger-days");
     S.ledger_days = 90, S.now = 1000000;
     CHECK(unit_reopen_ledger(UDAY + DAY_MS - 1000, err) == 0 && LG.nseg == 0, "an empty ledger: %s", err);
 
@@ -963,9 +969,7 @@ static void test_ledger_days(void) {
  * (--ledger-index-mb) every day is in several chunks. */
 static void test_ledger_budgets(long long index_bytes) {
     char err[512], cmd[1400];
-    snprintf(ledger_data, sizeof ledger_data, "%s/ledger-budgets", unit_dir);
-    snprintf(cmd, sizeof cmd, "rm -rf %s && mkdir -p %s", ledger_data, ledger_data);
-    CHECK(system(cmd) == 0, "mkdir");
+    unit_data_dir("ledger-budgets");
     S.ledger_days = 30, S.now = 1000000, S.ledger_index = index_bytes;
     CHECK(unit_reopen_ledger(UDAY, err) == 0, "open: %s", err);
     unit_group(0, 0, UDAY - 5 * DAY_MS); /* a lifetime budget */
@@ -1090,11 +1094,9 @@ static void test_ledger_budgets(long long index_bytes) {
 
 /* A ledger.log of an earlier version is split into days, once. */
 static void test_ledger_migration(void) {
-    char err[512], cmd[1400], path[400], got[256];
+    char err[512], path[400], got[256];
     size_t total;
-    snprintf(ledger_data, sizeof ledger_data, "%s/ledger-migrate", unit_dir);
-    snprintf(cmd, sizeof cmd, "rm -rf %s && mkdir -p %s", ledger_data, ledger_data);
-    CHECK(system(cmd) == 0, "mkdir");
+    unit_data_dir("ledger-migrate");
     snprintf(path, sizeof path, "%s/ledger.log", ledger_data);
     buf f = {0};
     buf_append(&f, LEDGER_V1_MAGIC, 8);
@@ -1132,10 +1134,8 @@ static void test_ledger_migration(void) {
  * back: a charge past MAX_CHARGE is recorded as MAX_CHARGE, every token
  * class at its most; a restart on that ledger starts (README "Cost"). */
 static void test_ledger_extremes(void) {
-    char err[512], cmd[1400];
-    snprintf(ledger_data, sizeof ledger_data, "%s/ledger-extremes", unit_dir);
-    snprintf(cmd, sizeof cmd, "rm -rf %s && mkdir -p %s", ledger_data, ledger_data);
-    CHECK(system(cmd) == 0, "mkdir");
+    char err[512];
+    unit_data_dir("ledger-extremes");
     S.ledger_days = 90, S.now = 1000000;
     CHECK(unit_reopen_ledger(UDAY + 1000, err) == 0, "an empty ledger: %s", err);
     char alias[256];
@@ -1392,10 +1392,8 @@ static void chunk_answers(const char *pass, int64_t now) {
 }
 
 static void test_ledger_chunks(void) {
-    char err[512], cmd[1400], path[400];
-    snprintf(ledger_data, sizeof ledger_data, "%s/ledger-chunks", unit_dir);
-    snprintf(cmd, sizeof cmd, "rm -rf %s && mkdir -p %s", ledger_data, ledger_data);
-    CHECK(system(cmd) == 0, "mkdir");
+    char err[512], path[400];
+    unit_data_dir("ledger-chunks");
     options_default();
     S.now = 1000000, S.ledger_index = 24 << 10;
     int64_t now = UDAY + DAY_MS / 2;
@@ -1456,10 +1454,8 @@ static void test_ledger_chunks(void) {
 }
 
 static void test_exchange_fake(void) {
-    char err[512], cmd[1400];
-    snprintf(ledger_data, sizeof ledger_data, "%s/exchange", unit_dir);
-    snprintf(cmd, sizeof cmd, "rm -rf %s && mkdir -p %s", ledger_data, ledger_data);
-    CHECK(system(cmd) == 0, "mkdir");
+    char err[512];
+    unit_data_dir("exchange");
     S.now = 5000000;
     S.meter_s = 0; /* an answer given up on is closed at once: metering is tested on the wire (integration_cost.py) */
     CHECK(unit_reopen_ledger(wall_ms(), err) == 0, "ledger: %s", err);
@@ -2064,10 +2060,8 @@ static void test_resp(void) {
 /* An entry of ltg:events read from the stream (cl_event) whose last field, b (the scopes' spent
  * and held), ends where the reply's bytes do, on an unmapped page: read within its bytes. */
 static void test_cl_event_bounds(void) {
-    char err[512], cmd[1400];
-    snprintf(ledger_data, sizeof ledger_data, "%s/cl-event", unit_dir);
-    snprintf(cmd, sizeof cmd, "rm -rf %s && mkdir -p %s", ledger_data, ledger_data);
-    CHECK(system(cmd) == 0, "mkdir");
+    char err[512];
+    unit_data_dir("cl-event");
     S.ledger_days = 90, S.now = 1000000;
     CHECK(unit_reopen_ledger(UDAY + 1000, err) == 0, "an empty ledger: %s", err);
     rec_view v = {.charged = 7, .status = EV_SUCCEEDED, .key = unit_id('k', 1), .group = unit_id('g', 1),
