@@ -5,8 +5,9 @@
  * credential may use, how a failed call is retried or moved to a fallback,
  * what may be spent, and the record of what happened. Two listeners: the
  * control plane (admin keys) manages token groups -- the policy -- and
- * issues token keys; the inference plane speaks the OpenAI API and accepts
- * only token keys. Changes to groups and keys are fsynced to an append-only
+ * issues token keys; the inference plane speaks OpenAI's APIs and
+ * Anthropic's Messages and accepts only token keys, and a chat or Messages
+ * client reaches a model of either API (section 17 translates). Changes to groups and keys are fsynced to an append-only
  * log before they are acknowledged; every admitted inference request leaves a
  * spend event in the ledger (refusals and token counts do not; nor does a
  * request still running when a drain ends), one log per UTC day, each
@@ -22,38 +23,40 @@
  *
  * The life of one chat request:
  *   1. conn_read() gathers bytes; http_head_end()/http_parse_request() find
- *      and parse the head, route_begin() (19) gives the request its id, the
+ *      and parse the head, route_begin() (20) gives the request its id, the
  *      body arrives (Content-Length or chunked; one still to come after the
  *      head's read, only for a known key) (6).
- *   2. route() (19) sends it to inference_call() (17): parse, admit, start.
+ *   2. route() (20) sends it to inference_call() (18): parse, admit, start.
  *      Admission is a list of checks, each a refusal or nothing: the token
  *      key resolves to its group, the body's model must be allowed, the
  *      ledger must be writable, the first attempt's worst case must fit the
  *      key's and the group's budgets and rate limits and is held
  *      (hold_reserve, 15; with --cluster, in the shared store: cl_hold,
- *      20; each later attempt holds its own); an
+ *      21; each later attempt holds its own); an
  *      idempotent replay or a cached answer may answer here.
- *   3. exchange_attempt() (17) picks a deployment of the current model of
+ *   3. exchange_attempt() (18) picks a deployment of the current model of
  *      the chain [M] + fallbacks[M] (deployment_pick, 11), rewrites "model"
- *      for it, and up_start() (9) borrows a pooled
+ *      for it -- or, for a model whose provider speaks another API than the
+ *      client's, translates the request (xl_request, 17) and later its
+ *      answer -- and up_start() (9) borrows a pooled
  *      upstream connection or opens one (resolving the host without
  *      blocking, 7).
  *   4. The upstream connection calls exchange_upstream() back; a success is
  *      relayed (a stream event by event), and every attempt's result goes
- *      to attempt_decide() (17), which classifies it and asks plan_next()
+ *      to attempt_decide() (18), which classifies it and asks plan_next()
  *      (11): answer, retry the same model after a backoff (or at once on
  *      another of its deployments, or with the provider's next key), move
  *      to the next one, or give up; exchange_step() acts on it.
- *   5. Every attempt is billed when it is over (attempt_bill, 17: its
+ *   5. Every attempt is billed when it is over (attempt_bill, 18: its
  *      provider's usage at its model's prices; nothing if nothing reached
  *      the provider or it answered an error; else ltg's estimate; a whole
  *      answer given up on is first read to its end by a meter);
  *      exchange_settle() bills the answer, and exchange_book() -- once no
  *      meter is left -- replaces the hold by what was charged (hold_settle,
  *      15) and adds the spend event to today's segment (14; with --cluster
- *      it goes through the shared stream, and comes back from it: 20); the upstream
+ *      it goes through the shared stream, and comes back from it: 21); the upstream
  *      connection returns to the pool and the client connection waits for
- *      its next request (6), once request_ended() (18) has counted it in
+ *      its next request (6), once request_ended() (19) has counted it in
  *      the metrics and written its access log line.
  *
  * Sections (banners below carry the same names):
@@ -73,14 +76,15 @@
  *  14. The ledger: daily segments, index files, retention, the chain
  *  15. Budgets and rate limits, the cache, idempotent inference
  *  16. The control plane
- *  17. Inference: the proxy path
- *  18. Observability: metrics and the access log
- *  19. Routing
- *  20. Several instances: the Redis link
- *  21. main
+ *  17. Translation: one API for every model
+ *  18. Inference: the proxy path
+ *  19. Observability: metrics and the access log
+ *  20. Routing
+ *  21. Several instances: the Redis link
+ *  22. main
  *
  * Sections 3 to 9 are the engine -- parsers, the loop, the HTTP server,
- * name resolution, TLS and upstream connections -- and 10 to 20 the
+ * name resolution, TLS and upstream connections -- and 10 to 21 the
  * gateway built on it. The engine calls the gateway only through the hooks
  * of ltg.h; of the gateway's it carries only what the access log wants of a
  * request (req_facts) and what a provider needs beside its address (its API
@@ -161,7 +165,7 @@
 #define DNS_MAX_TTL_S 3600
 #define MAX_CHARGE 1000000000000LL       /* micro-USD: one request's million USD is no event */
 #define MAX_USAGE_TOKENS 10000000        /* a usage count past this violates the protocol */
-#define METER_MAX 256                    /* abandoned answers read to their end at once (17) */
+#define METER_MAX 256                    /* abandoned answers read to their end at once (18) */
 #define METER_MAX_BODY (1 << 20)         /* ... each this long at most, then charged the estimate */
 
 /* The token classes of a request's usage (README "Cost"). Input and output
@@ -216,7 +220,7 @@ static struct {
     /* bytes today's index may hold in memory before it is spilled (section 14) */
     long long ledger_index;
     const char *ledger_key_env; /* --ledger-key-env: the ledger's chain is keyed by it */
-    int metrics_auth;         /* GET /metrics needs an admin key (section 18) */
+    int metrics_auth;         /* GET /metrics needs an admin key (section 19) */
     long long max_body;
     int head_timeout_ms, idle_timeout_ms;
     long long cache_mb;
@@ -264,7 +268,7 @@ static struct {
     dns_entry *dns_cache;
 } S;
 
-/* Section 20's, for the sections before it (the state is shared only with --cluster). */
+/* Section 21's, for the sections before it (the state is shared only with --cluster). */
 static int cl_on(void);
 static void cl_note_sid(const char *p, const json_tok *t);
 static const char *cl_applied(void);
@@ -282,7 +286,7 @@ static int cl_day_over(int64_t end);
  * Log lines go to stderr with a UTC timestamp; ltg never logs a secret.
  * Also here: CRC-32 for log records, UUIDs for ids, one hash table (open
  * addressing) that every index of the store uses, the table of metric
- * series that every section counts into (section 18 writes it out), and
+ * series that every section counts into (section 19 writes it out), and
  * SHA-256.
  * `S.now` is read before the timers run and again after poll() returns
  * (libuv does the same): every timer set in between agrees on what "now"
@@ -801,7 +805,7 @@ static void *hmap_del(hmap *m, const void *k, size_t n) {
  * label values are catalog aliases, provider and group names and fixed
  * words, so the table's size follows the catalog and the groups, never the
  * traffic; it is still capped at METRICS_MAX_SERIES, past which an
- * observation is counted as dropped instead. Section 18 writes them out. */
+ * observation is counted as dropped instead. Section 19 writes them out. */
 #define METRICS_MAX_SERIES 4096
 #define NBUCKETS 15
 static const double BUCKETS[NBUCKETS] = {
@@ -810,7 +814,8 @@ static const double BUCKETS[NBUCKETS] = {
 
 enum {
     M_REQUESTS, M_DURATION, M_ATTEMPTS, M_TTFT, M_TOKENS, M_HOLD_EXCEEDED, M_SPEND, M_TLS,
-    M_CACHE, M_LEDGER, M_FSYNC, M_KEY_FAILS, M_RATE_LIMITED, M_CLUSTER_CALL, M_DROPPED, NFAMILIES
+    M_CACHE, M_LEDGER, M_FSYNC, M_KEY_FAILS, M_RATE_LIMITED, M_CLUSTER_CALL, M_DROPPED,
+    M_TRANSLATED, M_XL_DROPPED, NFAMILIES
 };
 
 typedef struct {
@@ -1399,6 +1404,90 @@ static int json_int(const char *s, const json_tok *t, int i, long long *out) {
     if (json_number(s, t, i, &d) < 0 || d != floor(d) || fabs(d) > 1e15) return LTG_ERR;
     *out = (long long)d;
     return 0;
+}
+
+/* ---- walking a document already validated ----
+ * The translator (section 17) reads a client's body, which admission validated whole, and a
+ * provider's answer or event, which usage_read validated: one container at a time, storing
+ * nothing. jv_at reads the value at an offset into a token of json_parse's shape (a string's
+ * bytes between its quotes; size and next unset), jv_next steps through a container's members
+ * or elements, jv_get finds a member. A conversation of any length costs no token array. Only
+ * for a document json_parse accepted: nothing here checks the grammar. */
+static size_t jv_ws(const char *s, size_t n, size_t i) {
+    while (i < n && (s[i] == ' ' || s[i] == '\t' || s[i] == '\n' || s[i] == '\r')) i++;
+    return i;
+}
+
+/* The offset just past the value that starts at s[i] (after white space). */
+static size_t jv_skip(const char *s, size_t n, size_t i) {
+    int depth = 0;
+    i = jv_ws(s, n, i);
+    do {
+        if (i >= n) return n;
+        char c = s[i];
+        if (c == '"') {
+            for (i++; i < n && s[i] != '"'; i++)
+                if (s[i] == '\\') i++;
+            i++;
+        } else if (c == '{' || c == '[') {
+            depth++, i++;
+        } else if (c == '}' || c == ']') {
+            depth--, i++;
+        } else if (depth == 0) { /* a number or a literal, alone */
+            while (i < n && !strchr(",}] \t\r\n", s[i])) i++;
+        } else {
+            i++;
+        }
+    } while (depth > 0);
+    return i;
+}
+
+static json_tok jv_at(const char *s, size_t n, size_t i) {
+    i = jv_ws(s, n, i);
+    size_t end = jv_skip(s, n, i);
+    char c = i < n ? s[i] : 'n';
+    json_type type = c == '{'   ? JSON_OBJECT
+                     : c == '[' ? JSON_ARRAY
+                     : c == '"' ? JSON_STRING
+                     : c == 't' ? JSON_TRUE
+                     : c == 'f' ? JSON_FALSE
+                     : c == 'n' ? JSON_NULL
+                                : JSON_NUMBER;
+    if (type == JSON_STRING) return (json_tok){type, (uint32_t)i + 1, (uint32_t)end - 1, 0, 0};
+    return (json_tok){type, (uint32_t)i, (uint32_t)end, 0, 0};
+}
+
+/* The next member (key and value) or element (value) of container c; *pos is 0 before the
+ * first. 0 when there is none left. */
+static int jv_next(const char *s, size_t n, const json_tok *c, size_t *pos, json_tok *key,
+                   json_tok *val) {
+    size_t i = jv_ws(s, n, *pos ? *pos : c->start + 1);
+    if (i < n && s[i] == ',') i = jv_ws(s, n, i + 1);
+    if (i >= c->end - 1) return 0;
+    if (c->type == JSON_OBJECT) {
+        *key = jv_at(s, n, i);
+        i = jv_ws(s, n, jv_skip(s, n, i)) + 1; /* past the ':' */
+    }
+    *val = jv_at(s, n, i);
+    *pos = jv_skip(s, n, i);
+    return 1;
+}
+
+/* The value of member `name` of object o; 0 when it has none (or o is not an object). */
+static int jv_get(const char *s, size_t n, const json_tok *o, const char *name, json_tok *val) {
+    size_t pos = 0;
+    json_tok k;
+    if (o->type != JSON_OBJECT) return 0;
+    while (jv_next(s, n, o, &pos, &k, val))
+        if (json_eq(s, &k, 0, name)) return 1;
+    return 0;
+}
+
+/* The bytes of value v as the document has them (a string with its quotes). */
+static void jv_raw(const json_tok *v, uint32_t *at, uint32_t *len) {
+    int q = v->type == JSON_STRING;
+    *at = v->start - q;
+    *len = v->end - v->start + 2 * q;
 }
 
 /* see ltg.h */
@@ -2086,7 +2175,7 @@ static void loop_run(void) {
  *
  * The current request's head stays at the front of `in` while it is served
  * (the parsed header slices point into it); its body is decoded into
- * `body`. The server hands it to S.serve (route, section 19; the contract
+ * `body`. The server hands it to S.serve (route, section 20; the contract
  * and conn_owner are in ltg.h). conn_done() drops the request's bytes, and
  * what follows in `in` is the next pipelined request, parsed by
  * conn_process()'s loop or after the next flush. A request is served only
@@ -2124,13 +2213,15 @@ static void loop_run(void) {
 typedef enum { CONN_IDLE, CONN_HEAD, CONN_BODY, CONN_BUSY, CONN_LINGER, CONN_CLOSED } conn_state;
 
 /* What the gateway learns of the request it serves, for the access log
- * and the metrics (section 18): cleared by the server for each request. */
+ * and the metrics (section 19): cleared by the server for each request. */
 typedef struct {
     char key_id[37], group_id[37];
     char requested[ALIAS_MAX + 1], served[ALIAS_MAX + 1]; /* catalog aliases, or "" */
     const char *endpoint;     /* the inference route, or NULL: not counted in ltg_requests_total */
     const char *cache;        /* "hit", "miss", "bypass", or NULL */
     int anthropic;            /* an Anthropic endpoint: its errors in Anthropic's shape */
+    const char *client_api;   /* the API its path speaks ("chat", "messages"...), or NULL */
+    const char *param;        /* its error's field, a JSON Pointer (NULL: none) */
     int attempts;             /* -1: none made (refused before dispatch) */
     long long tok[NTOK];      /* its usage; [TOK_IN] -1: none (refused before dispatch) */
     int64_t cost;             /* micro-USD; -1: unknown */
@@ -2466,7 +2557,7 @@ static void conn_reply(conn *c, int status, const char *ctype, const char *extra
 }
 
 /* An error answered in the shape of the listener's API (S.error: the
- * gateway's route_error, section 19); `headers`: extra header lines (each
+ * gateway's route_error, section 20); `headers`: extra header lines (each
  * ending in CRLF), or NULL. */
 static void conn_error(conn *c, int status, const char *code, const char *headers, const char *fmt,
                        ...) __attribute__((format(printf, 5, 6)));
@@ -3277,7 +3368,7 @@ static int dns_resolve(const char *host, upstream *u, struct sockaddr_storage *a
         e->next = S.dns_cache;
         S.dns_cache = e;
     }
-    if (u) { /* NULL: a caller that asks again later (section 20) */
+    if (u) { /* NULL: a caller that asks again later (section 21) */
         *up_wait_link(u) = e->waiters;
         e->waiters = u;
     }
@@ -3344,7 +3435,7 @@ struct provider {
     int nkeys, next_key;
     int64_t *key_bad_until; /* per key, S.now ms: a key the provider refused rests until then */
     int port, tls, tls_verify;
-    int api;        /* API_OPENAI or API_ANTHROPIC: the APIs it speaks (section 17's WIRE) */
+    int api;        /* API_OPENAI or API_ANTHROPIC: the APIs it speaks (section 18's WIRE) */
     br_ssl_session_parameters session; /* the last TLS session, for resumption (section 8) */
     int have_session;
     upstream *idle; /* the pool: idle keep-alive connections, most recent first */
@@ -4163,6 +4254,9 @@ struct model {
     prices long_price;
     long long long_above;
     long long context_window, max_output_tokens, max_input_part_tokens;
+    /* it takes a reasoning effort (chat) or a thinking budget (Anthropic) from a translated
+     * request: "reasoning", by default true for an Anthropic model, false for another */
+    int reasoning;
 };
 
 enum {
@@ -4625,7 +4719,7 @@ static int cfg_model(cfg *c, catalog *cat, int k, const char *where) {
         "provider", "upstream_model", "deployments", "weight", "input_usd_per_mtok",
         "output_usd_per_mtok", "cache_read_usd_per_mtok", "cache_write_usd_per_mtok",
         "cache_write_1h_usd_per_mtok", "long_context", "context_window", "max_output_tokens",
-        "max_input_part_tokens", NULL
+        "max_input_part_tokens", "reasoning", NULL
     };
     model *md = &cat->models[cat->nmodels++];
     md->alias = json_strdup(c->s, c->t, k);
@@ -4643,6 +4737,10 @@ static int cfg_model(cfg *c, catalog *cat, int k, const char *where) {
         cfg_int(c, v, "max_output_tokens", where, 1, &md->max_output_tokens) < 0 ||
         cfg_int(c, v, "max_input_part_tokens", where, 1, &md->max_input_part_tokens) < 0)
         return LTG_ERR;
+    int rv = json_get(c->s, c->t, v, "reasoning");
+    md->reasoning = rv >= 0 ? c->t[rv].type == JSON_TRUE : md->api == API_ANTHROPIC;
+    if (rv >= 0 && c->t[rv].type != JSON_TRUE && c->t[rv].type != JSON_FALSE)
+        return cfg_fail(c, where, "reasoning", "must be true or false");
     for (int i = 0; i < cat->nmodels - 1; i++)
         if (strcmp(cat->models[i].alias, md->alias) == 0)
             return cfg_fail(c, where, NULL, "the alias is defined twice");
@@ -4796,7 +4894,7 @@ static int tls_prepare(catalog *cat, char *err, size_t errlen) {
  * or after it; a wait that would end past it moves to the next model), the
  * backoff or Retry-After, another deployment free now, a provider key
  * refused. It is pure (no sockets, no clock: the facts carry the time),
- * so the unit tests drive it row by row; attempt_decide() (section 17)
+ * so the unit tests drive it row by row; attempt_decide() (section 18)
  * gathers the facts and exchange_step() acts on the answer.
  *
  * The circuit breaker, per deployment (a model's route: a provider and
@@ -4857,7 +4955,7 @@ plan_step plan_next(attempt_plan *p, const plan_facts *f) {
         s.late = 1; /* the wait would end past the deadline: the next model may answer sooner */
     }
     if (p->model + 1 < p->nmodels) {
-        /* no_work out of attempts, indeterminate, unknown_model, circuit_open */
+        /* no_work out of attempts, indeterminate, unknown_model, circuit_open, untranslatable */
         p->model++;
         p->attempt = 1;
         s.action = PLAN_NEXT_MODEL;
@@ -4898,7 +4996,8 @@ int attempt_context_length(int status, const char *body, size_t n) {
 /* see ltg.h */
 const char *outcome_name(attempt_outcome o) {
     static const char *const names[] = {
-        "ok", "no_work", "indeterminate", "terminal", "unknown_model", "circuit_open"
+        "ok", "no_work", "indeterminate", "terminal", "unknown_model", "circuit_open",
+        "untranslatable"
     };
     return (unsigned)o < sizeof names / sizeof *names ? names[o] : "?";
 }
@@ -4953,7 +5052,7 @@ static void breaker_record(deployment *d, attempt_outcome o, int probe, int64_t 
             d->cb_open_until = now + BREAKER_OPEN_MS;
             d->cb_failures = 0;
         }
-    } else if (o != OUTCOME_CIRCUIT_OPEN) { /* the provider answered: it is up */
+    } else if (o != OUTCOME_CIRCUIT_OPEN && o != OUTCOME_UNTRANSLATABLE) { /* it answered: up */
         if (d->cb_open_until) ltg_log("circuit breaker for %s (%s): closed", d->m->alias, d->name);
         d->cb_failures = 0;
         d->cb_open_until = 0;
@@ -5128,7 +5227,7 @@ typedef struct {
     long long cache_ttl;      /* seconds; UNSET = null */
     long long max_parallel;   /* UNSET = null: unlimited */
     int inflight;             /* requests in flight (runtime, not logged) */
-    int meters;               /* its abandoned answers metered now (runtime, section 17) */
+    int meters;               /* its abandoned answers metered now (runtime, section 18) */
 } group;
 
 typedef struct {
@@ -6259,7 +6358,7 @@ static int store_apply(void *ctx, const char *p, size_t n, off_t at, char *err, 
         goto done;
     }
     int ops = json_get(p, t, 0, "ops"), iv = json_get(p, t, 0, "idem"), o = ops + 1;
-    cl_note_sid(p, t); /* a record of the shared stream carries its id (section 20) */
+    cl_note_sid(p, t); /* a record of the shared stream carries its id (section 21) */
     if (ops < 0 || t[ops].type != JSON_ARRAY) {
         snprintf(err, errlen, "no \"ops\" list");
         goto done;
@@ -6377,7 +6476,7 @@ typedef struct {
     char why[320];            /* what failed, for the operator and for a 503 */
 } logfile;
 
-static logfile *cl_outbox_file(void); /* section 20's outbox, written with the ledger */
+static logfile *cl_outbox_file(void); /* section 21's outbox, written with the ledger */
 
 static struct {
     logfile f;                /* DATA/state.log */
@@ -6768,7 +6867,7 @@ static void compact_start(void) {
     if (LOG.tmp_fd < 0) { compact_abandon(strerror(errno)); return; }
     buf head = {0}, sid = {0};
     buf_append(&head, LOG_MAGIC, 8);
-    if (cl_applied()[0]) { /* where the shared stream is read from (section 20), kept */
+    if (cl_applied()[0]) { /* where the shared stream is read from (section 21), kept */
         buf_printf(&sid, "{\"sid\":\"%s\",\"ops\":[]}", cl_applied());
         log_frame(&head, sid.p, sid.len);
     }
@@ -6962,7 +7061,7 @@ static uint64_t get_le64(const uint8_t *p) { return get_le32(p) | (uint64_t)get_
  *   [120] the model alias, the event's JSON, the replay record's JSON
  * Version 1 (before the token classes) has no [104..120): its classes read
  * as 0, and everything else as version 2. Version 3 is an event of the
- * cluster's shared ledger (section 20): [120] its id in the stream
+ * cluster's shared ledger (section 21): [120] its id in the stream
  * ltg:events (ms, then sequence; u64 LE), then the alias at [136]. A
  * chained record (EVF_CHAINED) ends with its chain: 32 bytes after the
  * replay record. */
@@ -7972,7 +8071,7 @@ static void ledger_sync(void *ctx);
 static timer ledger_sync_timer = {.slot = -1, .fire = ledger_sync};
 
 /* The files written so, for i from 0 to LG.nseg: the days not sealed and,
- * last, with --cluster, the outbox (section 20); NULL for the others. */
+ * last, with --cluster, the outbox (section 21); NULL for the others. */
 static logfile *ledger_file(int i) {
     if (i == LG.nseg) return cl_outbox_file();
     return LG.seg[i]->state != SEG_SEALED ? &LG.seg[i]->f : NULL;
@@ -8460,7 +8559,7 @@ static int ledger_key(const char *var, br_hmac_key_context *key, char *err, size
 }
 
 /* The stream id of the newest event, "ms-seq" into out (32 bytes), when it
- * has one (an event of the cluster's shared ledger, section 20); else "". */
+ * has one (an event of the cluster's shared ledger, section 21); else "". */
 static void ledger_last_sid(char out[32]) {
     out[0] = 0;
     segment *s = NULL;
@@ -9261,7 +9360,7 @@ typedef struct hold {
     int64_t tok;    /* tokens counted in each window */
     int64_t sec;    /* the second they are counted in */
     int held;       /* something is held (a later attempt adds to it) */
-    /* with --cluster, held in the shared store (section 20): its id there ("" none), and the
+    /* with --cluster, held in the shared store (section 21): its id there ("" none), and the
      * list of live ones, whose leases are renewed */
     char cid[40];
     char scope[2][39];  /* the key's and the group's there: "k:<id>", "g:<id>" */
@@ -9725,7 +9824,7 @@ static int idem_begin(conn *c, const admin_who *who, idem_ticket *tk) {
     return 0;
 }
 
-/* With --cluster, a change goes through the shared store instead (section 20). */
+/* With --cluster, a change goes through the shared store instead (section 21). */
 static void cl_change(conn *c, const buf *rec, const idem *r, const stored *it, long long base,
                       const char *parent, int status, const buf *reply, int del);
 
@@ -9755,7 +9854,7 @@ static void admin_change(conn *c, const idem_ticket *tk, const buf *ops, const s
     jw_key(&w, "idem");
     idem_json(&w, r);
     jw_close(&w, '}');
-    if (cl_on()) { /* the shared stream decides, and every instance applies it (section 20) */
+    if (cl_on()) { /* the shared stream decides, and every instance applies it (section 21) */
         const char *parent = K == &KEYS ? ((const tkey *)it)->group_id : "";
         cl_change(c, &p, r, it, del ? it->version : version - 1, parent, status, reply, del);
         idem_free(r);
@@ -10254,7 +10353,1759 @@ static void admin_route(conn *c) {
     }
 }
 
-/* ===== 17. Inference: the proxy path =====
+/* ===== 17. Translation: one API for every model =====
+ *
+ * IMPLEMENTATION NOTES
+ * A fallback chain may cross API families (README "One API for every model"): a client of
+ * Anthropic's Messages reaches a model behind OpenAI's chat completions, and a chat client
+ * reaches Claude. The client's API decides the answer's shape; each attempt's provider decides
+ * what is sent. Section 18 asks three things of this one, and nothing here calls it back:
+ *
+ *   xl_request()  the client's body, read as slices of itself (jv_*, section 3: no token array,
+ *                 no copy per field) and written for the provider's API with the JSON writer.
+ *                 Each field is mapped, dropped -- a hint, named in x-ltg-dropped -- or refused:
+ *                 400 untranslatable_field, its JSON Pointer in `param`. Admission runs it once
+ *                 per API of the chain for the verdict; each attempt runs it for its own model.
+ *   xl_answer()   a provider's whole answer in the client's API; xl_error() its error.
+ *   xl_feed()     a stream, one provider event at a time: a decoder per provider API turns the
+ *                 event into neutral events (text, reasoning, a tool call's start and its
+ *                 argument fragments, the finish, a ping), an encoder per client API writes
+ *                 them in the client's grammar. Each encoder is a machine: one enum, its
+ *                 transitions asserted. It writes nothing before the first content, so that
+ *                 an attempt that fails before it still fails over.
+ *
+ * Money is not translated: section 18 meters the provider's own usage with the provider API's
+ * classes; the client sees those counts in its own API's terms (chat's prompt_tokens includes
+ * cache reads and writes, Anthropic's input_tokens leaves them out).
+ *
+ * Tool names and ids are mapped injectively: a name longer than chat's 64 bytes becomes 55
+ * bytes of it and 8 hex digits of its SHA-256 (and back in the answer); an id Anthropic would
+ * refuse (^[a-zA-Z0-9_-]+$) has its other bytes replaced and the same 8 digits appended.
+ * Reasoning from a chat model is not shown to an Anthropic client: replayed to Claude it would
+ * be a thinking block without Anthropic's signature, which Claude refuses.
+ */
+/* An inference error's body up to its "code": OpenAI's
+ * {"error":{"message","type","param"..., or Anthropic's
+ * {"type":"error","error":{"type","message"...; the caller adds what it
+ * has and closes both objects. `type`: OpenAI's error type, or NULL for
+ * the one of the status. */
+static void error_open(jwriter *w, int status, int anthropic, const char *msg,
+                       const char *openai_type, const char *param) {
+    const char *type = openai_type && !anthropic    ? openai_type
+                       : status == 401              ? "authentication_error"
+                       : status == 403              ? "permission_error"
+                       : status == 404              ? "not_found_error"
+                       : status == 429              ? "rate_limit_error"
+                       : anthropic && status == 413 ? "request_too_large"
+                       : anthropic && status == 529 ? "overloaded_error"
+                       : anthropic && status == 402 ? "billing_error"
+                       : status >= 500              ? "api_error"
+                                                    : "invalid_request_error";
+    jw_open(w, '{');
+    if (anthropic) {
+        jw_key(w, "type"), jw_cstr(w, "error");
+    }
+    jw_key(w, "error"), jw_open(w, '{');
+    if (anthropic) {
+        jw_key(w, "type"), jw_cstr(w, type);
+    }
+    jw_key(w, "message"), jw_cstr(w, msg);
+    if (!anthropic) {
+        jw_key(w, "type"), jw_cstr(w, type);
+    }
+    if (!anthropic || param) { /* the field at fault, a JSON Pointer */
+        jw_key(w, "param"), jw_cstr(w, param);
+    }
+}
+
+typedef enum { XL_NONE, XL_CHAT, XL_MESSAGES, XL_NAPI } xl_api; /* XL_NONE: not translated */
+
+#define XL_MAX_TOOLS 64          /* tool calls in one streamed answer */
+#define XL_MAX_BUFFERED (8 << 20) /* a stream's tool arguments held back to keep blocks in order */
+#define XL_MAX_DROPPED 16        /* dropped field names named in x-ltg-dropped */
+
+/* What translating a request found: the field refused, or the hints dropped. */
+typedef struct {
+    char param[160];             /* the refused field's JSON Pointer ("" when none refused) */
+    char msg[400];               /* why, naming the field and the target API */
+    char dropped[600];           /* the dropped hints' pointers, comma-separated */
+    char names[XL_MAX_DROPPED][32]; /* ... each field name once (the metric's label) */
+    int ndropped;
+    int include_usage;           /* a chat client asked for the usage chunk */
+} xl_verdict;
+
+/* What xl_request needs of the attempt's model. */
+typedef struct {
+    const char *upstream;        /* the provider's name for the model */
+    long long max_output_tokens; /* Anthropic's max_tokens when the client gave none */
+    int reasoning;               /* it takes a reasoning effort (chat) or thinking (Anthropic) */
+} xl_target;
+
+/* One request being translated: the client's body, the writer, the verdict. */
+typedef struct {
+    const char *s;
+    size_t n;
+    jwriter w;
+    xl_verdict *v;
+    const xl_target *to;
+} xlq;
+
+static int xl_refuse(xlq *q, const char *param, const char *fmt, ...)
+        __attribute__((format(printf, 3, 4)));
+static int xl_refuse(xlq *q, const char *param, const char *fmt, ...) {
+    va_list ap;
+    snprintf(q->v->param, sizeof q->v->param, "%s", param);
+    va_start(ap, fmt);
+    vsnprintf(q->v->msg, sizeof q->v->msg, fmt, ap);
+    va_end(ap);
+    return LTG_ERR;
+}
+
+/* A hint left out: its pointer in x-ltg-dropped, once per field name. */
+static void xl_drop(xlq *q, const char *param, const char *name) {
+    xl_verdict *v = q->v;
+    for (int i = 0; i < v->ndropped; i++)
+        if (strcmp(v->names[i], name) == 0) return;
+    if (v->ndropped == XL_MAX_DROPPED) return;
+    snprintf(v->names[v->ndropped++], sizeof v->names[0], "%s", name);
+    size_t len = strlen(v->dropped);
+    snprintf(v->dropped + len, sizeof v->dropped - len, "%s%s", len ? "," : "", param);
+}
+
+/* Write value v as the body has it. */
+static void xl_copy(xlq *q, const json_tok *v) {
+    uint32_t at, len;
+    jv_raw(v, &at, &len);
+    jw_raw(&q->w, q->s + at, len);
+}
+
+/* Is string token v empty or white space only (escapes counted as text)? */
+static int xl_blank(const char *s, const json_tok *v) {
+    for (uint32_t i = v->start; i < v->end; i++)
+        if (!strchr(" \t\r\n", s[i])) {
+            if (s[i] != '\\' || !strchr("nrt", s[i + 1])) return 0;
+            i++;
+        }
+    return 1;
+}
+
+/* The JSON-escaped text of text parts `arr` (objects {"type":T,"text":...}; a string is one
+ * text), joined by newlines, into `out` without quotes: what a system prompt or a tool
+ * result of several blocks becomes in an API that takes one string. Returns LTG_ERR with the
+ * refusal when a part is not text. */
+static int xl_join(xlq *q, const json_tok *arr, const char *path, const char *text_type,
+                   buf *out) {
+    size_t pos = 0;
+    json_tok k, e, t;
+    char p[160];
+    if (arr->type == JSON_STRING) {
+        buf_append(out, q->s + arr->start, arr->end - arr->start);
+        return 0;
+    }
+    for (int i = 0; jv_next(q->s, q->n, arr, &pos, &k, &e); i++) {
+        snprintf(p, sizeof p, "%s/%d", path, i);
+        if (e.type == JSON_STRING) t = e;
+        else if (!jv_get(q->s, q->n, &e, "type", &t) || !json_eq(q->s, &t, 0, text_type) ||
+                 !jv_get(q->s, q->n, &e, "text", &t) || t.type != JSON_STRING)
+            return xl_refuse(q, p, "%s: only text parts can be carried here", p);
+        if (e.type == JSON_OBJECT && jv_get(q->s, q->n, &e, "cache_control", &k)) {
+            char d[200];
+            snprintf(d, sizeof d, "%s/cache_control", p);
+            xl_drop(q, d, "cache_control");
+        }
+        if (out->len) buf_puts(out, "\\n");
+        buf_append(out, q->s + t.start, t.end - t.start);
+    }
+    return 0;
+}
+
+/* Chat's name for Anthropic tool `name` (escaped; Anthropic's are plain ASCII): itself up to
+ * 64 bytes, else 55 bytes of it, "_" and 8 hex digits of its SHA-256. */
+static void xl_chat_name(const char *name, size_t n, char out[65]) {
+    uint8_t h[32];
+    if (n <= 64) {
+        snprintf(out, 65, "%.*s", (int)n, name);
+        return;
+    }
+    sha256(name, n, h);
+    memcpy(out, name, 55);
+    out[55] = '_';
+    hex_encode(h, 4, out + 56);
+    out[64] = 0;
+}
+
+/* Anthropic's id for a tool call id (unescaped): itself when Anthropic takes it
+ * (^[a-zA-Z0-9_-]{1,64}$), else its first 64 bytes with every other byte "_", then "_" and 8
+ * hex digits of its SHA-256 -- one id never becomes another's. */
+static void xl_anthropic_id(const char *id, size_t n, char out[74]) {
+    int ok = n > 0 && n <= 64;
+    size_t k = n < 64 ? n : 64;
+    for (size_t i = 0; i < k; i++) {
+        int c = (unsigned char)id[i];
+        out[i] = isalnum(c) || c == '_' || c == '-' ? (char)c : '_';
+        ok &= out[i] == c;
+    }
+    out[k] = 0;
+    if (ok) return;
+    uint8_t h[32];
+    sha256(id, n, h);
+    out[k] = '_';
+    hex_encode(h, 4, out + k + 1);
+    out[k + 9] = 0;
+}
+
+/* Write an id, Anthropic's way, from string token v. */
+static void xl_write_id(xlq *q, const json_tok *v) {
+    buf b = {0};
+    char id[74];
+    json_unescape(q->s, v, 0, &b);
+    xl_anthropic_id(b.p ? b.p : "", b.len, id);
+    jw_cstr(&q->w, id);
+    buf_free(&b);
+}
+
+/* A top-level field and what becomes of it across translation. */
+typedef struct {
+    const char *name;
+    enum { XF_MAP, XF_DROP, XF_REFUSE } fate;
+    const char *why;             /* XF_REFUSE: what the target lacks */
+} xl_field;
+
+/* Every top-level member of the body is one of `fields`, else it is refused: a member ltg
+ * does not know cannot be carried. Drops are named. */
+static int xl_fields(xlq *q, const json_tok *root, const xl_field *fields, const char *target) {
+    size_t pos = 0;
+    json_tok k, v;
+    char p[160];
+    while (jv_next(q->s, q->n, root, &pos, &k, &v)) {
+        int i = 0;
+        while (fields[i].name && !json_eq(q->s, &k, 0, fields[i].name)) i++;
+        snprintf(p, sizeof p, "/%.*s", (int)(k.end - k.start < 100 ? k.end - k.start : 100),
+                 q->s + k.start);
+        if (!fields[i].name)
+            return xl_refuse(q, p, "%s cannot be carried to %s: ltg does not know it", p, target);
+        if (fields[i].fate == XF_DROP) xl_drop(q, p, fields[i].name);
+        if (fields[i].fate == XF_REFUSE && v.type != JSON_NULL && v.type != JSON_FALSE)
+            return xl_refuse(q, p, "%s cannot be carried to %s: %s", p, target, fields[i].why);
+    }
+    return 0;
+}
+
+/* Text already JSON-escaped (json_tok bytes, or several joined) as a string value. */
+static void xl_escaped(jwriter *w, const buf *text) {
+    jw_sep(w);
+    buf_puts(w->out, "\"");
+    if (text->len) buf_append(w->out, text->p, text->len);
+    buf_puts(w->out, "\"");
+}
+
+/* ---- requests: Anthropic Messages to OpenAI chat ---- */
+
+static const xl_field M2C_FIELDS[] = {
+    {"model", XF_MAP, NULL}, {"messages", XF_MAP, NULL}, {"system", XF_MAP, NULL},
+    {"max_tokens", XF_MAP, NULL}, {"stop_sequences", XF_MAP, NULL}, {"stream", XF_MAP, NULL},
+    {"temperature", XF_MAP, NULL}, {"top_p", XF_MAP, NULL}, {"tools", XF_MAP, NULL},
+    {"tool_choice", XF_MAP, NULL}, {"metadata", XF_MAP, NULL}, {"thinking", XF_MAP, NULL},
+    {"output_config", XF_MAP, NULL}, {"top_k", XF_DROP, NULL}, {"service_tier", XF_DROP, NULL},
+    {"context_management", XF_DROP, NULL}, {"cache_control", XF_DROP, NULL},
+    {"inference_geo", XF_DROP, NULL},
+    {"mcp_servers", XF_REFUSE, "MCP servers are run by Anthropic"},
+    {"container", XF_REFUSE, "containers are Anthropic's"},
+    {NULL, XF_MAP, NULL}
+};
+
+/* An image or document block of a user turn as a chat content part. */
+static int m2c_media(xlq *q, const json_tok *b, int image, const char *p) {
+    json_tok src, t, mt, data;
+    char pp[220];
+    snprintf(pp, sizeof pp, "%s/source", p);
+    if (!jv_get(q->s, q->n, b, "source", &src) || !jv_get(q->s, q->n, &src, "type", &t))
+        return xl_refuse(q, pp, "%s: a source {type, ...} is needed", pp);
+    int url = json_eq(q->s, &t, 0, "url"), b64 = json_eq(q->s, &t, 0, "base64");
+    if (!(image ? url || b64 : b64))
+        return xl_refuse(q, pp, "%s: OpenAI chat takes %s", pp,
+                         image ? "images by URL or base64" : "documents as base64 PDF only");
+    if (url && jv_get(q->s, q->n, &src, "url", &data)) {
+        jw_open(&q->w, '{');
+        jw_key(&q->w, "type"), jw_cstr(&q->w, "image_url");
+        jw_key(&q->w, "image_url"), jw_open(&q->w, '{');
+        jw_key(&q->w, "url"), xl_copy(q, &data);
+        jw_close(&q->w, '}'), jw_close(&q->w, '}');
+        return 0;
+    }
+    if (!jv_get(q->s, q->n, &src, "media_type", &mt) || mt.type != JSON_STRING ||
+        !jv_get(q->s, q->n, &src, "data", &data) || data.type != JSON_STRING)
+        return xl_refuse(q, pp, "%s: media_type and data are needed", pp);
+    buf u = {0};
+    buf_puts(&u, "\"data:");
+    buf_append(&u, q->s + mt.start, mt.end - mt.start);
+    buf_puts(&u, ";base64,");
+    buf_append(&u, q->s + data.start, data.end - data.start);
+    buf_puts(&u, "\"");
+    jw_open(&q->w, '{');
+    jw_key(&q->w, "type"), jw_cstr(&q->w, image ? "image_url" : "file");
+    jw_key(&q->w, image ? "image_url" : "file"), jw_open(&q->w, '{');
+    if (!image) {
+        jw_key(&q->w, "filename"), jw_cstr(&q->w, "document.pdf");
+    }
+    jw_key(&q->w, image ? "url" : "file_data"), jw_raw(&q->w, u.p, u.len);
+    jw_close(&q->w, '}'), jw_close(&q->w, '}');
+    buf_free(&u);
+    return 0;
+}
+
+/* The tool results of user turn `content`, each a chat "tool" message, in order: they come
+ * before the turn's other content (the call they answer is the message before). */
+static int m2c_tool_results(xlq *q, const json_tok *content, const char *p) {
+    size_t pos = 0;
+    json_tok k, b, t, id, c;
+    char pp[200];
+    for (int i = 0; jv_next(q->s, q->n, content, &pos, &k, &b); i++) {
+        if (!jv_get(q->s, q->n, &b, "type", &t) || !json_eq(q->s, &t, 0, "tool_result")) continue;
+        snprintf(pp, sizeof pp, "%s/%d", p, i);
+        if (!jv_get(q->s, q->n, &b, "tool_use_id", &id) || id.type != JSON_STRING)
+            return xl_refuse(q, pp, "%s: a tool_result needs its tool_use_id", pp);
+        buf text = {0}, joined = {0};
+        if (jv_get(q->s, q->n, &b, "is_error", &t) && t.type == JSON_TRUE)
+            buf_puts(&text, "Error: ");
+        char cp[220];
+        snprintf(cp, sizeof cp, "%s/content", pp);
+        int r = jv_get(q->s, q->n, &b, "content", &c) ? xl_join(q, &c, cp, "text", &joined) : 0;
+        if (r < 0) {
+            buf_free(&text);
+            buf_free(&joined);
+            return xl_refuse(q, q->v->param, "%s (a chat tool message is text only)", q->v->msg);
+        }
+        if (joined.len) buf_append(&text, joined.p, joined.len);
+        else buf_puts(&text, "(no output)");
+        buf_free(&joined);
+        jw_open(&q->w, '{');
+        jw_key(&q->w, "role"), jw_cstr(&q->w, "tool");
+        jw_key(&q->w, "tool_call_id"), xl_copy(q, &id);
+        jw_key(&q->w, "content"), xl_escaped(&q->w, &text);
+        jw_close(&q->w, '}');
+        buf_free(&text);
+    }
+    return 0;
+}
+
+/* A user turn: its tool results, then its other blocks as one chat user message (one string
+ * when they are all text). */
+static int m2c_user(xlq *q, const json_tok *content, const char *p) {
+    if (content->type == JSON_STRING) {
+        jw_open(&q->w, '{');
+        jw_key(&q->w, "role"), jw_cstr(&q->w, "user");
+        jw_key(&q->w, "content"), xl_copy(q, content);
+        jw_close(&q->w, '}');
+        return 0;
+    }
+    if (m2c_tool_results(q, content, p) < 0) return LTG_ERR;
+    size_t pos = 0;
+    json_tok k, b, t;
+    int parts = 0, media = 0;
+    char pp[200];
+    while (jv_next(q->s, q->n, content, &pos, &k, &b))
+        if (jv_get(q->s, q->n, &b, "type", &t) && !json_eq(q->s, &t, 0, "tool_result")) {
+            parts++;
+            media |= !json_eq(q->s, &t, 0, "text");
+        }
+    if (!parts) return 0;
+    jw_open(&q->w, '{');
+    jw_key(&q->w, "role"), jw_cstr(&q->w, "user");
+    jw_key(&q->w, "content");
+    if (!media) { /* text alone: one string, which every chat server takes */
+        buf text = {0};
+        pos = 0;
+        while (jv_next(q->s, q->n, content, &pos, &k, &b))
+            if (jv_get(q->s, q->n, &b, "type", &t) && json_eq(q->s, &t, 0, "text") &&
+                jv_get(q->s, q->n, &b, "text", &t) && !xl_blank(q->s, &t)) {
+                if (text.len) buf_puts(&text, "\\n");
+                buf_append(&text, q->s + t.start, t.end - t.start);
+            }
+        xl_escaped(&q->w, &text);
+        buf_free(&text);
+    } else {
+        jw_open(&q->w, '[');
+        pos = 0;
+        for (int i = 0; jv_next(q->s, q->n, content, &pos, &k, &b); i++) {
+            snprintf(pp, sizeof pp, "%s/%d", p, i);
+            jv_get(q->s, q->n, &b, "type", &t);
+            if (json_eq(q->s, &t, 0, "tool_result")) continue;
+            if (json_eq(q->s, &t, 0, "text")) {
+                if (!jv_get(q->s, q->n, &b, "text", &t) || xl_blank(q->s, &t)) continue;
+                jw_open(&q->w, '{');
+                jw_key(&q->w, "type"), jw_cstr(&q->w, "text");
+                jw_key(&q->w, "text"), xl_copy(q, &t);
+                jw_close(&q->w, '}');
+            } else if (json_eq(q->s, &t, 0, "image") || json_eq(q->s, &t, 0, "document")) {
+                if (m2c_media(q, &b, json_eq(q->s, &t, 0, "image"), pp) < 0) return LTG_ERR;
+            } else {
+                return xl_refuse(q, pp, "%s: a %.*s block has no OpenAI chat equivalent", pp,
+                                 (int)(t.end - t.start), q->s + t.start);
+            }
+            if (jv_get(q->s, q->n, &b, "cache_control", &k)) xl_drop(q, pp, "cache_control");
+        }
+        jw_close(&q->w, ']');
+    }
+    jw_close(&q->w, '}');
+    return 0;
+}
+
+/* One tool_use block as an entry of chat's tool_calls: its input's bytes as the arguments. */
+static void m2c_tool_call(xlq *q, const json_tok *b) {
+    json_tok id, name, input;
+    char cn[65];
+    jv_get(q->s, q->n, b, "id", &id);
+    jv_get(q->s, q->n, b, "name", &name);
+    xl_chat_name(q->s + name.start, name.end - name.start, cn);
+    jw_open(&q->w, '{');
+    jw_key(&q->w, "id"), xl_copy(q, &id);
+    jw_key(&q->w, "type"), jw_cstr(&q->w, "function");
+    jw_key(&q->w, "function"), jw_open(&q->w, '{');
+    jw_key(&q->w, "name"), jw_cstr(&q->w, cn);
+    if (jv_get(q->s, q->n, b, "input", &input)) {
+        jw_key(&q->w, "arguments"), jw_str(&q->w, q->s + input.start, input.end - input.start);
+    } else {
+        jw_key(&q->w, "arguments"), jw_cstr(&q->w, "{}");
+    }
+    jw_close(&q->w, '}'), jw_close(&q->w, '}');
+}
+
+/* An assistant turn: its text joined as "content", its tool_use blocks as "tool_calls";
+ * thinking is dropped (another provider cannot read it). */
+static int m2c_assistant(xlq *q, const json_tok *content, const char *p) {
+    jw_open(&q->w, '{');
+    jw_key(&q->w, "role"), jw_cstr(&q->w, "assistant");
+    if (content->type == JSON_STRING) {
+        jw_key(&q->w, "content"), xl_copy(q, content);
+        jw_close(&q->w, '}');
+        return 0;
+    }
+    size_t pos = 0;
+    json_tok k, b, t;
+    buf text = {0};
+    int calls = 0;
+    char pp[200];
+    for (int i = 0; jv_next(q->s, q->n, content, &pos, &k, &b); i++) {
+        snprintf(pp, sizeof pp, "%s/%d", p, i);
+        jv_get(q->s, q->n, &b, "type", &t);
+        if (json_eq(q->s, &t, 0, "text") && jv_get(q->s, q->n, &b, "text", &t)) {
+            if (text.len) buf_puts(&text, "\\n");
+            buf_append(&text, q->s + t.start, t.end - t.start);
+        } else if (json_eq(q->s, &t, 0, "tool_use")) {
+            calls++;
+        } else if (json_eq(q->s, &t, 0, "thinking") || json_eq(q->s, &t, 0, "redacted_thinking")) {
+            xl_drop(q, pp, "thinking");
+        } else {
+            buf_free(&text);
+            return xl_refuse(q, pp, "%s: a %.*s block has no OpenAI chat equivalent", pp,
+                             (int)(t.end - t.start), q->s + t.start);
+        }
+    }
+    jw_key(&q->w, "content");
+    if (text.len || !calls) {
+        xl_escaped(&q->w, &text);
+    } else {
+        jw_null(&q->w);
+    }
+    buf_free(&text);
+    if (calls) {
+        jw_key(&q->w, "tool_calls"), jw_open(&q->w, '[');
+        pos = 0;
+        while (jv_next(q->s, q->n, content, &pos, &k, &b))
+            if (jv_get(q->s, q->n, &b, "type", &t) && json_eq(q->s, &t, 0, "tool_use"))
+                m2c_tool_call(q, &b);
+        jw_close(&q->w, ']');
+    }
+    jw_close(&q->w, '}');
+    return 0;
+}
+
+/* "system", then each turn. */
+static int m2c_messages(xlq *q, const json_tok *root) {
+    json_tok msgs, m, k, role, content, sys;
+    size_t pos = 0;
+    char p[64];
+    jw_key(&q->w, "messages"), jw_open(&q->w, '[');
+    if (jv_get(q->s, q->n, root, "system", &sys)) {
+        buf text = {0};
+        if (xl_join(q, &sys, "/system", "text", &text) < 0) return LTG_ERR;
+        jw_open(&q->w, '{');
+        jw_key(&q->w, "role"), jw_cstr(&q->w, "system");
+        jw_key(&q->w, "content"), xl_escaped(&q->w, &text);
+        jw_close(&q->w, '}');
+        buf_free(&text);
+    }
+    if (!jv_get(q->s, q->n, root, "messages", &msgs) || msgs.type != JSON_ARRAY)
+        return xl_refuse(q, "/messages", "/messages: an array of turns is needed");
+    for (int i = 0; jv_next(q->s, q->n, &msgs, &pos, &k, &m); i++) {
+        snprintf(p, sizeof p, "/messages/%d", i);
+        if (!jv_get(q->s, q->n, &m, "role", &role) || !jv_get(q->s, q->n, &m, "content", &content) ||
+            (content.type != JSON_STRING && content.type != JSON_ARRAY))
+            return xl_refuse(q, p, "%s: a turn needs a role and a content", p);
+        snprintf(p, sizeof p, "/messages/%d/content", i);
+        int r = json_eq(q->s, &role, 0, "user")        ? m2c_user(q, &content, p)
+                : json_eq(q->s, &role, 0, "assistant") ? m2c_assistant(q, &content, p)
+                                                       : xl_refuse(q, p, "%s: a role of "
+                                                                   "user or assistant", p);
+        if (r < 0) return LTG_ERR;
+    }
+    jw_close(&q->w, ']');
+    return 0;
+}
+
+/* "tools" (client tools only: Anthropic's server tools run at Anthropic) and "tool_choice". */
+static int m2c_tools(xlq *q, const json_tok *root) {
+    json_tok tools, tl, k, t, tc;
+    size_t pos = 0;
+    char p[64], cn[65];
+    if (!jv_get(q->s, q->n, root, "tools", &tools) || tools.type != JSON_ARRAY) return 0;
+    jw_key(&q->w, "tools"), jw_open(&q->w, '[');
+    for (int i = 0; jv_next(q->s, q->n, &tools, &pos, &k, &tl); i++) {
+        snprintf(p, sizeof p, "/tools/%d/type", i);
+        if (jv_get(q->s, q->n, &tl, "type", &t) && !json_eq(q->s, &t, 0, "custom"))
+            return xl_refuse(q, p, "%s: the server tool \"%.*s\" has no OpenAI chat equivalent",
+                             p, (int)(t.end - t.start), q->s + t.start);
+        if (!jv_get(q->s, q->n, &tl, "name", &t) || t.type != JSON_STRING)
+            return xl_refuse(q, p, "/tools/%d: a tool needs a name", i);
+        xl_chat_name(q->s + t.start, t.end - t.start, cn);
+        jw_open(&q->w, '{');
+        jw_key(&q->w, "type"), jw_cstr(&q->w, "function");
+        jw_key(&q->w, "function"), jw_open(&q->w, '{');
+        jw_key(&q->w, "name"), jw_cstr(&q->w, cn);
+        if (jv_get(q->s, q->n, &tl, "description", &t)) {
+            jw_key(&q->w, "description"), xl_copy(q, &t);
+        }
+        jw_key(&q->w, "parameters");
+        if (jv_get(q->s, q->n, &tl, "input_schema", &t)) xl_copy(q, &t);
+        else jw_raw(&q->w, "{\"type\":\"object\",\"properties\":{}}", 33);
+        jw_close(&q->w, '}'), jw_close(&q->w, '}');
+        snprintf(p, sizeof p, "/tools/%d/cache_control", i);
+        if (jv_get(q->s, q->n, &tl, "cache_control", &t)) xl_drop(q, p, "cache_control");
+    }
+    jw_close(&q->w, ']');
+    if (!jv_get(q->s, q->n, root, "tool_choice", &tc)) return 0;
+    jv_get(q->s, q->n, &tc, "type", &t);
+    jw_key(&q->w, "tool_choice");
+    if (json_eq(q->s, &t, 0, "tool") && jv_get(q->s, q->n, &tc, "name", &t)) {
+        xl_chat_name(q->s + t.start, t.end - t.start, cn);
+        jw_open(&q->w, '{');
+        jw_key(&q->w, "type"), jw_cstr(&q->w, "function");
+        jw_key(&q->w, "function"), jw_open(&q->w, '{');
+        jw_key(&q->w, "name"), jw_cstr(&q->w, cn);
+        jw_close(&q->w, '}'), jw_close(&q->w, '}');
+    } else {
+        jw_cstr(&q->w, json_eq(q->s, &t, 0, "any")    ? "required"
+                       : json_eq(q->s, &t, 0, "none") ? "none"
+                                                      : "auto");
+    }
+    if (jv_get(q->s, q->n, &tc, "disable_parallel_tool_use", &t) && t.type == JSON_TRUE) {
+        jw_key(&q->w, "parallel_tool_calls"), jw_bool(&q->w, 0);
+    }
+    return 0;
+}
+
+/* Anthropic's thinking budget (or adaptive effort) as chat's reasoning_effort: to a model that
+ * takes one; else a hint dropped. */
+static void m2c_reasoning(xlq *q, const json_tok *root) {
+    json_tok th, t, oc, eff;
+    int has_eff = jv_get(q->s, q->n, root, "output_config", &oc) &&
+                  jv_get(q->s, q->n, &oc, "effort", &eff) && eff.type == JSON_STRING;
+    long long budget = 0;
+    if (!jv_get(q->s, q->n, root, "thinking", &th) || !jv_get(q->s, q->n, &th, "type", &t) ||
+        json_eq(q->s, &t, 0, "disabled")) {
+        if (has_eff && !q->to->reasoning) xl_drop(q, "/output_config/effort", "effort");
+        else if (has_eff) jw_key(&q->w, "reasoning_effort"), xl_copy(q, &eff);
+        return;
+    }
+    if (!q->to->reasoning) {
+        xl_drop(q, "/thinking", "thinking");
+        return;
+    }
+    jw_key(&q->w, "reasoning_effort");
+    if (has_eff) {
+        xl_copy(q, &eff);
+        return;
+    }
+    if (jv_get(q->s, q->n, &th, "budget_tokens", &t)) json_int(q->s, &t, 0, &budget);
+    jw_cstr(&q->w, budget && budget < 2048 ? "low" : budget && budget < 4096 ? "medium" : "high");
+}
+
+/* The rest: the output limit, stops, sampling, the user, structured output, streaming. */
+static int m2c_options(xlq *q, const json_tok *root) {
+    json_tok v, k, e, t;
+    size_t pos = 0;
+    int n = 0;
+    if (jv_get(q->s, q->n, root, "max_tokens", &v)) jw_key(&q->w, "max_tokens"), xl_copy(q, &v);
+    if (jv_get(q->s, q->n, root, "stop_sequences", &v) && v.type == JSON_ARRAY) {
+        while (jv_next(q->s, q->n, &v, &pos, &k, &e)) n++;
+        if (n > 4)
+            return xl_refuse(q, "/stop_sequences",
+                             "/stop_sequences: OpenAI chat takes at most 4 stop sequences");
+        if (n) jw_key(&q->w, "stop"), xl_copy(q, &v);
+    }
+    static const char *const same[] = {"temperature", "top_p"};
+    for (int i = 0; i < 2; i++)
+        if (jv_get(q->s, q->n, root, same[i], &v)) jw_key(&q->w, same[i]), xl_copy(q, &v);
+    if (jv_get(q->s, q->n, root, "metadata", &v)) {
+        if (jv_get(q->s, q->n, &v, "user_id", &t) && t.type == JSON_STRING)
+            jw_key(&q->w, "user"), xl_copy(q, &t);
+        pos = 0;
+        while (jv_next(q->s, q->n, &v, &pos, &k, &e))
+            if (!json_eq(q->s, &k, 0, "user_id")) xl_drop(q, "/metadata", "metadata");
+    }
+    m2c_reasoning(q, root);
+    if (jv_get(q->s, q->n, root, "output_config", &v) && jv_get(q->s, q->n, &v, "format", &e)) {
+        if (!jv_get(q->s, q->n, &e, "schema", &t))
+            return xl_refuse(q, "/output_config/format",
+                             "/output_config/format: a json_schema format with its schema");
+        jw_key(&q->w, "response_format"), jw_open(&q->w, '{');
+        jw_key(&q->w, "type"), jw_cstr(&q->w, "json_schema");
+        jw_key(&q->w, "json_schema"), jw_open(&q->w, '{');
+        jw_key(&q->w, "name"), jw_cstr(&q->w, "output");
+        jw_key(&q->w, "schema"), xl_copy(q, &t);
+        jw_close(&q->w, '}'), jw_close(&q->w, '}');
+    }
+    if (jv_get(q->s, q->n, root, "stream", &v) && v.type == JSON_TRUE) {
+        jw_key(&q->w, "stream"), jw_bool(&q->w, 1);
+        jw_key(&q->w, "stream_options"), jw_raw(&q->w, "{\"include_usage\":true}", 22);
+    }
+    return 0;
+}
+
+static int m2c_request(xlq *q, const json_tok *root) {
+    if (xl_fields(q, root, M2C_FIELDS, "OpenAI chat") < 0) return LTG_ERR;
+    jw_open(&q->w, '{');
+    jw_key(&q->w, "model"), jw_cstr(&q->w, q->to->upstream);
+    if (m2c_messages(q, root) < 0 || m2c_tools(q, root) < 0 || m2c_options(q, root) < 0)
+        return LTG_ERR;
+    jw_close(&q->w, '}');
+    return 0;
+}
+
+/* ---- requests: OpenAI chat to Anthropic Messages ---- */
+
+static const xl_field C2M_FIELDS[] = {
+    {"model", XF_MAP, NULL}, {"messages", XF_MAP, NULL}, {"max_tokens", XF_MAP, NULL},
+    {"max_completion_tokens", XF_MAP, NULL}, {"temperature", XF_MAP, NULL},
+    {"top_p", XF_MAP, NULL}, {"stop", XF_MAP, NULL}, {"stream", XF_MAP, NULL},
+    {"stream_options", XF_MAP, NULL}, {"tools", XF_MAP, NULL}, {"tool_choice", XF_MAP, NULL},
+    {"parallel_tool_calls", XF_MAP, NULL}, {"response_format", XF_MAP, NULL},
+    {"user", XF_MAP, NULL}, {"reasoning_effort", XF_MAP, NULL}, {"n", XF_MAP, NULL},
+    {"seed", XF_DROP, NULL}, {"frequency_penalty", XF_DROP, NULL},
+    {"presence_penalty", XF_DROP, NULL}, {"logit_bias", XF_DROP, NULL},
+    {"metadata", XF_DROP, NULL}, {"store", XF_DROP, NULL}, {"service_tier", XF_DROP, NULL},
+    {"verbosity", XF_DROP, NULL}, {"prompt_cache_key", XF_DROP, NULL},
+    {"safety_identifier", XF_DROP, NULL}, {"prompt_cache_retention", XF_DROP, NULL},
+    {"logprobs", XF_REFUSE, "Anthropic gives no log probabilities"},
+    {"top_logprobs", XF_REFUSE, "Anthropic gives no log probabilities"},
+    {"audio", XF_REFUSE, "Anthropic answers no audio"},
+    {"modalities", XF_REFUSE, "Anthropic answers text only"},
+    {"prediction", XF_REFUSE, "Anthropic has no predicted outputs"},
+    {"web_search_options", XF_REFUSE, "Anthropic's web search is a server tool ltg does not map"},
+    {"functions", XF_REFUSE, "the legacy functions: send tools"},
+    {"function_call", XF_REFUSE, "the legacy function_call: send tool_choice"},
+    {NULL, XF_MAP, NULL}
+};
+
+/* A data: URL's media type and base64 data (escaped, as in the body); 0 when it is not one. */
+static int c2m_data_url(const char *s, const json_tok *u, json_tok *mt, json_tok *data) {
+    const char *p = s + u->start, *end = s + u->end;
+    const char *semi = memchr(p, ';', (size_t)(end - p));
+    if (u->end - u->start < 5 || memcmp(p, "data:", 5) != 0 || !semi ||
+        (size_t)(end - semi) < 8 || memcmp(semi, ";base64,", 8) != 0)
+        return 0;
+    *mt = (json_tok){JSON_STRING, u->start + 5, (uint32_t)(semi - s), 0, 0};
+    *data = (json_tok){JSON_STRING, (uint32_t)(semi + 8 - s), u->end, 0, 0};
+    return 1;
+}
+
+/* A chat content part (text, image_url, file) as an Anthropic block. */
+static int c2m_part(xlq *q, const json_tok *part, const char *p) {
+    json_tok t, v, u, mt, data;
+    if (part->type == JSON_STRING || !jv_get(q->s, q->n, part, "type", &t))
+        return xl_refuse(q, p, "%s: a content part {type, ...} is needed", p);
+    int text = json_eq(q->s, &t, 0, "text") || json_eq(q->s, &t, 0, "refusal");
+    int image = json_eq(q->s, &t, 0, "image_url"), file = json_eq(q->s, &t, 0, "file");
+    if (text) {
+        if (!jv_get(q->s, q->n, part, json_eq(q->s, &t, 0, "text") ? "text" : "refusal", &v) ||
+            v.type != JSON_STRING || xl_blank(q->s, &v))
+            return 0; /* Anthropic refuses a blank text block; it carries nothing */
+        jw_open(&q->w, '{');
+        jw_key(&q->w, "type"), jw_cstr(&q->w, "text");
+        jw_key(&q->w, "text"), xl_copy(q, &v);
+        jw_close(&q->w, '}');
+        return 0;
+    }
+    if (!image && !file)
+        return xl_refuse(q, p, "%s: a %.*s part has no Anthropic Messages equivalent", p,
+                         (int)(t.end - t.start), q->s + t.start);
+    if (!jv_get(q->s, q->n, part, image ? "image_url" : "file", &v) ||
+        !jv_get(q->s, q->n, &v, image ? "url" : "file_data", &u) || u.type != JSON_STRING)
+        return xl_refuse(q, p, "%s: %s", p,
+                         image ? "an image_url with its url"
+                               : "Anthropic takes a file as file_data (a file_id lives at OpenAI)");
+    if (image && jv_get(q->s, q->n, &v, "detail", &t)) xl_drop(q, p, "detail");
+    jw_open(&q->w, '{');
+    jw_key(&q->w, "type"), jw_cstr(&q->w, image ? "image" : "document");
+    jw_key(&q->w, "source"), jw_open(&q->w, '{');
+    if (c2m_data_url(q->s, &u, &mt, &data)) {
+        jw_key(&q->w, "type"), jw_cstr(&q->w, "base64");
+        jw_key(&q->w, "media_type"), xl_copy(q, &mt);
+        jw_key(&q->w, "data"), xl_copy(q, &data);
+    } else if (image) {
+        jw_key(&q->w, "type"), jw_cstr(&q->w, "url");
+        jw_key(&q->w, "url"), xl_copy(q, &u);
+    } else {
+        return xl_refuse(q, p, "%s: file_data must be a data: URL with base64", p);
+    }
+    jw_close(&q->w, '}'), jw_close(&q->w, '}');
+    return 0;
+}
+
+/* A chat message's content (a string, or parts) as blocks of the open Anthropic turn. */
+static int c2m_content(xlq *q, const json_tok *c, const char *p) {
+    size_t pos = 0;
+    json_tok k, part;
+    char pp[200];
+    if (c->type == JSON_STRING) {
+        if (xl_blank(q->s, c)) return 0;
+        jw_open(&q->w, '{');
+        jw_key(&q->w, "type"), jw_cstr(&q->w, "text");
+        jw_key(&q->w, "text"), xl_copy(q, c);
+        jw_close(&q->w, '}');
+        return 0;
+    }
+    if (c->type != JSON_ARRAY) return 0; /* null: no content */
+    for (int i = 0; jv_next(q->s, q->n, c, &pos, &k, &part); i++) {
+        snprintf(pp, sizeof pp, "%s/%d", p, i);
+        if (c2m_part(q, &part, pp) < 0) return LTG_ERR;
+    }
+    return 0;
+}
+
+/* An assistant's tool call as a tool_use block: its arguments, a JSON string, must hold an
+ * object ("" is {}), which becomes "input" as it is. */
+static int c2m_tool_use(xlq *q, const json_tok *call, const char *p) {
+    json_tok f, name, args, id;
+    if (!jv_get(q->s, q->n, call, "function", &f) || !jv_get(q->s, q->n, &f, "name", &name) ||
+        name.type != JSON_STRING || !jv_get(q->s, q->n, call, "id", &id) || id.type != JSON_STRING)
+        return xl_refuse(q, p, "%s: a tool call needs its id and function.name", p);
+    buf a = {0};
+    json_tok tt[1];
+    json_result res;
+    if (jv_get(q->s, q->n, &f, "arguments", &args) && args.type == JSON_STRING)
+        json_unescape(q->s, &args, 0, &a);
+    int empty = a.len == 0;
+    if (!empty && (json_parse(a.p, a.len, tt, 1, 0, &res) < 0 || tt[0].type != JSON_OBJECT)) {
+        buf_free(&a);
+        return xl_refuse(q, p, "%s/function/arguments: Anthropic takes tool input as a JSON "
+                         "object, and these arguments are not one", p);
+    }
+    jw_open(&q->w, '{');
+    jw_key(&q->w, "type"), jw_cstr(&q->w, "tool_use");
+    jw_key(&q->w, "id"), xl_write_id(q, &id);
+    jw_key(&q->w, "name"), xl_copy(q, &name);
+    jw_key(&q->w, "input"), jw_raw(&q->w, empty ? "{}" : a.p, empty ? 2 : a.len);
+    jw_close(&q->w, '}');
+    buf_free(&a);
+    return 0;
+}
+
+/* An assistant message: one Anthropic turn, its text then its tool calls. */
+static int c2m_assistant(xlq *q, const json_tok *m, const char *p) {
+    json_tok c, calls, k, call;
+    size_t pos = 0;
+    char pp[200];
+    jw_open(&q->w, '{');
+    jw_key(&q->w, "role"), jw_cstr(&q->w, "assistant");
+    jw_key(&q->w, "content"), jw_open(&q->w, '[');
+    size_t at = q->w.out->len;
+    snprintf(pp, sizeof pp, "%s/content", p);
+    if (jv_get(q->s, q->n, m, "content", &c) && c2m_content(q, &c, pp) < 0) return LTG_ERR;
+    if (jv_get(q->s, q->n, m, "reasoning_content", &c)) xl_drop(q, p, "reasoning_content");
+    if (jv_get(q->s, q->n, m, "tool_calls", &calls) && calls.type == JSON_ARRAY)
+        for (int i = 0; jv_next(q->s, q->n, &calls, &pos, &k, &call); i++) {
+            snprintf(pp, sizeof pp, "%s/tool_calls/%d", p, i);
+            if (c2m_tool_use(q, &call, pp) < 0) return LTG_ERR;
+        }
+    if (q->w.out->len == at) { /* Anthropic refuses an empty turn: a space stands for it */
+        jw_open(&q->w, '{');
+        jw_key(&q->w, "type"), jw_cstr(&q->w, "text");
+        jw_key(&q->w, "text"), jw_cstr(&q->w, "(empty)");
+        jw_close(&q->w, '}');
+    }
+    jw_close(&q->w, ']'), jw_close(&q->w, '}');
+    return 0;
+}
+
+/* A tool message as a tool_result block of the user turn that follows the call. */
+static int c2m_tool_result(xlq *q, const json_tok *m, const char *p) {
+    json_tok id, c;
+    buf text = {0};
+    char pp[200];
+    if (!jv_get(q->s, q->n, m, "tool_call_id", &id) || id.type != JSON_STRING)
+        return xl_refuse(q, p, "%s: a tool message needs its tool_call_id", p);
+    snprintf(pp, sizeof pp, "%s/content", p);
+    if (jv_get(q->s, q->n, m, "content", &c) && c.type != JSON_NULL &&
+        xl_join(q, &c, pp, "text", &text) < 0)
+        return LTG_ERR;
+    jw_open(&q->w, '{');
+    jw_key(&q->w, "type"), jw_cstr(&q->w, "tool_result");
+    jw_key(&q->w, "tool_use_id"), xl_write_id(q, &id);
+    if (text.len) jw_key(&q->w, "content"), xl_escaped(&q->w, &text);
+    jw_close(&q->w, '}');
+    buf_free(&text);
+    return 0;
+}
+
+/* The system and developer messages, in order, as Anthropic's top-level "system". */
+static int c2m_system(xlq *q, const json_tok *msgs) {
+    size_t pos = 0;
+    json_tok k, m, role, c;
+    char p[200];
+    int any = 0;
+    for (int i = 0; jv_next(q->s, q->n, msgs, &pos, &k, &m); i++) {
+        if (!jv_get(q->s, q->n, &m, "role", &role) ||
+            !(json_eq(q->s, &role, 0, "system") || json_eq(q->s, &role, 0, "developer")))
+            continue;
+        if (!any) jw_key(&q->w, "system"), jw_open(&q->w, '[');
+        any = 1;
+        snprintf(p, sizeof p, "/messages/%d/content", i);
+        if (jv_get(q->s, q->n, &m, "content", &c) && c2m_content(q, &c, p) < 0) return LTG_ERR;
+    }
+    if (any) jw_close(&q->w, ']');
+    return 0;
+}
+
+/* The turns. Consecutive tool messages are one user turn, right after the assistant's calls,
+ * and a user message that follows them joins that turn after its results -- Anthropic wants
+ * every result immediately after its call. */
+static int c2m_messages(xlq *q, const json_tok *msgs, int *last_calls) {
+    size_t pos = 0;
+    json_tok k, m, role, c;
+    char p[64], pp[80];
+    int open = 0; /* a user turn is open */
+    jw_key(&q->w, "messages"), jw_open(&q->w, '[');
+    for (int i = 0; jv_next(q->s, q->n, msgs, &pos, &k, &m); i++) {
+        snprintf(p, sizeof p, "/messages/%d", i);
+        if (!jv_get(q->s, q->n, &m, "role", &role))
+            return xl_refuse(q, p, "%s: a message needs a role", p);
+        int user = json_eq(q->s, &role, 0, "user"), tool = json_eq(q->s, &role, 0, "tool");
+        if (json_eq(q->s, &role, 0, "system") || json_eq(q->s, &role, 0, "developer")) continue;
+        if (!user && !tool && !json_eq(q->s, &role, 0, "assistant"))
+            return xl_refuse(q, p, "%s/role: no Anthropic Messages equivalent", p);
+        if (!user && !tool) {
+            if (open) jw_close(&q->w, ']'), jw_close(&q->w, '}');
+            open = 0;
+            json_tok calls;
+            *last_calls = jv_get(q->s, q->n, &m, "tool_calls", &calls) &&
+                          calls.type == JSON_ARRAY && calls.end - calls.start > 2;
+            if (c2m_assistant(q, &m, p) < 0) return LTG_ERR;
+            continue;
+        }
+        if (!open) {
+            jw_open(&q->w, '{');
+            jw_key(&q->w, "role"), jw_cstr(&q->w, "user");
+            jw_key(&q->w, "content"), jw_open(&q->w, '[');
+        }
+        open = tool; /* a user message closes the turn its results opened */
+        snprintf(pp, sizeof pp, "%s/content", p);
+        if (tool ? c2m_tool_result(q, &m, p) < 0
+                 : jv_get(q->s, q->n, &m, "content", &c) && c2m_content(q, &c, pp) < 0)
+            return LTG_ERR;
+        if (!open) jw_close(&q->w, ']'), jw_close(&q->w, '}');
+    }
+    if (open) jw_close(&q->w, ']'), jw_close(&q->w, '}');
+    jw_close(&q->w, ']');
+    return 0;
+}
+
+/* "tools", "tool_choice" and parallel_tool_calls. */
+static int c2m_tools(xlq *q, const json_tok *root) {
+    json_tok tools, k, tl, t, f, v;
+    size_t pos = 0;
+    char p[64];
+    int has = jv_get(q->s, q->n, root, "tools", &tools) && tools.type == JSON_ARRAY &&
+              tools.end - tools.start > 2;
+    if (has) {
+        jw_key(&q->w, "tools"), jw_open(&q->w, '[');
+        for (int i = 0; jv_next(q->s, q->n, &tools, &pos, &k, &tl); i++) {
+            snprintf(p, sizeof p, "/tools/%d/type", i);
+            if (!jv_get(q->s, q->n, &tl, "type", &t) || !json_eq(q->s, &t, 0, "function") ||
+                !jv_get(q->s, q->n, &tl, "function", &f) || !jv_get(q->s, q->n, &f, "name", &v))
+                return xl_refuse(q, p, "%s: only function tools have an Anthropic equivalent", p);
+            jw_open(&q->w, '{');
+            jw_key(&q->w, "name"), xl_copy(q, &v);
+            if (jv_get(q->s, q->n, &f, "description", &v))
+                jw_key(&q->w, "description"), xl_copy(q, &v);
+            jw_key(&q->w, "input_schema");
+            if (jv_get(q->s, q->n, &f, "parameters", &v)) xl_copy(q, &v);
+            else jw_raw(&q->w, "{\"type\":\"object\",\"properties\":{}}", 33);
+            if (jv_get(q->s, q->n, &f, "strict", &v)) jw_key(&q->w, "strict"), xl_copy(q, &v);
+            jw_close(&q->w, '}');
+        }
+        jw_close(&q->w, ']');
+    }
+    json_tok tc, par;
+    int choice = jv_get(q->s, q->n, root, "tool_choice", &tc);
+    int serial = jv_get(q->s, q->n, root, "parallel_tool_calls", &par) && par.type == JSON_FALSE;
+    if (!has || (!choice && !serial)) return 0;
+    jw_key(&q->w, "tool_choice"), jw_open(&q->w, '{');
+    if (choice && tc.type == JSON_OBJECT && jv_get(q->s, q->n, &tc, "function", &f) &&
+        jv_get(q->s, q->n, &f, "name", &v)) {
+        jw_key(&q->w, "type"), jw_cstr(&q->w, "tool");
+        jw_key(&q->w, "name"), xl_copy(q, &v);
+    } else {
+        jw_key(&q->w, "type");
+        jw_cstr(&q->w, choice && json_eq(q->s, &tc, 0, "required") ? "any"
+                       : choice && json_eq(q->s, &tc, 0, "none")   ? "none"
+                                                                   : "auto");
+    }
+    if (serial) jw_key(&q->w, "disable_parallel_tool_use"), jw_bool(&q->w, 1);
+    jw_close(&q->w, '}');
+    return 0;
+}
+
+/* chat's reasoning_effort as Anthropic's thinking budget (1024, 2048, 4096 tokens for low,
+ * medium, high), below max_tokens. Off when the history ends in a tool call: its turn has no
+ * thinking block signed by Anthropic, which Claude then requires. */
+static int c2m_thinking(xlq *q, const json_tok *root, long long max_tokens, int last_calls) {
+    json_tok e;
+    if (!jv_get(q->s, q->n, root, "reasoning_effort", &e) || e.type != JSON_STRING) return 0;
+    if (json_eq(q->s, &e, 0, "none") || json_eq(q->s, &e, 0, "minimal")) return 0;
+    if (!q->to->reasoning || last_calls) {
+        xl_drop(q, "/reasoning_effort", "reasoning_effort");
+        return 0;
+    }
+    long long budget = json_eq(q->s, &e, 0, "low") ? 1024 : json_eq(q->s, &e, 0, "medium") ? 2048
+                                                                                             : 4096;
+    if (budget >= max_tokens) budget = max_tokens - 1;
+    if (budget < 1024)
+        return xl_refuse(q, "/reasoning_effort",
+                         "/reasoning_effort: Anthropic's thinking needs max_tokens above 1024");
+    jw_key(&q->w, "thinking"), jw_open(&q->w, '{');
+    jw_key(&q->w, "type"), jw_cstr(&q->w, "enabled");
+    jw_key(&q->w, "budget_tokens"), jw_int(&q->w, budget);
+    jw_close(&q->w, '}');
+    return 0;
+}
+
+/* The output limit (the model's max_output_tokens when the client gave none: Anthropic needs
+ * one), stops, sampling, structured output, the user, streaming. */
+static int c2m_options(xlq *q, const json_tok *root, int last_calls) {
+    json_tok v, k, e;
+    long long max = 0, n;
+    size_t pos = 0;
+    static const char *const limits[] = {"max_completion_tokens", "max_tokens"};
+    for (int i = 0; i < 2 && !max; i++)
+        if (jv_get(q->s, q->n, root, limits[i], &v) && json_int(q->s, &v, 0, &n) == 0) max = n;
+    jw_key(&q->w, "max_tokens"), jw_int(&q->w, max > 0 ? max : q->to->max_output_tokens);
+    if (jv_get(q->s, q->n, root, "n", &v) && json_int(q->s, &v, 0, &n) == 0 && n > 1)
+        return xl_refuse(q, "/n", "/n: Anthropic makes one answer per request");
+    if (jv_get(q->s, q->n, root, "stop", &v) && v.type != JSON_NULL) {
+        jw_key(&q->w, "stop_sequences"), jw_open(&q->w, '[');
+        if (v.type == JSON_STRING) e = v;
+        for (int i = 0; v.type == JSON_STRING ? i == 0 : jv_next(q->s, q->n, &v, &pos, &k, &e);
+             i++) {
+            if (e.type != JSON_STRING || xl_blank(q->s, &e))
+                return xl_refuse(q, "/stop", "/stop: Anthropic refuses a blank stop sequence");
+            xl_copy(q, &e);
+        }
+        jw_close(&q->w, ']');
+    }
+    double temp;
+    if (jv_get(q->s, q->n, root, "temperature", &v) && v.type != JSON_NULL) {
+        if (json_number(q->s, &v, 0, &temp) < 0 || temp > 1)
+            return xl_refuse(q, "/temperature",
+                             "/temperature: Anthropic takes 0 to 1 (chat's 0 to 2 does not fit)");
+        jw_key(&q->w, "temperature"), xl_copy(q, &v);
+    }
+    if (jv_get(q->s, q->n, root, "top_p", &v) && v.type != JSON_NULL)
+        jw_key(&q->w, "top_p"), xl_copy(q, &v);
+    if (c2m_thinking(q, root, max > 0 ? max : q->to->max_output_tokens, last_calls) < 0)
+        return LTG_ERR;
+    if (jv_get(q->s, q->n, root, "response_format", &v) && jv_get(q->s, q->n, &v, "type", &e) &&
+        !json_eq(q->s, &e, 0, "text")) {
+        if (!json_eq(q->s, &e, 0, "json_schema") || !jv_get(q->s, q->n, &v, "json_schema", &k) ||
+            !jv_get(q->s, q->n, &k, "schema", &e))
+            return xl_refuse(q, "/response_format",
+                             "/response_format: Anthropic takes a json_schema, not json_object");
+        jw_key(&q->w, "output_config"), jw_open(&q->w, '{');
+        jw_key(&q->w, "format"), jw_open(&q->w, '{');
+        jw_key(&q->w, "type"), jw_cstr(&q->w, "json_schema");
+        jw_key(&q->w, "schema"), xl_copy(q, &e);
+        jw_close(&q->w, '}'), jw_close(&q->w, '}');
+    }
+    if (jv_get(q->s, q->n, root, "user", &v) && v.type == JSON_STRING) {
+        jw_key(&q->w, "metadata"), jw_open(&q->w, '{');
+        jw_key(&q->w, "user_id"), xl_copy(q, &v);
+        jw_close(&q->w, '}');
+    }
+    if (jv_get(q->s, q->n, root, "stream", &v) && v.type == JSON_TRUE)
+        jw_key(&q->w, "stream"), jw_bool(&q->w, 1);
+    if (jv_get(q->s, q->n, root, "stream_options", &v) &&
+        jv_get(q->s, q->n, &v, "include_usage", &e) && e.type == JSON_TRUE)
+        q->v->include_usage = 1;
+    return 0;
+}
+
+static int c2m_request(xlq *q, const json_tok *root) {
+    json_tok msgs;
+    int last_calls = 0;
+    if (xl_fields(q, root, C2M_FIELDS, "Anthropic Messages") < 0) return LTG_ERR;
+    if (!jv_get(q->s, q->n, root, "messages", &msgs) || msgs.type != JSON_ARRAY)
+        return xl_refuse(q, "/messages", "/messages: an array of messages is needed");
+    jw_open(&q->w, '{');
+    jw_key(&q->w, "model"), jw_cstr(&q->w, q->to->upstream);
+    if (c2m_system(q, &msgs) < 0 || c2m_messages(q, &msgs, &last_calls) < 0 ||
+        c2m_tools(q, root) < 0 || c2m_options(q, root, last_calls) < 0)
+        return LTG_ERR;
+    jw_close(&q->w, '}');
+    return 0;
+}
+
+/* The client's body s[0..n) (of API `from`, validated whole by admission) for a provider of
+ * API `to`, into `out` (emptied first). 0, or LTG_ERR with v->param and v->msg: a field that
+ * cannot be carried. */
+static int xl_request(xl_api from, xl_api to, const char *s, size_t n, const xl_target *t,
+                      buf *out, xl_verdict *v) {
+    xlq q = {s, n, {0}, v, t};
+    *v = (xl_verdict){0};
+    out->len = 0;
+    jw_init(&q.w, out);
+    json_tok root = jv_at(s, n, 0);
+    assert(from != to && root.type == JSON_OBJECT);
+    return from == XL_MESSAGES ? m2c_request(&q, &root) : c2m_request(&q, &root);
+}
+
+/* ---- answers ---- */
+
+/* How an answer stopped, in neutral terms, and each API's word for it. */
+typedef enum { XF_NONE, XF_STOP, XF_LENGTH, XF_TOOL, XF_FILTER } xl_finish;
+static const char *const XF_CHAT[] = {"stop", "stop", "length", "tool_calls", "content_filter"};
+static const char *const XF_ANTHROPIC[] = {"end_turn", "end_turn", "max_tokens", "tool_use",
+                                           "refusal"};
+
+static xl_finish xl_finish_of(const char *s, const json_tok *v) {
+    static const struct { const char *word; xl_finish f; } words[] = {
+        {"stop", XF_STOP},         {"end_turn", XF_STOP},     {"stop_sequence", XF_STOP},
+        {"pause_turn", XF_STOP},   {"length", XF_LENGTH},     {"max_tokens", XF_LENGTH},
+        {"model_context_window_exceeded", XF_LENGTH},         {"tool_calls", XF_TOOL},
+        {"function_call", XF_TOOL}, {"tool_use", XF_TOOL},    {"content_filter", XF_FILTER},
+        {"refusal", XF_FILTER},
+    };
+    for (size_t i = 0; v->type == JSON_STRING && i < sizeof words / sizeof *words; i++)
+        if (json_eq(s, v, 0, words[i].word)) return words[i].f;
+    return v->type == JSON_STRING ? XF_STOP : XF_NONE;
+}
+
+/* Usage in the client's terms, from the provider's classes u (TOK_IN includes the cache). */
+static void xl_usage_json(jwriter *w, xl_api client, const long long u[NTOK]) {
+    jw_open(w, '{');
+    if (client == XL_MESSAGES) {
+        jw_key(w, "input_tokens"), jw_int(w, u[TOK_IN] - u[TOK_CACHE_READ] - u[TOK_CACHE_WRITE]);
+        jw_key(w, "cache_creation_input_tokens"), jw_int(w, u[TOK_CACHE_WRITE]);
+        jw_key(w, "cache_read_input_tokens"), jw_int(w, u[TOK_CACHE_READ]);
+        jw_key(w, "output_tokens"), jw_int(w, u[TOK_OUT]);
+    } else {
+        jw_key(w, "prompt_tokens"), jw_int(w, u[TOK_IN]);
+        jw_key(w, "completion_tokens"), jw_int(w, u[TOK_OUT]);
+        jw_key(w, "total_tokens"), jw_int(w, u[TOK_IN] + u[TOK_OUT]);
+        jw_key(w, "prompt_tokens_details"), jw_open(w, '{');
+        jw_key(w, "cached_tokens"), jw_int(w, u[TOK_CACHE_READ]);
+        jw_close(w, '}');
+        jw_key(w, "completion_tokens_details"), jw_open(w, '{');
+        jw_key(w, "reasoning_tokens"), jw_int(w, u[TOK_REASONING]);
+        jw_close(w, '}');
+        if (u[TOK_CACHE_WRITE]) jw_key(w, "cache_creation_input_tokens"), jw_int(w, u[TOK_CACHE_WRITE]);
+    }
+    jw_close(w, '}');
+}
+
+/* The client's name for the tool a chat model called `name` (escaped): the Anthropic tool of
+ * the request (req) whose chat name it is, else itself. */
+static void xl_client_name(const char *req, size_t rn, const char *name, size_t n, buf *out) {
+    json_tok root = jv_at(req, rn, 0), tools, k, tl, t;
+    size_t pos = 0;
+    char cn[65];
+    if (n == 64 && jv_get(req, rn, &root, "tools", &tools) && tools.type == JSON_ARRAY)
+        while (jv_next(req, rn, &tools, &pos, &k, &tl))
+            if (jv_get(req, rn, &tl, "name", &t)) {
+                xl_chat_name(req + t.start, t.end - t.start, cn);
+                if (memcmp(cn, name, 64) == 0) {
+                    buf_append(out, req + t.start, t.end - t.start);
+                    return;
+                }
+            }
+    buf_append(out, name, n);
+}
+
+/* A chat completion as an Anthropic message. LTG_ERR with *why when a tool call's arguments
+ * are not a JSON object (Anthropic's input must be one). */
+static int xl_chat_to_message(const char *s, size_t n, const char *req, size_t rn,
+                              const long long u[NTOK], buf *out, const char **why) {
+    json_tok root = jv_at(s, n, 0), v, ch, c0, msg, calls, k, call, f, t;
+    size_t pos = 0;
+    jwriter w;
+    jw_init(&w, out);
+    jw_open(&w, '{');
+    jw_key(&w, "id");
+    buf id = {0};
+    buf_puts(&id, "msg_");
+    if (jv_get(s, n, &root, "id", &v) && v.type == JSON_STRING)
+        buf_append(&id, s + v.start, v.end - v.start);
+    xl_escaped(&w, &id);
+    buf_free(&id);
+    jw_key(&w, "type"), jw_cstr(&w, "message");
+    jw_key(&w, "role"), jw_cstr(&w, "assistant");
+    jw_key(&w, "model");
+    if (jv_get(s, n, &root, "model", &v)) jw_raw(&w, s + v.start - 1, v.end - v.start + 2);
+    else jw_cstr(&w, "");
+    jv_get(s, n, &root, "choices", &ch);
+    pos = 0;
+    int has = ch.type == JSON_ARRAY && jv_next(s, n, &ch, &pos, &k, &c0);
+    if (has) jv_get(s, n, &c0, "message", &msg);
+    jw_key(&w, "content"), jw_open(&w, '[');
+    int tools = 0;
+    if (has && jv_get(s, n, &msg, "content", &v) && v.type == JSON_STRING && !xl_blank(s, &v)) {
+        jw_open(&w, '{');
+        jw_key(&w, "type"), jw_cstr(&w, "text");
+        jw_key(&w, "text"), jw_raw(&w, s + v.start - 1, v.end - v.start + 2);
+        jw_close(&w, '}');
+    }
+    pos = 0;
+    if (has && jv_get(s, n, &msg, "tool_calls", &calls) && calls.type == JSON_ARRAY)
+        while (jv_next(s, n, &calls, &pos, &k, &call)) {
+            buf a = {0}, nm = {0};
+            json_tok tt[1];
+            json_result res;
+            char aid[74];
+            jv_get(s, n, &call, "function", &f);
+            if (jv_get(s, n, &f, "arguments", &t) && t.type == JSON_STRING)
+                json_unescape(s, &t, 0, &a);
+            if (a.len && (json_parse(a.p, a.len, tt, 1, 0, &res) < 0 || tt[0].type != JSON_OBJECT)) {
+                buf_free(&a);
+                *why = "answered a tool call whose arguments are not a JSON object";
+                return LTG_ERR;
+            }
+            buf idv = {0};
+            if (jv_get(s, n, &call, "id", &t) && t.type == JSON_STRING) json_unescape(s, &t, 0, &idv);
+            xl_anthropic_id(idv.p ? idv.p : "call", idv.p ? idv.len : 4, aid);
+            buf_free(&idv);
+            if (jv_get(s, n, &f, "name", &t)) xl_client_name(req, rn, s + t.start, t.end - t.start, &nm);
+            jw_open(&w, '{');
+            jw_key(&w, "type"), jw_cstr(&w, "tool_use");
+            jw_key(&w, "id"), jw_cstr(&w, aid);
+            jw_key(&w, "name"), xl_escaped(&w, &nm);
+            jw_key(&w, "input"), jw_raw(&w, a.len ? a.p : "{}", a.len ? a.len : 2);
+            jw_close(&w, '}');
+            tools++;
+            buf_free(&a);
+            buf_free(&nm);
+        }
+    jw_close(&w, ']');
+    xl_finish fin = has && jv_get(s, n, &c0, "finish_reason", &v) ? xl_finish_of(s, &v) : XF_STOP;
+    if (tools) fin = XF_TOOL; /* a tool call ends with the tool stop reason, whatever was said */
+    else if (fin == XF_TOOL) fin = XF_STOP;
+    jw_key(&w, "stop_reason"), jw_cstr(&w, XF_ANTHROPIC[fin]);
+    jw_key(&w, "stop_sequence"), jw_null(&w);
+    jw_key(&w, "usage"), xl_usage_json(&w, XL_MESSAGES, u);
+    jw_close(&w, '}');
+    return 0;
+}
+
+/* An Anthropic answer's tool_use blocks as chat's "tool_calls": each input's bytes, the
+ * arguments string. */
+static void xl_tool_calls(jwriter *w, const char *s, size_t n, const json_tok *content) {
+    size_t pos = 0;
+    json_tok k, b, t;
+    jw_key(w, "tool_calls"), jw_open(w, '[');
+    while (jv_next(s, n, content, &pos, &k, &b)) {
+        if (!jv_get(s, n, &b, "type", &t) || !json_eq(s, &t, 0, "tool_use")) continue;
+        jw_open(w, '{');
+        jw_key(w, "id"), jv_get(s, n, &b, "id", &t), jw_raw(w, s + t.start - 1, t.end - t.start + 2);
+        jw_key(w, "type"), jw_cstr(w, "function");
+        jw_key(w, "function"), jw_open(w, '{');
+        jv_get(s, n, &b, "name", &t);
+        jw_key(w, "name"), jw_raw(w, s + t.start - 1, t.end - t.start + 2);
+        jw_key(w, "arguments");
+        if (jv_get(s, n, &b, "input", &t)) jw_str(w, s + t.start, t.end - t.start);
+        else jw_cstr(w, "{}");
+        jw_close(w, '}'), jw_close(w, '}');
+    }
+    jw_close(w, ']');
+}
+
+/* An Anthropic message as a chat completion. */
+static void xl_message_to_chat(const char *s, size_t n, const long long u[NTOK], buf *out) {
+    json_tok root = jv_at(s, n, 0), v, content, k, b, t;
+    size_t pos = 0;
+    buf text = {0}, think = {0};
+    int tools = 0;
+    jwriter w;
+    jw_init(&w, out);
+    jw_open(&w, '{');
+    jw_key(&w, "id");
+    buf id = {0};
+    buf_puts(&id, "chatcmpl-");
+    if (jv_get(s, n, &root, "id", &v) && v.type == JSON_STRING)
+        buf_append(&id, s + v.start, v.end - v.start);
+    xl_escaped(&w, &id);
+    buf_free(&id);
+    jw_key(&w, "object"), jw_cstr(&w, "chat.completion");
+    jw_key(&w, "created"), jw_int(&w, wall_ms() / 1000);
+    jw_key(&w, "model");
+    if (jv_get(s, n, &root, "model", &v)) jw_raw(&w, s + v.start - 1, v.end - v.start + 2);
+    else jw_cstr(&w, "");
+    jw_key(&w, "choices"), jw_open(&w, '['), jw_open(&w, '{');
+    jw_key(&w, "index"), jw_int(&w, 0);
+    jw_key(&w, "message"), jw_open(&w, '{');
+    jw_key(&w, "role"), jw_cstr(&w, "assistant");
+    int has = jv_get(s, n, &root, "content", &content) && content.type == JSON_ARRAY;
+    while (has && jv_next(s, n, &content, &pos, &k, &b)) {
+        jv_get(s, n, &b, "type", &t);
+        buf *into = json_eq(s, &t, 0, "text") ? &text : json_eq(s, &t, 0, "thinking") ? &think : NULL;
+        tools += json_eq(s, &t, 0, "tool_use");
+        if (into && jv_get(s, n, &b, into == &text ? "text" : "thinking", &t))
+            buf_append(into, s + t.start, t.end - t.start);
+    }
+    jw_key(&w, "content");
+    if (text.len || !tools) xl_escaped(&w, &text);
+    else jw_null(&w);
+    if (think.len) jw_key(&w, "reasoning_content"), xl_escaped(&w, &think);
+    if (tools) xl_tool_calls(&w, s, n, &content);
+    jw_close(&w, '}');
+    xl_finish fin = jv_get(s, n, &root, "stop_reason", &v) ? xl_finish_of(s, &v) : XF_STOP;
+    if (tools) fin = XF_TOOL;
+    else if (fin == XF_TOOL) fin = XF_STOP;
+    jw_key(&w, "finish_reason"), jw_cstr(&w, XF_CHAT[fin]);
+    jw_key(&w, "logprobs"), jw_null(&w);
+    jw_close(&w, '}'), jw_close(&w, ']');
+    jw_key(&w, "usage"), xl_usage_json(&w, XL_CHAT, u);
+    jw_close(&w, '}');
+    buf_free(&text);
+    buf_free(&think);
+}
+
+/* A provider's whole answer s[0..n) (validated by usage_read) in the client's API, into out;
+ * u: the provider's usage classes; req: the client's body. LTG_ERR with *why when it cannot be
+ * carried. */
+static int xl_answer(xl_api from, xl_api client, const char *s, size_t n, const char *req,
+                     size_t rn, const long long u[NTOK], buf *out, const char **why) {
+    out->len = 0;
+    if (from == XL_CHAT && client == XL_MESSAGES)
+        return xl_chat_to_message(s, n, req, rn, u, out, why);
+    xl_message_to_chat(s, n, u, out);
+    return 0;
+}
+
+/* A provider's error answer (status, body s[0..n), any shape or none) for a client of the other
+ * API: the status it gets (Anthropic's 529 is chat's 503 and back; a quota is 402 to Anthropic,
+ * 429 insufficient_quota to chat), the provider's message and type. */
+static int xl_error(xl_api client, int status, const char *s, size_t n, buf *out) {
+    json_tok t[1], root, err, v;
+    json_result res;
+    buf msg = {0}, code = {0};
+    int ok = s && json_parse(s, n, t, 1, 0, &res) == 0 && t[0].type == JSON_OBJECT;
+    root = ok ? jv_at(s, n, 0) : (json_tok){0};
+    if (ok && jv_get(s, n, &root, "error", &err)) {
+        if (jv_get(s, n, &err, "message", &v) && v.type == JSON_STRING) json_unescape(s, &v, 0, &msg);
+        if ((jv_get(s, n, &err, "code", &v) || jv_get(s, n, &err, "type", &v)) &&
+            v.type == JSON_STRING)
+            json_unescape(s, &v, 0, &code);
+    }
+    int quota = code.p && (strcmp(code.p, "insufficient_quota") == 0 ||
+                           strcmp(code.p, "billing_error") == 0);
+    int to = client == XL_MESSAGES ? (status == 503 ? 529 : quota ? 402 : status)
+                                   : (status == 529 ? 503 : quota ? 429 : status);
+    jwriter w;
+    jw_init(&w, out);
+    const char *type = client == XL_CHAT && quota          ? "insufficient_quota"
+                       : client == XL_CHAT && to == 503    ? "service_unavailable_error"
+                                                           : NULL;
+    error_open(&w, to, client == XL_MESSAGES, msg.p ? msg.p : "the provider answered an error",
+               type, NULL);
+    jw_key(&w, "code"), jw_cstr(&w, code.p ? code.p : "upstream_error");
+    jw_close(&w, '}'), jw_close(&w, '}');
+    buf_free(&msg);
+    buf_free(&code);
+    return to;
+}
+
+/* ---- streams: a decoder per provider API, an encoder per client API ---- */
+
+/* A neutral event: what a provider's stream event says, in no API's words. Text is JSON-escaped,
+ * as the event had it. */
+typedef enum { XE_TEXT, XE_REASONING, XE_TOOL, XE_ARGS, XE_FINISH, XE_PING, XE_END } xe_kind;
+typedef struct {
+    xe_kind kind;
+    int index;                   /* XE_TOOL, XE_ARGS: the call's place in the answer */
+    const char *s;               /* XE_TEXT, XE_REASONING, XE_ARGS: the text; XE_TOOL: the id */
+    size_t n;
+    const char *name;            /* XE_TOOL: the tool's name */
+    size_t nn;
+    xl_finish finish;            /* XE_FINISH */
+} xe;
+
+/* The Anthropic encoder's machine: nothing sent yet; message_start sent and no block open; a
+ * text or a tool_use block open; message_stop sent. */
+typedef enum { AE_WAIT, AE_IDLE, AE_TEXT, AE_TOOL, AE_DONE } ae_state;
+/* The chat encoder's: nothing sent yet; chunks flowing; [DONE] sent. */
+typedef enum { CE_WAIT, CE_FLOWING, CE_DONE } ce_state;
+
+/* A tool call of a chat stream on its way to an Anthropic client, whose blocks come one after
+ * another: it is live (its block open, its fragments passed on as they come), held (another is
+ * live: its arguments wait, it goes whole at the end), or closed. */
+typedef struct {
+    int index;                   /* chat's "index" */
+    enum { XT_HELD, XT_LIVE, XT_CLOSED } st;
+    int named;                   /* its id and name came */
+    size_t sent;                 /* argument bytes passed on */
+    buf id, name, args;          /* escaped, as the stream had them */
+} xl_tool;
+
+typedef struct xl_stream xl_stream;
+struct xl_stream {
+    xl_api provider, client;
+    ae_state ae;
+    ce_state ce;
+    int block;                   /* Anthropic: the next block's index */
+    xl_tool tools[XL_MAX_TOOLS];
+    int ntools, live;            /* live: the tools[] index whose block is open (-1: none) */
+    size_t held;                 /* argument bytes held */
+    int any_tool;
+    xl_finish finish;
+    int include_usage;           /* a chat client asked for the usage chunk */
+    long long estimate;          /* the input ltg estimates, for message_start */
+    char id[96], model[160];     /* the answer's id and model, escaped */
+    /* an Anthropic provider: the kind of each content block so far, and the tool ordinal */
+    unsigned char kinds[256];
+    int ordinal[256], ntool_blocks;
+    const char *req;             /* the client's body: tool names mapped back */
+    size_t rn;
+};
+
+static xl_stream *xl_stream_new(xl_api from, xl_api client, int include_usage,
+                                long long estimate, const char *req, size_t rn) {
+    xl_stream *x = xcalloc(1, sizeof *x);
+    *x = (xl_stream){from, client, .live = -1, .include_usage = include_usage,
+                     .estimate = estimate, .req = req, .rn = rn};
+    return x;
+}
+
+static void xl_stream_free(xl_stream *x) {
+    if (!x) return;
+    for (int i = 0; i < x->ntools; i++) {
+        buf_free(&x->tools[i].id);
+        buf_free(&x->tools[i].name);
+        buf_free(&x->tools[i].args);
+    }
+    free(x);
+}
+
+/* One SSE event, as Anthropic names them: "event: NAME" and its data. */
+static void ae_event(buf *out, const char *name, const buf *data) {
+    buf_cat(out, "event: ", name, "\ndata: ", NULL);
+    buf_append(out, data->p, data->len);
+    buf_puts(out, "\n\n");
+}
+
+static void ae_to(xl_stream *x, ae_state to) {
+    static const unsigned char next[] = {
+        [AE_WAIT] = 1 << AE_IDLE,
+        [AE_IDLE] = 1 << AE_TEXT | 1 << AE_TOOL | 1 << AE_DONE,
+        [AE_TEXT] = 1 << AE_IDLE,
+        [AE_TOOL] = 1 << AE_IDLE,
+        [AE_DONE] = 0,
+    };
+    assert(next[x->ae] >> to & 1);
+    x->ae = to;
+}
+
+/* message_start, with ltg's estimate of the input (the provider's counts come in message_delta,
+ * which Anthropic's SDKs copy over it). */
+static void ae_start(xl_stream *x, buf *out) {
+    buf d = {0};
+    buf_printf(&d, "{\"type\":\"message_start\",\"message\":{\"id\":\"msg_%s\",\"type\":\"message\","
+               "\"role\":\"assistant\",\"model\":\"%s\",\"content\":[],\"stop_reason\":null,"
+               "\"stop_sequence\":null,\"usage\":{\"input_tokens\":%lld,"
+               "\"cache_creation_input_tokens\":0,\"cache_read_input_tokens\":0,"
+               "\"output_tokens\":1}}}",
+               x->id, x->model, x->estimate);
+    ae_event(out, "message_start", &d);
+    buf_free(&d);
+    ae_to(x, AE_IDLE);
+}
+
+static void ae_delta(xl_stream *x, const char *type, const char *field, const char *s, size_t n,
+                     buf *out) {
+    buf d = {0};
+    buf_printf(&d, "{\"type\":\"content_block_delta\",\"index\":%d,\"delta\":{\"type\":\"%s\","
+               "\"%s\":\"", x->block, type, field);
+    buf_append(&d, s, n);
+    buf_puts(&d, "\"}}");
+    ae_event(out, "content_block_delta", &d);
+    buf_free(&d);
+}
+
+static void ae_stop_block(xl_stream *x, buf *out) {
+    if (x->ae != AE_TEXT && x->ae != AE_TOOL) return;
+    buf d = {0};
+    if (x->ae == AE_TOOL && !x->tools[x->live].sent) /* a call without arguments: {} */
+        ae_delta(x, "input_json_delta", "partial_json", "{}", 2, out);
+    buf_printf(&d, "{\"type\":\"content_block_stop\",\"index\":%d}", x->block++);
+    ae_event(out, "content_block_stop", &d);
+    buf_free(&d);
+    if (x->ae == AE_TOOL) x->tools[x->live].st = XT_CLOSED, x->live = -1;
+    ae_to(x, AE_IDLE);
+}
+
+/* Tool i's block opens (its arguments so far go with it). */
+static void ae_open_tool(xl_stream *x, int i, buf *out) {
+    xl_tool *t = &x->tools[i];
+    buf d = {0}, nm = {0};
+    char aid[74];
+    buf raw = {0};
+    json_tok tok = {JSON_STRING, 0, (uint32_t)t->id.len, 0, 0};
+    if (t->id.len) json_unescape(t->id.p, &tok, 0, &raw);
+    else buf_printf(&raw, "toolu_ltg_%s_%d", x->id, t->index);
+    xl_anthropic_id(raw.p, raw.len, aid);
+    xl_client_name(x->req, x->rn, t->name.p ? t->name.p : "", t->name.len, &nm);
+    buf_printf(&d, "{\"type\":\"content_block_start\",\"index\":%d,\"content_block\":"
+               "{\"type\":\"tool_use\",\"id\":\"%s\",\"name\":\"", x->block, aid);
+    buf_append(&d, nm.p, nm.len);
+    buf_puts(&d, "\",\"input\":{}}}");
+    ae_event(out, "content_block_start", &d);
+    ae_to(x, AE_TOOL);
+    x->live = i;
+    t->st = XT_LIVE;
+    x->any_tool = 1;
+    if (t->args.len) ae_delta(x, "input_json_delta", "partial_json", t->args.p, t->args.len, out);
+    t->sent = t->args.len;
+    x->held -= t->args.len;
+    t->args.len = 0;
+    buf_free(&d), buf_free(&nm), buf_free(&raw);
+}
+
+static xl_tool *ae_tool(xl_stream *x, int index, const char **why) {
+    for (int i = 0; i < x->ntools; i++)
+        if (x->tools[i].index == index) return &x->tools[i];
+    if (x->ntools == XL_MAX_TOOLS) {
+        *why = "more tool calls in one answer than ltg carries (64)";
+        return NULL;
+    }
+    x->tools[x->ntools] = (xl_tool){.index = index};
+    return &x->tools[x->ntools++];
+}
+
+/* The end: the open block closed, the held tools each whole, then message_delta with the stop
+ * reason (a tool call's whatever was said) and the provider's counts, and message_stop. */
+static void ae_end(xl_stream *x, const long long u[NTOK], buf *out) {
+    if (x->ae == AE_WAIT) ae_start(x, out);
+    ae_stop_block(x, out);
+    for (int i = 0; i < x->ntools; i++)
+        if (x->tools[i].st == XT_HELD) {
+            ae_open_tool(x, i, out);
+            ae_stop_block(x, out);
+        }
+    xl_finish f = x->any_tool ? XF_TOOL : x->finish == XF_TOOL ? XF_STOP : x->finish;
+    buf d = {0};
+    jwriter w;
+    jw_init(&w, &d);
+    jw_open(&w, '{');
+    jw_key(&w, "type"), jw_cstr(&w, "message_delta");
+    jw_key(&w, "delta"), jw_open(&w, '{');
+    jw_key(&w, "stop_reason"), jw_cstr(&w, XF_ANTHROPIC[f]);
+    jw_key(&w, "stop_sequence"), jw_null(&w);
+    jw_close(&w, '}');
+    jw_key(&w, "usage"), xl_usage_json(&w, XL_MESSAGES, u);
+    jw_close(&w, '}');
+    ae_event(out, "message_delta", &d);
+    d.len = 0;
+    buf_puts(&d, "{\"type\":\"message_stop\"}");
+    ae_event(out, "message_stop", &d);
+    buf_free(&d);
+    ae_to(x, AE_DONE);
+}
+
+/* One neutral event for an Anthropic client. 1 when the client's stream is whole; LTG_ERR with
+ * *why. */
+static int ae_put(xl_stream *x, const xe *e, const long long u[NTOK], buf *out,
+                  const char **why) {
+    if (x->ae == AE_DONE) return 1;
+    if (e->kind == XE_END) {
+        ae_end(x, u, out);
+        return 1;
+    }
+    if (e->kind == XE_FINISH) x->finish = e->finish;
+    if (e->kind == XE_PING && x->ae != AE_WAIT) {
+        buf_puts(out, "event: ping\ndata: {\"type\":\"ping\"}\n\n");
+    }
+    if (e->kind == XE_TEXT && e->n) {
+        if (x->ae == AE_WAIT) ae_start(x, out);
+        if (x->ae == AE_TOOL) ae_stop_block(x, out);
+        if (x->ae == AE_IDLE) {
+            buf d = {0};
+            buf_printf(&d, "{\"type\":\"content_block_start\",\"index\":%d,\"content_block\":"
+                       "{\"type\":\"text\",\"text\":\"\"}}", x->block);
+            ae_event(out, "content_block_start", &d);
+            buf_free(&d);
+            ae_to(x, AE_TEXT);
+        }
+        ae_delta(x, "text_delta", "text", e->s, e->n, out);
+    }
+    if (e->kind != XE_TOOL && e->kind != XE_ARGS) return 0;
+    xl_tool *t = ae_tool(x, e->index, why);
+    if (!t) return LTG_ERR;
+    if (e->kind == XE_TOOL && !t->named) {
+        t->named = 1;
+        buf_append(&t->id, e->s, e->n);
+        buf_append(&t->name, e->name, e->nn);
+    }
+    if (e->kind == XE_ARGS && t->st == XT_LIVE) {
+        if (e->n) ae_delta(x, "input_json_delta", "partial_json", e->s, e->n, out);
+        t->sent += e->n;
+    } else if (e->kind == XE_ARGS && t->st == XT_CLOSED) {
+        *why = "a tool call's arguments went on after its block was closed";
+        return LTG_ERR;
+    } else if (e->kind == XE_ARGS) {
+        buf_append(&t->args, e->s, e->n);
+        if ((x->held += e->n) > XL_MAX_BUFFERED) {
+            *why = "more tool arguments held back than ltg keeps (8 MiB)";
+            return LTG_ERR;
+        }
+    }
+    if (t->named && t->st == XT_HELD && x->live < 0) { /* the first call goes live */
+        if (x->ae == AE_WAIT) ae_start(x, out);
+        ae_stop_block(x, out);
+        ae_open_tool(x, (int)(t - x->tools), out);
+    }
+    return 0;
+}
+
+static void ce_to(xl_stream *x, ce_state to) {
+    static const unsigned char next[] = {
+        [CE_WAIT] = 1 << CE_FLOWING | 1 << CE_DONE,
+        [CE_FLOWING] = 1 << CE_DONE,
+        [CE_DONE] = 0,
+    };
+    assert(next[x->ce] >> to & 1);
+    x->ce = to;
+}
+
+/* A chat chunk: `delta` (the members, written) and finish_reason, or `choices` empty with the
+ * usage. */
+static void ce_chunk(xl_stream *x, const buf *delta, const char *finish, const long long *u,
+                     buf *out) {
+    buf_printf(out, "data: {\"id\":\"chatcmpl-%s\",\"object\":\"chat.completion.chunk\","
+               "\"created\":%lld,\"model\":\"%s\",\"choices\":", x->id,
+               (long long)(wall_ms() / 1000), x->model);
+    if (u) {
+        buf b = {0};
+        jwriter w;
+        jw_init(&w, &b);
+        xl_usage_json(&w, XL_CHAT, u);
+        buf_cat(out, "[],\"usage\":", b.p, "}\n\n", NULL);
+        buf_free(&b);
+        return;
+    }
+    buf_puts(out, "[{\"index\":0,\"delta\":{");
+    if (x->ce == CE_WAIT) buf_puts(out, delta->len ? "\"role\":\"assistant\"," : "\"role\":\"assistant\"");
+    buf_append(out, delta->p, delta->len);
+    buf_cat(out, "},\"logprobs\":null,\"finish_reason\":", finish ? "\"" : "null", finish ? finish : "",
+            finish ? "\"" : "", "}]}\n\n", NULL);
+    if (x->ce == CE_WAIT) ce_to(x, CE_FLOWING);
+}
+
+/* One neutral event for a chat client. 1 when its stream is whole. */
+static int ce_put(xl_stream *x, const xe *e, const long long u[NTOK], buf *out) {
+    buf d = {0};
+    if (x->ce == CE_DONE) return 1;
+    switch (e->kind) {
+    case XE_TEXT:
+    case XE_REASONING:
+        if (!e->n) break;
+        buf_cat(&d, e->kind == XE_TEXT ? "\"content\":\"" : "\"reasoning_content\":\"", NULL);
+        buf_append(&d, e->s, e->n);
+        buf_puts(&d, "\"");
+        ce_chunk(x, &d, NULL, NULL, out);
+        break;
+    case XE_TOOL:
+        x->any_tool = 1;
+        buf_printf(&d, "\"tool_calls\":[{\"index\":%d,\"id\":\"", e->index);
+        buf_append(&d, e->s, e->n);
+        buf_puts(&d, "\",\"type\":\"function\",\"function\":{\"name\":\"");
+        buf_append(&d, e->name, e->nn);
+        buf_puts(&d, "\",\"arguments\":\"\"}}]");
+        ce_chunk(x, &d, NULL, NULL, out);
+        break;
+    case XE_ARGS:
+        if (!e->n) break;
+        buf_printf(&d, "\"tool_calls\":[{\"index\":%d,\"function\":{\"arguments\":\"", e->index);
+        buf_append(&d, e->s, e->n);
+        buf_puts(&d, "\"}}]");
+        ce_chunk(x, &d, NULL, NULL, out);
+        break;
+    case XE_FINISH:
+        x->finish = e->finish;
+        break;
+    case XE_PING:
+        if (x->ce != CE_WAIT) buf_puts(out, ": ping\n\n");
+        break;
+    case XE_END: {
+        xl_finish f = x->any_tool ? XF_TOOL : x->finish == XF_TOOL ? XF_STOP : x->finish;
+        ce_chunk(x, &d, XF_CHAT[f], NULL, out);
+        if (x->include_usage) ce_chunk(x, &d, NULL, u, out);
+        buf_puts(out, "data: [DONE]\n\n");
+        ce_to(x, CE_DONE);
+        buf_free(&d);
+        return 1;
+    }
+    }
+    buf_free(&d);
+    return 0;
+}
+
+static int xl_put(xl_stream *x, const xe *e, const long long u[NTOK], buf *out,
+                  const char **why) {
+    return x->client == XL_MESSAGES ? ae_put(x, e, u, out, why) : ce_put(x, e, u, out);
+}
+
+/* The answer's id and model, once: from the first event that names them. */
+static void xl_names(xl_stream *x, const char *s, size_t n, const json_tok *o) {
+    json_tok v;
+    if (!x->id[0] && jv_get(s, n, o, "id", &v) && v.type == JSON_STRING)
+        snprintf(x->id, sizeof x->id, "%.*s", (int)(v.end - v.start < 80 ? v.end - v.start : 80),
+                 s + v.start);
+    if (!x->model[0] && jv_get(s, n, o, "model", &v) && v.type == JSON_STRING)
+        snprintf(x->model, sizeof x->model, "%.*s",
+                 (int)(v.end - v.start < 150 ? v.end - v.start : 150), s + v.start);
+    for (char *p = x->id; *p; p++) /* an id goes into ids of its own: keep it plain */
+        if (!isalnum((unsigned char)*p) && *p != '_' && *p != '-') *p = '_';
+}
+
+/* A chat provider's event (its data s[0..n), JSON or [DONE]) as neutral events. */
+static int xl_from_chat(xl_stream *x, const char *s, size_t n, const long long u[NTOK], buf *out,
+                        const char **why) {
+    if (n == 6 && memcmp(s, "[DONE]", 6) == 0) return xl_put(x, &(xe){XE_END, 0, NULL, 0, NULL, 0, XF_NONE}, u, out, why);
+    json_tok root = jv_at(s, n, 0), ch, k, c0, d, v, calls, call, f;
+    size_t pos = 0, cp = 0;
+    int r = 0;
+    if (jv_get(s, n, &root, "error", &v)) {
+        *why = "the provider's stream carried an error";
+        return LTG_ERR;
+    }
+    xl_names(x, s, n, &root);
+    if (!jv_get(s, n, &root, "choices", &ch) || ch.type != JSON_ARRAY ||
+        !jv_next(s, n, &ch, &pos, &k, &c0))
+        return 0; /* the usage chunk: section 18 has read it */
+    if (jv_get(s, n, &c0, "delta", &d)) {
+        static const char *const think[] = {"reasoning_content", "reasoning"};
+        for (int i = 0; i < 2 && r == 0; i++)
+            if (jv_get(s, n, &d, think[i], &v) && v.type == JSON_STRING)
+                r = xl_put(x, &(xe){XE_REASONING, 0, s + v.start, v.end - v.start, NULL, 0, XF_NONE}, u, out, why);
+        if (r == 0 && jv_get(s, n, &d, "content", &v) && v.type == JSON_STRING)
+            r = xl_put(x, &(xe){XE_TEXT, 0, s + v.start, v.end - v.start, NULL, 0, XF_NONE}, u, out, why);
+        if (jv_get(s, n, &d, "tool_calls", &calls) && calls.type == JSON_ARRAY)
+            while (r == 0 && jv_next(s, n, &calls, &cp, &k, &call)) {
+                json_tok ix, id = {JSON_STRING, 0, 0, 0, 0}, nm = id, a = id;
+                long long index = 0;
+                if (jv_get(s, n, &call, "index", &ix)) json_int(s, &ix, 0, &index);
+                jv_get(s, n, &call, "id", &id);
+                if (jv_get(s, n, &call, "function", &f)) {
+                    jv_get(s, n, &f, "name", &nm);
+                    jv_get(s, n, &f, "arguments", &a);
+                }
+                if (nm.type == JSON_STRING && nm.end > nm.start)
+                    r = xl_put(x, &(xe){XE_TOOL, (int)index, s + id.start, id.type == JSON_STRING ? id.end - id.start : 0, s + nm.start, nm.end - nm.start, XF_NONE}, u, out, why);
+                if (r == 0 && a.type == JSON_STRING && a.end > a.start)
+                    r = xl_put(x, &(xe){XE_ARGS, (int)index, s + a.start, a.end - a.start, NULL, 0, XF_NONE}, u,
+                               out, why);
+            }
+    }
+    if (r == 0 && jv_get(s, n, &c0, "finish_reason", &v) && v.type == JSON_STRING)
+        r = xl_put(x, &(xe){XE_FINISH, 0, NULL, 0, NULL, 0, xl_finish_of(s, &v)}, u, out, why);
+    return r;
+}
+
+/* An Anthropic provider's event (`name`, its data s[0..n)) as neutral events. */
+static int xl_from_messages(xl_stream *x, const char *name, const char *s, size_t n,
+                            const long long u[NTOK], buf *out, const char **why) {
+    json_tok root = jv_at(s, n, 0), v, b, ix;
+    long long i = 0;
+    if (strcmp(name, "ping") == 0) return xl_put(x, &(xe){XE_PING, 0, NULL, 0, NULL, 0, XF_NONE}, u, out, why);
+    if (strcmp(name, "message_stop") == 0) return xl_put(x, &(xe){XE_END, 0, NULL, 0, NULL, 0, XF_NONE}, u, out, why);
+    if (strcmp(name, "error") == 0) {
+        *why = "the provider's stream carried an error";
+        return LTG_ERR;
+    }
+    if (strcmp(name, "message_start") == 0 && jv_get(s, n, &root, "message", &v))
+        xl_names(x, s, n, &v);
+    if (jv_get(s, n, &root, "index", &ix)) json_int(s, &ix, 0, &i);
+    if (i < 0 || i >= 256) {
+        *why = "more content blocks than ltg carries (256)";
+        return LTG_ERR;
+    }
+    if (strcmp(name, "content_block_start") == 0 && jv_get(s, n, &root, "content_block", &b) &&
+        jv_get(s, n, &b, "type", &v)) {
+        x->kinds[i] = json_eq(s, &v, 0, "tool_use") ? 't' : json_eq(s, &v, 0, "thinking") ? 'r'
+                                                                                         : 'x';
+        if (x->kinds[i] != 't') return 0;
+        json_tok id = {JSON_STRING, 0, 0, 0, 0}, nm = id;
+        jv_get(s, n, &b, "id", &id);
+        jv_get(s, n, &b, "name", &nm);
+        x->ordinal[i] = x->ntool_blocks++;
+        return xl_put(x, &(xe){XE_TOOL, x->ordinal[i], s + id.start, id.end - id.start, s + nm.start, nm.end - nm.start, XF_NONE}, u, out, why);
+    }
+    if (strcmp(name, "content_block_delta") == 0 && jv_get(s, n, &root, "delta", &b)) {
+        if (jv_get(s, n, &b, "text", &v))
+            return xl_put(x, &(xe){XE_TEXT, 0, s + v.start, v.end - v.start, NULL, 0, XF_NONE}, u, out, why);
+        if (jv_get(s, n, &b, "thinking", &v))
+            return xl_put(x, &(xe){XE_REASONING, 0, s + v.start, v.end - v.start, NULL, 0, XF_NONE}, u, out, why);
+        if (jv_get(s, n, &b, "partial_json", &v) && x->kinds[i] == 't')
+            return xl_put(x, &(xe){XE_ARGS, x->ordinal[i], s + v.start, v.end - v.start, NULL, 0, XF_NONE}, u, out,
+                          why);
+        return 0; /* a signature: nothing a chat client reads */
+    }
+    if (strcmp(name, "message_delta") == 0 && jv_get(s, n, &root, "delta", &b) &&
+        jv_get(s, n, &b, "stop_reason", &v))
+        return xl_put(x, &(xe){XE_FINISH, 0, NULL, 0, NULL, 0, xl_finish_of(s, &v)}, u, out, why);
+    return 0;
+}
+
+/* One event of a provider's stream, translated: the client's events appended to `out` (nothing
+ * before the answer's first content). u: the provider's usage so far, as classes. Returns 1
+ * once the client's stream is whole, 0 while it goes on, LTG_ERR with *why (the provider's
+ * stream carried an error, or something the client's API cannot say). */
+static int xl_feed(xl_stream *x, const char *ev, size_t evn, const buf *data,
+                   const long long u[NTOK], buf *out, const char **why) {
+    char name[40] = "";
+    if (evn > 6 && memcmp(ev, "event:", 6) == 0)
+        snprintf(name, sizeof name, "%.*s", (int)strcspn(ev + 6 + (ev[6] == ' '), "\r\n"),
+                 ev + 6 + (ev[6] == ' '));
+    if (!data->len) return xl_put(x, &(xe){XE_PING, 0, NULL, 0, NULL, 0, XF_NONE}, u, out, why); /* a comment: keep-alive */
+    if (x->provider == XL_CHAT) return xl_from_chat(x, data->p, data->len, u, out, why);
+    if (!name[0]) { /* the event's name is its data's type */
+        json_tok root = jv_at(data->p, data->len, 0), t;
+        if (jv_get(data->p, data->len, &root, "type", &t))
+            snprintf(name, sizeof name, "%.*s", (int)(t.end - t.start < 39 ? t.end - t.start : 39),
+                     data->p + t.start);
+    }
+    return xl_from_messages(x, name, data->p, data->len, u, out, why);
+}
+
+/* The provider's stream ended: whole when it had finished (a chat stream may leave out
+ * [DONE]), else LTG_ERR. */
+static int xl_feed_end(xl_stream *x, const long long u[NTOK], buf *out, const char **why) {
+    if (x->ae == AE_DONE || x->ce == CE_DONE) return 1;
+    if (x->provider == XL_CHAT && x->finish != XF_NONE)
+        return xl_put(x, &(xe){XE_END, 0, NULL, 0, NULL, 0, XF_NONE}, u, out, why);
+    *why = "the stream ended before its answer did";
+    return LTG_ERR;
+}
+
+/* ===== 18. Inference: the proxy path =====
  *
  * IMPLEMENTATION NOTES
  * An exchange is one inference request on its way through ltg. It owns
@@ -10293,7 +12144,7 @@ static void admin_route(conn *c) {
  * Money (README "Cost"): every attempt is held before it starts (its own
  * worst case, attempt_hold; the first at admission; with --cluster, a
  * request the shared store decides waits in X_HOLDING for each hold, and
- * its first is taken once its exchange exists: section 20) and billed once when
+ * its first is taken once its exchange exists: section 21) and billed once when
  * it is over (attempt_bill): its provider's usage at its model's prices,
  * nothing when nothing reached the provider, else ltg's estimate. A whole
  * answer given up on after its request reached the provider is read on
@@ -10323,8 +12174,9 @@ static void admin_route(conn *c) {
  * completions, responses and embeddings and Anthropic's messages is a row
  * of WIRE (the wire-format subsection below): paths, streaming, usage
  * names and where a stream carries them, the output limit, how a cut
- * stream ends, the error shape; a request's plan holds only models whose
- * provider speaks its row's API.
+ * stream ends, the error shape. A model whose provider speaks another API
+ * than the client's is reached through section 17 (the row the attempt is
+ * sent as is x->up; the client's, x->kind).
  *
  * Timing. The per-attempt timeout (request_timeout_ms) runs to the response
  * head, or for a stream to its first event. The deadline (x-ltg-deadline,
@@ -10343,37 +12195,6 @@ static void admin_route(conn *c) {
  * OUT_HIGH_WATER bytes wait for it, ltg stops reading the provider.
  */
 
-/* An inference error's body up to its "code": OpenAI's
- * {"error":{"message","type","param"..., or Anthropic's
- * {"type":"error","error":{"type","message"...; the caller adds what it
- * has and closes both objects. `type`: OpenAI's error type, or NULL for
- * the one of the status. */
-static void error_open(jwriter *w, int status, int anthropic, const char *msg,
-                       const char *openai_type) {
-    const char *type = openai_type && !anthropic    ? openai_type
-                       : status == 401              ? "authentication_error"
-                       : status == 403              ? "permission_error"
-                       : status == 404              ? "not_found_error"
-                       : status == 429              ? "rate_limit_error"
-                       : anthropic && status == 413 ? "request_too_large"
-                       : anthropic && status == 529 ? "overloaded_error"
-                       : status >= 500              ? "api_error"
-                                                    : "invalid_request_error";
-    jw_open(w, '{');
-    if (anthropic) {
-        jw_key(w, "type"), jw_cstr(w, "error");
-    }
-    jw_key(w, "error"), jw_open(w, '{');
-    if (anthropic) {
-        jw_key(w, "type"), jw_cstr(w, type);
-    }
-    jw_key(w, "message"), jw_cstr(w, msg);
-    if (!anthropic) {
-        jw_key(w, "type"), jw_cstr(w, type);
-        jw_key(w, "param"), jw_null(w);
-    }
-}
-
 /* An inference error: OpenAI's shape, or Anthropic's on its endpoints
  * (the server's errors come here through route_error). */
 static void inference_error(conn *c, int status, const char *code, const char *headers,
@@ -10382,7 +12203,7 @@ static void inference_error(conn *c, int status, const char *code, const char *h
     if (headers) buf_puts(&extra, headers);
     jwriter w;
     jw_init(&w, &b);
-    error_open(&w, status, c->f.anthropic, msg, NULL);
+    error_open(&w, status, c->f.anthropic, msg, NULL, c->f.param);
     jw_key(&w, "code"), jw_cstr(&w, code);
     jw_close(&w, '}'), jw_close(&w, '}');
     if (c->rid[0])
@@ -10460,6 +12281,7 @@ typedef struct {
     int billed;           /* tok, cost and estimated are final */
     int pending;          /* it is being metered (meter_start) */
     char span[17];        /* the span id its request's traceparent gave it ("" none) */
+    const wire_kind *up;  /* the API it was sent as (its provider's; NULL: no call made) */
 } attempt_entry;
 
 struct exchange {
@@ -10471,7 +12293,15 @@ struct exchange {
     int nchain;
     int stream, cache_mode;
     int hide_usage;       /* ltg asked for the usage chunk: keep it from the client */
-    const wire_kind *kind;/* the API it speaks (the wire format, section 17) */
+    const wire_kind *kind;/* the client's API (the wire format, below) */
+    const wire_kind *up;  /* the current attempt's: its provider's (another: translated) */
+    /* translated (section 17): the current attempt's body, its stream, its answer, the hints
+     * it dropped; per model of the chain, why the request cannot go to it ("": it can) */
+    buf xbody, xanswer;
+    xl_stream *xs;
+    char dropped[600];
+    char untranslatable[MAX_CHAIN][100];
+    int last_xl;          /* the last failure was a translated attempt's */
     buf body;             /* the client's body */
     body_edit edit[2];    /* the body's rewrites, in body order */
     int nedit;
@@ -10511,7 +12341,7 @@ struct exchange {
     char last_reason[200];
     /* its attempts' worst cases, held against its key's and group's allowances (section 15) */
     hold hold;
-    int shared;           /* held in the shared store (--cluster, section 20) */
+    int shared;           /* held in the shared store (--cluster, section 21) */
     struct cl_wait *cl_wait; /* its call there while X_HOLDING */
     worst_shape shape;    /* what its attempts' worst cases are made of */
     worst w;              /* the current attempt's */
@@ -10559,6 +12389,8 @@ enum { CUT_DATA, CUT_EVENT, CUT_ANTHROPIC }; /* how a broken stream ends: see st
 
 struct wire_kind {
     const char *path, *upstream; /* the client's path; the provider's, under its base URL */
+    const char *name;            /* the API's name in events and logs ("chat", "messages"...) */
+    xl_api xl;                   /* the API translation speaks for it (XL_NONE: none) */
     /* the providers that speak it (API_*), and the shape of ltg's errors */
     int api;
     int stream;                  /* it may stream */
@@ -10595,16 +12427,27 @@ struct wire_kind {
     .in_adds_cache = 1
 
 static const wire_kind WIRE[] = {
-    {"/v1/chat/completions", "/chat/completions", API_OPENAI, .stream = 1, .ask_usage = 1, USAGE_PROMPT,
-     .max_out = {"max_tokens", "max_completion_tokens"}, .cut = CUT_DATA},
-    {"/v1/completions", "/completions", API_OPENAI, .stream = 1, .ask_usage = 1, USAGE_PROMPT, .max_out = {"max_tokens"}, .cut = CUT_DATA},
-    {"/v1/embeddings", "/embeddings", API_OPENAI, USAGE_PROMPT, .cut = CUT_DATA},
-    {"/v1/responses", "/responses", API_OPENAI, .stream = 1, USAGE_IO, .max_out = {"max_output_tokens"},
-     .event_usage = "response", .event_usage_final = 1, .cut = CUT_EVENT, .pins = 1},
-    {"/v1/messages", "/messages", API_ANTHROPIC, .stream = 1, USAGE_ANTHROPIC, .max_out = {"max_tokens"},
-     .event_usage = "message", .cut = CUT_ANTHROPIC},
-    {"/v1/messages/count_tokens", "/messages/count_tokens", API_ANTHROPIC, USAGE_ANTHROPIC, .cut = CUT_ANTHROPIC, .free = 1},
+    {"/v1/chat/completions", "/chat/completions", "chat", XL_CHAT, API_OPENAI, .stream = 1,
+     .ask_usage = 1, USAGE_PROMPT, .max_out = {"max_tokens", "max_completion_tokens"},
+     .cut = CUT_DATA},
+    {"/v1/completions", "/completions", "completions", XL_NONE, API_OPENAI, .stream = 1,
+     .ask_usage = 1, USAGE_PROMPT, .max_out = {"max_tokens"}, .cut = CUT_DATA},
+    {"/v1/embeddings", "/embeddings", "embeddings", XL_NONE, API_OPENAI, USAGE_PROMPT,
+     .cut = CUT_DATA},
+    {"/v1/responses", "/responses", "responses", XL_NONE, API_OPENAI, .stream = 1, USAGE_IO,
+     .max_out = {"max_output_tokens"}, .event_usage = "response", .event_usage_final = 1,
+     .cut = CUT_EVENT, .pins = 1},
+    {"/v1/messages", "/messages", "messages", XL_MESSAGES, API_ANTHROPIC, .stream = 1,
+     USAGE_ANTHROPIC, .max_out = {"max_tokens"}, .event_usage = "message", .cut = CUT_ANTHROPIC},
+    {"/v1/messages/count_tokens", "/messages/count_tokens", "count_tokens", XL_NONE,
+     API_ANTHROPIC, USAGE_ANTHROPIC, .cut = CUT_ANTHROPIC, .free = 1},
 };
+
+/* The row a translated request is sent as: chat's or Messages'. */
+static const wire_kind *wire_of(xl_api xl) { return &WIRE[xl == XL_MESSAGES ? 4 : 0]; }
+
+/* The API translation speaks for a model's provider. */
+static xl_api model_xl(const model *m) { return m->api == API_ANTHROPIC ? XL_MESSAGES : XL_CHAT; }
 
 /* The value of member path `path` ("a" or "a.b") of object token 0. */
 static int json_path(const char *s, const json_tok *t, const char *path) {
@@ -10736,15 +12579,16 @@ static void exchange_build(exchange *x) {
     jw_init(&w, &name);
     jw_cstr(&w, d->upstream);
     x->edit[0].text = name.p; /* edit 0 is always "model" */
-    size_t len = x->body.len;
-    for (int i = 0; i < x->nedit; i++)
+    int xl = x->up != x->kind; /* translated: the body is xbody, model and all */
+    size_t len = xl ? x->xbody.len : x->body.len;
+    for (int i = 0; !xl && i < x->nedit; i++)
         len += strlen(x->edit[i].text) - (x->edit[i].end - x->edit[i].at);
     x->req.len = 0;
     buf_printf(&x->req,
                "POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Type: "
                "application/json\r\nContent-Length: %zu\r\n"
                "Accept: %s\r\nAccept-Encoding: identity\r\nUser-Agent: ltg/0.1\r\n",
-               p->base_path, x->kind->upstream, p->hostport, len,
+               p->base_path, x->up->upstream, p->hostport, len,
                x->stream ? "text/event-stream" : "application/json");
     x->key = provider_key(p);
     const char *key = x->key >= 0 ? p->keys[x->key] : NULL;
@@ -10761,12 +12605,13 @@ static void exchange_build(exchange *x) {
     if (x->tracestate[0]) buf_cat(&x->req, "tracestate: ", x->tracestate, "\r\n", NULL);
     buf_puts(&x->req, "\r\n");
     uint32_t at = 0; /* the body with its edits, straight into the request: no copy between */
-    for (int i = 0; i < x->nedit; i++) {
+    if (xl) buf_append(&x->req, x->xbody.p, x->xbody.len);
+    for (int i = 0; !xl && i < x->nedit; i++) {
         buf_append(&x->req, x->body.p + at, x->edit[i].at - at);
         buf_puts(&x->req, x->edit[i].text);
         at = x->edit[i].end;
     }
-    buf_append(&x->req, x->body.p + at, x->body.len - at);
+    if (!xl) buf_append(&x->req, x->body.p + at, x->body.len - at);
     x->edit[0].text = NULL;
     buf_free(&name);
 }
@@ -10828,14 +12673,14 @@ static int stream_last(const char *ev, size_t n, const buf *data) {
 static int stream_take(exchange *x, const char *ev, size_t n) {
     buf *data = &x->event;
     if (!sse_event_data(ev, n, data) || !data->len) return SSE_EMPTY;
-    x->whole |= stream_last(ev, n, data);
+    if (x->up == x->kind) x->whole |= stream_last(ev, n, data); /* translated: xl_feed says */
     if (data->len == 6 && memcmp(data->p, "[DONE]", 6) == 0) return SSE_RELAY;
-    response_pin(x, data->p, data->len, 1);
-    int no_choices, r = usage_read(x->kind, x->kind->event_usage, data->p, data->len, &x->usage,
+    if (x->up == x->kind) response_pin(x, data->p, data->len, 1);
+    int no_choices, r = usage_read(x->up, x->up->event_usage, data->p, data->len, &x->usage,
                                    &no_choices);
     if (r <= 0) return r < 0 ? LTG_ERR : SSE_RELAY;
     /* message_start's count is not the last word */
-    x->usage.final |= r == 1 || x->kind->event_usage_final;
+    x->usage.final |= r == 1 || x->up->event_usage_final;
     return x->hide_usage && no_choices ? SSE_HIDE : SSE_RELAY;
 }
 
@@ -10847,7 +12692,7 @@ static void stream_cut(exchange *x, const char *msg, buf *out) {
     jw_init(&w, &b);
     if (x->kind->cut == CUT_ANTHROPIC) {
         /* Anthropic's error shape (api_error), as its answers have it */
-        error_open(&w, 500, 1, msg, NULL);
+        error_open(&w, 500, 1, msg, NULL, NULL);
         jw_close(&w, '}');
     } else if (x->kind->cut == CUT_EVENT) {
         jw_open(&w, '{');
@@ -10885,7 +12730,7 @@ static void exchange_leave(exchange *x) {
     if (g) g->inflight--;
 }
 
-/* Section 20's, for an exchange held in the shared store (--cluster). */
+/* Section 21's, for an exchange held in the shared store (--cluster). */
 static int cl_hold(exchange *x, int first);
 static void cl_refuse_first(exchange *x, tkey *k, group *g, const hold_refusal *why,
                             int64_t cost, double left);
@@ -10915,6 +12760,9 @@ static void exchange_free(exchange *x) {
     buf_free(&x->record);
     buf_free(&x->keep);
     buf_free(&x->event);
+    buf_free(&x->xbody);
+    buf_free(&x->xanswer);
+    xl_stream_free(x->xs);
     catalog_release(x->cat);
     S.nexchanges--;
     free(x);
@@ -10949,6 +12797,8 @@ static void exchange_headers(exchange *x, int status, buf *h) {
     buf_puts(h, "\r\n");
     if (status >= 200 && status < 300)
         buf_cat(h, "x-ltg-served-model: ", exchange_model(x)->alias, "\r\n", NULL);
+    if (status >= 200 && status < 300 && x->up != x->kind && x->dropped[0])
+        buf_cat(h, "x-ltg-dropped: ", x->dropped, "\r\n", NULL);
     if (x->cache_mode == CACHE_MISS) buf_puts(h, "x-ltg-cache: miss\r\n");
     if (x->cache_mode == CACHE_BYPASS) buf_puts(h, "x-ltg-cache: bypass\r\n");
     if (x->cache_mode == CACHE_HIT) buf_puts(h, "x-ltg-cache: hit\r\n");
@@ -10990,6 +12840,7 @@ static void exchange_attempts_json(exchange *x, jwriter *w) {
         jw_key(w, "outcome"), jw_cstr(w, outcome_name(e->outcome));
         jw_key(w, "ms"), jw_int(w, e->ms);
         jw_key(w, "span_id"), jw_str_or_null(w, e->span);
+        jw_key(w, "api"), jw_cstr(w, e->up ? e->up->name : NULL);
         if (e->error[0]) {
             jw_key(w, "error"), jw_cstr(w, e->error);
         }
@@ -11011,7 +12862,8 @@ static void attempt_log(exchange *x, const attempt_plan *at, int status, attempt
     metric_add(M_ATTEMPTS, 1, "model", x->chain[at->model]->alias, "outcome", outcome_name(o),
                NULL);
     assert(x->nlog < MAX_ATTEMPT_LOG); /* at most max_attempts (5) entries per model of the chain */
-    int skipped = o == OUTCOME_CIRCUIT_OPEN, ms = skipped ? 0 : (int)(S.now - x->attempt_started);
+    int skipped = o == OUTCOME_CIRCUIT_OPEN || o == OUTCOME_UNTRANSLATABLE;
+    int ms = skipped ? 0 : (int)(S.now - x->attempt_started);
     attempt_entry *e = &x->log[x->nlog++];
     *e = (attempt_entry){at->model,
                          skipped ? -1 : x->dep,
@@ -11026,7 +12878,8 @@ static void attempt_log(exchange *x, const attempt_plan *at, int status, attempt
                          0,
                          skipped,
                          0,
-                         ""};
+                         "",
+                         skipped ? NULL : x->up};
     if (!skipped) memcpy(e->span, x->span, sizeof e->span);
     if (why) snprintf(e->error, sizeof e->error, "%.99s", why);
 }
@@ -11065,8 +12918,9 @@ static void attempt_price(exchange *x, attempt_entry *e, const upstream *u, cons
     int whole = !x->stream || (u && up_has_head(u) && !up_is_stream(u));
     long long t[NTOK] = {0}, out_est = whole ? e->w.out : (long long)(relayed / 3);
     if (out_est > e->w.out) out_est = e->w.out;
-    if (x->kind->free || !reached || status >= 300) return; /* nothing a provider bills */
-    int ok = uc->seen && usage_classes(x->kind, uc, t) == 0;
+    const wire_kind *k = e->up ? e->up : x->kind; /* the provider's API counts its usage */
+    if (k->free || !reached || status >= 300) return; /* nothing a provider bills */
+    int ok = uc->seen && usage_classes(k, uc, t) == 0;
     if (uc->seen && !ok)
         ltg_log("providers.%s: %s reported a usage that cannot be true (a count not a whole number "
                 "from 0 to %d, or a part larger than its whole): charged ltg's estimate",
@@ -11153,6 +13007,7 @@ static void exchange_event_json(exchange *x, const model *m, const long long tok
     jw_key(&w, "trace_id"), jw_str_or_null(&w, x->trace_id);
     jw_key(&w, "created_at"), jw_cstr(&w, ts);
     jw_key(&w, "endpoint"), jw_cstr(&w, x->kind->path);
+    jw_key(&w, "client_api"), jw_cstr(&w, x->kind->name);
     jw_key(&w, "token_key_id"), jw_cstr(&w, x->key_id);
     jw_key(&w, "token_group_id"), jw_cstr(&w, x->group_id);
     jw_key(&w, "requested_model"), jw_cstr(&w, x->chain[0]->alias);
@@ -11349,8 +13204,10 @@ static void exchange_fail(exchange *x, int status, const char *code, const char 
     } else {
         jwriter w;
         jw_init(&w, &b);
+        if (x->last_xl && x->kind->xl == XL_MESSAGES && status == 503) status = 529;
+        if (x->last_xl && x->kind->xl == XL_CHAT && status == 529) status = 503;
         error_open(&w, status, x->kind->api == API_ANTHROPIC, msg,
-                   status == 504 ? "timeout_error" : "upstream_error");
+                   status == 504 ? "timeout_error" : "upstream_error", NULL);
         int64_t cost = exchange_settle(x, status, EV_FAILED, -1, 0, NULL, 0);
         jw_key(&w, "code"), jw_cstr(&w, code);
         jw_key(&w, "attempts");
@@ -11389,27 +13246,54 @@ static void exchange_relay(exchange *x) {
     char ctype[128];
     snprintf(ctype, sizeof ctype, "%.*s", ct ? (int)(n < 127 ? n : 127) : 16,
              ct ? ct : "application/json");
-    if (ok && u->body.p) response_pin(x, u->body.p, u->body.len, 0);
-    int64_t cost =
-            exchange_settle(x, status, ok ? EV_SUCCEEDED : EV_FAILED, ok ? x->plan.model : -1, 0,
-                            u->body.p ? u->body.p : "", u->body.len);
+    const char *body = u->body.p ? u->body.p : "";
+    size_t len = u->body.len;
+    if (x->up != x->kind) { /* translated: the answer, or the provider's error, in the client's */
+        if (!ok) status = xl_error(x->kind->xl, status, u->body.p, u->body.len, &x->xanswer);
+        body = x->xanswer.p ? x->xanswer.p : "";
+        len = x->xanswer.len;
+        snprintf(ctype, sizeof ctype, "application/json");
+    }
+    if (ok && x->up == x->kind && u->body.p) response_pin(x, u->body.p, u->body.len, 0);
+    int64_t cost = exchange_settle(x, status, ok ? EV_SUCCEEDED : EV_FAILED,
+                                   ok ? x->plan.model : -1, 0, body, len);
     const attempt_entry *e = &x->log[x->nlog - 1];
     if (ok && x->cache_mode == CACHE_MISS && status == 200 && !e->estimated) {
         group *g = group_find(x->group_id);
         if (g && g->cache_ttl > 0)
-            cache_put(x->cache_key, u->body.p, u->body.len, exchange_model(x)->alias, e->tok,
+            cache_put(x->cache_key, body, len, exchange_model(x)->alias, e->tok,
                       g->cache_ttl * 1000);
     }
     buf h = {0};
     exchange_headers(x, status, &h);
     exchange_cost_headers(x, cost, &h);
-    x_head(x, status, ctype, (long long)u->body.len, h.p);
-    x_send(x, u->body.p, u->body.len);
+    x_head(x, status, ctype, (long long)len, h.p);
+    x_send(x, body, len);
     buf_free(&h);
     exchange_end(x);
 }
 
 static void exchange_upstream(void *owner);
+
+/* The provider's usage so far as token classes (zeros when it cannot be true: the ledger then
+ * bills ltg's estimate, attempt_price). */
+static void exchange_classes(const exchange *x, long long t[NTOK]) {
+    if (usage_classes(x->up, &x->usage, t) < 0) memset(t, 0, sizeof(long long) * NTOK);
+}
+
+/* A translated attempt's whole answer, in the client's API, into xanswer (section 17); NULL,
+ * or why it cannot be. */
+static const char *exchange_translate_answer(exchange *x) {
+    long long t[NTOK];
+    const char *why = NULL;
+    upstream *u = x->u;
+    exchange_classes(x, t);
+    mask_provider_key(exchange_dep(x)->p, u->body.p, u->body.len);
+    if (xl_answer(model_xl(exchange_model(x)), x->kind->xl, u->body.p ? u->body.p : "",
+                  u->body.len, x->body.p, x->body.len, t, &x->xanswer, &why) < 0)
+        return why;
+    return NULL;
+}
 
 /* How an attempt ended, as the exchange saw it. */
 typedef struct {
@@ -11417,7 +13301,9 @@ typedef struct {
     int reached;          /* a byte of the request was handed to the provider */
     const char *error;    /* why it failed otherwise than by its status (NULL: the status says) */
     int timeout;          /* the error is a timeout: as the last failure, 504 (else 502) */
-    int skipped;          /* no call made: every breaker of the model's deployments is open */
+    /* no call made: 1, every breaker of the model's deployments is open; 2, the request cannot
+     * be translated to its API */
+    int skipped;
 } attempt_result;
 
 /* Is the upstream's answer a stream (200, text/event-stream)? */
@@ -11534,7 +13420,7 @@ static void meter_end(meter *m) {
     usage_counts uc = {0};
     int no_choices;
     if (u->state == UP_DONE && u->resp.status / 100 == 2)
-        uc.final = usage_read(x->kind, NULL, u->body.p ? u->body.p : "", u->body.len, &uc,
+        uc.final = usage_read(e->up ? e->up : x->kind, NULL, u->body.p ? u->body.p : "", u->body.len, &uc,
                               &no_choices) > 0;
     e->pending = 0;
     attempt_bill(x, e, u, &uc, 0);
@@ -11696,7 +13582,8 @@ static plan_step attempt_decide(exchange *x, const attempt_result *r) {
     model *m = exchange_model(x);
     upstream *u = x->u;
     deployment *d = r->skipped ? NULL : exchange_dep(x);
-    attempt_outcome o = r->skipped ? OUTCOME_CIRCUIT_OPEN
+    attempt_outcome o = r->skipped == 2 ? OUTCOME_UNTRANSLATABLE
+                        : r->skipped ? OUTCOME_CIRCUIT_OPEN
                         : r->error ? attempt_classify(0, r->reached)
                                    : attempt_classify(r->status, 1);
     if (d && o == OUTCOME_NO_WORK) x->avoid |= 1u << x->dep;
@@ -11742,6 +13629,7 @@ static plan_step attempt_decide(exchange *x, const attempt_result *r) {
     x->probe = 0;
     if (s.action == PLAN_ANSWER) return s;
     if (!r->skipped) {
+        x->last_xl = x->up != x->kind;
         x->last_status = r->error ? (r->timeout ? 504 : 502) : r->status;
         snprintf(x->last_reason, sizeof x->last_reason, "%.60s: %.130s", m->alias, why);
     }
@@ -11749,7 +13637,31 @@ static plan_step attempt_decide(exchange *x, const attempt_result *r) {
     return s;
 }
 
-enum { ATTEMPT_STARTED, ATTEMPT_REFUSED, ATTEMPT_SKIPPED };
+enum { ATTEMPT_STARTED, ATTEMPT_REFUSED, ATTEMPT_SKIPPED, ATTEMPT_UNTRANSLATABLE };
+
+/* The attempt's request in its provider's API (section 17): the client's own when the provider
+ * speaks it; else translated for its model into xbody, what it drops named for x-ltg-dropped.
+ * LTG_ERR when it cannot be carried: why is the model's entry in untranslatable. */
+static int exchange_translate(exchange *x) {
+    model *m = exchange_model(x);
+    xl_verdict v;
+    x->up = x->kind;
+    if (m->api == x->kind->api) return 0;
+    xl_target t = {exchange_dep(x)->upstream, m->max_output_tokens, m->reasoning};
+    if (xl_request(x->kind->xl, model_xl(m), x->body.p, x->body.len, &t, &x->xbody, &v) < 0) {
+        snprintf(x->untranslatable[x->plan.model], sizeof x->untranslatable[0], "%.99s", v.msg);
+        return LTG_ERR;
+    }
+    x->up = wire_of(model_xl(m));
+    snprintf(x->dropped, sizeof x->dropped, "%s", v.dropped);
+    metric_add(M_TRANSLATED, 1, "from", x->kind->name, "to", x->up->name, NULL);
+    for (int i = 0; i < v.ndropped; i++) metric_add(M_XL_DROPPED, 1, "field", v.names[i], NULL);
+    xl_stream_free(x->xs);
+    x->xs = x->stream ? xl_stream_new(model_xl(m), x->kind->xl, v.include_usage, x->shape.prompt,
+                                      x->body.p, x->body.len)
+                      : NULL;
+    return 0;
+}
 
 static void exchange_attempt_held(exchange *x);
 static void exchange_attempt_go(exchange *x);
@@ -11767,9 +13679,11 @@ static int exchange_attempt(exchange *x, int next_key) {
         x->avoid_model = x->plan.model;
     }
     if (!next_key) {
+        if (x->untranslatable[x->plan.model][0]) return ATTEMPT_UNTRANSLATABLE;
         int pinned = x->pin >= 0 && breaker_ready(&m->dep[x->pin], S.now);
         x->dep = pinned ? x->pin : deployment_pick(m, x->avoid, S.now);
         if (x->dep < 0) return ATTEMPT_SKIPPED;
+        if (exchange_translate(x) < 0) return ATTEMPT_UNTRANSLATABLE;
         int held = attempt_hold(x);
         if (held == LTG_AGAIN) return ATTEMPT_STARTED; /* once the shared store says so */
         if (held < 0) return ATTEMPT_REFUSED;
@@ -11806,9 +13720,14 @@ static void exchange_attempt_go(exchange *x) {
  * decided here again -- a loop, never a recursion. */
 static void exchange_step(exchange *x, plan_step s) {
     while (s.action == PLAN_RETRY_NOW || s.action == PLAN_NEXT_MODEL) {
-        if (exchange_attempt(x, s.next_key) != ATTEMPT_SKIPPED) return;
-        s = attempt_decide(x, &(attempt_result){.error = "skipped: the circuit breaker is open",
-                                                .skipped = 1});
+        int a = exchange_attempt(x, s.next_key);
+        if (a == ATTEMPT_STARTED || a == ATTEMPT_REFUSED) return;
+        if (a == ATTEMPT_SKIPPED)
+            s = attempt_decide(x, &(attempt_result){.error = "skipped: the circuit breaker is open",
+                                                    .skipped = 1});
+        else
+            s = attempt_decide(x, &(attempt_result){.error = x->untranslatable[x->plan.model],
+                                                    .skipped = 2});
     }
     if (s.action == PLAN_ANSWER) {
         exchange_answer(x);
@@ -11914,9 +13833,15 @@ static void stream_succeeded(exchange *x) {
 }
 
 /* Relay the stream's complete events; end it when the provider's body ends. */
+static void exchange_relay_translated(exchange *x);
+
 static void exchange_relay_stream(exchange *x) {
     upstream *u = x->u;
     size_t off = 0, n;
+    if (x->xs) {
+        exchange_relay_translated(x);
+        return;
+    }
     while ((n = sse_event_len(u->body.p + off, u->body.len - off)) > 0) {
         char *ev = u->body.p + off;
         off += n;
@@ -11939,6 +13864,52 @@ static void exchange_relay_stream(exchange *x) {
             mask_provider_key(exchange_dep(x)->p, u->body.p, u->body.len);
             exchange_chunk(x, u->body.p, u->body.len);
         }
+        x_send(x, "0\r\n\r\n", 5);
+        stream_succeeded(x);
+        exchange_end(x);
+        return;
+    }
+    if (u->body.len > 1024 * 1024) { stream_broken(x, "an SSE event larger than 1 MiB"); return; }
+    if (x->c && conn_unsent(x->c) > OUT_HIGH_WATER) up_pause(u, 1);
+}
+
+/* A translated stream (section 17): each of the provider's events in, the client's events out,
+ * the client's head with the first of them (before it, a failure still fails over). */
+static void exchange_relay_translated(exchange *x) {
+    upstream *u = x->u;
+    size_t off = 0, n;
+    buf out = {0};
+    const char *why = NULL;
+    long long t[NTOK];
+    int r = 0;
+    while (r >= 0 && (n = sse_event_len(u->body.p + off, u->body.len - off)) > 0) {
+        char *ev = u->body.p + off;
+        off += n;
+        mask_provider_key(exchange_dep(x)->p, ev, n);
+        if (stream_take(x, ev, n) < 0) {
+            r = LTG_ERR, why = "an SSE event whose data is not JSON";
+            break;
+        }
+        exchange_classes(x, t);
+        out.len = 0;
+        r = xl_feed(x->xs, ev, n, &x->event, t, &out, &why);
+        if (r >= 0 && out.len && x->state != X_RELAYING) attempt_answered(x, 200, NULL);
+        if (r >= 0 && out.len) exchange_chunk(x, out.p, out.len);
+        if (r == 1) x->whole = 1;
+    }
+    buf_consume(&u->body, off);
+    if (r >= 0 && u->state == UP_DONE && !x->whole) {
+        exchange_classes(x, t);
+        out.len = 0;
+        r = xl_feed_end(x->xs, t, &out, &why);
+        if (r >= 0 && out.len && x->state != X_RELAYING) attempt_answered(x, 200, NULL);
+        if (r >= 0 && out.len) exchange_chunk(x, out.p, out.len);
+        x->whole = r == 1;
+    }
+    buf_free(&out);
+    if (r < 0) { stream_broken(x, why); return; }
+    if (x->state == X_RELAYING) timer_set(&x->t, (int64_t)S.stream_idle_s * 1000);
+    if (u->state == UP_DONE) {
         x_send(x, "0\r\n\r\n", 5);
         stream_succeeded(x);
         exchange_end(x);
@@ -11976,14 +13947,16 @@ static void exchange_upstream(void *owner) {
     }
     if (u->state != UP_DONE) return;
     int no_choices, r = status >= 200 && status < 300
-                                ? usage_read(x->kind, NULL, u->body.p ? u->body.p : "", u->body.len,
+                                ? usage_read(x->up, NULL, u->body.p ? u->body.p : "", u->body.len,
                                              &x->usage, &no_choices)
                                 : 0;
     char reason[100];
     /* a success must be JSON */
     snprintf(reason, sizeof reason, "answered %d with a body that is not JSON", status);
     x->usage.final = r > 0;
-    attempt_answered(x, status, r < 0 ? reason : NULL);
+    const char *why = r < 0 ? reason : NULL;
+    if (!why && status / 100 == 2 && x->up != x->kind) why = exchange_translate_answer(x);
+    attempt_answered(x, status, why);
 }
 
 /* The client went away (see conn_close). Without an Idempotency-Key the
@@ -11994,7 +13967,7 @@ static void exchange_upstream(void *owner) {
 static void exchange_abort(void *owner) {
     exchange *x = owner;
     x->c->owner = NULL;
-    if (x->state == X_HOLDING && !x->hold.held) { /* not admitted yet: no event (section 20) */
+    if (x->state == X_HOLDING && !x->hold.held) { /* not admitted yet: no event (section 21) */
         x->c = NULL;
         exchange_free(x);
         return;
@@ -12096,7 +14069,9 @@ typedef struct {
     /* a timeout or deadline shorter than the group's (see exchange.shortened) */
     int shortened;
     char retry_after[40];     /* a rate limit's Retry-After header line */
-    int shared;               /* decided by the shared store (--cluster: section 20) */
+    int shared;               /* decided by the shared store (--cluster: section 21) */
+    /* per model of the chain, why the request cannot be translated to its API ("": it can) */
+    char untranslatable[MAX_CHAIN][100];
 } admission;
 
 /* A refusal: status, code, message, and header lines (each ending in CRLF). */
@@ -12104,6 +14079,7 @@ typedef struct {
     int status;
     const char *code, *headers;
     char msg[400];
+    char param[160];          /* the field refused, a JSON Pointer ("" none) */
 } refusal;
 
 enum { ADMIT, REFUSE, REPLAY };
@@ -12113,7 +14089,7 @@ static int refuse(refusal *r, int status, const char *code, const char *headers,
 static int refuse(refusal *r, int status, const char *code, const char *headers, const char *fmt,
                   ...) {
     va_list ap;
-    *r = (refusal){status, code, headers, ""};
+    *r = (refusal){status, code, headers, "", ""};
     va_start(ap, fmt);
     vsnprintf(r->msg, sizeof r->msg, fmt, ap);
     va_end(ap);
@@ -12267,21 +14243,52 @@ static int admit_model(admission *a, refusal *r) {
             if (strcmp(m->dep[i].name, dep) == 0) a->pin_dep = i;
         return ADMIT;
     }
-    if (m->api != a->kind->api)
-        return refuse(r, 400, "invalid_request", NULL,
-                      "the model \"%.200s\" is served through %s: call it on %s", a->name.p,
-                      m->api == API_ANTHROPIC ? "Anthropic's Messages API" : "OpenAI's API",
-                      m->api == API_ANTHROPIC ? "/v1/messages"
-                                              : "/v1/chat/completions (or /v1/responses, "
-                                                "/v1/completions, /v1/embeddings)");
     a->chain[a->nchain++] = m;
     for (int i = 0; i < g->nfb; i++)
         for (int k = 0; strcmp(g->fb[i].model, a->name.p) == 0 && k < g->fb[i].n; k++) {
             model *f = catalog_model(S.cat, g->fb[i].to[k], strlen(g->fb[i].to[k]));
-            /* a fallback of another API is skipped */
-            if (f && f->api == a->kind->api && a->nchain < MAX_CHAIN) a->chain[a->nchain++] = f;
+            /* of any API: section 17 translates */
+            if (f && a->nchain < MAX_CHAIN) a->chain[a->nchain++] = f;
         }
     return ADMIT;
+}
+
+/* Can the request be carried to each model of the chain whose provider speaks another API
+ * (section 17)? One that cannot is skipped, its attempt log entry saying why; when none can,
+ * the answer is why the requested model cannot. Embeddings and legacy completions are not
+ * translated; Anthropic's count_tokens is answered by ltg's estimate (count_estimate). */
+static int admit_translation(admission *a, refusal *r) {
+    xl_verdict v;
+    buf scratch = {0};
+    int ok = 0, first = -1;
+    if (a->kind->free) return ADMIT;
+    for (int i = 0; i < a->nchain; i++) {
+        model *m = a->chain[i];
+        xl_target t = {m->dep[0].upstream, m->max_output_tokens, m->reasoning};
+        if (m->api == a->kind->api) {
+            ok++;
+        } else if (a->kind->xl == XL_NONE) {
+            snprintf(a->untranslatable[i], sizeof a->untranslatable[0],
+                     "%s is not translated to %s's API", a->kind->path, m->alias);
+        } else if (xl_request(a->kind->xl, model_xl(m), a->body, a->c->body.len, &t, &scratch,
+                              &v) < 0) {
+            snprintf(a->untranslatable[i], sizeof a->untranslatable[0], "%.99s", v.msg);
+            if (first < 0) refuse(r, 400, "untranslatable_field", NULL, "%s", v.msg);
+            if (first < 0) snprintf(r->param, sizeof r->param, "%s", v.param);
+            first = i;
+        } else {
+            ok++;
+        }
+    }
+    buf_free(&scratch);
+    if (ok) return ADMIT;
+    if (first >= 0) return REFUSE;
+    model *m = a->chain[0];
+    return refuse(r, 400, "invalid_request", NULL,
+                  "the model \"%.200s\" is served through %s, and %s is not translated: call it "
+                  "on %s",
+                  a->name.p, m->api == API_ANTHROPIC ? "Anthropic's Messages API" : "OpenAI's API",
+                  a->kind->path, m->api == API_ANTHROPIC ? "/v1/messages" : "/v1/chat/completions");
 }
 
 /* "stream"; the limits on output tokens the kind names ("max_tokens"...:
@@ -12368,7 +14375,7 @@ static int allow_shared(const tkey *k, const group *g);
 
 /* With --cluster, a request whose key or group has a budget, a rate limit
  * or max_parallel_requests, or that carries an Idempotency-Key, is decided
- * by the shared store (section 20), not here (`shared`): the key is claimed
+ * by the shared store (section 21), not here (`shared`): the key is claimed
  * there with the first hold, so that one instance runs the request. */
 static int admit_shared(admission *a, refusal *r) {
     if (!cl_on()) return ADMIT;
@@ -12445,7 +14452,7 @@ static int admit_storage(admission *a, refusal *r) {
  * bytes / 3 and the output limit) -- is held against the key's and the
  * group's budgets and rate limits: the last check, so that a request
  * refused by another holds nothing. */
-/* A hold refused (by hold_reserve, or by the shared store: section 20):
+/* A hold refused (by hold_reserve, or by the shared store: section 21):
  * the answer. `left`: USD left in the budget that refused. */
 static int hold_refuse(admission *a, refusal *r, const hold_refusal *why, int64_t cost,
                        double left) {
@@ -12493,7 +14500,8 @@ static int admit_hold(admission *a, refusal *r) {
 
 /* The checks, in order: the first that does not admit decides. */
 static int (*const admission_checks[])(admission *, refusal *) = {
-    admit_key, admit_body, admit_model, admit_options, admit_overrides, admit_shared,
+    admit_key, admit_body, admit_model, admit_translation, admit_options, admit_overrides,
+    admit_shared,
     admit_idempotency, admit_parallel, admit_storage, admit_hold
 };
 
@@ -12506,7 +14514,9 @@ static void inference_refuse(admission *a, const refusal *r) {
     if (a->g && a->g->s.al.has_budget)
         buf_printf(&h, "x-ltg-budget-remaining: %.6f\r\n",
                    budget_remaining(&a->g->s.al, wall_ms()));
+    a->c->f.param = r->param[0] ? r->param : NULL;
     conn_error(a->c, r->status, r->code, h.p, "%s", r->msg);
+    a->c->f.param = NULL;
     buf_free(&h);
 }
 
@@ -12517,7 +14527,9 @@ static exchange *exchange_new(admission *a) {
     x->cat = S.cat;
     x->stream = a->stream;
     x->kind = a->kind;
+    x->up = a->kind;
     x->hide_usage = a->hide;
+    memcpy(x->untranslatable, a->untranslatable, sizeof x->untranslatable);
     x->cat->refs++;
     S.nexchanges++;
     memcpy(x->rid, a->c->rid, sizeof x->rid);
@@ -12570,7 +14582,7 @@ static exchange *exchange_new(admission *a) {
     return x;
 }
 
-/* What admission learnt, for the access log and the metrics (section 18):
+/* What admission learnt, for the access log and the metrics (section 19):
  * the key, its group, and the model asked for when the catalog has it. */
 static void admission_facts(const admission *a) {
     req_facts *f = &a->c->f;
@@ -12612,7 +14624,7 @@ static void inference_go(exchange *x) {
 
 /* Admitted: the exchange, which owns the connection from now on. With
  * --cluster, a request decided by the shared store is held there first
- * (section 20: its answer goes on with inference_go). */
+ * (section 21: its answer goes on with inference_go). */
 static void inference_start(admission *a) {
     exchange *x = exchange_new(a);
     a->c->owner = x;
@@ -12623,6 +14635,19 @@ static void inference_start(admission *a) {
     }
     x->w = worst_case(&x->shape, x->chain[0]);
     if (cl_hold(x, 1) != LTG_AGAIN) cl_refuse_first(x, a->key, a->g, NULL, 0, 0);
+}
+
+/* count_tokens for a model that does not speak Messages: ltg's own estimate of the input, the
+ * figure its holds use (a token per 3 bytes of the body), with no call upstream: Claude Code
+ * asks it to decide when to compact a conversation. */
+static void count_estimate(admission *a) {
+    buf b = {0}, h = {0};
+    buf_printf(&b, "{\"input_tokens\":%lld}", a->shape.prompt);
+    buf_printf(&h, "x-ltg-request-id: %s\r\nX-Request-ID: %s\r\nx-ltg-estimated: true\r\n",
+               a->c->rid, a->c->rid);
+    conn_reply(a->c, 200, "application/json", h.p, b.p, b.len);
+    buf_free(&b);
+    buf_free(&h);
 }
 
 /* POST to an inference endpoint (a row of WIRE): parse, admit, start. */
@@ -12636,6 +14661,7 @@ static void inference_call(conn *c, const wire_kind *kind) {
     admission_facts(&a);
     if (v == REFUSE) inference_refuse(&a, &r);
     else if (v == REPLAY) inference_replay(c, a.replay);
+    else if (kind->free && a.chain[0]->api != kind->api) count_estimate(&a);
     else inference_start(&a);
     free(a.usage.text);
     buf_free(&a.name);
@@ -12686,11 +14712,11 @@ static void inference_models(conn *c, const char *id) {
     buf_free(&h);
 }
 
-/* ===== 18. Observability: metrics and the access log =====
+/* ===== 19. Observability: metrics and the access log =====
  *
  * IMPLEMENTATION NOTES
  * Counters and histograms are recorded where things happen, in section
- * 2's table (attempts in section 17, TLS handshakes in 8, fsyncs in 13,
+ * 2's table (attempts in section 18, TLS handshakes in 8, fsyncs in 13,
  * spend events in 14...). GET /metrics writes them out, then the gauges,
  * read from live state at that moment: budgets, breakers, pools,
  * connections, /proc/self. When a request is over, the server calls
@@ -12726,6 +14752,8 @@ static const struct { const char *name, *type, *help; } FAMILY[NFAMILIES] = {
     [M_RATE_LIMITED] = {"ltg_rate_limited_total", "counter", "Requests refused with 429 rate_limited, by group, the limit's scope (key or group) and limit."},
     [M_CLUSTER_CALL] = {"ltg_cluster_call_seconds", "histogram", "With --cluster: calls on the command link to the shared store, from queued to answered."},
     [M_DROPPED] = {"ltg_metrics_series_dropped_total", "counter", "Observations not recorded: the series table was full."},
+    [M_TRANSLATED] = {"ltg_translated_requests_total", "counter", "Attempts sent translated, by the client's API and the provider's."},
+    [M_XL_DROPPED] = {"ltg_dropped_fields_total", "counter", "Hints left out of translated attempts, by field."},
 };
 
 /* --access-log FILE (or "off"); at start-up and on SIGUSR1. */
@@ -12809,6 +14837,7 @@ static void request_ended(conn *c) {
     jw_key(&w, "token_group_id"), jw_str_or_null(&w, f->group_id);
     jw_key(&w, "requested_model"), jw_str_or_null(&w, f->requested);
     jw_key(&w, "served_model"), jw_str_or_null(&w, f->served);
+    jw_key(&w, "client_api"), jw_cstr(&w, f->client_api);
     jw_key(&w, "attempts"), jw_ll_or_null(&w, f->attempts);
     for (int k = 0; k < NTOK; k++) {
         jw_key(&w, tok_names[k]), jw_ll_or_null(&w, f->tok[TOK_IN] < 0 ? -1 : f->tok[k]);
@@ -12963,13 +14992,13 @@ static void metrics_reply(conn *c) {
     buf_free(&b);
 }
 
-/* ===== 19. Routing =====
+/* ===== 20. Routing =====
  *
  * IMPLEMENTATION NOTES
  * Both listeners share the HTTP server; `conn.admin` says which one a
  * connection came from, and so which endpoints and which error shape it
  * gets: the control plane (section 16) and /metrics on the admin listener,
- * the OpenAI and Anthropic APIs (section 17) on the inference listener,
+ * the OpenAI and Anthropic APIs (section 18) on the inference listener,
  * /healthz and /readyz on both. One table, ROUTES, says it for both
  * listeners; route() finds the row, counts an inference request under its
  * endpoint, answers 404 or 405 itself, and calls the row's handler. The
@@ -13150,6 +15179,7 @@ static void route_begin(conn *c) {
     if (!c->admin && (!row || row->on == ON_INFERENCE)) {
         c->f.endpoint = !row ? "other" : row->kind ? row->kind->path : row->path;
         c->f.anthropic = row && row->kind && row->kind->api == API_ANTHROPIC;
+        c->f.client_api = row && row->kind ? row->kind->name : NULL;
         if (row && row->kind) trace_start(c);
     }
     route_body_allowed(c, row);
@@ -13187,7 +15217,7 @@ static void route(conn *c) {
     }
 }
 
-/* ===== 20. Several instances: the Redis link =====
+/* ===== 21. Several instances: the Redis link =====
  *
  * IMPLEMENTATION NOTES
  * With --cluster redis://HOST:PORT[/DB], several ltg processes share one
@@ -13256,7 +15286,7 @@ static void route(conn *c) {
 #define RESP_MAX_TOKS 1024
 #define RESP_MAX_DEPTH 8
 /* One string of a reply: a change's record (its item and answer: bodies <= 1 MiB), or a spend
- * event with the answer its replay keeps (CL_MAX_EVENT, section 17), and room to spare. */
+ * event with the answer its replay keeps (CL_MAX_EVENT, section 18), and room to spare. */
 #define RESP_MAX_BULK (CL_MAX_EVENT + 65536)
 /* A reply's bytes: one entry of each stream read whole. A read of CL_READ_COUNT entries that
  * comes to more fails, and the reader reads on one entry at a time (cl_tail_read). */
@@ -15148,7 +17178,7 @@ static void cl_note_sid(const char *p, const json_tok *t) {
 }
 
 
-/* ===== 21. main =====
+/* ===== 22. main =====
  *
  * IMPLEMENTATION NOTES
  * Start-up: options (a table), the catalog, the listeners bound (a busy

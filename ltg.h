@@ -210,7 +210,8 @@ typedef enum {
     OUTCOME_INDETERMINATE, /* timeout, 408, 5xx, connection lost after sending */
     OUTCOME_TERMINAL,      /* context length, 400, 401, 403, 422, other 4xx but 404 */
     OUTCOME_UNKNOWN_MODEL, /* 404 */
-    OUTCOME_CIRCUIT_OPEN   /* the breakers of all the model's deployments are open: no call made */
+    OUTCOME_CIRCUIT_OPEN,  /* the breakers of all the model's deployments are open: no call made */
+    OUTCOME_UNTRANSLATABLE /* the request cannot be carried to the model's API: no call made */
 } attempt_outcome;
 
 typedef enum {

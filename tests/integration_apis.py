@@ -224,12 +224,14 @@ def t_messages():
         e = spend_event_at(a, g, s.header("x-ltg-request-id"))
         check(e["status"] == "succeeded" and e["output_tokens"] == delta["usage"]["output_tokens"] and
               e["input_tokens"] == ev[0][1]["message"]["usage"]["input_tokens"], "a stream's usage: %r" % e)
-        # 529 is no_work; the OpenAI fallback is skipped, the Anthropic one serves.
+        # 529 is no_work; the OpenAI fallback serves, translated (integration_translate.py has the rest).
         script("claude-m", ["status=529"])
         r = it.one_request(a.port, "POST", "/v1/messages", msg_body(), {"x-api-key": token}, auth=None)
-        check(r.status == 200 and r.header("x-ltg-served-model") == "Claude-B" and r.header("x-ltg-attempts") == "2", "529: %s" % r.brief())
+        check(r.status == 200 and r.header("x-ltg-served-model") == "Kimi-K3" and r.header("x-ltg-attempts") == "2"
+              and r.json().get("type") == "message", "529: %s" % r.brief())
         log = spend_event_at(a, g, r.header("x-ltg-request-id"))["attempt_log"]
-        check([(x["model"], x["outcome"]) for x in log] == [("Claude-M", "no_work"), ("Claude-B", "ok")], "the attempts %r" % log)
+        check([(x["model"], x["outcome"], x["api"]) for x in log] == [("Claude-M", "no_work", "messages"), ("Kimi-K3", "ok", "chat")],
+              "the attempts %r" % log)
         # "prompt is too long": terminal, the provider's answer relayed.
         script("claude-m", ["context_length"])
         r = it.one_request(a.port, "POST", "/v1/messages", msg_body(), {"x-api-key": token}, auth=None)
@@ -243,17 +245,16 @@ def t_messages():
               "the end of a cut stream: %r" % (last_ev,))
         # Every attempt failing: Anthropic's shape, with the attempts.
         script("claude-m", ["status=500"])
+        script("kimi-k3", ["status=503"])
         script("claude-b", ["status=503"])
         r = it.one_request(a.port, "POST", "/v1/messages", msg_body(), {"x-api-key": token}, auth=None)
         j = anthropic_error(r, 503, "api_error")
-        check(len(j["error"].get("attempts", [])) == 2, "the attempts in the error: %r" % j)
-        # ltg's own refusals in Anthropic's shape; a model of the other API is refused on each side.
+        check(len(j["error"].get("attempts", [])) == 3, "the attempts in the error: %r" % j)
+        # ltg's own refusals in Anthropic's shape; an endpoint that is not translated says where to call.
         anthropic_error(it.one_request(a.port, "POST", "/v1/messages", msg_body(), auth=None), 401, "authentication_error")
-        anthropic_error(it.one_request(a.port, "POST", "/v1/messages", msg_body("Kimi-K3"), {"x-api-key": token}, auth=None),
-                        400, "invalid_request_error")
         anthropic_error(it.one_request(a.port, "POST", "/v1/messages", msg_body("Nope"), {"x-api-key": token}, auth=None),
                         403, "permission_error")
-        o = it.one_request(a.port, "POST", "/v1/chat/completions", it.chat_body("Claude-M"), auth=token)
+        o = it.one_request(a.port, "POST", "/v1/embeddings", {"model": "Claude-B", "input": "x"}, auth=token)
         it.check_openai_error(o, 400, "invalid_request")
         check(b"/v1/messages" in o.body, "the refusal says where to call it: %r" % o.body)
         a.stop()

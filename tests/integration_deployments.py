@@ -192,7 +192,7 @@ def check_attempt_list(att, expect, what):
              for b, w in zip(brief, expect)] + brief[len(expect):]
     check(brief == [tuple(w) for w in expect], "%s: %r, want %r" % (what, brief, [tuple(w) for w in expect]))
     for x in att:
-        fields = {"model", "deployment", "attempt", "status", "outcome", "ms", "span_id"} | ({"error"} if x["outcome"] != "ok" else set())
+        fields = {"model", "deployment", "attempt", "status", "outcome", "ms", "span_id", "api"} | ({"error"} if x["outcome"] != "ok" else set())
         fields |= it.ATTEMPT_BILL if set(x) & it.ATTEMPT_BILL else set()  # no bill yet: an attempt still metered (a live answer)
         check(set(x) == fields, "%s: entry %r: fields must be exactly %s" % (what, x, ", ".join(sorted(fields))))
         check(isinstance(x["ms"], int) and x["ms"] >= 0, "%s: entry %r: ms is not a whole number >= 0" % (what, x))

@@ -17,7 +17,7 @@ import integration as it
 
 check = it.check
 FIELDS = ("ts", "request_id", "trace_id", "client", "plane", "method", "path", "status", "ms", "bytes_in", "bytes_out", "token_key_id",
-          "token_group_id", "requested_model", "served_model", "attempts", "input_tokens", "cache_read_tokens",
+          "token_group_id", "requested_model", "served_model", "client_api", "attempts", "input_tokens", "cache_read_tokens",
           "cache_write_tokens", "cache_write_1h_tokens", "output_tokens", "reasoning_tokens", "cost", "usage_status", "cache")
 
 

@@ -182,7 +182,7 @@ def check_attempt_list(att, expect, what):
     for x, w in zip(att, expect):
         # "error" (why the attempt did not succeed) is ltg's addition to the API.md shape: on every
         # failed attempt, never on a success.
-        fields = {"model", "deployment", "attempt", "status", "outcome", "ms", "span_id"} | ({"error"} if x.get("outcome") != "ok" else set())
+        fields = {"model", "deployment", "attempt", "status", "outcome", "ms", "span_id", "api"} | ({"error"} if x.get("outcome") != "ok" else set())
         # what the attempt was charged (README "Cost"); not yet in a live answer while it is metered
         fields |= it.ATTEMPT_BILL if set(x) & it.ATTEMPT_BILL else set()
         check(set(x) == fields, "%s: entry %r: fields must be exactly %s" % (what, x, ", ".join(sorted(fields))))

@@ -1292,7 +1292,7 @@ static exchange *fake_exchange(catalog *cat, int max_attempts, long long deadlin
     exchange *x = xcalloc(1, sizeof *x);
     x->cat = cat, cat->refs++, S.nexchanges++;
     snprintf(x->rid, sizeof x->rid, "req_unit");
-    x->kind = &WIRE[0]; /* chat completions */
+    x->kind = x->up = &WIRE[0]; /* chat completions */
     memcpy(x->group_id, unit_id('g', 9), 37), memcpy(x->key_id, unit_id('k', 9), 37);
     x->chain[0] = catalog_model(cat, "A", 1), x->chain[1] = catalog_model(cat, "B", 1), x->nchain = 2;
     buf_puts(&x->body, "{\"model\":\"A\"}");
@@ -1868,7 +1868,7 @@ static void test_ledger_pieces(void) {
     {
         exchange x;
         memset(&x, 0, sizeof x);
-        x.hide_usage = 1, x.kind = &WIRE[0];
+        x.hide_usage = 1, x.kind = x.up = &WIRE[0];
         CHECK(stream_take(&x, ": ping\n\n", 8) == SSE_EMPTY, "a comment");
         CHECK(stream_take(&x, "data:\n\n", 7) == SSE_EMPTY, "empty data");
         CHECK(stream_take(&x, "data: [DONE]\n\n", 14) == SSE_RELAY, "[DONE]");
@@ -2148,6 +2148,254 @@ static void test_sha256(void) {
     SHA_NI = -1;
 }
 
+/* jv_*: walking a validated document, storing nothing -- the same members json_parse finds. */
+static void test_jv(void) {
+    const char *doc = " {\"a\": [1, {\"b\":\"x\\\"}\"}, [] ], \"c\" : -2.5e3, \"d\":{}, \"e\":null} ";
+    size_t n = strlen(doc), pos = 0;
+    json_tok root = jv_at(doc, n, 0), k, v, a;
+    CHECK(root.type == JSON_OBJECT && doc[root.end - 1] == '}', "root %d", root.type);
+    const char *names[] = {"a", "c", "d", "e"};
+    json_type types[] = {JSON_ARRAY, JSON_NUMBER, JSON_OBJECT, JSON_NULL};
+    int i = 0;
+    while (jv_next(doc, n, &root, &pos, &k, &v) && i < 4) {
+        CHECK(json_eq(doc, &k, 0, names[i]) && v.type == types[i], "member %d", i);
+        i++;
+    }
+    CHECK(i == 4, "4 members, %d", i);
+    CHECK(jv_get(doc, n, &root, "a", &a) && a.type == JSON_ARRAY, "a");
+    pos = 0;
+    int e = 0;
+    while (jv_next(doc, n, &a, &pos, &k, &v)) e++;
+    CHECK(e == 3, "a has 3 elements, %d", e);
+    CHECK(jv_get(doc, n, &root, "c", &v) && v.end - v.start == 6, "c's bytes");
+    CHECK(!jv_get(doc, n, &root, "zz", &v), "no zz");
+}
+
+/* One translated request against its golden. */
+static void xl_golden(xl_api from, xl_api to, const char *in, const char *want, const char *param,
+                      const char *dropped) {
+    xl_target t = {"up-model", 8000, 1};
+    xl_verdict v;
+    buf out = {0};
+    json_tok tok[1];
+    json_result res;
+    CHECK(json_parse(in, strlen(in), tok, 1, 0, &res) == 0, "the case is JSON: %s", in);
+    int r = xl_request(from, to, in, strlen(in), &t, &out, &v);
+    if (param) {
+        CHECK(r < 0 && strcmp(v.param, param) == 0, "refused at %s: got %d %s (%s) for %s", param, r,
+              v.param, v.msg, in);
+    } else {
+        CHECK(r == 0 && out.p && strcmp(out.p, want) == 0, "%s\n  want %s\n  got  %s (%s)", in,
+              want, out.p ? out.p : "", v.msg);
+        CHECK(r != 0 || json_parse(out.p, out.len, tok, 1, 0, &res) == 0, "output is JSON");
+        CHECK(strcmp(v.dropped, dropped ? dropped : "") == 0, "dropped %s, want %s", v.dropped,
+              dropped ? dropped : "");
+    }
+    buf_free(&out);
+}
+
+static void test_xl_requests(void) {
+    /* Messages -> chat */
+    xl_golden(XL_MESSAGES, XL_CHAT,
+              "{\"model\":\"C\",\"max_tokens\":10,\"system\":[{\"type\":\"text\",\"text\":\"a\","
+              "\"cache_control\":{\"type\":\"ephemeral\"}},{\"type\":\"text\",\"text\":\"b\"}],"
+              "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"top_k\":5}",
+              "{\"model\":\"up-model\",\"messages\":[{\"role\":\"system\",\"content\":\"a\\nb\"},"
+              "{\"role\":\"user\",\"content\":\"hi\"}],\"max_tokens\":10}",
+              NULL, "/top_k,/system/0/cache_control");
+    /* a tool loop: tool_use -> tool_calls, tool_result before the turn's text, is_error */
+    xl_golden(XL_MESSAGES, XL_CHAT,
+              "{\"model\":\"C\",\"max_tokens\":10,\"messages\":[{\"role\":\"user\",\"content\":\"go\"},"
+              "{\"role\":\"assistant\",\"content\":[{\"type\":\"text\",\"text\":\"ok\"},{\"type\":"
+              "\"tool_use\",\"id\":\"toolu_1\",\"name\":\"Bash\",\"input\":{\"command\":\"ls\"}}]},"
+              "{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"and?\"},{\"type\":"
+              "\"tool_result\",\"tool_use_id\":\"toolu_1\",\"is_error\":true,\"content\":[{\"type\":"
+              "\"text\",\"text\":\"no\"}]}]}],\"tools\":[{\"name\":\"Bash\",\"description\":\"run\","
+              "\"input_schema\":{\"type\":\"object\"}}],\"tool_choice\":{\"type\":\"any\","
+              "\"disable_parallel_tool_use\":true},\"stream\":true}",
+              "{\"model\":\"up-model\",\"messages\":[{\"role\":\"user\",\"content\":\"go\"},{\"role\":"
+              "\"assistant\",\"content\":\"ok\",\"tool_calls\":[{\"id\":\"toolu_1\",\"type\":"
+              "\"function\",\"function\":{\"name\":\"Bash\",\"arguments\":\"{\\\"command\\\":\\\"ls\\\"}\"}}]},"
+              "{\"role\":\"tool\",\"tool_call_id\":\"toolu_1\",\"content\":\"Error: no\"},{\"role\":"
+              "\"user\",\"content\":\"and?\"}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":"
+              "\"Bash\",\"description\":\"run\",\"parameters\":{\"type\":\"object\"}}}],\"tool_choice\":"
+              "\"required\",\"parallel_tool_calls\":false,\"max_tokens\":10,\"stream\":true,"
+              "\"stream_options\":{\"include_usage\":true}}",
+              NULL, NULL);
+    /* images by base64 and URL; thinking to a reasoning model; metadata.user_id */
+    xl_golden(XL_MESSAGES, XL_CHAT,
+              "{\"model\":\"C\",\"max_tokens\":10,\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":"
+              "\"image\",\"source\":{\"type\":\"base64\",\"media_type\":\"image/png\",\"data\":\"QUJD\"}},"
+              "{\"type\":\"image\",\"source\":{\"type\":\"url\",\"url\":\"https://x/y.png\"}},{\"type\":"
+              "\"text\",\"text\":\"what?\"}]}],\"thinking\":{\"type\":\"enabled\",\"budget_tokens\":3000},"
+              "\"metadata\":{\"user_id\":\"u1\"}}",
+              "{\"model\":\"up-model\",\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":"
+              "\"image_url\",\"image_url\":{\"url\":\"data:image/png;base64,QUJD\"}},{\"type\":"
+              "\"image_url\",\"image_url\":{\"url\":\"https://x/y.png\"}},{\"type\":\"text\",\"text\":"
+              "\"what?\"}]}],\"max_tokens\":10,\"user\":\"u1\",\"reasoning_effort\":\"medium\"}",
+              NULL, NULL);
+    /* refused, each with its pointer */
+    xl_golden(XL_MESSAGES, XL_CHAT,
+              "{\"model\":\"C\",\"max_tokens\":1,\"messages\":[],\"tools\":[{\"type\":\"bash_20250124\","
+              "\"name\":\"bash\"}]}", NULL, "/tools/0/type", NULL);
+    xl_golden(XL_MESSAGES, XL_CHAT, "{\"model\":\"C\",\"max_tokens\":1,\"messages\":[],\"mcp_servers\":[]}",
+              NULL, "/mcp_servers", NULL);
+    xl_golden(XL_MESSAGES, XL_CHAT, "{\"model\":\"C\",\"max_tokens\":1,\"messages\":[],\"new_thing\":1}",
+              NULL, "/new_thing", NULL);
+    xl_golden(XL_MESSAGES, XL_CHAT,
+              "{\"model\":\"C\",\"max_tokens\":1,\"messages\":[],\"stop_sequences\":[\"a\",\"b\",\"c\","
+              "\"d\",\"e\"]}", NULL, "/stop_sequences", NULL);
+    /* chat -> Messages: system hoisted, the model's max_output_tokens, tool results coalesced into
+     * one user turn right after the calls, the user text after them, ids Anthropic refuses mapped
+     * injectively, thinking off after a tool call */
+    xl_golden(XL_CHAT, XL_MESSAGES,
+              "{\"model\":\"G\",\"messages\":[{\"role\":\"system\",\"content\":\"s\"},{\"role\":\"user\","
+              "\"content\":\"go\"},{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":"
+              "\"functions.Bash:0\",\"type\":\"function\",\"function\":{\"name\":\"Bash\",\"arguments\":"
+              "\"{\\\"c\\\":1}\"}},{\"id\":\"call_2\",\"type\":\"function\",\"function\":{\"name\":\"Bash\","
+              "\"arguments\":\"\"}}]},{\"role\":\"tool\",\"tool_call_id\":\"functions.Bash:0\",\"content\":"
+              "\"r1\"},{\"role\":\"tool\",\"tool_call_id\":\"call_2\",\"content\":\"r2\"},{\"role\":\"user\","
+              "\"content\":\"next\"}],\"reasoning_effort\":\"high\",\"seed\":4,\"temperature\":0.5,"
+              "\"stop\":\"END\",\"user\":\"u\"}",
+              "{\"model\":\"up-model\",\"system\":[{\"type\":\"text\",\"text\":\"s\"}],\"messages\":[{"
+              "\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"go\"}]},{\"role\":\"assistant\","
+              "\"content\":[{\"type\":\"tool_use\",\"id\":\"functions_Bash_0_a97d1507\",\"name\":\"Bash\","
+              "\"input\":{\"c\":1}},{\"type\":\"tool_use\",\"id\":\"call_2\",\"name\":\"Bash\",\"input\":{}}]},"
+              "{\"role\":\"user\",\"content\":[{\"type\":\"tool_result\",\"tool_use_id\":"
+              "\"functions_Bash_0_a97d1507\",\"content\":\"r1\"},{\"type\":\"tool_result\",\"tool_use_id\":"
+              "\"call_2\",\"content\":\"r2\"},{\"type\":\"text\",\"text\":\"next\"}]}],\"max_tokens\":8000,"
+              "\"stop_sequences\":[\"END\"],\"temperature\":0.5,\"metadata\":{\"user_id\":\"u\"}}",
+              NULL, "/seed,/reasoning_effort");
+    xl_golden(XL_CHAT, XL_MESSAGES, "{\"model\":\"G\",\"messages\":[],\"n\":2}", NULL, "/n", NULL);
+    xl_golden(XL_CHAT, XL_MESSAGES, "{\"model\":\"G\",\"messages\":[],\"temperature\":1.5}", NULL,
+              "/temperature", NULL);
+    xl_golden(XL_CHAT, XL_MESSAGES, "{\"model\":\"G\",\"messages\":[],\"logprobs\":true}", NULL,
+              "/logprobs", NULL);
+    xl_golden(XL_CHAT, XL_MESSAGES,
+              "{\"model\":\"G\",\"messages\":[{\"role\":\"assistant\",\"tool_calls\":[{\"id\":\"a\","
+              "\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":\"[1]\"}}]}]}",
+              NULL, "/messages/0/tool_calls/0", NULL);
+    xl_golden(XL_CHAT, XL_MESSAGES,
+              "{\"model\":\"G\",\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"input_audio\","
+              "\"input_audio\":{}}]}]}", NULL, "/messages/0/content/0", NULL);
+    /* a name past chat's 64 bytes: 55 of it, "_", 8 hex; the id map never makes two ids one */
+    char a[74], b[74];
+    xl_anthropic_id("x.y", 3, a);
+    xl_anthropic_id("x_y", 3, b);
+    CHECK(strcmp(a, b) != 0 && strcmp(b, "x_y") == 0 && strncmp(a, "x_y_", 4) == 0, "ids %s %s", a, b);
+    char cn[65];
+    xl_chat_name("mcp__a_very_long_server_name__and_a_very_long_tool_name_too_long_x", 66, cn);
+    CHECK(strlen(cn) == 64 && cn[55] == '_', "name %s", cn);
+}
+
+/* Feed a provider's SSE events one at a time; the client's stream, joined. */
+static int xl_run(xl_stream *xs, const char *const *evs, buf *all) {
+    long long u[NTOK] = {[TOK_IN] = 20, [TOK_CACHE_READ] = 5, [TOK_OUT] = 7};
+    buf data = {0}, out = {0};
+    const char *why = NULL;
+    int r = 0;
+    for (int i = 0; evs[i] && r == 0; i++) {
+        sse_event_data(evs[i], strlen(evs[i]), &data);
+        out.len = 0;
+        r = xl_feed(xs, evs[i], strlen(evs[i]), &data, u, &out, &why);
+        if (out.len) buf_append(all, out.p, out.len);
+    }
+    if (r == 0) {
+        out.len = 0;
+        r = xl_feed_end(xs, u, &out, &why);
+        if (out.len) buf_append(all, out.p, out.len);
+    }
+    buf_free(&data);
+    buf_free(&out);
+    return r;
+}
+
+static void test_xl_streams(void) {
+    /* chat -> Anthropic: two parallel calls, fragments interleaved (one chunk carries both), a
+     * finish of "stop" with tools (GLM's), then usage and [DONE] */
+    static const char *const chat[] = {
+        "data: {\"id\":\"c1\",\"model\":\"glm\",\"choices\":[{\"index\":0,\"delta\":{\"role\":"
+        "\"assistant\",\"content\":null}}]}\n\n",
+        ": keep-alive\n\n",
+        "data: {\"id\":\"c1\",\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":"
+        "\"call_a\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":\"\"}}]}}]}\n\n",
+        "data: {\"id\":\"c1\",\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":1,\"id\":"
+        "\"call_b\",\"type\":\"function\",\"function\":{\"name\":\"g\",\"arguments\":\"{\\\"y\"}}]}}]}\n\n",
+        "data: {\"id\":\"c1\",\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,"
+        "\"function\":{\"arguments\":\"{\\\"x\\\":\"}},{\"index\":1,\"function\":{\"arguments\":"
+        "\"\\\":2}\"}}]}}]}\n\n",
+        "data: {\"id\":\"c1\",\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,"
+        "\"function\":{\"arguments\":\"1}\"}}]}}]}\n\n",
+        "data: {\"id\":\"c1\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n",
+        "data: {\"id\":\"c1\",\"choices\":[],\"usage\":{\"prompt_tokens\":20}}\n\n",
+        "data: [DONE]\n\n", NULL};
+    buf all = {0};
+    xl_stream *xs = xl_stream_new(XL_CHAT, XL_MESSAGES, 0, 99, "{}", 2);
+    CHECK(xl_run(xs, chat, &all) == 1, "the stream is whole");
+    const char *want =
+        "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_c1\","
+        "\"type\":\"message\",\"role\":\"assistant\",\"model\":\"glm\",\"content\":[],\"stop_reason\":"
+        "null,\"stop_sequence\":null,\"usage\":{\"input_tokens\":99,\"cache_creation_input_tokens\":0,"
+        "\"cache_read_input_tokens\":0,\"output_tokens\":1}}}\n\n"
+        "event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,"
+        "\"content_block\":{\"type\":\"tool_use\",\"id\":\"call_a\",\"name\":\"f\",\"input\":{}}}\n\n"
+        "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":"
+        "{\"type\":\"input_json_delta\",\"partial_json\":\"{\\\"x\\\":\"}}\n\n"
+        "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":"
+        "{\"type\":\"input_json_delta\",\"partial_json\":\"1}\"}}\n\n"
+        "event: content_block_stop\ndata: {\"type\":\"content_block_stop\",\"index\":0}\n\n"
+        "event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":1,"
+        "\"content_block\":{\"type\":\"tool_use\",\"id\":\"call_b\",\"name\":\"g\",\"input\":{}}}\n\n"
+        "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":1,\"delta\":"
+        "{\"type\":\"input_json_delta\",\"partial_json\":\"{\\\"y\\\":2}\"}}\n\n"
+        "event: content_block_stop\ndata: {\"type\":\"content_block_stop\",\"index\":1}\n\n"
+        "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":"
+        "\"tool_use\",\"stop_sequence\":null},\"usage\":{\"input_tokens\":15,"
+        "\"cache_creation_input_tokens\":0,\"cache_read_input_tokens\":5,\"output_tokens\":7}}\n\n"
+        "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
+    CHECK(all.p && strcmp(all.p, want) == 0, "chat -> messages:\n%s", all.p ? all.p : "");
+    xl_stream_free(xs);
+    /* Anthropic -> chat: thinking, text, a tool call, a ping; the usage chunk asked for */
+    static const char *const anth[] = {
+        "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"m1\",\"model\":"
+        "\"claude\",\"usage\":{\"input_tokens\":3}}}\n\n",
+        "event: ping\ndata: {\"type\":\"ping\"}\n\n",
+        "event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,"
+        "\"content_block\":{\"type\":\"thinking\",\"thinking\":\"\"}}\n\n",
+        "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":"
+        "{\"type\":\"thinking_delta\",\"thinking\":\"hm\"}}\n\n",
+        "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":"
+        "{\"type\":\"signature_delta\",\"signature\":\"sig\"}}\n\n",
+        "event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":1,"
+        "\"content_block\":{\"type\":\"tool_use\",\"id\":\"toolu_1\",\"name\":\"Bash\",\"input\":{}}}\n\n",
+        "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":1,\"delta\":"
+        "{\"type\":\"input_json_delta\",\"partial_json\":\"{}\"}}\n\n",
+        "event: content_block_stop\ndata: {\"type\":\"content_block_stop\",\"index\":1}\n\n",
+        "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":"
+        "\"tool_use\"},\"usage\":{\"output_tokens\":7}}\n\n",
+        "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n", NULL};
+    all.len = 0;
+    xs = xl_stream_new(XL_MESSAGES, XL_CHAT, 1, 99, "{}", 2);
+    CHECK(xl_run(xs, anth, &all) == 1, "the stream is whole");
+    CHECK(all.p && strncmp(all.p, "data: {\"id\":\"chatcmpl-m1\"", 25) == 0, "the first chunk: %.80s",
+          all.p ? all.p : "");
+    CHECK(strstr(all.p, "\"delta\":{\"role\":\"assistant\",\"reasoning_content\":\"hm\"}") &&
+          strstr(all.p, "\"tool_calls\":[{\"index\":0,\"id\":\"toolu_1\",\"type\":\"function\","
+                        "\"function\":{\"name\":\"Bash\",\"arguments\":\"\"}}]") &&
+          strstr(all.p, "\"finish_reason\":\"tool_calls\"") &&
+          strstr(all.p, "\"choices\":[],\"usage\":{\"prompt_tokens\":20,\"completion_tokens\":7") &&
+          !strstr(all.p, "sig") && strcmp(all.p + all.len - 14, "data: [DONE]\n\n") == 0,
+          "messages -> chat:\n%s", all.p);
+    xl_stream_free(xs);
+    /* cut before the end: an error, never a whole stream */
+    static const char *const cut[] = {chat[0], chat[2], NULL};
+    all.len = 0;
+    xs = xl_stream_new(XL_CHAT, XL_MESSAGES, 0, 99, "{}", 2);
+    CHECK(xl_run(xs, cut, &all) < 0, "a cut stream is not whole");
+    xl_stream_free(xs);
+    buf_free(&all);
+}
+
 #define T(fn) {#fn, fn}
 static const struct { const char *name; void (*fn)(void); } TESTS[] = {
     T(test_json_reader), T(test_json_scan), T(test_json_writer), T(test_http_request), T(test_http_response),
@@ -2155,6 +2403,7 @@ static const struct { const char *name; void (*fn)(void); } TESTS[] = {
     T(test_group_validation), T(test_ledger_pieces), T(test_log), T(test_log_failures), T(test_log_async), T(test_compaction_on_time),
     T(test_ledger_days), T(test_ledger_budgets_16m), T(test_ledger_budgets_16k), T(test_ledger_chunks),
     T(test_ledger_migration), T(test_ledger_extremes), T(test_sha256), T(test_exchange_fake),
+    T(test_jv), T(test_xl_requests), T(test_xl_streams),
 };
 #define NTESTS (sizeof TESTS / sizeof *TESTS)
 

@@ -1,0 +1,223 @@
+"""Integration tests: one API for every model (README "One API for every model"). A chain that
+crosses API families -- Claude on an Anthropic provider falling back to GLM on an OpenAI-chat
+provider, and the reverse -- is translated, not skipped: the request in the provider's API, the
+answer (whole or streamed, tool calls included) in the client's, the errors in the client's
+shape, the ledger metering the provider's own usage. What cannot be carried is refused with its
+JSON Pointer, or skipped in a chain with an `untranslatable` entry.
+
+Runs alone: python3 tests/integration_translate.py --ltg ./ltg --mock tests/mock
+"""
+
+import datetime
+import json
+
+import integration as it
+
+check = it.check
+
+# alias: (provider, upstream model, input USD/M, output USD/M)
+MODELS = {
+    "Claude": ("anth", "claude-up", 3.0, 15.0),
+    "GLM": ("mock", "glm-up", 0.6, 2.2),
+    "Claude-b": ("anth", "claude-b-up", 3.0, 15.0),
+}
+_ltg = {}
+
+
+def ltg():
+    """This file's ltg: the harness's catalog with an Anthropic provider (the same mock, speaking
+    Anthropic's API) and the models above."""
+    if "aux" not in _ltg:
+        cfg = it.catalog_copy()
+        cfg["providers"]["anth"] = dict(cfg["providers"]["mock"], api="anthropic")
+        for alias, (prov, up, i, o) in MODELS.items():
+            cfg["models"][alias] = dict(it.catalog_model(prov, up, i, o), max_output_tokens=8000)
+        a = it.Aux("translate", config=it.write_catalog(cfg, "translate"))
+        a.start()
+        _ltg["aux"] = a
+    return _ltg["aux"]
+
+
+def group_key(allowed, fallbacks=None):
+    a = ltg()
+    g = it.create_group(it.group_body(allowed_models=allowed, fallbacks=fallbacks or {}), port=a.admin_port)
+    return g, it.create_key(g["id"], port=a.admin_port)[1]
+
+
+def script(model, steps):
+    it.H.mock_post("/_mock/script", {"model": model, "steps": steps})
+
+
+def post(path, body, token, headers=None, timeout=30.0):
+    return it.one_request(ltg().port, "POST", path, body, headers=headers, auth=token, timeout=timeout)
+
+
+def jbody(r):
+    try:
+        return json.loads(r.body)
+    except ValueError:
+        raise it.TestFailure("not JSON (%d): %r" % (r.status, r.body[:300]))
+
+
+def events(r):
+    """(event name or None, data as JSON or text) of an SSE body."""
+    out = []
+    for _, text in it.sse_events(r):
+        name, data = None, []
+        for line in text.split("\n"):
+            if line.startswith("event:"):
+                name = line[6:].strip()
+            elif line.startswith("data:"):
+                data.append(line[5:].lstrip())
+        if not data:
+            continue
+        d = "\n".join(data)
+        try:
+            d = json.loads(d)
+        except ValueError:
+            pass
+        out.append((name, d))
+    return out
+
+
+def spend_event(g, rid, timeout=15.0):
+    a = ltg()
+    today = datetime.datetime.now(datetime.timezone.utc).date()
+    q = "/spend/events?start_date=%s&end_date=%s&token_group_id=%s&page[size]=100" % (
+        today - datetime.timedelta(days=1), today + datetime.timedelta(days=2), g["id"])
+    got = []
+
+    def found():
+        got[:] = [e for e in it.check_admin_ok(it.admin("GET", q, port=a.admin_port), 200, "GET /spend/events")["data"]
+                  if e["request_id"] == rid]
+        return got
+    it.wait_until("the spend event of %s" % rid, found, timeout * it.SLOW, 0.1)
+    return got[0]
+
+
+def messages_body(model, content="Hi", **kw):
+    b = {"model": model, "max_tokens": 100, "messages": [{"role": "user", "content": content}]}
+    b.update(kw)
+    return b
+
+
+def chat(model, content="Hi", **kw):
+    b = {"model": model, "messages": [{"role": "user", "content": content}]}
+    b.update(kw)
+    return b
+
+
+def last_sent():
+    last = it.H.mock_last()
+    return last["path"], json.loads(last["body"])
+
+
+@it.test("translate: Claude answers 529, its fallback GLM (OpenAI chat) answers a Messages client in "
+         "Anthropic's shape; x-ltg-attempts 2; the ledger's attempts say messages then chat")
+def t_failover_messages_to_chat():
+    g, token = group_key(["Claude", "GLM"], {"Claude": ["GLM"]})
+    script("claude-up", ["status=529"])
+    r = post("/v1/messages", messages_body("Claude"), token)
+    check(r.status == 200, "status %d: %r" % (r.status, r.body[:300]))
+    check(r.header("x-ltg-served-model") == "GLM" and r.header("x-ltg-attempts") == "2",
+          "headers %r %r" % (r.header("x-ltg-served-model"), r.header("x-ltg-attempts")))
+    j = jbody(r)
+    check(j["type"] == "message" and j["role"] == "assistant" and j["content"][0]["type"] == "text"
+          and j["content"][0]["text"] == "Hello from glm-up." and j["stop_reason"] == "end_turn",
+          "the answer: %r" % j)
+    path, sent = last_sent()
+    check(path.endswith("/chat/completions") and sent["model"] == "glm-up" and sent["max_tokens"] == 100
+          and sent["messages"] == [{"role": "user", "content": "Hi"}], "sent %s %r" % (path, sent))
+    u = j["usage"]
+    ev = spend_event(g, r.header("x-ltg-request-id"))
+    check(ev["client_api"] == "messages" and [a["api"] for a in ev["attempt_log"]] == ["messages", "chat"]
+          and [a["outcome"] for a in ev["attempt_log"]] == ["no_work", "ok"], "the event: %r" % ev)
+    check(u["input_tokens"] == ev["input_tokens"] and u["output_tokens"] == ev["output_tokens"],
+          "usage %r, the ledger %r" % (u, ev))
+
+
+@it.test("translate: an OpenAI chat client on Claude: the request in Anthropic's shape (max_tokens the "
+         "model's max_output_tokens, system hoisted), the answer a chat.completion with its usage")
+def t_chat_to_claude():
+    g, token = group_key(["Claude"])
+    r = post("/v1/chat/completions", chat("Claude", messages=[{"role": "system", "content": "Be brief."},
+                                                                {"role": "user", "content": "Hi"}]), token)
+    check(r.status == 200, "status %d: %r" % (r.status, r.body[:300]))
+    j = jbody(r)
+    check(j["object"] == "chat.completion" and j["choices"][0]["message"]["content"] == "Hello from claude-up."
+          and j["choices"][0]["finish_reason"] == "stop", "the answer: %r" % j)
+    path, sent = last_sent()
+    check(path.endswith("/messages") and sent["max_tokens"] == 8000
+          and sent["system"] == [{"type": "text", "text": "Be brief."}]
+          and sent["messages"] == [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+          "sent %s %r" % (path, sent))
+    ev = spend_event(g, r.header("x-ltg-request-id"))
+    u = j["usage"]
+    check(u["prompt_tokens"] == ev["input_tokens"] and u["completion_tokens"] == ev["output_tokens"]
+          and ev["attempt_log"][0]["api"] == "messages" and ev["client_api"] == "chat", "usage %r, event %r" % (u, ev))
+
+
+@it.test("translate: streams both ways -- a Messages client on GLM gets message_start ... message_stop "
+         "with the provider's counts in message_delta; a chat client on Claude gets chunks, the usage "
+         "chunk it asked for and [DONE]")
+def t_streams():
+    g, token = group_key(["Claude", "GLM"])
+    r = post("/v1/messages", messages_body("GLM", stream=True), token)
+    check(r.status == 200, "status %d: %r" % (r.status, r.body[:300]))
+    ev = events(r)
+    names = [n for n, _ in ev]
+    check(names[0] == "message_start" and names[-1] == "message_stop" and names[-2] == "message_delta"
+          and "content_block_start" in names and "content_block_stop" in names, "events %r" % names)
+    text = "".join(d["delta"]["text"] for n, d in ev if n == "content_block_delta")
+    check(text == "word word word ", "text %r" % text)
+    spend = spend_event(g, r.header("x-ltg-request-id"))
+    md = [d for n, d in ev if n == "message_delta"][0]
+    check(md["delta"]["stop_reason"] == "end_turn" and md["usage"]["output_tokens"] == spend["output_tokens"]
+          and md["usage"]["input_tokens"] == spend["input_tokens"], "message_delta %r, event %r" % (md, spend))
+    r = post("/v1/chat/completions", chat("Claude", stream=True, stream_options={"include_usage": True}), token)
+    check(r.status == 200, "status %d: %r" % (r.status, r.body[:300]))
+    datas = [d for _, d in events(r)]
+    check(datas[-1] == "[DONE]" and datas[-2]["choices"] == [] and datas[-3]["choices"][0]["finish_reason"] == "stop",
+          "chunks %r" % datas[-3:])
+    check(datas[0]["choices"][0]["delta"].get("role") == "assistant", "first chunk %r" % datas[0])
+    text = "".join(d["choices"][0]["delta"].get("content") or "" for d in datas[:-2])
+    check(text == "word word word ", "text %r" % text)
+
+
+@it.test("translate: refused with its JSON Pointer -- n=2 to Claude (400 untranslatable_field, param /n); "
+         "a chain whose first model cannot take it skips it, logged untranslatable, not counted")
+def t_untranslatable():
+    _, alone = group_key(["Claude"])
+    r = post("/v1/chat/completions", chat("Claude", n=2), alone)
+    check(r.status == 400, "status %d: %r" % (r.status, r.body[:300]))
+    e = jbody(r)["error"]
+    check(e["code"] == "untranslatable_field" and e["param"] == "/n" and "Anthropic" in e["message"],
+          "the error %r" % e)
+    g, token = group_key(["Claude", "GLM"], {"Claude": ["GLM"]})
+    r = post("/v1/chat/completions", chat("Claude", n=2), token)
+    check(r.status == 200 and r.header("x-ltg-served-model") == "GLM" and r.header("x-ltg-attempts") == "1",
+          "%d %r %r" % (r.status, r.header("x-ltg-attempts"), r.body[:200]))
+    ev = spend_event(g, r.header("x-ltg-request-id"))
+    a = ev["attempt_log"]
+    check(len(a) == 2 and a[0]["outcome"] == "untranslatable" and a[0]["status"] == 0 and a[0]["ms"] == 0
+          and "/n" in a[0]["error"] and a[0]["api"] is None and a[1]["outcome"] == "ok", "attempt_log %r" % a)
+    body = messages_body("GLM", tools=[{"type": "web_search_20250305", "name": "web_search"}])
+    r = post("/v1/messages", body, token)
+    e = jbody(r)
+    check(r.status == 400 and e["type"] == "error" and e["error"]["code"] == "untranslatable_field"
+          and e["error"]["param"] == "/tools/0/type", "%d %r" % (r.status, e))
+
+
+@it.test("translate: count_tokens for a model behind OpenAI chat: ltg's estimate, x-ltg-estimated, no call")
+def t_count_tokens():
+    g, token = group_key(["GLM"])
+    before = it.H.mock_get("/_mock/stats")
+    r = post("/v1/messages/count_tokens", {"model": "GLM", "messages": [{"role": "user", "content": "Hi"}]}, token)
+    check(r.status == 200 and r.header("x-ltg-estimated") == "true" and jbody(r)["input_tokens"] > 0,
+          "%d %r %r" % (r.status, r.headers, r.body))
+    check(it.H.mock_get("/_mock/stats")["requests"] == before["requests"], "the mock was called")
+
+
+if __name__ == "__main__":   # this file alone: python3 tests/integration_translate.py --ltg ./ltg --mock tests/mock
+    import sys
+    sys.exit(it.main(only=__name__))
