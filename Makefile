@@ -111,7 +111,7 @@ soak: ltg tests/mock
 # scratch directory it names. libFuzzer comes with libclang-rt-14-dev:
 # installed when we can (root with apt), otherwise we say what to run.
 FUZZ_SECONDS ?= 10
-FUZZ_TARGETS = http_request http_response json config log_replay dns stored tls_anchors resp
+FUZZ_TARGETS = http_request http_response json config log_replay dns stored tls_anchors resp xl
 FUZZ_CC ?= clang
 FUZZ_FLAGS = -O1 -g -fsanitize=fuzzer,address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
 

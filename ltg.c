@@ -10840,7 +10840,8 @@ static int m2c_messages(xlq *q, const json_tok *root) {
         return xl_refuse(q, "/messages", "/messages: an array of turns is needed");
     for (int i = 0; jv_next(q->s, q->n, &msgs, &pos, &k, &m); i++) {
         snprintf(p, sizeof p, "/messages/%d", i);
-        if (!jv_get(q->s, q->n, &m, "role", &role) || !jv_get(q->s, q->n, &m, "content", &content) ||
+        if (!jv_get(q->s, q->n, &m, "role", &role) ||
+            !jv_get(q->s, q->n, &m, "content", &content) ||
             (content.type != JSON_STRING && content.type != JSON_ARRAY))
             return xl_refuse(q, p, "%s: a turn needs a role and a content", p);
         snprintf(p, sizeof p, "/messages/%d/content", i);
@@ -11050,9 +11051,14 @@ static int c2m_part(xlq *q, const json_tok *part, const char *p) {
     jw_key(&q->w, "type"), jw_cstr(&q->w, image ? "image" : "document");
     jw_key(&q->w, "source"), jw_open(&q->w, '{');
     if (c2m_data_url(q->s, &u, &mt, &data)) {
+        buf b = {0};
         jw_key(&q->w, "type"), jw_cstr(&q->w, "base64");
-        jw_key(&q->w, "media_type"), xl_copy(q, &mt);
-        jw_key(&q->w, "data"), xl_copy(q, &data);
+        buf_append(&b, q->s + mt.start, mt.end - mt.start);
+        jw_key(&q->w, "media_type"), xl_escaped(&q->w, &b); /* slices of a string: no quotes */
+        b.len = 0;
+        buf_append(&b, q->s + data.start, data.end - data.start);
+        jw_key(&q->w, "data"), xl_escaped(&q->w, &b);
+        buf_free(&b);
     } else if (image) {
         jw_key(&q->w, "type"), jw_cstr(&q->w, "url");
         jw_key(&q->w, "url"), xl_copy(q, &u);
@@ -11418,7 +11424,8 @@ static void xl_usage_json(jwriter *w, xl_api client, const long long u[NTOK]) {
         jw_key(w, "completion_tokens_details"), jw_open(w, '{');
         jw_key(w, "reasoning_tokens"), jw_int(w, u[TOK_REASONING]);
         jw_close(w, '}');
-        if (u[TOK_CACHE_WRITE]) jw_key(w, "cache_creation_input_tokens"), jw_int(w, u[TOK_CACHE_WRITE]);
+        if (u[TOK_CACHE_WRITE]) /* chat has no field of its own for them */
+            jw_key(w, "cache_creation_input_tokens"), jw_int(w, u[TOK_CACHE_WRITE]);
     }
     jw_close(w, '}');
 }
@@ -11441,29 +11448,62 @@ static void xl_client_name(const char *req, size_t rn, const char *name, size_t 
     buf_append(out, name, n);
 }
 
+/* An answer's "id" (the provider's, after `prefix`) and "model", as the provider named them. */
+static void xl_answer_names(jwriter *w, const char *s, size_t n, const json_tok *root,
+                            const char *prefix) {
+    json_tok v;
+    buf id = {0};
+    buf_puts(&id, prefix);
+    if (jv_get(s, n, root, "id", &v) && v.type == JSON_STRING)
+        buf_append(&id, s + v.start, v.end - v.start);
+    jw_key(w, "id"), xl_escaped(w, &id);
+    buf_free(&id);
+    jw_key(w, "model");
+    if (jv_get(s, n, root, "model", &v) && v.type == JSON_STRING)
+        jw_raw(w, s + v.start - 1, v.end - v.start + 2);
+    else
+        jw_cstr(w, "");
+}
+
+/* A chat tool call as a tool_use block: its arguments must hold a JSON object ("" is {}),
+ * its id one Anthropic takes, its name the client's. */
+static int xl_tool_use(jwriter *w, const char *s, size_t n, const json_tok *call, const char *req,
+                       size_t rn) {
+    buf a = {0}, nm = {0}, idv = {0};
+    json_tok f = {0}, t, tt[1];
+    json_result res;
+    char aid[74];
+    jv_get(s, n, call, "function", &f);
+    if (jv_get(s, n, &f, "arguments", &t) && t.type == JSON_STRING) json_unescape(s, &t, 0, &a);
+    int bad = a.len && (json_parse(a.p, a.len, tt, 1, 0, &res) < 0 || tt[0].type != JSON_OBJECT);
+    if (jv_get(s, n, call, "id", &t) && t.type == JSON_STRING) json_unescape(s, &t, 0, &idv);
+    xl_anthropic_id(idv.p ? idv.p : "call", idv.p ? idv.len : 4, aid);
+    if (jv_get(s, n, &f, "name", &t)) xl_client_name(req, rn, s + t.start, t.end - t.start, &nm);
+    if (!bad) {
+        jw_open(w, '{');
+        jw_key(w, "type"), jw_cstr(w, "tool_use");
+        jw_key(w, "id"), jw_cstr(w, aid);
+        jw_key(w, "name"), xl_escaped(w, &nm);
+        jw_key(w, "input"), jw_raw(w, a.len ? a.p : "{}", a.len ? a.len : 2);
+        jw_close(w, '}');
+    }
+    buf_free(&a), buf_free(&nm), buf_free(&idv);
+    return bad ? LTG_ERR : 0;
+}
+
 /* A chat completion as an Anthropic message. LTG_ERR with *why when a tool call's arguments
  * are not a JSON object (Anthropic's input must be one). */
 static int xl_chat_to_message(const char *s, size_t n, const char *req, size_t rn,
                               const long long u[NTOK], buf *out, const char **why) {
-    json_tok root = jv_at(s, n, 0), v, ch, c0, msg, calls, k, call, f, t;
+    json_tok root = jv_at(s, n, 0), v, ch = {0}, c0, msg = {0}, calls, k, call;
     size_t pos = 0;
     jwriter w;
     jw_init(&w, out);
     jw_open(&w, '{');
-    jw_key(&w, "id");
-    buf id = {0};
-    buf_puts(&id, "msg_");
-    if (jv_get(s, n, &root, "id", &v) && v.type == JSON_STRING)
-        buf_append(&id, s + v.start, v.end - v.start);
-    xl_escaped(&w, &id);
-    buf_free(&id);
+    xl_answer_names(&w, s, n, &root, "msg_");
     jw_key(&w, "type"), jw_cstr(&w, "message");
     jw_key(&w, "role"), jw_cstr(&w, "assistant");
-    jw_key(&w, "model");
-    if (jv_get(s, n, &root, "model", &v)) jw_raw(&w, s + v.start - 1, v.end - v.start + 2);
-    else jw_cstr(&w, "");
     jv_get(s, n, &root, "choices", &ch);
-    pos = 0;
     int has = ch.type == JSON_ARRAY && jv_next(s, n, &ch, &pos, &k, &c0);
     if (has) jv_get(s, n, &c0, "message", &msg);
     jw_key(&w, "content"), jw_open(&w, '[');
@@ -11476,34 +11516,11 @@ static int xl_chat_to_message(const char *s, size_t n, const char *req, size_t r
     }
     pos = 0;
     if (has && jv_get(s, n, &msg, "tool_calls", &calls) && calls.type == JSON_ARRAY)
-        while (jv_next(s, n, &calls, &pos, &k, &call)) {
-            buf a = {0}, nm = {0};
-            json_tok tt[1];
-            json_result res;
-            char aid[74];
-            jv_get(s, n, &call, "function", &f);
-            if (jv_get(s, n, &f, "arguments", &t) && t.type == JSON_STRING)
-                json_unescape(s, &t, 0, &a);
-            if (a.len && (json_parse(a.p, a.len, tt, 1, 0, &res) < 0 || tt[0].type != JSON_OBJECT)) {
-                buf_free(&a);
+        for (; jv_next(s, n, &calls, &pos, &k, &call); tools++)
+            if (xl_tool_use(&w, s, n, &call, req, rn) < 0) {
                 *why = "answered a tool call whose arguments are not a JSON object";
                 return LTG_ERR;
             }
-            buf idv = {0};
-            if (jv_get(s, n, &call, "id", &t) && t.type == JSON_STRING) json_unescape(s, &t, 0, &idv);
-            xl_anthropic_id(idv.p ? idv.p : "call", idv.p ? idv.len : 4, aid);
-            buf_free(&idv);
-            if (jv_get(s, n, &f, "name", &t)) xl_client_name(req, rn, s + t.start, t.end - t.start, &nm);
-            jw_open(&w, '{');
-            jw_key(&w, "type"), jw_cstr(&w, "tool_use");
-            jw_key(&w, "id"), jw_cstr(&w, aid);
-            jw_key(&w, "name"), xl_escaped(&w, &nm);
-            jw_key(&w, "input"), jw_raw(&w, a.len ? a.p : "{}", a.len ? a.len : 2);
-            jw_close(&w, '}');
-            tools++;
-            buf_free(&a);
-            buf_free(&nm);
-        }
     jw_close(&w, ']');
     xl_finish fin = has && jv_get(s, n, &c0, "finish_reason", &v) ? xl_finish_of(s, &v) : XF_STOP;
     if (tools) fin = XF_TOOL; /* a tool call ends with the tool stop reason, whatever was said */
@@ -11524,7 +11541,8 @@ static void xl_tool_calls(jwriter *w, const char *s, size_t n, const json_tok *c
     while (jv_next(s, n, content, &pos, &k, &b)) {
         if (!jv_get(s, n, &b, "type", &t) || !json_eq(s, &t, 0, "tool_use")) continue;
         jw_open(w, '{');
-        jw_key(w, "id"), jv_get(s, n, &b, "id", &t), jw_raw(w, s + t.start - 1, t.end - t.start + 2);
+        jv_get(s, n, &b, "id", &t);
+        jw_key(w, "id"), jw_raw(w, s + t.start - 1, t.end - t.start + 2);
         jw_key(w, "type"), jw_cstr(w, "function");
         jw_key(w, "function"), jw_open(w, '{');
         jv_get(s, n, &b, "name", &t);
@@ -11546,18 +11564,9 @@ static void xl_message_to_chat(const char *s, size_t n, const long long u[NTOK],
     jwriter w;
     jw_init(&w, out);
     jw_open(&w, '{');
-    jw_key(&w, "id");
-    buf id = {0};
-    buf_puts(&id, "chatcmpl-");
-    if (jv_get(s, n, &root, "id", &v) && v.type == JSON_STRING)
-        buf_append(&id, s + v.start, v.end - v.start);
-    xl_escaped(&w, &id);
-    buf_free(&id);
+    xl_answer_names(&w, s, n, &root, "chatcmpl-");
     jw_key(&w, "object"), jw_cstr(&w, "chat.completion");
     jw_key(&w, "created"), jw_int(&w, wall_ms() / 1000);
-    jw_key(&w, "model");
-    if (jv_get(s, n, &root, "model", &v)) jw_raw(&w, s + v.start - 1, v.end - v.start + 2);
-    else jw_cstr(&w, "");
     jw_key(&w, "choices"), jw_open(&w, '['), jw_open(&w, '{');
     jw_key(&w, "index"), jw_int(&w, 0);
     jw_key(&w, "message"), jw_open(&w, '{');
@@ -11565,7 +11574,9 @@ static void xl_message_to_chat(const char *s, size_t n, const long long u[NTOK],
     int has = jv_get(s, n, &root, "content", &content) && content.type == JSON_ARRAY;
     while (has && jv_next(s, n, &content, &pos, &k, &b)) {
         jv_get(s, n, &b, "type", &t);
-        buf *into = json_eq(s, &t, 0, "text") ? &text : json_eq(s, &t, 0, "thinking") ? &think : NULL;
+        buf *into = json_eq(s, &t, 0, "text")       ? &text
+                    : json_eq(s, &t, 0, "thinking") ? &think
+                                                    : NULL;
         tools += json_eq(s, &t, 0, "tool_use");
         if (into && jv_get(s, n, &b, into == &text ? "text" : "thinking", &t))
             buf_append(into, s + t.start, t.end - t.start);
@@ -11610,7 +11621,8 @@ static int xl_error(xl_api client, int status, const char *s, size_t n, buf *out
     int ok = s && json_parse(s, n, t, 1, 0, &res) == 0 && t[0].type == JSON_OBJECT;
     root = ok ? jv_at(s, n, 0) : (json_tok){0};
     if (ok && jv_get(s, n, &root, "error", &err)) {
-        if (jv_get(s, n, &err, "message", &v) && v.type == JSON_STRING) json_unescape(s, &v, 0, &msg);
+        if (jv_get(s, n, &err, "message", &v) && v.type == JSON_STRING)
+            json_unescape(s, &v, 0, &msg);
         if ((jv_get(s, n, &err, "code", &v) || jv_get(s, n, &err, "type", &v)) &&
             v.type == JSON_STRING)
             json_unescape(s, &v, 0, &code);
@@ -11727,7 +11739,8 @@ static void ae_to(xl_stream *x, ae_state to) {
  * which Anthropic's SDKs copy over it). */
 static void ae_start(xl_stream *x, buf *out) {
     buf d = {0};
-    buf_printf(&d, "{\"type\":\"message_start\",\"message\":{\"id\":\"msg_%s\",\"type\":\"message\","
+    buf_printf(&d, "{\"type\":\"message_start\",\"message\":{\"id\":\"msg_%s\","
+               "\"type\":\"message\","
                "\"role\":\"assistant\",\"model\":\"%s\",\"content\":[],\"stop_reason\":null,"
                "\"stop_sequence\":null,\"usage\":{\"input_tokens\":%lld,"
                "\"cache_creation_input_tokens\":0,\"cache_read_input_tokens\":0,"
@@ -11911,10 +11924,11 @@ static void ce_chunk(xl_stream *x, const buf *delta, const char *finish, const l
         return;
     }
     buf_puts(out, "[{\"index\":0,\"delta\":{");
-    if (x->ce == CE_WAIT) buf_puts(out, delta->len ? "\"role\":\"assistant\"," : "\"role\":\"assistant\"");
+    if (x->ce == CE_WAIT) buf_puts(out, "\"role\":\"assistant\"");
+    if (x->ce == CE_WAIT && delta->len) buf_puts(out, ",");
     buf_append(out, delta->p, delta->len);
-    buf_cat(out, "},\"logprobs\":null,\"finish_reason\":", finish ? "\"" : "null", finish ? finish : "",
-            finish ? "\"" : "", "}]}\n\n", NULL);
+    buf_puts(out, "},\"logprobs\":null,\"finish_reason\":");
+    buf_cat(out, finish ? "\"" : "null", finish ? finish : "", finish ? "\"" : "", "}]}\n\n", NULL);
     if (x->ce == CE_WAIT) ce_to(x, CE_FLOWING);
 }
 
@@ -11985,92 +11999,137 @@ static void xl_names(xl_stream *x, const char *s, size_t n, const json_tok *o) {
         if (!isalnum((unsigned char)*p) && *p != '_' && *p != '-') *p = '_';
 }
 
+/* Where a decoder's neutral events go: the client's encoder, with the usage so far and the
+ * output. */
+typedef struct {
+    xl_stream *x;
+    const long long *u;
+    buf *out;
+    const char **why;
+} xl_sink;
+
+static int xe_put(xl_sink *k, xe e) { return xl_put(k->x, &e, k->u, k->out, k->why); }
+
+static xe xe_of(xe_kind kind) { return (xe){kind, 0, NULL, 0, NULL, 0, XF_NONE}; }
+
+/* An event of text (string token v of s): XE_TEXT, XE_REASONING, or XE_ARGS of call `index`. */
+static xe xe_text(xe_kind kind, int index, const char *s, const json_tok *v) {
+    xe e = xe_of(kind);
+    e.index = index;
+    e.s = s + v->start;
+    e.n = v->end - v->start;
+    return e;
+}
+
+/* XE_TOOL: call `index` begins, its id and name (string tokens of s; an empty id: none). */
+static xe xe_tool(int index, const char *s, const json_tok *id, const json_tok *name) {
+    xe e = xe_text(XE_TOOL, index, s, id);
+    e.name = s + name->start;
+    e.nn = name->end - name->start;
+    return e;
+}
+
+static xe xe_finish(const char *s, const json_tok *v) {
+    xe e = xe_of(XE_FINISH);
+    e.finish = xl_finish_of(s, v);
+    return e;
+}
+
+/* The entries of a chat delta's tool_calls: a call's start when it names its tool, then its
+ * argument fragment. Keyed by "index": an id comes only with the first. */
+static int xl_chat_calls(xl_sink *k, const char *s, size_t n, const json_tok *calls) {
+    size_t pos = 0;
+    json_tok key, call, f, ix;
+    int r = 0;
+    while (r == 0 && jv_next(s, n, calls, &pos, &key, &call)) {
+        json_tok id = {JSON_STRING, 0, 0, 0, 0}, nm = id, a = id;
+        long long index = 0;
+        if (jv_get(s, n, &call, "index", &ix)) json_int(s, &ix, 0, &index);
+        if (!jv_get(s, n, &call, "id", &id) || id.type != JSON_STRING) id = nm;
+        if (jv_get(s, n, &call, "function", &f)) {
+            jv_get(s, n, &f, "name", &nm);
+            jv_get(s, n, &f, "arguments", &a);
+        }
+        if (nm.type == JSON_STRING && nm.end > nm.start)
+            r = xe_put(k, xe_tool((int)index, s, &id, &nm));
+        if (r == 0 && a.type == JSON_STRING && a.end > a.start)
+            r = xe_put(k, xe_text(XE_ARGS, (int)index, s, &a));
+    }
+    return r;
+}
+
 /* A chat provider's event (its data s[0..n), JSON or [DONE]) as neutral events. */
-static int xl_from_chat(xl_stream *x, const char *s, size_t n, const long long u[NTOK], buf *out,
-                        const char **why) {
-    if (n == 6 && memcmp(s, "[DONE]", 6) == 0) return xl_put(x, &(xe){XE_END, 0, NULL, 0, NULL, 0, XF_NONE}, u, out, why);
-    json_tok root = jv_at(s, n, 0), ch, k, c0, d, v, calls, call, f;
-    size_t pos = 0, cp = 0;
+static int xl_from_chat(xl_sink *k, const char *s, size_t n) {
+    if (n == 6 && memcmp(s, "[DONE]", 6) == 0) return xe_put(k, xe_of(XE_END));
+    json_tok root = jv_at(s, n, 0), ch, key, c0, d, v, calls;
+    size_t pos = 0;
     int r = 0;
     if (jv_get(s, n, &root, "error", &v)) {
-        *why = "the provider's stream carried an error";
+        *k->why = "the provider's stream carried an error";
         return LTG_ERR;
     }
-    xl_names(x, s, n, &root);
+    xl_names(k->x, s, n, &root);
     if (!jv_get(s, n, &root, "choices", &ch) || ch.type != JSON_ARRAY ||
-        !jv_next(s, n, &ch, &pos, &k, &c0))
+        !jv_next(s, n, &ch, &pos, &key, &c0))
         return 0; /* the usage chunk: section 18 has read it */
     if (jv_get(s, n, &c0, "delta", &d)) {
         static const char *const think[] = {"reasoning_content", "reasoning"};
         for (int i = 0; i < 2 && r == 0; i++)
             if (jv_get(s, n, &d, think[i], &v) && v.type == JSON_STRING)
-                r = xl_put(x, &(xe){XE_REASONING, 0, s + v.start, v.end - v.start, NULL, 0, XF_NONE}, u, out, why);
+                r = xe_put(k, xe_text(XE_REASONING, 0, s, &v));
         if (r == 0 && jv_get(s, n, &d, "content", &v) && v.type == JSON_STRING)
-            r = xl_put(x, &(xe){XE_TEXT, 0, s + v.start, v.end - v.start, NULL, 0, XF_NONE}, u, out, why);
-        if (jv_get(s, n, &d, "tool_calls", &calls) && calls.type == JSON_ARRAY)
-            while (r == 0 && jv_next(s, n, &calls, &cp, &k, &call)) {
-                json_tok ix, id = {JSON_STRING, 0, 0, 0, 0}, nm = id, a = id;
-                long long index = 0;
-                if (jv_get(s, n, &call, "index", &ix)) json_int(s, &ix, 0, &index);
-                jv_get(s, n, &call, "id", &id);
-                if (jv_get(s, n, &call, "function", &f)) {
-                    jv_get(s, n, &f, "name", &nm);
-                    jv_get(s, n, &f, "arguments", &a);
-                }
-                if (nm.type == JSON_STRING && nm.end > nm.start)
-                    r = xl_put(x, &(xe){XE_TOOL, (int)index, s + id.start, id.type == JSON_STRING ? id.end - id.start : 0, s + nm.start, nm.end - nm.start, XF_NONE}, u, out, why);
-                if (r == 0 && a.type == JSON_STRING && a.end > a.start)
-                    r = xl_put(x, &(xe){XE_ARGS, (int)index, s + a.start, a.end - a.start, NULL, 0, XF_NONE}, u,
-                               out, why);
-            }
+            r = xe_put(k, xe_text(XE_TEXT, 0, s, &v));
+        if (r == 0 && jv_get(s, n, &d, "tool_calls", &calls) && calls.type == JSON_ARRAY)
+            r = xl_chat_calls(k, s, n, &calls);
     }
     if (r == 0 && jv_get(s, n, &c0, "finish_reason", &v) && v.type == JSON_STRING)
-        r = xl_put(x, &(xe){XE_FINISH, 0, NULL, 0, NULL, 0, xl_finish_of(s, &v)}, u, out, why);
+        r = xe_put(k, xe_finish(s, &v));
     return r;
 }
 
+/* content_block_start: a tool_use block is a call's start (numbered among the tool blocks); a
+ * text or thinking block says nothing until its deltas. */
+static int xl_block_start(xl_sink *k, const char *s, size_t n, const json_tok *root, int i) {
+    json_tok b, v, id = {JSON_STRING, 0, 0, 0, 0}, nm = id;
+    xl_stream *x = k->x;
+    if (!jv_get(s, n, root, "content_block", &b) || !jv_get(s, n, &b, "type", &v)) return 0;
+    x->kinds[i] = json_eq(s, &v, 0, "tool_use") ? 't' : json_eq(s, &v, 0, "thinking") ? 'r' : 'x';
+    if (x->kinds[i] != 't') return 0;
+    jv_get(s, n, &b, "id", &id);
+    jv_get(s, n, &b, "name", &nm);
+    x->ordinal[i] = x->ntool_blocks++;
+    return xe_put(k, xe_tool(x->ordinal[i], s, &id, &nm));
+}
+
 /* An Anthropic provider's event (`name`, its data s[0..n)) as neutral events. */
-static int xl_from_messages(xl_stream *x, const char *name, const char *s, size_t n,
-                            const long long u[NTOK], buf *out, const char **why) {
+static int xl_from_messages(xl_sink *k, const char *name, const char *s, size_t n) {
     json_tok root = jv_at(s, n, 0), v, b, ix;
     long long i = 0;
-    if (strcmp(name, "ping") == 0) return xl_put(x, &(xe){XE_PING, 0, NULL, 0, NULL, 0, XF_NONE}, u, out, why);
-    if (strcmp(name, "message_stop") == 0) return xl_put(x, &(xe){XE_END, 0, NULL, 0, NULL, 0, XF_NONE}, u, out, why);
+    xl_stream *x = k->x;
+    if (strcmp(name, "ping") == 0) return xe_put(k, xe_of(XE_PING));
+    if (strcmp(name, "message_stop") == 0) return xe_put(k, xe_of(XE_END));
     if (strcmp(name, "error") == 0) {
-        *why = "the provider's stream carried an error";
+        *k->why = "the provider's stream carried an error";
         return LTG_ERR;
     }
     if (strcmp(name, "message_start") == 0 && jv_get(s, n, &root, "message", &v))
         xl_names(x, s, n, &v);
     if (jv_get(s, n, &root, "index", &ix)) json_int(s, &ix, 0, &i);
     if (i < 0 || i >= 256) {
-        *why = "more content blocks than ltg carries (256)";
+        *k->why = "more content blocks than ltg carries (256)";
         return LTG_ERR;
     }
-    if (strcmp(name, "content_block_start") == 0 && jv_get(s, n, &root, "content_block", &b) &&
-        jv_get(s, n, &b, "type", &v)) {
-        x->kinds[i] = json_eq(s, &v, 0, "tool_use") ? 't' : json_eq(s, &v, 0, "thinking") ? 'r'
-                                                                                         : 'x';
-        if (x->kinds[i] != 't') return 0;
-        json_tok id = {JSON_STRING, 0, 0, 0, 0}, nm = id;
-        jv_get(s, n, &b, "id", &id);
-        jv_get(s, n, &b, "name", &nm);
-        x->ordinal[i] = x->ntool_blocks++;
-        return xl_put(x, &(xe){XE_TOOL, x->ordinal[i], s + id.start, id.end - id.start, s + nm.start, nm.end - nm.start, XF_NONE}, u, out, why);
-    }
+    if (strcmp(name, "content_block_start") == 0) return xl_block_start(k, s, n, &root, (int)i);
     if (strcmp(name, "content_block_delta") == 0 && jv_get(s, n, &root, "delta", &b)) {
-        if (jv_get(s, n, &b, "text", &v))
-            return xl_put(x, &(xe){XE_TEXT, 0, s + v.start, v.end - v.start, NULL, 0, XF_NONE}, u, out, why);
-        if (jv_get(s, n, &b, "thinking", &v))
-            return xl_put(x, &(xe){XE_REASONING, 0, s + v.start, v.end - v.start, NULL, 0, XF_NONE}, u, out, why);
+        if (jv_get(s, n, &b, "text", &v)) return xe_put(k, xe_text(XE_TEXT, 0, s, &v));
+        if (jv_get(s, n, &b, "thinking", &v)) return xe_put(k, xe_text(XE_REASONING, 0, s, &v));
         if (jv_get(s, n, &b, "partial_json", &v) && x->kinds[i] == 't')
-            return xl_put(x, &(xe){XE_ARGS, x->ordinal[i], s + v.start, v.end - v.start, NULL, 0, XF_NONE}, u, out,
-                          why);
+            return xe_put(k, xe_text(XE_ARGS, x->ordinal[i], s, &v));
         return 0; /* a signature: nothing a chat client reads */
     }
     if (strcmp(name, "message_delta") == 0 && jv_get(s, n, &root, "delta", &b) &&
         jv_get(s, n, &b, "stop_reason", &v))
-        return xl_put(x, &(xe){XE_FINISH, 0, NULL, 0, NULL, 0, xl_finish_of(s, &v)}, u, out, why);
+        return xe_put(k, xe_finish(s, &v));
     return 0;
 }
 
@@ -12080,27 +12139,28 @@ static int xl_from_messages(xl_stream *x, const char *name, const char *s, size_
  * stream carried an error, or something the client's API cannot say). */
 static int xl_feed(xl_stream *x, const char *ev, size_t evn, const buf *data,
                    const long long u[NTOK], buf *out, const char **why) {
+    xl_sink k = {x, u, out, why};
     char name[40] = "";
+    const char *p = ev + 6 + (evn > 6 && ev[6] == ' ');
     if (evn > 6 && memcmp(ev, "event:", 6) == 0)
-        snprintf(name, sizeof name, "%.*s", (int)strcspn(ev + 6 + (ev[6] == ' '), "\r\n"),
-                 ev + 6 + (ev[6] == ' '));
-    if (!data->len) return xl_put(x, &(xe){XE_PING, 0, NULL, 0, NULL, 0, XF_NONE}, u, out, why); /* a comment: keep-alive */
-    if (x->provider == XL_CHAT) return xl_from_chat(x, data->p, data->len, u, out, why);
+        snprintf(name, sizeof name, "%.*s", (int)strcspn(p, "\r\n"), p);
+    if (!data->len) return xe_put(&k, xe_of(XE_PING)); /* a comment: a keep-alive */
+    if (x->provider == XL_CHAT) return xl_from_chat(&k, data->p, data->len);
     if (!name[0]) { /* the event's name is its data's type */
         json_tok root = jv_at(data->p, data->len, 0), t;
         if (jv_get(data->p, data->len, &root, "type", &t))
             snprintf(name, sizeof name, "%.*s", (int)(t.end - t.start < 39 ? t.end - t.start : 39),
                      data->p + t.start);
     }
-    return xl_from_messages(x, name, data->p, data->len, u, out, why);
+    return xl_from_messages(&k, name, data->p, data->len);
 }
 
 /* The provider's stream ended: whole when it had finished (a chat stream may leave out
  * [DONE]), else LTG_ERR. */
 static int xl_feed_end(xl_stream *x, const long long u[NTOK], buf *out, const char **why) {
     if (x->ae == AE_DONE || x->ce == CE_DONE) return 1;
-    if (x->provider == XL_CHAT && x->finish != XF_NONE)
-        return xl_put(x, &(xe){XE_END, 0, NULL, 0, NULL, 0, XF_NONE}, u, out, why);
+    xl_sink k = {x, u, out, why};
+    if (x->provider == XL_CHAT && x->finish != XF_NONE) return xe_put(&k, xe_of(XE_END));
     *why = "the stream ended before its answer did";
     return LTG_ERR;
 }

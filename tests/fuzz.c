@@ -22,6 +22,11 @@
  *                  (groups and keys, through their rows): what the API took
  *                  survives the log; a PATCH leaves its base
  *   TLS_ANCHORS    tls_load_anchors on the input as a PEM or DER file
+ *   XL             the translator (section 17): a JSON input as a request
+ *                  both ways and as an answer both ways; any input as a
+ *                  provider's stream of either API, fed event by event to
+ *                  the other's encoder. Every body and every event's data
+ *                  written must parse as JSON
  * `make fuzz` builds each as tests/fuzz-<name> and runs it over its seeds in
  * tests/fuzz/<name>/.
  *
@@ -34,7 +39,7 @@
  */
 #if !defined(FUZZ_HTTP_REQUEST) && !defined(FUZZ_HTTP_RESPONSE) && !defined(FUZZ_JSON) && !defined(FUZZ_CONFIG) && \
     !defined(FUZZ_LOG_REPLAY) && !defined(FUZZ_DNS) && !defined(FUZZ_STORED) && \
-    !defined(FUZZ_TLS_ANCHORS) && !defined(FUZZ_RESP)
+    !defined(FUZZ_TLS_ANCHORS) && !defined(FUZZ_RESP) && !defined(FUZZ_XL)
 #error "choose a target: -DFUZZ_HTTP_REQUEST, ..., -DFUZZ_RESP (or run make fuzz)"
 #endif
 
@@ -287,7 +292,7 @@ static void sse_walk(const char *s, size_t n, uint64_t h) {
     char *c = copy(s, n);
     exchange x;
     memset(&x, 0, sizeof x);
-    x.hide_usage = 1, x.kind = &WIRE[h % 2 ? 0 : 3]; /* chat, or the Responses API */
+    x.hide_usage = 1, x.kind = x.up = &WIRE[h % 2 ? 0 : 3]; /* chat, or the Responses API */
     size_t off = 0, k;
     while ((k = sse_event_len(c + off, n - off)) > 0) {
         REQUIRE(k <= n - off, "sse_event_len %zu past the %zu bytes left", k, n - off);
@@ -919,6 +924,77 @@ int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) {
             free((void *)q);
         }
     }
+    free((void *)p);
+    return 0;
+}
+#endif
+
+#ifdef FUZZ_XL
+static void target_init(void) {}
+
+/* Each SSE event of out (an encoder's output) has data that is JSON or [DONE]. */
+static void xl_events_parse(const buf *out) {
+    size_t off = 0, k;
+    if (!out->len) return;
+    buf data = {0};
+    static json_tok t[1];
+    json_result res;
+    while ((k = sse_event_len(out->p + off, out->len - off)) > 0) {
+        if (sse_event_data(out->p + off, k, &data) && data.len && strcmp(data.p, "[DONE]") != 0)
+            REQUIRE(json_parse(data.p, data.len, t, 1, 0, &res) == 0, "an event's data is not JSON: %.*s",
+                    (int)data.len, data.p);
+        off += k;
+    }
+    REQUIRE(off == out->len, "the encoder's output ends inside an event");
+    buf_free(&data);
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) {
+    if (!n) return 0;
+    const char *p = copy(d, n);
+    static json_tok t[1];
+    json_result res;
+    long long u[NTOK] = {[TOK_IN] = 9, [TOK_CACHE_READ] = 2, [TOK_OUT] = 4};
+    buf out = {0};
+    if (json_parse(p, n, t, 1, 0, &res) == 0 && t[0].type == JSON_OBJECT) {
+        xl_target tg = {"m", 100, (int)(n & 1)};
+        xl_verdict v;
+        const char *why;
+        for (int from = XL_CHAT; from <= XL_MESSAGES; from++) {
+            if (xl_request((xl_api)from, from == XL_CHAT ? XL_MESSAGES : XL_CHAT, p, n, &tg, &out, &v) == 0)
+                REQUIRE(json_parse(out.p, out.len, t, 1, 0, &res) == 0, "a translated request is not JSON: %s",
+                        out.p);
+            if (xl_answer((xl_api)from, from == XL_CHAT ? XL_MESSAGES : XL_CHAT, p, n, "{}", 2, u, &out, &why) == 0)
+                REQUIRE(json_parse(out.p, out.len, t, 1, 0, &res) == 0, "a translated answer is not JSON: %s",
+                        out.p);
+        }
+    }
+    for (int from = XL_CHAT; from <= XL_MESSAGES; from++) {
+        xl_stream *xs = xl_stream_new((xl_api)from, from == XL_CHAT ? XL_MESSAGES : XL_CHAT, 1, 5, "{}", 2);
+        size_t off = 0, k;
+        buf data = {0}, all = {0};
+        const char *why;
+        int r = 0;
+        while (r == 0 && (k = sse_event_len(p + off, n - off)) > 0) {
+            sse_event_data(p + off, k, &data);
+            /* section 18 feeds only events whose data is JSON or [DONE] (stream_take) */
+            int ok = !data.len || strcmp(data.p, "[DONE]") == 0 || json_parse(data.p, data.len, t, 1, 0, &res) == 0;
+            out.len = 0;
+            if (ok) r = xl_feed(xs, p + off, k, &data, u, &out, &why);
+            if (out.len) buf_append(&all, out.p, out.len);
+            off += k;
+        }
+        if (r == 0) {
+            out.len = 0;
+            xl_feed_end(xs, u, &out, &why);
+            if (out.len) buf_append(&all, out.p, out.len);
+        }
+        xl_events_parse(&all);
+        xl_stream_free(xs);
+        buf_free(&data);
+        buf_free(&all);
+    }
+    buf_free(&out);
     free((void *)p);
     return 0;
 }

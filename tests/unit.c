@@ -2266,6 +2266,16 @@ static void test_xl_requests(void) {
               "\"call_2\",\"content\":\"r2\"},{\"type\":\"text\",\"text\":\"next\"}]}],\"max_tokens\":8000,"
               "\"stop_sequences\":[\"END\"],\"temperature\":0.5,\"metadata\":{\"user_id\":\"u\"}}",
               NULL, "/seed,/reasoning_effort");
+    /* an image as a data: URL becomes a base64 source (the fuzzer found the slice written with
+     * its neighbours as quotes); an https one a url source; detail dropped */
+    xl_golden(XL_CHAT, XL_MESSAGES,
+              "{\"model\":\"G\",\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\","
+              "\"image_url\":{\"url\":\"data:image/png;base64,QQ==\",\"detail\":\"low\"}},{\"type\":"
+              "\"image_url\",\"image_url\":{\"url\":\"https://x/y.png\"}}]}]}",
+              "{\"model\":\"up-model\",\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"image\","
+              "\"source\":{\"type\":\"base64\",\"media_type\":\"image/png\",\"data\":\"QQ==\"}},{\"type\":"
+              "\"image\",\"source\":{\"type\":\"url\",\"url\":\"https://x/y.png\"}}]}],\"max_tokens\":8000}",
+              NULL, "/messages/0/content/0");
     xl_golden(XL_CHAT, XL_MESSAGES, "{\"model\":\"G\",\"messages\":[],\"n\":2}", NULL, "/n", NULL);
     xl_golden(XL_CHAT, XL_MESSAGES, "{\"model\":\"G\",\"messages\":[],\"temperature\":1.5}", NULL,
               "/temperature", NULL);
