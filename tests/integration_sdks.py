@@ -113,6 +113,20 @@ def t_sdk_anthropic():
         run_clients("anthropic", a.port, token, 6)
 
 
+@it.test("sdks: translated -- the openai SDK (create, a stream, the stream helper on a tool call) and "
+         "the AI SDK's provider.chat() on Claude-M, an Anthropic model; @anthropic-ai/sdk (create, "
+         "stream().finalMessage(), countTokens) and @ai-sdk/anthropic on Kimi-K3, an OpenAI-chat model")
+def t_sdk_translated():
+    it.node_packages()
+    with it.running(anthropic_ltg("sdks-translated")) as a:
+        token = key_for(["Kimi-K3", "Claude-M"], port=a.admin_port)
+        it.H.mock_post("/_mock/script", {"model": "claude-mock", "steps": ["ok", "ok", "tool_call", "ok", "ok"]})
+        run_clients("translate-openai", a.port, token, 4)
+        it.H.mock_post("/_mock/reset", {})
+        result = run_clients("translate-anthropic", a.port, token, 4)
+        check(result.get("translated messages") == {"served": "Kimi-K3", "attempts": "1"}, "the headers seen: %r" % result)
+
+
 # The usage ltg relays, read by the SDKs: the upstream answer is scripted (POST /_mock/script on the
 # upstream model, one step) with cache counts, and the SDK's parsed usage must carry them unchanged.
 

@@ -19,6 +19,14 @@
 //                    with cache counts: prints the SDK's completion.usage for the caller to check
 //   usage-anthropic  one messages.create (@anthropic-ai/sdk, not streamed) on Claude-M, the same:
 //                    prints the SDK's message.usage
+//   translate-openai the openai SDK and the AI SDK on Claude-M, whose provider speaks Anthropic's
+//                    API: chat.completions.create, a stream read by hand, the stream helper's
+//                    finalChatCompletion() on a tool call (the caller scripts claude-mock: ok, ok,
+//                    tool_call, ok, ok), provider.chat() generateText and streamText
+//   translate-anthropic  @anthropic-ai/sdk and @ai-sdk/anthropic on Kimi-K3, whose provider speaks
+//                    OpenAI chat: messages.create, messages.stream().finalMessage(), countTokens
+//                    (ltg's estimate), generateText, streamText; with a tool call when WHICH is
+//                    translate-anthropic-tools (the caller scripts kimi-k3: ok, ok, tool_call, tool_call)
 //
 // API_KEY is a token key whose group allows Kimi-K3 and GLM-5.3-Flash (and Claude-M for
 // `anthropic`). The packages must be resolvable from tests/: tests/integration_sdks.py installs the
@@ -30,7 +38,7 @@
 
 const [baseURL, apiKey, which] = process.argv.slice(2);
 if (!baseURL || !apiKey || !which) {
-  console.error("usage: node sdk_clients.mjs BASE_URL API_KEY openai|ai|langchain|anthropic|failover-openai|failover-ai|usage-openai|usage-anthropic");
+  console.error("usage: node sdk_clients.mjs BASE_URL API_KEY openai|ai|langchain|anthropic|failover-openai|failover-ai|usage-openai|usage-anthropic|translate-openai|translate-anthropic[-tools]");
   process.exit(2);
 }
 
@@ -381,6 +389,99 @@ async function runUsageAnthropic() {
   ok("messages.create: message.usage read");
 }
 
+// ---- translated: an SDK of one API on a model of the other (README "One API for every model") ----
+
+async function runTranslateOpenAI() {
+  const client = await openaiClient();
+  const messages = [{ role: "system", content: "Be brief." }, { role: "user", content: "Hello" }];
+  const HELLO = "Hello from claude-mock.";
+  const { data, response } = await client.chat.completions.create({ model: "Claude-M", messages }).withResponse();
+  check(data.object === "chat.completion" && data.choices?.[0]?.message?.content === HELLO &&
+        data.choices[0].finish_reason === "stop", `create: ${show(data)}`);
+  check(data.usage?.prompt_tokens > 0 && data.usage?.completion_tokens > 0 &&
+        data.usage.total_tokens === data.usage.prompt_tokens + data.usage.completion_tokens, `create: usage ${show(data.usage)}`);
+  checkLtgHeaders(response.headers, "translated chat", "Claude-M");
+  ok("chat.completions.create on an Anthropic model");
+  const stream = await client.chat.completions.create({ model: "Claude-M", messages, stream: true,
+                                                        stream_options: { include_usage: true } });
+  let text = "", finish = null, usage = null;
+  for await (const chunk of stream) {
+    text += chunk.choices?.[0]?.delta?.content ?? "";
+    finish = chunk.choices?.[0]?.finish_reason ?? finish;
+    usage = chunk.usage ?? usage;
+  }
+  check(WORDS.test(text) && finish === "stop" && usage?.completion_tokens > 0, `stream: ${show({ text, finish, usage })}`);
+  ok("a stream read chunk by chunk: text, finish_reason, the usage chunk");
+  const tools = [{ type: "function", function: { name: "Bash", description: "run a command",
+                   parameters: { type: "object", properties: { command: { type: "string" } }, required: ["command"] } } }];
+  const runner = client.chat.completions.stream({ model: "Claude-M", messages, tools });
+  const final = await runner.finalChatCompletion();
+  const call = final.choices?.[0]?.message?.tool_calls?.[0];
+  check(final.choices[0].finish_reason === "tool_calls" && call?.function?.name === "Bash" &&
+        JSON.parse(call.function.arguments).command?.includes("mock-tool"), `stream helper: ${show(final)}`);
+  ok("the stream helper's finalChatCompletion(): a tool call, its arguments whole");
+  const { createOpenAI } = await import("@ai-sdk/openai");
+  const { generateText, streamText } = await import("ai");
+  const provider = createOpenAI({ baseURL, apiKey });
+  const g = await generateText({ model: provider.chat("Claude-M"), prompt: "Hello", maxRetries: 0 });
+  check(g.text === HELLO && g.usage?.outputTokens > 0, `generateText: ${show({ text: g.text, usage: g.usage })}`);
+  const errors = [];
+  const st = streamText({ model: provider.chat("Claude-M"), prompt: "Hello", maxRetries: 0, onError: ({ error }) => errors.push(error) });
+  let t2 = "";
+  for await (const t of st.textStream) t2 += t;
+  check(!errors.length && WORDS.test(t2), `streamText: ${show({ t2, error: errors[0]?.message })}`);
+  ok("the AI SDK's provider.chat(): generateText and streamText");
+}
+
+async function runTranslateAnthropic() {
+  const { default: Anthropic } = await import("@anthropic-ai/sdk");
+  const root = baseURL.replace(/\/v1\/?$/, "");
+  const client = new Anthropic({ baseURL: root, apiKey, maxRetries: 0, timeout: 30_000 });
+  const messages = [{ role: "user", content: "Hello" }];
+  const { data, response } = await client.messages.create({ model: "Kimi-K3", max_tokens: 64, system: "Be brief.", messages }).withResponse();
+  const text = data.content?.filter((b) => b.type === "text").map((b) => b.text).join("");
+  check(data.type === "message" && text === HELLO_KIMI && data.stop_reason === "end_turn", `create: ${show(data)}`);
+  check(data.usage?.input_tokens > 0 && data.usage?.output_tokens > 0, `create: usage ${show(data.usage)}`);
+  checkLtgHeaders(response.headers, "translated messages", "Kimi-K3");
+  ok("messages.create on a chat model");
+  const stream = client.messages.stream({ model: "Kimi-K3", max_tokens: 64, messages });
+  let deltas = "";
+  stream.on("text", (t) => (deltas += t));
+  const final = await stream.finalMessage();
+  const ftext = final.content?.filter((b) => b.type === "text").map((b) => b.text).join("");
+  check(WORDS.test(deltas) && ftext === deltas && final.stop_reason === "end_turn" && final.usage?.output_tokens > 0,
+        `stream: ${show({ deltas, final })}`);
+  result.stream_usage = final.usage;
+  ok("messages.stream().finalMessage(): text, stop_reason, the provider's usage");
+  const c = await client.messages.countTokens({ model: "Kimi-K3", messages });
+  check(Number.isInteger(c.input_tokens) && c.input_tokens > 0, `countTokens: ${show(c)}`);
+  ok("countTokens: ltg's estimate");
+  if (which === "translate-anthropic-tools") {
+    const tools = [{ name: "Bash", description: "run a command",
+                     input_schema: { type: "object", properties: { command: { type: "string" } }, required: ["command"] } }];
+    const m = await client.messages.create({ model: "Kimi-K3", max_tokens: 64, messages, tools });
+    const tu = m.content?.find((b) => b.type === "tool_use");
+    check(m.stop_reason === "tool_use" && tu?.name === "Bash" && tu.input?.command?.includes("mock-tool"), `tool create: ${show(m)}`);
+    const s2 = client.messages.stream({ model: "Kimi-K3", max_tokens: 64, messages, tools });
+    const f2 = await s2.finalMessage();
+    const tu2 = f2.content?.find((b) => b.type === "tool_use");
+    check(f2.stop_reason === "tool_use" && tu2?.name === "Bash" && tu2.input?.command?.includes("mock-tool"), `tool stream: ${show(f2)}`);
+    ok("a tool call, whole and streamed: tool_use with its input object");
+    return;
+  }
+  const { createAnthropic } = await import("@ai-sdk/anthropic");
+  const { generateText, streamText } = await import("ai");
+  const anth = createAnthropic({ baseURL, apiKey });
+  const g = await generateText({ model: anth("Kimi-K3"), prompt: "Hello", maxRetries: 0 });
+  check(g.text === HELLO_KIMI && g.usage?.outputTokens > 0, `generateText: ${show({ text: g.text, usage: g.usage })}`);
+  const errors = [];
+  const st = streamText({ model: anth("Kimi-K3"), prompt: "Hello", maxRetries: 0, onError: ({ error }) => errors.push(error) });
+  let t2 = "";
+  for await (const t of st.textStream) t2 += t;
+  check(!errors.length && WORDS.test(t2), `streamText: ${show({ t2, error: errors[0]?.message })}`);
+  ok("@ai-sdk/anthropic on a chat model: generateText and streamText");
+}
+
 const RUN = {
   openai: runOpenAI,
   ai: runAI,
@@ -390,6 +491,9 @@ const RUN = {
   "failover-ai": runFailoverAI,
   "usage-openai": runUsageOpenAI,
   "usage-anthropic": runUsageAnthropic,
+  "translate-openai": runTranslateOpenAI,
+  "translate-anthropic": runTranslateAnthropic,
+  "translate-anthropic-tools": runTranslateAnthropic,
 };
 
 if (!RUN[which]) {
