@@ -96,11 +96,59 @@
  *     ok                   a normal answer
  *     tool_call            an answer that asks for one call of the coding agents'
  *                          shell tool, running "echo mock-tool-$((6*7))" (whose
- *                          output, mock-tool-42, shows that it ran): Messages, a
- *                          tool_use of Claude Code's Bash ({"command"}, stop_reason
- *                          tool_use); Responses, a function_call of Codex's
- *                          exec_command ({"cmd"}); streamed or not (chat and
- *                          completions answer text as ever)
+ *                          output, mock-tool-42, shows that it ran): chat and
+ *                          Messages, a call of Claude Code's Bash, its arguments
+ *                          {"command":"echo mock-tool-$((6*7))"} in both (chat: a
+ *                          tool_calls entry call_mock_N, content null,
+ *                          finish_reason tool_calls; Messages: a tool_use
+ *                          toolu_mock_N, stop_reason tool_use); Responses, a
+ *                          function_call of Codex's exec_command ({"cmd"});
+ *                          streamed or not (completions answers text as ever);
+ *                          1 output token
+ *     tools=N              (1..8; chat and Messages) N parallel calls instead:
+ *                          call i (from 0) is tool_<i>, its arguments exactly
+ *                          {"i":<i>,"city":"Paris <i>"} (no spaces), its id
+ *                          call_mock_N_<i> or toolu_mock_N_<i>; not with tool_call
+ *     text_first           with tool_call or tools=N: the text "Let me check."
+ *                          before the calls (chat: content; Messages: a text block)
+ *     reasoning=N          (chat and Messages; at most 100000) N reasoning deltas
+ *                          of "think " before the answer: chat, delta
+ *                          reasoning_content (a whole answer: message.
+ *                          reasoning_content, the N joined); Messages, a thinking
+ *                          block first, signed (the base64 of "mock thinking
+ *                          signature N"), the thinking joined in a whole answer
+ *     finish=REASON        (1 to 31 of a-z, 0-9, _) the finish_reason of chat and
+ *                          completions, the stop_reason of Messages, whole and
+ *                          streamed: finish=stop with tool_call (as GLM ends its
+ *                          tool turns), finish=max_tokens, finish=refusal, ...
+ *     stream_error=TYPE    (as finish=) a stream ends with an error event: right
+ *                          after its first event (Messages: message_start;
+ *                          Responses: response.created; chat and completions
+ *                          have none, the error comes first), or with cut_after=N
+ *                          after N deltas (or, when there are fewer, before the
+ *                          closing events); then the body ends cleanly, the
+ *                          connection stays open. Messages: event: error, data:
+ *                          {"type":"error","error":{"type":"TYPE","message":
+ *                          "Overloaded"}} ("mock stream error TYPE" for a TYPE
+ *                          other than overloaded_error); chat and completions:
+ *                          data: {"error":{"message":"...","type":"TYPE","code":
+ *                          null}} (for server_error OpenAI's message "The server
+ *                          had an error while processing your request. Sorry
+ *                          about that!"); Responses: event: error, {"type":
+ *                          "error","code":"TYPE","message":...,"param":null,
+ *                          "sequence_number":N}
+ *     keepalive            keep-alives in a stream: the OpenAI APIs send a
+ *                          comment, ": keep-alive", before each delta and
+ *                          before the first event after them (chat: the finish),
+ *                          half-way through the event_delay_ms or
+ *                          first_event_delay_ms before it; Messages an extra
+ *                          event: ping between two deltas (the stream's usual
+ *                          ping after the first content_block_start stays)
+ *     bytewise             every byte of the answer (its head and its body, whole
+ *                          or streamed, any API) in a write of its own (each a
+ *                          TCP segment: TCP_NODELAY is on), with a 20 us pause
+ *                          after each of the answer's first 16384 bytes: about
+ *                          0.1 ms a byte, half a second for a stream of 4 KiB
  *
  * and hostile answers, each bounded, each ended as soon as the peer leaves:
  *
@@ -131,6 +179,26 @@
  * that connection and waits (at most a minute) for the peer to close. A
  * stream that never ends is events=N with event_delay_ms=M.
  *
+ * Chat and Messages stream calls, reasoning and text as the providers do.
+ * Chat: the deltas {"reasoning_content":"think "}, then the text, {"content":
+ * "word "} each (with calls: text_first's one {"content":"Let me check."}),
+ * then each call's opening chunk, {"tool_calls":[{"index":i,"id":ID,"type":
+ * "function","function":{"name":NAME,"arguments":""}}]} (call 0's also with
+ * "role":"assistant","content":null), then the calls' arguments, each in
+ * three pieces (cut at a third and two thirds of their bytes), round-robin
+ * (call 0's first piece, call 1's first, ..., call 0's second, ...), each
+ * chunk {"tool_calls":[{"index":i,"function":{"arguments":PIECE}}]} but one:
+ * with two calls or more, the second pieces of calls 0 and 1 share a chunk,
+ * two entries in its tool_calls; then delta {} with the finish_reason, the
+ * usage chunk if asked for, [DONE]. Messages: the content blocks one after
+ * the other at indexes 0, 1, ..., each its content_block_start, its deltas
+ * and its content_block_stop: thinking ({"type":"thinking","thinking":"",
+ * "signature":""}, a thinking_delta "think " each, then a signature_delta),
+ * text ({"type":"text","text":""}, text_delta), tool_use ({"type":"tool_use",
+ * "id":ID,"name":NAME,"input":{}}, an input_json_delta per piece). All these
+ * deltas are the content events that cut_after, garble_after and
+ * event_delay_ms count; with calls, events=N only sets the output tokens.
+ *
  * The usage an answer reports (each N a token count, at most 10^18):
  *
  *     input_tokens=N       the prompt's tokens: OpenAI's prompt_tokens (Responses:
@@ -156,10 +224,62 @@
  * The counts are taken as given: nothing checks that cached_tokens fits in
  * input_tokens or reasoning_tokens in output_tokens.
  *
+ * What it refuses, as the real APIs do. A request that breaks one of these
+ * rules is answered at once, whatever its directive says, with 400
+ * invalid_request_error in the API's shape and the provider's message (OpenAI:
+ * with its param and code); it still takes its step of the script and counts
+ * in "calls" and "requests", and in "refused", its log entry saying why (ltg's
+ * translations must never be refused). N is a message's index, K a block's:
+ *
+ *   /messages (/messages/count_tokens: all but the first three)
+ *     max_tokens missing ("max_tokens: Field required"), not an integer or < 1
+ *     temperature not a number, or not in 0..1 (null is fine)
+ *     a stop_sequences entry that is only whitespace
+ *     system neither a string nor a list of text blocks (null is fine)
+ *     messages missing, not a list, or empty
+ *     a role other than user and assistant ("messages.N.role: Input should be
+ *       'user' or 'assistant'"); system too when the anthropic-beta header has
+ *       mid-conversation-system (as Claude Code sends it)
+ *     empty content ("" or []) but in a final assistant message
+ *     a text block, or a string content, that is empty or only whitespace
+ *       ("messages: text content blocks must contain non-whitespace text")
+ *     a tool_use whose id is not ^[a-zA-Z0-9_-]+$, or whose input is not an
+ *       object ("messages.N.content.K.tool_use.input: Input should be an object")
+ *     an assistant message's tool_use ids not all answered by the tool_result
+ *       blocks that the next message, a user one, starts with ("messages.N:
+ *       `tool_use` ids were found without `tool_result` blocks immediately
+ *       after: ID, ID. Each `tool_use` block must have a corresponding
+ *       `tool_result` block in the next message.", N the assistant message)
+ *     a tool_result whose tool_use_id is not ^[a-zA-Z0-9_-]+$, or names no
+ *       tool_use of the message just before ("messages.N.content.K: unexpected
+ *       `tool_use_id` found in `tool_result` blocks: ID. Each `tool_result`
+ *       block must have a corresponding `tool_use` block in the previous
+ *       message.")
+ *   /chat/completions
+ *     more than 4 stop entries ("Invalid 'stop': array too long. ...")
+ *     a tools[i].function.name longer than 64, or not ^[a-zA-Z0-9_-]+$
+ *     messages missing ("Missing required parameter: 'messages'."), not an
+ *       array, or empty
+ *     a tool message with no assistant message with tool_calls before it (the
+ *       tool messages between them aside: "Invalid parameter: messages with
+ *       role 'tool' must be a response to a preceeding message with
+ *       'tool_calls'."), without a tool_call_id, or whose tool_call_id is none
+ *       of that message's ("Invalid parameter: 'tool_call_id' of 'ID' not
+ *       found in 'tool_calls' of previous message.")
+ *     an assistant message's tool_calls not all answered by the tool messages
+ *       right after it ("An assistant message with 'tool_calls' must be
+ *       followed by tool messages responding to each 'tool_call_id'. The
+ *       following tool_call_ids did not have response messages: ID, ID")
+ *
  * Control endpoints: POST /_mock/script, GET /_mock/stats, GET /_mock/last
  * (the last request's method, path, headers, lowercased, and body: what ltg
- * sent as x-api-key, say), POST /_mock/reset. An Anthropic request refused for
- * a missing header takes no step of the script and is not counted.
+ * sent as x-api-key, say), POST /_mock/reset. /_mock/last's "body" is the
+ * body as received (a chunked one decoded) as a JSON string, the very same
+ * text when it is UTF-8 (a byte that is not becomes U+FFFD), and its
+ * "body_base64" the exact bytes. /_mock/stats counts the requests "refused"
+ * (above) and a refused request's log entry has "refused", the message.
+ * An Anthropic request refused for a missing header takes no step of the
+ * script and is not counted.
  * Connections whose first request is a control request are left out of
  * "connections" and "open_connections" (and, over TLS, out of
  * "tls_handshakes" and "tls_resumed"), so that a test reading the stats sees
@@ -204,6 +324,11 @@
 #define HOSTILE_WAIT_MS 60000            /* the longest wait for the peer after a hostile answer */
 #define TOKENS_MAX    1000000000000000000LL  /* the largest token count a directive sets */
 #define FILLER_PIECE  65536
+#define BYTEWISE_PAUSE_US 20             /* bytewise: the pause after each byte ... */
+#define BYTEWISE_PAUSES 16384            /* ... of the first this many bytes of an answer */
+#define WORD_MAX      32                 /* a directive's word value (finish=, stream_error=), with its NUL */
+#define CALLS_MAX     8                  /* tools=N: at most this many parallel calls */
+#define REASONING_MAX 100000             /* reasoning=N: at most this many deltas */
 
 static char filler[FILLER_PIECE];        /* 'x' bytes: body_mb and garble=huge send them */
 
@@ -267,24 +392,49 @@ static void buf_printf(struct buf *b, const char *fmt, ...)
     b->len += (size_t)n;
 }
 
-/* Appends s as a quoted JSON string. Bytes >= 0x80 pass through untouched. */
+/* The length of the UTF-8 sequence at p (at most n bytes), or 0 if it is
+ * not a valid one (RFC 3629: no overlong forms, no surrogates, <= U+10FFFF). */
+static size_t utf8_len(const unsigned char *p, size_t n)
+{
+    size_t len = p[0] >= 0xf0 ? 4 : p[0] >= 0xe0 ? 3 : 2;
+    if (p[0] < 0xc2 || p[0] > 0xf4 || n < len)
+        return 0;
+    for (size_t i = 1; i < len; i++)
+        if ((p[i] & 0xc0) != 0x80)
+            return 0;
+    if ((p[0] == 0xe0 && p[1] < 0xa0) || (p[0] == 0xed && p[1] >= 0xa0)
+        || (p[0] == 0xf0 && p[1] < 0x90) || (p[0] == 0xf4 && p[1] >= 0x90))
+        return 0;
+    return len;
+}
+
+/* Appends s as a quoted JSON string. UTF-8 passes through untouched; a
+ * byte that is no part of valid UTF-8 becomes U+FFFD, so that the JSON is
+ * always valid (GET /_mock/last also gives a body's exact bytes in base64). */
 static void buf_json_string(struct buf *b, const char *s, size_t n)
 {
     buf_reserve(b, n + 2);
     b->data[b->len++] = '"';
-    for (size_t i = 0; i < n; i++) {
+    for (size_t i = 0, k; i < n; i++) {
         unsigned char ch = (unsigned char)s[i];
         if (ch == '"' || ch == '\\') {
             char esc[2] = { '\\', (char)ch };
             buf_append(b, esc, 2);
         } else if (ch < 0x20) {
             buf_printf(b, "\\u%04x", ch);
-        } else {
+        } else if (ch < 0x80) {
             buf_append(b, &s[i], 1);
+        } else if ((k = utf8_len((const unsigned char *)s + i, n - i)) > 0) {
+            buf_append(b, &s[i], k);
+            i += k - 1;
+        } else {
+            buf_puts(b, "\\ufffd");
         }
     }
     buf_append(b, "\"", 1);
 }
+
+static void put_string(struct buf *b, const char *s) { buf_json_string(b, s, strlen(s)); }
 
 /* Appends the n bytes at p as a quoted base64 string (RFC 4648, padded). */
 static void buf_base64_string(struct buf *b, const unsigned char *p, size_t n)
@@ -432,6 +582,85 @@ static int json_is_true(const char *body, const char *end, const char *key)
     return json_find(body, end, key, &v, &v_end) && v_end - v == 4 && !memcmp(v, "true", 4);
 }
 
+/* Steps through the array at [arr, end): *at is NULL before the first
+ * element. Each call sets *v and *v_end to the next element and returns 1;
+ * after the last one (or at malformed JSON) it returns 0. */
+static int json_next(const char *arr, const char *end, const char **at, const char **v, const char **v_end)
+{
+    const char *p;
+    if (!*at) {
+        p = json_ws(arr, end);
+        if (p >= end || *p != '[')
+            return 0;
+        p = json_ws(p + 1, end);
+        if (p < end && *p == ']')
+            return 0;
+    } else {
+        p = json_ws(*at, end);
+        if (p >= end || *p != ',')
+            return 0;
+        p = json_ws(p + 1, end);
+    }
+    if (!(*v_end = json_skip_value(p, end)))
+        return 0;
+    *v = p;
+    *at = *v_end;
+    return 1;
+}
+
+/* Is the value [v, v_end) the string lit (written without escapes)? */
+static int json_is(const char *v, const char *v_end, const char *lit)
+{
+    size_t n = strlen(lit);
+    return (size_t)(v_end - v) == n + 2 && *v == '"' && !memcmp(v + 1, lit, n);
+}
+
+/* Is the string [v, v_end) empty or only whitespace: space, \t, \n, \r,
+ * raw or escaped, \f, and \u0009 .. \u000d or \u0020? */
+static int json_blank(const char *v, const char *v_end)
+{
+    for (const char *p = v + 1; p < v_end - 1; p++) {
+        if (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')
+            continue;
+        if (*p != '\\' || p + 1 >= v_end - 1)
+            return 0;
+        if (strchr("ntrf", *++p))
+            continue;
+        if (*p != 'u' || v_end - 1 - p < 5)
+            return 0;
+        char hex[5] = { p[1], p[2], p[3], p[4], 0 }, *hex_end;
+        long u = strtol(hex, &hex_end, 16);
+        if (*hex_end || !((u >= 9 && u <= 13) || u == 32))
+            return 0;
+        p += 4;
+    }
+    return 1;
+}
+
+/* Is the value [v, v_end) a string of 1 or more of a-z, A-Z, 0-9, '_' and
+ * '-' (the pattern ^[a-zA-Z0-9_-]+$)? */
+static int json_is_name(const char *v, const char *v_end)
+{
+    if (v_end - v < 3 || *v != '"')
+        return 0;
+    for (const char *p = v + 1; p < v_end - 1; p++)
+        if (!isalnum((unsigned char)*p) && *p != '_' && *p != '-')
+            return 0;
+    return 1;
+}
+
+/* Reads the number [v, v_end) into *x. Returns 0, or -1 if it is no number. */
+static int json_number(const char *v, const char *v_end, double *x)
+{
+    char num[64], *num_end;
+    if (v_end - v < 1 || v_end - v >= (long)sizeof num || !strchr("-0123456789", *v))
+        return -1;
+    memcpy(num, v, (size_t)(v_end - v));
+    num[v_end - v] = '\0';
+    *x = strtod(num, &num_end);
+    return *num_end ? -1 : 0;
+}
+
 /* ===== 3. Directives ===== */
 
 enum framing { FRAMING_LENGTH, FRAMING_CHUNKED, FRAMING_EOF };
@@ -466,6 +695,12 @@ struct directive {
     long content_kb;             /* a whole answer's text: N KiB of "x" (0: the usual greeting) */
     long raw_status;             /* -1: the status line says the real status; else this number */
     long tool_call;              /* answer with one call of the agent's shell tool, not text */
+    long tools;                  /* answer with N parallel calls tool_0 .. tool_<N-1> (0: off) */
+    long text_first;             /* with calls: a text ("Let me check.") before them */
+    long reasoning;              /* N reasoning deltas (a thinking block) before the answer */
+    long bytewise, keepalive;    /* flags: one byte per write; keep-alive comments or pings */
+    char finish[WORD_MAX];       /* the finish_reason / stop_reason to send ("": the usual one) */
+    char stream_error[WORD_MAX]; /* a stream ends with an error event of this type ("": none) */
     struct usage usage;
 };
 
@@ -476,8 +711,9 @@ static const struct directive directive_ok = {
 };
 
 /* The tokens that set one field: a flag to 1, a number (at most 10^9) or a
- * token count (a long long, at most TOKENS_MAX) to its value. */
-enum token_kind { TOKEN_FLAG, TOKEN_NUMBER, TOKEN_COUNT };
+ * token count (a long long, at most TOKENS_MAX) to its value, or a word (a
+ * char[WORD_MAX]: 1 to WORD_MAX-1 of a-z, 0-9 and '_') to itself. */
+enum token_kind { TOKEN_FLAG, TOKEN_NUMBER, TOKEN_COUNT, TOKEN_WORD };
 
 static const struct { const char *name; size_t offset; enum token_kind kind; } directive_tokens[] = {
     { "status", offsetof(struct directive, status), TOKEN_NUMBER },
@@ -501,6 +737,13 @@ static const struct { const char *name; size_t offset; enum token_kind kind; } d
     { "content_kb", offsetof(struct directive, content_kb), TOKEN_NUMBER },
     { "raw_status", offsetof(struct directive, raw_status), TOKEN_NUMBER },
     { "tool_call", offsetof(struct directive, tool_call), TOKEN_FLAG },
+    { "tools", offsetof(struct directive, tools), TOKEN_NUMBER },
+    { "text_first", offsetof(struct directive, text_first), TOKEN_FLAG },
+    { "reasoning", offsetof(struct directive, reasoning), TOKEN_NUMBER },
+    { "bytewise", offsetof(struct directive, bytewise), TOKEN_FLAG },
+    { "keepalive", offsetof(struct directive, keepalive), TOKEN_FLAG },
+    { "finish", offsetof(struct directive, finish), TOKEN_WORD },
+    { "stream_error", offsetof(struct directive, stream_error), TOKEN_WORD },
     { "input_tokens", offsetof(struct directive, usage.input), TOKEN_COUNT },
     { "cached_tokens", offsetof(struct directive, usage.cached), TOKEN_COUNT },
     { "cache_write", offsetof(struct directive, usage.cache_write), TOKEN_COUNT },
@@ -559,11 +802,18 @@ static int directive_parse(const char *text, struct directive *d, char *why, siz
             i++;
         if (i == n || !value != (directive_tokens[i].kind == TOKEN_FLAG))
             goto bad;
+        char *field = (char *)d + directive_tokens[i].offset;
+        if (directive_tokens[i].kind == TOKEN_WORD) {
+            size_t len = strlen(value);
+            if (!len || len >= WORD_MAX || strspn(value, "abcdefghijklmnopqrstuvwxyz0123456789_") != len)
+                goto bad;
+            memcpy(field, value, len + 1);
+            continue;
+        }
         long long v = value ? strtoll(value, &num_end, 10) : 1;
         long long max = directive_tokens[i].kind == TOKEN_COUNT ? TOKENS_MAX : 1000000000;
         if (value && (num_end == value || *num_end || v < 0 || v > max))
             goto bad;
-        char *field = (char *)d + directive_tokens[i].offset;
         if (directive_tokens[i].kind == TOKEN_COUNT)
             *(long long *)field = v;
         else
@@ -584,6 +834,14 @@ static int directive_parse(const char *text, struct directive *d, char *why, siz
     }
     if (d->raw_status > 999) {
         snprintf(why, why_cap, "mock directive raw_status=%ld is more than three digits", d->raw_status);
+        return -1;
+    }
+    if (d->tools > CALLS_MAX || (d->tools && d->tool_call)) {
+        snprintf(why, why_cap, "mock directive tools=%ld: at most %d calls, and not with tool_call", d->tools, CALLS_MAX);
+        return -1;
+    }
+    if (d->reasoning > REASONING_MAX) {
+        snprintf(why, why_cap, "mock directive reasoning=%ld is more than %d", d->reasoning, REASONING_MAX);
         return -1;
     }
     if (d->context_length && !d->status)
@@ -607,12 +865,14 @@ struct model {                   /* what the mock knows about one upstream model
 struct log_entry {
     long t_ms;
     char model[MODEL_MAX], directive[DIRECTIVE_MAX], path[256];
+    char refused[256];           /* why the mock refused the request ("": it did not) */
 };
 
 static struct {
     pthread_mutex_t lock;        /* guards everything below */
     long start_ms;
     long connections, open_connections, requests;
+    long refused;                /* requests refused as the real APIs would (invalid bodies) */
     long tls_handshakes, tls_resumed, tls_failed;   /* TLS mode only */
     unsigned epoch;              /* bumped by /_mock/reset */
     unsigned long next_id;       /* for "chatcmpl-mock-N"; never reset */
@@ -650,7 +910,8 @@ static void model_push_step(struct model *m, const char *step)
 }
 
 static unsigned long mock_begin_request(const char *model, const char *path, size_t path_len,
-                                        const char *body_directive, char *directive, size_t cap)
+                                        const char *body_directive, char *directive, size_t cap,
+                                        const char *refused)
 {
     pthread_mutex_lock(&mock.lock);
     struct model *m = mock_model(model);
@@ -672,6 +933,8 @@ static unsigned long mock_begin_request(const char *model, const char *path, siz
     snprintf(e->model, sizeof e->model, "%s", model);
     snprintf(e->directive, sizeof e->directive, "%s", directive);
     snprintf(e->path, sizeof e->path, "%.*s", (int)path_len, path);
+    snprintf(e->refused, sizeof e->refused, "%.*s", (int)sizeof e->refused - 1, refused ? refused : "");
+    mock.refused += refused != NULL;
     unsigned long id = ++mock.next_id;
     pthread_mutex_unlock(&mock.lock);
     return id;
@@ -686,7 +949,7 @@ static void mock_reset(void)
         free(mock.models[i].steps);
     }
     mock.nmodels = 0;
-    mock.connections = mock.requests = 0;
+    mock.connections = mock.requests = mock.refused = 0;
     mock.tls_handshakes = mock.tls_resumed = mock.tls_failed = 0;
     mock.log_next = mock.log_len = 0;
     mock.last_head.len = mock.last_body.len = 0;
@@ -854,6 +1117,14 @@ static long http_parse(const char *buf, size_t len, struct request *r)
     return head + (long)r->body_len;
 }
 
+static const struct header *request_header(const struct request *r, const char *name)
+{
+    for (int i = 0; i < r->nheaders; i++)
+        if (slice_is(r->headers[i].name, r->headers[i].name_len, name) && r->headers[i].value_len)
+            return &r->headers[i];
+    return NULL;
+}
+
 /* ===== 6. Connections: reading, writing, waiting ===== */
 
 /* A connection's TLS state (TLS mode only, see section 9). BearSSL allocates
@@ -874,6 +1145,8 @@ struct conn {
     struct tls *tls;             /* NULL: plain HTTP */
     int resumed;                 /* TLS: the handshake resumed a cached session */
     int abrupt;                  /* TLS: end without close_notify (cut_after, reset) */
+    int bytewise;                /* the answer being sent goes out one byte per write */
+    long pauses;                 /* bytewise: the pauses left to this answer */
     struct buf in;               /* received bytes not yet consumed */
     struct buf body;             /* a decoded chunked request body */
     struct buf json;             /* the answer body (or SSE event) being built */
@@ -904,7 +1177,7 @@ static int sock_write(void *ctx, const unsigned char *p, size_t n)
 
 /* Sends n bytes. Over TLS every call is flushed, so each write (each SSE
  * event, say) leaves at once, in records of its own. */
-static int conn_send(struct conn *c, const char *p, size_t n)
+static int conn_write(struct conn *c, const char *p, size_t n)
 {
     if (c->tls)
         return br_sslio_write_all(&c->tls->io, p, n) < 0 || br_sslio_flush(&c->tls->io) < 0 ? -1 : 0;
@@ -916,6 +1189,27 @@ static int conn_send(struct conn *c, const char *p, size_t n)
             return -1;
         p += w;
         n -= (size_t)w;
+    }
+    return 0;
+}
+
+/* Sends n bytes, or, for a bytewise answer, each byte in a write of its own
+ * (TCP_NODELAY is on: each is a segment of its own, a TLS record over TLS),
+ * with a pause of BYTEWISE_PAUSE_US after each of the first BYTEWISE_PAUSES
+ * bytes of the answer, so that the reader mostly gets them one at a time
+ * and an answer of a few KiB still takes well under a second. */
+static int conn_send(struct conn *c, const char *p, size_t n)
+{
+    if (!c->bytewise)
+        return conn_write(c, p, n);
+    for (size_t i = 0; i < n; i++) {
+        if (conn_write(c, p + i, 1) < 0)
+            return -1;
+        if (c->pauses > 0) {
+            struct timespec ts = { 0, BYTEWISE_PAUSE_US * 1000L };
+            c->pauses--;
+            nanosleep(&ts, NULL);
+        }
     }
     return 0;
 }
@@ -1131,10 +1425,11 @@ static int send_trickle(struct conn *c, const struct request *r, const struct di
     return conn_linger(c);
 }
 
-/* Writes an error body into c->json: OpenAI's shape, where a NULL code is
- * sent as null (as OpenAI does for a plain invalid value), or Anthropic's,
- * which has no code. */
-static void put_error(struct conn *c, int anthropic, const char *type, const char *code, const char *message)
+/* Writes an error body into c->json: OpenAI's shape, where a NULL code or
+ * param is sent as null (as OpenAI does for a plain invalid value), or
+ * Anthropic's, which has neither. */
+static void put_error(struct conn *c, int anthropic, const char *type, const char *code, const char *param,
+                      const char *message)
 {
     c->json.len = 0;
     if (anthropic) {
@@ -1145,7 +1440,12 @@ static void put_error(struct conn *c, int anthropic, const char *type, const cha
     }
     buf_puts(&c->json, "{\"error\":{\"message\":");
     buf_json_string(&c->json, message, strlen(message));
-    buf_printf(&c->json, ",\"type\":\"%s\",\"param\":null,\"code\":", type);
+    buf_printf(&c->json, ",\"type\":\"%s\",\"param\":", type);
+    if (param)
+        put_string(&c->json, param);
+    else
+        buf_puts(&c->json, "null");
+    buf_puts(&c->json, ",\"code\":");
     if (code)
         buf_printf(&c->json, "\"%s\"}}", code);
     else
@@ -1156,7 +1456,7 @@ static void put_error(struct conn *c, int anthropic, const char *type, const cha
 static int send_error(struct conn *c, const struct request *r, const struct directive *d,
                       long status, const char *type, const char *code, const char *message)
 {
-    put_error(c, 0, type, code, message);
+    put_error(c, 0, type, code, NULL, message);
     return send_answer(c, r, d, status);
 }
 
@@ -1179,21 +1479,29 @@ static int send_error(struct conn *c, const struct request *r, const struct dire
  *     [DONE]), each event after the first delta event_delay_ms after the last.
  *
  * A stream is told by its step numbers: steps 0 .. opening-1 open it, step
- * `opening` is a delta, the `closing` steps after it end it. The token
+ * `opening` is a delta (answer.step says which), the `closing` steps after
+ * it end it. For chat and Messages the deltas are planned first (chat_plan,
+ * messages_plan): parts of a kind each (words, reasoning, calls ...), the
+ * deltas of each Anthropic content block one part; the event functions find
+ * a delta's part with plan_at(). The token
  * counts are the same for every API (a quarter of the request body's bytes
  * in, at least 1, events=N out, or the directive's) and each API's usage
  * shape is written by one put_*_usage() function.
  */
 
 struct answer;
+struct refusal;
 
 /* Writes the event of a stream's step into c->json and returns its SSE
- * event name ("" for a bare data: line), or NULL to send nothing at that step. */
+ * event name ("" for a bare data: line), or NULL to send nothing at that
+ * step. Events that must come before it in the same write (an Anthropic
+ * block's stop and the next one's start) it puts in c->out with sse_chunk(). */
 typedef const char *event_fn(struct conn *c, struct answer *a, int step);
 
 struct chunk_shape {             /* how an OpenAI stream's chunks look */
     const char *id_prefix, *object;
-    const char *choices[3];      /* a delta's, the finish chunk's, the usage chunk's */
+    const char *delta;           /* a delta's "choices" (NULL: chat's, from the answer's plan) */
+    const char *finish;          /* the finish chunk's "choices", up to the finish_reason's value */
 };
 
 struct api {
@@ -1204,31 +1512,157 @@ struct api {
     event_fn *event;             /* NULL: never streams */
     int opening, closing;        /* the stream's steps before and after the delta */
     const struct chunk_shape *chunks;   /* OpenAI chat and completions streams */
+    int (*refused)(const struct request *r, struct refusal *why);  /* NULL: any body will do */
+    void (*plan)(struct answer *a);     /* NULL: a stream's content is its events=N deltas */
 };
+
+/* A stream's content, for chat and messages, is planned as parts, each
+ * `n` content steps (deltas) of one kind; for Anthropic each part is a
+ * content block of its own. */
+enum part_kind {
+    PART_WORDS,                  /* "word " each (events=N) */
+    PART_TEXT,                   /* text_first's one "Let me check." */
+    PART_REASONING,              /* "think " each; Anthropic: and then the signature */
+    PART_CALL_OPEN,              /* chat: each call's opening chunk */
+    PART_CALL_ARGS,              /* chat: the chunks of the calls' argument pieces */
+    PART_TOOL,                   /* Anthropic: one call's block, its input in pieces */
+};
+
+struct part {
+    enum part_kind kind;
+    int call;                    /* PART_TOOL: which call */
+    long n;
+};
+
+#define PARTS_MAX   (CALLS_MAX + 2)
+#define ARG_PIECES  3            /* each call's arguments are streamed in this many pieces */
+#define LET_ME_CHECK "Let me check."
+#define THINK       "think "
 
 struct answer {                  /* what every part of one answer shares */
     const struct api *api;
     const struct request *r;
     unsigned long id;
     long created;
-    long events;                 /* a stream's deltas */
+    long events;                 /* a stream's "word " deltas (events=N) */
     struct usage usage;          /* the counts made up or the directive's */
     long seq;                    /* Responses streams: the next sequence_number */
     int stream, include_usage;   /* include_usage: an OpenAI stream ends with a usage chunk */
     char model[MODEL_MAX];
-    const char *text;            /* a whole answer's content: the greeting, or content_kb of "x" */
+    const char *text;            /* a whole answer's content: the greeting, content_kb of "x", "Let me check." */
     size_t text_len;
-    int tool_call;               /* the directive's tool_call */
+    int tool_call;               /* the directive's tool_call (Responses: Codex's exec_command) */
+    int ncalls;                  /* chat and messages: the calls asked for (tool_call: 1, tools=N: N) */
+    int text_first;              /* with calls: "Let me check." before them */
+    long reasoning;              /* chat and messages: reasoning=N */
+    const char *finish;          /* finish=, or NULL */
+    const char *stream_error;    /* stream_error=, or NULL */
+    struct part parts[PARTS_MAX];   /* a stream's content: parts[0 .. nparts) */
+    int nparts;
+    long steps;                  /* a stream's content steps: events=N, or the parts' n added up */
+    long step;                   /* the content step being written */
+    int block;                   /* Anthropic streams: the content block open (a part's index) */
 };
 
 /* tool_call: the command the agents' shell tools are asked to run, whose output
  * ("mock-tool-42") proves that the tool ran; Claude Code's Bash takes
- * {"command"}, Codex's exec_command {"cmd"}. */
+ * {"command"}, Codex's exec_command {"cmd"}. Chat asks for Bash, as Messages. */
 #define TOOL_COMMAND "echo mock-tool-$((6*7))"
 #define ANTHROPIC_TOOL_INPUT "{\"command\":\"" TOOL_COMMAND "\"}"
 #define RESPONSES_TOOL_ARGS "{\"cmd\":\"" TOOL_COMMAND "\"}"
 
-static void put_string(struct buf *b, const char *s) { buf_json_string(b, s, strlen(s)); }
+/* Call i of an answer: tool_call's Bash, or tools=N's tool_<i>. The id has
+ * the API's prefix ("call_mock_", "toolu_mock_") and the answer's number
+ * (tools=N: and "_<i>"); the arguments are a JSON object's text. */
+struct call {
+    char id[64], name[16], args[64];
+    size_t args_len;
+};
+
+static void get_call(const struct answer *a, int i, const char *prefix, struct call *k)
+{
+    if (a->tool_call) {
+        snprintf(k->id, sizeof k->id, "%s%lu", prefix, a->id);
+        snprintf(k->name, sizeof k->name, "Bash");
+        k->args_len = (size_t)snprintf(k->args, sizeof k->args, "%s", ANTHROPIC_TOOL_INPUT);
+    } else {
+        snprintf(k->id, sizeof k->id, "%s%lu_%d", prefix, a->id, i);
+        snprintf(k->name, sizeof k->name, "tool_%d", i);
+        k->args_len = (size_t)snprintf(k->args, sizeof k->args, "{\"i\":%d,\"city\":\"Paris %d\"}", i, i);
+    }
+}
+
+/* Piece f (0 .. ARG_PIECES-1) of a call's arguments, as a JSON string:
+ * the arguments are cut at a third and at two thirds of their bytes. */
+static void put_piece(struct buf *b, const struct call *k, int f)
+{
+    size_t from = k->args_len * (size_t)f / ARG_PIECES, to = k->args_len * (size_t)(f + 1) / ARG_PIECES;
+    buf_json_string(b, k->args + from, to - from);
+}
+
+/* The finish_reason (OpenAI) or stop_reason (Anthropic) of the answer. */
+static const char *finish_reason(const struct answer *a)
+{
+    if (a->finish)
+        return a->finish;
+    if (a->api->anthropic)
+        return a->ncalls ? "tool_use" : "end_turn";
+    return a->ncalls ? "tool_calls" : "stop";
+}
+
+static void plan_add(struct answer *a, enum part_kind kind, int call, long n)
+{
+    a->parts[a->nparts++] = (struct part){ kind, call, n };
+    a->steps += n;
+}
+
+/* Chat: the reasoning, then the text, or "Let me check." and the calls:
+ * each call's opening chunk, then the argument pieces round-robin (call 0's
+ * first, call 1's first, ..., call 0's second, ...), the second pieces of
+ * calls 0 and 1 in one chunk when there are two calls or more. */
+static void chat_plan(struct answer *a)
+{
+    if (a->reasoning)
+        plan_add(a, PART_REASONING, 0, a->reasoning);
+    if (!a->ncalls) {
+        plan_add(a, PART_WORDS, 0, a->events);
+        return;
+    }
+    if (a->text_first)
+        plan_add(a, PART_TEXT, 0, 1);
+    plan_add(a, PART_CALL_OPEN, 0, a->ncalls);
+    plan_add(a, PART_CALL_ARGS, 0, ARG_PIECES * a->ncalls - (a->ncalls > 1));
+}
+
+/* Messages: a thinking block (its deltas, then its signature), then a text
+ * block, or "Let me check." and a tool_use block per call. */
+static void messages_plan(struct answer *a)
+{
+    if (a->reasoning)
+        plan_add(a, PART_REASONING, 0, a->reasoning + 1);
+    if (!a->ncalls) {
+        plan_add(a, PART_WORDS, 0, a->events);
+        return;
+    }
+    if (a->text_first)
+        plan_add(a, PART_TEXT, 0, 1);
+    for (int i = 0; i < a->ncalls; i++)
+        plan_add(a, PART_TOOL, i, ARG_PIECES);
+}
+
+/* The part that content step a->step falls in, and the step's index in it
+ * (a step past the end, which garble_after may ask for, is the last one). */
+static const struct part *plan_at(const struct answer *a, long *k)
+{
+    long s = a->step;
+    int j = 0;
+    while (j + 1 < a->nparts && s >= a->parts[j].n) {
+        s -= a->parts[j].n;
+        j++;
+    }
+    *k = s < a->parts[j].n ? s : a->parts[j].n > 0 ? a->parts[j].n - 1 : 0;
+    return &a->parts[j];
+}
 
 /* The answer's text: in a stream, the deltas sent ("word " each). */
 static void put_text(struct buf *b, const struct answer *a)
@@ -1241,6 +1675,37 @@ static void put_text(struct buf *b, const struct answer *a)
     for (long i = 0; i < a->events; i++)
         buf_puts(b, "word ");
     buf_puts(b, "\"");
+}
+
+/* reasoning=N's whole text: "think " N times. */
+static void put_reasoning(struct buf *b, const struct answer *a)
+{
+    buf_puts(b, "\"");
+    for (long i = 0; i < a->reasoning; i++)
+        buf_puts(b, THINK);
+    buf_puts(b, "\"");
+}
+
+/* The SSE bytes of the event in c->json: its size, appending them to c->out,
+ * and appending them as one HTTP chunk of their own. */
+static size_t sse_size(const struct conn *c, const char *name)
+{
+    return (*name ? strlen(name) + 8 : 0) + c->json.len + 8;      /* "event: NAME\n" "data: " JSON "\n\n" */
+}
+
+static void sse_put(struct conn *c, const char *name)
+{
+    if (*name)
+        buf_printf(&c->out, "event: %s\n", name);
+    buf_puts(&c->out, "data: ");
+    buf_append(&c->out, c->json.data, c->json.len);
+    buf_puts(&c->out, "\n\n\r\n");
+}
+
+static void sse_chunk(struct conn *c, const char *name)
+{
+    buf_printf(&c->out, "%zx\r\n", sse_size(c, name));
+    sse_put(c, name);
 }
 
 /* The raw JSON value of the request's top-level field key, or null. */
@@ -1337,14 +1802,36 @@ static void put_anthropic_usage(struct buf *b, const struct answer *a, enum anth
 
 static int chat_body(struct conn *c, struct answer *a)
 {
-    buf_printf(&c->json, "{\"id\":\"chatcmpl-mock-%lu\",\"object\":\"chat.completion\",\"created\":%ld,\"model\":",
+    struct buf *b = &c->json;
+    struct call k;
+    buf_printf(b, "{\"id\":\"chatcmpl-mock-%lu\",\"object\":\"chat.completion\",\"created\":%ld,\"model\":",
                a->id, a->created);
-    put_string(&c->json, a->model);
-    buf_puts(&c->json, ",\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":");
-    put_text(&c->json, a);
-    buf_puts(&c->json, "},\"finish_reason\":\"stop\"}]");
-    put_openai_usage(&c->json, a);
-    buf_puts(&c->json, "}");
+    put_string(b, a->model);
+    buf_puts(b, ",\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":");
+    if (a->ncalls && !a->text_first)
+        buf_puts(b, "null");
+    else
+        put_text(b, a);
+    if (a->reasoning) {
+        buf_puts(b, ",\"reasoning_content\":");
+        put_reasoning(b, a);
+    }
+    if (a->ncalls) {
+        buf_puts(b, ",\"tool_calls\":[");
+        for (int i = 0; i < a->ncalls; i++) {
+            get_call(a, i, "call_mock_", &k);
+            buf_printf(b, "%s{\"id\":\"%s\",\"type\":\"function\",\"function\":{\"name\":\"%s\",\"arguments\":",
+                       i ? "," : "", k.id, k.name);
+            buf_json_string(b, k.args, k.args_len);
+            buf_puts(b, "}}");
+        }
+        buf_puts(b, "]");
+    }
+    buf_puts(b, "},\"finish_reason\":");
+    put_string(b, finish_reason(a));
+    buf_puts(b, "}]");
+    put_openai_usage(b, a);
+    buf_puts(b, "}");
     return 200;
 }
 
@@ -1355,10 +1842,44 @@ static int completion_body(struct conn *c, struct answer *a)
     put_string(&c->json, a->model);
     buf_puts(&c->json, ",\"choices\":[{\"text\":");
     put_text(&c->json, a);
-    buf_puts(&c->json, ",\"index\":0,\"logprobs\":null,\"finish_reason\":\"stop\"}]");
+    buf_puts(&c->json, ",\"index\":0,\"logprobs\":null,\"finish_reason\":");
+    put_string(&c->json, finish_reason(a));
+    buf_puts(&c->json, "}]");
     put_openai_usage(&c->json, a);
     buf_puts(&c->json, "}");
     return 200;
+}
+
+/* A chat stream's content step a->step, the "choices" of its chunk. */
+static void put_chat_choices(struct buf *b, struct answer *a)
+{
+    long k;
+    const struct part *p = plan_at(a, &k);
+    struct call call;
+    buf_puts(b, "[{\"index\":0,\"delta\":{");
+    if (p->kind == PART_REASONING) {
+        buf_puts(b, "\"reasoning_content\":\"" THINK "\"");
+    } else if (p->kind == PART_WORDS) {
+        buf_puts(b, "\"content\":\"word \"");
+    } else if (p->kind == PART_TEXT) {
+        buf_puts(b, "\"content\":\"" LET_ME_CHECK "\"");
+    } else if (p->kind == PART_CALL_OPEN) {          /* call k opens: its index, id, name */
+        get_call(a, (int)k, "call_mock_", &call);
+        buf_printf(b, "%s\"tool_calls\":[{\"index\":%ld,\"id\":\"%s\",\"type\":\"function\","
+                   "\"function\":{\"name\":\"%s\",\"arguments\":\"\"}}]",
+                   k ? "" : "\"role\":\"assistant\",\"content\":null,", k, call.id, call.name);
+    } else {                     /* PART_CALL_ARGS: piece x of them all is call x % N's piece x / N */
+        long n = a->ncalls, x = n > 1 && k > n ? k + 1 : k, last = x + (n > 1 && k == n);
+        buf_puts(b, "\"tool_calls\":[");
+        for (long y = x; y <= last; y++) {
+            get_call(a, (int)(y % n), "call_mock_", &call);
+            buf_printf(b, "%s{\"index\":%ld,\"function\":{\"arguments\":", y > x ? "," : "", y % n);
+            put_piece(b, &call, (int)(y / n));
+            buf_puts(b, "}}");
+        }
+        buf_puts(b, "]");
+    }
+    buf_puts(b, "},\"finish_reason\":null}]");
 }
 
 /* Steps: 0 a delta, 1 the finish chunk, 2 the usage chunk (if the request
@@ -1376,7 +1897,18 @@ static const char *openai_event(struct conn *c, struct answer *a, int step)
     buf_printf(&c->json, "{\"id\":\"%s%lu\",\"object\":\"%s\",\"created\":%ld,\"model\":",
                shape->id_prefix, a->id, shape->object, a->created);
     put_string(&c->json, a->model);
-    buf_printf(&c->json, ",\"choices\":%s", shape->choices[step]);
+    buf_puts(&c->json, ",\"choices\":");
+    if (step == 0 && !shape->delta) {
+        put_chat_choices(&c->json, a);
+    } else if (step == 0) {
+        buf_puts(&c->json, shape->delta);
+    } else if (step == 1) {
+        buf_puts(&c->json, shape->finish);
+        put_string(&c->json, finish_reason(a));
+        buf_puts(&c->json, "}]");
+    } else {
+        buf_puts(&c->json, "[]");
+    }
     if (step == 2)
         put_openai_usage(&c->json, a);
     else if (a->include_usage)   /* as OpenAI does: every other chunk says "usage":null */
@@ -1385,17 +1917,14 @@ static const char *openai_event(struct conn *c, struct answer *a, int step)
     return "";
 }
 
-static const struct chunk_shape chat_chunks = { "chatcmpl-mock-", "chat.completion.chunk", {
-    "[{\"index\":0,\"delta\":{\"content\":\"word \"},\"finish_reason\":null}]",
-    "[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]",
-    "[]",
-} };
+static const struct chunk_shape chat_chunks = { "chatcmpl-mock-", "chat.completion.chunk", NULL,
+    "[{\"index\":0,\"delta\":{},\"finish_reason\":",
+};
 
-static const struct chunk_shape completion_chunks = { "cmpl-mock-", "text_completion", {
+static const struct chunk_shape completion_chunks = { "cmpl-mock-", "text_completion",
     "[{\"text\":\"word \",\"index\":0,\"logprobs\":null,\"finish_reason\":null}]",
-    "[{\"text\":\"\",\"index\":0,\"logprobs\":null,\"finish_reason\":\"stop\"}]",
-    "[]",
-} };
+    "[{\"text\":\"\",\"index\":0,\"logprobs\":null,\"finish_reason\":",
+};
 
 /* The embedding of every answer: a JSON array of numbers ("float", the
  * default) or the float32 values' little-endian bytes in base64. */
@@ -1449,7 +1978,7 @@ static int embeddings_body(struct conn *c, struct answer *a)
     if (*format && strcmp(format, "float") && strcmp(format, "base64")) {
         snprintf(why, sizeof why, "Invalid value for 'encoding_format' = %s. "
                  "Supported values: ['float', 'base64'].", format);
-        put_error(c, 0, "invalid_request_error", NULL, why);
+        put_error(c, 0, "invalid_request_error", NULL, NULL, why);
         return 400;
     }
     buf_puts(&c->json, "{\"object\":\"list\",\"data\":[");
@@ -1534,8 +2063,8 @@ static const char *responses_event(struct conn *c, struct answer *a, int step)
         "response.output_text.delta",
         "response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed",
     };
-    static const char *const tool_types[] = {       /* tool_call: no content part */
-        NULL, NULL, NULL, NULL, "response.function_call_arguments.delta", "response.function_call_arguments.done",
+    static const char *const tool_types[] = {       /* tool_call: no content part (steps 3 and 6) */
+        NULL, NULL, NULL, NULL, "response.function_call_arguments.delta", "response.function_call_arguments.done", NULL,
     };
     struct buf *b = &c->json;
     b->len = 0;
@@ -1577,21 +2106,50 @@ static const char *responses_event(struct conn *c, struct answer *a, int step)
 
 /* --- Anthropic Messages and count_tokens --- */
 
+/* reasoning=N: the thinking block's signature, base64 as Anthropic's are
+ * (of "mock thinking signature N": no one checks it but the mock's tests). */
+static void put_signature(struct buf *b, const struct answer *a)
+{
+    char sig[64];
+    int n = snprintf(sig, sizeof sig, "mock thinking signature %lu", a->id);
+    buf_base64_string(b, (const unsigned char *)sig, (size_t)n);
+}
+
 static void put_message(struct buf *b, const struct answer *a, int done)
 {
+    struct call k;
+    const char *sep = "";
     buf_printf(b, "{\"id\":\"msg_mock_%lu\",\"type\":\"message\",\"role\":\"assistant\",\"model\":", a->id);
     put_string(b, a->model);
-    if (done && a->tool_call) {
-        buf_printf(b, ",\"content\":[{\"type\":\"tool_use\",\"id\":\"toolu_mock_%lu\",\"name\":\"Bash\",\"input\":"
-                   ANTHROPIC_TOOL_INPUT "}],\"stop_reason\":\"tool_use\",\"stop_sequence\":null", a->id);
-    } else if (done) {
-        buf_puts(b, ",\"content\":[{\"type\":\"text\",\"text\":");
-        put_text(b, a);
-        buf_puts(b, "}],\"stop_reason\":\"end_turn\",\"stop_sequence\":null");
-    } else {                     /* message_start: no content yet */
+    if (!done) {                 /* message_start: no content yet */
         buf_puts(b, ",\"content\":[],\"stop_reason\":null,\"stop_sequence\":null");
+        put_anthropic_usage(b, a, USAGE_START);
+        buf_puts(b, "}");
+        return;
     }
-    put_anthropic_usage(b, a, done ? USAGE_MESSAGE : USAGE_START);
+    buf_puts(b, ",\"content\":[");
+    if (a->reasoning) {
+        buf_puts(b, "{\"type\":\"thinking\",\"thinking\":");
+        put_reasoning(b, a);
+        buf_puts(b, ",\"signature\":");
+        put_signature(b, a);
+        buf_puts(b, "}");
+        sep = ",";
+    }
+    if (!a->ncalls || a->text_first) {
+        buf_printf(b, "%s{\"type\":\"text\",\"text\":", sep);
+        put_text(b, a);
+        buf_puts(b, "}");
+        sep = ",";
+    }
+    for (int i = 0; i < a->ncalls; i++, sep = ",") {
+        get_call(a, i, "toolu_mock_", &k);
+        buf_printf(b, "%s{\"type\":\"tool_use\",\"id\":\"%s\",\"name\":\"%s\",\"input\":%s}", sep, k.id, k.name, k.args);
+    }
+    buf_puts(b, "],\"stop_reason\":");
+    put_string(b, finish_reason(a));
+    buf_puts(b, ",\"stop_sequence\":null");
+    put_anthropic_usage(b, a, USAGE_MESSAGE);
     buf_puts(b, "}");
 }
 
@@ -1607,8 +2165,38 @@ static int count_tokens_body(struct conn *c, struct answer *a)
     return 200;
 }
 
-/* One content block, index 0; message_delta carries the stop reason and
- * the usage, cumulative and final. */
+/* content_block_start of block (part) j. */
+static void put_block_start(struct buf *b, const struct answer *a, int j)
+{
+    const struct part *p = &a->parts[j];
+    struct call k;
+    buf_printf(b, "{\"type\":\"content_block_start\",\"index\":%d,\"content_block\":", j);
+    if (p->kind == PART_REASONING) {
+        buf_puts(b, "{\"type\":\"thinking\",\"thinking\":\"\",\"signature\":\"\"}}");
+    } else if (p->kind == PART_TOOL) {
+        get_call(a, p->call, "toolu_mock_", &k);
+        buf_printf(b, "{\"type\":\"tool_use\",\"id\":\"%s\",\"name\":\"%s\",\"input\":{}}}", k.id, k.name);
+    } else {
+        buf_puts(b, "{\"type\":\"text\",\"text\":\"\"}}");
+    }
+}
+
+/* Until block j is the open one: stops the open block and starts the
+ * next, each event an SSE chunk in c->out, ahead of the step's own event. */
+static void blocks_catch_up(struct conn *c, struct answer *a, int j)
+{
+    while (a->block < j) {
+        c->json.len = 0;
+        buf_printf(&c->json, "{\"type\":\"content_block_stop\",\"index\":%d}", a->block++);
+        sse_chunk(c, "content_block_stop");
+        c->json.len = 0;
+        put_block_start(&c->json, a, a->block);
+        sse_chunk(c, "content_block_start");
+    }
+}
+
+/* The content blocks of the plan, one after the other (index = part);
+ * message_delta carries the stop reason and the usage, cumulative and final. */
 static const char *messages_event(struct conn *c, struct answer *a, int step)
 {
     static const char *const types[] = {
@@ -1617,29 +2205,348 @@ static const char *messages_event(struct conn *c, struct answer *a, int step)
         "content_block_stop", "message_delta", "message_stop",
     };
     struct buf *b = &c->json;
+    long k;
+    const struct part *p = plan_at(a, &k);
+    struct call call;
+    if (step == 3 || step == 4)  /* a delta of block j, or the last block's stop */
+        blocks_catch_up(c, a, step == 3 ? (int)(p - a->parts) : a->nparts - 1);
     b->len = 0;
+    if (step == 1) {
+        a->block = 0;
+        put_block_start(b, a, 0);
+        return types[step];
+    }
     buf_printf(b, "{\"type\":\"%s\"", types[step]);
     if (step == 0) {
         buf_puts(b, ",\"message\":");
         put_message(b, a, 0);
-    } else if (step == 1 && a->tool_call) {
-        buf_printf(b, ",\"index\":0,\"content_block\":{\"type\":\"tool_use\",\"id\":\"toolu_mock_%lu\",\"name\":\"Bash\",\"input\":{}}", a->id);
-    } else if (step == 1) {
-        buf_puts(b, ",\"index\":0,\"content_block\":{\"type\":\"text\",\"text\":\"\"}");
-    } else if (step == 3 && a->tool_call) {
-        buf_puts(b, ",\"index\":0,\"delta\":{\"type\":\"input_json_delta\",\"partial_json\":");
-        put_string(b, ANTHROPIC_TOOL_INPUT);
-        buf_puts(b, "}");
     } else if (step == 3) {
-        buf_puts(b, ",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"word \"}");
+        buf_printf(b, ",\"index\":%d,\"delta\":", a->block);
+        if (p->kind == PART_REASONING && k < a->reasoning) {
+            buf_puts(b, "{\"type\":\"thinking_delta\",\"thinking\":\"" THINK "\"}");
+        } else if (p->kind == PART_REASONING) {
+            buf_puts(b, "{\"type\":\"signature_delta\",\"signature\":");
+            put_signature(b, a);
+            buf_puts(b, "}");
+        } else if (p->kind == PART_TOOL) {
+            get_call(a, p->call, "toolu_mock_", &call);
+            buf_puts(b, "{\"type\":\"input_json_delta\",\"partial_json\":");
+            put_piece(b, &call, (int)k);
+            buf_puts(b, "}");
+        } else {
+            buf_printf(b, "{\"type\":\"text_delta\",\"text\":\"%s\"}", p->kind == PART_TEXT ? LET_ME_CHECK : "word ");
+        }
     } else if (step == 4) {
-        buf_puts(b, ",\"index\":0");
+        buf_printf(b, ",\"index\":%d", a->block);
     } else if (step == 5) {
-        buf_printf(b, ",\"delta\":{\"stop_reason\":\"%s\",\"stop_sequence\":null}", a->tool_call ? "tool_use" : "end_turn");
+        buf_puts(b, ",\"delta\":{\"stop_reason\":");
+        put_string(b, finish_reason(a));
+        buf_puts(b, ",\"stop_sequence\":null}");
         put_anthropic_usage(b, a, USAGE_DELTA);
     }
     buf_puts(b, "}");
     return types[step];
+}
+
+/* --- What the mock refuses, as the real APIs do ---
+ *
+ * IMPLEMENTATION NOTES
+ * The rules of the top comment, checked by walking the body's JSON with
+ * json_find() and json_next(): one pass over the messages, each rule a few
+ * lines. A body that is no JSON mostly ends up as a missing field. Tool
+ * call ids are compared as the raw text between their quotes (an Anthropic
+ * id with an escape fails the id pattern first); at most IDS_MAX are kept
+ * for one message, and a message with more is refused too.
+ */
+
+#define IDS_MAX 256
+
+struct refusal {
+    char why[1024];
+    const char *param, *code;    /* OpenAI's error fields (NULL: null) */
+    char param_buf[64];
+};
+
+__attribute__((format(printf, 2, 3)))
+static int refuse(struct refusal *f, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(f->why, sizeof f->why, fmt, ap);
+    va_end(ap);
+    return 1;
+}
+
+/* OpenAI's param for messages[i]: "messages.[i].field". */
+static void refuse_param(struct refusal *f, long i, const char *field)
+{
+    snprintf(f->param_buf, sizeof f->param_buf, "messages.[%ld].%s", i, field);
+    f->param = f->param_buf;
+}
+
+struct ids {                     /* one message's tool call ids: the raw text between their quotes */
+    const char *id[IDS_MAX];
+    int len[IDS_MAX];
+    char answered[IDS_MAX];
+    int n;
+};
+
+static int ids_add(struct ids *s, const char *v, const char *v_end)
+{
+    if (s->n == IDS_MAX)
+        return -1;
+    s->id[s->n] = v + 1;
+    s->len[s->n] = (int)(v_end - v - 2);
+    s->answered[s->n++] = 0;
+    return 0;
+}
+
+/* The index of the id that the JSON string [v, v_end) names in s, or -1. */
+static int ids_find(const struct ids *s, const char *v, const char *v_end)
+{
+    for (int i = 0; i < s->n; i++)
+        if (s->len[i] == v_end - v - 2 && !memcmp(s->id[i], v + 1, (size_t)s->len[i]))
+            return i;
+    return -1;
+}
+
+/* The ids of s not answered, ", " between them, into out; returns how many. */
+static int ids_unanswered(const struct ids *s, char *out, size_t cap)
+{
+    size_t len = 0;
+    int n = 0;
+    out[0] = '\0';
+    for (int i = 0; i < s->n; i++)
+        if (!s->answered[i] && len < cap)
+            len += (size_t)snprintf(out + len, cap - len, "%s%.*s", n++ ? ", " : "", s->len[i], s->id[i]);
+    return n;
+}
+
+static int json_is_null(const char *v, const char *v_end)
+{
+    return v_end - v == 4 && !memcmp(v, "null", 4);
+}
+
+#define BLANK_TEXT "messages: text content blocks must contain non-whitespace text"
+#define EMPTY_CONTENT "messages.%ld: all messages must have non-empty content except for the optional final assistant message"
+#define ANTHROPIC_ID "String should match pattern '^[a-zA-Z0-9_-]+$'"
+
+/* The content blocks of Anthropic's messages[i]. prev holds the tool_use
+ * ids of the message before (an assistant's; else it is empty): the
+ * tool_result blocks this message starts with answer them. mine gets this
+ * message's tool_use ids. */
+static int anthropic_blocks_refused(const char *content, const char *end, long i, int user, int may_be_empty,
+                                    struct ids *prev, struct ids *mine, struct refusal *f)
+{
+    const char *at = NULL, *b, *b_end, *t, *t_end, *v, *v_end;
+    long k = 0;
+    int leading = 1, found;
+    for (; json_next(content, end, &at, &b, &b_end); k++) {
+        if (*b != '{' || !json_find(b, b_end, "type", &t, &t_end) || *t != '"')
+            return refuse(f, "messages.%ld.content.%ld: Input should be a content block (an object with a type)", i, k);
+        leading = leading && json_is(t, t_end, "tool_result");
+        if (json_is(t, t_end, "text")) {
+            if (!json_find(b, b_end, "text", &v, &v_end) || *v != '"')
+                return refuse(f, "messages.%ld.content.%ld.text.text: Field required", i, k);
+            if (json_blank(v, v_end))
+                return refuse(f, BLANK_TEXT);
+        } else if (json_is(t, t_end, "tool_use")) {
+            if (!json_find(b, b_end, "id", &v, &v_end) || !json_is_name(v, v_end))
+                return refuse(f, "messages.%ld.content.%ld.tool_use.id: " ANTHROPIC_ID, i, k);
+            if (ids_add(mine, v, v_end) < 0)
+                return refuse(f, "messages.%ld: more than %d tool_use blocks (the mock's limit)", i, IDS_MAX);
+            if (!json_find(b, b_end, "input", &v, &v_end))
+                return refuse(f, "messages.%ld.content.%ld.tool_use.input: Field required", i, k);
+            if (*v != '{')
+                return refuse(f, "messages.%ld.content.%ld.tool_use.input: Input should be an object", i, k);
+        } else if (json_is(t, t_end, "tool_result")) {
+            if (!json_find(b, b_end, "tool_use_id", &v, &v_end) || !json_is_name(v, v_end))
+                return refuse(f, "messages.%ld.content.%ld.tool_result.tool_use_id: " ANTHROPIC_ID, i, k);
+            if (!user || (found = ids_find(prev, v, v_end)) < 0)
+                return refuse(f, "messages.%ld.content.%ld: unexpected `tool_use_id` found in `tool_result` blocks: %.*s. "
+                              "Each `tool_result` block must have a corresponding `tool_use` block in the previous message.",
+                              i, k, (int)(v_end - v - 2), v + 1);
+            if (leading)
+                prev->answered[found] = 1;
+        }
+    }
+    if (!k && !may_be_empty)
+        return refuse(f, EMPTY_CONTENT, i);
+    return 0;
+}
+
+/* Anthropic's /messages (count_tokens: only what it shares with /messages). */
+static int anthropic_refused(const struct request *r, int count_tokens, struct refusal *f)
+{
+    const char *body = r->body, *end = body + r->body_len, *v, *v_end, *at, *e, *e_end, *t, *t_end;
+    struct ids ids[2], *prev = &ids[0], *mine = &ids[1], *swap;
+    char list[512];
+    double x;
+    long i;
+    if (!count_tokens) {
+        if (!json_find(body, end, "max_tokens", &v, &v_end))
+            return refuse(f, "max_tokens: Field required");
+        if (json_number(v, v_end, &x) < 0 || memchr(v, '.', (size_t)(v_end - v)) || memchr(v, 'e', (size_t)(v_end - v))
+            || memchr(v, 'E', (size_t)(v_end - v)))
+            return refuse(f, "max_tokens: Input should be a valid integer");
+        if (x < 1)
+            return refuse(f, "max_tokens: Input should be greater than or equal to 1");
+        if (json_find(body, end, "temperature", &v, &v_end) && !json_is_null(v, v_end)) {
+            if (json_number(v, v_end, &x) < 0)
+                return refuse(f, "temperature: Input should be a valid number");
+            if (x > 1 || x < 0)
+                return refuse(f, "temperature: Input should be %s", x > 1 ? "less than or equal to 1" : "greater than or equal to 0");
+        }
+        if (json_find(body, end, "stop_sequences", &v, &v_end))
+            for (at = NULL; json_next(v, v_end, &at, &e, &e_end); )
+                if (*e == '"' && json_blank(e, e_end))
+                    return refuse(f, "stop_sequences: each stop sequence must contain non-whitespace characters");
+    }
+    if (json_find(body, end, "system", &v, &v_end) && *v != '"' && !json_is_null(v, v_end)) {
+        int ok = *v == '[';
+        for (at = NULL; ok && json_next(v, v_end, &at, &e, &e_end); )
+            ok = *e == '{' && json_find(e, e_end, "type", &t, &t_end) && json_is(t, t_end, "text")
+                && json_find(e, e_end, "text", &t, &t_end) && *t == '"';
+        if (!ok)
+            return refuse(f, "system: Input should be a valid string or a list of text blocks");
+    }
+    if (!json_find(body, end, "messages", &v, &v_end))
+        return refuse(f, "messages: Field required");
+    if (*v != '[')
+        return refuse(f, "messages: Input should be a valid list");
+    prev->n = 0;
+    const struct header *beta = request_header(r, "anthropic-beta");
+    int system_ok = beta && slice_has(beta->value, beta->value_len, "mid-conversation-system");
+    for (i = 0, at = NULL; json_next(v, v_end, &at, &e, &e_end); i++) {
+        const char *peek = at, *role, *role_end, *c, *c_end;
+        int last = !json_next(v, v_end, &peek, &t, &t_end), user, assistant;
+        if (*e != '{')
+            return refuse(f, "messages.%ld: Input should be a valid dictionary", i);
+        if (!json_find(e, e_end, "role", &role, &role_end))
+            return refuse(f, "messages.%ld.role: Field required", i);
+        user = json_is(role, role_end, "user");
+        assistant = json_is(role, role_end, "assistant");
+        if (!user && !assistant && !(system_ok && json_is(role, role_end, "system")))
+            return refuse(f, "messages.%ld.role: Input should be 'user' or 'assistant'", i);
+        if (!json_find(e, e_end, "content", &c, &c_end))
+            return refuse(f, "messages.%ld.content: Field required", i);
+        mine->n = 0;
+        if (*c == '"' && c_end - c == 2 && !(last && assistant))
+            return refuse(f, EMPTY_CONTENT, i);
+        if (*c == '"' && c_end - c > 2 && json_blank(c, c_end))
+            return refuse(f, BLANK_TEXT);
+        if (*c != '"' && *c != '[')
+            return refuse(f, "messages.%ld.content: Input should be a valid string or a list of content blocks", i);
+        if (*c == '[' && anthropic_blocks_refused(c, c_end, i, user, last && assistant, prev, mine, f))
+            return 1;
+        if (prev->n && ids_unanswered(prev, list, sizeof list))
+            return refuse(f, "messages.%ld: `tool_use` ids were found without `tool_result` blocks immediately after: %s. "
+                          "Each `tool_use` block must have a corresponding `tool_result` block in the next message.", i - 1, list);
+        if (!assistant)
+            mine->n = 0;         /* only an assistant's tool_use blocks ask for results */
+        swap = prev;
+        prev = mine;
+        mine = swap;
+    }
+    if (!i)
+        return refuse(f, "messages: at least one message is required");
+    if (prev->n && ids_unanswered(prev, list, sizeof list))
+        return refuse(f, "messages.%ld: `tool_use` ids were found without `tool_result` blocks immediately after: %s. "
+                      "Each `tool_use` block must have a corresponding `tool_result` block in the next message.", i - 1, list);
+    return 0;
+}
+
+static int messages_refused(const struct request *r, struct refusal *f) { return anthropic_refused(r, 0, f); }
+static int count_tokens_refused(const struct request *r, struct refusal *f) { return anthropic_refused(r, 1, f); }
+
+#define UNANSWERED_CALLS "An assistant message with 'tool_calls' must be followed by tool messages responding to each " \
+    "'tool_call_id'. The following tool_call_ids did not have response messages: %s"
+
+/* OpenAI's /chat/completions. */
+static int chat_refused(const struct request *r, struct refusal *f)
+{
+    const char *body = r->body, *end = body + r->body_len, *v, *v_end, *at, *e, *e_end, *t, *t_end;
+    struct ids calls;
+    char list[512];
+    long i, asked = -1;          /* asked: the assistant message whose tool calls are being answered */
+    if (json_find(body, end, "stop", &v, &v_end) && *v == '[') {
+        for (i = 0, at = NULL; json_next(v, v_end, &at, &e, &e_end); i++) {}
+        f->param = "stop";
+        f->code = "array_above_max_length";
+        if (i > 4)
+            return refuse(f, "Invalid 'stop': array too long. Expected an array with maximum length 4, "
+                          "but got an array with length %ld instead.", i);
+    }
+    if (json_find(body, end, "tools", &v, &v_end))
+        for (i = 0, at = NULL; json_next(v, v_end, &at, &e, &e_end); i++) {
+            if (*e != '{' || !json_find(e, e_end, "function", &t, &t_end) || *t != '{'
+                || !json_find(t, t_end, "name", &t, &t_end) || *t != '"')
+                continue;
+            snprintf(f->param_buf, sizeof f->param_buf, "tools[%ld].function.name", i);
+            f->param = f->param_buf;
+            f->code = "string_above_max_length";
+            if (t_end - t - 2 > 64)
+                return refuse(f, "Invalid 'tools[%ld].function.name': string too long. Expected a string with maximum "
+                              "length 64, but got a string with length %ld instead.", i, (long)(t_end - t - 2));
+            f->code = "invalid_value";
+            if (!json_is_name(t, t_end))
+                return refuse(f, "Invalid 'tools[%ld].function.name': string does not match pattern. Expected a string "
+                              "that matches the pattern '^[a-zA-Z0-9_-]+$'.", i);
+        }
+    f->param = "messages";
+    if (!json_find(body, end, "messages", &v, &v_end)) {
+        f->code = "missing_required_parameter";
+        return refuse(f, "Missing required parameter: 'messages'.");
+    }
+    f->code = "invalid_type";
+    if (*v != '[')
+        return refuse(f, "Invalid type for 'messages': expected an array of objects, but got something else instead.");
+    f->code = NULL;
+    calls.n = 0;
+    for (i = 0, at = NULL; json_next(v, v_end, &at, &e, &e_end); i++) {
+        const char *role, *role_end;
+        int found;
+        refuse_param(f, i, "role");
+        if (*e != '{' || !json_find(e, e_end, "role", &role, &role_end))
+            return refuse(f, "Invalid 'messages[%ld]': expected an object with a 'role'.", i);
+        if (json_is(role, role_end, "tool")) {
+            if (asked < 0)
+                return refuse(f, "Invalid parameter: messages with role 'tool' must be a response to a preceeding "
+                              "message with 'tool_calls'.");
+            refuse_param(f, i, "tool_call_id");
+            if (!json_find(e, e_end, "tool_call_id", &t, &t_end) || *t != '"')
+                return refuse(f, "Missing parameter 'tool_call_id': messages with role 'tool' must have a 'tool_call_id'.");
+            if ((found = ids_find(&calls, t, t_end)) < 0)
+                return refuse(f, "Invalid parameter: 'tool_call_id' of '%.*s' not found in 'tool_calls' of previous message.",
+                              (int)(t_end - t - 2), t + 1);
+            calls.answered[found] = 1;
+            continue;
+        }
+        if (asked >= 0 && ids_unanswered(&calls, list, sizeof list)) {
+            refuse_param(f, asked, "role");
+            return refuse(f, UNANSWERED_CALLS, list);
+        }
+        asked = -1;
+        calls.n = 0;
+        if (json_is(role, role_end, "assistant") && json_find(e, e_end, "tool_calls", &t, &t_end)) {
+            const char *at2 = NULL, *k, *k_end, *id, *id_end;
+            while (json_next(t, t_end, &at2, &k, &k_end))
+                if (*k == '{' && json_find(k, k_end, "id", &id, &id_end) && *id == '"' && ids_add(&calls, id, id_end) < 0)
+                    return refuse(f, "Invalid 'messages[%ld].tool_calls': more than %d (the mock's limit).", i, IDS_MAX);
+            asked = calls.n ? i : -1;
+        }
+    }
+    if (!i) {
+        f->param = "messages";
+        f->code = "empty_array";
+        return refuse(f, "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty "
+                      "array instead.");
+    }
+    if (asked >= 0 && ids_unanswered(&calls, list, sizeof list)) {
+        refuse_param(f, asked, "role");
+        return refuse(f, UNANSWERED_CALLS, list);
+    }
+    return 0;
 }
 
 /* --- What the APIs share --- */
@@ -1649,13 +2556,15 @@ static const char *messages_event(struct conn *c, struct answer *a, int step)
 /* The first row whose path ends the request's path answers it:
  * "/chat/completions" must come before "/completions". */
 static const struct api apis[] = {
-    { "/chat/completions", 0, OPENAI_CONTEXT, chat_body, openai_event, 0, 3, &chat_chunks },
-    { "/completions", 0, OPENAI_CONTEXT, completion_body, openai_event, 0, 3, &completion_chunks },
-    { "/embeddings", 0, OPENAI_CONTEXT, embeddings_body, NULL, 0, 0, NULL },
+    { "/chat/completions", 0, OPENAI_CONTEXT, chat_body, openai_event, 0, 3, &chat_chunks, chat_refused, chat_plan },
+    { "/completions", 0, OPENAI_CONTEXT, completion_body, openai_event, 0, 3, &completion_chunks, NULL, NULL },
+    { "/embeddings", 0, OPENAI_CONTEXT, embeddings_body, NULL, 0, 0, NULL, NULL, NULL },
     { "/responses", 0, "Your input exceeds the context window of this model. Please adjust your input and try again.",
-      responses_body, responses_event, 4, 4, NULL },
-    { "/messages", 1, "prompt is too long: 9000 tokens > 8192 maximum", messages_body, messages_event, 3, 3, NULL },
-    { "/messages/count_tokens", 1, "prompt is too long: 9000 tokens > 8192 maximum", count_tokens_body, NULL, 0, 0, NULL },
+      responses_body, responses_event, 4, 4, NULL, NULL, NULL },
+    { "/messages", 1, "prompt is too long: 9000 tokens > 8192 maximum", messages_body, messages_event, 3, 3, NULL,
+      messages_refused, messages_plan },
+    { "/messages/count_tokens", 1, "prompt is too long: 9000 tokens > 8192 maximum", count_tokens_body, NULL, 0, 0, NULL,
+      count_tokens_refused, NULL },
 };
 
 /* An error in the API's shape, with the type its provider uses for the status. */
@@ -1663,7 +2572,7 @@ static int send_api_error(struct conn *c, const struct request *r, const struct 
                           const struct api *api, long status, const char *code, const char *message)
 {
     struct status st = status_info(status);
-    put_error(c, api->anthropic, api->anthropic ? st.anthropic_type : st.type, code, message);
+    put_error(c, api->anthropic, api->anthropic ? st.anthropic_type : st.type, code, NULL, message);
     return send_answer(c, r, d, status);
 }
 
@@ -1678,44 +2587,45 @@ static int send_directed_error(struct conn *c, const struct request *r, const st
     return send_api_error(c, r, d, api, d->status, status_info(d->status).code, message);
 }
 
-/* The SSE bytes of the event in c->json: its size, and appending them to c->out. */
-static size_t sse_size(const struct conn *c, const char *name)
+/* The pause before a stream's next event: ms, and, for keepalive, the
+ * keep-alive half-way through it (an OpenAI stream's comment line, an
+ * Anthropic ping), in a write of its own. Returns -1 if the peer has gone. */
+static int stream_pause(struct conn *c, const struct answer *a, long ms, int keepalive)
 {
-    return (*name ? strlen(name) + 8 : 0) + c->json.len + 8;      /* "event: NAME\n" "data: " JSON "\n\n" */
+    static const char comment[] = ": keep-alive\n\n", ping[] = "event: ping\ndata: {\"type\":\"ping\"}\n\n";
+    if (keepalive) {
+        const char *ev = a->api->anthropic ? ping : comment;
+        char chunk[64];
+        int n = snprintf(chunk, sizeof chunk, "%zx\r\n%s\r\n", strlen(ev), ev);
+        if ((ms / 2 && conn_wait(c, ms / 2) < 0) || conn_send(c, chunk, (size_t)n) < 0)
+            return -1;
+        ms -= ms / 2;
+    }
+    return ms && conn_wait(c, ms) < 0 ? -1 : 0;
 }
 
-static void sse_put(struct conn *c, const char *name)
+/* Sends a stream's step, if it has an event: the events it puts in c->out
+ * and its own, each one SSE event in one HTTP chunk, after stream_pause().
+ * Returns 1 if it sent an event, 0 if the step has none, -1 if the peer
+ * has gone. */
+static int stream_step(struct conn *c, struct answer *a, int step, long ms, int keepalive)
 {
-    if (*name)
-        buf_printf(&c->out, "event: %s\n", name);
-    buf_puts(&c->out, "data: ");
-    buf_append(&c->out, c->json.data, c->json.len);
-    buf_puts(&c->out, "\n\n\r\n");
-}
-
-/* Sends c->json as one SSE event in one HTTP chunk. The n-th event (n > 0)
- * waits event_delay_ms first. Returns -1 if the peer has gone. */
-static int stream_event(struct conn *c, const struct directive *d, int n, const char *name)
-{
-    if (n > 0 && d->event_delay_ms && conn_wait(c, d->event_delay_ms) < 0)
-        return -1;
     c->out.len = 0;
-    buf_printf(&c->out, "%zx\r\n", sse_size(c, name));
-    sse_put(c, name);
-    return conn_send(c, c->out.data, c->out.len);
-}
-
-/* Sends a stream's step as its n-th event, if the step has an event. */
-static int stream_step(struct conn *c, struct answer *a, const struct directive *d, int step, int n)
-{
     const char *name = a->api->event(c, a, step);
-    return name ? stream_event(c, d, n, name) : 0;
+    if (!name)
+        return 0;
+    sse_chunk(c, name);
+    if (stream_pause(c, a, ms, keepalive) < 0 || conn_send(c, c->out.data, c->out.len) < 0)
+        return -1;
+    return 1;
 }
 
-/* garble=KIND in a stream: the event that breaks it, a broken delta, as its
- * n-th event. Returns 0 to go on with the stream, -1 when the connection is done. */
-static int stream_garble(struct conn *c, const struct directive *d, struct answer *a, int n)
+/* garble=KIND in a stream: the event that breaks it, a broken delta (of
+ * content step a->step), after a pause of ms. Returns 0 to go on with the
+ * stream, -1 when the connection is done. */
+static int stream_garble(struct conn *c, const struct directive *d, struct answer *a, long ms)
 {
+    c->out.len = 0;
     const char *name = a->api->event(c, a, a->api->opening);
     if (d->garble == GARBLE_HTML || d->garble == GARBLE_TRUNCATED) {
         if (d->garble == GARBLE_HTML) {
@@ -1724,11 +2634,12 @@ static int stream_garble(struct conn *c, const struct directive *d, struct answe
         } else {
             c->json.len /= 2;
         }
-        return stream_event(c, d, n, name);
+        sse_chunk(c, name);
+        return stream_pause(c, a, ms, 0) < 0 || conn_send(c, c->out.data, c->out.len) < 0 ? -1 : 0;
     }
-    if (n > 0 && d->event_delay_ms && conn_wait(c, d->event_delay_ms) < 0)
+    if (stream_pause(c, a, ms, 0) < 0)
         return -1;
-    c->out.len = 0;
+    c->out.len = 0;              /* the broken event alone */
     if (d->garble == GARBLE_HUGE) {              /* "data: " and 2 MiB, no blank line */
         if (conn_send(c, "6\r\ndata: \r\n", 11) < 0)
             return -1;
@@ -1751,52 +2662,84 @@ static int stream_garble(struct conn *c, const struct directive *d, struct answe
     return -1;
 }
 
+/* stream_error=TYPE: the API's error event, then the end of the body, a
+ * clean one. Returns what send_stream() does. */
+static int stream_fail(struct conn *c, struct answer *a, int keep)
+{
+    const char *type = a->stream_error, *name = "";
+    c->out.len = c->json.len = 0;
+    if (a->api->anthropic) {
+        name = "error";
+        buf_printf(&c->json, "{\"type\":\"error\",\"error\":{\"type\":\"%s\",\"message\":\"%s%s\"}}", type,
+                   strcmp(type, "overloaded_error") ? "mock stream error " : "Overloaded",
+                   strcmp(type, "overloaded_error") ? type : "");
+    } else if (!a->api->chunks) {                 /* Responses */
+        name = "error";
+        buf_printf(&c->json, "{\"type\":\"error\",\"code\":\"%s\",\"message\":\"mock stream error %s\","
+                   "\"param\":null,\"sequence_number\":%ld}", type, type, a->seq++);
+    } else {
+        buf_printf(&c->json, "{\"error\":{\"message\":\"%s%s\",\"type\":\"%s\",\"code\":null}}",
+                   strcmp(type, "server_error") ? "mock stream error "
+                   : "The server had an error while processing your request. Sorry about that!",
+                   strcmp(type, "server_error") ? type : "", type);
+    }
+    sse_chunk(c, name);
+    buf_puts(&c->out, "0\r\n\r\n");
+    return conn_send(c, c->out.data, c->out.len) < 0 ? 0 : keep;
+}
+
+/* cut_after=N: the stream ends there, abruptly, or with stream_error's event. */
+static int stream_cut(struct conn *c, struct answer *a, int keep)
+{
+    if (a->stream_error)
+        return stream_fail(c, a, keep);
+    c->abrupt = 1;
+    return 0;
+}
+
+/* Keep-alives: an OpenAI stream's comment goes in the pause before each
+ * content event and the finish (the first closing event), an Anthropic
+ * ping in the pause between two deltas. */
 static int send_stream(struct conn *c, const struct request *r, const struct directive *d, struct answer *a)
 {
     const struct api *api = a->api;
-    int keep = !r->want_close && !d->close;
+    int keep = !r->want_close && !d->close, n = 0, sent;
+    int comment = d->keepalive && !api->anthropic, ping = d->keepalive && api->anthropic;
+    int fail_first = a->stream_error && d->cut_after < 0;   /* after the first opening event */
     put_head(c, 200, "text/event-stream", d, keep);
     buf_puts(&c->out, "Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n");
     if (conn_send(c, c->out.data, c->out.len) < 0)
         return 0;
-    for (int step = 0; step < api->opening; step++)
-        if (stream_step(c, a, d, step, 0) < 0)
+    for (int step = 0; step < (fail_first && api->opening ? 1 : api->opening); step++)
+        if (stream_step(c, a, step, 0, 0) < 0)
             return 0;
-    if (d->first_event_delay_ms && conn_wait(c, d->first_event_delay_ms) < 0)
+    if (fail_first)
+        return stream_fail(c, a, keep);
+    if (stream_pause(c, a, d->first_event_delay_ms, comment) < 0)
         return 0;
-    int n = 0;
-    for (long i = 0; i < d->events; i++) {
-        if (i == d->cut_after) {
-            c->abrupt = 1;
+    for (a->step = 0; a->step < a->steps; a->step++) {
+        if (a->step == d->cut_after)
+            return stream_cut(c, a, keep);
+        if (d->garble && a->step == d->garble_after && stream_garble(c, d, a, n++ ? d->event_delay_ms : 0) < 0)
             return 0;
-        }
-        if (d->garble && i == d->garble_after && stream_garble(c, d, a, n++) < 0)
+        if ((sent = stream_step(c, a, api->opening, n ? d->event_delay_ms : 0, n && (comment || ping))) < 0)
             return 0;
-        if (stream_step(c, a, d, api->opening, n++) < 0)
-            return 0;
+        n += sent;
     }
-    if (d->cut_after >= 0) {     /* cut_after >= events: cut before the closing events */
-        c->abrupt = 1;
+    if (d->cut_after >= 0)       /* cut_after >= the deltas: cut before the closing events */
+        return stream_cut(c, a, keep);
+    if (d->garble && d->garble_after >= a->steps && stream_garble(c, d, a, n++ ? d->event_delay_ms : 0) < 0)
         return 0;
-    }
-    if (d->garble && d->garble_after >= d->events && stream_garble(c, d, a, n++) < 0)
-        return 0;
-    for (int step = api->opening + 1; step <= api->opening + api->closing; step++)
-        if (stream_step(c, a, d, step, n++) < 0)
+    for (int step = api->opening + 1; step <= api->opening + api->closing; step++) {
+        if ((sent = stream_step(c, a, step, n ? d->event_delay_ms : 0, n && comment && step == api->opening + 1)) < 0)
             return 0;
+        n += sent;
+    }
     if (d->end_delay_ms && conn_wait(c, d->end_delay_ms) < 0)
         return 0;
     if (conn_send(c, "0\r\n\r\n", 5) < 0)
         return 0;
     return keep;
-}
-
-static const struct header *request_header(const struct request *r, const char *name)
-{
-    for (int i = 0; i < r->nheaders; i++)
-        if (slice_is(r->headers[i].name, r->headers[i].name_len, name) && r->headers[i].value_len)
-            return &r->headers[i];
-    return NULL;
 }
 
 static int serve_inference(struct conn *c, const struct request *r, const struct api *api)
@@ -1815,15 +2758,34 @@ static int serve_inference(struct conn *c, const struct request *r, const struct
     a.stream = api->event && json_is_true(r->body, end, "stream");
     a.include_usage = json_is_true(r->body, end, "include_usage")
         || (json_find(r->body, end, "stream_options", &v, &v_end) && json_is_true(v, v_end, "include_usage"));
-    a.id = mock_begin_request(a.model, r->path, r->path_len, body_directive, directive, sizeof directive);
+    struct refusal no = { .param = NULL };
+    int refused = api->refused && api->refused(r, &no);
+    a.id = mock_begin_request(a.model, r->path, r->path_len, body_directive, directive, sizeof directive,
+                              refused ? no.why : NULL);
+    if (refused) {               /* at once, whatever the directive says */
+        put_error(c, api->anthropic, "invalid_request_error", no.code, no.param, no.why);
+        return send_answer(c, r, &directive_ok, 400);
+    }
 
     struct directive d;
     if (directive_parse(directive, &d, why, sizeof why) < 0)
         return send_api_error(c, r, &directive_ok, api, 400, "mock_bad_directive", why);
+    c->bytewise = (int)d.bytewise;
+    c->pauses = BYTEWISE_PAUSES;
     if (d.tool_call)
-        d.events = 1;            /* one delta carries the whole tool input */
+        d.events = 1;            /* Responses: one delta carries the whole tool input */
     a.events = d.events;
     a.tool_call = (int)d.tool_call;
+    if (api->plan) {             /* chat and messages */
+        a.ncalls = d.tools ? (int)d.tools : (int)d.tool_call;
+        a.text_first = a.ncalls && d.text_first;
+        a.reasoning = d.reasoning;
+        api->plan(&a);
+    } else {
+        a.steps = a.events;
+    }
+    a.finish = d.finish[0] ? d.finish : NULL;
+    a.stream_error = d.stream_error[0] ? d.stream_error : NULL;
     a.usage = d.usage;
     if (a.usage.input < 0)
         a.usage.input = r->body_len / 4 ? (long long)(r->body_len / 4) : 1;
@@ -1863,6 +2825,10 @@ static int serve_inference(struct conn *c, const struct request *r, const struct
         memset(content, 'x', a.text_len);
     }
     a.text = content;
+    if (a.text_first) {
+        a.text = LET_ME_CHECK;
+        a.text_len = strlen(LET_ME_CHECK);
+    }
     c->json.len = 0;
     long status = api->body(c, &a);
     if (content != greeting)
@@ -1938,9 +2904,9 @@ static int control_stats(struct conn *c, const struct request *r)
 {
     c->json.len = 0;
     pthread_mutex_lock(&mock.lock);
-    buf_printf(&c->json, "{\"connections\":%ld,\"open_connections\":%ld,\"requests\":%ld,"
+    buf_printf(&c->json, "{\"connections\":%ld,\"open_connections\":%ld,\"requests\":%ld,\"refused\":%ld,"
                "\"tls_handshakes\":%ld,\"tls_resumed\":%ld,\"tls_failed\":%ld,\"calls\":{",
-               mock.connections, mock.open_connections, mock.requests,
+               mock.connections, mock.open_connections, mock.requests, mock.refused,
                mock.tls_handshakes, mock.tls_resumed, mock.tls_failed);
     for (size_t i = 0, n = 0; i < mock.nmodels; i++)
         if (mock.models[i].calls) {
@@ -1964,6 +2930,10 @@ static int control_stats(struct conn *c, const struct request *r)
         buf_json_string(&c->json, e->directive, strlen(e->directive));
         buf_puts(&c->json, ",\"path\":");
         buf_json_string(&c->json, e->path, strlen(e->path));
+        if (e->refused[0]) {
+            buf_puts(&c->json, ",\"refused\":");
+            buf_json_string(&c->json, e->refused, strlen(e->refused));
+        }
         buf_puts(&c->json, "}");
     }
     pthread_mutex_unlock(&mock.lock);
@@ -2011,6 +2981,9 @@ static int control_last(struct conn *c, const struct request *r)
     }
     buf_puts(&c->json, "},\"body\":");
     buf_json_string(&c->json, mock.last_body.data ? mock.last_body.data : "", mock.last_body.len);
+    buf_puts(&c->json, ",\"body_base64\":");
+    buf_base64_string(&c->json, (const unsigned char *)(mock.last_body.data ? mock.last_body.data : ""),
+                      mock.last_body.len);
     if (c->tls) {                /* the SNI the client sent, "" if none */
         buf_puts(&c->json, ",\"tls_server_name\":");
         buf_json_string(&c->json, mock.last_sni, strlen(mock.last_sni));
@@ -2335,7 +3308,9 @@ static int conn_route(struct conn *c, const struct request *r)
         return send_error(c, r, &directive_ok, 404, "invalid_request_error", "not_found", "unknown path");
     if (!slice_is(r->method, r->method_len, "POST"))
         return send_api_error(c, r, &directive_ok, &apis[i], 405, "method_not_allowed", "use POST");
-    return serve_inference(c, r, &apis[i]);
+    int keep = serve_inference(c, r, &apis[i]);
+    c->bytewise = 0;
+    return keep;
 }
 
 /* Answers requests until one ends the connection. Returns 1 if that end is
