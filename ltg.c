@@ -13706,6 +13706,9 @@ static int exchange_translate(exchange *x) {
     model *m = exchange_model(x);
     xl_verdict v;
     x->up = x->kind;
+    xl_stream_free(x->xs); /* a translated attempt before this one leaves nothing behind */
+    x->xs = NULL;
+    x->dropped[0] = 0;
     if (m->api == x->kind->api) return 0;
     xl_target t = {exchange_dep(x)->upstream, m->max_output_tokens, m->reasoning};
     if (xl_request(x->kind->xl, model_xl(m), x->body.p, x->body.len, &t, &x->xbody, &v) < 0) {
@@ -13716,7 +13719,6 @@ static int exchange_translate(exchange *x) {
     snprintf(x->dropped, sizeof x->dropped, "%s", v.dropped);
     metric_add(M_TRANSLATED, 1, "from", x->kind->name, "to", x->up->name, NULL);
     for (int i = 0; i < v.ndropped; i++) metric_add(M_XL_DROPPED, 1, "field", v.names[i], NULL);
-    xl_stream_free(x->xs);
     x->xs = x->stream ? xl_stream_new(model_xl(m), x->kind->xl, v.include_usage, x->shape.prompt,
                                       x->body.p, x->body.len)
                       : NULL;

@@ -218,6 +218,171 @@ def t_count_tokens():
     check(it.H.mock_get("/_mock/stats")["requests"] == before["requests"], "the mock was called")
 
 
+def anthropic_stream(ev):
+    """Reassembles a Messages stream, holding it to its grammar: message_start first, blocks at
+    indexes 0, 1, ... each opened, fed and closed before the next, one message_delta, then
+    message_stop last. Returns (blocks, stop_reason, the message_delta's usage)."""
+    names = [n for n, _ in ev if n != "ping"]
+    check(names[:1] == ["message_start"] and names[-2:] == ["message_delta", "message_stop"]
+          and names.count("message_delta") == 1, "the events %r" % names)
+    blocks, open_, md = [], None, None
+    for n, d in ev:
+        if n == "content_block_start":
+            check(open_ is None and d["index"] == len(blocks), "a block opened at %r with %r open" % (d["index"], open_))
+            b = dict(d["content_block"])
+            b["json"] = ""
+            blocks.append(b)
+            open_ = d["index"]
+        elif n == "content_block_delta":
+            check(d["index"] == open_, "a delta for block %r, open %r" % (d["index"], open_))
+            x, b = d["delta"], blocks[open_]
+            if x["type"] == "text_delta":
+                b["text"] += x["text"]
+            elif x["type"] == "input_json_delta":
+                b["json"] += x["partial_json"]
+            else:
+                check(x["type"] in ("thinking_delta", "signature_delta"), "delta %r" % x)
+        elif n == "content_block_stop":
+            check(d["index"] == open_, "stop %r, open %r" % (d["index"], open_))
+            open_ = None
+        elif n == "message_delta":
+            check(open_ is None, "message_delta with block %r open" % open_)
+            md = d
+    for b in blocks:
+        if b["type"] == "tool_use":
+            b["input"] = json.loads(b.pop("json") or "{}")
+        else:
+            b.pop("json")
+    return blocks, md["delta"]["stop_reason"], md["usage"]
+
+
+def chat_stream(datas):
+    """Reassembles a chat stream: the role in the first chunk, text, reasoning, tool calls by
+    index (id and name first, then arguments), one finish_reason, the usage chunk, [DONE] last.
+    Returns (text, reasoning, [(id, name, arguments)], finish_reason, usage)."""
+    check(datas[-1] == "[DONE]" and datas[0]["choices"][0]["delta"].get("role") == "assistant",
+          "first %r, last %r" % (datas[0], datas[-1]))
+    text, reasoning, calls, finish, usage = "", "", {}, [], None
+    for d in datas[:-1]:
+        if d.get("usage"):
+            usage = d["usage"]
+        for c in d["choices"]:
+            x = c["delta"]
+            text += x.get("content") or ""
+            reasoning += x.get("reasoning_content") or ""
+            for t in x.get("tool_calls") or []:
+                if t["index"] not in calls:
+                    check(t.get("id") and t["function"].get("name"), "a call opened without id and name: %r" % t)
+                    calls[t["index"]] = [t["id"], t["function"]["name"], ""]
+                calls[t["index"]][2] += t["function"].get("arguments") or ""
+            if c.get("finish_reason"):
+                finish.append(c["finish_reason"])
+    check(len(finish) == 1 and sorted(calls) == list(range(len(calls))), "finishes %r, calls %r" % (finish, calls))
+    return text, reasoning, [tuple(calls[i]) for i in sorted(calls)], finish[0], usage
+
+
+def calls_want(n):
+    return [{"i": i, "city": "Paris %d" % i} for i in range(n)]
+
+
+@it.test("translate: a Messages client on GLM, three parallel calls with interleaved argument pieces (two calls "
+         "in one chunk), text first, reasoning and GLM's finish stop -- streamed whole and one byte per write, "
+         "and not streamed: one text block, three tool_use blocks in order, stop_reason tool_use, no thinking")
+def t_stream_tools_messages_on_chat():
+    g, token = group_key(["GLM"])
+    seen = []
+    for bytewise in ("", " bytewise"):
+        script("glm-up", ["tools=3 text_first reasoning=2 finish=stop" + bytewise])
+        r = post("/v1/messages", messages_body("GLM", stream=True), token)
+        check(r.status == 200, "status %d: %r" % (r.status, r.body[:300]))
+        blocks, stop, usage = anthropic_stream(events(r))
+        check([b["type"] for b in blocks] == ["text", "tool_use", "tool_use", "tool_use"]
+              and blocks[0]["text"] == "Let me check." and stop == "tool_use", "blocks %r, stop %r" % (blocks, stop))
+        check([b["input"] for b in blocks[1:]] == calls_want(3) and [b["name"] for b in blocks[1:]]
+              == ["tool_0", "tool_1", "tool_2"], "the calls %r" % blocks[1:])
+        ev = spend_event(g, r.header("x-ltg-request-id"))
+        check(usage["output_tokens"] == ev["output_tokens"] and usage["input_tokens"] == ev["input_tokens"],
+              "usage %r, the ledger %r" % (usage, ev))
+        seen.append([(b["type"], b.get("text"), b.get("name"), b.get("input")) for b in blocks])
+    script("glm-up", ["tools=3 text_first reasoning=2 finish=stop"])
+    j = jbody(post("/v1/messages", messages_body("GLM"), token))
+    whole = [(b["type"], b.get("text"), b.get("name"), b.get("input")) for b in j["content"]]
+    check(seen[0] == seen[1] == whole and j["stop_reason"] == "tool_use", "whole %r, streamed %r" % (whole, seen))
+
+
+@it.test("translate: a chat client on Claude, three parallel calls, text first and thinking -- streamed whole and "
+         "one byte per write, and not streamed: tool_calls by index with their arguments, reasoning_content, "
+         "finish tool_calls, the usage chunk (inclusive counts) and [DONE]")
+def t_stream_tools_chat_on_messages():
+    g, token = group_key(["Claude"])
+    seen = []
+    for bytewise in ("", " bytewise"):
+        script("claude-up", ["tools=3 text_first reasoning=2 cached_tokens=4 cache_write=6" + bytewise])
+        r = post("/v1/chat/completions", chat("Claude", stream=True, stream_options={"include_usage": True}), token)
+        check(r.status == 200, "status %d: %r" % (r.status, r.body[:300]))
+        text, reasoning, calls, finish, usage = chat_stream([d for _, d in events(r)])
+        check(text == "Let me check." and reasoning == "think think " and finish == "tool_calls",
+              "text %r, reasoning %r, finish %r" % (text, reasoning, finish))
+        check([json.loads(a) for _, _, a in calls] == calls_want(3) and [n for _, n, _ in calls]
+              == ["tool_0", "tool_1", "tool_2"], "the calls %r" % calls)
+        ev = spend_event(g, r.header("x-ltg-request-id"))
+        check(usage["prompt_tokens"] == ev["input_tokens"] and usage["completion_tokens"] == ev["output_tokens"]
+              and usage["prompt_tokens_details"]["cached_tokens"] == ev["cache_read_tokens"] == 4,
+              "usage %r, the ledger %r" % (usage, ev))
+        seen.append((text, reasoning, [(n, json.loads(a)) for _, n, a in calls]))
+    script("claude-up", ["tools=3 text_first reasoning=2 cached_tokens=4 cache_write=6"])
+    m = jbody(post("/v1/chat/completions", chat("Claude"), token))["choices"][0]
+    whole = (m["message"]["content"], m["message"].get("reasoning_content"),
+             [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in m["message"]["tool_calls"]])
+    check(seen[0] == seen[1] == whole and m["finish_reason"] == "tool_calls", "whole %r, streamed %r" % (whole, seen))
+
+
+@it.test("translate: cut streams end as the client's API ends them -- an error event after the head reaches a "
+         "Messages client on GLM as Anthropic's event: error, a chat client on Claude as chat's error chunk; "
+         "an error before any content fails over to the fallback, which passes through with nothing of the translated attempt left")
+def t_stream_errors():
+    g, token = group_key(["Claude", "GLM"], {"Claude": ["GLM"]})
+    script("glm-up", ["stream_error=server_error cut_after=1"])
+    r = post("/v1/messages", messages_body("GLM", stream=True), token)
+    ev = events(r)
+    check(r.status == 200 and ev[-1][0] == "error" and ev[-1][1]["type"] == "error"
+          and "message_stop" not in [n for n, _ in ev], "events %r" % ev[-3:])
+    script("claude-up", ["stream_error=api_error cut_after=1"])
+    r = post("/v1/chat/completions", chat("Claude", stream=True), token)
+    datas = [d for _, d in events(r)]
+    check(r.status == 200 and isinstance(datas[-1], dict) and "error" in datas[-1], "chunks %r" % datas[-3:])
+    script("claude-up", ["stream_error=overloaded_error"])
+    r = post("/v1/chat/completions", chat("Claude", stream=True), token)
+    datas = [d for _, d in events(r)]
+    check(r.status == 200 and r.header("x-ltg-served-model") == "GLM" and datas[-1] == "[DONE]",
+          "%d %r %r" % (r.status, r.header("x-ltg-served-model"), datas[-2:]))
+    ev = spend_event(g, r.header("x-ltg-request-id"))
+    check([a["outcome"] for a in ev["attempt_log"]][-1] == "ok" and len(ev["attempt_log"]) == 2, "attempts %r" % ev["attempt_log"])
+    # the fallback passed through: nothing of the translated attempt before it (its stream, what it dropped)
+    script("claude-up", ["status=529"])
+    r = post("/v1/chat/completions", chat("Claude", seed=7), token)
+    check(r.status == 200 and r.header("x-ltg-served-model") == "GLM" and r.header("x-ltg-dropped") is None
+          and last_sent()[1].get("seed") == 7, "%d %r %r" % (r.status, r.header("x-ltg-dropped"), r.body[:200]))
+    script("claude-up", ["status=529"])
+    r = post("/v1/chat/completions", chat("Claude", seed=7, stream=True), token)
+    datas = [d for _, d in events(r)]
+    check(r.status == 200 and r.header("x-ltg-dropped") is None and datas[-1] == "[DONE]", "%d %r" % (r.status, datas[-2:]))
+
+
+@it.test("translate: keep-alives are passed on -- chat's ': keep-alive' comments reach a Messages client as "
+         "event: ping, Anthropic's pings reach a chat client as a comment")
+def t_stream_pings():
+    g, token = group_key(["Claude", "GLM"])
+    script("glm-up", ["keepalive"])
+    r = post("/v1/messages", messages_body("GLM", stream=True), token)
+    names = [n for n, _ in events(r)]
+    check(r.status == 200 and names.count("ping") >= 3, "events %r" % names)
+    script("claude-up", ["keepalive"])
+    r = post("/v1/chat/completions", chat("Claude", stream=True), token)
+    raw = [t for _, t in it.sse_events(r)]
+    check(r.status == 200 and sum(1 for t in raw if t.startswith(":")) >= 2, "events %r" % raw)
+
+
 if __name__ == "__main__":   # this file alone: python3 tests/integration_translate.py --ltg ./ltg --mock tests/mock
     import sys
     sys.exit(it.main(only=__name__))
