@@ -1425,9 +1425,13 @@ static size_t jv_skip(const char *s, size_t n, size_t i) {
     do {
         if (i >= n) return n;
         char c = s[i];
-        if (c == '"') {
-            for (i++; i < n && s[i] != '"'; i++)
-                if (s[i] == '\\') i++;
+        if (c == '"') { /* to the quote that no odd run of backslashes escapes */
+            for (size_t b = 1; b & 1;) {
+                const char *q = memchr(s + i + 1, '"', n - i - 1);
+                if (!q) return n;
+                i = (size_t)(q - s);
+                for (b = 0; s[i - 1 - b] == '\\'; b++) {}
+            }
             i++;
         } else if (c == '{' || c == '[') {
             depth++, i++;
@@ -1442,9 +1446,8 @@ static size_t jv_skip(const char *s, size_t n, size_t i) {
     return i;
 }
 
-static json_tok jv_at(const char *s, size_t n, size_t i) {
-    i = jv_ws(s, n, i);
-    size_t end = jv_skip(s, n, i);
+/* The value s[i..end) as a token (a string's without its quotes). */
+static json_tok jv_span(const char *s, size_t n, size_t i, size_t end) {
     char c = i < n ? s[i] : 'n';
     json_type type = c == '{'   ? JSON_OBJECT
                      : c == '[' ? JSON_ARRAY
@@ -1457,6 +1460,19 @@ static json_tok jv_at(const char *s, size_t n, size_t i) {
     return (json_tok){type, (uint32_t)i, (uint32_t)end, 0, 0};
 }
 
+static json_tok jv_at(const char *s, size_t n, size_t i) {
+    i = jv_ws(s, n, i);
+    return jv_span(s, n, i, jv_skip(s, n, i));
+}
+
+/* The whole document s[0..n), one value between white space, without walking it. */
+static json_tok jv_doc(const char *s, size_t n) {
+    size_t i = jv_ws(s, n, 0);
+    while (n > i && (s[n - 1] == ' ' || s[n - 1] == '\t' || s[n - 1] == '\n' || s[n - 1] == '\r'))
+        n--;
+    return jv_span(s, n, i, n);
+}
+
 /* The next member (key and value) or element (value) of container c; *pos is 0 before the
  * first. 0 when there is none left. */
 static int jv_next(const char *s, size_t n, const json_tok *c, size_t *pos, json_tok *key,
@@ -1466,20 +1482,24 @@ static int jv_next(const char *s, size_t n, const json_tok *c, size_t *pos, json
     if (i >= c->end - 1) return 0;
     if (c->type == JSON_OBJECT) {
         *key = jv_at(s, n, i);
-        i = jv_ws(s, n, jv_skip(s, n, i)) + 1; /* past the ':' */
+        i = jv_ws(s, n, key->end + 1) + 1; /* past the closing quote and the ':' */
     }
-    *val = jv_at(s, n, i);
-    *pos = jv_skip(s, n, i);
+    *val = jv_at(s, n, i); /* each value skipped once: *pos is where it ends */
+    *pos = val->end + (val->type == JSON_STRING);
     return 1;
 }
 
-/* The value of member `name` of object o; 0 when it has none (or o is not an object). */
+/* The value of member `name` of object o; 0 when it has none (or o is not an object), *val
+ * then untouched. */
 static int jv_get(const char *s, size_t n, const json_tok *o, const char *name, json_tok *val) {
     size_t pos = 0;
-    json_tok k;
+    json_tok k, v;
     if (o->type != JSON_OBJECT) return 0;
-    while (jv_next(s, n, o, &pos, &k, val))
-        if (json_eq(s, &k, 0, name)) return 1;
+    while (jv_next(s, n, o, &pos, &k, &v))
+        if (json_eq(s, &k, 0, name)) {
+            *val = v;
+            return 1;
+        }
     return 0;
 }
 
@@ -10399,6 +10419,7 @@ static void error_open(jwriter *w, int status, int anthropic, const char *msg,
                        : anthropic && status == 413 ? "request_too_large"
                        : anthropic && status == 529 ? "overloaded_error"
                        : anthropic && status == 402 ? "billing_error"
+                       : anthropic && status == 504 ? "timeout_error"
                        : status >= 500              ? "api_error"
                                                     : "invalid_request_error";
     jw_open(w, '{');
@@ -10441,13 +10462,20 @@ typedef struct {
     int reasoning;               /* it takes a reasoning effort (chat) or thinking (Anthropic) */
 } xl_target;
 
-/* One request being translated: the client's body, the writer, the verdict. */
+#define XL_MAX_FIELDS 48         /* the longest field table (C2M_FIELDS), with room */
+
+/* One request being translated: the client's body, the writer, the verdict; and its top-level
+ * members, found once by xl_fields (the body's largest values are walked once, not per field). */
 typedef struct {
     const char *s;
     size_t n;
     jwriter w;
     xl_verdict *v;
     const xl_target *to;
+    json_tok root;
+    const struct xl_field *fields;     /* the table vals[] follows */
+    json_tok vals[XL_MAX_FIELDS];      /* each field's value ... */
+    uint64_t has;                      /* ... when its bit is set */
 } xlq;
 
 static int xl_refuse(xlq *q, const char *param, const char *fmt, ...)
@@ -10565,7 +10593,7 @@ static void xl_write_id(xlq *q, const json_tok *v) {
 }
 
 /* A top-level field and what becomes of it across translation. */
-typedef struct {
+typedef struct xl_field {
     const char *name;
     enum { XF_MAP, XF_DROP, XF_REFUSE } fate;
     const char *why;             /* XF_REFUSE: what the target lacks */
@@ -10577,9 +10605,14 @@ static int xl_fields(xlq *q, const json_tok *root, const xl_field *fields, const
     size_t pos = 0;
     json_tok k, v;
     char p[160];
+    q->root = *root, q->fields = fields, q->has = 0;
     while (jv_next(q->s, q->n, root, &pos, &k, &v)) {
         int i = 0;
         while (fields[i].name && !json_eq(q->s, &k, 0, fields[i].name)) i++;
+        assert(i < XL_MAX_FIELDS);
+        if (fields[i].name && !(q->has >> i & 1)) /* the first of a repeated name, as jv_get */
+            q->vals[i] = v, q->has |= 1ULL << i;
+        if (fields[i].name && fields[i].fate == XF_MAP) continue;
         snprintf(p, sizeof p, "/%.*s", (int)(k.end - k.start < 100 ? k.end - k.start : 100),
                  q->s + k.start);
         if (!fields[i].name)
@@ -10588,6 +10621,19 @@ static int xl_fields(xlq *q, const json_tok *root, const xl_field *fields, const
         if (fields[i].fate == XF_REFUSE && v.type != JSON_NULL && v.type != JSON_FALSE)
             return xl_refuse(q, p, "%s cannot be carried to %s: %s", p, target, fields[i].why);
     }
+    return 0;
+}
+
+/* Member `name` of object o: a top-level one from the index xl_fields made (every member is
+ * in its table, or the body was refused), any other by jv_get. */
+static int xl_get(const xlq *q, const json_tok *o, const char *name, json_tok *v) {
+    if (!q->fields || o->start != q->root.start) return jv_get(q->s, q->n, o, name, v);
+    for (int i = 0; q->fields[i].name; i++)
+        if (strcmp(q->fields[i].name, name) == 0) {
+            if (!(q->has >> i & 1)) return 0;
+            *v = q->vals[i];
+            return 1;
+        }
     return 0;
 }
 
@@ -10606,9 +10652,9 @@ static const xl_field M2C_FIELDS[] = {
     {"max_tokens", XF_MAP, NULL}, {"stop_sequences", XF_MAP, NULL}, {"stream", XF_MAP, NULL},
     {"temperature", XF_MAP, NULL}, {"top_p", XF_MAP, NULL}, {"tools", XF_MAP, NULL},
     {"tool_choice", XF_MAP, NULL}, {"metadata", XF_MAP, NULL}, {"thinking", XF_MAP, NULL},
-    {"output_config", XF_MAP, NULL}, {"top_k", XF_DROP, NULL}, {"service_tier", XF_DROP, NULL},
-    {"context_management", XF_DROP, NULL}, {"cache_control", XF_DROP, NULL},
-    {"inference_geo", XF_DROP, NULL},
+    {"output_config", XF_MAP, NULL}, {"output_format", XF_MAP, NULL}, {"top_k", XF_DROP, NULL},
+    {"service_tier", XF_DROP, NULL}, {"context_management", XF_DROP, NULL},
+    {"cache_control", XF_DROP, NULL}, {"inference_geo", XF_DROP, NULL},
     {"mcp_servers", XF_REFUSE, "MCP servers are run by Anthropic"},
     {"container", XF_REFUSE, "containers are Anthropic's"},
     {NULL, XF_MAP, NULL}
@@ -10822,21 +10868,27 @@ static int m2c_assistant(xlq *q, const json_tok *content, const char *p) {
 }
 
 /* "system", then each turn. */
+/* A system prompt (a string or text blocks, at `p`) as chat's system message. */
+static int m2c_system(xlq *q, const json_tok *sys, const char *p) {
+    buf text = {0};
+    if (xl_join(q, sys, p, "text", &text) < 0) return LTG_ERR;
+    jw_open(&q->w, '{');
+    jw_key(&q->w, "role"), jw_cstr(&q->w, "system");
+    jw_key(&q->w, "content"), xl_escaped(&q->w, &text);
+    jw_close(&q->w, '}');
+    buf_free(&text);
+    return 0;
+}
+
+/* The turns: the system prompt first; a system turn among them (Claude Code sends them, with
+ * the mid-conversation-system beta) stays where it is, as chat allows. */
 static int m2c_messages(xlq *q, const json_tok *root) {
     json_tok msgs, m, k, role, content, sys;
     size_t pos = 0;
     char p[64];
     jw_key(&q->w, "messages"), jw_open(&q->w, '[');
-    if (jv_get(q->s, q->n, root, "system", &sys)) {
-        buf text = {0};
-        if (xl_join(q, &sys, "/system", "text", &text) < 0) return LTG_ERR;
-        jw_open(&q->w, '{');
-        jw_key(&q->w, "role"), jw_cstr(&q->w, "system");
-        jw_key(&q->w, "content"), xl_escaped(&q->w, &text);
-        jw_close(&q->w, '}');
-        buf_free(&text);
-    }
-    if (!jv_get(q->s, q->n, root, "messages", &msgs) || msgs.type != JSON_ARRAY)
+    if (xl_get(q, root, "system", &sys) && m2c_system(q, &sys, "/system") < 0) return LTG_ERR;
+    if (!xl_get(q, root, "messages", &msgs) || msgs.type != JSON_ARRAY)
         return xl_refuse(q, "/messages", "/messages: an array of turns is needed");
     for (int i = 0; jv_next(q->s, q->n, &msgs, &pos, &k, &m); i++) {
         snprintf(p, sizeof p, "/messages/%d", i);
@@ -10847,8 +10899,9 @@ static int m2c_messages(xlq *q, const json_tok *root) {
         snprintf(p, sizeof p, "/messages/%d/content", i);
         int r = json_eq(q->s, &role, 0, "user")        ? m2c_user(q, &content, p)
                 : json_eq(q->s, &role, 0, "assistant") ? m2c_assistant(q, &content, p)
+                : json_eq(q->s, &role, 0, "system")    ? m2c_system(q, &content, p)
                                                        : xl_refuse(q, p, "%s: a role of "
-                                                                   "user or assistant", p);
+                                                                   "user, assistant or system", p);
         if (r < 0) return LTG_ERR;
     }
     jw_close(&q->w, ']');
@@ -10860,7 +10913,7 @@ static int m2c_tools(xlq *q, const json_tok *root) {
     json_tok tools, tl, k, t, tc;
     size_t pos = 0;
     char p[64], cn[65];
-    if (!jv_get(q->s, q->n, root, "tools", &tools) || tools.type != JSON_ARRAY) return 0;
+    if (!xl_get(q, root, "tools", &tools) || tools.type != JSON_ARRAY) return 0;
     jw_key(&q->w, "tools"), jw_open(&q->w, '[');
     for (int i = 0; jv_next(q->s, q->n, &tools, &pos, &k, &tl); i++) {
         snprintf(p, sizeof p, "/tools/%d/type", i);
@@ -10885,7 +10938,7 @@ static int m2c_tools(xlq *q, const json_tok *root) {
         if (jv_get(q->s, q->n, &tl, "cache_control", &t)) xl_drop(q, p, "cache_control");
     }
     jw_close(&q->w, ']');
-    if (!jv_get(q->s, q->n, root, "tool_choice", &tc)) return 0;
+    if (!xl_get(q, root, "tool_choice", &tc)) return 0;
     jv_get(q->s, q->n, &tc, "type", &t);
     jw_key(&q->w, "tool_choice");
     if (json_eq(q->s, &t, 0, "tool") && jv_get(q->s, q->n, &tc, "name", &t)) {
@@ -10910,10 +10963,10 @@ static int m2c_tools(xlq *q, const json_tok *root) {
  * takes one; else a hint dropped. */
 static void m2c_reasoning(xlq *q, const json_tok *root) {
     json_tok th, t, oc, eff;
-    int has_eff = jv_get(q->s, q->n, root, "output_config", &oc) &&
+    int has_eff = xl_get(q, root, "output_config", &oc) &&
                   jv_get(q->s, q->n, &oc, "effort", &eff) && eff.type == JSON_STRING;
     long long budget = 0;
-    if (!jv_get(q->s, q->n, root, "thinking", &th) || !jv_get(q->s, q->n, &th, "type", &t) ||
+    if (!xl_get(q, root, "thinking", &th) || !jv_get(q->s, q->n, &th, "type", &t) ||
         json_eq(q->s, &t, 0, "disabled")) {
         if (has_eff && !q->to->reasoning) xl_drop(q, "/output_config/effort", "effort");
         else if (has_eff) jw_key(&q->w, "reasoning_effort"), xl_copy(q, &eff);
@@ -10937,8 +10990,8 @@ static int m2c_options(xlq *q, const json_tok *root) {
     json_tok v, k, e, t;
     size_t pos = 0;
     int n = 0;
-    if (jv_get(q->s, q->n, root, "max_tokens", &v)) jw_key(&q->w, "max_tokens"), xl_copy(q, &v);
-    if (jv_get(q->s, q->n, root, "stop_sequences", &v) && v.type == JSON_ARRAY) {
+    if (xl_get(q, root, "max_tokens", &v)) jw_key(&q->w, "max_tokens"), xl_copy(q, &v);
+    if (xl_get(q, root, "stop_sequences", &v) && v.type == JSON_ARRAY) {
         while (jv_next(q->s, q->n, &v, &pos, &k, &e)) n++;
         if (n > 4)
             return xl_refuse(q, "/stop_sequences",
@@ -10947,8 +11000,8 @@ static int m2c_options(xlq *q, const json_tok *root) {
     }
     static const char *const same[] = {"temperature", "top_p"};
     for (int i = 0; i < 2; i++)
-        if (jv_get(q->s, q->n, root, same[i], &v)) jw_key(&q->w, same[i]), xl_copy(q, &v);
-    if (jv_get(q->s, q->n, root, "metadata", &v)) {
+        if (xl_get(q, root, same[i], &v)) jw_key(&q->w, same[i]), xl_copy(q, &v);
+    if (xl_get(q, root, "metadata", &v)) {
         if (jv_get(q->s, q->n, &v, "user_id", &t) && t.type == JSON_STRING)
             jw_key(&q->w, "user"), xl_copy(q, &t);
         pos = 0;
@@ -10956,10 +11009,12 @@ static int m2c_options(xlq *q, const json_tok *root) {
             if (!json_eq(q->s, &k, 0, "user_id")) xl_drop(q, "/metadata", "metadata");
     }
     m2c_reasoning(q, root);
-    if (jv_get(q->s, q->n, root, "output_config", &v) && jv_get(q->s, q->n, &v, "format", &e)) {
+    /* structured output: output_config.format, or the beta's top-level output_format */
+    int fmt = xl_get(q, root, "output_config", &v) && jv_get(q->s, q->n, &v, "format", &e);
+    const char *fp = fmt ? "/output_config/format" : "/output_format";
+    if (fmt || (xl_get(q, root, "output_format", &e) && e.type != JSON_NULL)) {
         if (!jv_get(q->s, q->n, &e, "schema", &t))
-            return xl_refuse(q, "/output_config/format",
-                             "/output_config/format: a json_schema format with its schema");
+            return xl_refuse(q, fp, "%s: a json_schema format with its schema", fp);
         jw_key(&q->w, "response_format"), jw_open(&q->w, '{');
         jw_key(&q->w, "type"), jw_cstr(&q->w, "json_schema");
         jw_key(&q->w, "json_schema"), jw_open(&q->w, '{');
@@ -10967,7 +11022,7 @@ static int m2c_options(xlq *q, const json_tok *root) {
         jw_key(&q->w, "schema"), xl_copy(q, &t);
         jw_close(&q->w, '}'), jw_close(&q->w, '}');
     }
-    if (jv_get(q->s, q->n, root, "stream", &v) && v.type == JSON_TRUE) {
+    if (xl_get(q, root, "stream", &v) && v.type == JSON_TRUE) {
         jw_key(&q->w, "stream"), jw_bool(&q->w, 1);
         jw_key(&q->w, "stream_options"), jw_raw(&q->w, "{\"include_usage\":true}", 22);
     }
@@ -11232,7 +11287,7 @@ static int c2m_tools(xlq *q, const json_tok *root) {
     json_tok tools, k, tl, t, f, v;
     size_t pos = 0;
     char p[64];
-    int has = jv_get(q->s, q->n, root, "tools", &tools) && tools.type == JSON_ARRAY &&
+    int has = xl_get(q, root, "tools", &tools) && tools.type == JSON_ARRAY &&
               tools.end - tools.start > 2;
     if (has) {
         jw_key(&q->w, "tools"), jw_open(&q->w, '[');
@@ -11254,8 +11309,8 @@ static int c2m_tools(xlq *q, const json_tok *root) {
         jw_close(&q->w, ']');
     }
     json_tok tc, par;
-    int choice = jv_get(q->s, q->n, root, "tool_choice", &tc);
-    int serial = jv_get(q->s, q->n, root, "parallel_tool_calls", &par) && par.type == JSON_FALSE;
+    int choice = xl_get(q, root, "tool_choice", &tc);
+    int serial = xl_get(q, root, "parallel_tool_calls", &par) && par.type == JSON_FALSE;
     if (!has || (!choice && !serial)) return 0;
     jw_key(&q->w, "tool_choice"), jw_open(&q->w, '{');
     if (choice && tc.type == JSON_OBJECT && jv_get(q->s, q->n, &tc, "function", &f) &&
@@ -11278,7 +11333,7 @@ static int c2m_tools(xlq *q, const json_tok *root) {
  * thinking block signed by Anthropic, which Claude then requires. */
 static int c2m_thinking(xlq *q, const json_tok *root, long long max_tokens, int last_calls) {
     json_tok e;
-    if (!jv_get(q->s, q->n, root, "reasoning_effort", &e) || e.type != JSON_STRING) return 0;
+    if (!xl_get(q, root, "reasoning_effort", &e) || e.type != JSON_STRING) return 0;
     if (json_eq(q->s, &e, 0, "none") || json_eq(q->s, &e, 0, "minimal")) return 0;
     if (!q->to->reasoning || last_calls) {
         xl_drop(q, "/reasoning_effort", "reasoning_effort");
@@ -11305,11 +11360,11 @@ static int c2m_options(xlq *q, const json_tok *root, int last_calls) {
     size_t pos = 0;
     static const char *const limits[] = {"max_completion_tokens", "max_tokens"};
     for (int i = 0; i < 2 && !max; i++)
-        if (jv_get(q->s, q->n, root, limits[i], &v) && json_int(q->s, &v, 0, &n) == 0) max = n;
+        if (xl_get(q, root, limits[i], &v) && json_int(q->s, &v, 0, &n) == 0) max = n;
     jw_key(&q->w, "max_tokens"), jw_int(&q->w, max > 0 ? max : q->to->max_output_tokens);
-    if (jv_get(q->s, q->n, root, "n", &v) && json_int(q->s, &v, 0, &n) == 0 && n > 1)
+    if (xl_get(q, root, "n", &v) && json_int(q->s, &v, 0, &n) == 0 && n > 1)
         return xl_refuse(q, "/n", "/n: Anthropic makes one answer per request");
-    if (jv_get(q->s, q->n, root, "stop", &v) && v.type != JSON_NULL) {
+    if (xl_get(q, root, "stop", &v) && v.type != JSON_NULL) {
         jw_key(&q->w, "stop_sequences"), jw_open(&q->w, '[');
         if (v.type == JSON_STRING) e = v;
         for (int i = 0; v.type == JSON_STRING ? i == 0 : jv_next(q->s, q->n, &v, &pos, &k, &e);
@@ -11321,17 +11376,17 @@ static int c2m_options(xlq *q, const json_tok *root, int last_calls) {
         jw_close(&q->w, ']');
     }
     double temp;
-    if (jv_get(q->s, q->n, root, "temperature", &v) && v.type != JSON_NULL) {
+    if (xl_get(q, root, "temperature", &v) && v.type != JSON_NULL) {
         if (json_number(q->s, &v, 0, &temp) < 0 || temp > 1)
             return xl_refuse(q, "/temperature",
                              "/temperature: Anthropic takes 0 to 1 (chat's 0 to 2 does not fit)");
         jw_key(&q->w, "temperature"), xl_copy(q, &v);
     }
-    if (jv_get(q->s, q->n, root, "top_p", &v) && v.type != JSON_NULL)
+    if (xl_get(q, root, "top_p", &v) && v.type != JSON_NULL)
         jw_key(&q->w, "top_p"), xl_copy(q, &v);
     if (c2m_thinking(q, root, max > 0 ? max : q->to->max_output_tokens, last_calls) < 0)
         return LTG_ERR;
-    if (jv_get(q->s, q->n, root, "response_format", &v) && jv_get(q->s, q->n, &v, "type", &e) &&
+    if (xl_get(q, root, "response_format", &v) && jv_get(q->s, q->n, &v, "type", &e) &&
         !json_eq(q->s, &e, 0, "text")) {
         if (!json_eq(q->s, &e, 0, "json_schema") || !jv_get(q->s, q->n, &v, "json_schema", &k) ||
             !jv_get(q->s, q->n, &k, "schema", &e))
@@ -11343,14 +11398,14 @@ static int c2m_options(xlq *q, const json_tok *root, int last_calls) {
         jw_key(&q->w, "schema"), xl_copy(q, &e);
         jw_close(&q->w, '}'), jw_close(&q->w, '}');
     }
-    if (jv_get(q->s, q->n, root, "user", &v) && v.type == JSON_STRING) {
+    if (xl_get(q, root, "user", &v) && v.type == JSON_STRING) {
         jw_key(&q->w, "metadata"), jw_open(&q->w, '{');
         jw_key(&q->w, "user_id"), xl_copy(q, &v);
         jw_close(&q->w, '}');
     }
-    if (jv_get(q->s, q->n, root, "stream", &v) && v.type == JSON_TRUE)
+    if (xl_get(q, root, "stream", &v) && v.type == JSON_TRUE)
         jw_key(&q->w, "stream"), jw_bool(&q->w, 1);
-    if (jv_get(q->s, q->n, root, "stream_options", &v) &&
+    if (xl_get(q, root, "stream_options", &v) &&
         jv_get(q->s, q->n, &v, "include_usage", &e) && e.type == JSON_TRUE)
         q->v->include_usage = 1;
     return 0;
@@ -11360,7 +11415,7 @@ static int c2m_request(xlq *q, const json_tok *root) {
     json_tok msgs;
     int last_calls = 0;
     if (xl_fields(q, root, C2M_FIELDS, "Anthropic Messages") < 0) return LTG_ERR;
-    if (!jv_get(q->s, q->n, root, "messages", &msgs) || msgs.type != JSON_ARRAY)
+    if (!xl_get(q, root, "messages", &msgs) || msgs.type != JSON_ARRAY)
         return xl_refuse(q, "/messages", "/messages: an array of messages is needed");
     jw_open(&q->w, '{');
     jw_key(&q->w, "model"), jw_cstr(&q->w, q->to->upstream);
@@ -11376,11 +11431,11 @@ static int c2m_request(xlq *q, const json_tok *root) {
  * cannot be carried. */
 static int xl_request(xl_api from, xl_api to, const char *s, size_t n, const xl_target *t,
                       buf *out, xl_verdict *v) {
-    xlq q = {s, n, {0}, v, t};
+    xlq q = {.s = s, .n = n, .v = v, .to = t};
     *v = (xl_verdict){0};
     out->len = 0;
     jw_init(&q.w, out);
-    json_tok root = jv_at(s, n, 0);
+    json_tok root = jv_doc(s, n);
     assert(from != to && root.type == JSON_OBJECT);
     return from == XL_MESSAGES ? m2c_request(&q, &root) : c2m_request(&q, &root);
 }
@@ -11433,7 +11488,7 @@ static void xl_usage_json(jwriter *w, xl_api client, const long long u[NTOK]) {
 /* The client's name for the tool a chat model called `name` (escaped): the Anthropic tool of
  * the request (req) whose chat name it is, else itself. */
 static void xl_client_name(const char *req, size_t rn, const char *name, size_t n, buf *out) {
-    json_tok root = jv_at(req, rn, 0), tools, k, tl, t;
+    json_tok root = jv_doc(req, rn), tools, k, tl, t;
     size_t pos = 0;
     char cn[65];
     if (n == 64 && jv_get(req, rn, &root, "tools", &tools) && tools.type == JSON_ARRAY)
@@ -11495,7 +11550,7 @@ static int xl_tool_use(jwriter *w, const char *s, size_t n, const json_tok *call
  * are not a JSON object (Anthropic's input must be one). */
 static int xl_chat_to_message(const char *s, size_t n, const char *req, size_t rn,
                               const long long u[NTOK], buf *out, const char **why) {
-    json_tok root = jv_at(s, n, 0), v, ch = {0}, c0, msg = {0}, calls, k, call;
+    json_tok root = jv_doc(s, n), v, ch = {0}, c0, msg = {0}, calls, k, call;
     size_t pos = 0;
     jwriter w;
     jw_init(&w, out);
@@ -11557,7 +11612,7 @@ static void xl_tool_calls(jwriter *w, const char *s, size_t n, const json_tok *c
 
 /* An Anthropic message as a chat completion. */
 static void xl_message_to_chat(const char *s, size_t n, const long long u[NTOK], buf *out) {
-    json_tok root = jv_at(s, n, 0), v, content, k, b, t;
+    json_tok root = jv_doc(s, n), v, content, k, b, t;
     size_t pos = 0;
     buf text = {0}, think = {0};
     int tools = 0;
@@ -11614,19 +11669,29 @@ static int xl_answer(xl_api from, xl_api client, const char *s, size_t n, const 
 /* A provider's error answer (status, body s[0..n), any shape or none) for a client of the other
  * API: the status it gets (Anthropic's 529 is chat's 503 and back; a quota is 402 to Anthropic,
  * 429 insufficient_quota to chat), the provider's message and type. */
-static int xl_error(xl_api client, int status, const char *s, size_t n, buf *out) {
+/* What a provider's error answer s[0..n) says, into msg (unescaped; "" when nothing): its
+ * error.message (OpenAI's and Anthropic's), or a top-level message, or a text body's first line.
+ * Its error.code (else error.type) into code when code is not NULL. */
+static void provider_message(const char *s, size_t n, buf *msg, buf *code) {
     json_tok t[1], root, err, v;
     json_result res;
-    buf msg = {0}, code = {0};
-    int ok = s && json_parse(s, n, t, 1, 0, &res) == 0 && t[0].type == JSON_OBJECT;
-    root = ok ? jv_at(s, n, 0) : (json_tok){0};
-    if (ok && jv_get(s, n, &root, "error", &err)) {
-        if (jv_get(s, n, &err, "message", &v) && v.type == JSON_STRING)
-            json_unescape(s, &v, 0, &msg);
-        if ((jv_get(s, n, &err, "code", &v) || jv_get(s, n, &err, "type", &v)) &&
+    if (s && json_parse(s, n, t, 1, 0, &res) == 0) {
+        root = jv_doc(s, n);
+        int e = jv_get(s, n, &root, "error", &err) && err.type == JSON_OBJECT;
+        if (jv_get(s, n, e ? &err : &root, "message", &v) && v.type == JSON_STRING)
+            json_unescape(s, &v, 0, msg);
+        if (e && code && (jv_get(s, n, &err, "code", &v) || jv_get(s, n, &err, "type", &v)) &&
             v.type == JSON_STRING)
-            json_unescape(s, &v, 0, &code);
+            json_unescape(s, &v, 0, code);
+        return;
     }
+    for (size_t i = 0; s && i < n && i < 200 && s[i] != '\n' && s[i] != '\r'; i++)
+        buf_append(msg, (unsigned char)s[i] < 0x20 ? " " : s + i, 1);
+}
+
+static int xl_error(xl_api client, int status, const char *s, size_t n, buf *out) {
+    buf msg = {0}, code = {0};
+    provider_message(s, n, &msg, &code);
     int quota = code.p && (strcmp(code.p, "insufficient_quota") == 0 ||
                            strcmp(code.p, "billing_error") == 0);
     int to = client == XL_MESSAGES ? (status == 503 ? 529 : quota ? 402 : status)
@@ -11636,9 +11701,11 @@ static int xl_error(xl_api client, int status, const char *s, size_t n, buf *out
     const char *type = client == XL_CHAT && quota          ? "insufficient_quota"
                        : client == XL_CHAT && to == 503    ? "service_unavailable_error"
                                                            : NULL;
-    error_open(&w, to, client == XL_MESSAGES, msg.p ? msg.p : "the provider answered an error",
+    error_open(&w, to, client == XL_MESSAGES, msg.len ? msg.p : "the provider answered an error",
                type, NULL);
-    jw_key(&w, "code"), jw_cstr(&w, code.p ? code.p : "upstream_error");
+    jw_key(&w, "code"), jw_cstr(&w, client == XL_CHAT && quota ? "insufficient_quota"
+                                    : code.p                   ? code.p
+                                                               : "upstream_error");
     jw_close(&w, '}'), jw_close(&w, '}');
     buf_free(&msg);
     buf_free(&code);
@@ -12061,7 +12128,7 @@ static int xl_chat_calls(xl_sink *k, const char *s, size_t n, const json_tok *ca
 /* A chat provider's event (its data s[0..n), JSON or [DONE]) as neutral events. */
 static int xl_from_chat(xl_sink *k, const char *s, size_t n) {
     if (n == 6 && memcmp(s, "[DONE]", 6) == 0) return xe_put(k, xe_of(XE_END));
-    json_tok root = jv_at(s, n, 0), ch, key, c0, d, v, calls;
+    json_tok root = jv_doc(s, n), ch, key, c0, d, v, calls;
     size_t pos = 0;
     int r = 0;
     if (jv_get(s, n, &root, "error", &v)) {
@@ -12103,7 +12170,7 @@ static int xl_block_start(xl_sink *k, const char *s, size_t n, const json_tok *r
 
 /* An Anthropic provider's event (`name`, its data s[0..n)) as neutral events. */
 static int xl_from_messages(xl_sink *k, const char *name, const char *s, size_t n) {
-    json_tok root = jv_at(s, n, 0), v, b, ix;
+    json_tok root = jv_doc(s, n), v, b, ix;
     long long i = 0;
     xl_stream *x = k->x;
     if (strcmp(name, "ping") == 0) return xe_put(k, xe_of(XE_PING));
@@ -12147,7 +12214,7 @@ static int xl_feed(xl_stream *x, const char *ev, size_t evn, const buf *data,
     if (!data->len) return xe_put(&k, xe_of(XE_PING)); /* a comment: a keep-alive */
     if (x->provider == XL_CHAT) return xl_from_chat(&k, data->p, data->len);
     if (!name[0]) { /* the event's name is its data's type */
-        json_tok root = jv_at(data->p, data->len, 0), t;
+        json_tok root = jv_doc(data->p, data->len), t;
         if (jv_get(data->p, data->len, &root, "type", &t))
             snprintf(name, sizeof name, "%.*s", (int)(t.end - t.start < 39 ? t.end - t.start : 39),
                      data->p + t.start);
@@ -12361,6 +12428,8 @@ struct exchange {
     xl_stream *xs;
     char dropped[600];
     char untranslatable[MAX_CHAIN][100];
+    xl_verdict *pre;      /* admission's translation, in xbody: for model pre_model (its first */
+    int pre_model;        /* deployment's upstream name), its verdict; NULL once not in xbody */
     int last_xl;          /* the last failure was a translated attempt's */
     buf body;             /* the client's body */
     body_edit edit[2];    /* the body's rewrites, in body order */
@@ -12398,6 +12467,7 @@ struct exchange {
     int64_t started, attempt_started, answered_at;
     timer deadline, t;
     int last_status;      /* of the last failure: what the client gets when all fail */
+    int last_quota;       /* ... and it said the provider's quota is spent (insufficient_quota) */
     char last_reason[200];
     /* its attempts' worst cases, held against its key's and group's allowances (section 15) */
     hold hold;
@@ -12821,6 +12891,7 @@ static void exchange_free(exchange *x) {
     buf_free(&x->keep);
     buf_free(&x->event);
     buf_free(&x->xbody);
+    free(x->pre);
     buf_free(&x->xanswer);
     xl_stream_free(x->xs);
     catalog_release(x->cat);
@@ -13264,10 +13335,13 @@ static void exchange_fail(exchange *x, int status, const char *code, const char 
     } else {
         jwriter w;
         jw_init(&w, &b);
+        /* a spent quota is no rate limit: nothing tells the client to try again */
+        int quota = strcmp(code, "insufficient_quota") == 0, anthropic = x->kind->api == API_ANTHROPIC;
         if (x->last_xl && x->kind->xl == XL_MESSAGES && status == 503) status = 529;
         if (x->last_xl && x->kind->xl == XL_CHAT && status == 529) status = 503;
-        error_open(&w, status, x->kind->api == API_ANTHROPIC, msg,
-                   status == 504 ? "timeout_error" : "upstream_error", NULL);
+        if (quota && anthropic) status = 402;
+        error_open(&w, status, anthropic, msg,
+                   quota ? code : status == 504 ? "timeout_error" : "upstream_error", NULL);
         int64_t cost = exchange_settle(x, status, EV_FAILED, -1, 0, NULL, 0);
         jw_key(&w, "code"), jw_cstr(&w, code);
         jw_key(&w, "attempts");
@@ -13275,7 +13349,7 @@ static void exchange_fail(exchange *x, int status, const char *code, const char 
         jw_close(&w, '}'), jw_close(&w, '}');
         exchange_headers(x, status, &h);
         exchange_cost_headers(x, cost, &h);
-        if (status == 503 || status == 429) buf_puts(&h, "Retry-After: 1\r\n");
+        if ((status == 503 || status == 429) && !quota) buf_puts(&h, "Retry-After: 1\r\n");
         x_head(x, status, "application/json", (long long)b.len, h.p);
         x_send(x, b.p, b.len);
     }
@@ -13419,7 +13493,8 @@ static void exchange_give_up(exchange *x, int late) {
                       "few seconds");
     } else {
         snprintf(msg, sizeof msg, "every attempt failed; the last: %s", x->last_reason);
-        exchange_fail(x, x->last_status, "upstream_error", msg);
+        exchange_fail(x, x->last_status, x->last_quota ? "insufficient_quota" : "upstream_error",
+                      msg);
     }
 }
 
@@ -13638,6 +13713,15 @@ static int attempt_hold(exchange *x) {
  * (but for a cut by its client: exchange_abort)
  * (README "Retries and fallback"), is logged and told to the breaker, and
  * the plan decides what comes next; the caller acts on the step. */
+/* "answered 429", and what the provider said of it: "answered 429: Rate limit reached". */
+static void attempt_answered_why(int status, const upstream *u, char *why, size_t cap) {
+    buf msg = {0};
+    if (u && status >= 300) provider_message(u->body.p, u->body.len, &msg, NULL);
+    snprintf(why, cap, "answered %d%s%.*s", status, msg.len ? ": " : "", (int)msg.len,
+             msg.len ? msg.p : "");
+    buf_free(&msg);
+}
+
 static plan_step attempt_decide(exchange *x, const attempt_result *r) {
     model *m = exchange_model(x);
     upstream *u = x->u;
@@ -13676,7 +13760,7 @@ static plan_step attempt_decide(exchange *x, const attempt_result *r) {
     if (r->error) snprintf(why, sizeof why, "%s", r->error);
     else if (u && attempt_context_length(r->status, u->body.p, u->body.len))
         snprintf(why, sizeof why, "context length exceeded (%d)", r->status);
-    else snprintf(why, sizeof why, "answered %d", r->status);
+    else attempt_answered_why(r->status, u, why, sizeof why);
     attempt_log(x, &was, r->status, o, o == OUTCOME_OK ? NULL : why);
     /* Told to the breaker: what ltg would have seen of the provider without this client. ltg's own
      * shortage says nothing of it, nor does a timeout the client set shorter than its group's (a
@@ -13691,6 +13775,8 @@ static plan_step attempt_decide(exchange *x, const attempt_result *r) {
     if (!r->skipped) {
         x->last_xl = x->up != x->kind;
         x->last_status = r->error ? (r->timeout ? 504 : 502) : r->status;
+        x->last_quota = !r->error && r->status == 429 && u && u->body.p &&
+                        memmem(u->body.p, u->body.len, "insufficient_quota", 18);
         snprintf(x->last_reason, sizeof x->last_reason, "%.60s: %.130s", m->alias, why);
     }
     attempt_over(x);
@@ -13710,10 +13796,22 @@ static int exchange_translate(exchange *x) {
     x->xs = NULL;
     x->dropped[0] = 0;
     if (m->api == x->kind->api) return 0;
-    xl_target t = {exchange_dep(x)->upstream, m->max_output_tokens, m->reasoning};
-    if (xl_request(x->kind->xl, model_xl(m), x->body.p, x->body.len, &t, &x->xbody, &v) < 0) {
-        snprintf(x->untranslatable[x->plan.model], sizeof x->untranslatable[0], "%.99s", v.msg);
+    char *why = x->untranslatable[x->plan.model];
+    if (x->kind->xl == XL_NONE) {
+        snprintf(why, sizeof x->untranslatable[0], "%s is not translated to %s's API",
+                 x->kind->path, m->alias);
         return LTG_ERR;
+    }
+    xl_target t = {exchange_dep(x)->upstream, m->max_output_tokens, m->reasoning};
+    if (x->pre && x->pre_model == x->plan.model && strcmp(m->dep[0].upstream, t.upstream) == 0) {
+        v = *x->pre; /* admission made it: the same body for the same target */
+    } else {
+        free(x->pre);
+        x->pre = NULL; /* xbody is about to hold another */
+        if (xl_request(x->kind->xl, model_xl(m), x->body.p, x->body.len, &t, &x->xbody, &v) < 0) {
+            snprintf(why, sizeof x->untranslatable[0], "%.99s", v.msg);
+            return LTG_ERR;
+        }
     }
     x->up = wire_of(model_xl(m));
     snprintf(x->dropped, sizeof x->dropped, "%s", v.dropped);
@@ -14132,8 +14230,12 @@ typedef struct {
     int shortened;
     char retry_after[40];     /* a rate limit's Retry-After header line */
     int shared;               /* decided by the shared store (--cluster: section 21) */
-    /* per model of the chain, why the request cannot be translated to its API ("": it can) */
+    /* per model of the chain, why the request cannot be translated to its API ("": it can, or
+     * it was not tried: the attempt tries), and the first translation that went, for its attempt */
     char untranslatable[MAX_CHAIN][100];
+    buf xbody;
+    xl_verdict xv;
+    int xmodel;               /* the chain index whose translation xbody holds, or -1 */
 } admission;
 
 /* A refusal: status, code, message, and header lines (each ending in CRLF). */
@@ -14320,30 +14422,26 @@ static int admit_model(admission *a, refusal *r) {
  * the answer is why the requested model cannot. Embeddings and legacy completions are not
  * translated; Anthropic's count_tokens is answered by ltg's estimate (count_estimate). */
 static int admit_translation(admission *a, refusal *r) {
-    xl_verdict v;
-    buf scratch = {0};
-    int ok = 0, first = -1;
+    int first = -1;
     if (a->kind->free) return ADMIT;
-    for (int i = 0; i < a->nchain; i++) {
+    for (int i = 0; i < a->nchain; i++) { /* to the first model that can take it */
         model *m = a->chain[i];
         xl_target t = {m->dep[0].upstream, m->max_output_tokens, m->reasoning};
-        if (m->api == a->kind->api) {
-            ok++;
-        } else if (a->kind->xl == XL_NONE) {
+        if (m->api == a->kind->api) return ADMIT;
+        if (a->kind->xl == XL_NONE) {
             snprintf(a->untranslatable[i], sizeof a->untranslatable[0],
                      "%s is not translated to %s's API", a->kind->path, m->alias);
-        } else if (xl_request(a->kind->xl, model_xl(m), a->body, a->c->body.len, &t, &scratch,
-                              &v) < 0) {
-            snprintf(a->untranslatable[i], sizeof a->untranslatable[0], "%.99s", v.msg);
-            if (first < 0) refuse(r, 400, "untranslatable_field", NULL, "%s", v.msg);
-            if (first < 0) snprintf(r->param, sizeof r->param, "%s", v.param);
+        } else if (xl_request(a->kind->xl, model_xl(m), a->body, a->c->body.len, &t, &a->xbody,
+                              &a->xv) < 0) {
+            snprintf(a->untranslatable[i], sizeof a->untranslatable[0], "%.99s", a->xv.msg);
+            if (first < 0) refuse(r, 400, "untranslatable_field", NULL, "%s", a->xv.msg);
+            if (first < 0) snprintf(r->param, sizeof r->param, "%s", a->xv.param);
             first = i;
         } else {
-            ok++;
+            a->xmodel = i;
+            return ADMIT;
         }
     }
-    buf_free(&scratch);
-    if (ok) return ADMIT;
     if (first >= 0) return REFUSE;
     model *m = a->chain[0];
     return refuse(r, 400, "invalid_request", NULL,
@@ -14592,6 +14690,12 @@ static exchange *exchange_new(admission *a) {
     x->up = a->kind;
     x->hide_usage = a->hide;
     memcpy(x->untranslatable, a->untranslatable, sizeof x->untranslatable);
+    if (a->xmodel >= 0) { /* the first translated attempt sends what admission made */
+        x->xbody = a->xbody, a->xbody = (buf){0};
+        x->pre = xmalloc(sizeof *x->pre);
+        *x->pre = a->xv;
+        x->pre_model = a->xmodel;
+    }
     x->cat->refs++;
     S.nexchanges++;
     memcpy(x->rid, a->c->rid, sizeof x->rid);
@@ -14715,7 +14819,7 @@ static void count_estimate(admission *a) {
 /* POST to an inference endpoint (a row of WIRE): parse, admit, start. */
 static void inference_call(conn *c, const wire_kind *kind) {
     json_tok t[MAX_BODY_FIELDS];
-    admission a = {.c = c, .kind = kind, .t = t, .pin_dep = -1};
+    admission a = {.c = c, .kind = kind, .t = t, .pin_dep = -1, .xmodel = -1};
     refusal r;
     int v = ADMIT;
     for (size_t i = 0; v == ADMIT && i < sizeof admission_checks / sizeof *admission_checks; i++)
@@ -14727,6 +14831,7 @@ static void inference_call(conn *c, const wire_kind *kind) {
     else inference_start(&a);
     free(a.usage.text);
     buf_free(&a.name);
+    buf_free(&a.xbody);
 }
 
 static void model_json(jwriter *w, const model *m) {

@@ -27,10 +27,11 @@ check = it.check
 AGENTS = os.path.join(it.HERE, "agents")
 # Claude Code's default model and the prices its own table gives it (USD per million tokens; the
 # cache classes default to Anthropic's multipliers, which are its table's too), a fallback at the
-# same prices, and Codex's models.
+# same prices, a model behind OpenAI chat (translated) at them too, and Codex's models.
 MODELS = {
     "claude-opus-4-8": ("anth", "claude-opus-4-8", 5.0, 25.0),
     "claude-opus-4-8-b": ("anth", "claude-opus-4-8-b", 5.0, 25.0),
+    "glm-4.6": ("mock", "glm-4.6", 5.0, 25.0),
     "gpt-5.5": ("mock", "gpt-5.5", 1.25, 10.0),
     "gpt-5.5-b": ("mock", "gpt-5.5-b", 1.25, 10.0),
 }
@@ -97,14 +98,16 @@ def run(argv, env, timeout=120):
 
 # ----- Claude Code -----
 
-def claude(token, prompt, tag):
-    """`claude -p PROMPT --output-format json` through ltg, as the README's recipe: its JSON."""
+def claude(token, prompt, tag, model=None):
+    """`claude -p PROMPT --output-format json` through ltg, as the README's recipe (with
+    ANTHROPIC_MODEL=model for a model other than its default): its JSON."""
     it.node_packages(it.AGENT_PINS, AGENTS)
     home = os.path.join(it.H.tmp, "claude-home-" + tag)
-    env = agent_env(home, {
+    extra = {"ANTHROPIC_MODEL": model} if model else {}
+    env = agent_env(home, dict(extra, **{
         "ANTHROPIC_BASE_URL": "http://127.0.0.1:%d" % ltg().port, "ANTHROPIC_AUTH_TOKEN": token,
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
-        "CLAUDE_CODE_MAX_RETRIES": "0", "CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK": "1"})
+        "CLAUDE_CODE_MAX_RETRIES": "0", "CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK": "1"}))
     rc, out, err = run(["claude", "-p", prompt, "--output-format", "json"], env)
     try:
         j = json.loads(out)
@@ -164,6 +167,52 @@ def t_claude_failover():
     evs = events_of(g, 1)
     check(len(evs) == 1 and evs[0]["attempts"] == 2 and evs[0]["model"] == "claude-opus-4-8-b"
           and [x["outcome"] for x in evs[0]["attempt_log"]] == ["no_work", "ok"], "the event: %r" % evs)
+    check_claude_usage(j, evs)
+
+
+@it.test("agents: Claude Code on a model behind OpenAI chat (ANTHROPIC_MODEL=glm-4.6): ltg translates its Messages "
+         "request to chat and the chat stream back; the answer, the attempt's api chat, its usage and cost the ledger's")
+def t_claude_on_chat_plain():
+    g, token = group_key(["glm-4.6"])
+    j = claude(token, "say hi", "chat-plain", model="glm-4.6")
+    check("word" in j.get("result", ""), "the answer: %r" % j.get("result"))
+    last = it.H.mock_get("/_mock/last")
+    check(last["path"].endswith("/chat/completions") and json.loads(last["body"])["model"] == "glm-4.6",
+          "the mock was spoken to in chat: %s" % last["path"])
+    evs = events_of(g, 1)
+    check(len(evs) == 1 and evs[0]["model"] == "glm-4.6" and evs[0]["client_api"] == "messages"
+          and [x["api"] for x in evs[0]["attempt_log"]] == ["chat"], "the event: %r" % evs)
+    check_claude_usage(j, evs)
+
+
+@it.test("agents: Claude Code's tool loop on a chat model: the mock's chat tool_calls (Bash) reach Claude Code as a "
+         "tool_use, it runs it and its tool_result reaches the mock as a tool message; usage and cost the ledger's")
+def t_claude_on_chat_tool():
+    g, token = group_key(["glm-4.6"])
+    script("glm-4.6", ["tool_call", "ok"])
+    j = claude(token, "run the tool", "chat-tool", model="glm-4.6")
+    body = json.loads(it.H.mock_get("/_mock/last")["body"])
+    tool = [m for m in body["messages"] if m.get("role") == "tool"]
+    check(len(tool) == 1 and "mock-tool-42" in json.dumps(tool[0]), "the second request's tool message: %r" % tool)
+    calls = [m for m in body["messages"] if m.get("tool_calls")]
+    check(calls and calls[-1]["tool_calls"][0]["id"] == tool[0]["tool_call_id"], "the call and its result pair up")
+    check(j.get("num_turns", 0) >= 2, "num_turns %r" % j.get("num_turns"))
+    evs = events_of(g, 2)
+    check(len(evs) == 2 and all(e["status"] == "succeeded" for e in evs), "the events: %r" % evs)
+    check_claude_usage(j, evs)
+
+
+@it.test("agents: Claude Code's model answers 529, ltg fails over to the chat model (translated): exit 0, one "
+         "event with attempts 2 (messages, then chat), usage and cost the ledger's")
+def t_claude_failover_to_chat():
+    g, token = group_key(["claude-opus-4-8", "glm-4.6"], {"claude-opus-4-8": ["glm-4.6"]})
+    script("claude-opus-4-8", ["status=529"])
+    j = claude(token, "say hi", "failover-chat")
+    check("word" in j.get("result", ""), "the answer: %r" % j.get("result"))
+    evs = events_of(g, 1)
+    check(len(evs) == 1 and evs[0]["attempts"] == 2 and evs[0]["model"] == "glm-4.6"
+          and [(x["outcome"], x["api"]) for x in evs[0]["attempt_log"]] == [("no_work", "messages"), ("ok", "chat")],
+          "the event: %r" % evs)
     check_claude_usage(j, evs)
 
 

@@ -20,6 +20,9 @@ MODELS = {
     "Claude": ("anth", "claude-up", 3.0, 15.0),
     "GLM": ("mock", "glm-up", 0.6, 2.2),
     "Claude-b": ("anth", "claude-b-up", 3.0, 15.0),
+    # the error tests' own: the failures they provoke open these models' circuit breakers
+    "Claude-err": ("anth", "claude-err", 3.0, 15.0),
+    "GLM-err": ("mock", "glm-err", 0.6, 2.2),
 }
 _ltg = {}
 
@@ -381,6 +384,93 @@ def t_stream_pings():
     r = post("/v1/chat/completions", chat("Claude", stream=True), token)
     raw = [t for _, t in it.sse_events(r)]
     check(r.status == 200 and sum(1 for t in raw if t.startswith(":")) >= 2, "events %r" % raw)
+
+
+def one_try(allowed):
+    a = ltg()
+    body = it.group_body(allowed_models=allowed, retries={"max_attempts": 1})
+    g = it.create_group(body, port=a.admin_port)
+    return g, it.create_key(g["id"], port=a.admin_port)[1]
+
+
+# upstream status (mock directive) -> (a Messages client's status, type), (a chat client's status, type). A
+# terminal answer (400, 401, 403, 413) is the provider's, translated; the others are ltg's own after the
+# last attempt (README "Retries and fallback"), in the client's shape.
+ERRORS = [
+    ("status=400", (400, "invalid_request_error"), (400, "invalid_request_error")),
+    ("status=401", (401, "authentication_error"), (401, "authentication_error")),
+    ("status=403", (403, "permission_error"), (403, "permission_error")),
+    ("status=404", (404, "not_found_error"), (404, "upstream_error")),
+    ("status=413", (413, "request_too_large"), (413, "invalid_request_error")),
+    ("status=429", (429, "rate_limit_error"), (429, "upstream_error")),
+    ("status=500", (500, "api_error"), (500, "upstream_error")),
+    ("status=504", (504, "timeout_error"), (504, "timeout_error")),
+]
+
+
+@it.test("translate: errors classified on the provider's status, answered in the client's shape with the "
+         "provider's message: 400/401/403/404/413, 429 with Retry-After, 500, 504; 529 <-> 503 and quota "
+         "errors (402 billing_error, 429 insufficient_quota) both ways")
+def t_errors():
+    _, token = one_try(["Claude-err", "GLM-err"])
+    for directive, (ms, mt), (cs, ct) in ERRORS:
+        script("glm-err", [directive])
+        r = post("/v1/messages", messages_body("GLM-err"), token)
+        e = jbody(r)
+        check(r.status == ms and e.get("type") == "error" and e["error"]["type"] == mt and e["error"]["message"],
+              "%s from a chat provider to a Messages client: %d %r" % (directive, r.status, e))
+        check(ms != 429 or r.header("retry-after"), "429 without Retry-After: %r" % r.headers)
+        script("claude-err", [directive])
+        r = post("/v1/chat/completions", chat("Claude-err"), token)
+        e = jbody(r)["error"]
+        check(r.status == cs and e["type"] == ct and e["message"],
+              "%s from Anthropic to a chat client: %d %r" % (directive, r.status, e))
+        check(cs != 429 or r.header("retry-after"), "429 without Retry-After: %r" % r.headers)
+    script("glm-err", ["status=503"])
+    r = post("/v1/messages", messages_body("GLM-err"), token)
+    check(r.status == 529 and jbody(r)["error"]["type"] == "overloaded_error", "503 -> %d %r" % (r.status, r.body[:200]))
+    script("claude-err", ["status=529"])
+    r = post("/v1/chat/completions", chat("Claude-err"), token)
+    check(r.status == 503 and jbody(r)["error"]["type"] == "upstream_error" and r.header("retry-after"),
+          "529 -> %d %r" % (r.status, r.body[:200]))
+    # quota: OpenAI's 429 insufficient_quota and Anthropic's 402 billing_error are not made retryable
+    script("glm-err", ["status=429 quota"])
+    r = post("/v1/messages", messages_body("GLM-err"), token)
+    check(r.status == 402 and jbody(r)["error"]["type"] == "billing_error" and not r.header("retry-after"),
+          "quota -> %d %r" % (r.status, r.body[:200]))
+    script("claude-err", ["status=402"])
+    r = post("/v1/chat/completions", chat("Claude-err"), token)
+    e = jbody(r)["error"]
+    check(r.status == 429 and e["type"] == "insufficient_quota" and e["code"] == "insufficient_quota"
+          and not r.header("retry-after"), "billing_error -> %d %r %r" % (r.status, e, r.headers))
+
+
+@it.test("translate: money stays exact -- a translated call costs what a direct one costs, to the micro-USD: chat "
+         "client on Claude with cache reads and 5-minute and 1-hour writes against Claude directly; Messages "
+         "client on GLM with cached and reasoning tokens against GLM directly")
+def t_cost_exact():
+    g, token = group_key(["Claude", "GLM"])
+    usage = "input_tokens=1200 cached_tokens=300 cache_write=500 cache_write_1h=200 output_tokens=77"
+    evs = []
+    for path, body in (("/v1/messages", messages_body("Claude")), ("/v1/chat/completions", chat("Claude"))):
+        script("claude-up", [usage])
+        r = post(path, body, token)
+        check(r.status == 200, "%s: %d %r" % (path, r.status, r.body[:200]))
+        evs.append(spend_event(g, r.header("x-ltg-request-id")))
+    keys = ("input_tokens", "cache_read_tokens", "cache_write_tokens", "cache_write_1h_tokens", "output_tokens", "cost")
+    check([{k: e[k] for k in keys} for e in evs][0] == [{k: e[k] for k in keys} for e in evs][1]
+          and evs[0]["cache_write_1h_tokens"] == 200 and evs[0]["cost"] > 0, "direct %r, translated %r"
+          % tuple({k: e[k] for k in keys} for e in evs))
+    usage = "input_tokens=1200 cached_tokens=300 reasoning_tokens=20 output_tokens=77"
+    evs = []
+    for path, body in (("/v1/chat/completions", chat("GLM")), ("/v1/messages", messages_body("GLM"))):
+        script("glm-up", [usage])
+        r = post(path, body, token)
+        check(r.status == 200, "%s: %d %r" % (path, r.status, r.body[:200]))
+        evs.append(spend_event(g, r.header("x-ltg-request-id")))
+    keys = ("input_tokens", "cache_read_tokens", "reasoning_tokens", "output_tokens", "cost")
+    check({k: evs[0][k] for k in keys} == {k: evs[1][k] for k in keys} and evs[0]["reasoning_tokens"] == 20,
+          "direct %r, translated %r" % tuple({k: e[k] for k in keys} for e in evs))
 
 
 if __name__ == "__main__":   # this file alone: python3 tests/integration_translate.py --ltg ./ltg --mock tests/mock

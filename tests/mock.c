@@ -80,6 +80,10 @@
  *     status=N             answer N with an error body in the API's shape, with
  *                          the type its provider uses for N (Anthropic: 529
  *                          overloaded_error, 413 request_too_large, ...)
+ *     quota                (OpenAI APIs) 429 (or status=N) with OpenAI's quota
+ *                          error: type and code insufficient_quota, "You exceeded
+ *                          your current quota, ..." (Anthropic says it with
+ *                          status=402, billing_error)
  *     context_length       400 context_length_exceeded (Anthropic: "prompt is too
  *                          long: 9000 tokens > 8192 maximum")
  *     retry_after=S        add "Retry-After: S"
@@ -686,7 +690,7 @@ struct directive {
     long end_delay_ms;           /* a stream: between its last event and the end of its body */
     long events;                 /* content events in a stream (and, by default, output tokens) */
     long cut_after;              /* -1: never cut */
-    long context_length, reset, close, hang;    /* flags */
+    long context_length, quota, reset, close, hang;    /* flags */
     int framing;                 /* enum framing */
     long body_mb, head_kb, head_lines;          /* hostile answers: 0 is off */
     int garble;                  /* enum garble */
@@ -725,6 +729,7 @@ static const struct { const char *name; size_t offset; enum token_kind kind; } d
     { "events", offsetof(struct directive, events), TOKEN_NUMBER },
     { "cut_after", offsetof(struct directive, cut_after), TOKEN_NUMBER },
     { "context_length", offsetof(struct directive, context_length), TOKEN_FLAG },
+    { "quota", offsetof(struct directive, quota), TOKEN_FLAG },
     { "reset", offsetof(struct directive, reset), TOKEN_FLAG },
     { "close", offsetof(struct directive, close), TOKEN_FLAG },
     { "hang", offsetof(struct directive, hang), TOKEN_FLAG },
@@ -846,6 +851,8 @@ static int directive_parse(const char *text, struct directive *d, char *why, siz
     }
     if (d->context_length && !d->status)
         d->status = 400;
+    if (d->quota && !d->status)
+        d->status = 429;
     return 0;
 bad:
     snprintf(why, why_cap, "bad mock directive '%s' (in '%s')", tok, text);
@@ -1298,6 +1305,7 @@ static const struct status { long status; const char *reason, *type, *code, *ant
     { 200, "OK", NULL, NULL, NULL },
     { 400, "Bad Request", "invalid_request_error", "invalid_request", "invalid_request_error" },
     { 401, "Unauthorized", "authentication_error", "invalid_api_key", "authentication_error" },
+    { 402, "Payment Required", "invalid_request_error", "payment_required", "billing_error" },
     { 403, "Forbidden", "permission_error", "permission_denied", "permission_error" },
     { 404, "Not Found", "not_found_error", "model_not_found", "not_found_error" },
     { 405, "Method Not Allowed", "invalid_request_error", "method_not_allowed", "invalid_request_error" },
@@ -1308,7 +1316,7 @@ static const struct status { long status; const char *reason, *type, *code, *ant
     { 500, "Internal Server Error", "server_error", "internal_error", "api_error" },
     { 502, "Bad Gateway", "server_error", "bad_gateway", "api_error" },
     { 503, "Service Unavailable", "server_error", "service_unavailable", "api_error" },
-    { 504, "Gateway Timeout", "server_error", "gateway_timeout", "api_error" },
+    { 504, "Gateway Timeout", "server_error", "gateway_timeout", "timeout_error" },
     { 529, "Overloaded", "server_error", "overloaded", "overloaded_error" },
 };
 
@@ -2551,6 +2559,7 @@ static int chat_refused(const struct request *r, struct refusal *f)
 
 /* --- What the APIs share --- */
 
+#define OPENAI_QUOTA "You exceeded your current quota, please check your plan and billing details."
 #define OPENAI_CONTEXT "This model's maximum context length is 8192 tokens. However, your messages resulted in 9000 tokens."
 
 /* The first row whose path ends the request's path answers it:
@@ -2583,6 +2592,10 @@ static int send_directed_error(struct conn *c, const struct request *r, const st
     char message[64];
     if (d->context_length)
         return send_api_error(c, r, d, api, d->status, "context_length_exceeded", api->context_message);
+    if (d->quota && !api->anthropic) {
+        put_error(c, 0, "insufficient_quota", "insufficient_quota", NULL, OPENAI_QUOTA);
+        return send_answer(c, r, d, d->status);
+    }
     snprintf(message, sizeof message, d->status == 529 && api->anthropic ? "Overloaded" : "mock error %ld", d->status);
     return send_api_error(c, r, d, api, d->status, status_info(d->status).code, message);
 }
