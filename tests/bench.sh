@@ -18,6 +18,14 @@
 # Redis (issue 24): one ltg against one with --cluster, every request held and
 # settled in Redis; one with --cluster against three behind HAProxy.
 #
+# Then translation (README "One API for every model"): one ltg with two
+# providers, the same mock spoken to in OpenAI chat and in Anthropic Messages.
+# A chat client reaching the Anthropic model (translated) against the same
+# chat request to the OpenAI-chat model (passed through), and a Messages
+# client reaching the OpenAI-chat model (translated) against the same Messages
+# request to the Anthropic model (passed through), each whole and streamed:
+# four pairs at 64 connections, interleaved; target: translated >= 0.9x.
+#
 # Then the same over HTTPS: a second mock in TLS mode (certificates from
 # tests/tls-certs.sh, DNS:localhost), ltg with an https:// provider and
 # --ca-file, nginx proxy_pass https:// with upstream keepalive, SNI, name
@@ -53,6 +61,8 @@
 #   BENCH_BEFORE    the revision measured as "the build before" (HEAD~1; empty skips it): this
 #                   build against it, the same catalog and flags, interleaved
 #   BENCH_BEFORE_ROUNDS   its interleaved rounds (6)
+#   BENCH_TRANSLATE=0     skip the translation section (chat <-> Messages, four pairs)
+#   BENCH_TRANSLATE_ROUNDS  its interleaved rounds per pair (4)
 #
 # The 1-connection runs are pinned (taskset) to one core, the same for both
 # sides: wrk, the mock and the proxy under test all on the last CPU.
@@ -330,12 +340,13 @@ EOF
 start_nginx
 
 # ---------------------------------------------------------------- ltg
-# provision_key ADMIN_PORT VAR: a token group allowing the alias, and a token
-# key for it, into the variable VAR.
+# provision_key ADMIN_PORT VAR [MODELS]: a token group allowing the alias (or
+# MODELS, the inside of a JSON array of names), and a token key for it, into
+# the variable VAR.
 provision_key() {
     local admin="http://127.0.0.1:$1/v2/llm_token_gateway" gid key
     gid=$(curl -s "$admin/token_groups" -H "Authorization: Bearer $LTG_BENCH_ADMIN_KEY" -H "Idempotency-Key: bench-g-$$" \
-          -d "{\"name\":\"bench\",\"allowed_models\":[\"$ALIAS\"]}" | sed -n 's/.*"id":"\([^"]*\)".*/\1/p' | head -n 1)
+          -d "{\"name\":\"bench\",\"allowed_models\":[${3:-\"$ALIAS\"}]}" | sed -n 's/.*"id":"\([^"]*\)".*/\1/p' | head -n 1)
     [ -n "$gid" ] || die "could not create a token group"
     key=$(curl -s "$admin/token_keys" -H "Authorization: Bearer $LTG_BENCH_ADMIN_KEY" -H "Idempotency-Key: bench-k-$$" \
           -d "{\"name\":\"bench\",\"token_group_id\":\"$gid\"}" | sed -n 's/.*"token":"\(ltg_sk_[^"]*\)".*/\1/p')
@@ -461,13 +472,16 @@ fi
 [ "$CHECK_FAIL" = 0 ] || die "correctness check failed; nothing measured"
 
 # ---------------------------------------------------------------- wrk
-write_lua() { # FILE TOKEN [BODY]
+write_lua() { # FILE TOKEN [BODY] [PATH]: PATH /v1/messages adds anthropic-version, as Anthropic's SDKs send it
+local path=${4:-/v1/chat/completions} extra=
+[ "$path" = /v1/messages ] && extra='wrk.headers["anthropic-version"] = "2023-06-01"'
 cat >"$1" <<EOF
 wrk.method = "POST"
-wrk.path = "/v1/chat/completions"
+wrk.path = "$path"
 wrk.body = '${3:-$BODY}'
 wrk.headers["Content-Type"] = "application/json"
 wrk.headers["Authorization"] = "Bearer $2"
+$extra
 
 done = function(summary, latency, requests)
   local e = summary.errors
@@ -1145,6 +1159,166 @@ if [ -n "$BEFORE" ] && versus "$BEFORE" ltg-before-build ltg-this-build "$BEFORE
     BEFORE_T=$(awk -v a="$AB_NOW" -v b="$AB_BEFORE" 'BEGIN {print (a >= 0.97 * b) ? 1 : 0}')
 fi
 
+# ---------------------------------------------------------------- translation
+# One API for every model (README): ltg-translate is this build with two providers, the same mock
+# spoken to in each API: Bench-Chat (bench-chat upstream) on "mock", OpenAI chat, and Bench-Anth
+# (bench-anth) on "mock-anth", "api": "anthropic". The names have the same length, so the mock's
+# answers have the same size. Four pairs, A the pass-through and B the translation, the same
+# request body but its model: a chat client to Bench-Chat (A) and to Bench-Anth (B: chat ->
+# Messages -> chat), whole and streamed; a Messages client to Bench-Anth (A) and to Bench-Chat
+# (B: Messages -> chat -> Messages), whole and streamed. The bodies: a system prompt and three
+# turns, about 1.4 KB. One process serves both sides of every pair (its access log to a file);
+# TRANSLATE_ROUNDS rounds of a warm-up and a 64-connection run of each, A B, B A, ... Each of
+# the eight requests is checked once first (200, the answer's shape in the client's API, the
+# API the mock was spoken to); every answer under the load is counted from the access log.
+TRANSLATE=${BENCH_TRANSLATE:-1}
+TRANSLATE_ROUNDS=${BENCH_TRANSLATE_ROUNDS:-4}
+case $TRANSLATE_ROUNDS in '' | *[!0-9]* | 0) die "BENCH_TRANSLATE_ROUNDS must be a whole number >= 1" ;; esac
+TX_PAIRS=(chat chat-stream messages messages-stream)
+declare -A TX_LABEL=([chat]="chat client -> Anthropic provider" [chat-stream]="chat client -> Anthropic provider, streamed"
+                     [messages]="Messages client -> OpenAI-chat provider" [messages-stream]="Messages client -> OpenAI-chat provider, streamed")
+declare -A TX_T=() TX_R=()
+if [ "$TRANSLATE" = 1 ]; then
+    cat >"$T/ltg-translate.json" <<EOF
+{
+  "providers": { "mock": { "base_url": "$MOCK_URL/v1", "api_key_env": "LTG_BENCH_MOCK_KEY" },
+                 "mock-anth": { "base_url": "$MOCK_URL/v1", "api": "anthropic", "api_key_env": "LTG_BENCH_MOCK_KEY" } },
+  "models": {
+    "Bench-Chat": { "provider": "mock", "upstream_model": "bench-chat",
+                    "input_usd_per_mtok": 0.60, "output_usd_per_mtok": 2.50 },
+    "Bench-Anth": { "provider": "mock-anth", "upstream_model": "bench-anth",
+                    "input_usd_per_mtok": 0.60, "output_usd_per_mtok": 2.50 }
+  },
+  "admin_keys": [ { "key_env": "LTG_BENCH_ADMIN_KEY", "permissions": ["*"] } ]
+}
+EOF
+    launch_ltg ltg-translate "$T/ltg-translate.json" --access-log "$T/ltg-translate-access.log"
+    TX_URL=http://127.0.0.1:$L_PORT TX_PID=$L_PID
+    provision_key "$L_ADMIN_PORT" TX_KEY '"Bench-Chat","Bench-Anth"'
+    # no quote, apostrophe or backslash in the texts: the bodies go into wrk's Lua as '...'
+    TX_SYS="You are a careful senior engineer who reviews pull requests for a small C codebase. Answer in plain prose, at most three short paragraphs, and quote the exact lines you mean. Prefer small, safe changes over rewrites; say so when you are unsure and explain how to check. Never invent functions or flags that the code does not have."
+    TX_U1="Here is a function from our HTTP parser. It reads the request line into a fixed buffer and splits it on spaces: static int parse_line(char *buf, size_t n, struct req *r) { char *sp = memchr(buf, 32, n); if (!sp) return -1; r->method = buf; r->method_len = sp - buf; char *sp2 = memchr(sp + 1, 32, n - (sp + 1 - buf)); if (!sp2) return -1; r->path = sp + 1; r->path_len = sp2 - sp - 1; return 0; } Is the length arithmetic right when the line ends right after the second space?"
+    TX_A1="Mostly, yes. The first memchr is bounded by n, and the second by n - (sp + 1 - buf), the number of bytes after the first space, so neither can read past the buffer. When the line ends right after the second space, path_len is correct and the version is simply empty, which the caller should reject: nothing here checks that a version follows. One more edge: a request line that starts with a space gives a method of length zero."
+    TX_U2="Good points. Could you suggest the smallest change that rejects an empty method and an empty version, and tell me which of our existing tests would need a new case?"
+    TX_TURNS='{"role":"user","content":"'$TX_U1'"},{"role":"assistant","content":"'$TX_A1'"},{"role":"user","content":"'$TX_U2'"}'
+    tx_body() { # API MODEL [STREAM]: the request body, chat or messages, "stream": true when STREAM is given
+        local s=
+        [ -n "${3:-}" ] && s=',"stream":true'
+        if [ "$1" = chat ]; then
+            echo '{"model":"'$2'","max_tokens":512,"temperature":0.2,"messages":[{"role":"system","content":"'$TX_SYS'"},'$TX_TURNS']'$s'}'
+        else
+            echo '{"model":"'$2'","max_tokens":512,"temperature":0.2,"system":"'$TX_SYS'","messages":['$TX_TURNS']'$s'}'
+        fi
+    }
+    # tx_check NAME PATH BODY UPSTREAM: one request; 200, x-ltg-served-model, the answer in the
+    # client's API (the mock's text, or its 3 deltas and the stream's end), and the mock spoken to
+    # in UPSTREAM's provider's API (bench-anth: /v1/messages; bench-chat: /v1/chat/completions)
+    tx_check() {
+        local name=$1 path=$2 body=$3 up=$4 out="$T/check-$1" st hv=() served want_up got_up n
+        [ "$path" = /v1/messages ] && hv=(-H 'anthropic-version: 2023-06-01')
+        st=$(curl -s -o "$out" -D "$out.head" -w '%{http_code}' -m 5 -X POST "$TX_URL$path" -H 'Content-Type: application/json' \
+             -H "Authorization: Bearer $TX_KEY" "${hv[@]}" --data-binary "$body")
+        [ "$st" = 200 ] || { echo "bench: $name answered $st (want 200): $(head -c 500 "$out")" >&2; return 1; }
+        served=Bench-Chat
+        [ "$up" = bench-anth ] && served=Bench-Anth
+        grep -qi "^x-ltg-served-model: $served" "$out.head" || { echo "bench: $name: no x-ltg-served-model: $served" >&2; return 1; }
+        case $path:$body in
+            /v1/chat/completions:*'"stream":true}')
+                n=$(grep -c '"delta":{[^}]*"content":"word "' "$out")
+                [ "$n" = 3 ] && grep -q '^data: \[DONE\]' "$out" ;;
+            /v1/chat/completions:*)
+                grep -q '"object":"chat.completion".*"content":"Hello from '"$up"'\."' "$out" ;;
+            /v1/messages:*'"stream":true}')
+                n=$(grep -c '"type":"text_delta","text":"word "' "$out")
+                [ "$n" = 3 ] && grep -q '^event: message_stop' "$out" ;;
+            *)
+                grep -q '"type":"message".*"text":"Hello from '"$up"'\."' "$out" ;;
+        esac || { echo "bench: $name answered 200 but not in its client's API: $(head -c 500 "$out")" >&2; return 1; }
+        want_up=/v1/chat/completions
+        [ "$up" = bench-anth ] && want_up=/v1/messages
+        got_up=$(curl -s -m 2 "$MOCK_URL/_mock/last" | sed -n 's/^{"method":"POST","path":"\([^"]*\)".*"model\\":\\"\([^\\"]*\)\\".*/\1 \2/p')
+        [ "$got_up" = "$want_up $up" ] || { echo "bench: $name: the mock saw \"$got_up\", want \"$want_up $up\"" >&2; return 1; }
+    }
+    TX_OK=1
+    declare -A TX_A TX_B
+    for p in "${TX_PAIRS[@]}"; do
+        api=${p%-stream} s=
+        [ "$p" != "$api" ] && s=1
+        path=/v1/chat/completions pass=Bench-Chat tr=Bench-Anth
+        [ "$api" = messages ] && path=/v1/messages pass=Bench-Anth tr=Bench-Chat
+        a=tx-$p-pass b=tx-$p-translated
+        TX_A[$p]=$a TX_B[$p]=$b
+        for side in "$a $pass" "$b $tr"; do
+            read -r n m <<<"$side"
+            body=$(tx_body "$api" "$m" $s)
+            up=bench-chat
+            [ "$m" = Bench-Anth ] && up=bench-anth
+            tx_check "$n" "$path" "$body" "$up" || TX_OK=0
+            write_lua "$T/post-$n.lua" "$TX_KEY" "$body" "$path"
+            URL[$n]=$TX_URL PID_OF[$n]=$TX_PID LUA_OF[$n]=$T/post-$n.lua
+        done
+    done
+    TX_BYTES_CHAT=$(tx_body chat Bench-Anth | wc -c) TX_BYTES_MSG=$(tx_body messages Bench-Chat | wc -c)
+    if [ "$TX_OK" = 1 ]; then
+        TX_START=$(date +%s)
+        s0=$(mock_stats)
+        for p in "${TX_PAIRS[@]}"; do interleave "${TX_A[$p]}" "${TX_B[$p]}" "$TRANSLATE_ROUNDS"; done
+        s1=$(mock_stats)
+        TX_ELAPSED=$(($(date +%s) - TX_START))
+        TX_UP_ANTH=$(($(mock_stat bench-anth "$s1") - $(mock_stat bench-anth "$s0")))
+        TX_UP_CHAT=$(($(mock_stat bench-chat "$s1") - $(mock_stat bench-chat "$s0")))
+        kill -TERM "$TX_PID" 2>/dev/null; wait "$TX_PID" 2>/dev/null   # its access log flushed and closed
+        # every answer under the load (warm-ups included), by client API, model and status
+        TX_STATUS=$(sed -n 's/.*"path":"\([^"]*\)","status":\([0-9]*\),.*"requested_model":"\([^"]*\)".*/\1 \3 \2/p' \
+                    "$T/ltg-translate-access.log" | sort | uniq -c | awk '{printf "%s%s %s %s: %s", (NR > 1 ? "; " : ""), $2, $3, $4, $1}')
+        TX_BAD=$(grep '"plane":"inference"' "$T/ltg-translate-access.log" | grep -vc '"status":200,')
+        TX_LINES=$(wc -l <"$T/ltg-translate-access.log")
+        [ "$TX_BAD" = 0 ] || { ERRORS_SEEN=1; ERRORS_NOTE="$ERRORS_NOTE translation: $TX_BAD answers other than 200 in the access log;"; }
+        echo "### translation: chat <-> Messages (same run, same process, interleaved)"
+        echo
+        echo "- ltg-translate: this build, providers mock (OpenAI chat) and mock-anth (\"api\": \"anthropic\"), the same"
+        echo "  mock; Bench-Chat on the first, Bench-Anth on the second; access log to a file"
+        echo "- bodies: a system prompt and three turns, max_tokens, temperature: chat $TX_BYTES_CHAT bytes, Messages"
+        echo "  $TX_BYTES_MSG bytes (and \"stream\": true); A and B differ in the model alone"
+        echo "- per pair $TRANSLATE_ROUNDS rounds, each: ${WARM} s warm-up and ${SECS} s at 64 connections of each, A B, B A, ...;"
+        echo "  time ${TX_ELAPSED} s; the mock saw $TX_UP_ANTH requests to bench-anth (Messages), $TX_UP_CHAT to bench-chat (chat)"
+        echo "- answers in the access log ($TX_LINES lines, warm-ups and checks included; path, model, status: count): $TX_STATUS"
+        echo
+        echo "| requests/s, 64 conns (median; the runs) | pass-through (A) | translated (B) | B/A | rounds' B/A | CPU us/req A, B |"
+        echo "| --- | ---: | ---: | ---: | ---: | ---: |"
+        for p in "${TX_PAIRS[@]}"; do
+            a=${TX_A[$p]} b=${TX_B[$p]} rr= ca= cb=
+            for r in $(seq "$TRANSLATE_ROUNDS"); do
+                rr="$rr $(awk -v x="${R[$b,c64r$r,rps]}" -v y="${R[$a,c64r$r,rps]}" 'BEGIN {printf "%.2f", y ? x / y : 0}')"
+                ca="$ca ${R[$a,c64r$r,cpu]}" cb="$cb ${R[$b,c64r$r,cpu]}"
+                for n in "$a" "$b"; do
+                    case ${R[$n,c64r$r,errs]} in *=[1-9]*)
+                        ERRORS_SEEN=1; ERRORS_NOTE="$ERRORS_NOTE $n round $r: ${R[$n,c64r$r,errs]};" ;;
+                    esac
+                done
+            done
+            # shellcheck disable=SC2086
+            ma=$(median ${RUNS[$a]}) mb_=$(median ${RUNS[$b]})
+            # shellcheck disable=SC2086
+            TX_R[$p]="$(ratio "$mb_" "$ma") ($mb_ / $ma; rounds$rr)"
+            TX_T[$p]=$(awk -v a="$mb_" -v b="$ma" 'BEGIN {print (b > 0 && a >= 0.9 * b) ? 1 : 0}')
+            # shellcheck disable=SC2086
+            echo "| ${TX_LABEL[$p]} | $ma (${RUNS[$a]# }) | $mb_ (${RUNS[$b]# }) | $(ratio "$mb_" "$ma") | $(printf '%s\n' $rr | sort -n | head -n1)-$(printf '%s\n' $rr | sort -n | tail -n1) | $(median $ca), $(median $cb) |"
+        done
+        echo
+        if grep -v 'listening on\|ltg: state:' "$T/ltg-translate.log" | grep -q .; then
+            echo "ltg-translate logged (last 10 lines):"
+            grep -v 'listening on\|ltg: state:' "$T/ltg-translate.log" | tail -n 10 | sed 's/^/    /'
+            echo
+        fi
+    else
+        kill -TERM "$TX_PID" 2>/dev/null; wait "$TX_PID" 2>/dev/null
+        ERRORS_SEEN=1; ERRORS_NOTE="$ERRORS_NOTE translation: a check before the load failed (nothing measured);"
+        echo "### translation: a check before the load failed (see above); nothing measured"
+        echo
+    fi
+fi
+
 # ---------------------------------------------------------------- targets
 MISSED=0
 verdict() { if [ "$1" = 1 ]; then echo "MET"; else echo "NOT MET"; MISSED=1; fi; }
@@ -1179,6 +1353,12 @@ echo "- ltg peak RSS <= 15 MiB ($LIMIT_KB kB): $(verdict "$t3") (${R[ltg,hwm]} k
      "of the events of these runs, up to --ledger-index-mb: 16 MiB by default)"
 [ -n "${CHAIN_T:-}" ] && echo "- the chained ledger: requests/s at 64 conns no lower than before issue 25 (>= 0.97x): $(verdict "$CHAIN_T") ($(ratio "$CH_NOW" "$CH_BEFORE"))"
 [ -n "${BEFORE_T:-}" ] && echo "- this build: requests/s at 64 conns no lower than the build before, $BEFORE (>= 0.97x): $(verdict "$BEFORE_T") ($(ratio "$AB_NOW" "$AB_BEFORE"))"
+if [ "$TRANSLATE" = 1 ]; then
+    for p in "${TX_PAIRS[@]}"; do
+        [ "${TX_T[$p]:-0}" = 1 ] || MISSED=1   # verdict runs in a subshell here
+        echo "- translation, ${TX_LABEL[$p]}: requests/s at 64 conns >= 0.9x the pass-through's: $(verdict "${TX_T[$p]:-0}") (${TX_R[$p]:-not measured})"
+    done
+fi
 [ -n "${TRAFFIC_T:-}" ] && echo "- two deployments and limits on: requests/s at 64 conns no lower than before issue 15 (>= 0.97x, the run-to-run noise): $(verdict "$TRAFFIC_T") ($(ratio "$TR_NOW" "$TR_BEFORE"))"
 echo "- ltg errors under load (non-2xx, socket errors): $( [ "$ERRORS_SEEN" = 0 ] && echo none || echo "SEEN:${ERRORS_NOTE:- the check after the load failed}")"
 if [ "$TLS" = 1 ]; then
