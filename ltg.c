@@ -13713,10 +13713,13 @@ static int attempt_hold(exchange *x) {
  * (but for a cut by its client: exchange_abort)
  * (README "Retries and fallback"), is logged and told to the breaker, and
  * the plan decides what comes next; the caller acts on the step. */
-/* "answered 429", and what the provider said of it: "answered 429: Rate limit reached". */
-static void attempt_answered_why(int status, const upstream *u, char *why, size_t cap) {
+/* "answered 429", and what the provider said of it: "answered 429: Rate limit reached" (a
+ * provider key it quotes masked: the attempt log is kept). */
+static void attempt_answered_why(int status, const upstream *u, const provider *p, char *why,
+                                 size_t cap) {
     buf msg = {0};
     if (u && status >= 300) provider_message(u->body.p, u->body.len, &msg, NULL);
+    if (p && msg.len) mask_provider_key(p, msg.p, msg.len);
     snprintf(why, cap, "answered %d%s%.*s", status, msg.len ? ": " : "", (int)msg.len,
              msg.len ? msg.p : "");
     buf_free(&msg);
@@ -13760,7 +13763,7 @@ static plan_step attempt_decide(exchange *x, const attempt_result *r) {
     if (r->error) snprintf(why, sizeof why, "%s", r->error);
     else if (u && attempt_context_length(r->status, u->body.p, u->body.len))
         snprintf(why, sizeof why, "context length exceeded (%d)", r->status);
-    else attempt_answered_why(r->status, u, why, sizeof why);
+    else attempt_answered_why(r->status, u, d ? d->p : NULL, why, sizeof why);
     attempt_log(x, &was, r->status, o, o == OUTCOME_OK ? NULL : why);
     /* Told to the breaker: what ltg would have seen of the provider without this client. ltg's own
      * shortage says nothing of it, nor does a timeout the client set shorter than its group's (a
