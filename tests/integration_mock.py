@@ -418,3 +418,58 @@ def t_mock_last_body():
             check(base64.b64decode(last["body_base64"]) == b, "body_base64 (chunked %s)" % chunked)
             valid = b is bodies[0]
             check((last["body"].encode("utf-8") == b) == valid, "body as a string (chunked %s): %r" % (chunked, last["body"][:80]))
+
+
+def answer(model, body, status=200, content_type=None):
+    a = {"model": model, "status": status, "body": body}
+    if content_type:
+        a["content_type"] = content_type
+    return json.loads(it.H.mock_post("/_mock/answer", a))
+
+
+@it.test("mock: POST /_mock/answer queues exact answers per model (status, Content-Type, the body's bytes, \\u escapes "
+         "as UTF-8), first in first out, whatever the request asked; framing=chunked sends a chunk per SSE event, "
+         "bytewise a byte per write; a refused request uses one up; at most 8 queued, bad bodies refused")
+def t_mock_answer():
+    sse = 'event: message_start\ndata: {"a":"h\u00e9 \U0001F600"}\n\nevent:message_stop\ndata:{}\n\n'
+    check(answer("ans", sse, content_type="text/event-stream") == {"model": "ans", "queued": 1}, "the first answer")
+    check(answer("ans", "Service Unavailable", 503, "text/plain")["queued"] == 2, "the second answer")
+    it.H.mock_post("/_mock/script", {"model": "ans", "steps": ["framing=chunked", "status=500"]})
+    r = msgs("", model="ans")
+    check(r.status == 200 and r.header("content-type") == "text/event-stream" and r.body == sse.encode(),
+          "the stream, to a request that did not ask for one: %s %r" % (r.brief(), r.header("content-type")))
+    check([d for _, d in r.chunks] == [sse[:sse.index("\n\n") + 2].encode(), sse[sse.index("\n\n") + 2:].encode()],
+          "a chunk per event: %r" % [d for _, d in r.chunks])
+    r = chat("", model="ans")
+    check(r.status == 503 and r.header("content-type") == "text/plain" and r.body == b"Service Unavailable"
+          and r.header("content-length") == "19", "the 503, framed by length (status=500 ignored): %s" % r.brief())
+    check(b"Hello from ans." in ok(chat("", model="ans"), "after the queue").body, "the queue is empty: a canned answer again")
+    answer("ans", "x" * 3000, content_type="text/event-stream")
+    with it.Conn(it.H.mock_port) as c:
+        c.send(it.http_request("POST", "/v1/chat/completions", {"model": "ans", "messages": USER, "mock": "bytewise framing=eof"},
+                               {"Connection": "close"}, auth=None))
+        reads, data = 0, b""
+        while True:
+            d = c.sock.recv(65536)
+            if not d:
+                break
+            reads += 1
+            data += d
+    check(data.endswith(b"\r\n\r\n" + b"x" * 3000) and b"content-length" not in data.lower() and reads > len(data) // 4,
+          "bytewise framing=eof: %d bytes in %d reads, %r" % (len(data), reads, data[:120]))
+    answer("ans", '{"ok":1}')
+    r = msgs("", model="ans", max_tokens=0)
+    check(r.status == 400 and b"max_tokens" in r.body, "the refusal: %s" % r.brief())
+    check(b"Hello from ans." in ok(chat("", model="ans"), "after the refusal").body, "the refused request took the answer")
+    for i in range(8):
+        answer("full", "%d" % i)
+    for bad in ({"model": "full", "body": "9"}, {"model": "ans2", "body": 5}, {"model": "ans2"}, {"body": "x"},
+                {"model": "ans2", "body": "x", "status": 199}, {"model": "ans2", "body": "x", "status": 600},
+                {"model": "ans2", "body": "x", "content_type": ""}, {"model": "ans2", "body": "x" * ((1 << 20) + 1)}):
+        r = post("/_mock/answer", bad)
+        check(r.status == 400, "%r: %s" % ({k: v if k != "body" or len(str(v)) < 20 else "..." for k, v in bad.items()}, r.brief()))
+    got = [chat("", model="full").body for _ in range(9)]
+    check(got[:8] == [b"%d" % i for i in range(8)] and b"Hello from full." in got[8], "the queue in order: %r" % got)
+    answer("ans", "late")
+    it.H.mock_reset()
+    check(b"Hello from ans." in chat("", model="ans").body, "POST /_mock/reset empties the queues")

@@ -275,15 +275,31 @@
  *       followed by tool messages responding to each 'tool_call_id'. The
  *       following tool_call_ids did not have response messages: ID, ID")
  *
- * Control endpoints: POST /_mock/script, GET /_mock/stats, GET /_mock/last
- * (the last request's method, path, headers, lowercased, and body: what ltg
- * sent as x-api-key, say), POST /_mock/reset. /_mock/last's "body" is the
+ * Control endpoints: POST /_mock/script, POST /_mock/answer, GET /_mock/stats,
+ * GET /_mock/last (the last request's method, path, headers, lowercased, and
+ * body: what ltg sent as x-api-key, say), POST /_mock/reset. /_mock/last's "body" is the
  * body as received (a chunked one decoded) as a JSON string, the very same
  * text when it is UTF-8 (a byte that is not becomes U+FFFD), and its
  * "body_base64" the exact bytes. /_mock/stats counts the requests "refused"
  * (above) and a refused request's log entry has "refused", the message.
  * An Anthropic request refused for a missing header takes no step of the
  * script and is not counted.
+ *
+ * POST /_mock/answer {"model":"m","status":200,"content_type":"text/event-stream",
+ * "body":"event: ping\ndata: {}\n\n"} queues one exact answer for the next
+ * request whose "model" is m (at most ANSWERS_MAX a model, each at most
+ * ANSWER_MAX bytes; status 200..599, default 200; content_type default
+ * application/json): that request is answered with this status, this
+ * Content-Type and these bytes, the JSON string decoded (\uXXXX as UTF-8),
+ * whatever the request asked (a stream or not). It takes its answer where it
+ * takes its script step, so a refused request uses one up too. Its directive
+ * (script or "mock" field) still shapes the delivery: head_delay_ms, reset,
+ * hang, close, retry_after, raw_status, head_kb, head_lines, bytewise, and
+ * framing= (length by default; chunked sends a chunk, in a write of its own,
+ * per SSE event: the bytes up to and with each "\n\n"; eof closes after
+ * the body); its other tokens are ignored. It answers {"model":"m",
+ * "queued":N}, or 400 when the queue is full or the body is not as above.
+ * POST /_mock/reset empties the queues.
  * Connections whose first request is a control request are left out of
  * "connections" and "open_connections" (and, over TLS, out of
  * "tls_handshakes" and "tls_resumed"), so that a test reading the stats sees
@@ -333,6 +349,9 @@
 #define WORD_MAX      32                 /* a directive's word value (finish=, stream_error=), with its NUL */
 #define CALLS_MAX     8                  /* tools=N: at most this many parallel calls */
 #define REASONING_MAX 100000             /* reasoning=N: at most this many deltas */
+#define ANSWERS_MAX   8                  /* POST /_mock/answer: answers queued per model ... */
+#define ANSWER_MAX    (1024 * 1024)      /* ... each at most this many bytes */
+#define TYPE_MAX      128                /* ... its Content-Type, with its NUL */
 
 static char filler[FILLER_PIECE];        /* 'x' bytes: body_mb and garble=huge send them */
 
@@ -568,6 +587,63 @@ static int json_string_decode(const char *p, const char *end, char *out, size_t 
         }
     }
     out[n] = '\0';
+    return 0;
+}
+
+static long json_hex4(const char *p, const char *end)
+{
+    char hex[5], *hex_end;
+    if (end - p < 4 || !isxdigit((unsigned char)p[0]))
+        return -1;
+    memcpy(hex, p, 4);
+    hex[4] = '\0';
+    long u = strtol(hex, &hex_end, 16);
+    return *hex_end ? -1 : u;
+}
+
+static void buf_utf8(struct buf *b, long u)
+{
+    static const unsigned char lead[] = { 0, 0, 0xc0, 0xe0, 0xf0 };
+    unsigned char s[4];
+    size_t n = u < 0x80 ? 1 : u < 0x800 ? 2 : u < 0x10000 ? 3 : 4;
+    for (size_t i = n - 1; i > 0; i--, u >>= 6)
+        s[i] = (unsigned char)(0x80 | (u & 0x3f));
+    s[0] = (unsigned char)(n == 1 ? u : lead[n] | u);
+    buf_append(b, s, n);
+}
+
+/* Appends the JSON string at [p, end) to b, decoded exactly (unlike
+ * json_string_decode): every escape, a \uXXXX as UTF-8, a surrogate pair as
+ * one code point, a lone surrogate as U+FFFD. Returns 0, or -1 if [p, end)
+ * is not a string or has a bad escape. */
+static int json_string_bytes(const char *p, const char *end, struct buf *b)
+{
+    static const char from[] = "\"\\/bfnrt", to[] = "\"\\/\b\f\n\r\t";
+    if (p >= end || *p != '"' || json_skip_string(p, end) != end)
+        return -1;
+    for (p++; p < end - 1; p++) {
+        const char *k;
+        long u, lo;
+        if (*p != '\\') {
+            buf_append(b, p, 1);
+        } else if (*++p != 'u') {
+            if (!(k = strchr(from, *p)))
+                return -1;
+            buf_append(b, &to[k - from], 1);
+        } else if ((u = json_hex4(p + 1, end - 1)) < 0) {
+            return -1;
+        } else {
+            p += 4;
+            if (u >= 0xd800 && u < 0xdc00 && end - 1 - p >= 7 && p[1] == '\\' && p[2] == 'u'
+                && (lo = json_hex4(p + 3, end - 1)) >= 0xdc00 && lo < 0xe000) {
+                u = 0x10000 + ((u - 0xd800) << 10) + (lo - 0xdc00);
+                p += 6;
+            } else if (u >= 0xd800 && u < 0xe000) {
+                u = 0xfffd;
+            }
+            buf_utf8(b, u);
+        }
+    }
     return 0;
 }
 
@@ -867,6 +943,12 @@ struct model {                   /* what the mock knows about one upstream model
     long long filler_bytes;      /* body_mb: the filler sent for it */
     char **steps;                /* the scripted directives, a FIFO: steps[first..count) */
     size_t first, count, cap;
+    struct canned {              /* POST /_mock/answer's, a ring: answers[(next + i) % MAX] */
+        long status;             /* 0: none */
+        char type[TYPE_MAX];
+        struct buf body;
+    } answers[ANSWERS_MAX];
+    size_t answers_next, answers_len;
 };
 
 struct log_entry {
@@ -916,12 +998,27 @@ static void model_push_step(struct model *m, const char *step)
         die("strdup");
 }
 
+/* Takes the model's next queued answer, if any, into *a, which then owns its
+ * body (a->status is 0 if there was none). Caller holds the lock. */
+static void model_pop_answer(struct model *m, struct canned *a)
+{
+    a->status = 0;
+    if (!m->answers_len)
+        return;
+    struct canned *q = &m->answers[m->answers_next];
+    *a = *q;
+    memset(q, 0, sizeof *q);
+    m->answers_next = (m->answers_next + 1) % ANSWERS_MAX;
+    m->answers_len--;
+}
+
 static unsigned long mock_begin_request(const char *model, const char *path, size_t path_len,
                                         const char *body_directive, char *directive, size_t cap,
-                                        const char *refused)
+                                        const char *refused, struct canned *answer)
 {
     pthread_mutex_lock(&mock.lock);
     struct model *m = mock_model(model);
+    model_pop_answer(m, answer);
     if (m->first < m->count) {
         snprintf(directive, cap, "%s", m->steps[m->first]);
         free(m->steps[m->first++]);
@@ -954,6 +1051,8 @@ static void mock_reset(void)
         for (size_t j = mock.models[i].first; j < mock.models[i].count; j++)
             free(mock.models[i].steps[j]);
         free(mock.models[i].steps);
+        for (size_t j = 0; j < ANSWERS_MAX; j++)
+            free(mock.models[i].answers[j].body.data);
     }
     mock.nmodels = 0;
     mock.connections = mock.requests = mock.refused = 0;
@@ -1385,6 +1484,17 @@ static int send_answer(struct conn *c, const struct request *r, const struct dir
     return keep;
 }
 
+/* Ends the head in c->out with the framing of a body of len bytes. */
+static void put_framing(struct conn *c, int framing, long long len)
+{
+    if (framing == FRAMING_LENGTH)
+        buf_printf(&c->out, "Content-Length: %lld\r\n\r\n", len);
+    else if (framing == FRAMING_CHUNKED)
+        buf_puts(&c->out, "Transfer-Encoding: chunked\r\n\r\n");
+    else
+        buf_puts(&c->out, "\r\n");
+}
+
 /* body_mb=N: a 200 head, then N MiB of filler as fast as the peer reads,
  * in pieces; stops at once when the peer leaves. */
 static int send_filler(struct conn *c, const struct request *r, const struct directive *d, const char *model)
@@ -1392,12 +1502,7 @@ static int send_filler(struct conn *c, const struct request *r, const struct dir
     long long total = (long long)d->body_mb << 20;
     int keep = !r->want_close && !d->close && d->framing != FRAMING_EOF;
     put_head(c, 200, "application/json", d, keep);
-    if (d->framing == FRAMING_LENGTH)
-        buf_printf(&c->out, "Content-Length: %lld\r\n\r\n", total);
-    else if (d->framing == FRAMING_CHUNKED)
-        buf_puts(&c->out, "Transfer-Encoding: chunked\r\n\r\n");
-    else
-        buf_puts(&c->out, "\r\n");
+    put_framing(c, d->framing, total);
     if (conn_send(c, c->out.data, c->out.len) < 0)
         return 0;
     for (long long sent = 0; sent < total; sent += FILLER_PIECE) {
@@ -2755,7 +2860,49 @@ static int send_stream(struct conn *c, const struct request *r, const struct dir
     return keep;
 }
 
+/* POST /_mock/answer's answer, its bytes as given, framed as framing= says:
+ * chunked sends a chunk, in a write of its own, per SSE event. */
+static int send_canned(struct conn *c, const struct request *r, const struct directive *d,
+                       const struct canned *ans)
+{
+    const char *body = ans->body.data ? ans->body.data : "";
+    size_t len = ans->body.len;
+    int keep = !r->want_close && !d->close && d->framing != FRAMING_EOF;
+    put_head(c, ans->status, ans->type, d, keep);
+    put_framing(c, d->framing, (long long)len);
+    if (d->framing != FRAMING_CHUNKED) {
+        buf_append(&c->out, body, len);
+        return conn_send(c, c->out.data, c->out.len) < 0 ? 0 : keep;
+    }
+    if (conn_send(c, c->out.data, c->out.len) < 0)
+        return 0;
+    for (size_t i = 0, n; i < len; i += n) {
+        const char *ev_end = memmem(body + i, len - i, "\n\n", 2);
+        n = ev_end ? (size_t)(ev_end + 2 - (body + i)) : len - i;
+        c->out.len = 0;
+        buf_printf(&c->out, "%zx\r\n", n);
+        buf_append(&c->out, body + i, n);
+        buf_puts(&c->out, "\r\n");
+        if (conn_send(c, c->out.data, c->out.len) < 0)
+            return 0;
+    }
+    return conn_send(c, "0\r\n\r\n", 5) < 0 ? 0 : keep;
+}
+
+static int serve_answer(struct conn *c, const struct request *r, const struct api *api,
+                        struct canned *canned);
+
 static int serve_inference(struct conn *c, const struct request *r, const struct api *api)
+{
+    struct canned canned = { .status = 0 };
+    int keep = serve_answer(c, r, api, &canned);
+    free(canned.body.data);
+    return keep;
+}
+
+/* Answers an inference request; *canned receives its POST /_mock/answer answer, if any. */
+static int serve_answer(struct conn *c, const struct request *r, const struct api *api,
+                        struct canned *canned)
 {
     struct answer a = { .api = api, .r = r, .created = (long)time(NULL) };
     char body_directive[DIRECTIVE_MAX], directive[DIRECTIVE_MAX], why[DIRECTIVE_MAX + 64];
@@ -2774,7 +2921,7 @@ static int serve_inference(struct conn *c, const struct request *r, const struct
     struct refusal no = { .param = NULL };
     int refused = api->refused && api->refused(r, &no);
     a.id = mock_begin_request(a.model, r->path, r->path_len, body_directive, directive, sizeof directive,
-                              refused ? no.why : NULL);
+                              refused ? no.why : NULL, canned);
     if (refused) {               /* at once, whatever the directive says */
         put_error(c, api->anthropic, "invalid_request_error", no.code, no.param, no.why);
         return send_answer(c, r, &directive_ok, 400);
@@ -2817,6 +2964,8 @@ static int serve_inference(struct conn *c, const struct request *r, const struct
         conn_wait(c, -1);
         return 0;
     }
+    if (canned->status)
+        return send_canned(c, r, &d, canned);
     if (d.body_mb || d.head_kb || d.head_lines || d.garble || d.trickle_ms || d.junk_after_ms >= 0) {
         struct timeval tv = { .tv_sec = HOSTILE_WAIT_MS / 1000 };  /* a peer that stops reading */
         setsockopt(c->fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
@@ -2906,6 +3055,51 @@ static int control_script(struct conn *c, const struct request *r)
     script_steps(steps, steps_end, m, why, sizeof why);
     size_t queued = m->count - m->first;
     pthread_mutex_unlock(&mock.lock);
+    c->json.len = 0;
+    buf_puts(&c->json, "{\"model\":");
+    buf_json_string(&c->json, model, strlen(model));
+    buf_printf(&c->json, ",\"queued\":%zu}", queued);
+    return send_answer(c, r, &directive_ok, 200);
+}
+
+/* POST /_mock/answer {"model":"m","status":200,"content_type":"...","body":"..."} */
+static int control_answer(struct conn *c, const struct request *r)
+{
+    char model[MODEL_MAX], type[TYPE_MAX] = "application/json";
+    const char *end = r->body + r->body_len, *v, *v_end;
+    double status = 200;
+    struct canned ans = { .status = 0 };
+    int bad = !json_get_string(r->body, r->body_len, "model", model, sizeof model) || !model[0]
+        || !json_find(r->body, end, "body", &v, &v_end)
+        || json_string_bytes(v, v_end, &ans.body) < 0 || ans.body.len > ANSWER_MAX;
+    if (!bad && json_find(r->body, end, "status", &v, &v_end))
+        bad = json_number(v, v_end, &status) < 0 || status != (long)status
+            || status < 200 || status > 599;
+    if (!bad && json_find(r->body, end, "content_type", &v, &v_end))
+        bad = json_string_decode(v, v_end, type, sizeof type) < 0 || !type[0]
+            || strcspn(type, "\r\n") != strlen(type);
+    if (bad) {
+        free(ans.body.data);
+        return send_error(c, r, &directive_ok, 400, "invalid_request_error", "invalid_request",
+                          "expected {\"model\":\"...\",\"status\":200..599,"
+                          "\"content_type\":\"...\",\"body\":\"...\"}, a body of at most 1 MiB");
+    }
+    ans.status = (long)status;
+    snprintf(ans.type, sizeof ans.type, "%s", type);
+    pthread_mutex_lock(&mock.lock);
+    struct model *m = mock_model(model);
+    size_t queued = m->answers_len;
+    int full = queued == ANSWERS_MAX;
+    if (!full) {
+        m->answers[(m->answers_next + queued) % ANSWERS_MAX] = ans;
+        m->answers_len = ++queued;
+    }
+    pthread_mutex_unlock(&mock.lock);
+    if (full) {
+        free(ans.body.data);
+        return send_error(c, r, &directive_ok, 400, "invalid_request_error", "mock_queue_full",
+                          "this model's answer queue is full (8 answers)");
+    }
     c->json.len = 0;
     buf_puts(&c->json, "{\"model\":");
     buf_json_string(&c->json, model, strlen(model));
@@ -3012,6 +3206,8 @@ static int serve_control(struct conn *c, const struct request *r)
     size_t ml = r->method_len, pl = r->path_len;
     if (slice_is(p, pl, "/_mock/script") && slice_is(m, ml, "POST"))
         return control_script(c, r);
+    if (slice_is(p, pl, "/_mock/answer") && slice_is(m, ml, "POST"))
+        return control_answer(c, r);
     if (slice_is(p, pl, "/_mock/stats") && slice_is(m, ml, "GET"))
         return control_stats(c, r);
     if (slice_is(p, pl, "/_mock/last") && slice_is(m, ml, "GET"))
