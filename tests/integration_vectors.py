@@ -36,7 +36,9 @@ Normalisations (NORMALISE below), each a value ltg must legitimately differ in, 
 - chat requests: max_completion_tokens and max_tokens are one field (note 1a: which one is a
   provider option); "stream": false is an absent stream.
 - content: a string s and [{"type":"text","text":s}] are the same (both APIs define them so), in
-  chat and Messages messages and in Messages' system.
+  chat and Messages messages and in Messages' system; in a chat request, a list of text parts only
+  and their texts joined by newlines are the same (ltg sends a Messages turn's text blocks as one
+  string, which every chat server takes; README "One API for every model").
 - chat tool call arguments (a JSON string) are compared parsed; a tool message's content by
   containment (the vectors' notes: an "Error: " prefix for is_error is allowed, note 1a).
 - answers: "[id]" is any non-empty id, "[date]" any integer; "model" may be the alias the client
@@ -60,7 +62,9 @@ POOL_A = it.ModelPool("VecA-%d", 80, provider="anth")      # Anthropic-API model
 POOL_C = it.ModelPool("VecC-%d", 80)                       # chat models, one per case
 
 # Local verdicts on vectors that lie outside API.md 14 (the contract rules where peers differ): id ->
-# {"skip": reason} or {"skip_fields": {path: reason}}. The copied JSON files are never edited.
+# {"skip": reason}, {"skip_fields": {path: reason}}, {"refused": (pointer, reason)} (ltg refuses the
+# request: 400 untranslatable_field at that pointer) or {"unskip": True} (the vector's own skip
+# lifted). The copied JSON files are never edited.
 USAGE = "API.md 14 (Usage and money): the client sees usage converted into its API's terms"
 LOCAL = {
     "agentgateway.chat-messages.request.reasoning_max": {"skip_fields": {
@@ -79,6 +83,14 @@ LOCAL = {
     "envoy.messages-chat.request.text_and_tool_use": {"skip": "the history ends in a tool_use with no tool_result, which "
                                                       "OpenAI chat refuses (the mock refuses it as OpenAI does); API.md 14 "
                                                       "does not say how ltg carries an unanswered call"},
+    # a field ltg refuses where the peer drops it: the case holds ltg's refusal, its JSON Pointer
+    "agentgateway.messages-chat.request.reasoning": {"refused": (
+        "/output_format", "\"output_format\": \"markdown\" is not Anthropic's structured-output format "
+        "(an object, type json_schema, with its schema): ltg refuses what it cannot carry (API.md 14 Fields), "
+        "agentgateway drops it silently")},
+    # the vector's own skip, lifted: Claude Code sends system turns (its mid-conversation-system beta),
+    # and ltg carries them as chat system messages where they stand
+    "agentgateway.messages-chat.request.system_message": {"unskip": True},
     "envoy.chat-messages.response.redacted_thinking": {"skip_fields": {
         "choices.0.message.reasoning_content": "envoy's own object form; note 2: redacted_thinking is dropped"}},
     "envoy.chat-messages.response.thinking": {"skip_fields": {
@@ -132,6 +144,10 @@ def load(direction, kind):
             loc = LOCAL.get(v["id"], {})
             if "skip" in loc:
                 v["skip"] = "(local) " + loc["skip"]
+            if loc.get("unskip"):
+                v.pop("skip", None)
+            if "refused" in loc:
+                v["expected_status"], v["refused"] = 400, loc["refused"]
             v["skip_fields"] = dict(v.get("skip_fields") or {}, **loc.get("skip_fields", {}))
             out.append(v)
     return out
@@ -275,9 +291,12 @@ def request_summary(body):
 
 # ----- normalisation and comparison -----
 
-def norm_content(c):
+def norm_content(c, chat_api=False):
     if isinstance(c, list) and len(c) == 1 and isinstance(c[0], dict) and set(c[0]) == {"type", "text"} and c[0]["type"] == "text":
         return c[0]["text"]
+    if chat_api and isinstance(c, list) and c and all(isinstance(x, dict) and set(x) == {"type", "text"}
+                                                      and x["type"] == "text" for x in c):
+        return "\n".join(x["text"] for x in c)
     return c
 
 
@@ -288,7 +307,7 @@ def norm_request(body, chat_api):
         b["system"] = norm_content(b["system"])
     for m in b.get("messages") or []:
         if "content" in m:
-            m["content"] = norm_content(m["content"])
+            m["content"] = norm_content(m["content"], chat_api)
         for t in m.get("tool_calls") or []:
             t["function"]["arguments"] = args_of(t["function"].get("arguments"))
         if chat_api and m.get("content", 0) is None and m.get("tool_calls"):
@@ -428,6 +447,8 @@ def run_requests(direction):
                 problems.append("status: want %d, got %s" % (v["expected_status"], r.brief()))
             if err.get("code") != "untranslatable_field":
                 problems.append("error.code: want untranslatable_field (API.md 14), got %r" % (err,))
+            if v.get("refused") and err.get("param") != v["refused"][0]:
+                problems.append("error.param: want %r (%s), got %r" % (v["refused"][0], v["refused"][1], err))
             if calls:
                 problems.append("an upstream call was made (API.md 14: refused, no upstream call)")
             if problems:
