@@ -1049,6 +1049,10 @@ static int jp_string(jparser *p, int depth) {
     const unsigned char *s = (const unsigned char *)p->s;
     while (p->i < p->len) {
         unsigned c = s[p->i];
+        if (c >= 0x20 && c < 0x80 && c != '"' && c != '\\') { /* most bytes: plain ASCII */
+            p->i++;
+            continue;
+        }
         if (c == '"') {
             if (k >= 0) p->t[k].end = (uint32_t)p->i;
             p->i++;
@@ -1503,6 +1507,23 @@ static int jv_get(const char *s, size_t n, const json_tok *o, const char *name, 
     return 0;
 }
 
+/* The members `names` (NULL-ended, at most 32) of object o in one walk: vals[i] for each found
+ * (the first of a repeated name), its bit set in the result. */
+static unsigned jv_members(const char *s, size_t n, const json_tok *o, const char *const *names,
+                           json_tok *vals) {
+    size_t pos = 0;
+    json_tok k, v;
+    unsigned got = 0;
+    if (o->type != JSON_OBJECT) return 0;
+    while (jv_next(s, n, o, &pos, &k, &v))
+        for (int i = 0; names[i]; i++)
+            if (!(got >> i & 1) && json_eq(s, &k, 0, names[i])) {
+                vals[i] = v, got |= 1u << i;
+                break;
+            }
+    return got;
+}
+
 /* The bytes of value v as the document has them (a string with its quotes). */
 static void jv_raw(const json_tok *v, uint32_t *at, uint32_t *len) {
     int q = v->type == JSON_STRING;
@@ -1953,11 +1974,14 @@ long chunk_decode(chunk_decoder *d, const char *in, size_t n, buf *out) {
 size_t sse_event_len(const char *s, size_t n) {
     int line_empty = 1;
     for (size_t i = 0; i < n;) {
-        if (s[i] != '\n' && s[i] != '\r') {
-            line_empty = 0;
-            i++;
-            continue;
-        }
+        /* to the line's end: the first LF, or a CR before it */
+        const char *lf = memchr(s + i, '\n', n - i);
+        size_t lim = lf ? (size_t)(lf - s) : n;
+        const char *cr = memchr(s + i, '\r', lim - i);
+        size_t end = cr ? (size_t)(cr - s) : lim;
+        if (end == n) return 0;
+        if (end > i) line_empty = 0;
+        i = end;
         size_t e = i + 1;
         if (s[i] == '\r') {
             if (e >= n) return 0; /* a CR at the end may be the first half of CRLF */
@@ -10384,8 +10408,11 @@ static void admin_route(conn *c) {
  *   xl_request()  the client's body, read as slices of itself (jv_*, section 3: no token array,
  *                 no copy per field) and written for the provider's API with the JSON writer.
  *                 Each field is mapped, dropped -- a hint, named in x-ltg-dropped -- or refused:
- *                 400 untranslatable_field, its JSON Pointer in `param`. Admission runs it once
- *                 per API of the chain for the verdict; each attempt runs it for its own model.
+ *                 400 untranslatable_field, its JSON Pointer in `param`. Admission runs it up
+ *                 to the first model of the chain that can take the request (none: that 400),
+ *                 and that model's first attempt sends what it made; any other attempt runs it
+ *                 for its own model. The body's top-level members are found once (xl_fields),
+ *                 so each byte is walked a bounded number of times.
  *   xl_answer()   a provider's whole answer in the client's API; xl_error() its error.
  *   xl_feed()     a stream, one provider event at a time: a decoder per provider API turns the
  *                 event into neutral events (text, reasoning, a tool call's start and its
@@ -10702,12 +10729,22 @@ static int m2c_media(xlq *q, const json_tok *b, int image, const char *p) {
 
 /* The tool results of user turn `content`, each a chat "tool" message, in order: they come
  * before the turn's other content (the call they answer is the message before). */
+/* Block b (at p/i) left without its cache_control, named: chat providers cache by themselves. */
+static void m2c_cache_drop(xlq *q, const json_tok *b, const char *p, int i) {
+    json_tok c;
+    char d[240];
+    if (!jv_get(q->s, q->n, b, "cache_control", &c)) return;
+    snprintf(d, sizeof d, "%s/%d/cache_control", p, i);
+    xl_drop(q, d, "cache_control");
+}
+
 static int m2c_tool_results(xlq *q, const json_tok *content, const char *p) {
     size_t pos = 0;
     json_tok k, b, t, id, c;
     char pp[200];
     for (int i = 0; jv_next(q->s, q->n, content, &pos, &k, &b); i++) {
         if (!jv_get(q->s, q->n, &b, "type", &t) || !json_eq(q->s, &t, 0, "tool_result")) continue;
+        m2c_cache_drop(q, &b, p, i);
         snprintf(pp, sizeof pp, "%s/%d", p, i);
         if (!jv_get(q->s, q->n, &b, "tool_use_id", &id) || id.type != JSON_STRING)
             return xl_refuse(q, pp, "%s: a tool_result needs its tool_use_id", pp);
@@ -10717,10 +10754,13 @@ static int m2c_tool_results(xlq *q, const json_tok *content, const char *p) {
         char cp[220];
         snprintf(cp, sizeof cp, "%s/content", pp);
         int r = jv_get(q->s, q->n, &b, "content", &c) ? xl_join(q, &c, cp, "text", &joined) : 0;
-        if (r < 0) {
+        if (r < 0) { /* xl_join's verdict, said for a tool message (copied: xl_refuse writes it) */
+            char rp[sizeof q->v->param], rm[sizeof q->v->msg];
+            snprintf(rp, sizeof rp, "%s", q->v->param);
+            snprintf(rm, sizeof rm, "%s", q->v->msg);
             buf_free(&text);
             buf_free(&joined);
-            return xl_refuse(q, q->v->param, "%s (a chat tool message is text only)", q->v->msg);
+            return xl_refuse(q, rp, "%.300s (a chat tool message is text only)", rm);
         }
         if (joined.len) buf_append(&text, joined.p, joined.len);
         else buf_puts(&text, "(no output)");
@@ -10750,10 +10790,11 @@ static int m2c_user(xlq *q, const json_tok *content, const char *p) {
     json_tok k, b, t;
     int parts = 0, media = 0;
     char pp[200];
-    while (jv_next(q->s, q->n, content, &pos, &k, &b))
+    for (int i = 0; jv_next(q->s, q->n, content, &pos, &k, &b); i++)
         if (jv_get(q->s, q->n, &b, "type", &t) && !json_eq(q->s, &t, 0, "tool_result")) {
             parts++;
             media |= !json_eq(q->s, &t, 0, "text");
+            m2c_cache_drop(q, &b, p, i);
         }
     if (!parts) return 0;
     jw_open(&q->w, '{');
@@ -10835,7 +10876,9 @@ static int m2c_assistant(xlq *q, const json_tok *content, const char *p) {
     for (int i = 0; jv_next(q->s, q->n, content, &pos, &k, &b); i++) {
         snprintf(pp, sizeof pp, "%s/%d", p, i);
         jv_get(q->s, q->n, &b, "type", &t);
+        m2c_cache_drop(q, &b, p, i);
         if (json_eq(q->s, &t, 0, "text") && jv_get(q->s, q->n, &b, "text", &t)) {
+            if (xl_blank(q->s, &t)) continue; /* blank text: chat servers refuse it too */
             if (text.len) buf_puts(&text, "\\n");
             buf_append(&text, q->s + t.start, t.end - t.start);
         } else if (json_eq(q->s, &t, 0, "tool_use")) {
@@ -11184,7 +11227,8 @@ static int c2m_assistant(xlq *q, const json_tok *m, const char *p) {
     size_t at = q->w.out->len;
     snprintf(pp, sizeof pp, "%s/content", p);
     if (jv_get(q->s, q->n, m, "content", &c) && c2m_content(q, &c, pp) < 0) return LTG_ERR;
-    if (jv_get(q->s, q->n, m, "reasoning_content", &c)) xl_drop(q, p, "reasoning_content");
+    snprintf(pp, sizeof pp, "%s/reasoning_content", p);
+    if (jv_get(q->s, q->n, m, "reasoning_content", &c)) xl_drop(q, pp, "reasoning_content");
     if (jv_get(q->s, q->n, m, "tool_calls", &calls) && calls.type == JSON_ARRAY)
         for (int i = 0; jv_next(q->s, q->n, &calls, &pos, &k, &call); i++) {
             snprintf(pp, sizeof pp, "%s/tool_calls/%d", p, i);
@@ -11676,7 +11720,12 @@ static void provider_message(const char *s, size_t n, buf *msg, buf *code) {
     json_tok t[1], root, err, v;
     json_result res;
     if (s && json_parse(s, n, t, 1, 0, &res) == 0) {
+        size_t pos = 0;
+        json_tok first;
         root = jv_doc(s, n);
+        /* Google's OpenAI shim wraps its error in an array: its first element */
+        if (root.type == JSON_ARRAY && !jv_next(s, n, &root, &pos, &v, &first)) return;
+        if (root.type == JSON_ARRAY) root = first;
         int e = jv_get(s, n, &root, "error", &err) && err.type == JSON_OBJECT;
         if (jv_get(s, n, e ? &err : &root, "message", &v) && v.type == JSON_STRING)
             json_unescape(s, &v, 0, msg);
@@ -11763,6 +11812,7 @@ struct xl_stream {
     int ordinal[256], ntool_blocks;
     const char *req;             /* the client's body: tool names mapped back */
     size_t rn;
+    buf head, d;                 /* chat: each chunk's opening, made once; a delta's scratch */
 };
 
 static xl_stream *xl_stream_new(xl_api from, xl_api client, int include_usage,
@@ -11780,6 +11830,8 @@ static void xl_stream_free(xl_stream *x) {
         buf_free(&x->tools[i].name);
         buf_free(&x->tools[i].args);
     }
+    buf_free(&x->head);
+    buf_free(&x->d);
     free(x);
 }
 
@@ -11820,13 +11872,10 @@ static void ae_start(xl_stream *x, buf *out) {
 
 static void ae_delta(xl_stream *x, const char *type, const char *field, const char *s, size_t n,
                      buf *out) {
-    buf d = {0};
-    buf_printf(&d, "{\"type\":\"content_block_delta\",\"index\":%d,\"delta\":{\"type\":\"%s\","
-               "\"%s\":\"", x->block, type, field);
-    buf_append(&d, s, n);
-    buf_puts(&d, "\"}}");
-    ae_event(out, "content_block_delta", &d);
-    buf_free(&d);
+    buf_printf(out, "event: content_block_delta\ndata: {\"type\":\"content_block_delta\","
+               "\"index\":%d,\"delta\":{\"type\":\"%s\",\"%s\":\"", x->block, type, field);
+    buf_append(out, s, n);
+    buf_puts(out, "\"}}\n\n");
 }
 
 static void ae_stop_block(xl_stream *x, buf *out) {
@@ -11978,9 +12027,11 @@ static void ce_to(xl_stream *x, ce_state to) {
  * usage. */
 static void ce_chunk(xl_stream *x, const buf *delta, const char *finish, const long long *u,
                      buf *out) {
-    buf_printf(out, "data: {\"id\":\"chatcmpl-%s\",\"object\":\"chat.completion.chunk\","
-               "\"created\":%lld,\"model\":\"%s\",\"choices\":", x->id,
-               (long long)(wall_ms() / 1000), x->model);
+    if (!x->head.len) /* the same id, time and model in every chunk, as OpenAI's */
+        buf_printf(&x->head, "data: {\"id\":\"chatcmpl-%s\",\"object\":\"chat.completion.chunk\","
+                   "\"created\":%lld,\"model\":\"%s\",\"choices\":", x->id,
+                   (long long)(wall_ms() / 1000), x->model);
+    buf_append(out, x->head.p, x->head.len);
     if (u) {
         buf b = {0};
         jwriter w;
@@ -12001,32 +12052,33 @@ static void ce_chunk(xl_stream *x, const buf *delta, const char *finish, const l
 
 /* One neutral event for a chat client. 1 when its stream is whole. */
 static int ce_put(xl_stream *x, const xe *e, const long long u[NTOK], buf *out) {
-    buf d = {0};
+    buf *d = &x->d;
+    d->len = 0;
     if (x->ce == CE_DONE) return 1;
     switch (e->kind) {
     case XE_TEXT:
     case XE_REASONING:
         if (!e->n) break;
-        buf_cat(&d, e->kind == XE_TEXT ? "\"content\":\"" : "\"reasoning_content\":\"", NULL);
-        buf_append(&d, e->s, e->n);
-        buf_puts(&d, "\"");
-        ce_chunk(x, &d, NULL, NULL, out);
+        buf_cat(d, e->kind == XE_TEXT ? "\"content\":\"" : "\"reasoning_content\":\"", NULL);
+        buf_append(d, e->s, e->n);
+        buf_puts(d, "\"");
+        ce_chunk(x, d, NULL, NULL, out);
         break;
     case XE_TOOL:
         x->any_tool = 1;
-        buf_printf(&d, "\"tool_calls\":[{\"index\":%d,\"id\":\"", e->index);
-        buf_append(&d, e->s, e->n);
-        buf_puts(&d, "\",\"type\":\"function\",\"function\":{\"name\":\"");
-        buf_append(&d, e->name, e->nn);
-        buf_puts(&d, "\",\"arguments\":\"\"}}]");
-        ce_chunk(x, &d, NULL, NULL, out);
+        buf_printf(d, "\"tool_calls\":[{\"index\":%d,\"id\":\"", e->index);
+        buf_append(d, e->s, e->n);
+        buf_puts(d, "\",\"type\":\"function\",\"function\":{\"name\":\"");
+        buf_append(d, e->name, e->nn);
+        buf_puts(d, "\",\"arguments\":\"\"}}]");
+        ce_chunk(x, d, NULL, NULL, out);
         break;
     case XE_ARGS:
         if (!e->n) break;
-        buf_printf(&d, "\"tool_calls\":[{\"index\":%d,\"function\":{\"arguments\":\"", e->index);
-        buf_append(&d, e->s, e->n);
-        buf_puts(&d, "\"}}]");
-        ce_chunk(x, &d, NULL, NULL, out);
+        buf_printf(d, "\"tool_calls\":[{\"index\":%d,\"function\":{\"arguments\":\"", e->index);
+        buf_append(d, e->s, e->n);
+        buf_puts(d, "\"}}]");
+        ce_chunk(x, d, NULL, NULL, out);
         break;
     case XE_FINISH:
         x->finish = e->finish;
@@ -12036,15 +12088,13 @@ static int ce_put(xl_stream *x, const xe *e, const long long u[NTOK], buf *out) 
         break;
     case XE_END: {
         xl_finish f = x->any_tool ? XF_TOOL : x->finish == XF_TOOL ? XF_STOP : x->finish;
-        ce_chunk(x, &d, XF_CHAT[f], NULL, out);
-        if (x->include_usage) ce_chunk(x, &d, NULL, u, out);
+        ce_chunk(x, d, XF_CHAT[f], NULL, out);
+        if (x->include_usage) ce_chunk(x, d, NULL, u, out);
         buf_puts(out, "data: [DONE]\n\n");
         ce_to(x, CE_DONE);
-        buf_free(&d);
         return 1;
     }
     }
-    buf_free(&d);
     return 0;
 }
 
@@ -12170,7 +12220,10 @@ static int xl_block_start(xl_sink *k, const char *s, size_t n, const json_tok *r
 
 /* An Anthropic provider's event (`name`, its data s[0..n)) as neutral events. */
 static int xl_from_messages(xl_sink *k, const char *name, const char *s, size_t n) {
-    json_tok root = jv_doc(s, n), v, b, ix;
+    enum { M_INDEX, M_DELTA, M_MESSAGE };
+    static const char *const names[] = {"index", "delta", "message", NULL};
+    static const char *const deltas[] = {"text", "thinking", "partial_json", "stop_reason", NULL};
+    json_tok root = jv_doc(s, n), m[3], d[4];
     long long i = 0;
     xl_stream *x = k->x;
     if (strcmp(name, "ping") == 0) return xe_put(k, xe_of(XE_PING));
@@ -12179,24 +12232,23 @@ static int xl_from_messages(xl_sink *k, const char *name, const char *s, size_t 
         *k->why = "the provider's stream carried an error";
         return LTG_ERR;
     }
-    if (strcmp(name, "message_start") == 0 && jv_get(s, n, &root, "message", &v))
-        xl_names(x, s, n, &v);
-    if (jv_get(s, n, &root, "index", &ix)) json_int(s, &ix, 0, &i);
+    unsigned got = jv_members(s, n, &root, names, m); /* one walk of the event */
+    if (got >> M_MESSAGE & 1 && strcmp(name, "message_start") == 0) xl_names(x, s, n, &m[M_MESSAGE]);
+    if (got >> M_INDEX & 1) json_int(s, &m[M_INDEX], 0, &i);
     if (i < 0 || i >= 256) {
         *k->why = "more content blocks than ltg carries (256)";
         return LTG_ERR;
     }
     if (strcmp(name, "content_block_start") == 0) return xl_block_start(k, s, n, &root, (int)i);
-    if (strcmp(name, "content_block_delta") == 0 && jv_get(s, n, &root, "delta", &b)) {
-        if (jv_get(s, n, &b, "text", &v)) return xe_put(k, xe_text(XE_TEXT, 0, s, &v));
-        if (jv_get(s, n, &b, "thinking", &v)) return xe_put(k, xe_text(XE_REASONING, 0, s, &v));
-        if (jv_get(s, n, &b, "partial_json", &v) && x->kinds[i] == 't')
-            return xe_put(k, xe_text(XE_ARGS, x->ordinal[i], s, &v));
+    unsigned dg = got >> M_DELTA & 1 ? jv_members(s, n, &m[M_DELTA], deltas, d) : 0;
+    if (strcmp(name, "content_block_delta") == 0) {
+        if (dg & 1) return xe_put(k, xe_text(XE_TEXT, 0, s, &d[0]));
+        if (dg >> 1 & 1) return xe_put(k, xe_text(XE_REASONING, 0, s, &d[1]));
+        if (dg >> 2 & 1 && x->kinds[i] == 't')
+            return xe_put(k, xe_text(XE_ARGS, x->ordinal[i], s, &d[2]));
         return 0; /* a signature: nothing a chat client reads */
     }
-    if (strcmp(name, "message_delta") == 0 && jv_get(s, n, &root, "delta", &b) &&
-        jv_get(s, n, &b, "stop_reason", &v))
-        return xe_put(k, xe_finish(s, &v));
+    if (strcmp(name, "message_delta") == 0 && dg >> 3 & 1) return xe_put(k, xe_finish(s, &d[3]));
     return 0;
 }
 
@@ -12209,8 +12261,11 @@ static int xl_feed(xl_stream *x, const char *ev, size_t evn, const buf *data,
     xl_sink k = {x, u, out, why};
     char name[40] = "";
     const char *p = ev + 6 + (evn > 6 && ev[6] == ' ');
-    if (evn > 6 && memcmp(ev, "event:", 6) == 0)
-        snprintf(name, sizeof name, "%.*s", (int)strcspn(p, "\r\n"), p);
+    if (evn > 6 && memcmp(ev, "event:", 6) == 0) {
+        size_t nn = strcspn(p, "\r\n");
+        memcpy(name, p, nn < sizeof name - 1 ? nn : sizeof name - 1);
+        name[nn < sizeof name - 1 ? nn : sizeof name - 1] = 0;
+    }
     if (!data->len) return xe_put(&k, xe_of(XE_PING)); /* a comment: a keep-alive */
     if (x->provider == XL_CHAT) return xl_from_chat(&k, data->p, data->len);
     if (!name[0]) { /* the event's name is its data's type */

@@ -2168,7 +2168,23 @@ static void test_jv(void) {
     while (jv_next(doc, n, &a, &pos, &k, &v)) e++;
     CHECK(e == 3, "a has 3 elements, %d", e);
     CHECK(jv_get(doc, n, &root, "c", &v) && v.end - v.start == 6, "c's bytes");
-    CHECK(!jv_get(doc, n, &root, "zz", &v), "no zz");
+    json_tok keep = v;
+    CHECK(!jv_get(doc, n, &root, "zz", &v) && v.start == keep.start, "no zz, v untouched");
+    /* strings end at the quote no odd run of backslashes escapes */
+    static const struct { const char *doc, *second; } q[] = {
+        {"{\"a\":\"x\\\\\",\"b\":1}", "b"},          /* "x\\" then b */
+        {"{\"a\":\"x\\\"y\",\"b\":1}", "b"},          /* "x\"y" then b */
+        {"{\"a\":\"\\\\\\\"\",\"b\":1}", "b"},     /* "\\\"" then b */
+        {"{\"a\":\"\",\"b\":1}", "b"},                  /* "" then b */
+        {"{\"a\":\"\\\\\\\\\",\"b\":1}", "b"},    /* "\\\\" then b */
+    };
+    for (size_t c = 0; c < sizeof q / sizeof *q; c++) {
+        size_t dn = strlen(q[c].doc);
+        json_tok d = jv_doc(q[c].doc, dn), bv;
+        CHECK(d.type == JSON_OBJECT && d.end == dn && jv_get(q[c].doc, dn, &d, q[c].second, &bv) &&
+                  bv.type == JSON_NUMBER && q[c].doc[bv.start] == '1',
+              "case %zu: %s", c, q[c].doc);
+    }
 }
 
 /* One translated request against its golden. */
@@ -2299,6 +2315,338 @@ static void test_xl_requests(void) {
 }
 
 /* Feed a provider's SSE events one at a time; the client's stream, joined. */
+/* The goldens below are written with ' for " (no case needs an apostrophe): readable JSON. */
+static char *sq(const char *s) {
+    char *d = strdup(s ? s : "");
+    for (char *p = d; *p; p++)
+        if (*p == '\'') *p = '"';
+    return d;
+}
+
+/* One request golden for a target with or without reasoning; want NULL with param set: refused
+ * there. */
+static void xlg(xl_api from, xl_api to, int reasoning, const char *in, const char *want,
+                const char *param, const char *dropped) {
+    xl_target t = {"up-model", 8000, reasoning};
+    xl_verdict v;
+    buf out = {0};
+    char *i = sq(in), *w = sq(want);
+    int r = xl_request(from, to, i, strlen(i), &t, &out, &v);
+    if (param) {
+        CHECK(r < 0 && strcmp(v.param, param) == 0, "refused at %s: got %d %s (%s) for %s", param,
+              r, v.param, v.msg, i);
+    } else {
+        CHECK(r == 0 && out.p && strcmp(out.p, w) == 0, "%s\n  want %s\n  got  %s (%s)", i, w,
+              out.p ? out.p : "", v.msg);
+        CHECK(strcmp(v.dropped, dropped ? dropped : "") == 0, "%s: dropped %s, want %s", i,
+              v.dropped, dropped ? dropped : "");
+    }
+    free(i), free(w);
+    buf_free(&out);
+}
+
+#define M2C(in, want, dropped) xlg(XL_MESSAGES, XL_CHAT, 1, in, want, NULL, dropped)
+#define C2M(in, want, dropped) xlg(XL_CHAT, XL_MESSAGES, 1, in, want, NULL, dropped)
+#define M2C_NO(in, param) xlg(XL_MESSAGES, XL_CHAT, 1, in, NULL, param, NULL)
+#define C2M_NO(in, param) xlg(XL_CHAT, XL_MESSAGES, 1, in, NULL, param, NULL)
+
+/* Every row of the mapping tables, Messages -> chat (the note's 1a), with its peers' bugs. */
+static void test_xl_m2c_rows(void) {
+    /* blank text skipped, user and assistant; cache_control on a block named when dropped
+     * (Portkey#1589: a scope Anthropic accepts is no reason to refuse) */
+    M2C("{'model':'C','max_tokens':9,'messages':[{'role':'user','content':[{'type':'text',"
+        "'text':' '},{'type':'text','text':'hi','cache_control':{'type':'ephemeral','scope':'turn'}}]},"
+        "{'role':'assistant','content':[{'type':'text','text':' '},{'type':'text','text':'yo'}]}]}",
+        "{'model':'up-model','messages':[{'role':'user','content':'hi'},{'role':'assistant',"
+        "'content':'yo'}],'max_tokens':9}",
+        "/messages/0/content/1/cache_control");
+    /* a PDF document as chat's file part; by URL it cannot be carried */
+    M2C("{'model':'C','max_tokens':9,'messages':[{'role':'user','content':[{'type':'document',"
+        "'source':{'type':'base64','media_type':'application/pdf','data':'QQ=='}},{'type':'text',"
+        "'text':'sum'}]}]}",
+        "{'model':'up-model','messages':[{'role':'user','content':[{'type':'file','file':"
+        "{'filename':'document.pdf','file_data':'data:application/pdf;base64,QQ=='}},{'type':"
+        "'text','text':'sum'}]}],'max_tokens':9}",
+        NULL);
+    M2C_NO("{'model':'C','max_tokens':9,'messages':[{'role':'user','content':[{'type':'document',"
+           "'source':{'type':'url','url':'https://x/a.pdf'}}]}]}",
+           "/messages/0/content/0/source");
+    /* tool results: each a tool message before the turn's text (envoy#1953), in order, empty
+     * content said so, is_error prefixed; an image in one has no place in a chat tool message */
+    M2C("{'model':'C','max_tokens':9,'messages':[{'role':'assistant','content':[{'type':'tool_use',"
+        "'id':'t1','name':'f','input':{}},{'type':'tool_use','id':'t2','name':'f','input':{'a':1}}]},"
+        "{'role':'user','content':[{'type':'text','text':'next'},{'type':'tool_result','tool_use_id':"
+        "'t2','content':[]},{'type':'tool_result','tool_use_id':'t1','content':'ok',"
+        "'cache_control':{'type':'ephemeral'}}]}]}",
+        "{'model':'up-model','messages':[{'role':'assistant','content':null,'tool_calls':[{'id':"
+        "'t1','type':'function','function':{'name':'f','arguments':'{}'}},{'id':'t2','type':"
+        "'function','function':{'name':'f','arguments':'{\\'a\\':1}'}}]},{'role':'tool',"
+        "'tool_call_id':'t2','content':'(no output)'},{'role':'tool','tool_call_id':'t1',"
+        "'content':'ok'},{'role':'user','content':'next'}],'max_tokens':9}",
+        "/messages/1/content/2/cache_control");
+    M2C_NO("{'model':'C','max_tokens':9,'messages':[{'role':'user','content':[{'type':'tool_result',"
+           "'tool_use_id':'t1','content':[{'type':'image','source':{'type':'base64','media_type':"
+           "'image/png','data':'QQ=='}}]}]}]}",
+           "/messages/0/content/0/content/0");
+    /* thinking and redacted thinking in the history: another provider cannot read them */
+    M2C("{'model':'C','max_tokens':9,'messages':[{'role':'user','content':'q'},{'role':'assistant',"
+        "'content':[{'type':'redacted_thinking','data':'xx'},{'type':'thinking','thinking':'h',"
+        "'signature':'s'},{'type':'text','text':'a'}]}]}",
+        "{'model':'up-model','messages':[{'role':'user','content':'q'},{'role':'assistant',"
+        "'content':'a'}],'max_tokens':9}",
+        "/messages/1/content/0");
+    /* tool_choice: auto, none, a named tool; a choice without tools says nothing */
+    M2C("{'model':'C','max_tokens':9,'messages':[],'tools':[{'name':'f','input_schema':{}}],"
+        "'tool_choice':{'type':'auto'}}",
+        "{'model':'up-model','messages':[],'tools':[{'type':'function','function':{'name':'f',"
+        "'parameters':{}}}],'tool_choice':'auto','max_tokens':9}", NULL);
+    M2C("{'model':'C','max_tokens':9,'messages':[],'tools':[{'name':'f','input_schema':{}}],"
+        "'tool_choice':{'type':'none'}}",
+        "{'model':'up-model','messages':[],'tools':[{'type':'function','function':{'name':'f',"
+        "'parameters':{}}}],'tool_choice':'none','max_tokens':9}", NULL);
+    M2C("{'model':'C','max_tokens':9,'messages':[],'tools':[{'name':'f','input_schema':{}}],"
+        "'tool_choice':{'type':'tool','name':'f'}}",
+        "{'model':'up-model','messages':[],'tools':[{'type':'function','function':{'name':'f',"
+        "'parameters':{}}}],'tool_choice':{'type':'function','function':{'name':'f'}},"
+        "'max_tokens':9}", NULL);
+    /* a name past chat's 64 bytes, the same in the tools, the choice and the history */
+    M2C("{'model':'C','max_tokens':9,'messages':[{'role':'assistant','content':[{'type':'tool_use',"
+        "'id':'t1','name':'mcp__a_very_long_server_name__and_a_very_long_tool_name_too_long_x',"
+        "'input':{}}]}],'tools':[{'name':"
+        "'mcp__a_very_long_server_name__and_a_very_long_tool_name_too_long_x','input_schema':{}}],"
+        "'tool_choice':{'type':'tool','name':"
+        "'mcp__a_very_long_server_name__and_a_very_long_tool_name_too_long_x'}}",
+        "{'model':'up-model','messages':[{'role':'assistant','content':null,'tool_calls':[{'id':"
+        "'t1','type':'function','function':{'name':"
+        "'mcp__a_very_long_server_name__and_a_very_long_tool_name_abfb628c','arguments':'{}'}}]}],"
+        "'tools':[{'type':'function','function':{'name':"
+        "'mcp__a_very_long_server_name__and_a_very_long_tool_name_abfb628c','parameters':{}}}],"
+        "'tool_choice':{'type':'function','function':{'name':"
+        "'mcp__a_very_long_server_name__and_a_very_long_tool_name_abfb628c'}},'max_tokens':9}",
+        NULL);
+    /* thinking: a budget by bucket, adaptive by its effort, nothing to a model without
+     * reasoning (Groq refuses it: cherry-studio#1099) */
+    M2C("{'model':'C','max_tokens':9,'messages':[],'thinking':{'type':'enabled','budget_tokens':1024}}",
+        "{'model':'up-model','messages':[],'max_tokens':9,'reasoning_effort':'low'}", NULL);
+    M2C("{'model':'C','max_tokens':9,'messages':[],'thinking':{'type':'enabled','budget_tokens':9000}}",
+        "{'model':'up-model','messages':[],'max_tokens':9,'reasoning_effort':'high'}", NULL);
+    M2C("{'model':'C','max_tokens':9,'messages':[],'thinking':{'type':'adaptive'},"
+        "'output_config':{'effort':'high'}}",
+        "{'model':'up-model','messages':[],'max_tokens':9,'reasoning_effort':'high'}", NULL);
+    xlg(XL_MESSAGES, XL_CHAT, 0,
+        "{'model':'C','max_tokens':9,'messages':[],'thinking':{'type':'enabled','budget_tokens':2000}}",
+        "{'model':'up-model','messages':[],'max_tokens':9}", NULL, "/thinking");
+    /* structured output, both spellings; sampling kept, top_k dropped */
+    M2C("{'model':'C','max_tokens':9,'messages':[],'output_format':{'type':'json_schema','schema':"
+        "{'type':'object'}},'temperature':0.5,'top_p':0.9,'top_k':3}",
+        "{'model':'up-model','messages':[],'max_tokens':9,'temperature':0.5,'top_p':0.9,"
+        "'response_format':{'type':'json_schema','json_schema':{'name':'output','schema':{'type':"
+        "'object'}}}}", "/top_k");
+    /* hints dropped and named; what only Anthropic runs refused */
+    M2C("{'model':'C','max_tokens':9,'messages':[],'context_management':{},'service_tier':'auto',"
+        "'inference_geo':'us'}",
+        "{'model':'up-model','messages':[],'max_tokens':9}",
+        "/context_management,/service_tier,/inference_geo");
+    M2C_NO("{'model':'C','max_tokens':9,'messages':[],'container':'c1'}", "/container");
+    M2C_NO("{'model':'C','max_tokens':9,'messages':[],'tools':[{'type':'web_search_20250305',"
+           "'name':'web_search'},{'name':'f','input_schema':{}}]}", "/tools/0/type");
+    M2C_NO("{'model':'C','max_tokens':9,'messages':[{'role':'robot','content':'x'}]}",
+           "/messages/0/content");
+}
+
+/* Every row of the mapping tables, chat -> Messages (the note's 1b). */
+static void test_xl_c2m_rows(void) {
+    /* blank text skipped (BiFangKNT/mtga#68); an empty assistant turn is not sent empty
+     * (envoy#2191) */
+    C2M("{'model':'G','messages':[{'role':'user','content':[{'type':'text','text':' '},{'type':"
+        "'text','text':'x'}]},{'role':'assistant','content':''},{'role':'user','content':'y'}]}",
+        "{'model':'up-model','messages':[{'role':'user','content':[{'type':'text','text':'x'}]},"
+        "{'role':'assistant','content':[{'type':'text','text':'(empty)'}]},{'role':'user',"
+        "'content':[{'type':'text','text':'y'}]}],'max_tokens':8000}", NULL);
+    /* system and developer messages hoisted in order, never overwriting each other (envoy#2488) */
+    C2M("{'model':'G','messages':[{'role':'system','content':'a'},{'role':'developer','content':"
+        "[{'type':'text','text':'b'}]},{'role':'user','content':'q'}]}",
+        "{'model':'up-model','system':[{'type':'text','text':'a'},{'type':'text','text':'b'}],"
+        "'messages':[{'role':'user','content':[{'type':'text','text':'q'}]}],'max_tokens':8000}",
+        NULL);
+    /* a file with its data is a document; a file id cannot be carried */
+    C2M("{'model':'G','messages':[{'role':'user','content':[{'type':'file','file':{'filename':"
+        "'a.pdf','file_data':'data:application/pdf;base64,QQ=='}}]}]}",
+        "{'model':'up-model','messages':[{'role':'user','content':[{'type':'document','source':"
+        "{'type':'base64','media_type':'application/pdf','data':'QQ=='}}]}],'max_tokens':8000}",
+        NULL);
+    C2M_NO("{'model':'G','messages':[{'role':'user','content':[{'type':'file','file':{'file_id':"
+           "'file-1'}}]}]}", "/messages/0/content/0");
+    /* a tool without parameters gets an empty object schema; strict passes (envoy#2232) */
+    C2M("{'model':'G','messages':[],'tools':[{'type':'function','function':{'name':'f','strict':"
+        "true}}],'tool_choice':'required'}",
+        "{'model':'up-model','messages':[],'tools':[{'name':'f','input_schema':{'type':'object',"
+        "'properties':{}},'strict':true}],'tool_choice':{'type':'any'},'max_tokens':8000}", NULL);
+    /* parallel_tool_calls false without a choice: auto, one call at a time */
+    C2M("{'model':'G','messages':[],'tools':[{'type':'function','function':{'name':'f',"
+        "'parameters':{'type':'object'}}}],'parallel_tool_calls':false}",
+        "{'model':'up-model','messages':[],'tools':[{'name':'f','input_schema':{'type':'object'}}],"
+        "'tool_choice':{'type':'auto','disable_parallel_tool_use':true},'max_tokens':8000}", NULL);
+    C2M_NO("{'model':'G','messages':[],'tools':[{'type':'custom','custom':{'name':'g'}}]}",
+           "/tools/0/type");
+    /* stops: an array kept, a blank one refused (Anthropic refuses it) */
+    C2M("{'model':'G','messages':[],'stop':['a','b']}",
+        "{'model':'up-model','messages':[],'max_tokens':8000,'stop_sequences':['a','b']}", NULL);
+    C2M_NO("{'model':'G','messages':[],'stop':['a',' ']}", "/stop");
+    /* the output limit: max_completion_tokens first */
+    C2M("{'model':'G','messages':[],'max_completion_tokens':50,'max_tokens':9}",
+        "{'model':'up-model','messages':[],'max_tokens':50}", NULL);
+    /* reasoning effort as a budget: low 1024; high capped below max_tokens; too small a limit
+     * refused; none asks for nothing */
+    C2M("{'model':'G','messages':[],'reasoning_effort':'low'}",
+        "{'model':'up-model','messages':[],'max_tokens':8000,'thinking':{'type':'enabled',"
+        "'budget_tokens':1024}}", NULL);
+    C2M("{'model':'G','messages':[],'max_tokens':3000,'reasoning_effort':'high'}",
+        "{'model':'up-model','messages':[],'max_tokens':3000,'thinking':{'type':'enabled',"
+        "'budget_tokens':2999}}", NULL);
+    C2M_NO("{'model':'G','messages':[],'max_tokens':1000,'reasoning_effort':'low'}",
+           "/reasoning_effort");
+    C2M("{'model':'G','messages':[],'reasoning_effort':'none'}",
+        "{'model':'up-model','messages':[],'max_tokens':8000}", NULL);
+    /* structured output; json_object has no Anthropic equivalent */
+    C2M("{'model':'G','messages':[],'response_format':{'type':'json_schema','json_schema':"
+        "{'name':'n','schema':{'type':'object'}}}}",
+        "{'model':'up-model','messages':[],'max_tokens':8000,'output_config':{'format':{'type':"
+        "'json_schema','schema':{'type':'object'}}}}", NULL);
+    C2M_NO("{'model':'G','messages':[],'response_format':{'type':'json_object'}}",
+           "/response_format");
+    /* reasoning in the history is not replayed (a foreign thinking block fails Anthropic's
+     * signature check: claude-code-hub#518) */
+    C2M("{'model':'G','messages':[{'role':'user','content':'q'},{'role':'assistant','content':'a',"
+        "'reasoning_content':'hm'},{'role':'user','content':'r'}]}",
+        "{'model':'up-model','messages':[{'role':'user','content':[{'type':'text','text':'q'}]},"
+        "{'role':'assistant','content':[{'type':'text','text':'a'}]},{'role':'user','content':"
+        "[{'type':'text','text':'r'}]}],'max_tokens':8000}", "/messages/1/reasoning_content");
+    /* what Anthropic has no place for, refused; the hints dropped and named */
+    static const char *const refused[] = {"audio", "modalities", "prediction", "web_search_options",
+                                          "functions", "function_call", "top_logprobs"};
+    for (size_t i = 0; i < sizeof refused / sizeof *refused; i++) {
+        char in[160], ptr[40];
+        snprintf(in, sizeof in, "{'model':'G','messages':[],'%s':{'x':1}}", refused[i]);
+        snprintf(ptr, sizeof ptr, "/%s", refused[i]);
+        C2M_NO(in, ptr);
+    }
+    C2M("{'model':'G','messages':[],'frequency_penalty':1,'presence_penalty':1,'logit_bias':{},"
+        "'metadata':{},'store':true,'service_tier':'auto','seed':1}",
+        "{'model':'up-model','messages':[],'max_tokens':8000}",
+        "/frequency_penalty,/presence_penalty,/logit_bias,/metadata,/store,/service_tier,/seed");
+}
+
+/* One whole answer translated: each of `has` (|-separated, ' for ") in it, none of `hasnt`. */
+static void xla(xl_api from, xl_api client, const long long u[NTOK], const char *in,
+                const char *has, const char *hasnt) {
+    buf out = {0};
+    const char *why = NULL;
+    char *i = sq(in), *h = sq(has), *n = sq(hasnt);
+    const char *req = "{'tools':[{'name':'mcp__a_very_long_server_name__and_a_very_long_tool_name_too_long_x'}]}";
+    char *r = sq(req);
+    CHECK(xl_answer(from, client, i, strlen(i), r, strlen(r), u, &out, &why) == 0 && out.p,
+          "%s: %s", i, why ? why : "");
+    for (char *w = strtok(h, "|"); w && out.p; w = strtok(NULL, "|"))
+        CHECK(strstr(out.p, w), "%s\n  lacks %s\n  got %s", i, w, out.p);
+    for (char *w = strtok(n, "|"); w && out.p; w = strtok(NULL, "|"))
+        CHECK(!strstr(out.p, w), "%s\n  has %s\n  got %s", i, w, out.p);
+    free(i), free(h), free(n), free(r);
+    buf_free(&out);
+}
+
+/* Answers both ways (the note's 2): every stop reason, content, usage in the client's terms,
+ * ids. */
+static void test_xl_answers(void) {
+    long long u[NTOK] = {[TOK_IN] = 20, [TOK_CACHE_READ] = 5, [TOK_CACHE_WRITE] = 3, [TOK_OUT] = 7};
+    /* every stop reason, each way (a chat tool_calls or function_call without a call: end_turn) */
+    static const struct { xl_api from; const char *said, *want; } stops[] = {
+        {XL_MESSAGES, "end_turn", "stop"}, {XL_MESSAGES, "stop_sequence", "stop"},
+        {XL_MESSAGES, "pause_turn", "stop"}, {XL_MESSAGES, "max_tokens", "length"},
+        {XL_MESSAGES, "model_context_window_exceeded", "length"},
+        {XL_MESSAGES, "refusal", "content_filter"}, {XL_CHAT, "stop", "end_turn"},
+        {XL_CHAT, "length", "max_tokens"}, {XL_CHAT, "content_filter", "refusal"},
+        {XL_CHAT, "function_call", "end_turn"}, {XL_CHAT, "tool_calls", "end_turn"},
+    };
+    for (size_t i = 0; i < sizeof stops / sizeof *stops; i++) {
+        char in[300], want[80];
+        int m = stops[i].from == XL_MESSAGES;
+        snprintf(in, sizeof in, m ? "{'id':'m1','model':'c','content':[{'type':'text','text':'a'}],"
+                                    "'stop_reason':'%s'}"
+                                  : "{'id':'c1','model':'g','choices':[{'index':0,'message':{"
+                                    "'role':'assistant','content':'a'},'finish_reason':'%s'}]}",
+                 stops[i].said);
+        snprintf(want, sizeof want, m ? "'finish_reason':'%s'" : "'stop_reason':'%s'",
+                 stops[i].want);
+        xla(stops[i].from, m ? XL_CHAT : XL_MESSAGES, u, in, want, NULL);
+    }
+    /* Anthropic -> chat: text blocks joined, thinking as reasoning_content, redacted thinking
+     * dropped, a tool_use as tool_calls (whatever the stop reason), its hashed name the
+     * client's own; usage inclusive, the cache writes beside it; the id chatcmpl-<its> */
+    xla(XL_MESSAGES, XL_CHAT, u,
+        "{'id':'m1','model':'c','content':[{'type':'redacted_thinking','data':'zz'},{'type':"
+        "'thinking','thinking':'hm','signature':'s'},{'type':'text','text':'a'},{'type':'text',"
+        "'text':'b'},{'type':'tool_use','id':'toolu_1','name':"
+        "'mcp__a_very_long_server_name__and_a_very_long_tool_name_abfb628c','input':{'x':1}}],"
+        "'stop_reason':'end_turn'}",
+        "'id':'chatcmpl-m1'|'content':'ab'|'reasoning_content':'hm'|'finish_reason':'tool_calls'|"
+        "'tool_calls':[{'id':'toolu_1','type':'function','function':{'name':"
+        "'mcp__a_very_long_server_name__and_a_very_long_tool_name_abfb628c','arguments':"
+        "'{\\'x\\':1}'}}]|'prompt_tokens':20,'completion_tokens':7|'cached_tokens':5|"
+        "'cache_creation_input_tokens':3",
+        "zz|'s'");
+    /* chat -> Anthropic: blocks thinking-less, text then tool_use; a tool call ends with
+     * tool_use whatever was said (GLM's stop: weave-os/router#250, bifrost#6123); an id
+     * Anthropic refuses mapped; usage exclusive; the name mapped back to the client's */
+    xla(XL_CHAT, XL_MESSAGES, u,
+        "{'id':'c1','model':'g','choices':[{'index':0,'message':{'role':'assistant','content':'ok',"
+        "'reasoning_content':'hm','tool_calls':[{'id':'functions.Bash:0','type':'function',"
+        "'function':{'name':'mcp__a_very_long_server_name__and_a_very_long_tool_name_abfb628c',"
+        "'arguments':''}}]},'finish_reason':'stop'}]}",
+        "'id':'msg_c1'|'content':[{'type':'text','text':'ok'},{'type':'tool_use','id':"
+        "'functions_Bash_0_a97d1507','name':"
+        "'mcp__a_very_long_server_name__and_a_very_long_tool_name_too_long_x','input':{}}]|"
+        "'stop_reason':'tool_use'|'input_tokens':12,'cache_creation_input_tokens':3,"
+        "'cache_read_input_tokens':5,'output_tokens':7",
+        "hm");
+    /* a tool call whose arguments are not an object cannot become Anthropic's input */
+    buf out = {0};
+    const char *why = NULL;
+    char *bad = sq("{'id':'c1','choices':[{'message':{'tool_calls':[{'id':'a','function':"
+                   "{'name':'f','arguments':'[1]'}}]}}]}");
+    CHECK(xl_answer(XL_CHAT, XL_MESSAGES, bad, strlen(bad), "{}", 2, u, &out, &why) < 0 && why,
+          "arguments [1] carried");
+    free(bad);
+    buf_free(&out);
+}
+
+/* A provider's error in the client's shape: the message kept (a text body's first line; an
+ * array-wrapped one), the status mapped. */
+static void test_xl_errors(void) {
+    static const struct { xl_api client; int status; const char *body, *has; int to; } e[] = {
+        {XL_MESSAGES, 400, "Bad request body\nmore", "'message':'Bad request body'", 400},
+        {XL_MESSAGES, 503, "{'error':{'message':'busy','type':'server_error'}}",
+         "'type':'overloaded_error','message':'busy'", 529},
+        {XL_MESSAGES, 429, "{'error':{'message':'q','type':'insufficient_quota','code':"
+         "'insufficient_quota'}}", "'type':'billing_error'", 402},
+        {XL_CHAT, 529, "{'type':'error','error':{'type':'overloaded_error','message':'Overloaded'}}",
+         "'message':'Overloaded'", 503},
+        {XL_CHAT, 402, "{'type':'error','error':{'type':'billing_error','message':'pay'}}",
+         "'type':'insufficient_quota','param':null,'code':'insufficient_quota'", 429},
+        {XL_CHAT, 400, "[{'error':{'code':400,'message':'bad','status':'INVALID_ARGUMENT'}}]",
+         "'message':'bad'", 400},
+    };
+    for (size_t i = 0; i < sizeof e / sizeof *e; i++) {
+        buf out = {0};
+        char *b = sq(e[i].body), *h = sq(e[i].has);
+        int to = xl_error(e[i].client, e[i].status, b, strlen(b), &out);
+        CHECK(to == e[i].to && out.p && strstr(out.p, h), "case %zu: %d %s", i, to,
+              out.p ? out.p : "");
+        free(b), free(h);
+        buf_free(&out);
+    }
+}
+
 static int xl_run(xl_stream *xs, const char *const *evs, buf *all) {
     long long u[NTOK] = {[TOK_IN] = 20, [TOK_CACHE_READ] = 5, [TOK_OUT] = 7};
     buf data = {0}, out = {0};
@@ -2406,6 +2754,101 @@ static void test_xl_streams(void) {
     buf_free(&all);
 }
 
+/* A stream of events written with ' for ", translated whole: its output, and xl_run's verdict. */
+static int xls(xl_api from, xl_api client, int include_usage, const char *const *evs, buf *all) {
+    const char *v[16];
+    char *c[16];
+    int n = 0;
+    for (; evs[n] && n < 15; n++) v[n] = c[n] = sq(evs[n]);
+    v[n] = NULL;
+    xl_stream *xs = xl_stream_new(from, client, include_usage, 99, "{}", 2);
+    all->len = 0;
+    int r = xl_run(xs, v, all);
+    xl_stream_free(xs);
+    for (int i = 0; i < n; i++) free(c[i]);
+    return r;
+}
+
+/* Is each of the |-separated parts (' for ") in s, in this order? */
+static int in_order(const char *s, const char *parts) {
+    char *p = sq(parts), *at = (char *)s;
+    int ok = 1;
+    for (char *w = strtok(p, "|"); w && ok; w = strtok(NULL, "|")) {
+        char *f = strstr(at, w);
+        ok = f != NULL;
+        if (f) at = f + strlen(w);
+    }
+    free(p);
+    return ok;
+}
+
+/* The stream steps of the note's 3, each in a stream of its own. */
+static void test_xl_stream_rows(void) {
+    buf all = {0};
+    /* chat -> Anthropic: a role-only chunk is no content (the head waits: a failure still fails
+     * over); arguments before the name are held, then sent inside the block; a call without
+     * arguments says {}; a fragment keyed by index though its id is null (litellm#20711);
+     * text closes the open call's block and opens the next index (the call held meanwhile
+     * follows it: blocks never overlap, bifrost#3441); a finish without [DONE] ends it */
+    static const char *const c1[] = {
+        "data: {'id':'c','model':'g','choices':[{'index':0,'delta':{'role':'assistant'}}]}\n\n",
+        NULL};
+    CHECK(xls(XL_CHAT, XL_MESSAGES, 0, c1, &all) < 0 && all.len == 0,
+          "a role-only chunk wrote %s", all.p ? all.p : "");
+    static const char *const c2[] = {
+        "data: {'id':'c','model':'g','choices':[{'index':0,'delta':{'tool_calls':[{'index':0,"
+        "'function':{'arguments':'{\\'a\\''}}]}}]}\n\n",
+        "data: {'id':'c','choices':[{'index':0,'delta':{'tool_calls':[{'index':0,'id':'k1',"
+        "'function':{'name':'f','arguments':':1}'}}]}}]}\n\n",
+        "data: {'id':'c','choices':[{'index':0,'delta':{'tool_calls':[{'index':1,'id':'k2',"
+        "'function':{'name':'g'}}]}}]}\n\n",
+        "data: {'id':'c','choices':[{'index':0,'delta':{'tool_calls':[{'index':1,'id':null,"
+        "'function':{'arguments':''}}]}}]}\n\n",
+        "data: {'id':'c','choices':[{'index':0,'delta':{'content':'done'}}]}\n\n",
+        "data: {'id':'c','choices':[{'index':0,'delta':{},'finish_reason':'tool_calls'}]}\n\n",
+        NULL};
+    CHECK(xls(XL_CHAT, XL_MESSAGES, 0, c2, &all) == 1, "a finish without [DONE] is whole");
+    CHECK(all.p && in_order(all.p, "event: message_start|'index':0,'content_block':{'type':'tool_use',"
+                            "'id':'k1','name':'f','input':{}}|'partial_json':'{\\'a\\''|"
+                            "'partial_json':':1}'|'content_block_stop','index':0|'index':1,"
+                            "'content_block':{'type':'text'|'text':'done'|"
+                            "'content_block_stop','index':1|'index':2,"
+                            "'content_block':{'type':'tool_use','id':'k2','name':'g'|"
+                            "'partial_json':'{}'|'content_block_stop','index':2|"
+                            "'stop_reason':'tool_use'|event: message_stop"),
+          "chat -> messages:\n%s", all.p ? all.p : "");
+    /* Anthropic -> chat without the usage chunk asked for: none, but the finish and [DONE];
+     * the first content chunk carries the role (agentgateway#3005), pings as comments */
+    static const char *const a1[] = {
+        "event: message_start\ndata: {'type':'message_start','message':{'id':'m','model':'c',"
+        "'usage':{'input_tokens':3,'output_tokens':1}}}\n\n",
+        "event: ping\ndata: {'type':'ping'}\n\n",
+        "event: content_block_start\ndata: {'type':'content_block_start','index':0,"
+        "'content_block':{'type':'text','text':''}}\n\n",
+        "event: content_block_delta\ndata: {'type':'content_block_delta','index':0,'delta':"
+        "{'type':'text_delta','text':'hi'}}\n\n",
+        "event: ping\ndata: {'type':'ping'}\n\n",
+        "event: content_block_stop\ndata: {'type':'content_block_stop','index':0}\n\n",
+        "event: message_delta\ndata: {'type':'message_delta','delta':{'stop_reason':"
+        "'max_tokens'},'usage':{'output_tokens':7}}\n\n",
+        "event: message_stop\ndata: {'type':'message_stop'}\n\n", NULL};
+    CHECK(xls(XL_MESSAGES, XL_CHAT, 0, a1, &all) == 1, "whole");
+    CHECK(all.p && in_order(all.p, "'delta':{'role':'assistant','content':'hi'}|: ping|"
+                            "'finish_reason':'length'|data: [DONE]") &&
+              !strstr(all.p, "'choices':[]") && !strstr(all.p, "\"choices\":[]"),
+          "messages -> chat:\n%s", all.p ? all.p : "");
+    /* a delta for a block that never started (litellm#13373) is not a tool call's */
+    static const char *const a2[] = {
+        a1[0],
+        "event: content_block_delta\ndata: {'type':'content_block_delta','index':3,'delta':"
+        "{'type':'input_json_delta','partial_json':'{}'}}\n\n",
+        a1[2], a1[3], a1[5], a1[6], a1[7], NULL};
+    CHECK(xls(XL_MESSAGES, XL_CHAT, 1, a2, &all) == 1 && all.p && !strstr(all.p, "tool_calls") &&
+              strstr(all.p, "\"choices\":[],\"usage\":{\"prompt_tokens\":20"),
+          "a stray delta:\n%s", all.p ? all.p : "");
+    buf_free(&all);
+}
+
 #define T(fn) {#fn, fn}
 static const struct { const char *name; void (*fn)(void); } TESTS[] = {
     T(test_json_reader), T(test_json_scan), T(test_json_writer), T(test_http_request), T(test_http_response),
@@ -2413,7 +2856,7 @@ static const struct { const char *name; void (*fn)(void); } TESTS[] = {
     T(test_group_validation), T(test_ledger_pieces), T(test_log), T(test_log_failures), T(test_log_async), T(test_compaction_on_time),
     T(test_ledger_days), T(test_ledger_budgets_16m), T(test_ledger_budgets_16k), T(test_ledger_chunks),
     T(test_ledger_migration), T(test_ledger_extremes), T(test_sha256), T(test_exchange_fake),
-    T(test_jv), T(test_xl_requests), T(test_xl_streams),
+    T(test_jv), T(test_xl_requests), T(test_xl_m2c_rows), T(test_xl_c2m_rows), T(test_xl_answers), T(test_xl_errors), T(test_xl_streams), T(test_xl_stream_rows),
 };
 #define NTESTS (sizeof TESTS / sizeof *TESTS)
 
