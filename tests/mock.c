@@ -89,7 +89,11 @@
  *     retry_after=S        add "Retry-After: S"
  *     head_delay_ms=N      wait before the response head
  *     first_event_delay_ms=N, event_delay_ms=N, events=N    shape a stream: the
- *                          opening events go at once, the first delta N ms later
+ *                          opening events go at once (in one write with the head,
+ *                          as a provider sends what it has at once; so do the
+ *                          closing events with the body's end, when nothing paces
+ *                          them), each delta in a write of its own, the first
+ *                          delta N ms later
  *     end_delay_ms=N       a stream's body ends N ms after its last event (as a
  *                          provider's end of stream may come in a later read)
  *     cut_after=N          stream: close abruptly after N content events (deltas)
@@ -1252,6 +1256,8 @@ struct conn {
     int resumed;                 /* TLS: the handshake resumed a cached session */
     int abrupt;                  /* TLS: end without close_notify (cut_after, reset) */
     int bytewise;                /* the answer being sent goes out one byte per write */
+    int batching;                /* conn_send collects into batch, for one write (conn_flush) */
+    struct buf batch;
     long pauses;                 /* bytewise: the pauses left to this answer */
     struct buf in;               /* received bytes not yet consumed */
     struct buf body;             /* a decoded chunked request body */
@@ -1306,6 +1312,10 @@ static int conn_write(struct conn *c, const char *p, size_t n)
  * and an answer of a few KiB still takes well under a second. */
 static int conn_send(struct conn *c, const char *p, size_t n)
 {
+    if (c->batching) {
+        buf_append(&c->batch, p, n);
+        return 0;
+    }
     if (!c->bytewise)
         return conn_write(c, p, n);
     for (size_t i = 0; i < n; i++) {
@@ -1318,6 +1328,15 @@ static int conn_send(struct conn *c, const char *p, size_t n)
         }
     }
     return 0;
+}
+
+/* What conn_send collected while batching, in one write (bytewise still splits it). */
+static int conn_flush(struct conn *c)
+{
+    c->batching = 0;
+    int r = c->batch.len ? conn_send(c, c->batch.data, c->batch.len) : 0;
+    c->batch.len = 0;
+    return r;
 }
 
 /* Receives at most n bytes; returns how many, or <= 0 on EOF or error. */
@@ -2826,11 +2845,14 @@ static int send_stream(struct conn *c, const struct request *r, const struct dir
     int fail_first = a->stream_error && d->cut_after < 0;   /* after the first opening event */
     put_head(c, 200, "text/event-stream", d, keep);
     buf_puts(&c->out, "Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n");
+    c->batching = 1;             /* the head and the opening events in one write, as providers do */
     if (conn_send(c, c->out.data, c->out.len) < 0)
         return 0;
     for (int step = 0; step < (fail_first && api->opening ? 1 : api->opening); step++)
         if (stream_step(c, a, step, 0, 0) < 0)
             return 0;
+    if (conn_flush(c) < 0)
+        return 0;
     if (fail_first)
         return stream_fail(c, a, keep);
     if (stream_pause(c, a, d->first_event_delay_ms, comment) < 0)
@@ -2848,6 +2870,8 @@ static int send_stream(struct conn *c, const struct request *r, const struct dir
         return stream_cut(c, a, keep);
     if (d->garble && d->garble_after >= a->steps && stream_garble(c, d, a, n++ ? d->event_delay_ms : 0) < 0)
         return 0;
+    /* the closing events and the body's end in one write, unless something paces them */
+    c->batching = !d->event_delay_ms && !comment && !d->end_delay_ms;
     for (int step = api->opening + 1; step <= api->opening + api->closing; step++) {
         if ((sent = stream_step(c, a, step, n ? d->event_delay_ms : 0, n && comment && step == api->opening + 1)) < 0)
             return 0;
@@ -2855,7 +2879,7 @@ static int send_stream(struct conn *c, const struct request *r, const struct dir
     }
     if (d->end_delay_ms && conn_wait(c, d->end_delay_ms) < 0)
         return 0;
-    if (conn_send(c, "0\r\n\r\n", 5) < 0)
+    if (conn_send(c, "0\r\n\r\n", 5) < 0 || conn_flush(c) < 0)
         return 0;
     return keep;
 }
@@ -3578,6 +3602,7 @@ static void *conn_main(void *arg)
     free(c->body.data);
     free(c->json.data);
     free(c->out.data);
+    free(c->batch.data);
     free(c);
     return NULL;
 }
