@@ -115,7 +115,8 @@ def t_sdk_anthropic():
 
 @it.test("sdks: translated -- the openai SDK (create, a stream, the stream helper on a tool call) and "
          "the AI SDK's provider.chat() on Claude-M, an Anthropic model; @anthropic-ai/sdk (create, "
-         "stream().finalMessage(), countTokens) and @ai-sdk/anthropic on Kimi-K3, an OpenAI-chat model")
+         "stream().finalMessage(), countTokens, a tool call whole and streamed) and @ai-sdk/anthropic on "
+         "Kimi-K3, an OpenAI-chat model")
 def t_sdk_translated():
     it.node_packages()
     with it.running(anthropic_ltg("sdks-translated")) as a:
@@ -125,6 +126,9 @@ def t_sdk_translated():
         it.H.mock_post("/_mock/reset", {})
         result = run_clients("translate-anthropic", a.port, token, 4)
         check(result.get("translated messages") == {"served": "Kimi-K3", "attempts": "1"}, "the headers seen: %r" % result)
+        # a tool call from the chat model, whole and streamed, read as tool_use blocks
+        it.H.mock_post("/_mock/script", {"model": "kimi-k3", "steps": ["ok", "ok", "tool_call", "tool_call"]})
+        run_clients("translate-anthropic-tools", a.port, token, 4)
 
 
 # The usage ltg relays, read by the SDKs: the upstream answer is scripted (POST /_mock/script on the
