@@ -1494,10 +1494,11 @@ static int jv_next(const char *s, size_t n, const json_tok *c, size_t *pos, json
 }
 
 /* The value of member `name` of object o; 0 when it has none (or o is not an object), *val
- * then untouched. */
+ * then an empty null: never a neighbour's value, never unset. */
 static int jv_get(const char *s, size_t n, const json_tok *o, const char *name, json_tok *val) {
     size_t pos = 0;
     json_tok k, v;
+    *val = (json_tok){JSON_NULL, 0, 0, 0, 0};
     if (o->type != JSON_OBJECT) return 0;
     while (jv_next(s, n, o, &pos, &k, &v))
         if (json_eq(s, &k, 0, name)) {
@@ -10559,10 +10560,13 @@ static int xl_join(xlq *q, const json_tok *arr, const char *path, const char *te
     }
     for (int i = 0; jv_next(q->s, q->n, arr, &pos, &k, &e); i++) {
         snprintf(p, sizeof p, "%s/%d", path, i);
-        if (e.type == JSON_STRING) t = e;
-        else if (!jv_get(q->s, q->n, &e, "type", &t) || !json_eq(q->s, &t, 0, text_type) ||
-                 !jv_get(q->s, q->n, &e, "text", &t) || t.type != JSON_STRING)
+        if (e.type == JSON_STRING) {
+            t = e;
+        } else if (!jv_get(q->s, q->n, &e, "type", &t) || !json_eq(q->s, &t, 0, text_type) ||
+                   !jv_get(q->s, q->n, &e, "text", &t) || t.type != JSON_STRING) {
+            buf_free(out); /* a refusal: nothing for the caller to free */
             return xl_refuse(q, p, "%s: only text parts can be carried here", p);
+        }
         if (e.type == JSON_OBJECT && jv_get(q->s, q->n, &e, "cache_control", &k)) {
             char d[200];
             snprintf(d, sizeof d, "%s/cache_control", p);
@@ -10882,6 +10886,12 @@ static int m2c_assistant(xlq *q, const json_tok *content, const char *p) {
             if (text.len) buf_puts(&text, "\\n");
             buf_append(&text, q->s + t.start, t.end - t.start);
         } else if (json_eq(q->s, &t, 0, "tool_use")) {
+            json_tok id, nm;
+            if (!jv_get(q->s, q->n, &b, "id", &id) || id.type != JSON_STRING ||
+                !jv_get(q->s, q->n, &b, "name", &nm) || nm.type != JSON_STRING) {
+                buf_free(&text);
+                return xl_refuse(q, pp, "%s: a tool_use needs its id and its name", pp);
+            }
             calls++;
         } else if (json_eq(q->s, &t, 0, "thinking") || json_eq(q->s, &t, 0, "redacted_thinking")) {
             xl_drop(q, pp, "thinking");
@@ -11631,6 +11641,16 @@ static int xl_chat_to_message(const char *s, size_t n, const char *req, size_t r
     return 0;
 }
 
+/* Member `name` of object o, a string, as it is written ("" when it is none). */
+static void xl_member_string(jwriter *w, const char *s, size_t n, const json_tok *o,
+                             const char *name) {
+    json_tok t;
+    if (jv_get(s, n, o, name, &t) && t.type == JSON_STRING)
+        jw_raw(w, s + t.start - 1, t.end - t.start + 2);
+    else
+        jw_cstr(w, "");
+}
+
 /* An Anthropic answer's tool_use blocks as chat's "tool_calls": each input's bytes, the
  * arguments string. */
 static void xl_tool_calls(jwriter *w, const char *s, size_t n, const json_tok *content) {
@@ -11640,12 +11660,10 @@ static void xl_tool_calls(jwriter *w, const char *s, size_t n, const json_tok *c
     while (jv_next(s, n, content, &pos, &k, &b)) {
         if (!jv_get(s, n, &b, "type", &t) || !json_eq(s, &t, 0, "tool_use")) continue;
         jw_open(w, '{');
-        jv_get(s, n, &b, "id", &t);
-        jw_key(w, "id"), jw_raw(w, s + t.start - 1, t.end - t.start + 2);
+        jw_key(w, "id"), xl_member_string(w, s, n, &b, "id");
         jw_key(w, "type"), jw_cstr(w, "function");
         jw_key(w, "function"), jw_open(w, '{');
-        jv_get(s, n, &b, "name", &t);
-        jw_key(w, "name"), jw_raw(w, s + t.start - 1, t.end - t.start + 2);
+        jw_key(w, "name"), xl_member_string(w, s, n, &b, "name");
         jw_key(w, "arguments");
         if (jv_get(s, n, &b, "input", &t)) jw_str(w, s + t.start, t.end - t.start);
         else jw_cstr(w, "{}");
@@ -12233,7 +12251,8 @@ static int xl_from_messages(xl_sink *k, const char *name, const char *s, size_t 
         return LTG_ERR;
     }
     unsigned got = jv_members(s, n, &root, names, m); /* one walk of the event */
-    if (got >> M_MESSAGE & 1 && strcmp(name, "message_start") == 0) xl_names(x, s, n, &m[M_MESSAGE]);
+    if (got >> M_MESSAGE & 1 && strcmp(name, "message_start") == 0)
+        xl_names(x, s, n, &m[M_MESSAGE]);
     if (got >> M_INDEX & 1) json_int(s, &m[M_INDEX], 0, &i);
     if (i < 0 || i >= 256) {
         *k->why = "more content blocks than ltg carries (256)";
@@ -12241,6 +12260,11 @@ static int xl_from_messages(xl_sink *k, const char *name, const char *s, size_t 
     }
     if (strcmp(name, "content_block_start") == 0) return xl_block_start(k, s, n, &root, (int)i);
     unsigned dg = got >> M_DELTA & 1 ? jv_members(s, n, &m[M_DELTA], deltas, d) : 0;
+    for (int j = 0; j < 3; j++)
+        if (dg >> j & 1 && d[j].type != JSON_STRING) {
+            *k->why = "a content_block_delta whose text is not a string";
+            return LTG_ERR;
+        }
     if (strcmp(name, "content_block_delta") == 0) {
         if (dg & 1) return xe_put(k, xe_text(XE_TEXT, 0, s, &d[0]));
         if (dg >> 1 & 1) return xe_put(k, xe_text(XE_REASONING, 0, s, &d[1]));

@@ -2168,8 +2168,8 @@ static void test_jv(void) {
     while (jv_next(doc, n, &a, &pos, &k, &v)) e++;
     CHECK(e == 3, "a has 3 elements, %d", e);
     CHECK(jv_get(doc, n, &root, "c", &v) && v.end - v.start == 6, "c's bytes");
-    json_tok keep = v;
-    CHECK(!jv_get(doc, n, &root, "zz", &v) && v.start == keep.start, "no zz, v untouched");
+    CHECK(!jv_get(doc, n, &root, "zz", &v) && v.type == JSON_NULL && v.start == 0 && v.end == 0,
+          "no zz: v an empty null, never a neighbour's value");
     /* strings end at the quote no odd run of backslashes escapes */
     static const struct { const char *doc, *second; } q[] = {
         {"{\"a\":\"x\\\\\",\"b\":1}", "b"},          /* "x\\" then b */
@@ -2452,6 +2452,9 @@ static void test_xl_m2c_rows(void) {
            "'name':'web_search'},{'name':'f','input_schema':{}}]}", "/tools/0/type");
     M2C_NO("{'model':'C','max_tokens':9,'messages':[{'role':'robot','content':'x'}]}",
            "/messages/0/content");
+    /* a tool_use without its name (the fuzzer's: the name was read from beyond the body) */
+    M2C_NO("{'model':'C','max_tokens':9,'messages':[{'role':'assistant','content':[{'type':"
+           "'tool_use','id':'t1','name!':'f','input':{}}]}]}", "/messages/0/content/0");
 }
 
 /* Every row of the mapping tables, chat -> Messages (the note's 1b). */
@@ -2843,6 +2846,13 @@ static void test_xl_stream_rows(void) {
         "event: content_block_delta\ndata: {'type':'content_block_delta','index':3,'delta':"
         "{'type':'input_json_delta','partial_json':'{}'}}\n\n",
         a1[2], a1[3], a1[5], a1[6], a1[7], NULL};
+    /* a delta whose text is not a string is no answer ltg can pass on (the fuzzer's) */
+    static const char *const a3[] = {
+        a1[0], a1[2],
+        "event: content_block_delta\ndata: {'type':'content_block_delta','index':0,'delta':"
+        "{'type':'text_delta','text':{'model':'C'}}}\n\n", NULL};
+    CHECK(xls(XL_MESSAGES, XL_CHAT, 1, a3, &all) < 0, "a text object was passed on: %s",
+          all.p ? all.p : "");
     CHECK(xls(XL_MESSAGES, XL_CHAT, 1, a2, &all) == 1 && all.p && !strstr(all.p, "tool_calls") &&
               strstr(all.p, "\"choices\":[],\"usage\":{\"prompt_tokens\":20"),
           "a stray delta:\n%s", all.p ? all.p : "");
