@@ -10545,6 +10545,15 @@ static int xl_blank(const char *s, const json_tok *v) {
     return 1;
 }
 
+/* Block b (at p/i) left without its cache_control, named: chat providers cache by themselves. */
+static void xl_cache_drop(xlq *q, const json_tok *b, const char *p, int i) {
+    json_tok c;
+    char d[240];
+    if (!jv_get(q->s, q->n, b, "cache_control", &c)) return;
+    snprintf(d, sizeof d, "%s/%d/cache_control", p, i);
+    xl_drop(q, d, "cache_control");
+}
+
 /* The JSON-escaped text of text parts `arr` (objects {"type":T,"text":...}; a string is one
  * text), joined by newlines, into `out` without quotes: what a system prompt or a tool
  * result of several blocks becomes in an API that takes one string. Returns LTG_ERR with the
@@ -10567,11 +10576,7 @@ static int xl_join(xlq *q, const json_tok *arr, const char *path, const char *te
             buf_free(out); /* a refusal: nothing for the caller to free */
             return xl_refuse(q, p, "%s: only text parts can be carried here", p);
         }
-        if (e.type == JSON_OBJECT && jv_get(q->s, q->n, &e, "cache_control", &k)) {
-            char d[200];
-            snprintf(d, sizeof d, "%s/cache_control", p);
-            xl_drop(q, d, "cache_control");
-        }
+        xl_cache_drop(q, &e, path, i);
         if (out->len) buf_puts(out, "\\n");
         buf_append(out, q->s + t.start, t.end - t.start);
     }
@@ -10733,22 +10738,13 @@ static int m2c_media(xlq *q, const json_tok *b, int image, const char *p) {
 
 /* The tool results of user turn `content`, each a chat "tool" message, in order: they come
  * before the turn's other content (the call they answer is the message before). */
-/* Block b (at p/i) left without its cache_control, named: chat providers cache by themselves. */
-static void m2c_cache_drop(xlq *q, const json_tok *b, const char *p, int i) {
-    json_tok c;
-    char d[240];
-    if (!jv_get(q->s, q->n, b, "cache_control", &c)) return;
-    snprintf(d, sizeof d, "%s/%d/cache_control", p, i);
-    xl_drop(q, d, "cache_control");
-}
-
 static int m2c_tool_results(xlq *q, const json_tok *content, const char *p) {
     size_t pos = 0;
     json_tok k, b, t, id, c;
     char pp[200];
     for (int i = 0; jv_next(q->s, q->n, content, &pos, &k, &b); i++) {
         if (!jv_get(q->s, q->n, &b, "type", &t) || !json_eq(q->s, &t, 0, "tool_result")) continue;
-        m2c_cache_drop(q, &b, p, i);
+        xl_cache_drop(q, &b, p, i);
         snprintf(pp, sizeof pp, "%s/%d", p, i);
         if (!jv_get(q->s, q->n, &b, "tool_use_id", &id) || id.type != JSON_STRING)
             return xl_refuse(q, pp, "%s: a tool_result needs its tool_use_id", pp);
@@ -10798,7 +10794,7 @@ static int m2c_user(xlq *q, const json_tok *content, const char *p) {
         if (jv_get(q->s, q->n, &b, "type", &t) && !json_eq(q->s, &t, 0, "tool_result")) {
             parts++;
             media |= !json_eq(q->s, &t, 0, "text");
-            m2c_cache_drop(q, &b, p, i);
+            xl_cache_drop(q, &b, p, i);
         }
     if (!parts) return 0;
     jw_open(&q->w, '{');
@@ -10834,7 +10830,6 @@ static int m2c_user(xlq *q, const json_tok *content, const char *p) {
                 return xl_refuse(q, pp, "%s: a %.*s block has no OpenAI chat equivalent", pp,
                                  (int)(t.end - t.start), q->s + t.start);
             }
-            if (jv_get(q->s, q->n, &b, "cache_control", &k)) xl_drop(q, pp, "cache_control");
         }
         jw_close(&q->w, ']');
     }
@@ -10880,7 +10875,7 @@ static int m2c_assistant(xlq *q, const json_tok *content, const char *p) {
     for (int i = 0; jv_next(q->s, q->n, content, &pos, &k, &b); i++) {
         snprintf(pp, sizeof pp, "%s/%d", p, i);
         jv_get(q->s, q->n, &b, "type", &t);
-        m2c_cache_drop(q, &b, p, i);
+        xl_cache_drop(q, &b, p, i);
         if (json_eq(q->s, &t, 0, "text") && jv_get(q->s, q->n, &b, "text", &t)) {
             if (xl_blank(q->s, &t)) continue; /* blank text: chat servers refuse it too */
             if (text.len) buf_puts(&text, "\\n");
@@ -10920,7 +10915,6 @@ static int m2c_assistant(xlq *q, const json_tok *content, const char *p) {
     return 0;
 }
 
-/* "system", then each turn. */
 /* A system prompt (a string or text blocks, at `p`) as chat's system message. */
 static int m2c_system(xlq *q, const json_tok *sys, const char *p) {
     buf text = {0};
@@ -10987,8 +10981,7 @@ static int m2c_tools(xlq *q, const json_tok *root) {
         if (jv_get(q->s, q->n, &tl, "input_schema", &t)) xl_copy(q, &t);
         else jw_raw(&q->w, "{\"type\":\"object\",\"properties\":{}}", 33);
         jw_close(&q->w, '}'), jw_close(&q->w, '}');
-        snprintf(p, sizeof p, "/tools/%d/cache_control", i);
-        if (jv_get(q->s, q->n, &tl, "cache_control", &t)) xl_drop(q, p, "cache_control");
+        xl_cache_drop(q, &tl, "/tools", i);
     }
     jw_close(&q->w, ']');
     if (!xl_get(q, root, "tool_choice", &tc)) return 0;
@@ -11756,11 +11749,16 @@ static void provider_message(const char *s, size_t n, buf *msg, buf *code) {
         buf_append(msg, (unsigned char)s[i] < 0x20 ? " " : s + i, 1);
 }
 
+/* Does an error's code say the provider's quota is spent (OpenAI's, Anthropic's word)? */
+static int provider_quota(const buf *code) {
+    return code->p && (strcmp(code->p, "insufficient_quota") == 0 ||
+                       strcmp(code->p, "billing_error") == 0);
+}
+
 static int xl_error(xl_api client, int status, const char *s, size_t n, buf *out) {
     buf msg = {0}, code = {0};
     provider_message(s, n, &msg, &code);
-    int quota = code.p && (strcmp(code.p, "insufficient_quota") == 0 ||
-                           strcmp(code.p, "billing_error") == 0);
+    int quota = provider_quota(&code);
     int to = client == XL_MESSAGES ? (status == 503 ? 529 : quota ? 402 : status)
                                    : (status == 529 ? 503 : quota ? 429 : status);
     jwriter w;
@@ -13793,15 +13791,18 @@ static int attempt_hold(exchange *x) {
  * (README "Retries and fallback"), is logged and told to the breaker, and
  * the plan decides what comes next; the caller acts on the step. */
 /* "answered 429", and what the provider said of it: "answered 429: Rate limit reached" (a
- * provider key it quotes masked: the attempt log is kept). */
-static void attempt_answered_why(int status, const upstream *u, const provider *p, char *why,
-                                 size_t cap) {
-    buf msg = {0};
-    if (u && status >= 300) provider_message(u->body.p, u->body.len, &msg, NULL);
+ * provider key it quotes masked: the attempt log is kept). 1 when it says its quota is spent. */
+static int attempt_answered_why(int status, const upstream *u, const provider *p, char *why,
+                                size_t cap) {
+    buf msg = {0}, code = {0};
+    if (u && status >= 300) provider_message(u->body.p, u->body.len, &msg, &code);
     if (p && msg.len) mask_provider_key(p, msg.p, msg.len);
     snprintf(why, cap, "answered %d%s%.*s", status, msg.len ? ": " : "", (int)msg.len,
              msg.len ? msg.p : "");
+    int quota = provider_quota(&code);
     buf_free(&msg);
+    buf_free(&code);
+    return quota;
 }
 
 static plan_step attempt_decide(exchange *x, const attempt_result *r) {
@@ -13838,11 +13839,12 @@ static plan_step attempt_decide(exchange *x, const attempt_result *r) {
     }
     x->key_tries = 0;
     char why[200];
+    int quota = 0;
     /* before the release: it may be u->err */
     if (r->error) snprintf(why, sizeof why, "%s", r->error);
     else if (u && attempt_context_length(r->status, u->body.p, u->body.len))
         snprintf(why, sizeof why, "context length exceeded (%d)", r->status);
-    else attempt_answered_why(r->status, u, d ? d->p : NULL, why, sizeof why);
+    else quota = attempt_answered_why(r->status, u, d ? d->p : NULL, why, sizeof why);
     attempt_log(x, &was, r->status, o, o == OUTCOME_OK ? NULL : why);
     /* Told to the breaker: what ltg would have seen of the provider without this client. ltg's own
      * shortage says nothing of it, nor does a timeout the client set shorter than its group's (a
@@ -13857,8 +13859,7 @@ static plan_step attempt_decide(exchange *x, const attempt_result *r) {
     if (!r->skipped) {
         x->last_xl = x->up != x->kind;
         x->last_status = r->error ? (r->timeout ? 504 : 502) : r->status;
-        x->last_quota = !r->error && r->status == 429 && u && u->body.p &&
-                        memmem(u->body.p, u->body.len, "insufficient_quota", 18);
+        x->last_quota = quota && r->status == 429;
         snprintf(x->last_reason, sizeof x->last_reason, "%.60s: %.130s", m->alias, why);
     }
     attempt_over(x);
@@ -14762,6 +14763,17 @@ static void inference_refuse(admission *a, const refusal *r) {
     buf_free(&h);
 }
 
+/* What admission found of translation (section 17): the models the request cannot go to, and
+ * the first translation it made, which that model's first attempt sends. */
+static void exchange_take_translation(exchange *x, admission *a) {
+    memcpy(x->untranslatable, a->untranslatable, sizeof x->untranslatable);
+    if (a->xmodel < 0) return;
+    x->xbody = a->xbody, a->xbody = (buf){0};
+    x->pre = xmalloc(sizeof *x->pre);
+    *x->pre = a->xv;
+    x->pre_model = a->xmodel;
+}
+
 /* Admitted: the exchange, with the body's rewrites in body order. */
 static exchange *exchange_new(admission *a) {
     exchange *x = xcalloc(1, sizeof *x);
@@ -14771,13 +14783,7 @@ static exchange *exchange_new(admission *a) {
     x->kind = a->kind;
     x->up = a->kind;
     x->hide_usage = a->hide;
-    memcpy(x->untranslatable, a->untranslatable, sizeof x->untranslatable);
-    if (a->xmodel >= 0) { /* the first translated attempt sends what admission made */
-        x->xbody = a->xbody, a->xbody = (buf){0};
-        x->pre = xmalloc(sizeof *x->pre);
-        *x->pre = a->xv;
-        x->pre_model = a->xmodel;
-    }
+    exchange_take_translation(x, a);
     x->cat->refs++;
     S.nexchanges++;
     memcpy(x->rid, a->c->rid, sizeof x->rid);

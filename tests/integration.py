@@ -438,6 +438,28 @@ def event_data(ev_text):
     return "\n".join(l for l in lines if l is not None)
 
 
+def sse_named(r):
+    """The events of an SSE answer that carry data (comments left out), each (its event: name or
+    None, its data parsed as JSON, or the text when it is not JSON: "[DONE]")."""
+    out = []
+    for _, text in sse_events(r):
+        name, data = None, []
+        for line in text.split("\n"):
+            if line.startswith("event:"):
+                name = line[6:].strip()
+            elif line.startswith("data:"):
+                data.append(line[5:].lstrip())
+        if not data:
+            continue
+        d = "\n".join(data)
+        try:
+            d = json.loads(d)
+        except ValueError:
+            pass
+        out.append((name, d))
+    return out
+
+
 _INSTALLED = {}         # package -> why it could not be installed ("" when it was, or not tried)
 
 

@@ -29,25 +29,6 @@ def post(path, body, token, timeout=30.0):
     return it.one_request(it.H.port, "POST", path, body, auth=token, timeout=timeout)
 
 
-def events(r):
-    """(event name or None, data as JSON or text) of an SSE body."""
-    out = []
-    for _, text in it.sse_events(r):
-        name, data = None, []
-        for line in text.split("\n"):
-            if line.startswith("event:"):
-                name = line[6:].strip()
-            elif line.startswith("data:"):
-                data.append(line[5:].lstrip())
-        d = "\n".join(data)
-        try:
-            d = json.loads(d)
-        except ValueError:
-            pass
-        out.append((name, d))
-    return out
-
-
 def spend_event(g, rid):
     """The spend event of request rid, among its group's of the days around today (UTC)."""
     today = datetime.datetime.now(datetime.timezone.utc).date()
@@ -87,7 +68,7 @@ def t_responses_stream():
     g, token = key_for(["Kimi-K3"])
     r = post("/v1/responses", resp_body(stream=True), token)
     check(r.status == 200 and (r.header("content-type") or "").startswith("text/event-stream"), "status %s" % r.brief())
-    ev = events(r)
+    ev = it.sse_named(r)
     names = [n for n, _ in ev]
     check(names and names[0] == "response.created" and names[-1] == "response.completed", "the events: %r" % names)
     done = ev[-1][1]["response"]["usage"]
@@ -97,7 +78,7 @@ def t_responses_stream():
     check(not any(d == "[DONE]" for _, d in ev), "ltg added a [DONE] to a Responses stream")
     script("kimi-k3", ["events=5 cut_after=2"])
     r = post("/v1/responses", resp_body(stream=True), token)
-    ev = events(r)
+    ev = it.sse_named(r)
     check(ev and ev[-1][0] == "error" and ev[-1][1].get("type") == "error" and ev[-1][1].get("code") == "stream_interrupted"
           and ev[-1][1].get("message"), "the end of a cut stream: %r" % ev[-3:])
     check(spend_event(g, r.header("x-ltg-request-id"))["status"] == "partial", "a cut stream's event")
@@ -110,7 +91,7 @@ def t_responses_pin():
     r = post("/v1/responses", resp_body(stream=True), token)
     check(r.status == 200 and r.header("x-ltg-served-model") == "GLM-5.3-Flash" and r.header("x-ltg-attempts") == "2",
           "a stream failed over: %s" % r.brief())
-    rid = events(r)[0][1]["response"]["id"]
+    rid = it.sse_named(r)[0][1]["response"]["id"]
     # The follow-up asks for Kimi-K3, but its conversation lives with GLM-5.3-Flash.
     f = post("/v1/responses", resp_body(previous_response_id=rid), token)
     check(f.status == 200 and f.header("x-ltg-served-model") == "GLM-5.3-Flash" and f.json().get("model") == "glm-5.3-flash",
@@ -150,7 +131,7 @@ def t_completions():
     e = spend_event(g, r.header("x-ltg-request-id"))
     check(e["endpoint"] == "/v1/completions" and e["output_tokens"] == r.json()["usage"]["completion_tokens"], "the event %r" % e)
     s = post("/v1/completions", {"model": "Kimi-K3", "prompt": "Say hi", "stream": True}, token)
-    ev = events(s)
+    ev = it.sse_named(s)
     check(ev and ev[-1][1] == "[DONE]" and all(d.get("choices") for _, d in ev[:-1]),
           "a completions stream (the usage chunk ltg asked for is kept from the client): %r" % ev[-3:])
     e = spend_event(g, s.header("x-ltg-request-id"))
@@ -218,7 +199,7 @@ def t_messages():
               "the spend event %r" % e)
         # A stream: usage from message_start (input) and message_delta (output).
         s = it.one_request(a.port, "POST", "/v1/messages", msg_body(stream=True), {"x-api-key": token}, auth=None)
-        ev = events(s)
+        ev = it.sse_named(s)
         check([n for n, _ in ev][0] == "message_start" and ev[-1][0] == "message_stop", "the stream: %r" % [n for n, _ in ev])
         delta = [d for n, d in ev if n == "message_delta"][0]
         e = spend_event_at(a, g, s.header("x-ltg-request-id"))
@@ -240,7 +221,7 @@ def t_messages():
         # A stream cut after its start ends with Anthropic's error event.
         script("claude-m", ["events=5 cut_after=2"])
         s = it.one_request(a.port, "POST", "/v1/messages", msg_body(stream=True), {"x-api-key": token}, auth=None)
-        last_ev = events(s)[-1]
+        last_ev = it.sse_named(s)[-1]
         check(last_ev[0] == "error" and last_ev[1].get("type") == "error" and last_ev[1]["error"].get("type") == "api_error",
               "the end of a cut stream: %r" % (last_ev,))
         # Every attempt failing: Anthropic's shape, with the attempts.

@@ -225,22 +225,28 @@ def t_mock_reasoning():
     check(blocks[1] == {"type": "text", "text": "word "} and stop == "end_turn", "the text after it %r" % blocks)
 
 
+def read_closed(path, body, hdr):
+    """One request with Connection: close, read to the mock's close: (the reads it took, the bytes)."""
+    with it.Conn(it.H.mock_port) as c:
+        c.send(it.http_request("POST", path, body, dict(hdr, Connection="close"), auth=None))
+        reads, data = 0, b""
+        while True:
+            d = c.sock.recv(65536)
+            if not d:
+                return reads, data
+            reads += 1
+            data += d
+
+
 @it.test("mock: bytewise: a stream and a whole answer come one byte per write (the reader gets many small reads), "
          "a stream of a few KiB in well under 2 s")
 def t_mock_bytewise():
     for path, body, hdr in (("/v1/chat/completions", {"model": "bw", "messages": USER, "mock": "bytewise events=20 tools=3", "stream": True}, {}),
                             ("/v1/messages", {"model": "bw", "max_tokens": 9, "messages": USER, "mock": "bytewise tools=2", "stream": True}, ANTH),
                             ("/v1/chat/completions", {"model": "bw", "messages": USER, "mock": "bytewise"}, {})):
-        with it.Conn(it.H.mock_port) as c:
-            c.send(it.http_request("POST", path, body, dict(hdr, Connection="close"), auth=None))
-            t0, reads, data = time.monotonic(), 0, b""
-            while True:
-                d = c.sock.recv(65536)
-                if not d:
-                    break
-                reads += 1
-                data += d
-            dt = time.monotonic() - t0
+        t0 = time.monotonic()
+        reads, data = read_closed(path, body, hdr)
+        dt = time.monotonic() - t0
         check(dt < 2.0 * it.SLOW and reads > len(data) // 4 and data.endswith(b"0\r\n\r\n" if body.get("stream") else b"}"),
               "%s: %d bytes in %d reads, %.2f s" % (path, len(data), reads, dt))
 
@@ -445,16 +451,7 @@ def t_mock_answer():
           and r.header("content-length") == "19", "the 503, framed by length (status=500 ignored): %s" % r.brief())
     check(b"Hello from ans." in ok(chat("", model="ans"), "after the queue").body, "the queue is empty: a canned answer again")
     answer("ans", "x" * 3000, content_type="text/event-stream")
-    with it.Conn(it.H.mock_port) as c:
-        c.send(it.http_request("POST", "/v1/chat/completions", {"model": "ans", "messages": USER, "mock": "bytewise framing=eof"},
-                               {"Connection": "close"}, auth=None))
-        reads, data = 0, b""
-        while True:
-            d = c.sock.recv(65536)
-            if not d:
-                break
-            reads += 1
-            data += d
+    reads, data = read_closed("/v1/chat/completions", {"model": "ans", "messages": USER, "mock": "bytewise framing=eof"}, {})
     check(data.endswith(b"\r\n\r\n" + b"x" * 3000) and b"content-length" not in data.lower() and reads > len(data) // 4,
           "bytewise framing=eof: %d bytes in %d reads, %r" % (len(data), reads, data[:120]))
     answer("ans", '{"ok":1}')

@@ -62,27 +62,6 @@ def jbody(r):
         raise it.TestFailure("not JSON (%d): %r" % (r.status, r.body[:300]))
 
 
-def events(r):
-    """(event name or None, data as JSON or text) of an SSE body."""
-    out = []
-    for _, text in it.sse_events(r):
-        name, data = None, []
-        for line in text.split("\n"):
-            if line.startswith("event:"):
-                name = line[6:].strip()
-            elif line.startswith("data:"):
-                data.append(line[5:].lstrip())
-        if not data:
-            continue
-        d = "\n".join(data)
-        try:
-            d = json.loads(d)
-        except ValueError:
-            pass
-        out.append((name, d))
-    return out
-
-
 def spend_event(g, rid, timeout=15.0):
     a = ltg()
     today = datetime.datetime.now(datetime.timezone.utc).date()
@@ -167,7 +146,7 @@ def t_streams():
     g, token = group_key(["Claude", "GLM"])
     r = post("/v1/messages", messages_body("GLM", stream=True), token)
     check(r.status == 200, "status %d: %r" % (r.status, r.body[:300]))
-    ev = events(r)
+    ev = it.sse_named(r)
     names = [n for n, _ in ev]
     check(names[0] == "message_start" and names[-1] == "message_stop" and names[-2] == "message_delta"
           and "content_block_start" in names and "content_block_stop" in names, "events %r" % names)
@@ -179,7 +158,7 @@ def t_streams():
           and md["usage"]["input_tokens"] == spend["input_tokens"], "message_delta %r, event %r" % (md, spend))
     r = post("/v1/chat/completions", chat("Claude", stream=True, stream_options={"include_usage": True}), token)
     check(r.status == 200, "status %d: %r" % (r.status, r.body[:300]))
-    datas = [d for _, d in events(r)]
+    datas = [d for _, d in it.sse_named(r)]
     check(datas[-1] == "[DONE]" and datas[-2]["choices"] == [] and datas[-3]["choices"][0]["finish_reason"] == "stop",
           "chunks %r" % datas[-3:])
     check(datas[0]["choices"][0]["delta"].get("role") == "assistant", "first chunk %r" % datas[0])
@@ -298,7 +277,7 @@ def t_stream_tools_messages_on_chat():
         script("glm-up", ["tools=3 text_first reasoning=2 finish=stop" + bytewise])
         r = post("/v1/messages", messages_body("GLM", stream=True), token)
         check(r.status == 200, "status %d: %r" % (r.status, r.body[:300]))
-        blocks, stop, usage = anthropic_stream(events(r))
+        blocks, stop, usage = anthropic_stream(it.sse_named(r))
         check([b["type"] for b in blocks] == ["text", "tool_use", "tool_use", "tool_use"]
               and blocks[0]["text"] == "Let me check." and stop == "tool_use", "blocks %r, stop %r" % (blocks, stop))
         check([b["input"] for b in blocks[1:]] == calls_want(3) and [b["name"] for b in blocks[1:]]
@@ -323,7 +302,7 @@ def t_stream_tools_chat_on_messages():
         script("claude-up", ["tools=3 text_first reasoning=2 cached_tokens=4 cache_write=6" + bytewise])
         r = post("/v1/chat/completions", chat("Claude", stream=True, stream_options={"include_usage": True}), token)
         check(r.status == 200, "status %d: %r" % (r.status, r.body[:300]))
-        text, reasoning, calls, finish, usage = chat_stream([d for _, d in events(r)])
+        text, reasoning, calls, finish, usage = chat_stream([d for _, d in it.sse_named(r)])
         check(text == "Let me check." and reasoning == "think think " and finish == "tool_calls",
               "text %r, reasoning %r, finish %r" % (text, reasoning, finish))
         check([json.loads(a) for _, _, a in calls] == calls_want(3) and [n for _, n, _ in calls]
@@ -347,16 +326,16 @@ def t_stream_errors():
     g, token = group_key(["Claude", "GLM"], {"Claude": ["GLM"]})
     script("glm-up", ["stream_error=server_error cut_after=1"])
     r = post("/v1/messages", messages_body("GLM", stream=True), token)
-    ev = events(r)
+    ev = it.sse_named(r)
     check(r.status == 200 and ev[-1][0] == "error" and ev[-1][1]["type"] == "error"
           and "message_stop" not in [n for n, _ in ev], "events %r" % ev[-3:])
     script("claude-up", ["stream_error=api_error cut_after=1"])
     r = post("/v1/chat/completions", chat("Claude", stream=True), token)
-    datas = [d for _, d in events(r)]
+    datas = [d for _, d in it.sse_named(r)]
     check(r.status == 200 and isinstance(datas[-1], dict) and "error" in datas[-1], "chunks %r" % datas[-3:])
     script("claude-up", ["stream_error=overloaded_error"])
     r = post("/v1/chat/completions", chat("Claude", stream=True), token)
-    datas = [d for _, d in events(r)]
+    datas = [d for _, d in it.sse_named(r)]
     check(r.status == 200 and r.header("x-ltg-served-model") == "GLM" and datas[-1] == "[DONE]",
           "%d %r %r" % (r.status, r.header("x-ltg-served-model"), datas[-2:]))
     ev = spend_event(g, r.header("x-ltg-request-id"))
@@ -368,7 +347,7 @@ def t_stream_errors():
           and last_sent()[1].get("seed") == 7, "%d %r %r" % (r.status, r.header("x-ltg-dropped"), r.body[:200]))
     script("claude-up", ["status=529"])
     r = post("/v1/chat/completions", chat("Claude", seed=7, stream=True), token)
-    datas = [d for _, d in events(r)]
+    datas = [d for _, d in it.sse_named(r)]
     check(r.status == 200 and r.header("x-ltg-dropped") is None and datas[-1] == "[DONE]", "%d %r" % (r.status, datas[-2:]))
 
 
@@ -378,7 +357,7 @@ def t_stream_pings():
     g, token = group_key(["Claude", "GLM"])
     script("glm-up", ["keepalive"])
     r = post("/v1/messages", messages_body("GLM", stream=True), token)
-    names = [n for n, _ in events(r)]
+    names = [n for n, _ in it.sse_named(r)]
     check(r.status == 200 and names.count("ping") >= 3, "events %r" % names)
     script("claude-up", ["keepalive"])
     r = post("/v1/chat/completions", chat("Claude", stream=True), token)

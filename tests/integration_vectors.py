@@ -157,22 +157,6 @@ def post(path, body, timeout=30.0):
     return it.one_request(ltg().port, "POST", path, body, auth=_ltg["token"], timeout=timeout)
 
 
-def events(r):
-    """(event name or None, data parsed, or "[DONE]") of an SSE answer; comments left out."""
-    out = []
-    for _, text in it.sse_events(r):
-        name, data = None, []
-        for line in text.split("\n"):
-            if line.startswith("event:"):
-                name = line[6:].strip()
-            elif line.startswith("data:"):
-                data.append(line[5:].lstrip())
-        if data:
-            d = "\n".join(data)
-            out.append((name, d if d == "[DONE]" else json.loads(d)))
-    return out
-
-
 # ----- summaries -----
 
 def args_of(s):
@@ -536,7 +520,7 @@ def errors(v, r, to_chat_client):
 
 def answer_problems(v, r, kind, summary, alias):
     if kind == "stream":
-        got = events(r)
+        got = it.sse_named(r)
     else:
         got = json.loads(r.body)
     exp = v["expected"]
