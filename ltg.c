@@ -1047,12 +1047,12 @@ static int jp_string(jparser *p, int depth) {
     p->i++; /* the opening quote */
     if (jp_token(p, JSON_STRING, depth, &k) < 0) return LTG_ERR;
     const unsigned char *s = (const unsigned char *)p->s;
-    while (p->i < p->len) {
-        unsigned c = s[p->i];
-        if (c >= 0x20 && c < 0x80 && c != '"' && c != '\\') { /* most bytes: plain ASCII */
-            p->i++;
-            continue;
-        }
+    const size_t len = p->len;
+    while (p->i < len) {
+        size_t i = p->i; /* most bytes, plain ASCII, in a local (p->i could alias s) */
+        while (i < len && s[i] >= 0x20 && s[i] < 0x80 && s[i] != '"' && s[i] != '\\') i++;
+        if ((p->i = i) == len) break;
+        unsigned c = s[i];
         if (c == '"') {
             if (k >= 0) p->t[k].end = (uint32_t)p->i;
             p->i++;
@@ -1373,8 +1373,11 @@ int json_duplicate_key(const char *s, const json_tok *t, int obj) {
 int json_eq(const char *s, const json_tok *t, int i, const char *lit) {
     if (i < 0 || t[i].type != JSON_STRING) return 0;
     size_t n = t[i].end - t[i].start;
-    if (!memchr(s + t[i].start, '\\', n))
-        return n == strlen(lit) && memcmp(s + t[i].start, lit, n) == 0;
+    /* an escape is longer than what it stands for (and a literal has none): only a longer
+     * token can be equal once unescaped */
+    size_t l = strlen(lit);
+    if (n <= l) return n == l && memcmp(s + t[i].start, lit, n) == 0;
+    if (!memchr(s + t[i].start, '\\', n)) return 0;
     buf b = {0};
     json_unescape(s, t, i, &b);
     int eq = b.len == strlen(lit) && memcmp(b.p, lit, b.len) == 0;
@@ -1405,6 +1408,14 @@ static char *json_strdup(const char *s, const json_tok *t, int i) {
 /* A whole number in token i; LTG_ERR when it is not one. */
 static int json_int(const char *s, const json_tok *t, int i, long long *out) {
     double d;
+    size_t n = i >= 0 && t[i].type == JSON_NUMBER ? t[i].end - t[i].start : 0;
+    if (n && n <= 15) { /* digits alone, as most counts are: no strtod */
+        long long v = 0;
+        size_t j = 0;
+        for (const char *p = s + t[i].start; j < n && p[j] >= '0' && p[j] <= '9'; j++)
+            v = v * 10 + (p[j] - '0');
+        if (j == n) return *out = v, 0;
+    }
     if (json_number(s, t, i, &d) < 0 || d != floor(d) || fabs(d) > 1e15) return LTG_ERR;
     *out = (long long)d;
     return 0;
@@ -1422,6 +1433,18 @@ static size_t jv_ws(const char *s, size_t n, size_t i) {
     return i;
 }
 
+/* The offset just past the string whose opening quote is s[i]: the quote that no odd run of
+ * backslashes escapes. */
+static size_t jv_string_end(const char *s, size_t n, size_t i) {
+    for (size_t b = 1; b & 1;) {
+        const char *q = i + 1 < n ? memchr(s + i + 1, '"', n - i - 1) : NULL;
+        if (!q) return n;
+        i = (size_t)(q - s);
+        for (b = 0; s[i - 1 - b] == '\\'; b++) {}
+    }
+    return i + 1;
+}
+
 /* The offset just past the value that starts at s[i] (after white space). */
 static size_t jv_skip(const char *s, size_t n, size_t i) {
     int depth = 0;
@@ -1429,20 +1452,16 @@ static size_t jv_skip(const char *s, size_t n, size_t i) {
     do {
         if (i >= n) return n;
         char c = s[i];
-        if (c == '"') { /* to the quote that no odd run of backslashes escapes */
-            for (size_t b = 1; b & 1;) {
-                const char *q = memchr(s + i + 1, '"', n - i - 1);
-                if (!q) return n;
-                i = (size_t)(q - s);
-                for (b = 0; s[i - 1 - b] == '\\'; b++) {}
-            }
-            i++;
+        if (c == '"') {
+            i = jv_string_end(s, n, i);
         } else if (c == '{' || c == '[') {
             depth++, i++;
         } else if (c == '}' || c == ']') {
             depth--, i++;
-        } else if (depth == 0) { /* a number or a literal, alone */
-            while (i < n && !strchr(",}] \t\r\n", s[i])) i++;
+        } else if (depth == 0) { /* a number or a literal, alone: to what ends it */
+            while (i < n && s[i] != ',' && s[i] != '}' && s[i] != ']' && s[i] != ' ' &&
+                   s[i] != '\n' && s[i] != '\r' && s[i] != '\t')
+                i++;
         } else {
             i++;
         }
@@ -1484,9 +1503,10 @@ static int jv_next(const char *s, size_t n, const json_tok *c, size_t *pos, json
     size_t i = jv_ws(s, n, *pos ? *pos : c->start + 1);
     if (i < n && s[i] == ',') i = jv_ws(s, n, i + 1);
     if (i >= c->end - 1) return 0;
-    if (c->type == JSON_OBJECT) {
-        *key = jv_at(s, n, i);
-        i = jv_ws(s, n, key->end + 1) + 1; /* past the closing quote and the ':' */
+    if (c->type == JSON_OBJECT) { /* a name: a string */
+        size_t e = jv_string_end(s, n, i);
+        *key = (json_tok){JSON_STRING, (uint32_t)i + 1, (uint32_t)e - 1, 0, 0};
+        i = jv_ws(s, n, e) + 1; /* past the ':' */
     }
     *val = jv_at(s, n, i); /* each value skipped once: *pos is where it ends */
     *pos = val->end + (val->type == JSON_STRING);
@@ -1517,8 +1537,9 @@ static unsigned jv_members(const char *s, size_t n, const json_tok *o, const cha
     unsigned got = 0;
     if (o->type != JSON_OBJECT) return 0;
     while (jv_next(s, n, o, &pos, &k, &v))
-        for (int i = 0; names[i]; i++)
-            if (!(got >> i & 1) && json_eq(s, &k, 0, names[i])) {
+        for (int i = 0; names[i]; i++) /* the first byte first (unless it is an escape) */
+            if (!(got >> i & 1) && (s[k.start] == names[i][0] || s[k.start] == '\\') &&
+                json_eq(s, &k, 0, names[i])) {
                 vals[i] = v, got |= 1u << i;
                 break;
             }
@@ -2000,8 +2021,10 @@ int sse_event_data(const char *ev, size_t n, buf *out) {
     int any = 0;
     out->len = 0;
     for (size_t i = 0; i < n;) {
-        size_t e = i;
-        while (e < n && ev[e] != '\n' && ev[e] != '\r') e++;
+        const char *nl = memchr(ev + i, '\n', n - i);
+        size_t e = nl ? (size_t)(nl - ev) : n; /* the line's end: its first \n or \r */
+        const char *cr = memchr(ev + i, '\r', e - i);
+        if (cr) e = (size_t)(cr - ev);
         if (e - i >= 5 && memcmp(ev + i, "data:", 5) == 0) {
             size_t s = i + 5 + (e > i + 5 && ev[i + 5] == ' ');
             if (any) buf_append(out, "\n", 1);
@@ -10545,12 +10568,36 @@ static int xl_blank(const char *s, const json_tok *v) {
     return 1;
 }
 
+/* The JSON Pointer base[/key][/i][/key2] (i < 0 and NULL keys left out) in out, cut to fit
+ * as snprintf would; base may be out. One is made per message and block translated: snprintf
+ * would cost more than the walk. */
+static const char *xl_ptr(char *out, size_t cap, const char *base, const char *key, int i,
+                          const char *key2) {
+    char num[12];
+    int d = sizeof num - 1;
+    num[d] = 0;
+    if (i >= 0) do num[--d] = (char)('0' + i % 10); while (i /= 10);
+    const char *parts[] = {key, d < (int)sizeof num - 1 ? num + d : NULL, key2};
+    size_t n = base == out ? strlen(out) : 0;
+    for (int j = -1; j < 3; j++) {
+        const char *s = j < 0 ? base : parts[j];
+        if (!s || (j < 0 && base == out)) continue;
+        if (j >= 0 && n + 1 < cap) out[n++] = '/';
+        size_t l = strlen(s);
+        if (l > cap - 1 - n) l = cap - 1 - n;
+        memcpy(out + n, s, l);
+        n += l;
+    }
+    out[n] = 0;
+    return out;
+}
+
 /* Block b (at p/i) left without its cache_control, named: chat providers cache by themselves. */
 static void xl_cache_drop(xlq *q, const json_tok *b, const char *p, int i) {
     json_tok c;
     char d[240];
     if (!jv_get(q->s, q->n, b, "cache_control", &c)) return;
-    snprintf(d, sizeof d, "%s/%d/cache_control", p, i);
+    xl_ptr(d, sizeof d, p, NULL, i, "cache_control");
     xl_drop(q, d, "cache_control");
 }
 
@@ -10568,7 +10615,7 @@ static int xl_join(xlq *q, const json_tok *arr, const char *path, const char *te
         return 0;
     }
     for (int i = 0; jv_next(q->s, q->n, arr, &pos, &k, &e); i++) {
-        snprintf(p, sizeof p, "%s/%d", path, i);
+        xl_ptr(p, sizeof p, path, NULL, i, NULL);
         if (e.type == JSON_STRING) {
             t = e;
         } else if (!jv_get(q->s, q->n, &e, "type", &t) || !json_eq(q->s, &t, 0, text_type) ||
@@ -10665,7 +10712,7 @@ static int xl_fields(xlq *q, const json_tok *root, const xl_field *fields, const
 static int xl_get(const xlq *q, const json_tok *o, const char *name, json_tok *v) {
     if (!q->fields || o->start != q->root.start) return jv_get(q->s, q->n, o, name, v);
     for (int i = 0; q->fields[i].name; i++)
-        if (strcmp(q->fields[i].name, name) == 0) {
+        if (q->fields[i].name[0] == name[0] && strcmp(q->fields[i].name, name) == 0) {
             if (!(q->has >> i & 1)) return 0;
             *v = q->vals[i];
             return 1;
@@ -10700,7 +10747,7 @@ static const xl_field M2C_FIELDS[] = {
 static int m2c_media(xlq *q, const json_tok *b, int image, const char *p) {
     json_tok src, t, mt, data;
     char pp[220];
-    snprintf(pp, sizeof pp, "%s/source", p);
+    xl_ptr(pp, sizeof pp, p, "source", -1, NULL);
     if (!jv_get(q->s, q->n, b, "source", &src) || !jv_get(q->s, q->n, &src, "type", &t))
         return xl_refuse(q, pp, "%s: a source {type, ...} is needed", pp);
     int url = json_eq(q->s, &t, 0, "url"), b64 = json_eq(q->s, &t, 0, "base64");
@@ -10745,14 +10792,14 @@ static int m2c_tool_results(xlq *q, const json_tok *content, const char *p) {
     for (int i = 0; jv_next(q->s, q->n, content, &pos, &k, &b); i++) {
         if (!jv_get(q->s, q->n, &b, "type", &t) || !json_eq(q->s, &t, 0, "tool_result")) continue;
         xl_cache_drop(q, &b, p, i);
-        snprintf(pp, sizeof pp, "%s/%d", p, i);
+        xl_ptr(pp, sizeof pp, p, NULL, i, NULL);
         if (!jv_get(q->s, q->n, &b, "tool_use_id", &id) || id.type != JSON_STRING)
             return xl_refuse(q, pp, "%s: a tool_result needs its tool_use_id", pp);
         buf text = {0}, joined = {0};
         if (jv_get(q->s, q->n, &b, "is_error", &t) && t.type == JSON_TRUE)
             buf_puts(&text, "Error: ");
         char cp[220];
-        snprintf(cp, sizeof cp, "%s/content", pp);
+        xl_ptr(cp, sizeof cp, pp, "content", -1, NULL);
         int r = jv_get(q->s, q->n, &b, "content", &c) ? xl_join(q, &c, cp, "text", &joined) : 0;
         if (r < 0) { /* xl_join's verdict, said for a tool message (copied: xl_refuse writes it) */
             char rp[sizeof q->v->param], rm[sizeof q->v->msg];
@@ -10815,7 +10862,7 @@ static int m2c_user(xlq *q, const json_tok *content, const char *p) {
         jw_open(&q->w, '[');
         pos = 0;
         for (int i = 0; jv_next(q->s, q->n, content, &pos, &k, &b); i++) {
-            snprintf(pp, sizeof pp, "%s/%d", p, i);
+            xl_ptr(pp, sizeof pp, p, NULL, i, NULL);
             jv_get(q->s, q->n, &b, "type", &t);
             if (json_eq(q->s, &t, 0, "tool_result")) continue;
             if (json_eq(q->s, &t, 0, "text")) {
@@ -10873,7 +10920,7 @@ static int m2c_assistant(xlq *q, const json_tok *content, const char *p) {
     int calls = 0;
     char pp[200];
     for (int i = 0; jv_next(q->s, q->n, content, &pos, &k, &b); i++) {
-        snprintf(pp, sizeof pp, "%s/%d", p, i);
+        xl_ptr(pp, sizeof pp, p, NULL, i, NULL);
         jv_get(q->s, q->n, &b, "type", &t);
         xl_cache_drop(q, &b, p, i);
         if (json_eq(q->s, &t, 0, "text") && jv_get(q->s, q->n, &b, "text", &t)) {
@@ -10938,12 +10985,12 @@ static int m2c_messages(xlq *q, const json_tok *root) {
     if (!xl_get(q, root, "messages", &msgs) || msgs.type != JSON_ARRAY)
         return xl_refuse(q, "/messages", "/messages: an array of turns is needed");
     for (int i = 0; jv_next(q->s, q->n, &msgs, &pos, &k, &m); i++) {
-        snprintf(p, sizeof p, "/messages/%d", i);
+        xl_ptr(p, sizeof p, "/messages", NULL, i, NULL);
         if (!jv_get(q->s, q->n, &m, "role", &role) ||
             !jv_get(q->s, q->n, &m, "content", &content) ||
             (content.type != JSON_STRING && content.type != JSON_ARRAY))
             return xl_refuse(q, p, "%s: a turn needs a role and a content", p);
-        snprintf(p, sizeof p, "/messages/%d/content", i);
+        xl_ptr(p, sizeof p, "/messages", NULL, i, "content");
         int r = json_eq(q->s, &role, 0, "user")        ? m2c_user(q, &content, p)
                 : json_eq(q->s, &role, 0, "assistant") ? m2c_assistant(q, &content, p)
                 : json_eq(q->s, &role, 0, "system")    ? m2c_system(q, &content, p)
@@ -10963,7 +11010,7 @@ static int m2c_tools(xlq *q, const json_tok *root) {
     if (!xl_get(q, root, "tools", &tools) || tools.type != JSON_ARRAY) return 0;
     jw_key(&q->w, "tools"), jw_open(&q->w, '[');
     for (int i = 0; jv_next(q->s, q->n, &tools, &pos, &k, &tl); i++) {
-        snprintf(p, sizeof p, "/tools/%d/type", i);
+        xl_ptr(p, sizeof p, "/tools", NULL, i, "type");
         if (jv_get(q->s, q->n, &tl, "type", &t) && !json_eq(q->s, &t, 0, "custom"))
             return xl_refuse(q, p, "%s: the server tool \"%.*s\" has no OpenAI chat equivalent",
                              p, (int)(t.end - t.start), q->s + t.start);
@@ -11185,7 +11232,7 @@ static int c2m_content(xlq *q, const json_tok *c, const char *p) {
     }
     if (c->type != JSON_ARRAY) return 0; /* null: no content */
     for (int i = 0; jv_next(q->s, q->n, c, &pos, &k, &part); i++) {
-        snprintf(pp, sizeof pp, "%s/%d", p, i);
+        xl_ptr(pp, sizeof pp, p, NULL, i, NULL);
         if (c2m_part(q, &part, pp) < 0) return LTG_ERR;
     }
     return 0;
@@ -11224,20 +11271,27 @@ static int c2m_assistant(xlq *q, const json_tok *m, const char *p) {
     json_tok c, calls, k, call;
     size_t pos = 0;
     char pp[200];
+    xl_ptr(pp, sizeof pp, p, "reasoning_content", -1, NULL);
+    if (jv_get(q->s, q->n, m, "reasoning_content", &c)) xl_drop(q, pp, "reasoning_content");
+    int has_calls = jv_get(q->s, q->n, m, "tool_calls", &calls) && calls.type == JSON_ARRAY;
     jw_open(&q->w, '{');
     jw_key(&q->w, "role"), jw_cstr(&q->w, "assistant");
-    jw_key(&q->w, "content"), jw_open(&q->w, '[');
+    jw_key(&q->w, "content");
+    if (jv_get(q->s, q->n, m, "content", &c) && c.type == JSON_STRING && !xl_blank(q->s, &c) &&
+        (!has_calls || calls.end - calls.start <= 2)) { /* text alone stays a string */
+        xl_copy(q, &c), jw_close(&q->w, '}');
+        return 0;
+    }
+    jw_open(&q->w, '[');
     size_t at = q->w.out->len;
-    snprintf(pp, sizeof pp, "%s/content", p);
-    if (jv_get(q->s, q->n, m, "content", &c) && c2m_content(q, &c, pp) < 0) return LTG_ERR;
-    snprintf(pp, sizeof pp, "%s/reasoning_content", p);
-    if (jv_get(q->s, q->n, m, "reasoning_content", &c)) xl_drop(q, pp, "reasoning_content");
-    if (jv_get(q->s, q->n, m, "tool_calls", &calls) && calls.type == JSON_ARRAY)
+    xl_ptr(pp, sizeof pp, p, "content", -1, NULL);
+    if (c2m_content(q, &c, pp) < 0) return LTG_ERR;
+    if (has_calls)
         for (int i = 0; jv_next(q->s, q->n, &calls, &pos, &k, &call); i++) {
-            snprintf(pp, sizeof pp, "%s/tool_calls/%d", p, i);
+            xl_ptr(pp, sizeof pp, p, "tool_calls", i, NULL);
             if (c2m_tool_use(q, &call, pp) < 0) return LTG_ERR;
         }
-    if (q->w.out->len == at) { /* Anthropic refuses an empty turn: a space stands for it */
+    if (q->w.out->len == at) { /* Anthropic refuses an empty turn: "(empty)" stands for it */
         jw_open(&q->w, '{');
         jw_key(&q->w, "type"), jw_cstr(&q->w, "text");
         jw_key(&q->w, "text"), jw_cstr(&q->w, "(empty)");
@@ -11254,7 +11308,7 @@ static int c2m_tool_result(xlq *q, const json_tok *m, const char *p) {
     char pp[200];
     if (!jv_get(q->s, q->n, m, "tool_call_id", &id) || id.type != JSON_STRING)
         return xl_refuse(q, p, "%s: a tool message needs its tool_call_id", p);
-    snprintf(pp, sizeof pp, "%s/content", p);
+    xl_ptr(pp, sizeof pp, p, "content", -1, NULL);
     if (jv_get(q->s, q->n, m, "content", &c) && c.type != JSON_NULL &&
         xl_join(q, &c, pp, "text", &text) < 0)
         return LTG_ERR;
@@ -11267,22 +11321,38 @@ static int c2m_tool_result(xlq *q, const json_tok *m, const char *p) {
     return 0;
 }
 
-/* The system and developer messages, in order, as Anthropic's top-level "system". */
+/* The system and developer messages, in order, as Anthropic's top-level "system": one with a
+ * string content stays a string, several are text blocks. */
 static int c2m_system(xlq *q, const json_tok *msgs) {
     size_t pos = 0;
-    json_tok k, m, role, c;
+    json_tok k, m, role, c, first = {0};
     char p[200];
-    int any = 0;
+    int count = 0, first_i = 0;
     for (int i = 0; jv_next(q->s, q->n, msgs, &pos, &k, &m); i++) {
         if (!jv_get(q->s, q->n, &m, "role", &role) ||
             !(json_eq(q->s, &role, 0, "system") || json_eq(q->s, &role, 0, "developer")))
             continue;
-        if (!any) jw_key(&q->w, "system"), jw_open(&q->w, '[');
-        any = 1;
-        snprintf(p, sizeof p, "/messages/%d/content", i);
-        if (jv_get(q->s, q->n, &m, "content", &c) && c2m_content(q, &c, p) < 0) return LTG_ERR;
+        jv_get(q->s, q->n, &m, "content", &c);
+        if (count++ == 0) {
+            first = c, first_i = i;
+            continue;
+        }
+        if (count == 2) {
+            jw_key(&q->w, "system"), jw_open(&q->w, '[');
+            xl_ptr(p, sizeof p, "/messages", NULL, first_i, "content");
+            if (c2m_content(q, &first, p) < 0) return LTG_ERR;
+        }
+        xl_ptr(p, sizeof p, "/messages", NULL, i, "content");
+        if (c2m_content(q, &c, p) < 0) return LTG_ERR;
     }
-    if (any) jw_close(&q->w, ']');
+    if (count > 1) jw_close(&q->w, ']');
+    if (count != 1 || (first.type == JSON_STRING && xl_blank(q->s, &first))) return 0;
+    jw_key(&q->w, "system");
+    if (first.type == JSON_STRING) return xl_copy(q, &first), 0;
+    xl_ptr(p, sizeof p, "/messages", NULL, first_i, "content");
+    jw_open(&q->w, '[');
+    if (c2m_content(q, &first, p) < 0) return LTG_ERR;
+    jw_close(&q->w, ']');
     return 0;
 }
 
@@ -11296,7 +11366,7 @@ static int c2m_messages(xlq *q, const json_tok *msgs, int *last_calls) {
     int open = 0; /* a user turn is open */
     jw_key(&q->w, "messages"), jw_open(&q->w, '[');
     for (int i = 0; jv_next(q->s, q->n, msgs, &pos, &k, &m); i++) {
-        snprintf(p, sizeof p, "/messages/%d", i);
+        xl_ptr(p, sizeof p, "/messages", NULL, i, NULL);
         if (!jv_get(q->s, q->n, &m, "role", &role))
             return xl_refuse(q, p, "%s: a message needs a role", p);
         int user = json_eq(q->s, &role, 0, "user"), tool = json_eq(q->s, &role, 0, "tool");
@@ -11312,13 +11382,21 @@ static int c2m_messages(xlq *q, const json_tok *msgs, int *last_calls) {
             if (c2m_assistant(q, &m, p) < 0) return LTG_ERR;
             continue;
         }
+        if (!open && user && jv_get(q->s, q->n, &m, "content", &c) && c.type == JSON_STRING &&
+            !xl_blank(q->s, &c)) { /* a string stays a string */
+            jw_open(&q->w, '{');
+            jw_key(&q->w, "role"), jw_cstr(&q->w, "user");
+            jw_key(&q->w, "content"), xl_copy(q, &c);
+            jw_close(&q->w, '}');
+            continue;
+        }
         if (!open) {
             jw_open(&q->w, '{');
             jw_key(&q->w, "role"), jw_cstr(&q->w, "user");
             jw_key(&q->w, "content"), jw_open(&q->w, '[');
         }
         open = tool; /* a user message closes the turn its results opened */
-        snprintf(pp, sizeof pp, "%s/content", p);
+        xl_ptr(pp, sizeof pp, p, "content", -1, NULL);
         if (tool ? c2m_tool_result(q, &m, p) < 0
                  : jv_get(q->s, q->n, &m, "content", &c) && c2m_content(q, &c, pp) < 0)
             return LTG_ERR;
@@ -11339,7 +11417,7 @@ static int c2m_tools(xlq *q, const json_tok *root) {
     if (has) {
         jw_key(&q->w, "tools"), jw_open(&q->w, '[');
         for (int i = 0; jv_next(q->s, q->n, &tools, &pos, &k, &tl); i++) {
-            snprintf(p, sizeof p, "/tools/%d/type", i);
+            xl_ptr(p, sizeof p, "/tools", NULL, i, "type");
             if (!jv_get(q->s, q->n, &tl, "type", &t) || !json_eq(q->s, &t, 0, "function") ||
                 !jv_get(q->s, q->n, &tl, "function", &f) || !jv_get(q->s, q->n, &f, "name", &v))
                 return xl_refuse(q, p, "%s: only function tools have an Anthropic equivalent", p);
@@ -11815,7 +11893,6 @@ struct xl_stream {
     ae_state ae;
     ce_state ce;
     int block;                   /* Anthropic: the next block's index */
-    xl_tool tools[XL_MAX_TOOLS];
     int ntools, live;            /* live: the tools[] index whose block is open (-1: none) */
     size_t held;                 /* argument bytes held */
     int any_tool;
@@ -11825,17 +11902,21 @@ struct xl_stream {
     char id[96], model[160];     /* the answer's id and model, escaped */
     /* an Anthropic provider: the kind of each content block so far, and the tool ordinal */
     unsigned char kinds[256];
-    int ordinal[256], ntool_blocks;
+    int ntool_blocks;
     const char *req;             /* the client's body: tool names mapped back */
     size_t rn;
     buf head, d;                 /* chat: each chunk's opening, made once; a delta's scratch */
+    /* not zeroed (xl_stream_new): each entry is set before it is read */
+    int ordinal[256];            /* each tool_use block's, set with its kinds[] */
+    xl_tool tools[XL_MAX_TOOLS]; /* the first ntools */
 };
 
 static xl_stream *xl_stream_new(xl_api from, xl_api client, int include_usage,
                                 long long estimate, const char *req, size_t rn) {
-    xl_stream *x = xcalloc(1, sizeof *x);
-    *x = (xl_stream){from, client, .live = -1, .include_usage = include_usage,
-                     .estimate = estimate, .req = req, .rn = rn};
+    xl_stream *x = xmalloc(sizeof *x); /* 7 KiB, most of it tools[]: zeroed up to there */
+    memset(x, 0, offsetof(xl_stream, ordinal));
+    x->provider = from, x->client = client, x->live = -1, x->include_usage = include_usage;
+    x->estimate = estimate, x->req = req, x->rn = rn;
     return x;
 }
 
@@ -12122,12 +12203,17 @@ static int xl_put(xl_stream *x, const xe *e, const long long u[NTOK], buf *out,
 /* The answer's id and model, once: from the first event that names them. */
 static void xl_names(xl_stream *x, const char *s, size_t n, const json_tok *o) {
     json_tok v;
-    if (!x->id[0] && jv_get(s, n, o, "id", &v) && v.type == JSON_STRING)
-        snprintf(x->id, sizeof x->id, "%.*s", (int)(v.end - v.start < 80 ? v.end - v.start : 80),
-                 s + v.start);
-    if (!x->model[0] && jv_get(s, n, o, "model", &v) && v.type == JSON_STRING)
-        snprintf(x->model, sizeof x->model, "%.*s",
-                 (int)(v.end - v.start < 150 ? v.end - v.start : 150), s + v.start);
+    size_t len;
+    if (!x->id[0] && jv_get(s, n, o, "id", &v) && v.type == JSON_STRING) {
+        len = v.end - v.start < 80 ? v.end - v.start : 80;
+        memcpy(x->id, s + v.start, len), x->id[len] = 0;
+    }
+    if (!x->model[0] && jv_get(s, n, o, "model", &v) && v.type == JSON_STRING) {
+        len = v.end - v.start < 150 ? v.end - v.start : 150;
+        while (len < v.end - v.start && len && s[v.start + len - 1] == '\\')
+            len--; /* an escape cut in two */
+        memcpy(x->model, s + v.start, len), x->model[len] = 0;
+    }
     for (char *p = x->id; *p; p++) /* an id goes into ids of its own: keep it plain */
         if (!isalnum((unsigned char)*p) && *p != '_' && *p != '-') *p = '_';
 }
@@ -12657,12 +12743,14 @@ static const wire_kind *wire_of(xl_api xl) { return &WIRE[xl == XL_MESSAGES ? 4 
 static xl_api model_xl(const model *m) { return m->api == API_ANTHROPIC ? XL_MESSAGES : XL_CHAT; }
 
 /* The value of member path `path` ("a" or "a.b") of object token 0. */
-static int json_path(const char *s, const json_tok *t, const char *path) {
+static int json_path(const char *s, const json_tok *t, int obj, const char *path) {
     const char *dot = strchr(path, '.');
-    if (!dot) return json_get(s, t, 0, path);
+    if (!dot) return json_get(s, t, obj, path);
     char first[64];
-    snprintf(first, sizeof first, "%.*s", (int)(dot - path), path);
-    return json_get(s, t, json_get(s, t, 0, first), dot + 1);
+    size_t n = (size_t)(dot - path) < sizeof first ? (size_t)(dot - path) : sizeof first - 1;
+    memcpy(first, path, n);
+    first[n] = 0;
+    return json_get(s, t, json_get(s, t, obj, first), dot + 1);
 }
 
 /* Read a provider's JSON answer or stream event s[0..n) of kind k: its
@@ -12681,27 +12769,35 @@ static int usage_read(const wire_kind *k, const char *in, const char *s, size_t 
     json_tok t[128];
     json_result res;
     *no_choices = 1;
-    if (json_parse(s, n, t, 128, 1, &res) < 0) /* not JSON, or too many members to store */
+    /* an event or a small answer: one parse down to the counts (in, usage, a class's object,
+     * its count); else one level at a time */
+    int whole = json_parse(s, n, t, 128, 4, &res) == 0, root = 0;
+    if (!whole && json_parse(s, n, t, 128, 1, &res) < 0) /* not JSON, or too many members */
         return json_parse(s, n, t, 1, 0, &res) < 0 ? LTG_ERR : 0;
     int ch = json_get(s, t, 0, "choices");
     *no_choices = ch < 0 || (t[ch].type == JSON_ARRAY && t[ch].size == 0);
     int outer = in ? json_get(s, t, 0, in) : -1,
         inside = outer >= 0 && t[outer].type == JSON_OBJECT;
-    if (inside) {
+    if (inside && whole) {
+        root = outer;
+    } else if (inside) {
         s += t[outer].start;
         n = t[outer].end - t[outer].start;
         if (json_parse(s, n, t, 128, 1, &res) < 0) return 0;
     }
-    int u = json_get(s, t, 0, "usage");
+    int u = json_get(s, t, root, "usage");
     if (u < 0 || t[u].type != JSON_OBJECT) return 0;
-    s += t[u].start;
-    n = t[u].end - t[u].start;
     uc->seen = 1;
-    /* a usage no provider sends */
-    if (json_parse(s, n, t, 128, 2, &res) < 0) { uc->bad = 1; return inside ? 2 : 1; }
+    if (!whole) {
+        s += t[u].start;
+        n = t[u].end - t[u].start;
+        u = 0;
+        /* a usage no provider sends */
+        if (json_parse(s, n, t, 128, 2, &res) < 0) { uc->bad = 1; return inside ? 2 : 1; }
+    }
     for (int c = 0; c < NTOK; c++) {
         long long v;
-        int i = k->usage[c] ? json_path(s, t, k->usage[c]) : -1;
+        int i = k->usage[c] ? json_path(s, t, u, k->usage[c]) : -1;
         if (i < 0 || t[i].type == JSON_NULL) continue;
         if (json_int(s, t, i, &v) < 0 || v < 0 || v > MAX_USAGE_TOKENS) uc->bad = 1;
         else uc->raw[c] = v;

@@ -130,8 +130,8 @@ def t_chat_to_claude():
           and j["choices"][0]["finish_reason"] == "stop", "the answer: %r" % j)
     path, sent = last_sent()
     check(path.endswith("/messages") and sent["max_tokens"] == 8000
-          and sent["system"] == [{"type": "text", "text": "Be brief."}]
-          and sent["messages"] == [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+          and sent["system"] == "Be brief."
+          and sent["messages"] == [{"role": "user", "content": "Hi"}],
           "sent %s %r" % (path, sent))
     ev = spend_event(g, r.header("x-ltg-request-id"))
     u = j["usage"]

@@ -1825,6 +1825,14 @@ static void test_ledger_pieces(void) {
     const char *rcreated = "{\"type\":\"response.created\",\"response\":{\"id\":\"r\",\"usage\":null}}";
     CHECK(UREAD(resp, resp->event_usage, rcreated) == 0, "response.created: no usage yet");
     CHECK(UREAD(resp, resp->event_usage, "{\"type\":\"x\"}") == 0, "an event without a response");
+    /* too many values for one parse: read one level at a time, inside "response" too */
+    big = (buf){0};
+    buf_puts(&big, "{\"type\":\"response.completed\",\"response\":{\"output\":[");
+    for (int i = 0; i < 200; i++) buf_printf(&big, "%s{\"type\":\"message\",\"n\":%d}", i ? "," : "", i);
+    buf_puts(&big, "],\"usage\":{\"input_tokens\":3,\"output_tokens\":8,\"output_tokens_details\":{\"reasoning_tokens\":2}}}}");
+    CHECK(UREAD(resp, resp->event_usage, big.p) == 2 && uc.raw[TOK_IN] == 3 && uc.raw[TOK_OUT] == 8 && uc.raw[TOK_REASONING] == 2,
+          "response.completed after 200 output items");
+    buf_free(&big);
     /* Anthropic: message_start holds the input (in "message"), message_delta the output alone. */
     const wire_kind *msg = &WIRE[4];
     CHECK(strcmp(msg->path, "/v1/messages") == 0, "WIRE[4] is Anthropic's Messages");
@@ -2210,6 +2218,17 @@ static void xl_golden(xl_api from, xl_api to, const char *in, const char *want, 
     buf_free(&out);
 }
 
+static void test_xl_ptr(void) {
+    char p[16], small[8];
+    CHECK(!strcmp(xl_ptr(p, sizeof p, "/messages", NULL, 12, "content"), "/messages/12/co"), "%s",
+          p);
+    CHECK(!strcmp(xl_ptr(p, sizeof p, "/messages", NULL, 0, NULL), "/messages/0"), "%s", p);
+    CHECK(!strcmp(xl_ptr(p, sizeof p, p, "tool_calls", -1, NULL), "/messages/0/too"), "%s", p);
+    CHECK(!strcmp(xl_ptr(small, sizeof small, "/a", "b", 345, "c"), "/a/b/34"), "%s", small);
+    CHECK(!strcmp(xl_ptr(small, sizeof small, "", "t", 7, NULL), "/t/7"), "%s", small);
+    CHECK(!strcmp(xl_ptr(small, sizeof small, small, NULL, -1, "x"), "/t/7/x"), "%s", small);
+}
+
 static void test_xl_requests(void) {
     /* Messages -> chat */
     xl_golden(XL_MESSAGES, XL_CHAT,
@@ -2273,8 +2292,8 @@ static void test_xl_requests(void) {
               "\"r1\"},{\"role\":\"tool\",\"tool_call_id\":\"call_2\",\"content\":\"r2\"},{\"role\":\"user\","
               "\"content\":\"next\"}],\"reasoning_effort\":\"high\",\"seed\":4,\"temperature\":0.5,"
               "\"stop\":\"END\",\"user\":\"u\"}",
-              "{\"model\":\"up-model\",\"system\":[{\"type\":\"text\",\"text\":\"s\"}],\"messages\":[{"
-              "\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"go\"}]},{\"role\":\"assistant\","
+              "{\"model\":\"up-model\",\"system\":\"s\",\"messages\":[{"
+              "\"role\":\"user\",\"content\":\"go\"},{\"role\":\"assistant\","
               "\"content\":[{\"type\":\"tool_use\",\"id\":\"functions_Bash_0_a97d1507\",\"name\":\"Bash\","
               "\"input\":{\"c\":1}},{\"type\":\"tool_use\",\"id\":\"call_2\",\"name\":\"Bash\",\"input\":{}}]},"
               "{\"role\":\"user\",\"content\":[{\"type\":\"tool_result\",\"tool_use_id\":"
@@ -2465,13 +2484,22 @@ static void test_xl_c2m_rows(void) {
         "'text','text':'x'}]},{'role':'assistant','content':''},{'role':'user','content':'y'}]}",
         "{'model':'up-model','messages':[{'role':'user','content':[{'type':'text','text':'x'}]},"
         "{'role':'assistant','content':[{'type':'text','text':'(empty)'}]},{'role':'user',"
-        "'content':[{'type':'text','text':'y'}]}],'max_tokens':8000}", NULL);
+        "'content':'y'}],'max_tokens':8000}", NULL);
     /* system and developer messages hoisted in order, never overwriting each other (envoy#2488) */
     C2M("{'model':'G','messages':[{'role':'system','content':'a'},{'role':'developer','content':"
         "[{'type':'text','text':'b'}]},{'role':'user','content':'q'}]}",
         "{'model':'up-model','system':[{'type':'text','text':'a'},{'type':'text','text':'b'}],"
-        "'messages':[{'role':'user','content':[{'type':'text','text':'q'}]}],'max_tokens':8000}",
-        NULL);
+        "'messages':[{'role':'user','content':'q'}],'max_tokens':8000}", NULL);
+    /* a string stays a string; a single system message of blocks stays blocks, and an
+     * assistant's text with its tool calls is blocks */
+    C2M("{'model':'G','messages':[{'role':'system','content':[{'type':'text','text':'s'}]},{'role':"
+        "'user','content':'q'},{'role':'assistant','content':'t','tool_calls':[{'id':'c1','type':"
+        "'function','function':{'name':'f','arguments':'{}'}}]},{'role':'tool','tool_call_id':"
+        "'c1','content':'r'}]}",
+        "{'model':'up-model','system':[{'type':'text','text':'s'}],'messages':[{'role':'user',"
+        "'content':'q'},{'role':'assistant','content':[{'type':'text','text':'t'},{'type':"
+        "'tool_use','id':'c1','name':'f','input':{}}]},{'role':'user','content':[{'type':"
+        "'tool_result','tool_use_id':'c1','content':'r'}]}],'max_tokens':8000}", NULL);
     /* a file with its data is a document; a file id cannot be carried */
     C2M("{'model':'G','messages':[{'role':'user','content':[{'type':'file','file':{'filename':"
         "'a.pdf','file_data':'data:application/pdf;base64,QQ=='}}]}]}",
@@ -2522,9 +2550,9 @@ static void test_xl_c2m_rows(void) {
      * signature check: claude-code-hub#518) */
     C2M("{'model':'G','messages':[{'role':'user','content':'q'},{'role':'assistant','content':'a',"
         "'reasoning_content':'hm'},{'role':'user','content':'r'}]}",
-        "{'model':'up-model','messages':[{'role':'user','content':[{'type':'text','text':'q'}]},"
-        "{'role':'assistant','content':[{'type':'text','text':'a'}]},{'role':'user','content':"
-        "[{'type':'text','text':'r'}]}],'max_tokens':8000}", "/messages/1/reasoning_content");
+        "{'model':'up-model','messages':[{'role':'user','content':'q'},{'role':'assistant',"
+        "'content':'a'},{'role':'user','content':'r'}],'max_tokens':8000}",
+        "/messages/1/reasoning_content");
     /* what Anthropic has no place for, refused; the hints dropped and named */
     static const char *const refused[] = {"audio", "modalities", "prediction", "web_search_options",
                                           "functions", "function_call", "top_logprobs"};
@@ -2866,7 +2894,7 @@ static const struct { const char *name; void (*fn)(void); } TESTS[] = {
     T(test_group_validation), T(test_ledger_pieces), T(test_log), T(test_log_failures), T(test_log_async), T(test_compaction_on_time),
     T(test_ledger_days), T(test_ledger_budgets_16m), T(test_ledger_budgets_16k), T(test_ledger_chunks),
     T(test_ledger_migration), T(test_ledger_extremes), T(test_sha256), T(test_exchange_fake),
-    T(test_jv), T(test_xl_requests), T(test_xl_m2c_rows), T(test_xl_c2m_rows), T(test_xl_answers), T(test_xl_errors), T(test_xl_streams), T(test_xl_stream_rows),
+    T(test_jv), T(test_xl_ptr), T(test_xl_requests), T(test_xl_m2c_rows), T(test_xl_c2m_rows), T(test_xl_answers), T(test_xl_errors), T(test_xl_streams), T(test_xl_stream_rows),
 };
 #define NTESTS (sizeof TESTS / sizeof *TESTS)
 
