@@ -11266,28 +11266,38 @@ static int c2m_tool_use(xlq *q, const json_tok *call, const char *p) {
     return 0;
 }
 
-/* An assistant message: one Anthropic turn, its text then its tool calls. */
-static int c2m_assistant(xlq *q, const json_tok *m, const char *p) {
-    json_tok c, calls, k, call;
+/* A chat message's members, found in one walk (a missing one is null). */
+enum { CM_ROLE, CM_CONTENT, CM_CALLS, CM_REASONING, CM_CALL_ID, CM_N };
+static unsigned c2m_members(xlq *q, const json_tok *m, json_tok f[CM_N]) {
+    static const char *const names[] = {"role", "content", "tool_calls", "reasoning_content",
+                                        "tool_call_id", NULL};
+    for (int i = 0; i < CM_N; i++) f[i] = (json_tok){JSON_NULL, 0, 0, 0, 0};
+    return jv_members(q->s, q->n, m, names, f);
+}
+
+/* An assistant message (its members f): one Anthropic turn, its text then its tool calls. */
+static int c2m_assistant(xlq *q, const json_tok *f, unsigned got, const char *p) {
+    json_tok k, call;
+    const json_tok *c = &f[CM_CONTENT], *calls = &f[CM_CALLS];
     size_t pos = 0;
     char pp[200];
     xl_ptr(pp, sizeof pp, p, "reasoning_content", -1, NULL);
-    if (jv_get(q->s, q->n, m, "reasoning_content", &c)) xl_drop(q, pp, "reasoning_content");
-    int has_calls = jv_get(q->s, q->n, m, "tool_calls", &calls) && calls.type == JSON_ARRAY;
+    if (got >> CM_REASONING & 1) xl_drop(q, pp, "reasoning_content");
+    int has_calls = calls->type == JSON_ARRAY;
     jw_open(&q->w, '{');
     jw_key(&q->w, "role"), jw_cstr(&q->w, "assistant");
     jw_key(&q->w, "content");
-    if (jv_get(q->s, q->n, m, "content", &c) && c.type == JSON_STRING && !xl_blank(q->s, &c) &&
-        (!has_calls || calls.end - calls.start <= 2)) { /* text alone stays a string */
-        xl_copy(q, &c), jw_close(&q->w, '}');
+    if (c->type == JSON_STRING && !xl_blank(q->s, c) &&
+        (!has_calls || calls->end - calls->start <= 2)) { /* text alone stays a string */
+        xl_copy(q, c), jw_close(&q->w, '}');
         return 0;
     }
     jw_open(&q->w, '[');
     size_t at = q->w.out->len;
     xl_ptr(pp, sizeof pp, p, "content", -1, NULL);
-    if (c2m_content(q, &c, pp) < 0) return LTG_ERR;
+    if (c2m_content(q, c, pp) < 0) return LTG_ERR;
     if (has_calls)
-        for (int i = 0; jv_next(q->s, q->n, &calls, &pos, &k, &call); i++) {
+        for (int i = 0; jv_next(q->s, q->n, calls, &pos, &k, &call); i++) {
             xl_ptr(pp, sizeof pp, p, "tool_calls", i, NULL);
             if (c2m_tool_use(q, &call, pp) < 0) return LTG_ERR;
         }
@@ -11301,20 +11311,19 @@ static int c2m_assistant(xlq *q, const json_tok *m, const char *p) {
     return 0;
 }
 
-/* A tool message as a tool_result block of the user turn that follows the call. */
-static int c2m_tool_result(xlq *q, const json_tok *m, const char *p) {
-    json_tok id, c;
+/* A tool message (its members f) as a tool_result block of the user turn that follows the
+ * call. */
+static int c2m_tool_result(xlq *q, const json_tok *f, const char *p) {
+    const json_tok *id = &f[CM_CALL_ID], *c = &f[CM_CONTENT];
     buf text = {0};
     char pp[200];
-    if (!jv_get(q->s, q->n, m, "tool_call_id", &id) || id.type != JSON_STRING)
+    if (id->type != JSON_STRING)
         return xl_refuse(q, p, "%s: a tool message needs its tool_call_id", p);
     xl_ptr(pp, sizeof pp, p, "content", -1, NULL);
-    if (jv_get(q->s, q->n, m, "content", &c) && c.type != JSON_NULL &&
-        xl_join(q, &c, pp, "text", &text) < 0)
-        return LTG_ERR;
+    if (c->type != JSON_NULL && xl_join(q, c, pp, "text", &text) < 0) return LTG_ERR;
     jw_open(&q->w, '{');
     jw_key(&q->w, "type"), jw_cstr(&q->w, "tool_result");
-    jw_key(&q->w, "tool_use_id"), xl_write_id(q, &id);
+    jw_key(&q->w, "tool_use_id"), xl_write_id(q, id);
     if (text.len) jw_key(&q->w, "content"), xl_escaped(&q->w, &text);
     jw_close(&q->w, '}');
     buf_free(&text);
@@ -11361,32 +11370,29 @@ static int c2m_system(xlq *q, const json_tok *msgs) {
  * every result immediately after its call. */
 static int c2m_messages(xlq *q, const json_tok *msgs, int *last_calls) {
     size_t pos = 0;
-    json_tok k, m, role, c;
+    json_tok k, m, f[CM_N], *role = &f[CM_ROLE], *c = &f[CM_CONTENT];
     char p[64], pp[80];
     int open = 0; /* a user turn is open */
     jw_key(&q->w, "messages"), jw_open(&q->w, '[');
     for (int i = 0; jv_next(q->s, q->n, msgs, &pos, &k, &m); i++) {
         xl_ptr(p, sizeof p, "/messages", NULL, i, NULL);
-        if (!jv_get(q->s, q->n, &m, "role", &role))
-            return xl_refuse(q, p, "%s: a message needs a role", p);
-        int user = json_eq(q->s, &role, 0, "user"), tool = json_eq(q->s, &role, 0, "tool");
-        if (json_eq(q->s, &role, 0, "system") || json_eq(q->s, &role, 0, "developer")) continue;
-        if (!user && !tool && !json_eq(q->s, &role, 0, "assistant"))
+        unsigned got = c2m_members(q, &m, f);
+        if (!(got >> CM_ROLE & 1)) return xl_refuse(q, p, "%s: a message needs a role", p);
+        int user = json_eq(q->s, role, 0, "user"), tool = json_eq(q->s, role, 0, "tool");
+        if (json_eq(q->s, role, 0, "system") || json_eq(q->s, role, 0, "developer")) continue;
+        if (!user && !tool && !json_eq(q->s, role, 0, "assistant"))
             return xl_refuse(q, p, "%s/role: no Anthropic Messages equivalent", p);
         if (!user && !tool) {
             if (open) jw_close(&q->w, ']'), jw_close(&q->w, '}');
             open = 0;
-            json_tok calls;
-            *last_calls = jv_get(q->s, q->n, &m, "tool_calls", &calls) &&
-                          calls.type == JSON_ARRAY && calls.end - calls.start > 2;
-            if (c2m_assistant(q, &m, p) < 0) return LTG_ERR;
+            *last_calls = f[CM_CALLS].type == JSON_ARRAY && f[CM_CALLS].end - f[CM_CALLS].start > 2;
+            if (c2m_assistant(q, f, got, p) < 0) return LTG_ERR;
             continue;
         }
-        if (!open && user && jv_get(q->s, q->n, &m, "content", &c) && c.type == JSON_STRING &&
-            !xl_blank(q->s, &c)) { /* a string stays a string */
-            jw_open(&q->w, '{');
+        if (!open && user && c->type == JSON_STRING && !xl_blank(q->s, c)) {
+            jw_open(&q->w, '{'); /* a string stays a string */
             jw_key(&q->w, "role"), jw_cstr(&q->w, "user");
-            jw_key(&q->w, "content"), xl_copy(q, &c);
+            jw_key(&q->w, "content"), xl_copy(q, c);
             jw_close(&q->w, '}');
             continue;
         }
@@ -11397,9 +11403,7 @@ static int c2m_messages(xlq *q, const json_tok *msgs, int *last_calls) {
         }
         open = tool; /* a user message closes the turn its results opened */
         xl_ptr(pp, sizeof pp, p, "content", -1, NULL);
-        if (tool ? c2m_tool_result(q, &m, p) < 0
-                 : jv_get(q->s, q->n, &m, "content", &c) && c2m_content(q, &c, pp) < 0)
-            return LTG_ERR;
+        if (tool ? c2m_tool_result(q, f, p) < 0 : c2m_content(q, c, pp) < 0) return LTG_ERR;
         if (!open) jw_close(&q->w, ']'), jw_close(&q->w, '}');
     }
     if (open) jw_close(&q->w, ']'), jw_close(&q->w, '}');
