@@ -1576,8 +1576,22 @@ void jw_close(jwriter *w, char brace) {
     buf_append(w->out, &brace, 1);
 }
 void jw_key(jwriter *w, const char *key) {
-    jw_str(w, key, strlen(key));
-    buf_append(w->out, ":", 1);
+    size_t n = 0;
+    while (key[n] >= 0x20 && key[n] != '"' && key[n] != '\\' && (unsigned char)key[n] < 0x80)
+        n++;
+    if (key[n]) { /* a name to escape: a model's, say */
+        jw_str(w, key, strlen(key));
+        buf_append(w->out, ":", 1);
+    } else { /* most are plain: one copy */
+        buf *b = w->out;
+        jw_sep(w);
+        buf_reserve(b, n + 3);
+        b->p[b->len++] = '"';
+        memcpy(b->p + b->len, key, n);
+        b->len += n;
+        memcpy(b->p + b->len, "\":", 3); /* the closing quote, ':' and the NUL */
+        b->len += 2;
+    }
     w->need_comma &= ~(1ULL << (w->depth & 63)); /* the value follows without a comma */
 }
 void jw_str(jwriter *w, const char *s, size_t n) {
@@ -10524,6 +10538,7 @@ typedef struct {
     xl_verdict *v;
     const xl_target *to;
     json_tok root;
+    const json_tok *top;               /* the body's top level as json_parse stored it, or NULL */
     const struct xl_field *fields;     /* the table vals[] follows */
     json_tok vals[XL_MAX_FIELDS];      /* each field's value ... */
     uint64_t has;                      /* ... when its bit is set */
@@ -10682,28 +10697,40 @@ typedef struct xl_field {
     const char *why;             /* XF_REFUSE: what the target lacks */
 } xl_field;
 
-/* Every top-level member of the body is one of `fields`, else it is refused: a member ltg
- * does not know cannot be carried. Drops are named. */
+/* Top-level member k: v of the body, one of `fields`, else it is refused: a member ltg does
+ * not know cannot be carried. A drop is named. */
+static int xl_member(xlq *q, const json_tok *k, const json_tok *v, const xl_field *fields,
+                    const char *target) {
+    char p[160];
+    int i = 0;
+    while (fields[i].name && !json_eq(q->s, k, 0, fields[i].name)) i++;
+    assert(i < XL_MAX_FIELDS);
+    if (fields[i].name && !(q->has >> i & 1)) /* the first of a repeated name, as jv_get */
+        q->vals[i] = *v, q->has |= 1ULL << i;
+    if (fields[i].name && fields[i].fate == XF_MAP) return 0;
+    snprintf(p, sizeof p, "/%.*s", (int)(k->end - k->start < 100 ? k->end - k->start : 100),
+             q->s + k->start);
+    if (!fields[i].name)
+        return xl_refuse(q, p, "%s cannot be carried to %s: ltg does not know it", p, target);
+    if (fields[i].fate == XF_DROP) xl_drop(q, p, fields[i].name);
+    if (fields[i].fate == XF_REFUSE && v->type != JSON_NULL && v->type != JSON_FALSE)
+        return xl_refuse(q, p, "%s cannot be carried to %s: %s", p, target, fields[i].why);
+    return 0;
+}
+
+/* Every top-level member of the body through xl_member, from the tokens admission parsed when
+ * there are (q->top: the members are not walked again), else walked. */
 static int xl_fields(xlq *q, const json_tok *root, const xl_field *fields, const char *target) {
     size_t pos = 0;
     json_tok k, v;
-    char p[160];
     q->root = *root, q->fields = fields, q->has = 0;
-    while (jv_next(q->s, q->n, root, &pos, &k, &v)) {
-        int i = 0;
-        while (fields[i].name && !json_eq(q->s, &k, 0, fields[i].name)) i++;
-        assert(i < XL_MAX_FIELDS);
-        if (fields[i].name && !(q->has >> i & 1)) /* the first of a repeated name, as jv_get */
-            q->vals[i] = v, q->has |= 1ULL << i;
-        if (fields[i].name && fields[i].fate == XF_MAP) continue;
-        snprintf(p, sizeof p, "/%.*s", (int)(k.end - k.start < 100 ? k.end - k.start : 100),
-                 q->s + k.start);
-        if (!fields[i].name)
-            return xl_refuse(q, p, "%s cannot be carried to %s: ltg does not know it", p, target);
-        if (fields[i].fate == XF_DROP) xl_drop(q, p, fields[i].name);
-        if (fields[i].fate == XF_REFUSE && v.type != JSON_NULL && v.type != JSON_FALSE)
-            return xl_refuse(q, p, "%s cannot be carried to %s: %s", p, target, fields[i].why);
+    if (q->top) {
+        for (int m = 0, i = 1; m < q->top[0].size; m++, i = q->top[i + 1].next)
+            if (xl_member(q, &q->top[i], &q->top[i + 1], fields, target) < 0) return LTG_ERR;
+        return 0;
     }
+    while (jv_next(q->s, q->n, root, &pos, &k, &v))
+        if (xl_member(q, &k, &v, fields, target) < 0) return LTG_ERR;
     return 0;
 }
 
@@ -11555,12 +11582,12 @@ static int c2m_request(xlq *q, const json_tok *root) {
     return 0;
 }
 
-/* The client's body s[0..n) (of API `from`, validated whole by admission) for a provider of
- * API `to`, into `out` (emptied first). 0, or LTG_ERR with v->param and v->msg: a field that
- * cannot be carried. */
-static int xl_request(xl_api from, xl_api to, const char *s, size_t n, const xl_target *t,
-                      buf *out, xl_verdict *v) {
-    xlq q = {.s = s, .n = n, .v = v, .to = t};
+/* The client's body s[0..n) (of API `from`, validated whole by admission; top: its top level
+ * as admission's json_parse stored it, or NULL) for a provider of API `to`, into `out`
+ * (emptied first). 0, or LTG_ERR with v->param and v->msg: a field that cannot be carried. */
+static int xl_request(xl_api from, xl_api to, const char *s, size_t n, const json_tok *top,
+                      const xl_target *t, buf *out, xl_verdict *v) {
+    xlq q = {.s = s, .n = n, .v = v, .to = t, .top = top};
     *v = (xl_verdict){0};
     out->len = 0;
     jw_init(&q.w, out);
@@ -11632,21 +11659,18 @@ static void xl_client_name(const char *req, size_t rn, const char *name, size_t 
     buf_append(out, name, n);
 }
 
-/* An answer's "id" (the provider's, after `prefix`) and "model", as the provider named them. */
-static void xl_answer_names(jwriter *w, const char *s, size_t n, const json_tok *root,
+/* An answer's "id" (the provider's, after `prefix`) and "model", as the provider named them
+ * (their tokens in s, null when absent). */
+static void xl_answer_names(jwriter *w, const char *s, const json_tok *id, const json_tok *mdl,
                             const char *prefix) {
-    json_tok v;
-    buf id = {0};
-    buf_puts(&id, prefix);
-    if (jv_get(s, n, root, "id", &v) && v.type == JSON_STRING)
-        buf_append(&id, s + v.start, v.end - v.start);
-    jw_key(w, "id"), xl_escaped(w, &id);
-    buf_free(&id);
+    buf b = {0};
+    buf_puts(&b, prefix);
+    if (id->type == JSON_STRING) buf_append(&b, s + id->start, id->end - id->start);
+    jw_key(w, "id"), xl_escaped(w, &b);
+    buf_free(&b);
     jw_key(w, "model");
-    if (jv_get(s, n, root, "model", &v) && v.type == JSON_STRING)
-        jw_raw(w, s + v.start - 1, v.end - v.start + 2);
-    else
-        jw_cstr(w, "");
+    if (mdl->type == JSON_STRING) jw_raw(w, s + mdl->start - 1, mdl->end - mdl->start + 2);
+    else jw_cstr(w, "");
 }
 
 /* A chat tool call as a tool_use block: its arguments must hold a JSON object ("" is {}),
@@ -11679,34 +11703,39 @@ static int xl_tool_use(jwriter *w, const char *s, size_t n, const json_tok *call
  * are not a JSON object (Anthropic's input must be one). */
 static int xl_chat_to_message(const char *s, size_t n, const char *req, size_t rn,
                               const long long u[NTOK], buf *out, const char **why) {
-    json_tok root = jv_doc(s, n), v, ch = {0}, c0, msg = {0}, calls, k, call;
+    static const char *const names[] = {"id", "model", "choices", NULL},
+                             *const choice[] = {"message", "finish_reason", NULL},
+                             *const message[] = {"content", "tool_calls", NULL};
+    json_tok root = jv_doc(s, n), r[3], c[2], m[2], k, c0, call, *v = &m[0], *calls = &m[1];
     size_t pos = 0;
     jwriter w;
+    for (int i = 0; i < 3; i++) r[i] = (json_tok){JSON_NULL, 0, 0, 0, 0}; /* one walk each */
+    c[0] = c[1] = m[0] = m[1] = r[0];
+    jv_members(s, n, &root, names, r);
+    int has = r[2].type == JSON_ARRAY && jv_next(s, n, &r[2], &pos, &k, &c0);
+    if (has) jv_members(s, n, &c0, choice, c), jv_members(s, n, &c[0], message, m);
     jw_init(&w, out);
     jw_open(&w, '{');
-    xl_answer_names(&w, s, n, &root, "msg_");
+    xl_answer_names(&w, s, &r[0], &r[1], "msg_");
     jw_key(&w, "type"), jw_cstr(&w, "message");
     jw_key(&w, "role"), jw_cstr(&w, "assistant");
-    jv_get(s, n, &root, "choices", &ch);
-    int has = ch.type == JSON_ARRAY && jv_next(s, n, &ch, &pos, &k, &c0);
-    if (has) jv_get(s, n, &c0, "message", &msg);
     jw_key(&w, "content"), jw_open(&w, '[');
     int tools = 0;
-    if (has && jv_get(s, n, &msg, "content", &v) && v.type == JSON_STRING && !xl_blank(s, &v)) {
+    if (v->type == JSON_STRING && !xl_blank(s, v)) {
         jw_open(&w, '{');
         jw_key(&w, "type"), jw_cstr(&w, "text");
-        jw_key(&w, "text"), jw_raw(&w, s + v.start - 1, v.end - v.start + 2);
+        jw_key(&w, "text"), jw_raw(&w, s + v->start - 1, v->end - v->start + 2);
         jw_close(&w, '}');
     }
     pos = 0;
-    if (has && jv_get(s, n, &msg, "tool_calls", &calls) && calls.type == JSON_ARRAY)
-        for (; jv_next(s, n, &calls, &pos, &k, &call); tools++)
+    if (calls->type == JSON_ARRAY)
+        for (; jv_next(s, n, calls, &pos, &k, &call); tools++)
             if (xl_tool_use(&w, s, n, &call, req, rn) < 0) {
                 *why = "answered a tool call whose arguments are not a JSON object";
                 return LTG_ERR;
             }
     jw_close(&w, ']');
-    xl_finish fin = has && jv_get(s, n, &c0, "finish_reason", &v) ? xl_finish_of(s, &v) : XF_STOP;
+    xl_finish fin = c[1].type != JSON_NULL ? xl_finish_of(s, &c[1]) : XF_STOP;
     if (tools) fin = XF_TOOL; /* a tool call ends with the tool stop reason, whatever was said */
     else if (fin == XF_TOOL) fin = XF_STOP;
     jw_key(&w, "stop_reason"), jw_cstr(&w, XF_ANTHROPIC[fin]);
@@ -11749,21 +11778,25 @@ static void xl_tool_calls(jwriter *w, const char *s, size_t n, const json_tok *c
 
 /* An Anthropic message as a chat completion. */
 static void xl_message_to_chat(const char *s, size_t n, const long long u[NTOK], buf *out) {
-    json_tok root = jv_doc(s, n), v, content, k, b, t;
+    static const char *const names[] = {"id", "model", "content", "stop_reason", NULL};
+    json_tok root = jv_doc(s, n), r[4], content, k, b, t;
     size_t pos = 0;
     buf text = {0}, think = {0};
     int tools = 0;
     jwriter w;
+    for (int i = 0; i < 4; i++) r[i] = (json_tok){JSON_NULL, 0, 0, 0, 0};
+    jv_members(s, n, &root, names, r); /* one walk */
+    content = r[2];
     jw_init(&w, out);
     jw_open(&w, '{');
-    xl_answer_names(&w, s, n, &root, "chatcmpl-");
+    xl_answer_names(&w, s, &r[0], &r[1], "chatcmpl-");
     jw_key(&w, "object"), jw_cstr(&w, "chat.completion");
     jw_key(&w, "created"), jw_int(&w, wall_ms() / 1000);
     jw_key(&w, "choices"), jw_open(&w, '['), jw_open(&w, '{');
     jw_key(&w, "index"), jw_int(&w, 0);
     jw_key(&w, "message"), jw_open(&w, '{');
     jw_key(&w, "role"), jw_cstr(&w, "assistant");
-    int has = jv_get(s, n, &root, "content", &content) && content.type == JSON_ARRAY;
+    int has = content.type == JSON_ARRAY;
     while (has && jv_next(s, n, &content, &pos, &k, &b)) {
         jv_get(s, n, &b, "type", &t);
         buf *into = json_eq(s, &t, 0, "text")       ? &text
@@ -11779,7 +11812,7 @@ static void xl_message_to_chat(const char *s, size_t n, const long long u[NTOK],
     if (think.len) jw_key(&w, "reasoning_content"), xl_escaped(&w, &think);
     if (tools) xl_tool_calls(&w, s, n, &content);
     jw_close(&w, '}');
-    xl_finish fin = jv_get(s, n, &root, "stop_reason", &v) ? xl_finish_of(s, &v) : XF_STOP;
+    xl_finish fin = r[3].type != JSON_NULL ? xl_finish_of(s, &r[3]) : XF_STOP;
     if (tools) fin = XF_TOOL;
     else if (fin == XF_TOOL) fin = XF_STOP;
     jw_key(&w, "finish_reason"), jw_cstr(&w, XF_CHAT[fin]);
@@ -11959,13 +11992,13 @@ static void ae_to(xl_stream *x, ae_state to) {
  * which Anthropic's SDKs copy over it). */
 static void ae_start(xl_stream *x, buf *out) {
     buf d = {0};
-    buf_printf(&d, "{\"type\":\"message_start\",\"message\":{\"id\":\"msg_%s\","
-               "\"type\":\"message\","
-               "\"role\":\"assistant\",\"model\":\"%s\",\"content\":[],\"stop_reason\":null,"
-               "\"stop_sequence\":null,\"usage\":{\"input_tokens\":%lld,"
-               "\"cache_creation_input_tokens\":0,\"cache_read_input_tokens\":0,"
-               "\"output_tokens\":1}}}",
-               x->id, x->model, x->estimate);
+    buf_cat(&d, "{\"type\":\"message_start\",\"message\":{\"id\":\"msg_", x->id,
+            "\",\"type\":\"message\",\"role\":\"assistant\",\"model\":\"", x->model,
+            "\",\"content\":[],\"stop_reason\":null,\"stop_sequence\":null,\"usage\":{"
+            "\"input_tokens\":", NULL);
+    buf_uint(&d, x->estimate > 0 ? (unsigned long long)x->estimate : 0);
+    buf_puts(&d, ",\"cache_creation_input_tokens\":0,\"cache_read_input_tokens\":0,"
+             "\"output_tokens\":1}}}");
     ae_event(out, "message_start", &d);
     buf_free(&d);
     ae_to(x, AE_IDLE);
@@ -11973,8 +12006,9 @@ static void ae_start(xl_stream *x, buf *out) {
 
 static void ae_delta(xl_stream *x, const char *type, const char *field, const char *s, size_t n,
                      buf *out) {
-    buf_printf(out, "event: content_block_delta\ndata: {\"type\":\"content_block_delta\","
-               "\"index\":%d,\"delta\":{\"type\":\"%s\",\"%s\":\"", x->block, type, field);
+    buf_puts(out, "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":");
+    buf_uint(out, (unsigned)x->block); /* one per event: no printf */
+    buf_cat(out, ",\"delta\":{\"type\":\"", type, "\",\"", field, "\":\"", NULL);
     buf_append(out, s, n);
     buf_puts(out, "\"}}\n\n");
 }
@@ -11984,7 +12018,9 @@ static void ae_stop_block(xl_stream *x, buf *out) {
     buf d = {0};
     if (x->ae == AE_TOOL && !x->tools[x->live].sent) /* a call without arguments: {} */
         ae_delta(x, "input_json_delta", "partial_json", "{}", 2, out);
-    buf_printf(&d, "{\"type\":\"content_block_stop\",\"index\":%d}", x->block++);
+    buf_puts(&d, "{\"type\":\"content_block_stop\",\"index\":");
+    buf_uint(&d, (unsigned)x->block++);
+    buf_puts(&d, "}");
     ae_event(out, "content_block_stop", &d);
     buf_free(&d);
     if (x->ae == AE_TOOL) x->tools[x->live].st = XT_CLOSED, x->live = -1;
@@ -12204,19 +12240,19 @@ static int xl_put(xl_stream *x, const xe *e, const long long u[NTOK], buf *out,
     return x->client == XL_MESSAGES ? ae_put(x, e, u, out, why) : ce_put(x, e, u, out);
 }
 
-/* The answer's id and model, once: from the first event that names them. */
-static void xl_names(xl_stream *x, const char *s, size_t n, const json_tok *o) {
-    json_tok v;
+/* The answer's id and model (tokens of s, null when absent), once: from the first event that
+ * names them. */
+static void xl_names(xl_stream *x, const char *s, const json_tok *id, const json_tok *mdl) {
     size_t len;
-    if (!x->id[0] && jv_get(s, n, o, "id", &v) && v.type == JSON_STRING) {
-        len = v.end - v.start < 80 ? v.end - v.start : 80;
-        memcpy(x->id, s + v.start, len), x->id[len] = 0;
+    if (!x->id[0] && id->type == JSON_STRING) {
+        len = id->end - id->start < 80 ? id->end - id->start : 80;
+        memcpy(x->id, s + id->start, len), x->id[len] = 0;
     }
-    if (!x->model[0] && jv_get(s, n, o, "model", &v) && v.type == JSON_STRING) {
-        len = v.end - v.start < 150 ? v.end - v.start : 150;
-        while (len < v.end - v.start && len && s[v.start + len - 1] == '\\')
+    if (!x->model[0] && mdl->type == JSON_STRING) {
+        len = mdl->end - mdl->start < 150 ? mdl->end - mdl->start : 150;
+        while (len < mdl->end - mdl->start && len && s[mdl->start + len - 1] == '\\')
             len--; /* an escape cut in two */
-        memcpy(x->model, s + v.start, len), x->model[len] = 0;
+        memcpy(x->model, s + mdl->start, len), x->model[len] = 0;
     }
     for (char *p = x->id; *p; p++) /* an id goes into ids of its own: keep it plain */
         if (!isalnum((unsigned char)*p) && *p != '_' && *p != '-') *p = '_';
@@ -12261,52 +12297,57 @@ static xe xe_finish(const char *s, const json_tok *v) {
 /* The entries of a chat delta's tool_calls: a call's start when it names its tool, then its
  * argument fragment. Keyed by "index": an id comes only with the first. */
 static int xl_chat_calls(xl_sink *k, const char *s, size_t n, const json_tok *calls) {
+    static const char *const names[] = {"index", "id", "function", NULL},
+                             *const fnames[] = {"name", "arguments", NULL};
     size_t pos = 0;
-    json_tok key, call, f, ix;
+    json_tok key, call, c[3], f[2];
     int r = 0;
     while (r == 0 && jv_next(s, n, calls, &pos, &key, &call)) {
-        json_tok id = {JSON_STRING, 0, 0, 0, 0}, nm = id, a = id;
+        const json_tok none = {JSON_STRING, 0, 0, 0, 0};
         long long index = 0;
-        if (jv_get(s, n, &call, "index", &ix)) json_int(s, &ix, 0, &index);
-        if (!jv_get(s, n, &call, "id", &id) || id.type != JSON_STRING) id = nm;
-        if (jv_get(s, n, &call, "function", &f)) {
-            jv_get(s, n, &f, "name", &nm);
-            jv_get(s, n, &f, "arguments", &a);
-        }
-        if (nm.type == JSON_STRING && nm.end > nm.start)
-            r = xe_put(k, xe_tool((int)index, s, &id, &nm));
-        if (r == 0 && a.type == JSON_STRING && a.end > a.start)
-            r = xe_put(k, xe_text(XE_ARGS, (int)index, s, &a));
+        unsigned got = jv_members(s, n, &call, names, c), fg = 0;
+        if (got & 1) json_int(s, &c[0], 0, &index);
+        if (!(got >> 1 & 1) || c[1].type != JSON_STRING) c[1] = none;
+        if (got >> 2 & 1) fg = jv_members(s, n, &c[2], fnames, f);
+        if (!(fg & 1)) f[0] = none;
+        if (!(fg >> 1 & 1)) f[1] = none;
+        if (f[0].type == JSON_STRING && f[0].end > f[0].start)
+            r = xe_put(k, xe_tool((int)index, s, &c[1], &f[0]));
+        if (r == 0 && f[1].type == JSON_STRING && f[1].end > f[1].start)
+            r = xe_put(k, xe_text(XE_ARGS, (int)index, s, &f[1]));
     }
     return r;
 }
 
 /* A chat provider's event (its data s[0..n), JSON or [DONE]) as neutral events. */
 static int xl_from_chat(xl_sink *k, const char *s, size_t n) {
+    enum { C_ERROR, C_CHOICES, C_ID, C_MODEL, C_DELTA = 0, C_FINISH };
+    static const char *const names[] = {"error", "choices", "id", "model", NULL},
+                             *const choice[] = {"delta", "finish_reason", NULL},
+                             /* two names for the reasoning, then the text and the calls */
+                             *const deltas[] = {"reasoning_content", "reasoning", "content",
+                                                "tool_calls", NULL};
     if (n == 6 && memcmp(s, "[DONE]", 6) == 0) return xe_put(k, xe_of(XE_END));
-    json_tok root = jv_doc(s, n), ch, key, c0, d, v, calls;
+    json_tok root = jv_doc(s, n), m[4], c[2], d[4], key, c0;
     size_t pos = 0;
     int r = 0;
-    if (jv_get(s, n, &root, "error", &v)) {
+    for (int i = 0; i < 4; i++) m[i] = (json_tok){JSON_NULL, 0, 0, 0, 0};
+    unsigned got = jv_members(s, n, &root, names, m), cg, dg; /* one walk of each object */
+    if (got >> C_ERROR & 1) {
         *k->why = "the provider's stream carried an error";
         return LTG_ERR;
     }
-    xl_names(k->x, s, n, &root);
-    if (!jv_get(s, n, &root, "choices", &ch) || ch.type != JSON_ARRAY ||
-        !jv_next(s, n, &ch, &pos, &key, &c0))
+    xl_names(k->x, s, &m[C_ID], &m[C_MODEL]);
+    if (m[C_CHOICES].type != JSON_ARRAY || !jv_next(s, n, &m[C_CHOICES], &pos, &key, &c0))
         return 0; /* the usage chunk: section 18 has read it */
-    if (jv_get(s, n, &c0, "delta", &d)) {
-        static const char *const think[] = {"reasoning_content", "reasoning"};
-        for (int i = 0; i < 2 && r == 0; i++)
-            if (jv_get(s, n, &d, think[i], &v) && v.type == JSON_STRING)
-                r = xe_put(k, xe_text(XE_REASONING, 0, s, &v));
-        if (r == 0 && jv_get(s, n, &d, "content", &v) && v.type == JSON_STRING)
-            r = xe_put(k, xe_text(XE_TEXT, 0, s, &v));
-        if (r == 0 && jv_get(s, n, &d, "tool_calls", &calls) && calls.type == JSON_ARRAY)
-            r = xl_chat_calls(k, s, n, &calls);
-    }
-    if (r == 0 && jv_get(s, n, &c0, "finish_reason", &v) && v.type == JSON_STRING)
-        r = xe_put(k, xe_finish(s, &v));
+    cg = jv_members(s, n, &c0, choice, c);
+    dg = cg >> C_DELTA & 1 ? jv_members(s, n, &c[C_DELTA], deltas, d) : 0;
+    for (int i = 0; i < 3 && r == 0; i++)
+        if (dg >> i & 1 && d[i].type == JSON_STRING)
+            r = xe_put(k, xe_text(i < 2 ? XE_REASONING : XE_TEXT, 0, s, &d[i]));
+    if (r == 0 && dg >> 3 & 1 && d[3].type == JSON_ARRAY) r = xl_chat_calls(k, s, n, &d[3]);
+    if (r == 0 && cg >> C_FINISH & 1 && c[C_FINISH].type == JSON_STRING)
+        r = xe_put(k, xe_finish(s, &c[C_FINISH]));
     return r;
 }
 
@@ -12339,8 +12380,11 @@ static int xl_from_messages(xl_sink *k, const char *name, const char *s, size_t 
         return LTG_ERR;
     }
     unsigned got = jv_members(s, n, &root, names, m); /* one walk of the event */
-    if (got >> M_MESSAGE & 1 && strcmp(name, "message_start") == 0)
-        xl_names(x, s, n, &m[M_MESSAGE]);
+    if (got >> M_MESSAGE & 1 && strcmp(name, "message_start") == 0) {
+        json_tok id, mdl; /* two lookups stop sooner than one walk of the whole message */
+        jv_get(s, n, &m[M_MESSAGE], "id", &id), jv_get(s, n, &m[M_MESSAGE], "model", &mdl);
+        xl_names(x, s, &id, &mdl);
+    }
     if (got >> M_INDEX & 1) json_int(s, &m[M_INDEX], 0, &i);
     if (i < 0 || i >= 256) {
         *k->why = "more content blocks than ltg carries (256)";
@@ -13991,7 +14035,8 @@ static int exchange_translate(exchange *x) {
     } else {
         free(x->pre);
         x->pre = NULL; /* xbody is about to hold another */
-        if (xl_request(x->kind->xl, model_xl(m), x->body.p, x->body.len, &t, &x->xbody, &v) < 0) {
+        if (xl_request(x->kind->xl, model_xl(m), x->body.p, x->body.len, NULL, &t, &x->xbody,
+                       &v) < 0) {
             snprintf(why, sizeof x->untranslatable[0], "%.99s", v.msg);
             return LTG_ERR;
         }
@@ -14614,8 +14659,8 @@ static int admit_translation(admission *a, refusal *r) {
         if (a->kind->xl == XL_NONE) {
             snprintf(a->untranslatable[i], sizeof a->untranslatable[0],
                      "%s is not translated to %s's API", a->kind->path, m->alias);
-        } else if (xl_request(a->kind->xl, model_xl(m), a->body, a->c->body.len, &t, &a->xbody,
-                              &a->xv) < 0) {
+        } else if (xl_request(a->kind->xl, model_xl(m), a->body, a->c->body.len, a->t, &t,
+                              &a->xbody, &a->xv) < 0) {
             snprintf(a->untranslatable[i], sizeof a->untranslatable[0], "%.99s", a->xv.msg);
             if (first < 0) refuse(r, 400, "untranslatable_field", NULL, "%s", a->xv.msg);
             if (first < 0) snprintf(r->param, sizeof r->param, "%s", a->xv.param);

@@ -960,8 +960,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) {
         xl_target tg = {"m", 100, (int)(n & 1)};
         xl_verdict v;
         const char *why;
+        static json_tok top[512]; /* admission's top level, half the time */
+        const json_tok *tp = n & 2 && json_parse(p, n, top, 512, 1, &res) == 0 ? top : NULL;
         for (int from = XL_CHAT; from <= XL_MESSAGES; from++) {
-            if (xl_request((xl_api)from, from == XL_CHAT ? XL_MESSAGES : XL_CHAT, p, n, &tg, &out, &v) == 0)
+            xl_api to = from == XL_CHAT ? XL_MESSAGES : XL_CHAT;
+            if (xl_request((xl_api)from, to, p, n, tp, &tg, &out, &v) == 0)
                 REQUIRE(json_parse(out.p, out.len, t, 1, 0, &res) == 0, "a translated request is not JSON: %s",
                         out.p);
             if (xl_answer((xl_api)from, from == XL_CHAT ? XL_MESSAGES : XL_CHAT, p, n, "{}", 2, u, &out, &why) == 0)
