@@ -10443,8 +10443,9 @@ static void admin_route(conn *c) {
  * reaches Claude. The client's API decides the answer's shape; each attempt's provider decides
  * what is sent. Section 18 asks three things of this one, and nothing here calls it back:
  *
- *   xl_request()  the client's body, read as slices of itself (jv_*, section 3: no token array,
- *                 no copy per field) and written for the provider's API with the JSON writer.
+ *   xl_request()  the client's body, read as slices of itself (jv_*, section 3: no token array
+ *                 but the top level admission parsed, no copy per field) and written for the
+ *                 provider's API with the JSON writer.
  *                 Each field is mapped, dropped -- a hint, named in x-ltg-dropped -- or refused:
  *                 400 untranslatable_field, its JSON Pointer in `param`. Admission runs it up
  *                 to the first model of the chain that can take the request (none: that 400),
@@ -12809,9 +12810,10 @@ static int json_path(const char *s, const json_tok *t, int obj, const char *path
  * message_delta may tell the output alone); one that is not a whole
  * number from 0 to MAX_USAGE_TOKENS sets u->bad -- and 0 when not.
  * *no_choices: it has no "choices", or an empty one (a stream's usage-only
- * chunk). One level is stored at a time, then the next object is parsed
- * on its own: an answer's size does not matter, be it a thousand
- * embeddings. */
+ * chunk). An event or a small answer is parsed once, down to the counts
+ * (at most 128 values); past that one level is stored at a time, then the
+ * next object is parsed on its own: an answer's size does not matter, be
+ * it a thousand embeddings. */
 static int usage_read(const wire_kind *k, const char *in, const char *s, size_t n, usage_counts *uc,
                       int *no_choices) {
     json_tok t[128];
