@@ -1042,6 +1042,10 @@ static int hex_decode(const char *s, size_t n, uint8_t *out) {
     return 0;
 }
 
+/* A byte a JSON string holds as it is, read or written: printable ASCII but the quote and the
+ * backslash (the reader, the writer and jw_key take runs of them at once). */
+static int json_plain(unsigned char c) { return c >= 0x20 && c < 0x80 && c != '"' && c != '\\'; }
+
 static int jp_string(jparser *p, int depth) {
     int k;
     p->i++; /* the opening quote */
@@ -1049,7 +1053,9 @@ static int jp_string(jparser *p, int depth) {
     const unsigned char *s = (const unsigned char *)p->s;
     const size_t len = p->len;
     while (p->i < len) {
-        size_t i = p->i; /* most bytes, plain ASCII, in a local (p->i could alias s) */
+        /* most bytes: json_plain's, written out (the compiler makes a loop a seventh shorter
+         * of it), in a local index (p->i could alias s) */
+        size_t i = p->i;
         while (i < len && s[i] >= 0x20 && s[i] < 0x80 && s[i] != '"' && s[i] != '\\') i++;
         if ((p->i = i) == len) break;
         unsigned c = s[i];
@@ -1529,12 +1535,14 @@ static int jv_get(const char *s, size_t n, const json_tok *o, const char *name, 
 }
 
 /* The members `names` (NULL-ended, at most 32) of object o in one walk: vals[i] for each found
- * (the first of a repeated name), its bit set in the result. */
+ * (the first of a repeated name), its bit set in the result; an empty null for each not found,
+ * as jv_get leaves (o need not be an object: then none is). */
 static unsigned jv_members(const char *s, size_t n, const json_tok *o, const char *const *names,
                            json_tok *vals) {
     size_t pos = 0;
     json_tok k, v;
     unsigned got = 0;
+    for (int i = 0; names[i]; i++) vals[i] = (json_tok){JSON_NULL, 0, 0, 0, 0};
     if (o->type != JSON_OBJECT) return 0;
     while (jv_next(s, n, o, &pos, &k, &v))
         for (int i = 0; names[i]; i++) /* the first byte first (unless it is an escape) */
@@ -1577,10 +1585,9 @@ void jw_close(jwriter *w, char brace) {
 }
 void jw_key(jwriter *w, const char *key) {
     size_t n = 0;
-    while (key[n] >= 0x20 && key[n] != '"' && key[n] != '\\' && (unsigned char)key[n] < 0x80)
-        n++;
+    while (json_plain((unsigned char)key[n])) n++;
     if (key[n]) { /* a name to escape: a model's, say */
-        jw_str(w, key, strlen(key));
+        jw_str(w, key, n + strlen(key + n));
         buf_append(w->out, ":", 1);
     } else { /* most are plain: one copy */
         buf *b = w->out;
@@ -1602,9 +1609,7 @@ void jw_str(jwriter *w, const char *s, size_t n) {
     b->p[b->len++] = '"';
     for (size_t i = 0; i < n;) {
         size_t j = i; /* a run of bytes written as they are: most of a string, in one copy */
-        while (j < n && (unsigned char)s[j] >= 0x20 && (unsigned char)s[j] < 0x80 && s[j] != '"' &&
-               s[j] != '\\')
-            j++;
+        while (j < n && json_plain((unsigned char)s[j])) j++;
         if (j > i) {
             buf_append(b, s + i, j - i);
             i = j;
@@ -10590,18 +10595,19 @@ static int xl_blank(const char *s, const json_tok *v) {
 static const char *xl_ptr(char *out, size_t cap, const char *base, const char *key, int i,
                           const char *key2) {
     char num[12];
-    int d = sizeof num - 1;
+    int d = sizeof num - 1, index = i >= 0;
     num[d] = 0;
-    if (i >= 0) do num[--d] = (char)('0' + i % 10); while (i /= 10);
-    const char *parts[] = {key, d < (int)sizeof num - 1 ? num + d : NULL, key2};
-    size_t n = base == out ? strlen(out) : 0;
-    for (int j = -1; j < 3; j++) {
-        const char *s = j < 0 ? base : parts[j];
-        if (!s || (j < 0 && base == out)) continue;
-        if (j >= 0 && n + 1 < cap) out[n++] = '/';
-        size_t l = strlen(s);
+    if (index) do num[--d] = (char)('0' + i % 10); while (i /= 10);
+    const char *parts[] = {key, index ? num + d : NULL, key2};
+    size_t n = strlen(base);
+    if (n > cap - 1) n = cap - 1;
+    if (base != out) memcpy(out, base, n);
+    for (int j = 0; j < 3; j++) {
+        if (!parts[j]) continue;
+        if (n + 1 < cap) out[n++] = '/';
+        size_t l = strlen(parts[j]);
         if (l > cap - 1 - n) l = cap - 1 - n;
-        memcpy(out + n, s, l);
+        memcpy(out + n, parts[j], l);
         n += l;
     }
     out[n] = 0;
@@ -11299,7 +11305,6 @@ enum { CM_ROLE, CM_CONTENT, CM_CALLS, CM_REASONING, CM_CALL_ID, CM_N };
 static unsigned c2m_members(xlq *q, const json_tok *m, json_tok f[CM_N]) {
     static const char *const names[] = {"role", "content", "tool_calls", "reasoning_content",
                                         "tool_call_id", NULL};
-    for (int i = 0; i < CM_N; i++) f[i] = (json_tok){JSON_NULL, 0, 0, 0, 0};
     return jv_members(q->s, q->n, m, names, f);
 }
 
@@ -11707,14 +11712,13 @@ static int xl_chat_to_message(const char *s, size_t n, const char *req, size_t r
     static const char *const names[] = {"id", "model", "choices", NULL},
                              *const choice[] = {"message", "finish_reason", NULL},
                              *const message[] = {"content", "tool_calls", NULL};
-    json_tok root = jv_doc(s, n), r[3], c[2], m[2], k, c0, call, *v = &m[0], *calls = &m[1];
+    json_tok root = jv_doc(s, n), r[3], c[2], m[2], k, c0 = {JSON_NULL, 0, 0, 0, 0}, call,
+             *v = &m[0], *calls = &m[1];
     size_t pos = 0;
     jwriter w;
-    for (int i = 0; i < 3; i++) r[i] = (json_tok){JSON_NULL, 0, 0, 0, 0}; /* one walk each */
-    c[0] = c[1] = m[0] = m[1] = r[0];
-    jv_members(s, n, &root, names, r);
-    int has = r[2].type == JSON_ARRAY && jv_next(s, n, &r[2], &pos, &k, &c0);
-    if (has) jv_members(s, n, &c0, choice, c), jv_members(s, n, &c[0], message, m);
+    jv_members(s, n, &root, names, r); /* one walk of each object; what is not there is null */
+    if (r[2].type == JSON_ARRAY) jv_next(s, n, &r[2], &pos, &k, &c0);
+    jv_members(s, n, &c0, choice, c), jv_members(s, n, &c[0], message, m);
     jw_init(&w, out);
     jw_open(&w, '{');
     xl_answer_names(&w, s, &r[0], &r[1], "msg_");
@@ -11785,7 +11789,6 @@ static void xl_message_to_chat(const char *s, size_t n, const long long u[NTOK],
     buf text = {0}, think = {0};
     int tools = 0;
     jwriter w;
-    for (int i = 0; i < 4; i++) r[i] = (json_tok){JSON_NULL, 0, 0, 0, 0};
     jv_members(s, n, &root, names, r); /* one walk */
     content = r[2];
     jw_init(&w, out);
@@ -12304,14 +12307,10 @@ static int xl_chat_calls(xl_sink *k, const char *s, size_t n, const json_tok *ca
     json_tok key, call, c[3], f[2];
     int r = 0;
     while (r == 0 && jv_next(s, n, calls, &pos, &key, &call)) {
-        const json_tok none = {JSON_STRING, 0, 0, 0, 0};
         long long index = 0;
-        unsigned got = jv_members(s, n, &call, names, c), fg = 0;
-        if (got & 1) json_int(s, &c[0], 0, &index);
-        if (!(got >> 1 & 1) || c[1].type != JSON_STRING) c[1] = none;
-        if (got >> 2 & 1) fg = jv_members(s, n, &c[2], fnames, f);
-        if (!(fg & 1)) f[0] = none;
-        if (!(fg >> 1 & 1)) f[1] = none;
+        if (jv_members(s, n, &call, names, c) & 1) json_int(s, &c[0], 0, &index);
+        if (c[1].type != JSON_STRING) c[1] = (json_tok){JSON_STRING, 0, 0, 0, 0}; /* no id: "" */
+        jv_members(s, n, &c[2], fnames, f);
         if (f[0].type == JSON_STRING && f[0].end > f[0].start)
             r = xe_put(k, xe_tool((int)index, s, &c[1], &f[0]));
         if (r == 0 && f[1].type == JSON_STRING && f[1].end > f[1].start)
@@ -12332,7 +12331,6 @@ static int xl_from_chat(xl_sink *k, const char *s, size_t n) {
     json_tok root = jv_doc(s, n), m[4], c[2], d[4], key, c0;
     size_t pos = 0;
     int r = 0;
-    for (int i = 0; i < 4; i++) m[i] = (json_tok){JSON_NULL, 0, 0, 0, 0};
     unsigned got = jv_members(s, n, &root, names, m), cg, dg; /* one walk of each object */
     if (got >> C_ERROR & 1) {
         *k->why = "the provider's stream carried an error";
@@ -12342,7 +12340,7 @@ static int xl_from_chat(xl_sink *k, const char *s, size_t n) {
     if (m[C_CHOICES].type != JSON_ARRAY || !jv_next(s, n, &m[C_CHOICES], &pos, &key, &c0))
         return 0; /* the usage chunk: section 18 has read it */
     cg = jv_members(s, n, &c0, choice, c);
-    dg = cg >> C_DELTA & 1 ? jv_members(s, n, &c[C_DELTA], deltas, d) : 0;
+    dg = jv_members(s, n, &c[C_DELTA], deltas, d);
     for (int i = 0; i < 3 && r == 0; i++)
         if (dg >> i & 1 && d[i].type == JSON_STRING)
             r = xe_put(k, xe_text(i < 2 ? XE_REASONING : XE_TEXT, 0, s, &d[i]));
@@ -12392,7 +12390,7 @@ static int xl_from_messages(xl_sink *k, const char *name, const char *s, size_t 
         return LTG_ERR;
     }
     if (strcmp(name, "content_block_start") == 0) return xl_block_start(k, s, n, &root, (int)i);
-    unsigned dg = got >> M_DELTA & 1 ? jv_members(s, n, &m[M_DELTA], deltas, d) : 0;
+    unsigned dg = jv_members(s, n, &m[M_DELTA], deltas, d);
     for (int j = 0; j < 3; j++)
         if (dg >> j & 1 && d[j].type != JSON_STRING) {
             *k->why = "a content_block_delta whose text is not a string";
@@ -12791,7 +12789,7 @@ static const wire_kind *wire_of(xl_api xl) { return &WIRE[xl == XL_MESSAGES ? 4 
 /* The API translation speaks for a model's provider. */
 static xl_api model_xl(const model *m) { return m->api == API_ANTHROPIC ? XL_MESSAGES : XL_CHAT; }
 
-/* The value of member path `path` ("a" or "a.b") of object token 0. */
+/* The value of member path `path` ("a" or "a.b") of object token obj. */
 static int json_path(const char *s, const json_tok *t, int obj, const char *path) {
     const char *dot = strchr(path, '.');
     if (!dot) return json_get(s, t, obj, path);
