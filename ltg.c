@@ -841,8 +841,12 @@ static size_t series_keyv(char key[SERIES_KEY_MAX], int fam, va_list ap) {
     for (const char *name; (name = va_arg(ap, const char *));) {
         const char *v = va_arg(ap, const char *);
         /* never: names are words, values bounded (aliases, group names) */
-        if (n + strlen(name) + 8 > SERIES_KEY_MAX) break;
-        n += (size_t)sprintf(key + n, "%s%s=\"", n > 1 ? "," : "", name);
+        size_t l = strlen(name);
+        if (n + l + 8 > SERIES_KEY_MAX) break;
+        if (n > 1) key[n++] = ',';
+        memcpy(key + n, name, l);
+        memcpy(key + n + l, "=\"", 2);
+        n += l + 2;
         for (; v && *v && n + 3 < SERIES_KEY_MAX; v++) {
             if (*v == '\\' || *v == '"' || *v == '\n') key[n++] = '\\';
             key[n++] = *v == '\n' ? 'n' : *v;
@@ -1432,8 +1436,10 @@ static int json_int(const char *s, const json_tok *t, int i, long long *out) {
  * provider's answer or event, which usage_read validated: one container at a time, storing
  * nothing. jv_at reads the value at an offset into a token of json_parse's shape (a string's
  * bytes between its quotes; size and next unset), jv_next steps through a container's members
- * or elements, jv_get finds a member. A conversation of any length costs no token array. Only
- * for a document json_parse accepted: nothing here checks the grammar. */
+ * or elements, jv_get finds a member, jv_members several in one walk, jv_next_members the
+ * elements of an array of objects with their members, each element walked once. A conversation
+ * of any length costs no token array. Only for a document json_parse accepted: nothing here
+ * checks the grammar. */
 static size_t jv_ws(const char *s, size_t n, size_t i) {
     while (i < n && (s[i] == ' ' || s[i] == '\t' || s[i] == '\n' || s[i] == '\r')) i++;
     return i;
@@ -1534,24 +1540,58 @@ static int jv_get(const char *s, size_t n, const json_tok *o, const char *name, 
     return 0;
 }
 
+/* The members `names` (NULL-ended, at most 32) of the object whose '{' is s[i], in one walk:
+ * vals[i] for each found (the first of a repeated name), its bit in *got; the offset just past
+ * the object's '}'. With `all` the bits of every name, the walk stops once all are found (and
+ * returns 0): the rest of an answer, its usage say, is not skipped through. */
+static size_t jv_walk(const char *s, size_t n, size_t i, const char *const *names,
+                      json_tok *vals, unsigned *got, unsigned all) {
+    for (i = jv_ws(s, n, i + 1); i < n && s[i] != '}'; i = jv_ws(s, n, i)) {
+        if (s[i] == ',') i = jv_ws(s, n, i + 1);
+        size_t e = jv_string_end(s, n, i);
+        json_tok k = {JSON_STRING, (uint32_t)i + 1, (uint32_t)e - 1, 0, 0};
+        json_tok v = jv_at(s, n, jv_ws(s, n, e) + 1); /* past the ':' */
+        for (int j = 0; names[j]; j++) /* the first byte first (unless it is an escape) */
+            if (!(*got >> j & 1) && (s[k.start] == names[j][0] || s[k.start] == '\\') &&
+                json_eq(s, &k, 0, names[j])) {
+                vals[j] = v, *got |= 1u << j;
+                if (*got == all) return 0;
+                break;
+            }
+        i = v.end + (v.type == JSON_STRING);
+    }
+    return i + 1;
+}
+
 /* The members `names` (NULL-ended, at most 32) of object o in one walk: vals[i] for each found
  * (the first of a repeated name), its bit set in the result; an empty null for each not found,
  * as jv_get leaves (o need not be an object: then none is). */
 static unsigned jv_members(const char *s, size_t n, const json_tok *o, const char *const *names,
                            json_tok *vals) {
-    size_t pos = 0;
-    json_tok k, v;
-    unsigned got = 0;
-    for (int i = 0; names[i]; i++) vals[i] = (json_tok){JSON_NULL, 0, 0, 0, 0};
-    if (o->type != JSON_OBJECT) return 0;
-    while (jv_next(s, n, o, &pos, &k, &v))
-        for (int i = 0; names[i]; i++) /* the first byte first (unless it is an escape) */
-            if (!(got >> i & 1) && (s[k.start] == names[i][0] || s[k.start] == '\\') &&
-                json_eq(s, &k, 0, names[i])) {
-                vals[i] = v, got |= 1u << i;
-                break;
-            }
+    unsigned got = 0, all = 0;
+    for (int i = 0; names[i]; i++) vals[i] = (json_tok){JSON_NULL, 0, 0, 0, 0}, all |= 1u << i;
+    if (o->type == JSON_OBJECT) jv_walk(s, n, o->start, names, vals, &got, all);
     return got;
+}
+
+/* jv_next for array a whose elements are objects, with each one's members `names` found as
+ * jv_members finds them (*got), in the same walk: an element is not skipped, then walked. */
+static int jv_next_members(const char *s, size_t n, const json_tok *a, size_t *pos,
+                           const char *const *names, json_tok *vals, unsigned *got,
+                           json_tok *val) {
+    size_t i = jv_ws(s, n, *pos ? *pos : a->start + 1);
+    if (i < n && s[i] == ',') i = jv_ws(s, n, i + 1);
+    *got = 0;
+    for (int j = 0; names[j]; j++) vals[j] = (json_tok){JSON_NULL, 0, 0, 0, 0};
+    if (i >= a->end - 1) return 0;
+    if (s[i] != '{') {
+        *val = jv_at(s, n, i);
+        *pos = val->end + (val->type == JSON_STRING);
+        return 1;
+    }
+    *pos = jv_walk(s, n, i, names, vals, got, 0);
+    *val = (json_tok){JSON_OBJECT, (uint32_t)i, (uint32_t)*pos, 0, 0};
+    return 1;
 }
 
 /* The bytes of value v as the document has them (a string with its quotes). */
@@ -1583,23 +1623,32 @@ void jw_close(jwriter *w, char brace) {
     w->depth--;
     buf_append(w->out, &brace, 1);
 }
-void jw_key(jwriter *w, const char *key) {
+void jw_lit_key(jwriter *w, const char *quoted, size_t n) {
+    buf *b = w->out;
+    uint64_t bit = 1ULL << (w->depth & 63);
+    buf_reserve(b, n + 1);
+    if (w->need_comma & bit) b->p[b->len++] = ',';
+    memcpy(b->p + b->len, quoted, n + 1); /* and the NUL */
+    b->len += n;
+    w->need_comma &= ~bit; /* the value follows without a comma */
+}
+void jw_name(jwriter *w, const char *name) {
+    buf *b = w->out;
+    uint64_t bit = 1ULL << (w->depth & 63);
     size_t n = 0;
-    while (json_plain((unsigned char)key[n])) n++;
-    if (key[n]) { /* a name to escape: a model's, say */
-        jw_str(w, key, n + strlen(key + n));
-        buf_append(w->out, ":", 1);
+    while (json_plain((unsigned char)name[n])) n++;
+    if (name[n]) { /* a name to escape: a model's, say */
+        jw_str(w, name, n + strlen(name + n));
+        buf_append(b, ":", 1);
     } else { /* most are plain: one copy */
-        buf *b = w->out;
-        jw_sep(w);
-        buf_reserve(b, n + 3);
+        buf_reserve(b, n + 4); /* a comma, the quotes, the ':' */
+        if (w->need_comma & bit) b->p[b->len++] = ',';
         b->p[b->len++] = '"';
-        memcpy(b->p + b->len, key, n);
-        b->len += n;
-        memcpy(b->p + b->len, "\":", 3); /* the closing quote, ':' and the NUL */
-        b->len += 2;
+        memcpy(b->p + b->len, name, n);
+        memcpy(b->p + b->len + n, "\":", 3); /* the closing quote, ':' and the NUL */
+        b->len += n + 2;
     }
-    w->need_comma &= ~(1ULL << (w->depth & 63)); /* the value follows without a comma */
+    w->need_comma &= ~bit; /* the value follows without a comma */
 }
 void jw_str(jwriter *w, const char *s, size_t n) {
     static const char hex[] = "0123456789abcdef";
@@ -6063,7 +6112,7 @@ static void group_json(jwriter *w, const stored *it, int for_log) {
     jw_close(w, ']');
     jw_key(w, "fallbacks"), jw_open(w, '{');
     for (int i = 0; i < g->nfb; i++) {
-        jw_key(w, g->fb[i].model), jw_open(w, '[');
+        jw_name(w, g->fb[i].model), jw_open(w, '[');
         for (int k = 0; k < g->fb[i].n; k++) jw_cstr(w, g->fb[i].to[k]);
         jw_close(w, ']');
     }
@@ -6917,7 +6966,7 @@ static void snapshot_item(buf *out, const store_kind *K, void *item) {
     jw_init(&w, &p);
     jw_open(&w, '{');
     if (K) {
-        jw_key(&w, "ops"), jw_open(&w, '['), jw_open(&w, '{'), jw_key(&w, K->put_op);
+        jw_key(&w, "ops"), jw_open(&w, '['), jw_open(&w, '{'), jw_name(&w, K->put_op);
         K->json(&w, item, 1);
         jw_close(&w, '}'), jw_close(&w, ']');
     } else {
@@ -8315,7 +8364,7 @@ static void carry_spend(const char *name, allowance *a, int64_t spent, void *ctx
     budget_carry(a, seg_spent_since(c->s, name[0], name + 1, a->period_start), c->s,
                  &c->ch[c->nch++]);
     jw_open(c->w, '{');
-    jw_key(c->w, K->put_op);
+    jw_name(c->w, K->put_op);
     K->json(c->w, it, 1);
     jw_close(c->w, '}');
 }
@@ -10046,7 +10095,7 @@ static void item_commit(conn *c, const idem_ticket *tk, const store_kind *K, sto
     jw_init(&w, &ops);
     jw_open(&w, '[');
     jw_open(&w, '{');
-    jw_key(&w, K->put_op);
+    jw_name(&w, K->put_op);
     K->json(&w, it, 1);
     jw_close(&w, '}');
     jw_close(&w, ']');
@@ -10124,7 +10173,7 @@ static void item_delete(conn *c, const admin_who *who, const char *id, const sto
     jw_init(&w, &ops);
     jw_open(&w, '[');
     jw_open(&w, '{');
-    jw_key(&w, K->del_op), jw_cstr(&w, it->id);
+    jw_name(&w, K->del_op), jw_cstr(&w, it->id);
     jw_close(&w, '}');
     jw_close(&w, ']');
     item_body(&body, K, it);
@@ -10262,7 +10311,7 @@ static void usage_json(jwriter *w, const usage_row *r) {
     jw_key(w, "abandoned_requests"), jw_int(w, r->abandoned);
     jw_key(w, "cache_hits"), jw_int(w, r->cache_hits);
     for (int k = 0; k < NTOK; k++) {
-        jw_key(w, tok_names[k]), jw_int(w, r->tok[k]);
+        jw_name(w, tok_names[k]), jw_int(w, r->tok[k]);
     }
     jw_key(w, "spend"), jw_usd(w, r->spend);
     jw_key(w, "reserved_spend"), jw_usd(w, r->reserved);
@@ -10533,7 +10582,7 @@ typedef struct {
     int reasoning;               /* it takes a reasoning effort (chat) or thinking (Anthropic) */
 } xl_target;
 
-#define XL_MAX_FIELDS 48         /* the longest field table (C2M_FIELDS), with room */
+#define XL_MAX_FIELDS 48         /* the longest field table, with room (at most 64: xlq.has) */
 
 /* One request being translated: the client's body, the writer, the verdict; and its top-level
  * members, found once by xl_fields (the body's largest values are walked once, not per field). */
@@ -10543,10 +10592,8 @@ typedef struct {
     jwriter w;
     xl_verdict *v;
     const xl_target *to;
-    json_tok root;
     const json_tok *top;               /* the body's top level as json_parse stored it, or NULL */
-    const struct xl_field *fields;     /* the table vals[] follows */
-    json_tok vals[XL_MAX_FIELDS];      /* each field's value ... */
+    json_tok vals[XL_MAX_FIELDS];      /* each field's value, by its index in the table ... */
     uint64_t has;                      /* ... when its bit is set */
 } xlq;
 
@@ -10704,13 +10751,19 @@ typedef struct xl_field {
     const char *why;             /* XF_REFUSE: what the target lacks */
 } xl_field;
 
+/* A field table's rows are written once, as X(name, fate, why) in a NAME_ROWS macro: they make
+ * both the table (XL_ROW) and an enum of its indices (M2C_model, ...), which xl_get takes. */
+#define XL_ROW(name, fate, why) {#name, fate, why},
+
 /* Top-level member k: v of the body, one of `fields`, else it is refused: a member ltg does
  * not know cannot be carried. A drop is named. */
 static int xl_member(xlq *q, const json_tok *k, const json_tok *v, const xl_field *fields,
                     const char *target) {
     char p[160];
     int i = 0;
-    while (fields[i].name && !json_eq(q->s, k, 0, fields[i].name)) i++;
+    while (fields[i].name && !((q->s[k->start] == fields[i].name[0] || q->s[k->start] == '\\') &&
+                               json_eq(q->s, k, 0, fields[i].name)))
+        i++; /* the first byte first (unless it is an escape) */
     assert(i < XL_MAX_FIELDS);
     if (fields[i].name && !(q->has >> i & 1)) /* the first of a repeated name, as jv_get */
         q->vals[i] = *v, q->has |= 1ULL << i;
@@ -10730,7 +10783,7 @@ static int xl_member(xlq *q, const json_tok *k, const json_tok *v, const xl_fiel
 static int xl_fields(xlq *q, const json_tok *root, const xl_field *fields, const char *target) {
     size_t pos = 0;
     json_tok k, v;
-    q->root = *root, q->fields = fields, q->has = 0;
+    q->has = 0;
     if (q->top) {
         for (int m = 0, i = 1; m < q->top[0].size; m++, i = q->top[i + 1].next)
             if (xl_member(q, &q->top[i], &q->top[i + 1], fields, target) < 0) return LTG_ERR;
@@ -10741,17 +10794,13 @@ static int xl_fields(xlq *q, const json_tok *root, const xl_field *fields, const
     return 0;
 }
 
-/* Member `name` of object o: a top-level one from the index xl_fields made (every member is
- * in its table, or the body was refused), any other by jv_get. */
-static int xl_get(const xlq *q, const json_tok *o, const char *name, json_tok *v) {
-    if (!q->fields || o->start != q->root.start) return jv_get(q->s, q->n, o, name, v);
-    for (int i = 0; q->fields[i].name; i++)
-        if (q->fields[i].name[0] == name[0] && strcmp(q->fields[i].name, name) == 0) {
-            if (!(q->has >> i & 1)) return 0;
-            *v = q->vals[i];
-            return 1;
-        }
-    return 0;
+/* Top-level member `field` (its index in the table xl_fields used: every member of the body is
+ * in it, or the body was refused); 0 when the body has none, *v then an empty null. */
+static int xl_get(const xlq *q, int field, json_tok *v) {
+    *v = (json_tok){JSON_NULL, 0, 0, 0, 0};
+    if (!(q->has >> field & 1)) return 0;
+    *v = q->vals[field];
+    return 1;
 }
 
 /* Text already JSON-escaped (json_tok bytes, or several joined) as a string value. */
@@ -10764,18 +10813,20 @@ static void xl_escaped(jwriter *w, const buf *text) {
 
 /* ---- requests: Anthropic Messages to OpenAI chat ---- */
 
-static const xl_field M2C_FIELDS[] = {
-    {"model", XF_MAP, NULL}, {"messages", XF_MAP, NULL}, {"system", XF_MAP, NULL},
-    {"max_tokens", XF_MAP, NULL}, {"stop_sequences", XF_MAP, NULL}, {"stream", XF_MAP, NULL},
-    {"temperature", XF_MAP, NULL}, {"top_p", XF_MAP, NULL}, {"tools", XF_MAP, NULL},
-    {"tool_choice", XF_MAP, NULL}, {"metadata", XF_MAP, NULL}, {"thinking", XF_MAP, NULL},
-    {"output_config", XF_MAP, NULL}, {"output_format", XF_MAP, NULL}, {"top_k", XF_DROP, NULL},
-    {"service_tier", XF_DROP, NULL}, {"context_management", XF_DROP, NULL},
-    {"cache_control", XF_DROP, NULL}, {"inference_geo", XF_DROP, NULL},
-    {"mcp_servers", XF_REFUSE, "MCP servers are run by Anthropic"},
-    {"container", XF_REFUSE, "containers are Anthropic's"},
-    {NULL, XF_MAP, NULL}
-};
+#define M2C_ROWS(X) \
+    X(model, XF_MAP, NULL) X(messages, XF_MAP, NULL) X(system, XF_MAP, NULL) \
+    X(max_tokens, XF_MAP, NULL) X(stop_sequences, XF_MAP, NULL) X(stream, XF_MAP, NULL) \
+    X(temperature, XF_MAP, NULL) X(top_p, XF_MAP, NULL) X(tools, XF_MAP, NULL) \
+    X(tool_choice, XF_MAP, NULL) X(metadata, XF_MAP, NULL) X(thinking, XF_MAP, NULL) \
+    X(output_config, XF_MAP, NULL) X(output_format, XF_MAP, NULL) X(top_k, XF_DROP, NULL) \
+    X(service_tier, XF_DROP, NULL) X(context_management, XF_DROP, NULL) \
+    X(cache_control, XF_DROP, NULL) X(inference_geo, XF_DROP, NULL) \
+    X(mcp_servers, XF_REFUSE, "MCP servers are run by Anthropic") \
+    X(container, XF_REFUSE, "containers are Anthropic's")
+#define M2C_ENUM(name, fate, why) M2C_##name,
+enum { M2C_ROWS(M2C_ENUM) M2C_N };
+_Static_assert(M2C_N <= XL_MAX_FIELDS, "a field's bit in xlq.has, its value in vals");
+static const xl_field M2C_FIELDS[] = {M2C_ROWS(XL_ROW) {NULL, XF_MAP, NULL}};
 
 /* An image or document block of a user turn as a chat content part. */
 static int m2c_media(xlq *q, const json_tok *b, int image, const char *p) {
@@ -10807,11 +10858,11 @@ static int m2c_media(xlq *q, const json_tok *b, int image, const char *p) {
     buf_puts(&u, "\"");
     jw_open(&q->w, '{');
     jw_key(&q->w, "type"), jw_cstr(&q->w, image ? "image_url" : "file");
-    jw_key(&q->w, image ? "image_url" : "file"), jw_open(&q->w, '{');
+    jw_name(&q->w, image ? "image_url" : "file"), jw_open(&q->w, '{');
     if (!image) {
         jw_key(&q->w, "filename"), jw_cstr(&q->w, "document.pdf");
     }
-    jw_key(&q->w, image ? "url" : "file_data"), jw_raw(&q->w, u.p, u.len);
+    jw_name(&q->w, image ? "url" : "file_data"), jw_raw(&q->w, u.p, u.len);
     jw_close(&q->w, '}'), jw_close(&q->w, '}');
     buf_free(&u);
     return 0;
@@ -11010,13 +11061,13 @@ static int m2c_system(xlq *q, const json_tok *sys, const char *p) {
 
 /* The turns: the system prompt first; a system turn among them (Claude Code sends them, with
  * the mid-conversation-system beta) stays where it is, as chat allows. */
-static int m2c_messages(xlq *q, const json_tok *root) {
+static int m2c_messages(xlq *q) {
     json_tok msgs, m, k, role, content, sys;
     size_t pos = 0;
     char p[64];
     jw_key(&q->w, "messages"), jw_open(&q->w, '[');
-    if (xl_get(q, root, "system", &sys) && m2c_system(q, &sys, "/system") < 0) return LTG_ERR;
-    if (!xl_get(q, root, "messages", &msgs) || msgs.type != JSON_ARRAY)
+    if (xl_get(q, M2C_system, &sys) && m2c_system(q, &sys, "/system") < 0) return LTG_ERR;
+    if (!xl_get(q, M2C_messages, &msgs) || msgs.type != JSON_ARRAY)
         return xl_refuse(q, "/messages", "/messages: an array of turns is needed");
     for (int i = 0; jv_next(q->s, q->n, &msgs, &pos, &k, &m); i++) {
         xl_ptr(p, sizeof p, "/messages", NULL, i, NULL);
@@ -11037,11 +11088,11 @@ static int m2c_messages(xlq *q, const json_tok *root) {
 }
 
 /* "tools" (client tools only: Anthropic's server tools run at Anthropic) and "tool_choice". */
-static int m2c_tools(xlq *q, const json_tok *root) {
+static int m2c_tools(xlq *q) {
     json_tok tools, tl, k, t, tc;
     size_t pos = 0;
     char p[64], cn[65];
-    if (!xl_get(q, root, "tools", &tools) || tools.type != JSON_ARRAY) return 0;
+    if (!xl_get(q, M2C_tools, &tools) || tools.type != JSON_ARRAY) return 0;
     jw_key(&q->w, "tools"), jw_open(&q->w, '[');
     for (int i = 0; jv_next(q->s, q->n, &tools, &pos, &k, &tl); i++) {
         xl_ptr(p, sizeof p, "/tools", NULL, i, "type");
@@ -11065,7 +11116,7 @@ static int m2c_tools(xlq *q, const json_tok *root) {
         xl_cache_drop(q, &tl, "/tools", i);
     }
     jw_close(&q->w, ']');
-    if (!xl_get(q, root, "tool_choice", &tc)) return 0;
+    if (!xl_get(q, M2C_tool_choice, &tc)) return 0;
     jv_get(q->s, q->n, &tc, "type", &t);
     jw_key(&q->w, "tool_choice");
     if (json_eq(q->s, &t, 0, "tool") && jv_get(q->s, q->n, &tc, "name", &t)) {
@@ -11088,12 +11139,12 @@ static int m2c_tools(xlq *q, const json_tok *root) {
 
 /* Anthropic's thinking budget (or adaptive effort) as chat's reasoning_effort: to a model that
  * takes one; else a hint dropped. */
-static void m2c_reasoning(xlq *q, const json_tok *root) {
+static void m2c_reasoning(xlq *q) {
     json_tok th, t, oc, eff;
-    int has_eff = xl_get(q, root, "output_config", &oc) &&
+    int has_eff = xl_get(q, M2C_output_config, &oc) &&
                   jv_get(q->s, q->n, &oc, "effort", &eff) && eff.type == JSON_STRING;
     long long budget = 0;
-    if (!xl_get(q, root, "thinking", &th) || !jv_get(q->s, q->n, &th, "type", &t) ||
+    if (!xl_get(q, M2C_thinking, &th) || !jv_get(q->s, q->n, &th, "type", &t) ||
         json_eq(q->s, &t, 0, "disabled")) {
         if (has_eff && !q->to->reasoning) xl_drop(q, "/output_config/effort", "effort");
         else if (has_eff) jw_key(&q->w, "reasoning_effort"), xl_copy(q, &eff);
@@ -11113,33 +11164,33 @@ static void m2c_reasoning(xlq *q, const json_tok *root) {
 }
 
 /* The rest: the output limit, stops, sampling, the user, structured output, streaming. */
-static int m2c_options(xlq *q, const json_tok *root) {
+static int m2c_options(xlq *q) {
     json_tok v, k, e, t;
     size_t pos = 0;
     int n = 0;
-    if (xl_get(q, root, "max_tokens", &v)) jw_key(&q->w, "max_tokens"), xl_copy(q, &v);
-    if (xl_get(q, root, "stop_sequences", &v) && v.type == JSON_ARRAY) {
+    if (xl_get(q, M2C_max_tokens, &v)) jw_key(&q->w, "max_tokens"), xl_copy(q, &v);
+    if (xl_get(q, M2C_stop_sequences, &v) && v.type == JSON_ARRAY) {
         while (jv_next(q->s, q->n, &v, &pos, &k, &e)) n++;
         if (n > 4)
             return xl_refuse(q, "/stop_sequences",
                              "/stop_sequences: OpenAI chat takes at most 4 stop sequences");
         if (n) jw_key(&q->w, "stop"), xl_copy(q, &v);
     }
-    static const char *const same[] = {"temperature", "top_p"};
+    static const int same[] = {M2C_temperature, M2C_top_p};
     for (int i = 0; i < 2; i++)
-        if (xl_get(q, root, same[i], &v)) jw_key(&q->w, same[i]), xl_copy(q, &v);
-    if (xl_get(q, root, "metadata", &v)) {
+        if (xl_get(q, same[i], &v)) jw_name(&q->w, M2C_FIELDS[same[i]].name), xl_copy(q, &v);
+    if (xl_get(q, M2C_metadata, &v)) {
         if (jv_get(q->s, q->n, &v, "user_id", &t) && t.type == JSON_STRING)
             jw_key(&q->w, "user"), xl_copy(q, &t);
         pos = 0;
         while (jv_next(q->s, q->n, &v, &pos, &k, &e))
             if (!json_eq(q->s, &k, 0, "user_id")) xl_drop(q, "/metadata", "metadata");
     }
-    m2c_reasoning(q, root);
+    m2c_reasoning(q);
     /* structured output: output_config.format, or the beta's top-level output_format */
-    int fmt = xl_get(q, root, "output_config", &v) && jv_get(q->s, q->n, &v, "format", &e);
+    int fmt = xl_get(q, M2C_output_config, &v) && jv_get(q->s, q->n, &v, "format", &e);
     const char *fp = fmt ? "/output_config/format" : "/output_format";
-    if (fmt || (xl_get(q, root, "output_format", &e) && e.type != JSON_NULL)) {
+    if (fmt || (xl_get(q, M2C_output_format, &e) && e.type != JSON_NULL)) {
         if (!jv_get(q->s, q->n, &e, "schema", &t))
             return xl_refuse(q, fp, "%s: a json_schema format with its schema", fp);
         jw_key(&q->w, "response_format"), jw_open(&q->w, '{');
@@ -11149,7 +11200,7 @@ static int m2c_options(xlq *q, const json_tok *root) {
         jw_key(&q->w, "schema"), xl_copy(q, &t);
         jw_close(&q->w, '}'), jw_close(&q->w, '}');
     }
-    if (xl_get(q, root, "stream", &v) && v.type == JSON_TRUE) {
+    if (xl_get(q, M2C_stream, &v) && v.type == JSON_TRUE) {
         jw_key(&q->w, "stream"), jw_bool(&q->w, 1);
         jw_key(&q->w, "stream_options"), jw_raw(&q->w, "{\"include_usage\":true}", 22);
     }
@@ -11160,7 +11211,7 @@ static int m2c_request(xlq *q, const json_tok *root) {
     if (xl_fields(q, root, M2C_FIELDS, "OpenAI chat") < 0) return LTG_ERR;
     jw_open(&q->w, '{');
     jw_key(&q->w, "model"), jw_cstr(&q->w, q->to->upstream);
-    if (m2c_messages(q, root) < 0 || m2c_tools(q, root) < 0 || m2c_options(q, root) < 0)
+    if (m2c_messages(q) < 0 || m2c_tools(q) < 0 || m2c_options(q) < 0)
         return LTG_ERR;
     jw_close(&q->w, '}');
     return 0;
@@ -11168,28 +11219,29 @@ static int m2c_request(xlq *q, const json_tok *root) {
 
 /* ---- requests: OpenAI chat to Anthropic Messages ---- */
 
-static const xl_field C2M_FIELDS[] = {
-    {"model", XF_MAP, NULL}, {"messages", XF_MAP, NULL}, {"max_tokens", XF_MAP, NULL},
-    {"max_completion_tokens", XF_MAP, NULL}, {"temperature", XF_MAP, NULL},
-    {"top_p", XF_MAP, NULL}, {"stop", XF_MAP, NULL}, {"stream", XF_MAP, NULL},
-    {"stream_options", XF_MAP, NULL}, {"tools", XF_MAP, NULL}, {"tool_choice", XF_MAP, NULL},
-    {"parallel_tool_calls", XF_MAP, NULL}, {"response_format", XF_MAP, NULL},
-    {"user", XF_MAP, NULL}, {"reasoning_effort", XF_MAP, NULL}, {"n", XF_MAP, NULL},
-    {"seed", XF_DROP, NULL}, {"frequency_penalty", XF_DROP, NULL},
-    {"presence_penalty", XF_DROP, NULL}, {"logit_bias", XF_DROP, NULL},
-    {"metadata", XF_DROP, NULL}, {"store", XF_DROP, NULL}, {"service_tier", XF_DROP, NULL},
-    {"verbosity", XF_DROP, NULL}, {"prompt_cache_key", XF_DROP, NULL},
-    {"safety_identifier", XF_DROP, NULL}, {"prompt_cache_retention", XF_DROP, NULL},
-    {"logprobs", XF_REFUSE, "Anthropic gives no log probabilities"},
-    {"top_logprobs", XF_REFUSE, "Anthropic gives no log probabilities"},
-    {"audio", XF_REFUSE, "Anthropic answers no audio"},
-    {"modalities", XF_REFUSE, "Anthropic answers text only"},
-    {"prediction", XF_REFUSE, "Anthropic has no predicted outputs"},
-    {"web_search_options", XF_REFUSE, "Anthropic's web search is a server tool ltg does not map"},
-    {"functions", XF_REFUSE, "the legacy functions: send tools"},
-    {"function_call", XF_REFUSE, "the legacy function_call: send tool_choice"},
-    {NULL, XF_MAP, NULL}
-};
+#define C2M_ROWS(X) \
+    X(model, XF_MAP, NULL) X(messages, XF_MAP, NULL) X(max_tokens, XF_MAP, NULL) \
+    X(max_completion_tokens, XF_MAP, NULL) X(temperature, XF_MAP, NULL) X(top_p, XF_MAP, NULL) \
+    X(stop, XF_MAP, NULL) X(stream, XF_MAP, NULL) X(stream_options, XF_MAP, NULL) \
+    X(tools, XF_MAP, NULL) X(tool_choice, XF_MAP, NULL) X(parallel_tool_calls, XF_MAP, NULL) \
+    X(response_format, XF_MAP, NULL) X(user, XF_MAP, NULL) X(reasoning_effort, XF_MAP, NULL) \
+    X(n, XF_MAP, NULL) X(seed, XF_DROP, NULL) X(frequency_penalty, XF_DROP, NULL) \
+    X(presence_penalty, XF_DROP, NULL) X(logit_bias, XF_DROP, NULL) X(metadata, XF_DROP, NULL) \
+    X(store, XF_DROP, NULL) X(service_tier, XF_DROP, NULL) X(verbosity, XF_DROP, NULL) \
+    X(prompt_cache_key, XF_DROP, NULL) X(safety_identifier, XF_DROP, NULL) \
+    X(prompt_cache_retention, XF_DROP, NULL) \
+    X(logprobs, XF_REFUSE, "Anthropic gives no log probabilities") \
+    X(top_logprobs, XF_REFUSE, "Anthropic gives no log probabilities") \
+    X(audio, XF_REFUSE, "Anthropic answers no audio") \
+    X(modalities, XF_REFUSE, "Anthropic answers text only") \
+    X(prediction, XF_REFUSE, "Anthropic has no predicted outputs") \
+    X(web_search_options, XF_REFUSE, "Anthropic's web search is a server tool ltg does not map") \
+    X(functions, XF_REFUSE, "the legacy functions: send tools") \
+    X(function_call, XF_REFUSE, "the legacy function_call: send tool_choice")
+#define C2M_ENUM(name, fate, why) C2M_##name,
+enum { C2M_ROWS(C2M_ENUM) C2M_N };
+_Static_assert(C2M_N <= XL_MAX_FIELDS, "a field's bit in xlq.has, its value in vals");
+static const xl_field C2M_FIELDS[] = {C2M_ROWS(XL_ROW) {NULL, XF_MAP, NULL}};
 
 /* A data: URL's media type and base64 data (escaped, as in the body); 0 when it is not one. */
 static int c2m_data_url(const char *s, const json_tok *u, json_tok *mt, json_tok *data) {
@@ -11300,13 +11352,10 @@ static int c2m_tool_use(xlq *q, const json_tok *call, const char *p) {
     return 0;
 }
 
-/* A chat message's members, found in one walk (a missing one is null). */
+/* A chat message's members (a missing one is null), found as the messages are walked. */
 enum { CM_ROLE, CM_CONTENT, CM_CALLS, CM_REASONING, CM_CALL_ID, CM_N };
-static unsigned c2m_members(xlq *q, const json_tok *m, json_tok f[CM_N]) {
-    static const char *const names[] = {"role", "content", "tool_calls", "reasoning_content",
-                                        "tool_call_id", NULL};
-    return jv_members(q->s, q->n, m, names, f);
-}
+static const char *const CM_NAMES[] = {"role", "content", "tool_calls", "reasoning_content",
+                                       "tool_call_id", NULL};
 
 /* An assistant message (its members f): one Anthropic turn, its text then its tool calls. */
 static int c2m_assistant(xlq *q, const json_tok *f, unsigned got, const char *p) {
@@ -11363,56 +11412,72 @@ static int c2m_tool_result(xlq *q, const json_tok *f, const char *p) {
     return 0;
 }
 
-/* The system and developer messages, in order, as Anthropic's top-level "system": one with a
- * string content stays a string, several are text blocks. */
-static int c2m_system(xlq *q, const json_tok *msgs) {
-    size_t pos = 0;
-    json_tok k, m, role, c, first = {0};
-    char p[200];
-    int count = 0, first_i = 0;
-    for (int i = 0; jv_next(q->s, q->n, msgs, &pos, &k, &m); i++) {
-        if (!jv_get(q->s, q->n, &m, "role", &role) ||
-            !(json_eq(q->s, &role, 0, "system") || json_eq(q->s, &role, 0, "developer")))
-            continue;
-        jv_get(q->s, q->n, &m, "content", &c);
-        if (count++ == 0) {
-            first = c, first_i = i;
-            continue;
-        }
-        if (count == 2) {
-            jw_key(&q->w, "system"), jw_open(&q->w, '[');
-            xl_ptr(p, sizeof p, "/messages", NULL, first_i, "content");
-            if (c2m_content(q, &first, p) < 0) return LTG_ERR;
-        }
-        xl_ptr(p, sizeof p, "/messages", NULL, i, "content");
-        if (c2m_content(q, &c, p) < 0) return LTG_ERR;
+/* The system and developer messages, in order, become Anthropic's top-level "system": one with
+ * a string content stays a string, several are text blocks, written into sys (a writer inside
+ * the array) as the turns are. */
+typedef struct {
+    jwriter w;
+    buf blocks;
+    json_tok first;   /* the first one's content */
+    int count, first_i;
+} c2m_sys;
+
+static int c2m_system_add(xlq *q, c2m_sys *sys, const json_tok *c, int i) {
+    char p[80];
+    jwriter turns = q->w;
+    int rc = 0;
+    if (sys->count++ == 0) {
+        sys->first = *c, sys->first_i = i;
+        return 0;
     }
-    if (count > 1) jw_close(&q->w, ']');
-    if (count != 1 || (first.type == JSON_STRING && xl_blank(q->s, &first))) return 0;
+    q->w = sys->w; /* the blocks go to sys */
+    if (sys->count == 2) {
+        xl_ptr(p, sizeof p, "/messages", NULL, sys->first_i, "content");
+        rc = c2m_content(q, &sys->first, p);
+    }
+    xl_ptr(p, sizeof p, "/messages", NULL, i, "content");
+    if (rc == 0) rc = c2m_content(q, c, p);
+    sys->w = q->w, q->w = turns;
+    return rc;
+}
+
+/* "system", after the turns. */
+static int c2m_system(xlq *q, c2m_sys *sys) {
+    char p[80];
+    const json_tok *first = &sys->first;
+    if (sys->count == 0 || (sys->count == 1 && first->type == JSON_STRING && xl_blank(q->s, first)))
+        return 0;
     jw_key(&q->w, "system");
-    if (first.type == JSON_STRING) return xl_copy(q, &first), 0;
-    xl_ptr(p, sizeof p, "/messages", NULL, first_i, "content");
+    if (sys->count == 1 && first->type == JSON_STRING) return xl_copy(q, first), 0;
     jw_open(&q->w, '[');
-    if (c2m_content(q, &first, p) < 0) return LTG_ERR;
+    if (sys->count == 1) {
+        xl_ptr(p, sizeof p, "/messages", NULL, sys->first_i, "content");
+        if (c2m_content(q, first, p) < 0) return LTG_ERR;
+    } else {
+        buf_append(q->w.out, sys->blocks.p, sys->blocks.len);
+    }
     jw_close(&q->w, ']');
     return 0;
 }
 
 /* The turns. Consecutive tool messages are one user turn, right after the assistant's calls,
  * and a user message that follows them joins that turn after its results -- Anthropic wants
- * every result immediately after its call. */
-static int c2m_messages(xlq *q, const json_tok *msgs, int *last_calls) {
+ * every result immediately after its call. Each message is walked once. */
+static int c2m_messages(xlq *q, const json_tok *msgs, c2m_sys *sys, int *last_calls) {
     size_t pos = 0;
-    json_tok k, m, f[CM_N], *role = &f[CM_ROLE], *c = &f[CM_CONTENT];
+    json_tok m, f[CM_N], *role = &f[CM_ROLE], *c = &f[CM_CONTENT];
+    unsigned got;
     char p[64], pp[80];
     int open = 0; /* a user turn is open */
     jw_key(&q->w, "messages"), jw_open(&q->w, '[');
-    for (int i = 0; jv_next(q->s, q->n, msgs, &pos, &k, &m); i++) {
+    for (int i = 0; jv_next_members(q->s, q->n, msgs, &pos, CM_NAMES, f, &got, &m); i++) {
         xl_ptr(p, sizeof p, "/messages", NULL, i, NULL);
-        unsigned got = c2m_members(q, &m, f);
         if (!(got >> CM_ROLE & 1)) return xl_refuse(q, p, "%s: a message needs a role", p);
         int user = json_eq(q->s, role, 0, "user"), tool = json_eq(q->s, role, 0, "tool");
-        if (json_eq(q->s, role, 0, "system") || json_eq(q->s, role, 0, "developer")) continue;
+        if (json_eq(q->s, role, 0, "system") || json_eq(q->s, role, 0, "developer")) {
+            if (c2m_system_add(q, sys, c, i) < 0) return LTG_ERR;
+            continue;
+        }
         if (!user && !tool && !json_eq(q->s, role, 0, "assistant"))
             return xl_refuse(q, p, "%s/role: no Anthropic Messages equivalent", p);
         if (!user && !tool) {
@@ -11445,11 +11510,11 @@ static int c2m_messages(xlq *q, const json_tok *msgs, int *last_calls) {
 }
 
 /* "tools", "tool_choice" and parallel_tool_calls. */
-static int c2m_tools(xlq *q, const json_tok *root) {
+static int c2m_tools(xlq *q) {
     json_tok tools, k, tl, t, f, v;
     size_t pos = 0;
     char p[64];
-    int has = xl_get(q, root, "tools", &tools) && tools.type == JSON_ARRAY &&
+    int has = xl_get(q, C2M_tools, &tools) && tools.type == JSON_ARRAY &&
               tools.end - tools.start > 2;
     if (has) {
         jw_key(&q->w, "tools"), jw_open(&q->w, '[');
@@ -11471,8 +11536,8 @@ static int c2m_tools(xlq *q, const json_tok *root) {
         jw_close(&q->w, ']');
     }
     json_tok tc, par;
-    int choice = xl_get(q, root, "tool_choice", &tc);
-    int serial = xl_get(q, root, "parallel_tool_calls", &par) && par.type == JSON_FALSE;
+    int choice = xl_get(q, C2M_tool_choice, &tc);
+    int serial = xl_get(q, C2M_parallel_tool_calls, &par) && par.type == JSON_FALSE;
     if (!has || (!choice && !serial)) return 0;
     jw_key(&q->w, "tool_choice"), jw_open(&q->w, '{');
     if (choice && tc.type == JSON_OBJECT && jv_get(q->s, q->n, &tc, "function", &f) &&
@@ -11493,9 +11558,9 @@ static int c2m_tools(xlq *q, const json_tok *root) {
 /* chat's reasoning_effort as Anthropic's thinking budget (1024, 2048, 4096 tokens for low,
  * medium, high), below max_tokens. Off when the history ends in a tool call: its turn has no
  * thinking block signed by Anthropic, which Claude then requires. */
-static int c2m_thinking(xlq *q, const json_tok *root, long long max_tokens, int last_calls) {
+static int c2m_thinking(xlq *q, long long max_tokens, int last_calls) {
     json_tok e;
-    if (!xl_get(q, root, "reasoning_effort", &e) || e.type != JSON_STRING) return 0;
+    if (!xl_get(q, C2M_reasoning_effort, &e) || e.type != JSON_STRING) return 0;
     if (json_eq(q->s, &e, 0, "none") || json_eq(q->s, &e, 0, "minimal")) return 0;
     if (!q->to->reasoning || last_calls) {
         xl_drop(q, "/reasoning_effort", "reasoning_effort");
@@ -11516,17 +11581,17 @@ static int c2m_thinking(xlq *q, const json_tok *root, long long max_tokens, int 
 
 /* The output limit (the model's max_output_tokens when the client gave none: Anthropic needs
  * one), stops, sampling, structured output, the user, streaming. */
-static int c2m_options(xlq *q, const json_tok *root, int last_calls) {
+static int c2m_options(xlq *q, int last_calls) {
     json_tok v, k, e;
     long long max = 0, n;
     size_t pos = 0;
-    static const char *const limits[] = {"max_completion_tokens", "max_tokens"};
+    static const int limits[] = {C2M_max_completion_tokens, C2M_max_tokens};
     for (int i = 0; i < 2 && !max; i++)
-        if (xl_get(q, root, limits[i], &v) && json_int(q->s, &v, 0, &n) == 0) max = n;
+        if (xl_get(q, limits[i], &v) && json_int(q->s, &v, 0, &n) == 0) max = n;
     jw_key(&q->w, "max_tokens"), jw_int(&q->w, max > 0 ? max : q->to->max_output_tokens);
-    if (xl_get(q, root, "n", &v) && json_int(q->s, &v, 0, &n) == 0 && n > 1)
+    if (xl_get(q, C2M_n, &v) && json_int(q->s, &v, 0, &n) == 0 && n > 1)
         return xl_refuse(q, "/n", "/n: Anthropic makes one answer per request");
-    if (xl_get(q, root, "stop", &v) && v.type != JSON_NULL) {
+    if (xl_get(q, C2M_stop, &v) && v.type != JSON_NULL) {
         jw_key(&q->w, "stop_sequences"), jw_open(&q->w, '[');
         if (v.type == JSON_STRING) e = v;
         for (int i = 0; v.type == JSON_STRING ? i == 0 : jv_next(q->s, q->n, &v, &pos, &k, &e);
@@ -11538,17 +11603,17 @@ static int c2m_options(xlq *q, const json_tok *root, int last_calls) {
         jw_close(&q->w, ']');
     }
     double temp;
-    if (xl_get(q, root, "temperature", &v) && v.type != JSON_NULL) {
+    if (xl_get(q, C2M_temperature, &v) && v.type != JSON_NULL) {
         if (json_number(q->s, &v, 0, &temp) < 0 || temp > 1)
             return xl_refuse(q, "/temperature",
                              "/temperature: Anthropic takes 0 to 1 (chat's 0 to 2 does not fit)");
         jw_key(&q->w, "temperature"), xl_copy(q, &v);
     }
-    if (xl_get(q, root, "top_p", &v) && v.type != JSON_NULL)
+    if (xl_get(q, C2M_top_p, &v) && v.type != JSON_NULL)
         jw_key(&q->w, "top_p"), xl_copy(q, &v);
-    if (c2m_thinking(q, root, max > 0 ? max : q->to->max_output_tokens, last_calls) < 0)
+    if (c2m_thinking(q, max > 0 ? max : q->to->max_output_tokens, last_calls) < 0)
         return LTG_ERR;
-    if (xl_get(q, root, "response_format", &v) && jv_get(q->s, q->n, &v, "type", &e) &&
+    if (xl_get(q, C2M_response_format, &v) && jv_get(q->s, q->n, &v, "type", &e) &&
         !json_eq(q->s, &e, 0, "text")) {
         if (!json_eq(q->s, &e, 0, "json_schema") || !jv_get(q->s, q->n, &v, "json_schema", &k) ||
             !jv_get(q->s, q->n, &k, "schema", &e))
@@ -11560,14 +11625,14 @@ static int c2m_options(xlq *q, const json_tok *root, int last_calls) {
         jw_key(&q->w, "schema"), xl_copy(q, &e);
         jw_close(&q->w, '}'), jw_close(&q->w, '}');
     }
-    if (xl_get(q, root, "user", &v) && v.type == JSON_STRING) {
+    if (xl_get(q, C2M_user, &v) && v.type == JSON_STRING) {
         jw_key(&q->w, "metadata"), jw_open(&q->w, '{');
         jw_key(&q->w, "user_id"), xl_copy(q, &v);
         jw_close(&q->w, '}');
     }
-    if (xl_get(q, root, "stream", &v) && v.type == JSON_TRUE)
+    if (xl_get(q, C2M_stream, &v) && v.type == JSON_TRUE)
         jw_key(&q->w, "stream"), jw_bool(&q->w, 1);
-    if (xl_get(q, root, "stream_options", &v) &&
+    if (xl_get(q, C2M_stream_options, &v) &&
         jv_get(q->s, q->n, &v, "include_usage", &e) && e.type == JSON_TRUE)
         q->v->include_usage = 1;
     return 0;
@@ -11575,17 +11640,20 @@ static int c2m_options(xlq *q, const json_tok *root, int last_calls) {
 
 static int c2m_request(xlq *q, const json_tok *root) {
     json_tok msgs;
-    int last_calls = 0;
+    int last_calls = 0, rc;
+    c2m_sys sys = {0};
     if (xl_fields(q, root, C2M_FIELDS, "Anthropic Messages") < 0) return LTG_ERR;
-    if (!xl_get(q, root, "messages", &msgs) || msgs.type != JSON_ARRAY)
+    if (!xl_get(q, C2M_messages, &msgs) || msgs.type != JSON_ARRAY)
         return xl_refuse(q, "/messages", "/messages: an array of messages is needed");
     jw_open(&q->w, '{');
     jw_key(&q->w, "model"), jw_cstr(&q->w, q->to->upstream);
-    if (c2m_system(q, &msgs) < 0 || c2m_messages(q, &msgs, &last_calls) < 0 ||
-        c2m_tools(q, root) < 0 || c2m_options(q, root, last_calls) < 0)
-        return LTG_ERR;
-    jw_close(&q->w, '}');
-    return 0;
+    jw_init(&sys.w, &sys.blocks);
+    sys.w.depth = 1; /* inside the array c2m_system opens */
+    rc = c2m_messages(q, &msgs, &sys, &last_calls) < 0 || c2m_system(q, &sys) < 0 ||
+         c2m_tools(q) < 0 || c2m_options(q, last_calls) < 0 ? LTG_ERR : 0;
+    buf_free(&sys.blocks);
+    if (rc == 0) jw_close(&q->w, '}');
+    return rc;
 }
 
 /* The client's body s[0..n) (of API `from`, validated whole by admission; top: its top level
@@ -11596,6 +11664,7 @@ static int xl_request(xl_api from, xl_api to, const char *s, size_t n, const jso
     xlq q = {.s = s, .n = n, .v = v, .to = t, .top = top};
     *v = (xl_verdict){0};
     out->len = 0;
+    buf_reserve(out, n + 256); /* about the body's size: room made once, not doubled into */
     jw_init(&q.w, out);
     json_tok root = jv_doc(s, n);
     assert(from != to && root.type == JSON_OBJECT);
@@ -11669,11 +11738,10 @@ static void xl_client_name(const char *req, size_t rn, const char *name, size_t 
  * (their tokens in s, null when absent). */
 static void xl_answer_names(jwriter *w, const char *s, const json_tok *id, const json_tok *mdl,
                             const char *prefix) {
-    buf b = {0};
-    buf_puts(&b, prefix);
-    if (id->type == JSON_STRING) buf_append(&b, s + id->start, id->end - id->start);
-    jw_key(w, "id"), xl_escaped(w, &b);
-    buf_free(&b);
+    jw_key(w, "id"), jw_sep(w);
+    buf_cat(w->out, "\"", prefix, NULL);
+    if (id->type == JSON_STRING) buf_append(w->out, s + id->start, id->end - id->start);
+    buf_append(w->out, "\"", 1);
     jw_key(w, "model");
     if (mdl->type == JSON_STRING) jw_raw(w, s + mdl->start - 1, mdl->end - mdl->start + 2);
     else jw_cstr(w, "");
@@ -11784,9 +11852,9 @@ static void xl_tool_calls(jwriter *w, const char *s, size_t n, const json_tok *c
 /* An Anthropic message as a chat completion. */
 static void xl_message_to_chat(const char *s, size_t n, const long long u[NTOK], buf *out) {
     static const char *const names[] = {"id", "model", "content", "stop_reason", NULL};
-    json_tok root = jv_doc(s, n), r[4], content, k, b, t;
+    json_tok root = jv_doc(s, n), r[4], content, k, b, t, one = {0};
     size_t pos = 0;
-    buf text = {0}, think = {0};
+    buf text = {0}, think = {0}; /* the text of several blocks, joined */
     int tools = 0;
     jwriter w;
     jv_members(s, n, &root, names, r); /* one walk */
@@ -11800,18 +11868,25 @@ static void xl_message_to_chat(const char *s, size_t n, const long long u[NTOK],
     jw_key(&w, "index"), jw_int(&w, 0);
     jw_key(&w, "message"), jw_open(&w, '{');
     jw_key(&w, "role"), jw_cstr(&w, "assistant");
-    int has = content.type == JSON_ARRAY;
+    int has = content.type == JSON_ARRAY, texts = 0;
     while (has && jv_next(s, n, &content, &pos, &k, &b)) {
         jv_get(s, n, &b, "type", &t);
-        buf *into = json_eq(s, &t, 0, "text")       ? &text
-                    : json_eq(s, &t, 0, "thinking") ? &think
-                                                    : NULL;
+        int is_text = json_eq(s, &t, 0, "text");
+        buf *into = is_text ? &text : json_eq(s, &t, 0, "thinking") ? &think : NULL;
         tools += json_eq(s, &t, 0, "tool_use");
-        if (into && jv_get(s, n, &b, into == &text ? "text" : "thinking", &t))
-            buf_append(into, s + t.start, t.end - t.start);
+        if (!into || !jv_get(s, n, &b, is_text ? "text" : "thinking", &t) ||
+            t.type != JSON_STRING)
+            continue;
+        if (is_text && texts++ == 0) { /* one text block, the usual answer: written as it is */
+            one = t;
+            continue;
+        }
+        if (is_text && texts == 2) buf_append(&text, s + one.start, one.end - one.start);
+        buf_append(into, s + t.start, t.end - t.start);
     }
     jw_key(&w, "content");
-    if (text.len || !tools) xl_escaped(&w, &text);
+    if (texts == 1) jw_raw(&w, s + one.start - 1, one.end - one.start + 2);
+    else if (text.len || !tools) xl_escaped(&w, &text);
     else jw_null(&w);
     if (think.len) jw_key(&w, "reasoning_content"), xl_escaped(&w, &think);
     if (tools) xl_tool_calls(&w, s, n, &content);
@@ -11834,6 +11909,7 @@ static void xl_message_to_chat(const char *s, size_t n, const long long u[NTOK],
 static int xl_answer(xl_api from, xl_api client, const char *s, size_t n, const char *req,
                      size_t rn, const long long u[NTOK], buf *out, const char **why) {
     out->len = 0;
+    buf_reserve(out, n + 512); /* chat's answer is a few hundred bytes longer than Anthropic's */
     if (from == XL_CHAT && client == XL_MESSAGES)
         return xl_chat_to_message(s, n, req, rn, u, out, why);
     xl_message_to_chat(s, n, u, out);
@@ -13173,7 +13249,7 @@ static void exchange_cost_headers(exchange *x, int64_t cost, buf *h) {
 /* The token classes of tok, as members of the object being written. */
 static void tokens_json(jwriter *w, const long long tok[NTOK]) {
     for (int k = 0; k < NTOK; k++) {
-        jw_key(w, tok_names[k]), jw_int(w, tok[k]);
+        jw_name(w, tok_names[k]), jw_int(w, tok[k]);
     }
 }
 
@@ -15240,7 +15316,7 @@ static void request_ended(conn *c) {
     jw_key(&w, "client_api"), jw_cstr(&w, f->client_api);
     jw_key(&w, "attempts"), jw_ll_or_null(&w, f->attempts);
     for (int k = 0; k < NTOK; k++) {
-        jw_key(&w, tok_names[k]), jw_ll_or_null(&w, f->tok[TOK_IN] < 0 ? -1 : f->tok[k]);
+        jw_name(&w, tok_names[k]), jw_ll_or_null(&w, f->tok[TOK_IN] < 0 ? -1 : f->tok[k]);
     }
     jw_key(&w, "cost");
     if (f->cost >= 0) jw_usd(&w, f->cost);

@@ -103,7 +103,10 @@ int json_number(const char *s, const json_tok *t, int i, double *out);
 /* ===== JSON writer =====
  * Appends to a buf and inserts the commas itself: call jw_key() before each
  * member of an object, then the value. Strings are escaped per RFC 8259
- * (control characters as \u00XX); invalid UTF-8 is written as U+FFFD. */
+ * (control characters as \u00XX); invalid UTF-8 is written as U+FFFD.
+ * jw_key takes a string literal (plain ASCII, as every name ltg writes:
+ * copied as it is, quotes and ':' joined at compile time); jw_name any other
+ * name, escaped when it must be. */
 typedef struct {
     buf *out;
     int depth;
@@ -113,7 +116,9 @@ typedef struct {
 void jw_init(jwriter *w, buf *out);
 void jw_open(jwriter *w, char brace); /* '{' or '[' */
 void jw_close(jwriter *w, char brace); /* '}' or ']' */
-void jw_key(jwriter *w, const char *key);
+#define jw_key(w, literal) jw_lit_key((w), "\"" literal "\":", sizeof(literal) + 2)
+void jw_lit_key(jwriter *w, const char *quoted, size_t n);
+void jw_name(jwriter *w, const char *name);
 void jw_str(jwriter *w, const char *s, size_t n);
 void jw_cstr(jwriter *w, const char *s); /* NULL writes null */
 void jw_int(jwriter *w, long long v);

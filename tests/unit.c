@@ -2310,14 +2310,15 @@ static void test_xl_requests(void) {
               "\"r1\"},{\"role\":\"tool\",\"tool_call_id\":\"call_2\",\"content\":\"r2\"},{\"role\":\"user\","
               "\"content\":\"next\"}],\"reasoning_effort\":\"high\",\"seed\":4,\"temperature\":0.5,"
               "\"stop\":\"END\",\"user\":\"u\"}",
-              "{\"model\":\"up-model\",\"system\":\"s\",\"messages\":[{"
+              "{\"model\":\"up-model\",\"messages\":[{"
               "\"role\":\"user\",\"content\":\"go\"},{\"role\":\"assistant\","
               "\"content\":[{\"type\":\"tool_use\",\"id\":\"functions_Bash_0_a97d1507\",\"name\":\"Bash\","
               "\"input\":{\"c\":1}},{\"type\":\"tool_use\",\"id\":\"call_2\",\"name\":\"Bash\",\"input\":{}}]},"
               "{\"role\":\"user\",\"content\":[{\"type\":\"tool_result\",\"tool_use_id\":"
               "\"functions_Bash_0_a97d1507\",\"content\":\"r1\"},{\"type\":\"tool_result\",\"tool_use_id\":"
-              "\"call_2\",\"content\":\"r2\"},{\"type\":\"text\",\"text\":\"next\"}]}],\"max_tokens\":8000,"
-              "\"stop_sequences\":[\"END\"],\"temperature\":0.5,\"metadata\":{\"user_id\":\"u\"}}",
+              "\"call_2\",\"content\":\"r2\"},{\"type\":\"text\",\"text\":\"next\"}]}],\"system\":\"s\","
+              "\"max_tokens\":8000,\"stop_sequences\":[\"END\"],\"temperature\":0.5,"
+              "\"metadata\":{\"user_id\":\"u\"}}",
               NULL, "/seed,/reasoning_effort");
     /* an image as a data: URL becomes a base64 source (the fuzzer found the slice written with
      * its neighbours as quotes); an https one a url source; detail dropped */
@@ -2503,21 +2504,22 @@ static void test_xl_c2m_rows(void) {
         "{'model':'up-model','messages':[{'role':'user','content':[{'type':'text','text':'x'}]},"
         "{'role':'assistant','content':[{'type':'text','text':'(empty)'}]},{'role':'user',"
         "'content':'y'}],'max_tokens':8000}", NULL);
-    /* system and developer messages hoisted in order, never overwriting each other (envoy#2488) */
+    /* system and developer messages hoisted in order, never overwriting each other (envoy#2488);
+     * "system" follows the turns, found as they are walked */
     C2M("{'model':'G','messages':[{'role':'system','content':'a'},{'role':'developer','content':"
         "[{'type':'text','text':'b'}]},{'role':'user','content':'q'}]}",
-        "{'model':'up-model','system':[{'type':'text','text':'a'},{'type':'text','text':'b'}],"
-        "'messages':[{'role':'user','content':'q'}],'max_tokens':8000}", NULL);
+        "{'model':'up-model','messages':[{'role':'user','content':'q'}],'system':[{'type':'text',"
+        "'text':'a'},{'type':'text','text':'b'}],'max_tokens':8000}", NULL);
     /* a string stays a string; a single system message of blocks stays blocks, and an
      * assistant's text with its tool calls is blocks */
     C2M("{'model':'G','messages':[{'role':'system','content':[{'type':'text','text':'s'}]},{'role':"
         "'user','content':'q'},{'role':'assistant','content':'t','tool_calls':[{'id':'c1','type':"
         "'function','function':{'name':'f','arguments':'{}'}}]},{'role':'tool','tool_call_id':"
         "'c1','content':'r'}]}",
-        "{'model':'up-model','system':[{'type':'text','text':'s'}],'messages':[{'role':'user',"
-        "'content':'q'},{'role':'assistant','content':[{'type':'text','text':'t'},{'type':"
-        "'tool_use','id':'c1','name':'f','input':{}}]},{'role':'user','content':[{'type':"
-        "'tool_result','tool_use_id':'c1','content':'r'}]}],'max_tokens':8000}", NULL);
+        "{'model':'up-model','messages':[{'role':'user','content':'q'},{'role':'assistant',"
+        "'content':[{'type':'text','text':'t'},{'type':'tool_use','id':'c1','name':'f','input':"
+        "{}}]},{'role':'user','content':[{'type':'tool_result','tool_use_id':'c1','content':'r'}]}],"
+        "'system':[{'type':'text','text':'s'}],'max_tokens':8000}", NULL);
     /* a file with its data is a document; a file id cannot be carried */
     C2M("{'model':'G','messages':[{'role':'user','content':[{'type':'file','file':{'filename':"
         "'a.pdf','file_data':'data:application/pdf;base64,QQ=='}}]}]}",
@@ -2644,6 +2646,11 @@ static void test_xl_answers(void) {
         "'{\\'x\\':1}'}}]|'prompt_tokens':20,'completion_tokens':7|'cached_tokens':5|"
         "'cache_creation_input_tokens':3",
         "zz|'s'");
+    /* one text block is written as it is, escapes and all; a text that is not a string is none */
+    xla(XL_MESSAGES, XL_CHAT, u,
+        "{'id':'m1','model':'c','content':[{'type':'text','text':'say \\'hi\\''},{'type':'text',"
+        "'text':1}],'stop_reason':'end_turn'}",
+        "'content':'say \\'hi\\''}|'finish_reason':'stop'", NULL);
     /* chat -> Anthropic: blocks thinking-less, text then tool_use; a tool call ends with
      * tool_use whatever was said (GLM's stop: weave-os/router#250, bifrost#6123); an id
      * Anthropic refuses mapped; usage exclusive; the name mapped back to the client's */
