@@ -11062,23 +11062,23 @@ static int m2c_system(xlq *q, const json_tok *sys, const char *p) {
 /* The turns: the system prompt first; a system turn among them (Claude Code sends them, with
  * the mid-conversation-system beta) stays where it is, as chat allows. */
 static int m2c_messages(xlq *q) {
-    json_tok msgs, m, k, role, content, sys;
+    static const char *const names[] = {"role", "content", NULL};
+    json_tok msgs, m, f[2], *role = &f[0], *content = &f[1], sys;
     size_t pos = 0;
+    unsigned got;
     char p[64];
     jw_key(&q->w, "messages"), jw_open(&q->w, '[');
     if (xl_get(q, M2C_system, &sys) && m2c_system(q, &sys, "/system") < 0) return LTG_ERR;
     if (!xl_get(q, M2C_messages, &msgs) || msgs.type != JSON_ARRAY)
         return xl_refuse(q, "/messages", "/messages: an array of turns is needed");
-    for (int i = 0; jv_next(q->s, q->n, &msgs, &pos, &k, &m); i++) {
+    for (int i = 0; jv_next_members(q->s, q->n, &msgs, &pos, names, f, &got, &m); i++) {
         xl_ptr(p, sizeof p, "/messages", NULL, i, NULL);
-        if (!jv_get(q->s, q->n, &m, "role", &role) ||
-            !jv_get(q->s, q->n, &m, "content", &content) ||
-            (content.type != JSON_STRING && content.type != JSON_ARRAY))
+        if (got != 3 || (content->type != JSON_STRING && content->type != JSON_ARRAY))
             return xl_refuse(q, p, "%s: a turn needs a role and a content", p);
         xl_ptr(p, sizeof p, "/messages", NULL, i, "content");
-        int r = json_eq(q->s, &role, 0, "user")        ? m2c_user(q, &content, p)
-                : json_eq(q->s, &role, 0, "assistant") ? m2c_assistant(q, &content, p)
-                : json_eq(q->s, &role, 0, "system")    ? m2c_system(q, &content, p)
+        int r = json_eq(q->s, role, 0, "user")        ? m2c_user(q, content, p)
+                : json_eq(q->s, role, 0, "assistant") ? m2c_assistant(q, content, p)
+                : json_eq(q->s, role, 0, "system")    ? m2c_system(q, content, p)
                                                        : xl_refuse(q, p, "%s: a role of "
                                                                    "user, assistant or system", p);
         if (r < 0) return LTG_ERR;
@@ -11780,13 +11780,14 @@ static int xl_chat_to_message(const char *s, size_t n, const char *req, size_t r
     static const char *const names[] = {"id", "model", "choices", NULL},
                              *const choice[] = {"message", "finish_reason", NULL},
                              *const message[] = {"content", "tool_calls", NULL};
-    json_tok root = jv_doc(s, n), r[3], c[2], m[2], k, c0 = {JSON_NULL, 0, 0, 0, 0}, call,
-             *v = &m[0], *calls = &m[1];
+    json_tok root = jv_doc(s, n), r[3], c[2], m[2], k, c0, call, *v = &m[0], *calls = &m[1];
     size_t pos = 0;
+    unsigned got;
     jwriter w;
     jv_members(s, n, &root, names, r); /* one walk of each object; what is not there is null */
-    if (r[2].type == JSON_ARRAY) jv_next(s, n, &r[2], &pos, &k, &c0);
-    jv_members(s, n, &c0, choice, c), jv_members(s, n, &c[0], message, m);
+    for (int i = 0; i < 2; i++) c[i] = (json_tok){JSON_NULL, 0, 0, 0, 0};
+    if (r[2].type == JSON_ARRAY) jv_next_members(s, n, &r[2], &pos, choice, c, &got, &c0);
+    jv_members(s, n, &c[0], message, m);
     jw_init(&w, out);
     jw_open(&w, '{');
     xl_answer_names(&w, s, &r[0], &r[1], "msg_");
