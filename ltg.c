@@ -7,8 +7,9 @@
  * control plane (admin keys) manages token groups -- the policy -- and
  * issues token keys; the inference plane speaks OpenAI's APIs and
  * Anthropic's Messages and accepts only token keys, and a chat or Messages
- * client reaches a model of either API (section 17 translates). Changes to groups and keys are fsynced to an append-only
- * log before they are acknowledged; every admitted inference request leaves a
+ * client reaches a model of either API (section 17 translates). Changes to
+ * groups and keys are fsynced to an append-only log before they are
+ * acknowledged; every admitted inference request leaves a
  * spend event in the ledger (refusals and token counts do not; nor does a
  * request still running when a drain ends), one log per UTC day, each
  * sealed at midnight with an index file beside it and deleted after
@@ -37,8 +38,9 @@
  *   3. exchange_attempt() (18) picks a deployment of the current model of
  *      the chain [M] + fallbacks[M] (deployment_pick, 11), rewrites "model"
  *      for it -- or, for a model whose provider speaks another API than the
- *      client's, translates the request (xl_request, 17) and later its
- *      answer -- and up_start() (9) borrows a pooled
+ *      client's or does not serve its endpoint (model_native), translates
+ *      the request (xl_request, 17) and later its answer, or skips the model
+ *      when nothing translates it -- and up_start() (9) borrows a pooled
  *      upstream connection or opens one (resolving the host without
  *      blocking, 7).
  *   4. The upstream connection calls exchange_upstream() back; a success is
@@ -3564,6 +3566,14 @@ static void dns_init(void) {
  * are secured, its pool of idle ones -- and what the gateway adds: its API
  * keys and the APIs it speaks. The catalog (section 10) fills it in. */
 enum { API_OPENAI, API_ANTHROPIC };
+/* The endpoints of the two APIs (section 18's WIRE rows, `ep`): a provider serves a set of them,
+ * a bit each. An OpenAI-API provider serves all four of its own unless its `endpoints` says
+ * otherwise; an Anthropic one, Messages and count_tokens. */
+enum { EP_CHAT, EP_COMPLETIONS, EP_EMBEDDINGS, EP_RESPONSES, EP_MESSAGES, EP_COUNT_TOKENS };
+static const char *const ep_names[] = {"chat", "completions", "embeddings", "responses",
+                                       "messages", "count_tokens"};
+#define EPS_OPENAI (1u << EP_CHAT | 1u << EP_COMPLETIONS | 1u << EP_EMBEDDINGS | 1u << EP_RESPONSES)
+#define EPS_ANTHROPIC (1u << EP_MESSAGES | 1u << EP_COUNT_TOKENS)
 
 struct provider {
     char *name, *host, *base_path, *hostport;
@@ -3572,6 +3582,7 @@ struct provider {
     int64_t *key_bad_until; /* per key, S.now ms: a key the provider refused rests until then */
     int port, tls, tls_verify;
     int api;        /* API_OPENAI or API_ANTHROPIC: the APIs it speaks (section 18's WIRE) */
+    unsigned endpoints; /* ... and which of that API's endpoints it serves (EP_* bits) */
     br_ssl_session_parameters session; /* the last TLS session, for resumption (section 8) */
     int have_session;
     upstream *idle; /* the pool: idle keep-alive connections, most recent first */
@@ -4385,6 +4396,7 @@ struct model {
     deployment *dep;
     int ndep;
     int api;                     /* what its providers speak (API_*): every deployment the same */
+    unsigned endpoints;          /* ... and the endpoints they serve (EP_* bits): the same too */
     prices price;                /* its prices per token class */
     /* ... and those of a request whose input passes long_above (0: none) */
     prices long_price;
@@ -4742,9 +4754,32 @@ static void *cfg_room(const cfg *c, int obj, size_t size) {
     return xcalloc(n > 0 ? (size_t)n : 1, size);
 }
 
+/* A provider's "endpoints": the OpenAI endpoints it serves (all four when absent). */
+static int cfg_endpoints(cfg *c, int v, const char *where, provider *p) {
+    static const char *const want = "a non-empty array of \"chat\", \"completions\", "
+                                    "\"responses\" and \"embeddings\": those the provider serves";
+    int e = json_get(c->s, c->t, v, "endpoints");
+    p->endpoints = p->api == API_ANTHROPIC ? EPS_ANTHROPIC : EPS_OPENAI;
+    if (e < 0) return 0;
+    if (p->api == API_ANTHROPIC)
+        return cfg_fail(c, where, "endpoints",
+                        "is for OpenAI-API providers (an Anthropic one serves messages and "
+                        "count_tokens)");
+    if (c->t[e].type != JSON_ARRAY || c->t[e].size == 0)
+        return cfg_fail(c, where, "endpoints", "must be %s", want);
+    p->endpoints = 0;
+    for (int m = 0, i = e + 1; m < c->t[e].size; m++, i = c->t[i].next) {
+        int k = EP_CHAT;
+        while (k <= EP_RESPONSES && !json_eq(c->s, c->t, i, ep_names[k])) k++;
+        if (k > EP_RESPONSES) return cfg_fail(c, where, "endpoints", "must be %s", want);
+        p->endpoints |= 1u << k;
+    }
+    return 0;
+}
+
 static int cfg_provider(cfg *c, catalog *cat, int k, const char *where) {
     static const char *const fields[] = {
-        "base_url", "api_key_env", "api_key_envs", "tls_verify", "api", NULL
+        "base_url", "api_key_env", "api_key_envs", "tls_verify", "api", "endpoints", NULL
     };
     provider *p = &cat->prov[cat->nprov++];
     p->name = json_strdup(c->s, c->t, k);
@@ -4768,6 +4803,7 @@ static int cfg_provider(cfg *c, catalog *cat, int k, const char *where) {
                         "must be \"openai\" (the default: chat, completions, responses, "
                         "embeddings) or \"anthropic\" (messages)");
     p->api = api >= 0 && json_eq(c->s, c->t, api, "anthropic") ? API_ANTHROPIC : API_OPENAI;
+    if (cfg_endpoints(c, v, where, p) < 0) return LTG_ERR;
     int tv = json_get(c->s, c->t, v, "tls_verify");
     if (tv >= 0) {
         if (c->t[tv].type != JSON_TRUE && c->t[tv].type != JSON_FALSE)
@@ -4807,12 +4843,14 @@ static int cfg_deployment(cfg *c, catalog *cat, model *md, int v, const char *wh
     size_t n = strlen(d->p->name) + strlen(d->upstream) + 2;
     d->name = xmalloc(n);
     snprintf(d->name, n, "%s/%s", d->p->name, d->upstream);
-    if (md->ndep > 1 && d->p->api != md->api)
+    if (md->ndep > 1 && (d->p->api != md->api || d->p->endpoints != md->endpoints))
         return cfg_fail(c, where, "provider",
-                        "\"%s\" speaks another API than the model's first deployment: the "
-                        "deployments of one model must be interchangeable",
-                        d->p->name);
+                        "\"%s\" %s than the model's first deployment: the deployments of one "
+                        "model must be interchangeable",
+                        d->p->name,
+                        d->p->api != md->api ? "speaks another API" : "serves other endpoints");
     md->api = d->p->api;
+    md->endpoints = d->p->endpoints;
     for (int k = 0; k < md->ndep - 1; k++)
         if (strcmp(md->dep[k].name, d->name) == 0)
             return cfg_fail(c, where, NULL, "deployment %s is listed twice", d->name);
@@ -12807,6 +12845,7 @@ enum { CUT_DATA, CUT_EVENT, CUT_ANTHROPIC }; /* how a broken stream ends: see st
 struct wire_kind {
     const char *path, *upstream; /* the client's path; the provider's, under its base URL */
     const char *name;            /* the API's name in events and logs ("chat", "messages"...) */
+    int ep;                      /* its endpoint (EP_*): a provider that serves it is sent it */
     xl_api xl;                   /* the API translation speaks for it (XL_NONE: none) */
     /* the providers that speak it (API_*), and the shape of ltg's errors */
     int api;
@@ -12844,27 +12883,48 @@ struct wire_kind {
     .in_adds_cache = 1
 
 static const wire_kind WIRE[] = {
-    {"/v1/chat/completions", "/chat/completions", "chat", XL_CHAT, API_OPENAI, .stream = 1,
-     .ask_usage = 1, USAGE_PROMPT, .max_out = {"max_tokens", "max_completion_tokens"},
+    {"/v1/chat/completions", "/chat/completions", "chat", EP_CHAT, XL_CHAT, API_OPENAI,
+     .stream = 1, .ask_usage = 1, USAGE_PROMPT, .max_out = {"max_tokens", "max_completion_tokens"},
      .cut = CUT_DATA},
-    {"/v1/completions", "/completions", "completions", XL_NONE, API_OPENAI, .stream = 1,
-     .ask_usage = 1, USAGE_PROMPT, .max_out = {"max_tokens"}, .cut = CUT_DATA},
-    {"/v1/embeddings", "/embeddings", "embeddings", XL_NONE, API_OPENAI, USAGE_PROMPT,
-     .cut = CUT_DATA},
-    {"/v1/responses", "/responses", "responses", XL_NONE, API_OPENAI, .stream = 1, USAGE_IO,
-     .max_out = {"max_output_tokens"}, .event_usage = "response", .event_usage_final = 1,
-     .cut = CUT_EVENT, .pins = 1},
-    {"/v1/messages", "/messages", "messages", XL_MESSAGES, API_ANTHROPIC, .stream = 1,
+    {"/v1/completions", "/completions", "completions", EP_COMPLETIONS, XL_NONE, API_OPENAI,
+     .stream = 1, .ask_usage = 1, USAGE_PROMPT, .max_out = {"max_tokens"}, .cut = CUT_DATA},
+    {"/v1/embeddings", "/embeddings", "embeddings", EP_EMBEDDINGS, XL_NONE, API_OPENAI,
+     USAGE_PROMPT, .cut = CUT_DATA},
+    {"/v1/responses", "/responses", "responses", EP_RESPONSES, XL_NONE, API_OPENAI, .stream = 1,
+     USAGE_IO, .max_out = {"max_output_tokens"}, .event_usage = "response",
+     .event_usage_final = 1, .cut = CUT_EVENT, .pins = 1},
+    {"/v1/messages", "/messages", "messages", EP_MESSAGES, XL_MESSAGES, API_ANTHROPIC, .stream = 1,
      USAGE_ANTHROPIC, .max_out = {"max_tokens"}, .event_usage = "message", .cut = CUT_ANTHROPIC},
-    {"/v1/messages/count_tokens", "/messages/count_tokens", "count_tokens", XL_NONE,
-     API_ANTHROPIC, USAGE_ANTHROPIC, .cut = CUT_ANTHROPIC, .free = 1},
+    {"/v1/messages/count_tokens", "/messages/count_tokens", "count_tokens", EP_COUNT_TOKENS,
+     XL_NONE, API_ANTHROPIC, USAGE_ANTHROPIC, .cut = CUT_ANTHROPIC, .free = 1},
 };
 
 /* The row a translated request is sent as: chat's or Messages'. */
 static const wire_kind *wire_of(xl_api xl) { return &WIRE[xl == XL_MESSAGES ? 4 : 0]; }
 
-/* The API translation speaks for a model's provider. */
-static xl_api model_xl(const model *m) { return m->api == API_ANTHROPIC ? XL_MESSAGES : XL_CHAT; }
+/* Does m's provider serve kind's endpoint (the request is then sent as it is)? */
+static int model_native(const model *m, const wire_kind *kind) {
+    return m->endpoints >> kind->ep & 1;
+}
+
+/* The API translation speaks for a model's provider: Messages, or chat where it serves chat
+ * (XL_NONE: neither). */
+static xl_api model_xl(const model *m) {
+    return m->api == API_ANTHROPIC ? XL_MESSAGES : m->endpoints >> EP_CHAT & 1 ? XL_CHAT : XL_NONE;
+}
+
+/* Why a request of `kind` cannot reach m at all: m's provider does not serve it, and ltg does
+ * not translate it to what the provider serves. */
+static void model_unreachable(char out[100], const wire_kind *kind, const model *m) {
+    char eps[80] = "", msg[300];
+    for (int k = 0; k <= EP_COUNT_TOKENS; k++)
+        if (m->endpoints >> k & 1)
+            snprintf(eps + strlen(eps), sizeof eps - strlen(eps), "%s%s", eps[0] ? ", " : "",
+                     ep_names[k]);
+    snprintf(msg, sizeof msg, "%s's provider serves %s, not %s, and ltg does not translate %s to "
+             "those", m->alias, eps, kind->name, kind->name);
+    snprintf(out, 100, "%.99s", msg); /* the attempt log's room */
+}
 
 /* The value of member path `path` ("a" or "a.b") of object token obj. */
 static int json_path(const char *s, const json_tok *t, int obj, const char *path) {
@@ -14099,11 +14159,10 @@ static int exchange_translate(exchange *x) {
     xl_stream_free(x->xs); /* a translated attempt before this one leaves nothing behind */
     x->xs = NULL;
     x->dropped[0] = 0;
-    if (m->api == x->kind->api) return 0;
+    if (model_native(m, x->kind)) return 0;
     char *why = x->untranslatable[x->plan.model];
-    if (x->kind->xl == XL_NONE) {
-        snprintf(why, sizeof x->untranslatable[0], "%s is not translated to %s's API",
-                 x->kind->path, m->alias);
+    if (x->kind->xl == XL_NONE || model_xl(m) == XL_NONE) {
+        model_unreachable(why, x->kind, m);
         return LTG_ERR;
     }
     xl_target t = {exchange_dep(x)->upstream, m->max_output_tokens, m->reasoning};
@@ -14701,7 +14760,7 @@ static int admit_model(admission *a, refusal *r) {
                           "previous_response_id names a response of \"%.200s\", which this key may "
                           "not call",
                           pinned);
-        if (!(m = catalog_model(S.cat, pinned, strlen(pinned))) || m->api != a->kind->api)
+        if (!(m = catalog_model(S.cat, pinned, strlen(pinned))) || !model_native(m, a->kind))
             return refuse(r, 404, "model_not_found", NULL,
                           "previous_response_id names a response of \"%.200s\", no longer in this "
                           "gateway's catalog",
@@ -14732,10 +14791,9 @@ static int admit_translation(admission *a, refusal *r) {
     for (int i = 0; i < a->nchain; i++) { /* to the first model that can take it */
         model *m = a->chain[i];
         xl_target t = {m->dep[0].upstream, m->max_output_tokens, m->reasoning};
-        if (m->api == a->kind->api) return ADMIT;
-        if (a->kind->xl == XL_NONE) {
-            snprintf(a->untranslatable[i], sizeof a->untranslatable[0],
-                     "%s is not translated to %s's API", a->kind->path, m->alias);
+        if (model_native(m, a->kind)) return ADMIT;
+        if (a->kind->xl == XL_NONE || model_xl(m) == XL_NONE) {
+            model_unreachable(a->untranslatable[i], a->kind, m);
         } else if (xl_request(a->kind->xl, model_xl(m), a->body, a->c->body.len, a->t, &t,
                               &a->xbody, &a->xv) < 0) {
             snprintf(a->untranslatable[i], sizeof a->untranslatable[0], "%.99s", a->xv.msg);
@@ -14749,11 +14807,14 @@ static int admit_translation(admission *a, refusal *r) {
     }
     if (first >= 0) return REFUSE;
     model *m = a->chain[0];
-    return refuse(r, 400, "invalid_request", NULL,
-                  "the model \"%.200s\" is served through %s, and %s is not translated: call it "
-                  "on %s",
-                  a->name.p, m->api == API_ANTHROPIC ? "Anthropic's Messages API" : "OpenAI's API",
-                  a->kind->path, m->api == API_ANTHROPIC ? "/v1/messages" : "/v1/chat/completions");
+    if (m->api != a->kind->api && a->kind->xl == XL_NONE)
+        return refuse(r, 400, "invalid_request", NULL,
+                      "the model \"%.200s\" is served through %s, and %s is not translated: call "
+                      "it on %s",
+                      a->name.p, m->api == API_ANTHROPIC ? "Anthropic's Messages API" : "OpenAI's API",
+                      a->kind->path,
+                      m->api == API_ANTHROPIC ? "/v1/messages" : "/v1/chat/completions");
+    return refuse(r, 400, "invalid_request", NULL, "%s", a->untranslatable[0]);
 }
 
 /* "stream"; the limits on output tokens the kind names ("max_tokens"...:
@@ -15137,7 +15198,7 @@ static void inference_call(conn *c, const wire_kind *kind) {
     admission_facts(&a);
     if (v == REFUSE) inference_refuse(&a, &r);
     else if (v == REPLAY) inference_replay(c, a.replay);
-    else if (kind->free && a.chain[0]->api != kind->api) count_estimate(&a);
+    else if (kind->free && !model_native(a.chain[0], kind)) count_estimate(&a);
     else inference_start(&a);
     free(a.usage.text);
     buf_free(&a.name);

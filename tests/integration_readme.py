@@ -5,12 +5,13 @@ run as one bash script, exactly as a newcomer pastes them, in a scratch director
 clone (./ltg, tests/mock, examples/ltg.example.json). Only the ports change: the README's 8080,
 8081 and 9000 become free ones, so the test runs beside anything else on the machine. The script
 starts its own mock and ltg (with `&`) and stops them (`kill %1 %2`); the test checks what it
-printed and that it stopped them. The unit file of examples/ is checked with systemd-analyze, and
-`make install` into a DESTDIR.
+printed and that it stopped them. The provider presets and their models load as a catalog. The
+unit file of examples/ is checked with systemd-analyze, and `make install` into a DESTDIR.
 
 Runs alone: python3 tests/integration_readme.py --ltg ./ltg --mock tests/mock
 """
 
+import json
 import os
 import re
 import shutil
@@ -92,6 +93,29 @@ def t_quick_start():
           "the quick start left its scratch files behind")
     check(os.path.isdir(os.path.join(work, "ltg-data")), "no ./ltg-data after the quick start")
     check(not it.port_open(ltg_port) and not it.port_open(mock_port), "the quick start left ltg or the mock running")
+
+
+@it.test("README: the provider presets and their models load as a catalog (endpoints included)")
+def t_presets():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    blocks = re.findall(r"^```json\n(.*?)^```", text, re.S | re.M)
+    provs = [b for b in blocks if b.startswith('"openai":')]
+    check(len(provs) == 1, "one ```json block of provider presets, starting with \"openai\": (%d)" % len(provs))
+    models = blocks[blocks.index(provs[0]) + 1]
+    cfg = {"providers": json.loads("{" + provs[0] + "}"), "models": json.loads("{" + models + "}"),
+           "admin_keys": [{"key_env": "LTG_ADMIN_KEY", "permissions": ["*"]}]}
+    check(cfg["providers"]["groq"].get("endpoints") == ["chat", "responses"], "groq's endpoints %r" % cfg["providers"]["groq"])
+    env = dict(it.H.env, LTG_ADMIN_KEY="admin-presets-key")
+    for p in cfg["providers"].values():
+        if "api_key_env" in p:
+            env[p["api_key_env"]] = "sk-presets-not-a-key"
+    a = it.Aux("presets", config=it.write_catalog(cfg, "presets"), env=env)
+    try:
+        a.start()
+        a.stop()
+    finally:
+        a.close()
 
 
 @it.test("install: make install into a DESTDIR; the unit passes systemd-analyze verify")

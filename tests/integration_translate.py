@@ -23,6 +23,9 @@ MODELS = {
     # the error tests' own: the failures they provoke open these models' circuit breakers
     "Claude-err": ("anth", "claude-err", 3.0, 15.0),
     "GLM-err": ("mock", "glm-err", 0.6, 2.2),
+    # behind a provider that serves chat only ("endpoints"), and one that serves all four
+    "GLM-chat": ("chatonly", "glm-chat-up", 0.6, 2.2),
+    "GPT": ("mock", "gpt-up", 1.0, 4.0),
 }
 _ltg = {}
 
@@ -33,6 +36,7 @@ def ltg():
     if "aux" not in _ltg:
         cfg = it.catalog_copy()
         cfg["providers"]["anth"] = dict(cfg["providers"]["mock"], api="anthropic")
+        cfg["providers"]["chatonly"] = dict(cfg["providers"]["mock"], endpoints=["chat"])
         for alias, (prov, up, i, o) in MODELS.items():
             cfg["models"][alias] = dict(it.catalog_model(prov, up, i, o), max_output_tokens=8000)
         a = it.Aux("translate", config=it.write_catalog(cfg, "translate"))
@@ -188,6 +192,31 @@ def t_untranslatable():
     e = jbody(r)
     check(r.status == 400 and e["type"] == "error" and e["error"]["code"] == "untranslatable_field"
           and e["error"]["param"] == "/tools/0/type", "%d %r" % (r.status, e))
+
+
+@it.test("translate: a provider's endpoints -- what it does not serve is never sent to it: refused (no call) "
+         "for a model alone, skipped as untranslatable in a chain; what it serves passes as it is")
+def t_endpoints():
+    g, token = group_key(["GLM-chat", "GPT"], {"GLM-chat": ["GPT"]})
+    _, alone = group_key(["GLM-chat"])
+    before = it.H.mock_get("/_mock/stats")
+    for path, body in (("/v1/responses", {"model": "GLM-chat", "input": "Hi"}),
+                       ("/v1/embeddings", {"model": "GLM-chat", "input": "Hi"})):
+        r = post(path, body, alone)
+        e = jbody(r).get("error") or {}
+        check(r.status == 400 and e.get("code") == "invalid_request" and "serves chat, not" in e.get("message", ""),
+              "%s: %d %r" % (path, r.status, r.body[:300]))
+    check(it.H.mock_get("/_mock/stats")["requests"] == before["requests"], "the provider was sent what it does not serve")
+    r = post("/v1/responses", {"model": "GLM-chat", "input": "Hi"}, token)
+    check(r.status == 200 and r.header("x-ltg-served-model") == "GPT" and r.header("x-ltg-attempts") == "1",
+          "the chain: %d %r %r" % (r.status, r.header("x-ltg-served-model"), r.body[:200]))
+    a = spend_event(g, r.header("x-ltg-request-id"))["attempt_log"]
+    check(len(a) == 2 and a[0]["outcome"] == "untranslatable" and a[0]["status"] == 0 and "serves chat, not responses"
+          in a[0]["error"] and a[1]["outcome"] == "ok", "attempt_log %r" % a)
+    r = post("/v1/chat/completions", chat("GLM-chat"), alone)
+    check(r.status == 200 and r.header("x-ltg-dropped") is None, "chat, served: %d %r" % (r.status, r.body[:200]))
+    r = post("/v1/messages", messages_body("GLM-chat"), alone)
+    check(r.status == 200 and jbody(r)["type"] == "message", "Messages, translated to chat: %d %r" % (r.status, r.body[:200]))
 
 
 @it.test("translate: count_tokens for a model behind OpenAI chat: ltg's estimate, x-ltg-estimated, no call")

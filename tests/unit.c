@@ -372,6 +372,17 @@ static void test_config(void) {
               strcmp(dc->models[0].dep[1].name, "q/m-us") == 0 && dc->models[0].dep[1].p == &dc->prov[1] && dc->models[0].dep[1].m == &dc->models[0],
               "deployments: %s", err);
         catalog_free(dc);
+        /* endpoints: all four by default, as listed, Anthropic's two */
+        catalog *ec = load("{\"providers\":{\"g\":{\"base_url\":\"http://x\",\"endpoints\":[\"chat\",\"embeddings\",\"chat\"]},"
+                           "\"a\":{\"base_url\":\"http://y\",\"api\":\"anthropic\"}},\"models\":{\"G\":{\"provider\":\"g\",\"upstream_model\":\"g\","
+                           "\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1},\"C\":{\"provider\":\"a\",\"upstream_model\":\"c\","
+                           "\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}", err);
+        const model *eg = ec ? catalog_model(ec, "G", 1) : NULL, *ea = ec ? catalog_model(ec, "C", 1) : NULL;
+        CHECK(eg && eg->endpoints == (1u << EP_CHAT | 1u << EP_EMBEDDINGS) && model_native(eg, &WIRE[0]) &&
+              !model_native(eg, &WIRE[3]) && model_xl(eg) == XL_CHAT && c->prov[0].endpoints == EPS_OPENAI &&
+              ea && ea->endpoints == EPS_ANTHROPIC && model_native(ea, &WIRE[4]) && !model_native(ea, &WIRE[0]),
+              "endpoints: %s", err);
+        catalog_free(ec);
         model *m = catalog_model(c, "A", 1);
         CHECK(m && m->ndep == 1 && m->dep[0].p == &c->prov[0] && m->dep[0].weight == 1 && strcmp(m->dep[0].name, "p/a-1") == 0 && m->price.p[PRICE_IN] == 1000000 && m->price.p[PRICE_OUT] == 2500000 && m->price.p[PRICE_CACHE_READ] == 1000000 && m->max_output_tokens == 100, "model A");
         CHECK(catalog_model(c, "B", 1)->max_output_tokens == 4096, "default max_output_tokens");
@@ -410,6 +421,13 @@ static void test_config(void) {
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\",\"api_key_envs\":[]}},\"models\":{}}", "providers.p.api_key_envs: must be a list of 1 to 16"},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\",\"api_key_envs\":[\"UNIT_KEY\",\"UNIT_UNSET\"]}},\"models\":{}}", "providers.p.api_key_envs: environment variable UNIT_UNSET is not set"},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\",\"api\":\"gemini\"}},\"models\":{}}", "providers.p.api: must be \"openai\""},
+        /* endpoints: a non-empty list of the four; not for an Anthropic provider; one model's
+         * deployments serve the same */
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\",\"endpoints\":[]}},\"models\":{}}", "providers.p.endpoints: must be a non-empty array of \"chat\""},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\",\"endpoints\":\"chat\"}},\"models\":{}}", "providers.p.endpoints: must be a non-empty array"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\",\"endpoints\":[\"chat\",\"messages\"]}},\"models\":{}}", "providers.p.endpoints: must be a non-empty array"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\",\"api\":\"anthropic\",\"endpoints\":[\"chat\"]}},\"models\":{}}", "providers.p.endpoints: is for OpenAI-API providers"},
+        {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"},\"g\":{\"base_url\":\"http://y\",\"endpoints\":[\"chat\"]}},\"models\":{\"M\":{\"deployments\":[{\"provider\":\"p\",\"upstream_model\":\"m\"},{\"provider\":\"g\",\"upstream_model\":\"m\"}],\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}", "models.M.deployments[1].provider: \"g\" serves other endpoints than the model's first deployment"},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{}}", "models: must be an object with at least one"},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"nope\",\"upstream_model\":\"m\",\"input_usd_per_mtok\":1,\"output_usd_per_mtok\":1}}}", "models.M.provider: no provider named \"nope\""},
         {"{\"providers\":{\"p\":{\"base_url\":\"http://x\"}},\"models\":{\"M\":{\"provider\":\"p\",\"upstream_model\":\"m\",\"output_usd_per_mtok\":1}}}", "models.M.input_usd_per_mtok: missing"},
