@@ -10582,7 +10582,7 @@ static void error_open(jwriter *w, int status, int anthropic, const char *msg,
                                                     : "invalid_request_error";
     jw_open(w, '{');
     if (anthropic) {
-        jw_key(w, "type"), jw_cstr(w, "error");
+        jw_key(w, "type"), jw_lit(w, "error");
     }
     jw_key(w, "error"), jw_open(w, '{');
     if (anthropic) {
@@ -10879,7 +10879,7 @@ static int m2c_media(xlq *q, const json_tok *b, int image, const char *p) {
                          image ? "images by URL or base64" : "documents as base64 PDF only");
     if (url && jv_get(q->s, q->n, &src, "url", &data)) {
         jw_open(&q->w, '{');
-        jw_key(&q->w, "type"), jw_cstr(&q->w, "image_url");
+        jw_key(&q->w, "type"), jw_lit(&q->w, "image_url");
         jw_key(&q->w, "image_url"), jw_open(&q->w, '{');
         jw_key(&q->w, "url"), xl_copy(q, &data);
         jw_close(&q->w, '}'), jw_close(&q->w, '}');
@@ -10898,7 +10898,7 @@ static int m2c_media(xlq *q, const json_tok *b, int image, const char *p) {
     jw_key(&q->w, "type"), jw_cstr(&q->w, image ? "image_url" : "file");
     jw_name(&q->w, image ? "image_url" : "file"), jw_open(&q->w, '{');
     if (!image) {
-        jw_key(&q->w, "filename"), jw_cstr(&q->w, "document.pdf");
+        jw_key(&q->w, "filename"), jw_lit(&q->w, "document.pdf");
     }
     jw_name(&q->w, image ? "url" : "file_data"), jw_raw(&q->w, u.p, u.len);
     jw_close(&q->w, '}'), jw_close(&q->w, '}');
@@ -10936,7 +10936,7 @@ static int m2c_tool_results(xlq *q, const json_tok *content, const char *p) {
         else buf_puts(&text, "(no output)");
         buf_free(&joined);
         jw_open(&q->w, '{');
-        jw_key(&q->w, "role"), jw_cstr(&q->w, "tool");
+        jw_key(&q->w, "role"), jw_lit(&q->w, "tool");
         jw_key(&q->w, "tool_call_id"), xl_copy(q, &id);
         jw_key(&q->w, "content"), xl_escaped(&q->w, &text);
         jw_close(&q->w, '}');
@@ -10950,7 +10950,7 @@ static int m2c_tool_results(xlq *q, const json_tok *content, const char *p) {
 static int m2c_user(xlq *q, const json_tok *content, const char *p) {
     if (content->type == JSON_STRING) {
         jw_open(&q->w, '{');
-        jw_key(&q->w, "role"), jw_cstr(&q->w, "user");
+        jw_key(&q->w, "role"), jw_lit(&q->w, "user");
         jw_key(&q->w, "content"), xl_copy(q, content);
         jw_close(&q->w, '}');
         return 0;
@@ -10968,7 +10968,7 @@ static int m2c_user(xlq *q, const json_tok *content, const char *p) {
         }
     if (!parts) return 0;
     jw_open(&q->w, '{');
-    jw_key(&q->w, "role"), jw_cstr(&q->w, "user");
+    jw_key(&q->w, "role"), jw_lit(&q->w, "user");
     jw_key(&q->w, "content");
     if (!media) { /* text alone: one string, which every chat server takes */
         buf text = {0};
@@ -10991,7 +10991,7 @@ static int m2c_user(xlq *q, const json_tok *content, const char *p) {
             if (json_eq(q->s, &t, 0, "text")) {
                 if (!jv_get(q->s, q->n, &b, "text", &t) || xl_blank(q->s, &t)) continue;
                 jw_open(&q->w, '{');
-                jw_key(&q->w, "type"), jw_cstr(&q->w, "text");
+                jw_key(&q->w, "type"), jw_lit(&q->w, "text");
                 jw_key(&q->w, "text"), xl_copy(q, &t);
                 jw_close(&q->w, '}');
             } else if (json_eq(q->s, &t, 0, "image") || json_eq(q->s, &t, 0, "document")) {
@@ -11016,13 +11016,13 @@ static void m2c_tool_call(xlq *q, const json_tok *b) {
     xl_chat_name(q->s + name.start, name.end - name.start, cn);
     jw_open(&q->w, '{');
     jw_key(&q->w, "id"), xl_copy(q, &id);
-    jw_key(&q->w, "type"), jw_cstr(&q->w, "function");
+    jw_key(&q->w, "type"), jw_lit(&q->w, "function");
     jw_key(&q->w, "function"), jw_open(&q->w, '{');
     jw_key(&q->w, "name"), jw_cstr(&q->w, cn);
     if (jv_get(q->s, q->n, b, "input", &input)) {
         jw_key(&q->w, "arguments"), jw_str(&q->w, q->s + input.start, input.end - input.start);
     } else {
-        jw_key(&q->w, "arguments"), jw_cstr(&q->w, "{}");
+        jw_key(&q->w, "arguments"), jw_lit(&q->w, "{}");
     }
     jw_close(&q->w, '}'), jw_close(&q->w, '}');
 }
@@ -11031,7 +11031,7 @@ static void m2c_tool_call(xlq *q, const json_tok *b) {
  * thinking is dropped (another provider cannot read it). */
 static int m2c_assistant(xlq *q, const json_tok *content, const char *p) {
     jw_open(&q->w, '{');
-    jw_key(&q->w, "role"), jw_cstr(&q->w, "assistant");
+    jw_key(&q->w, "role"), jw_lit(&q->w, "assistant");
     if (content->type == JSON_STRING) {
         jw_key(&q->w, "content"), xl_copy(q, content);
         jw_close(&q->w, '}');
@@ -11090,7 +11090,7 @@ static int m2c_system(xlq *q, const json_tok *sys, const char *p) {
     buf text = {0};
     if (xl_join(q, sys, p, "text", &text) < 0) return LTG_ERR;
     jw_open(&q->w, '{');
-    jw_key(&q->w, "role"), jw_cstr(&q->w, "system");
+    jw_key(&q->w, "role"), jw_lit(&q->w, "system");
     jw_key(&q->w, "content"), xl_escaped(&q->w, &text);
     jw_close(&q->w, '}');
     buf_free(&text);
@@ -11141,7 +11141,7 @@ static int m2c_tools(xlq *q) {
             return xl_refuse(q, p, "/tools/%d: a tool needs a name", i);
         xl_chat_name(q->s + t.start, t.end - t.start, cn);
         jw_open(&q->w, '{');
-        jw_key(&q->w, "type"), jw_cstr(&q->w, "function");
+        jw_key(&q->w, "type"), jw_lit(&q->w, "function");
         jw_key(&q->w, "function"), jw_open(&q->w, '{');
         jw_key(&q->w, "name"), jw_cstr(&q->w, cn);
         if (jv_get(q->s, q->n, &tl, "description", &t)) {
@@ -11160,7 +11160,7 @@ static int m2c_tools(xlq *q) {
     if (json_eq(q->s, &t, 0, "tool") && jv_get(q->s, q->n, &tc, "name", &t)) {
         xl_chat_name(q->s + t.start, t.end - t.start, cn);
         jw_open(&q->w, '{');
-        jw_key(&q->w, "type"), jw_cstr(&q->w, "function");
+        jw_key(&q->w, "type"), jw_lit(&q->w, "function");
         jw_key(&q->w, "function"), jw_open(&q->w, '{');
         jw_key(&q->w, "name"), jw_cstr(&q->w, cn);
         jw_close(&q->w, '}'), jw_close(&q->w, '}');
@@ -11232,9 +11232,9 @@ static int m2c_options(xlq *q) {
         if (!jv_get(q->s, q->n, &e, "schema", &t))
             return xl_refuse(q, fp, "%s: a json_schema format with its schema", fp);
         jw_key(&q->w, "response_format"), jw_open(&q->w, '{');
-        jw_key(&q->w, "type"), jw_cstr(&q->w, "json_schema");
+        jw_key(&q->w, "type"), jw_lit(&q->w, "json_schema");
         jw_key(&q->w, "json_schema"), jw_open(&q->w, '{');
-        jw_key(&q->w, "name"), jw_cstr(&q->w, "output");
+        jw_key(&q->w, "name"), jw_lit(&q->w, "output");
         jw_key(&q->w, "schema"), xl_copy(q, &t);
         jw_close(&q->w, '}'), jw_close(&q->w, '}');
     }
@@ -11305,7 +11305,7 @@ static int c2m_part(xlq *q, const json_tok *part, const char *p) {
             v.type != JSON_STRING || xl_blank(q->s, &v))
             return 0; /* Anthropic refuses a blank text block; it carries nothing */
         jw_open(&q->w, '{');
-        jw_key(&q->w, "type"), jw_cstr(&q->w, "text");
+        jw_key(&q->w, "type"), jw_lit(&q->w, "text");
         jw_key(&q->w, "text"), xl_copy(q, &v);
         jw_close(&q->w, '}');
         return 0;
@@ -11324,7 +11324,7 @@ static int c2m_part(xlq *q, const json_tok *part, const char *p) {
     jw_key(&q->w, "source"), jw_open(&q->w, '{');
     if (c2m_data_url(q->s, &u, &mt, &data)) {
         buf b = {0};
-        jw_key(&q->w, "type"), jw_cstr(&q->w, "base64");
+        jw_key(&q->w, "type"), jw_lit(&q->w, "base64");
         buf_append(&b, q->s + mt.start, mt.end - mt.start);
         jw_key(&q->w, "media_type"), xl_escaped(&q->w, &b); /* slices of a string: no quotes */
         b.len = 0;
@@ -11332,7 +11332,7 @@ static int c2m_part(xlq *q, const json_tok *part, const char *p) {
         jw_key(&q->w, "data"), xl_escaped(&q->w, &b);
         buf_free(&b);
     } else if (image) {
-        jw_key(&q->w, "type"), jw_cstr(&q->w, "url");
+        jw_key(&q->w, "type"), jw_lit(&q->w, "url");
         jw_key(&q->w, "url"), xl_copy(q, &u);
     } else {
         return xl_refuse(q, p, "%s: file_data must be a data: URL with base64", p);
@@ -11349,7 +11349,7 @@ static int c2m_content(xlq *q, const json_tok *c, const char *p) {
     if (c->type == JSON_STRING) {
         if (xl_blank(q->s, c)) return 0;
         jw_open(&q->w, '{');
-        jw_key(&q->w, "type"), jw_cstr(&q->w, "text");
+        jw_key(&q->w, "type"), jw_lit(&q->w, "text");
         jw_key(&q->w, "text"), xl_copy(q, c);
         jw_close(&q->w, '}');
         return 0;
@@ -11381,7 +11381,7 @@ static int c2m_tool_use(xlq *q, const json_tok *call, const char *p) {
                          "object, and these arguments are not one", p);
     }
     jw_open(&q->w, '{');
-    jw_key(&q->w, "type"), jw_cstr(&q->w, "tool_use");
+    jw_key(&q->w, "type"), jw_lit(&q->w, "tool_use");
     jw_key(&q->w, "id"), xl_write_id(q, &id);
     jw_key(&q->w, "name"), xl_copy(q, &name);
     jw_key(&q->w, "input"), jw_raw(&q->w, empty ? "{}" : a.p, empty ? 2 : a.len);
@@ -11405,7 +11405,7 @@ static int c2m_assistant(xlq *q, const json_tok *f, unsigned got, const char *p)
     if (got >> CM_REASONING & 1) xl_drop(q, pp, "reasoning_content");
     int has_calls = calls->type == JSON_ARRAY;
     jw_open(&q->w, '{');
-    jw_key(&q->w, "role"), jw_cstr(&q->w, "assistant");
+    jw_key(&q->w, "role"), jw_lit(&q->w, "assistant");
     jw_key(&q->w, "content");
     if (c->type == JSON_STRING && !xl_blank(q->s, c) &&
         (!has_calls || calls->end - calls->start <= 2)) { /* text alone stays a string */
@@ -11423,8 +11423,8 @@ static int c2m_assistant(xlq *q, const json_tok *f, unsigned got, const char *p)
         }
     if (q->w.out->len == at) { /* Anthropic refuses an empty turn: "(empty)" stands for it */
         jw_open(&q->w, '{');
-        jw_key(&q->w, "type"), jw_cstr(&q->w, "text");
-        jw_key(&q->w, "text"), jw_cstr(&q->w, "(empty)");
+        jw_key(&q->w, "type"), jw_lit(&q->w, "text");
+        jw_key(&q->w, "text"), jw_lit(&q->w, "(empty)");
         jw_close(&q->w, '}');
     }
     jw_close(&q->w, ']'), jw_close(&q->w, '}');
@@ -11442,7 +11442,7 @@ static int c2m_tool_result(xlq *q, const json_tok *f, const char *p) {
     xl_ptr(pp, sizeof pp, p, "content", -1, NULL);
     if (c->type != JSON_NULL && xl_join(q, c, pp, "text", &text) < 0) return LTG_ERR;
     jw_open(&q->w, '{');
-    jw_key(&q->w, "type"), jw_cstr(&q->w, "tool_result");
+    jw_key(&q->w, "type"), jw_lit(&q->w, "tool_result");
     jw_key(&q->w, "tool_use_id"), xl_write_id(q, id);
     if (text.len) jw_key(&q->w, "content"), xl_escaped(&q->w, &text);
     jw_close(&q->w, '}');
@@ -11527,14 +11527,14 @@ static int c2m_messages(xlq *q, const json_tok *msgs, c2m_sys *sys, int *last_ca
         }
         if (!open && user && c->type == JSON_STRING && !xl_blank(q->s, c)) {
             jw_open(&q->w, '{'); /* a string stays a string */
-            jw_key(&q->w, "role"), jw_cstr(&q->w, "user");
+            jw_key(&q->w, "role"), jw_lit(&q->w, "user");
             jw_key(&q->w, "content"), xl_copy(q, c);
             jw_close(&q->w, '}');
             continue;
         }
         if (!open) {
             jw_open(&q->w, '{');
-            jw_key(&q->w, "role"), jw_cstr(&q->w, "user");
+            jw_key(&q->w, "role"), jw_lit(&q->w, "user");
             jw_key(&q->w, "content"), jw_open(&q->w, '[');
         }
         open = tool; /* a user message closes the turn its results opened */
@@ -11580,7 +11580,7 @@ static int c2m_tools(xlq *q) {
     jw_key(&q->w, "tool_choice"), jw_open(&q->w, '{');
     if (choice && tc.type == JSON_OBJECT && jv_get(q->s, q->n, &tc, "function", &f) &&
         jv_get(q->s, q->n, &f, "name", &v)) {
-        jw_key(&q->w, "type"), jw_cstr(&q->w, "tool");
+        jw_key(&q->w, "type"), jw_lit(&q->w, "tool");
         jw_key(&q->w, "name"), xl_copy(q, &v);
     } else {
         jw_key(&q->w, "type");
@@ -11611,7 +11611,7 @@ static int c2m_thinking(xlq *q, long long max_tokens, int last_calls) {
         return xl_refuse(q, "/reasoning_effort",
                          "/reasoning_effort: Anthropic's thinking needs max_tokens above 1024");
     jw_key(&q->w, "thinking"), jw_open(&q->w, '{');
-    jw_key(&q->w, "type"), jw_cstr(&q->w, "enabled");
+    jw_key(&q->w, "type"), jw_lit(&q->w, "enabled");
     jw_key(&q->w, "budget_tokens"), jw_int(&q->w, budget);
     jw_close(&q->w, '}');
     return 0;
@@ -11659,7 +11659,7 @@ static int c2m_options(xlq *q, int last_calls) {
                              "/response_format: Anthropic takes a json_schema, not json_object");
         jw_key(&q->w, "output_config"), jw_open(&q->w, '{');
         jw_key(&q->w, "format"), jw_open(&q->w, '{');
-        jw_key(&q->w, "type"), jw_cstr(&q->w, "json_schema");
+        jw_key(&q->w, "type"), jw_lit(&q->w, "json_schema");
         jw_key(&q->w, "schema"), xl_copy(q, &e);
         jw_close(&q->w, '}'), jw_close(&q->w, '}');
     }
@@ -11782,7 +11782,7 @@ static void xl_answer_names(jwriter *w, const char *s, const json_tok *id, const
     buf_append(w->out, "\"", 1);
     jw_key(w, "model");
     if (mdl->type == JSON_STRING) jw_raw(w, s + mdl->start - 1, mdl->end - mdl->start + 2);
-    else jw_cstr(w, "");
+    else jw_lit(w, "");
 }
 
 /* A chat tool call as a tool_use block: its arguments must hold a JSON object ("" is {}),
@@ -11801,7 +11801,7 @@ static int xl_tool_use(jwriter *w, const char *s, size_t n, const json_tok *call
     if (jv_get(s, n, &f, "name", &t)) xl_client_name(req, rn, s + t.start, t.end - t.start, &nm);
     if (!bad) {
         jw_open(w, '{');
-        jw_key(w, "type"), jw_cstr(w, "tool_use");
+        jw_key(w, "type"), jw_lit(w, "tool_use");
         jw_key(w, "id"), jw_cstr(w, aid);
         jw_key(w, "name"), xl_escaped(w, &nm);
         jw_key(w, "input"), jw_raw(w, a.len ? a.p : "{}", a.len ? a.len : 2);
@@ -11829,13 +11829,13 @@ static int xl_chat_to_message(const char *s, size_t n, const char *req, size_t r
     jw_init(&w, out);
     jw_open(&w, '{');
     xl_answer_names(&w, s, &r[0], &r[1], "msg_");
-    jw_key(&w, "type"), jw_cstr(&w, "message");
-    jw_key(&w, "role"), jw_cstr(&w, "assistant");
+    jw_key(&w, "type"), jw_lit(&w, "message");
+    jw_key(&w, "role"), jw_lit(&w, "assistant");
     jw_key(&w, "content"), jw_open(&w, '[');
     int tools = 0;
     if (v->type == JSON_STRING && !xl_blank(s, v)) {
         jw_open(&w, '{');
-        jw_key(&w, "type"), jw_cstr(&w, "text");
+        jw_key(&w, "type"), jw_lit(&w, "text");
         jw_key(&w, "text"), jw_raw(&w, s + v->start - 1, v->end - v->start + 2);
         jw_close(&w, '}');
     }
@@ -11864,7 +11864,7 @@ static void xl_member_string(jwriter *w, const char *s, size_t n, const json_tok
     if (jv_get(s, n, o, name, &t) && t.type == JSON_STRING)
         jw_raw(w, s + t.start - 1, t.end - t.start + 2);
     else
-        jw_cstr(w, "");
+        jw_lit(w, "");
 }
 
 /* An Anthropic answer's tool_use blocks as chat's "tool_calls": each input's bytes, the
@@ -11877,12 +11877,12 @@ static void xl_tool_calls(jwriter *w, const char *s, size_t n, const json_tok *c
         if (!jv_get(s, n, &b, "type", &t) || !json_eq(s, &t, 0, "tool_use")) continue;
         jw_open(w, '{');
         jw_key(w, "id"), xl_member_string(w, s, n, &b, "id");
-        jw_key(w, "type"), jw_cstr(w, "function");
+        jw_key(w, "type"), jw_lit(w, "function");
         jw_key(w, "function"), jw_open(w, '{');
         jw_key(w, "name"), xl_member_string(w, s, n, &b, "name");
         jw_key(w, "arguments");
         if (jv_get(s, n, &b, "input", &t)) jw_str(w, s + t.start, t.end - t.start);
-        else jw_cstr(w, "{}");
+        else jw_lit(w, "{}");
         jw_close(w, '}'), jw_close(w, '}');
     }
     jw_close(w, ']');
@@ -11901,12 +11901,12 @@ static void xl_message_to_chat(const char *s, size_t n, const long long u[NTOK],
     jw_init(&w, out);
     jw_open(&w, '{');
     xl_answer_names(&w, s, &r[0], &r[1], "chatcmpl-");
-    jw_key(&w, "object"), jw_cstr(&w, "chat.completion");
+    jw_key(&w, "object"), jw_lit(&w, "chat.completion");
     jw_key(&w, "created"), jw_int(&w, wall_ms() / 1000);
     jw_key(&w, "choices"), jw_open(&w, '['), jw_open(&w, '{');
     jw_key(&w, "index"), jw_int(&w, 0);
     jw_key(&w, "message"), jw_open(&w, '{');
-    jw_key(&w, "role"), jw_cstr(&w, "assistant");
+    jw_key(&w, "role"), jw_lit(&w, "assistant");
     int has = content.type == JSON_ARRAY, texts = 0;
     while (has && jv_next(s, n, &content, &pos, &k, &b)) {
         jv_get(s, n, &b, "type", &t);
@@ -12199,7 +12199,7 @@ static void ae_end(xl_stream *x, const long long u[NTOK], buf *out) {
     jwriter w;
     jw_init(&w, &d);
     jw_open(&w, '{');
-    jw_key(&w, "type"), jw_cstr(&w, "message_delta");
+    jw_key(&w, "type"), jw_lit(&w, "message_delta");
     jw_key(&w, "delta"), jw_open(&w, '{');
     jw_key(&w, "stop_reason"), jw_cstr(&w, XF_ANTHROPIC[f]);
     jw_key(&w, "stop_sequence"), jw_null(&w);
@@ -13184,15 +13184,15 @@ static void stream_cut(exchange *x, const char *msg, buf *out) {
         jw_close(&w, '}');
     } else if (x->kind->cut == CUT_EVENT) {
         jw_open(&w, '{');
-        jw_key(&w, "type"), jw_cstr(&w, "error");
-        jw_key(&w, "code"), jw_cstr(&w, "stream_interrupted");
+        jw_key(&w, "type"), jw_lit(&w, "error");
+        jw_key(&w, "code"), jw_lit(&w, "stream_interrupted");
         jw_key(&w, "message"), jw_cstr(&w, msg);
     } else {
         jw_open(&w, '{');
         jw_key(&w, "error"), jw_open(&w, '{');
         jw_key(&w, "message"), jw_cstr(&w, msg);
-        jw_key(&w, "type"), jw_cstr(&w, "upstream_error");
-        jw_key(&w, "code"), jw_cstr(&w, "stream_interrupted");
+        jw_key(&w, "type"), jw_lit(&w, "upstream_error");
+        jw_key(&w, "code"), jw_lit(&w, "stream_interrupted");
         jw_close(&w, '}');
     }
     jw_close(&w, '}');
@@ -13491,7 +13491,7 @@ static void exchange_event_json(exchange *x, const model *m, const long long tok
     iso_time(now, ts);
     jw_open(&w, '{');
     jw_key(&w, "id"), jw_cstr(&w, id);
-    jw_key(&w, "record_type"), jw_cstr(&w, "spend_event");
+    jw_key(&w, "record_type"), jw_lit(&w, "spend_event");
     jw_key(&w, "request_id"), jw_cstr(&w, x->rid);
     jw_key(&w, "trace_id"), jw_str_or_null(&w, x->trace_id);
     jw_key(&w, "created_at"), jw_cstr(&w, ts);
@@ -15208,7 +15208,7 @@ static void inference_call(conn *c, const wire_kind *kind) {
 static void model_json(jwriter *w, const model *m) {
     jw_open(w, '{');
     jw_key(w, "id"), jw_cstr(w, m->alias);
-    jw_key(w, "object"), jw_cstr(w, "model");
+    jw_key(w, "object"), jw_lit(w, "model");
     jw_key(w, "created"), jw_int(w, 0);
     jw_key(w, "owned_by"), jw_cstr(w, m->dep[0].p->name);
     jw_close(w, '}');
@@ -15236,7 +15236,7 @@ static void inference_models(conn *c, const char *id) {
     if (one) model_json(&w, one);
     else {
         jw_open(&w, '{');
-        jw_key(&w, "object"), jw_cstr(&w, "list");
+        jw_key(&w, "object"), jw_lit(&w, "list");
         jw_key(&w, "data"), jw_open(&w, '[');
         for (int i = 0; i < g->nallowed; i++) {
             model *m = catalog_model(S.cat, g->allowed[i], strlen(g->allowed[i]));

@@ -121,6 +121,8 @@ void jw_lit_key(jwriter *w, const char *quoted, size_t n);
 void jw_name(jwriter *w, const char *name);
 void jw_str(jwriter *w, const char *s, size_t n);
 void jw_cstr(jwriter *w, const char *s); /* NULL writes null */
+/* a string literal of plain ASCII as a value, its quotes joined at compile time */
+#define jw_lit(w, literal) jw_raw((w), "\"" literal "\"", sizeof(literal) + 1)
 void jw_int(jwriter *w, long long v);
 void jw_num(jwriter *w, double v);
 void jw_bool(jwriter *w, int v);
