@@ -10531,9 +10531,11 @@ static void admin_route(conn *c) {
  *
  * IMPLEMENTATION NOTES
  * A fallback chain may cross API families (README "One API for every model"): a client of
- * Anthropic's Messages reaches a model behind OpenAI's chat completions, and a chat client
- * reaches Claude. The client's API decides the answer's shape; each attempt's provider decides
- * what is sent. Section 18 asks three things of this one, and nothing here calls it back:
+ * Anthropic's Messages reaches a model behind OpenAI's chat completions, a chat client reaches
+ * Claude, and a Responses client (Codex) a model whose provider serves chat alone (its
+ * `endpoints`). Which pairs: xl_translates(). The client's API decides the answer's shape; each
+ * attempt's provider decides what is sent. Section 18 asks three things of this one, and nothing
+ * here calls it back:
  *
  *   xl_request()  the client's body, read as slices of itself (jv_*, section 3: no token array
  *                 but the top level admission parsed, no copy per field) and written for the
@@ -10544,13 +10546,15 @@ static void admin_route(conn *c) {
  *                 and that model's first attempt sends what it made; any other attempt runs it
  *                 for its own model. The body's top-level members are found once (xl_fields),
  *                 so each byte is walked a bounded number of times.
- *   xl_answer()   a provider's whole answer in the client's API; xl_error() its error.
+ *   xl_answer()   a provider's whole answer in the client's API (a Responses object's id is
+ *                 the request's: resp_<x-ltg-request-id>); xl_error() its error.
  *   xl_feed()     a stream, one provider event at a time: a decoder per provider API turns the
  *                 event into neutral events (text, reasoning, a tool call's start and its
  *                 argument fragments, the finish, a ping), an encoder per client API writes
  *                 them in the client's grammar. Each encoder is a machine: one enum, its
  *                 transitions asserted. It writes nothing before the first content, so that
- *                 an attempt that fails before it still fails over.
+ *                 an attempt that fails before it still fails over. (Responses' stream is
+ *                 not encoded yet: a streamed Responses request is refused, /stream.)
  *
  * Money is not translated: section 18 meters the provider's own usage with the provider API's
  * classes; the client sees those counts in its own API's terms (chat's prompt_tokens includes
@@ -10597,9 +10601,16 @@ static void error_open(jwriter *w, int status, int anthropic, const char *msg,
     }
 }
 
-typedef enum { XL_NONE, XL_CHAT, XL_MESSAGES, XL_NAPI } xl_api; /* XL_NONE: not translated */
+typedef enum { XL_NONE, XL_CHAT, XL_MESSAGES, XL_RESPONSES, XL_NAPI } xl_api; /* XL_NONE: none */
 
 #define XL_MAX_TOOLS 64          /* tool calls in one streamed answer */
+
+/* Does ltg translate a request of client API `from` for a provider of API `to`? Messages and
+ * chat both ways; Responses to chat. */
+static int xl_translates(xl_api from, xl_api to) {
+    return (from == XL_MESSAGES && to == XL_CHAT) || (from == XL_CHAT && to == XL_MESSAGES) ||
+           (from == XL_RESPONSES && to == XL_CHAT);
+}
 #define XL_MAX_BUFFERED (8 << 20) /* a stream's tool arguments held back to keep blocks in order */
 #define XL_MAX_DROPPED 16        /* dropped field names named in x-ltg-dropped */
 
@@ -11694,6 +11705,421 @@ static int c2m_request(xlq *q, const json_tok *root) {
     return rc;
 }
 
+/* ---- requests: OpenAI Responses to OpenAI chat ---- */
+
+#define R2C_ROWS(X) \
+    X(model, XF_MAP, NULL) X(input, XF_MAP, NULL) X(instructions, XF_MAP, NULL) \
+    X(tools, XF_MAP, NULL) X(tool_choice, XF_MAP, NULL) X(parallel_tool_calls, XF_MAP, NULL) \
+    X(text, XF_MAP, NULL) X(reasoning, XF_MAP, NULL) X(max_output_tokens, XF_MAP, NULL) \
+    X(temperature, XF_MAP, NULL) X(top_p, XF_MAP, NULL) X(user, XF_MAP, NULL) \
+    X(stream, XF_MAP, NULL) X(store, XF_MAP, NULL) X(include, XF_DROP, NULL) \
+    X(metadata, XF_DROP, NULL) X(service_tier, XF_DROP, NULL) X(prompt_cache_key, XF_DROP, NULL) \
+    X(safety_identifier, XF_DROP, NULL) X(truncation, XF_DROP, NULL) \
+    X(stream_options, XF_DROP, NULL) X(prompt_cache_retention, XF_DROP, NULL) \
+    X(previous_response_id, XF_REFUSE, \
+      "the response it names was not kept (its model is translated): send the whole input") \
+    X(conversation, XF_REFUSE, "a conversation is kept at OpenAI") \
+    X(prompt, XF_REFUSE, "a stored prompt is kept at OpenAI") \
+    X(background, XF_REFUSE, "a background response runs at OpenAI") \
+    X(top_logprobs, XF_REFUSE, "ltg does not carry log probabilities across APIs") \
+    X(max_tool_calls, XF_REFUSE, "OpenAI chat has no limit on tool calls")
+#define R2C_ENUM(name, fate, why) R2C_##name,
+enum { R2C_ROWS(R2C_ENUM) R2C_N };
+_Static_assert(R2C_N <= XL_MAX_FIELDS, "a field's bit in xlq.has, its value in vals");
+static const xl_field R2C_FIELDS[] = {R2C_ROWS(XL_ROW) {NULL, XF_MAP, NULL}};
+
+/* What r2c_input has written of the current assistant message: none, its text (the object
+ * open after "content"), or its tool calls (the "tool_calls" array open). */
+typedef enum { R2C_NONE, R2C_TEXT, R2C_CALLS } r2c_open;
+
+typedef struct {
+    r2c_open open;
+    json_tok calls[XL_MAX_TOOLS]; /* the call_ids of the last calls written, their outputs next */
+    int ncalls, outputs;          /* ... how many, and whether outputs have begun */
+} r2c_state;
+
+static void r2c_close(xlq *q, r2c_state *st) {
+    if (st->open == R2C_CALLS) jw_close(&q->w, ']');
+    if (st->open != R2C_NONE) jw_close(&q->w, '}');
+    st->open = R2C_NONE;
+}
+
+/* The text of parts `c` (input_text, output_text, refusal), joined by newlines, escaped. */
+static void r2c_join(xlq *q, const json_tok *c, buf *out) {
+    size_t pos = 0;
+    json_tok k, part, t;
+    while (jv_next(q->s, q->n, c, &pos, &k, &part)) {
+        jv_get(q->s, q->n, &part, "type", &t);
+        if (!jv_get(q->s, q->n, &part, json_eq(q->s, &t, 0, "refusal") ? "refusal" : "text", &t) ||
+            t.type != JSON_STRING)
+            continue;
+        if (out->len) buf_puts(out, "\\n");
+        buf_append(out, q->s + t.start, t.end - t.start);
+    }
+}
+
+/* One content part with media among its siblings, as a chat part: input_image by URL,
+ * input_file with its data, text. */
+static int r2c_part(xlq *q, const json_tok *part, const char *pp) {
+    json_tok t, v;
+    jv_get(q->s, q->n, part, "type", &t);
+    jw_open(&q->w, '{');
+    if (json_eq(q->s, &t, 0, "input_image")) {
+        if (!jv_get(q->s, q->n, part, "image_url", &v) || v.type != JSON_STRING)
+            return xl_refuse(q, pp, "%s: an image by image_url (a file_id is kept at OpenAI)", pp);
+        jw_key(&q->w, "type"), jw_lit(&q->w, "image_url");
+        jw_key(&q->w, "image_url"), jw_open(&q->w, '{');
+        jw_key(&q->w, "url"), xl_copy(q, &v);
+        if (jv_get(q->s, q->n, part, "detail", &v)) jw_key(&q->w, "detail"), xl_copy(q, &v);
+        jw_close(&q->w, '}');
+    } else if (json_eq(q->s, &t, 0, "input_file")) {
+        if (!jv_get(q->s, q->n, part, "file_data", &v) || v.type != JSON_STRING)
+            return xl_refuse(q, pp, "%s: a file by file_data (a file_id or file_url is not "
+                             "carried)", pp);
+        jw_key(&q->w, "type"), jw_lit(&q->w, "file");
+        jw_key(&q->w, "file"), jw_open(&q->w, '{');
+        if (jv_get(q->s, q->n, part, "filename", &t))
+            jw_key(&q->w, "filename"), xl_copy(q, &t);
+        jw_key(&q->w, "file_data"), xl_copy(q, &v);
+        jw_close(&q->w, '}');
+    } else {
+        jv_get(q->s, q->n, part, json_eq(q->s, &t, 0, "refusal") ? "refusal" : "text", &v);
+        jw_key(&q->w, "type"), jw_lit(&q->w, "text");
+        jw_key(&q->w, "text");
+        if (v.type == JSON_STRING) xl_copy(q, &v);
+        else jw_lit(&q->w, "");
+    }
+    jw_close(&q->w, '}');
+    return 0;
+}
+
+/* Content parts of a message item (or a string) as chat content: text alone joined into one
+ * string, which every chat server takes; with images or files, parts. */
+static int r2c_content(xlq *q, const json_tok *c, const char *p) {
+    size_t pos = 0;
+    json_tok k, part, t;
+    int media = 0;
+    char pp[200];
+    if (c->type == JSON_STRING) return xl_copy(q, c), 0;
+    if (c->type != JSON_ARRAY) return xl_refuse(q, p, "%s: a string or an array of parts", p);
+    for (int i = 0; jv_next(q->s, q->n, c, &pos, &k, &part); i++) {
+        xl_ptr(pp, sizeof pp, p, NULL, i, "type");
+        jv_get(q->s, q->n, &part, "type", &t);
+        if (json_eq(q->s, &t, 0, "input_image") || json_eq(q->s, &t, 0, "input_file")) {
+            media = 1;
+        } else if (!json_eq(q->s, &t, 0, "input_text") && !json_eq(q->s, &t, 0, "output_text") &&
+                   !json_eq(q->s, &t, 0, "refusal")) {
+            return xl_refuse(q, pp, "%s: a %.*s part has no OpenAI chat equivalent", pp,
+                             (int)(t.end - t.start), q->s + t.start);
+        }
+    }
+    if (!media) {
+        buf text = {0};
+        r2c_join(q, c, &text);
+        xl_escaped(&q->w, &text);
+        buf_free(&text);
+        return 0;
+    }
+    jw_open(&q->w, '[');
+    pos = 0;
+    for (int i = 0; jv_next(q->s, q->n, c, &pos, &k, &part); i++) {
+        xl_ptr(pp, sizeof pp, p, NULL, i, NULL);
+        if (r2c_part(q, &part, pp) < 0) return LTG_ERR;
+    }
+    jw_close(&q->w, ']');
+    return 0;
+}
+
+/* A function_call or custom_tool_call item as an entry of the assistant message's tool_calls
+ * (opened after its text, if any): a custom tool's free-form input becomes the arguments
+ * {"input": ...} of the function it is to chat (r2c_tools). */
+static int r2c_call(xlq *q, r2c_state *st, const json_tok *item, int custom, const char *p) {
+    json_tok id, name, v;
+    if (!jv_get(q->s, q->n, item, "call_id", &id) || id.type != JSON_STRING ||
+        !jv_get(q->s, q->n, item, "name", &name) || name.type != JSON_STRING)
+        return xl_refuse(q, p, "%s: a call needs its call_id and name", p);
+    if (st->open == R2C_NONE) {
+        jw_open(&q->w, '{');
+        jw_key(&q->w, "role"), jw_lit(&q->w, "assistant");
+        jw_key(&q->w, "content"), jw_null(&q->w);
+    }
+    if (st->open != R2C_CALLS) {
+        jw_key(&q->w, "tool_calls"), jw_open(&q->w, '[');
+        st->ncalls = 0;
+    }
+    st->open = R2C_CALLS;
+    if (st->ncalls < XL_MAX_TOOLS) st->calls[st->ncalls++] = id;
+    jw_open(&q->w, '{');
+    jw_key(&q->w, "id"), xl_copy(q, &id);
+    jw_key(&q->w, "type"), jw_lit(&q->w, "function");
+    jw_key(&q->w, "function"), jw_open(&q->w, '{');
+    jw_key(&q->w, "name"), xl_copy(q, &name);
+    jw_key(&q->w, "arguments");
+    if (custom) { /* {"input":"..."} as a string */
+        buf a = {0};
+        jv_get(q->s, q->n, item, "input", &v);
+        buf_puts(&a, "{\"input\":");
+        if (v.type == JSON_STRING) buf_append(&a, q->s + v.start - 1, v.end - v.start + 2);
+        else buf_puts(&a, "\"\"");
+        buf_puts(&a, "}");
+        jw_str(&q->w, a.p, a.len);
+        buf_free(&a);
+    } else if (jv_get(q->s, q->n, item, "arguments", &v) && v.type == JSON_STRING) {
+        xl_copy(q, &v);
+    } else {
+        jw_lit(&q->w, "{}");
+    }
+    jw_close(&q->w, '}'), jw_close(&q->w, '}');
+    return 0;
+}
+
+/* A function_call_output or custom_tool_call_output item: a tool message when it answers one of
+ * the calls just written (chat wants each result right after its call), else user text -- a
+ * result whose call is gone. */
+static int r2c_output(xlq *q, r2c_state *st, const json_tok *item, const char *p) {
+    json_tok id, out;
+    buf text = {0};
+    int match = 0;
+    if (!jv_get(q->s, q->n, item, "call_id", &id) || id.type != JSON_STRING)
+        return xl_refuse(q, p, "%s: an output needs its call_id", p);
+    for (int i = 0; i < st->ncalls && !match; i++)
+        match = st->calls[i].end - st->calls[i].start == id.end - id.start &&
+                memcmp(q->s + st->calls[i].start, q->s + id.start, id.end - id.start) == 0;
+    jv_get(q->s, q->n, item, "output", &out);
+    if (out.type == JSON_STRING) buf_append(&text, q->s + out.start, out.end - out.start);
+    else if (out.type == JSON_ARRAY) r2c_join(q, &out, &text);
+    r2c_close(q, st);
+    if (!match) st->ncalls = 0;
+    jw_open(&q->w, '{');
+    if (match) {
+        jw_key(&q->w, "role"), jw_lit(&q->w, "tool");
+        jw_key(&q->w, "tool_call_id"), xl_copy(q, &id);
+        jw_key(&q->w, "content"), xl_escaped(&q->w, &text);
+    } else {
+        buf u = {0};
+        buf_puts(&u, "The result of tool call ");
+        buf_append(&u, q->s + id.start, id.end - id.start);
+        buf_puts(&u, ":\\n");
+        if (text.len) buf_append(&u, text.p, text.len);
+        jw_key(&q->w, "role"), jw_lit(&q->w, "user");
+        jw_key(&q->w, "content"), xl_escaped(&q->w, &u);
+        buf_free(&u);
+    }
+    jw_close(&q->w, '}');
+    buf_free(&text);
+    return 0;
+}
+
+/* A message item: an assistant's text opens an assistant message its calls may join (one
+ * message, as DeepSeek requires); the others are a message each (developer is system). */
+static int r2c_message(xlq *q, r2c_state *st, const json_tok *item, const char *p) {
+    json_tok role, c;
+    char pp[200];
+    jv_get(q->s, q->n, item, "role", &role);
+    jv_get(q->s, q->n, item, "content", &c);
+    int assistant = json_eq(q->s, &role, 0, "assistant");
+    if (!assistant && !json_eq(q->s, &role, 0, "user") && !json_eq(q->s, &role, 0, "system") &&
+        !json_eq(q->s, &role, 0, "developer"))
+        return xl_refuse(q, p, "%s/role: user, assistant, system or developer", p);
+    r2c_close(q, st);
+    st->ncalls = 0;
+    xl_ptr(pp, sizeof pp, p, "content", -1, NULL);
+    jw_open(&q->w, '{');
+    jw_key(&q->w, "role");
+    if (assistant) {
+        buf text = {0};
+        jw_lit(&q->w, "assistant");
+        if (c.type == JSON_ARRAY) r2c_join(q, &c, &text);
+        else if (c.type == JSON_STRING) buf_append(&text, q->s + c.start, c.end - c.start);
+        jw_key(&q->w, "content");
+        if (text.len) xl_escaped(&q->w, &text);
+        else jw_null(&q->w); /* as chat writes an assistant's turn of calls alone */
+        buf_free(&text);
+        st->open = R2C_TEXT; /* left open: calls may follow */
+        return 0;
+    }
+    if (json_eq(q->s, &role, 0, "user")) jw_lit(&q->w, "user");
+    else jw_lit(&q->w, "system");
+    jw_key(&q->w, "content");
+    if (r2c_content(q, &c, pp) < 0) return LTG_ERR;
+    jw_close(&q->w, '}');
+    return 0;
+}
+
+/* "instructions", then the input items in order, as chat's messages. */
+static int r2c_input(xlq *q) {
+    json_tok in, k, item, t;
+    size_t pos = 0;
+    r2c_state st = {0};
+    char p[64];
+    jw_key(&q->w, "messages"), jw_open(&q->w, '[');
+    if (xl_get(q, R2C_instructions, &t) && t.type == JSON_STRING && !xl_blank(q->s, &t)) {
+        jw_open(&q->w, '{');
+        jw_key(&q->w, "role"), jw_lit(&q->w, "system");
+        jw_key(&q->w, "content"), xl_copy(q, &t);
+        jw_close(&q->w, '}');
+    }
+    if (!xl_get(q, R2C_input, &in) || (in.type != JSON_STRING && in.type != JSON_ARRAY))
+        return xl_refuse(q, "/input", "/input: a string or an array of items is needed");
+    if (in.type == JSON_STRING) {
+        jw_open(&q->w, '{');
+        jw_key(&q->w, "role"), jw_lit(&q->w, "user");
+        jw_key(&q->w, "content"), xl_copy(q, &in);
+        jw_close(&q->w, '}');
+    }
+    for (int i = 0; in.type == JSON_ARRAY && jv_next(q->s, q->n, &in, &pos, &k, &item); i++) {
+        int r = 0;
+        xl_ptr(p, sizeof p, "/input", NULL, i, NULL);
+        if (!jv_get(q->s, q->n, &item, "type", &t) || json_eq(q->s, &t, 0, "message")) {
+            r = r2c_message(q, &st, &item, p);
+        } else if (json_eq(q->s, &t, 0, "function_call") ||
+                   json_eq(q->s, &t, 0, "custom_tool_call")) {
+            r = r2c_call(q, &st, &item, json_eq(q->s, &t, 0, "custom_tool_call"), p);
+        } else if (json_eq(q->s, &t, 0, "function_call_output") ||
+                   json_eq(q->s, &t, 0, "custom_tool_call_output")) {
+            r = r2c_output(q, &st, &item, p);
+        } else if (json_eq(q->s, &t, 0, "reasoning")) {
+            xl_drop(q, p, "reasoning"); /* another model's reasoning, which it cannot read */
+        } else {
+            return xl_refuse(q, p, "%s: a %.*s item has no OpenAI chat equivalent", p,
+                             (int)(t.end - t.start), q->s + t.start);
+        }
+        if (r < 0) return LTG_ERR;
+    }
+    r2c_close(q, &st);
+    jw_close(&q->w, ']');
+    return 0;
+}
+
+/* A custom tool (Codex's apply_patch: free-form input, perhaps a grammar) as a chat function of
+ * one string parameter, "input", the grammar in its description. */
+static void r2c_custom_tool(xlq *q, const json_tok *tl) {
+    json_tok v, f, syn, def;
+    buf d = {0};
+    if (jv_get(q->s, q->n, tl, "description", &v) && v.type == JSON_STRING)
+        buf_append(&d, q->s + v.start, v.end - v.start);
+    if (jv_get(q->s, q->n, tl, "format", &f) && jv_get(q->s, q->n, &f, "definition", &def) &&
+        def.type == JSON_STRING) {
+        jv_get(q->s, q->n, &f, "syntax", &syn);
+        buf_puts(&d, "\\n\\nThe input follows this ");
+        if (syn.type == JSON_STRING) buf_append(&d, q->s + syn.start, syn.end - syn.start);
+        buf_puts(&d, " grammar:\\n");
+        buf_append(&d, q->s + def.start, def.end - def.start);
+    }
+    jw_key(&q->w, "description"), xl_escaped(&q->w, &d);
+    jw_key(&q->w, "parameters");
+    static const char params[] = "{\"type\":\"object\",\"properties\":{\"input\":{\"type\":"
+                                 "\"string\",\"description\":\"the whole input of the tool, as "
+                                 "free-form text\"}},\"required\":[\"input\"],"
+                                 "\"additionalProperties\":false}";
+    jw_raw(&q->w, params, sizeof params - 1);
+    buf_free(&d);
+}
+
+/* "tools" (flat in Responses, nested in chat), "tool_choice", "parallel_tool_calls". Built-in
+ * tools run at OpenAI: refused. */
+static int r2c_tools(xlq *q) {
+    json_tok tools, k, tl, t, v;
+    size_t pos = 0;
+    char p[64];
+    if (!xl_get(q, R2C_tools, &tools) || tools.type != JSON_ARRAY || tools.end - tools.start <= 2)
+        return 0;
+    jw_key(&q->w, "tools"), jw_open(&q->w, '[');
+    for (int i = 0; jv_next(q->s, q->n, &tools, &pos, &k, &tl); i++) {
+        xl_ptr(p, sizeof p, "/tools", NULL, i, "type");
+        jv_get(q->s, q->n, &tl, "type", &t);
+        int custom = json_eq(q->s, &t, 0, "custom");
+        if (!custom && !json_eq(q->s, &t, 0, "function"))
+            return xl_refuse(q, p, "%s: the built-in tool \"%.*s\" runs at OpenAI; OpenAI chat has "
+                             "no equivalent", p, (int)(t.end - t.start), q->s + t.start);
+        if (!jv_get(q->s, q->n, &tl, "name", &v) || v.type != JSON_STRING)
+            return xl_refuse(q, p, "/tools/%d: a tool needs a name", i);
+        jw_open(&q->w, '{');
+        jw_key(&q->w, "type"), jw_lit(&q->w, "function");
+        jw_key(&q->w, "function"), jw_open(&q->w, '{');
+        jw_key(&q->w, "name"), xl_copy(q, &v);
+        if (custom) {
+            r2c_custom_tool(q, &tl);
+        } else {
+            if (jv_get(q->s, q->n, &tl, "description", &v))
+                jw_key(&q->w, "description"), xl_copy(q, &v);
+            jw_key(&q->w, "parameters");
+            if (jv_get(q->s, q->n, &tl, "parameters", &v) && v.type == JSON_OBJECT) xl_copy(q, &v);
+            else jw_raw(&q->w, "{\"type\":\"object\",\"properties\":{}}", 33);
+            if (jv_get(q->s, q->n, &tl, "strict", &v) && v.type != JSON_NULL)
+                jw_key(&q->w, "strict"), xl_copy(q, &v);
+        }
+        jw_close(&q->w, '}'), jw_close(&q->w, '}');
+    }
+    jw_close(&q->w, ']');
+    if (xl_get(q, R2C_tool_choice, &v) && v.type == JSON_STRING) {
+        jw_key(&q->w, "tool_choice"), xl_copy(q, &v);
+    } else if (v.type == JSON_OBJECT) {
+        jv_get(q->s, q->n, &v, "type", &t);
+        if (!(json_eq(q->s, &t, 0, "function") || json_eq(q->s, &t, 0, "custom")) ||
+            !jv_get(q->s, q->n, &v, "name", &k))
+            return xl_refuse(q, "/tool_choice", "/tool_choice: OpenAI chat takes auto, none, "
+                             "required or one function by name");
+        jw_key(&q->w, "tool_choice"), jw_open(&q->w, '{');
+        jw_key(&q->w, "type"), jw_lit(&q->w, "function");
+        jw_key(&q->w, "function"), jw_open(&q->w, '{');
+        jw_key(&q->w, "name"), xl_copy(q, &k);
+        jw_close(&q->w, '}'), jw_close(&q->w, '}');
+    }
+    if (xl_get(q, R2C_parallel_tool_calls, &v) && (v.type == JSON_TRUE || v.type == JSON_FALSE))
+        jw_key(&q->w, "parallel_tool_calls"), xl_copy(q, &v);
+    return 0;
+}
+
+/* The output limit, sampling, the user, structured output (text.format), the reasoning effort,
+ * streaming (with its usage). */
+static int r2c_options(xlq *q) {
+    json_tok v, f, t;
+    static const int same[] = {R2C_temperature, R2C_top_p, R2C_user};
+    if (xl_get(q, R2C_max_output_tokens, &v) && v.type == JSON_NUMBER)
+        jw_key(&q->w, "max_tokens"), xl_copy(q, &v);
+    for (int i = 0; i < 3; i++)
+        if (xl_get(q, same[i], &v) && v.type != JSON_NULL)
+            jw_name(&q->w, R2C_FIELDS[same[i]].name), xl_copy(q, &v);
+    if (xl_get(q, R2C_text, &v)) {
+        if (jv_get(q->s, q->n, &v, "verbosity", &t)) xl_drop(q, "/text/verbosity", "verbosity");
+        jv_get(q->s, q->n, &v, "format", &f);
+        jv_get(q->s, q->n, &f, "type", &t);
+        if (json_eq(q->s, &t, 0, "json_object")) {
+            jw_key(&q->w, "response_format"), jw_raw(&q->w, "{\"type\":\"json_object\"}", 22);
+        } else if (json_eq(q->s, &t, 0, "json_schema")) {
+            static const char *const keep[] = {"name", "schema", "strict", "description"};
+            jw_key(&q->w, "response_format"), jw_open(&q->w, '{');
+            jw_key(&q->w, "type"), jw_lit(&q->w, "json_schema");
+            jw_key(&q->w, "json_schema"), jw_open(&q->w, '{');
+            for (int i = 0; i < 4; i++)
+                if (jv_get(q->s, q->n, &f, keep[i], &t)) jw_name(&q->w, keep[i]), xl_copy(q, &t);
+            jw_close(&q->w, '}'), jw_close(&q->w, '}');
+        }
+    }
+    if (xl_get(q, R2C_reasoning, &v)) {
+        if (jv_get(q->s, q->n, &v, "summary", &t) && t.type != JSON_NULL)
+            xl_drop(q, "/reasoning/summary", "summary");
+        if (jv_get(q->s, q->n, &v, "effort", &t) && t.type == JSON_STRING) {
+            if (q->to->reasoning) jw_key(&q->w, "reasoning_effort"), xl_copy(q, &t);
+            else xl_drop(q, "/reasoning/effort", "effort");
+        }
+    }
+    if (xl_get(q, R2C_stream, &v) && v.type == JSON_TRUE) /* see the README's roadmap */
+        return xl_refuse(q, "/stream", "/stream: a chat model's stream is not yet translated to "
+                         "Responses' events; send \"stream\": false");
+    return 0;
+}
+
+static int r2c_request(xlq *q, const json_tok *root) {
+    if (xl_fields(q, root, R2C_FIELDS, "OpenAI chat") < 0) return LTG_ERR;
+    jw_open(&q->w, '{');
+    jw_key(&q->w, "model"), jw_cstr(&q->w, q->to->upstream);
+    if (r2c_input(q) < 0 || r2c_tools(q) < 0 || r2c_options(q) < 0) return LTG_ERR;
+    jw_close(&q->w, '}');
+    return 0;
+}
+
 /* The client's body s[0..n) (of API `from`, validated whole by admission; top: its top level
  * as admission's json_parse stored it, or NULL) for a provider of API `to`, into `out`
  * (emptied first). 0, or LTG_ERR with v->param and v->msg: a field that cannot be carried. */
@@ -11705,8 +12131,10 @@ static int xl_request(xl_api from, xl_api to, const char *s, size_t n, const jso
     buf_reserve(out, n + 256); /* about the body's size: room made once, not doubled into */
     jw_init(&q.w, out);
     json_tok root = jv_doc(s, n);
-    assert(from != to && root.type == JSON_OBJECT);
-    return from == XL_MESSAGES ? m2c_request(&q, &root) : c2m_request(&q, &root);
+    assert(xl_translates(from, to) && root.type == JSON_OBJECT);
+    return from == XL_MESSAGES ? m2c_request(&q, &root)
+           : from == XL_CHAT   ? c2m_request(&q, &root)
+                               : r2c_request(&q, &root);
 }
 
 /* ---- answers ---- */
@@ -11738,6 +12166,16 @@ static void xl_usage_json(jwriter *w, xl_api client, const long long u[NTOK]) {
         jw_key(w, "cache_creation_input_tokens"), jw_int(w, u[TOK_CACHE_WRITE]);
         jw_key(w, "cache_read_input_tokens"), jw_int(w, u[TOK_CACHE_READ]);
         jw_key(w, "output_tokens"), jw_int(w, u[TOK_OUT]);
+    } else if (client == XL_RESPONSES) {
+        jw_key(w, "input_tokens"), jw_int(w, u[TOK_IN]);
+        jw_key(w, "input_tokens_details"), jw_open(w, '{');
+        jw_key(w, "cached_tokens"), jw_int(w, u[TOK_CACHE_READ]);
+        jw_close(w, '}');
+        jw_key(w, "output_tokens"), jw_int(w, u[TOK_OUT]);
+        jw_key(w, "output_tokens_details"), jw_open(w, '{');
+        jw_key(w, "reasoning_tokens"), jw_int(w, u[TOK_REASONING]);
+        jw_close(w, '}');
+        jw_key(w, "total_tokens"), jw_int(w, u[TOK_IN] + u[TOK_OUT]);
     } else {
         jw_key(w, "prompt_tokens"), jw_int(w, u[TOK_IN]);
         jw_key(w, "completion_tokens"), jw_int(w, u[TOK_OUT]);
@@ -11942,13 +12380,150 @@ static void xl_message_to_chat(const char *s, size_t n, const long long u[NTOK],
     buf_free(&think);
 }
 
+/* Is `name` (escaped) a custom tool (free-form input) of the Responses request req? */
+static int xl_custom_tool(const char *req, size_t rn, const char *name, size_t n) {
+    json_tok root = jv_doc(req, rn), tools, k, tl, t;
+    size_t pos = 0;
+    if (!jv_get(req, rn, &root, "tools", &tools) || tools.type != JSON_ARRAY) return 0;
+    while (jv_next(req, rn, &tools, &pos, &k, &tl))
+        if (jv_get(req, rn, &tl, "name", &t) && t.end - t.start == n &&
+            memcmp(req + t.start, name, n) == 0)
+            return jv_get(req, rn, &tl, "type", &t) && json_eq(req, &t, 0, "custom");
+    return 0;
+}
+
+/* A chat tool call as a Responses output item: function_call, or custom_tool_call for a custom
+ * tool of the request, its input the "input" of the arguments (else the arguments whole). */
+static void xl_call_item(jwriter *w, const char *s, size_t n, const json_tok *call, int i,
+                         const char *rid, const char *req, size_t rn) {
+    json_tok f, id, name, args;
+    char iid[64];
+    jv_get(s, n, call, "function", &f);
+    jv_get(s, n, call, "id", &id);
+    jv_get(s, n, &f, "name", &name);
+    jv_get(s, n, &f, "arguments", &args);
+    int custom = name.type == JSON_STRING &&
+                 xl_custom_tool(req, rn, s + name.start, name.end - name.start);
+    jw_open(w, '{');
+    jw_key(w, "type");
+    if (custom) jw_lit(w, "custom_tool_call");
+    else jw_lit(w, "function_call");
+    snprintf(iid, sizeof iid, "%s_%s_%d", custom ? "ctc" : "fc", rid, i);
+    jw_key(w, "id"), jw_cstr(w, iid);
+    jw_key(w, "call_id");
+    if (id.type == JSON_STRING) jw_raw(w, s + id.start - 1, id.end - id.start + 2);
+    else jw_cstr(w, iid);
+    jw_key(w, "name");
+    if (name.type == JSON_STRING) jw_raw(w, s + name.start - 1, name.end - name.start + 2);
+    else jw_lit(w, "");
+    if (custom) {
+        buf a = {0};
+        json_tok t[64];
+        json_result res;
+        int in = -1;
+        if (args.type == JSON_STRING) json_unescape(s, &args, 0, &a);
+        if (a.len && json_parse(a.p, a.len, t, 64, 1, &res) == 0) in = json_get(a.p, t, 0, "input");
+        jw_key(w, "input");
+        if (in >= 0 && t[in].type == JSON_STRING) jw_raw(w, a.p + t[in].start - 1,
+                                                        t[in].end - t[in].start + 2);
+        else jw_str(w, a.p ? a.p : "", a.len);
+        buf_free(&a);
+    } else {
+        jw_key(w, "arguments");
+        if (args.type == JSON_STRING) jw_raw(w, s + args.start - 1, args.end - args.start + 2);
+        else jw_lit(w, "{}");
+    }
+    jw_key(w, "status"), jw_lit(w, "completed");
+    jw_close(w, '}');
+}
+
+/* A chat completion as a Responses object: the id minted from the request's (rid), an optional
+ * reasoning item, the message item with its text, an item per tool call; a length or content
+ * filter stop makes it incomplete. */
+static void xl_chat_to_response(const char *s, size_t n, const char *req, size_t rn,
+                                const char *rid, const long long u[NTOK], buf *out) {
+    static const char *const names[] = {"model", "choices", NULL},
+                             *const choice[] = {"message", "finish_reason", NULL},
+                             *const message[] = {"content", "tool_calls", "reasoning_content",
+                                                 NULL};
+    json_tok root = jv_doc(s, n), r[2], c[2], m[3], k, c0, call;
+    size_t pos = 0;
+    unsigned got;
+    char id[64];
+    jwriter w;
+    jv_members(s, n, &root, names, r);
+    for (int i = 0; i < 2; i++) c[i] = (json_tok){JSON_NULL, 0, 0, 0, 0};
+    if (r[1].type == JSON_ARRAY) jv_next_members(s, n, &r[1], &pos, choice, c, &got, &c0);
+    jv_members(s, n, &c[0], message, m);
+    xl_finish fin = c[1].type != JSON_NULL ? xl_finish_of(s, &c[1]) : XF_STOP;
+    jw_init(&w, out);
+    jw_open(&w, '{');
+    snprintf(id, sizeof id, "resp_%s", rid);
+    jw_key(&w, "id"), jw_cstr(&w, id);
+    jw_key(&w, "object"), jw_lit(&w, "response");
+    jw_key(&w, "created_at"), jw_int(&w, wall_ms() / 1000);
+    jw_key(&w, "status");
+    if (fin == XF_LENGTH || fin == XF_FILTER) {
+        jw_lit(&w, "incomplete");
+        jw_key(&w, "incomplete_details"), jw_open(&w, '{');
+        jw_key(&w, "reason");
+        if (fin == XF_LENGTH) jw_lit(&w, "max_output_tokens");
+        else jw_lit(&w, "content_filter");
+        jw_close(&w, '}');
+    } else {
+        jw_lit(&w, "completed");
+        jw_key(&w, "incomplete_details"), jw_null(&w);
+    }
+    jw_key(&w, "model");
+    if (r[0].type == JSON_STRING) jw_raw(&w, s + r[0].start - 1, r[0].end - r[0].start + 2);
+    else jw_lit(&w, "");
+    jw_key(&w, "output"), jw_open(&w, '[');
+    if (m[2].type == JSON_STRING && !xl_blank(s, &m[2])) {
+        jw_open(&w, '{');
+        jw_key(&w, "type"), jw_lit(&w, "reasoning");
+        snprintf(id, sizeof id, "rs_%s", rid);
+        jw_key(&w, "id"), jw_cstr(&w, id);
+        jw_key(&w, "summary"), jw_open(&w, '['), jw_open(&w, '{');
+        jw_key(&w, "type"), jw_lit(&w, "summary_text");
+        jw_key(&w, "text"), jw_raw(&w, s + m[2].start - 1, m[2].end - m[2].start + 2);
+        jw_close(&w, '}'), jw_close(&w, ']');
+        jw_close(&w, '}');
+    }
+    if (m[0].type == JSON_STRING && m[0].end > m[0].start) {
+        jw_open(&w, '{');
+        jw_key(&w, "type"), jw_lit(&w, "message");
+        snprintf(id, sizeof id, "msg_%s", rid);
+        jw_key(&w, "id"), jw_cstr(&w, id);
+        jw_key(&w, "status"), jw_lit(&w, "completed");
+        jw_key(&w, "role"), jw_lit(&w, "assistant");
+        jw_key(&w, "content"), jw_open(&w, '['), jw_open(&w, '{');
+        jw_key(&w, "type"), jw_lit(&w, "output_text");
+        jw_key(&w, "text"), jw_raw(&w, s + m[0].start - 1, m[0].end - m[0].start + 2);
+        jw_key(&w, "annotations"), jw_raw(&w, "[]", 2);
+        jw_close(&w, '}'), jw_close(&w, ']');
+        jw_close(&w, '}');
+    }
+    pos = 0;
+    for (int i = 0; m[1].type == JSON_ARRAY && jv_next(s, n, &m[1], &pos, &k, &call); i++)
+        xl_call_item(&w, s, n, &call, i, rid, req, rn);
+    jw_close(&w, ']');
+    jw_key(&w, "store"), jw_bool(&w, 0);
+    jw_key(&w, "usage"), xl_usage_json(&w, XL_RESPONSES, u);
+    jw_close(&w, '}');
+}
+
 /* A provider's whole answer s[0..n) (validated by usage_read) in the client's API, into out;
  * u: the provider's usage classes; req: the client's body. LTG_ERR with *why when it cannot be
  * carried. */
 static int xl_answer(xl_api from, xl_api client, const char *s, size_t n, const char *req,
-                     size_t rn, const long long u[NTOK], buf *out, const char **why) {
+                     size_t rn, const char *rid, const long long u[NTOK], buf *out,
+                     const char **why) {
     out->len = 0;
     buf_reserve(out, n + 512); /* chat's answer is a few hundred bytes longer than Anthropic's */
+    if (client == XL_RESPONSES) {
+        xl_chat_to_response(s, n, req, rn, rid, u, out);
+        return 0;
+    }
     if (from == XL_CHAT && client == XL_MESSAGES)
         return xl_chat_to_message(s, n, req, rn, u, out, why);
     xl_message_to_chat(s, n, u, out);
@@ -11997,12 +12572,12 @@ static int xl_error(xl_api client, int status, const char *s, size_t n, buf *out
                                    : (status == 529 ? 503 : quota ? 429 : status);
     jwriter w;
     jw_init(&w, out);
-    const char *type = client == XL_CHAT && quota          ? "insufficient_quota"
-                       : client == XL_CHAT && to == 503    ? "service_unavailable_error"
-                                                           : NULL;
+    const char *type = client != XL_MESSAGES && quota       ? "insufficient_quota"
+                       : client != XL_MESSAGES && to == 503 ? "service_unavailable_error"
+                                                            : NULL;
     error_open(&w, to, client == XL_MESSAGES, msg.len ? msg.p : "the provider answered an error",
                type, NULL);
-    jw_key(&w, "code"), jw_cstr(&w, client == XL_CHAT && quota ? "insufficient_quota"
+    jw_key(&w, "code"), jw_cstr(&w, client != XL_MESSAGES && quota ? "insufficient_quota"
                                     : code.p                   ? code.p
                                                                : "upstream_error");
     jw_close(&w, '}'), jw_close(&w, '}');
@@ -12890,8 +13465,8 @@ static const wire_kind WIRE[] = {
      .stream = 1, .ask_usage = 1, USAGE_PROMPT, .max_out = {"max_tokens"}, .cut = CUT_DATA},
     {"/v1/embeddings", "/embeddings", "embeddings", EP_EMBEDDINGS, XL_NONE, API_OPENAI,
      USAGE_PROMPT, .cut = CUT_DATA},
-    {"/v1/responses", "/responses", "responses", EP_RESPONSES, XL_NONE, API_OPENAI, .stream = 1,
-     USAGE_IO, .max_out = {"max_output_tokens"}, .event_usage = "response",
+    {"/v1/responses", "/responses", "responses", EP_RESPONSES, XL_RESPONSES, API_OPENAI,
+     .stream = 1, USAGE_IO, .max_out = {"max_output_tokens"}, .event_usage = "response",
      .event_usage_final = 1, .cut = CUT_EVENT, .pins = 1},
     {"/v1/messages", "/messages", "messages", EP_MESSAGES, XL_MESSAGES, API_ANTHROPIC, .stream = 1,
      USAGE_ANTHROPIC, .max_out = {"max_tokens"}, .event_usage = "message", .cut = CUT_ANTHROPIC},
@@ -13696,7 +14271,7 @@ static void exchange_fail(exchange *x, int status, const char *code, const char 
         /* a spent quota is no rate limit: nothing tells the client to try again */
         int quota = strcmp(code, "insufficient_quota") == 0, anthropic = x->kind->api == API_ANTHROPIC;
         if (x->last_xl && x->kind->xl == XL_MESSAGES && status == 503) status = 529;
-        if (x->last_xl && x->kind->xl == XL_CHAT && status == 529) status = 503;
+        if (x->last_xl && x->kind->xl != XL_MESSAGES && status == 529) status = 503;
         if (quota && anthropic) status = 402;
         error_open(&w, status, anthropic, msg,
                    quota ? code : status == 504 ? "timeout_error" : "upstream_error", NULL);
@@ -13746,7 +14321,7 @@ static void exchange_relay(exchange *x) {
         len = x->xanswer.len;
         snprintf(ctype, sizeof ctype, "application/json");
     }
-    if (ok && x->up == x->kind && u->body.p) response_pin(x, u->body.p, u->body.len, 0);
+    if (ok && u->body.p) response_pin(x, body, len, 0); /* the minted id of a translated one */
     int64_t cost = exchange_settle(x, status, ok ? EV_SUCCEEDED : EV_FAILED,
                                    ok ? x->plan.model : -1, 0, body, len);
     const attempt_entry *e = &x->log[x->nlog - 1];
@@ -13782,7 +14357,7 @@ static const char *exchange_translate_answer(exchange *x) {
     exchange_classes(x, t);
     mask_provider_key(exchange_dep(x)->p, u->body.p, u->body.len);
     if (xl_answer(model_xl(exchange_model(x)), x->kind->xl, u->body.p ? u->body.p : "",
-                  u->body.len, x->body.p, x->body.len, t, &x->xanswer, &why) < 0)
+                  u->body.len, x->body.p, x->body.len, x->rid, t, &x->xanswer, &why) < 0)
         return why;
     return NULL;
 }
@@ -14161,7 +14736,7 @@ static int exchange_translate(exchange *x) {
     x->dropped[0] = 0;
     if (model_native(m, x->kind)) return 0;
     char *why = x->untranslatable[x->plan.model];
-    if (x->kind->xl == XL_NONE || model_xl(m) == XL_NONE) {
+    if (!xl_translates(x->kind->xl, model_xl(m))) {
         model_unreachable(why, x->kind, m);
         return LTG_ERR;
     }
@@ -14760,7 +15335,8 @@ static int admit_model(admission *a, refusal *r) {
                           "previous_response_id names a response of \"%.200s\", which this key may "
                           "not call",
                           pinned);
-        if (!(m = catalog_model(S.cat, pinned, strlen(pinned))) || !model_native(m, a->kind))
+        /* a translated model's: its previous_response_id is refused with the body (section 17) */
+        if (!(m = catalog_model(S.cat, pinned, strlen(pinned))))
             return refuse(r, 404, "model_not_found", NULL,
                           "previous_response_id names a response of \"%.200s\", no longer in this "
                           "gateway's catalog",
@@ -14792,7 +15368,7 @@ static int admit_translation(admission *a, refusal *r) {
         model *m = a->chain[i];
         xl_target t = {m->dep[0].upstream, m->max_output_tokens, m->reasoning};
         if (model_native(m, a->kind)) return ADMIT;
-        if (a->kind->xl == XL_NONE || model_xl(m) == XL_NONE) {
+        if (!xl_translates(a->kind->xl, model_xl(m))) {
             model_unreachable(a->untranslatable[i], a->kind, m);
         } else if (xl_request(a->kind->xl, model_xl(m), a->body, a->c->body.len, a->t, &t,
                               &a->xbody, &a->xv) < 0) {

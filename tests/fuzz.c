@@ -967,10 +967,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) {
             if (xl_request((xl_api)from, to, p, n, tp, &tg, &out, &v) == 0)
                 REQUIRE(json_parse(out.p, out.len, t, 1, 0, &res) == 0, "a translated request is not JSON: %s",
                         out.p);
-            if (xl_answer((xl_api)from, from == XL_CHAT ? XL_MESSAGES : XL_CHAT, p, n, "{}", 2, u, &out, &why) == 0)
+            if (xl_answer((xl_api)from, from == XL_CHAT ? XL_MESSAGES : XL_CHAT, p, n, "{}", 2, "req_fuzz", u, &out, &why) == 0)
                 REQUIRE(json_parse(out.p, out.len, t, 1, 0, &res) == 0, "a translated answer is not JSON: %s",
                         out.p);
         }
+        /* Responses to chat, and a chat answer back (the body its own request, for its tools) */
+        if (xl_request(XL_RESPONSES, XL_CHAT, p, n, tp, &tg, &out, &v) == 0)
+            REQUIRE(json_parse(out.p, out.len, t, 1, 0, &res) == 0, "a translated request is not JSON: %s",
+                    out.p);
+        if (xl_answer(XL_CHAT, XL_RESPONSES, p, n, p, n, "req_fuzz", u, &out, &why) == 0)
+            REQUIRE(json_parse(out.p, out.len, t, 1, 0, &res) == 0, "a translated answer is not JSON: %s",
+                    out.p);
     }
     for (int from = XL_CHAT; from <= XL_MESSAGES; from++) {
         xl_stream *xs = xl_stream_new((xl_api)from, from == XL_CHAT ? XL_MESSAGES : XL_CHAT, 1, 5, "{}", 2);

@@ -200,23 +200,65 @@ def t_endpoints():
     g, token = group_key(["GLM-chat", "GPT"], {"GLM-chat": ["GPT"]})
     _, alone = group_key(["GLM-chat"])
     before = it.H.mock_get("/_mock/stats")
-    for path, body in (("/v1/responses", {"model": "GLM-chat", "input": "Hi"}),
-                       ("/v1/embeddings", {"model": "GLM-chat", "input": "Hi"})):
+    for path, body in (("/v1/embeddings", {"model": "GLM-chat", "input": "Hi"}),):
         r = post(path, body, alone)
         e = jbody(r).get("error") or {}
         check(r.status == 400 and e.get("code") == "invalid_request" and "serves chat, not" in e.get("message", ""),
               "%s: %d %r" % (path, r.status, r.body[:300]))
     check(it.H.mock_get("/_mock/stats")["requests"] == before["requests"], "the provider was sent what it does not serve")
-    r = post("/v1/responses", {"model": "GLM-chat", "input": "Hi"}, token)
+    r = post("/v1/embeddings", {"model": "GLM-chat", "input": "Hi"}, token)
     check(r.status == 200 and r.header("x-ltg-served-model") == "GPT" and r.header("x-ltg-attempts") == "1",
           "the chain: %d %r %r" % (r.status, r.header("x-ltg-served-model"), r.body[:200]))
     a = spend_event(g, r.header("x-ltg-request-id"))["attempt_log"]
-    check(len(a) == 2 and a[0]["outcome"] == "untranslatable" and a[0]["status"] == 0 and "serves chat, not responses"
+    check(len(a) == 2 and a[0]["outcome"] == "untranslatable" and a[0]["status"] == 0 and "serves chat, not embeddings"
           in a[0]["error"] and a[1]["outcome"] == "ok", "attempt_log %r" % a)
     r = post("/v1/chat/completions", chat("GLM-chat"), alone)
     check(r.status == 200 and r.header("x-ltg-dropped") is None, "chat, served: %d %r" % (r.status, r.body[:200]))
     r = post("/v1/messages", messages_body("GLM-chat"), alone)
     check(r.status == 200 and jbody(r)["type"] == "message", "Messages, translated to chat: %d %r" % (r.status, r.body[:200]))
+
+
+@it.test("translate: a Responses client on a chat-only model -- the request sent as chat (instructions, items, a "
+         "custom tool as a function), the answer a Responses object (resp_ + the request id, the text, a call as a "
+         "function_call), usage and cost a direct chat call's; a stream and previous_response_id refused")
+def t_responses():
+    g, token = group_key(["GLM-chat"])
+    usage = "input_tokens=1200 cached_tokens=300 reasoning_tokens=20 output_tokens=77"
+    body = {"model": "GLM-chat", "instructions": "be brief", "store": False,
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
+            "tools": [{"type": "custom", "name": "apply_patch", "description": "Edit files.",
+                       "format": {"type": "grammar", "syntax": "lark", "definition": "start: x"}}]}
+    evs = []
+    for path, b in (("/v1/chat/completions", chat("GLM-chat")), ("/v1/responses", body)):
+        script("glm-chat-up", [usage])
+        r = post(path, b, token)
+        check(r.status == 200, "%s: %d %r" % (path, r.status, r.body[:300]))
+        evs.append(spend_event(g, r.header("x-ltg-request-id")))
+    j = jbody(r)
+    sent = it.H.mock_get("/_mock/last")
+    want = json.loads(sent["body"])
+    check(sent["path"].endswith("/chat/completions") and want["messages"][0] == {"role": "system", "content": "be brief"}
+          and want["messages"][1] == {"role": "user", "content": "Hi"}
+          and want["tools"][0]["function"]["name"] == "apply_patch"
+          and want["tools"][0]["function"]["parameters"]["required"] == ["input"], "sent %r" % sent)
+    msg = [o for o in j["output"] if o["type"] == "message"]
+    check(j["object"] == "response" and j["id"] == "resp_" + r.header("x-ltg-request-id") and j["status"] == "completed"
+          and msg and msg[0]["content"][0]["type"] == "output_text" and msg[0]["content"][0]["text"]
+          and j["usage"]["input_tokens"] == 1200 and j["usage"]["input_tokens_details"]["cached_tokens"] == 300
+          and j["usage"]["output_tokens"] == 77 and j["store"] is False, "the answer %r" % j)
+    keys = ("input_tokens", "cache_read_tokens", "reasoning_tokens", "output_tokens", "cost")
+    check({k: evs[0][k] for k in keys} == {k: evs[1][k] for k in keys} and evs[1]["client_api"] == "responses",
+          "direct %r, translated %r" % tuple({k: e[k] for k in keys + ("client_api",)} for e in evs))
+    script("glm-chat-up", ["tool_call"])
+    r = post("/v1/responses", body, token)
+    calls = [o for o in jbody(r)["output"] if o["type"] == "function_call"]
+    check(r.status == 200 and len(calls) == 1 and calls[0]["call_id"].startswith("call_mock")
+          and "mock-tool" in calls[0]["arguments"], "a call: %d %r" % (r.status, r.body[:400]))
+    for extra, param in (({"stream": True}, "/stream"), ({"previous_response_id": j["id"]}, "/previous_response_id")):
+        r = post("/v1/responses", dict(body, **extra), token)
+        e = jbody(r).get("error") or {}
+        check(r.status == 400 and e.get("code") == "untranslatable_field" and e.get("param") == param,
+              "%s: %d %r" % (param, r.status, r.body[:300]))
 
 
 @it.test("translate: count_tokens for a model behind OpenAI chat: ltg's estimate, x-ltg-estimated, no call")

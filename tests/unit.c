@@ -2514,6 +2514,77 @@ static void test_xl_m2c_rows(void) {
 }
 
 /* Every row of the mapping tables, chat -> Messages (the note's 1b). */
+#define R2C(in, want, dropped) xlg(XL_RESPONSES, XL_CHAT, 1, in, want, NULL, dropped)
+#define R2C_NO(in, param) xlg(XL_RESPONSES, XL_CHAT, 1, in, NULL, param, NULL)
+#define R2C_TOOL_PARAMS "{'type':'object','properties':{'input':{'type':'string','description':" \
+                        "'the whole input of the tool, as free-form text'}},'required':['input']," \
+                        "'additionalProperties':false}"
+
+/* The rows of Responses -> chat (note 1c): instructions, input as a string or items, calls
+ * merged with the text before them (DeepSeek: codex#22129), an output without its call as user
+ * text (Bifrost), custom tools as a function of one string (apply_patch: 9router#1371),
+ * reasoning dropped, built-ins and stored state refused. */
+static void test_xl_r2c_rows(void) {
+    R2C("{'model':'G','instructions':'be brief','input':'hi','max_output_tokens':100,'store':true}",
+        "{'model':'up-model','messages':[{'role':'system','content':'be brief'},{'role':'user',"
+        "'content':'hi'}],'max_tokens':100}", NULL);
+    R2C("{'model':'G','input':[{'type':'message','role':'developer','content':[{'type':'input_text',"
+        "'text':'rules'}]},{'role':'user','content':[{'type':'input_text','text':'a'},{'type':"
+        "'input_text','text':'b'}]},{'type':'reasoning','id':'rs_1','summary':[]},{'type':'message',"
+        "'role':'assistant','content':[{'type':'output_text','text':'let me look'}]},{'type':"
+        "'function_call','call_id':'c1','name':'shell','arguments':'{\\'cmd\\':\\'ls\\'}'},{'type':"
+        "'function_call','call_id':'c2','name':'shell','arguments':'{}'},{'type':"
+        "'function_call_output','call_id':'c1','output':'a.txt'},{'type':'function_call_output',"
+        "'call_id':'c2','output':[{'type':'input_text','text':'b'}]}]}",
+        "{'model':'up-model','messages':[{'role':'system','content':'rules'},{'role':'user','content':"
+        "'a\\nb'},{'role':'assistant','content':'let me look','tool_calls':[{'id':'c1','type':"
+        "'function','function':{'name':'shell','arguments':'{\\'cmd\\':\\'ls\\'}'}},{'id':'c2',"
+        "'type':'function','function':{'name':'shell','arguments':'{}'}}]},{'role':'tool',"
+        "'tool_call_id':'c1','content':'a.txt'},{'role':'tool','tool_call_id':'c2','content':'b'}]}",
+        "/input/2");
+    R2C("{'model':'G','input':[{'role':'user','content':'go'},{'type':'function_call_output',"
+        "'call_id':'gone','output':'x'}]}",
+        "{'model':'up-model','messages':[{'role':'user','content':'go'},{'role':'user','content':"
+        "'The result of tool call gone:\\nx'}]}", NULL);
+    R2C("{'model':'G','input':[{'role':'user','content':'edit'},{'type':'custom_tool_call','call_id':"
+        "'p1','name':'apply_patch','input':'*** Begin Patch\\n'},{'type':'custom_tool_call_output',"
+        "'call_id':'p1','output':'ok'}],'tools':[{'type':'custom','name':'apply_patch','description':"
+        "'Edit files.','format':{'type':'grammar','syntax':'lark','definition':'start: x'}},{'type':"
+        "'function','name':'shell','parameters':{'type':'object'},'strict':false}],'tool_choice':"
+        "{'type':'custom','name':'apply_patch'},'parallel_tool_calls':false}",
+        "{'model':'up-model','messages':[{'role':'user','content':'edit'},{'role':'assistant',"
+        "'content':null,'tool_calls':[{'id':'p1','type':'function','function':{'name':'apply_patch',"
+        "'arguments':'{\\'input\\':\\'*** Begin Patch\\\\n\\'}'}}]},{'role':'tool','tool_call_id':"
+        "'p1','content':'ok'}],'tools':[{'type':'function','function':{'name':'apply_patch',"
+        "'description':'Edit files.\\n\\nThe input follows this lark grammar:\\nstart: x',"
+        "'parameters':" R2C_TOOL_PARAMS "}},{'type':'function','function':{'name':'shell',"
+        "'parameters':{'type':'object'},'strict':false}}],'tool_choice':{'type':'function',"
+        "'function':{'name':'apply_patch'}},'parallel_tool_calls':false}", NULL);
+    R2C("{'model':'G','input':'x','text':{'format':{'type':'json_schema','name':'out','schema':"
+        "{'type':'object'},'strict':true},'verbosity':'low'},'reasoning':{'effort':'high','summary':"
+        "'auto'},'temperature':0.5,'top_p':0.9,'user':'u','include':['reasoning.encrypted_content'],"
+        "'previous_response_id':null}",
+        "{'model':'up-model','messages':[{'role':'user','content':'x'}],'temperature':0.5,'top_p':0.9,"
+        "'user':'u','response_format':{'type':'json_schema','json_schema':{'name':'out','schema':"
+        "{'type':'object'},'strict':true}},'reasoning_effort':'high'}",
+        "/include,/text/verbosity,/reasoning/summary");
+    R2C("{'model':'G','input':[{'role':'user','content':[{'type':'input_text','text':'see'},{'type':"
+        "'input_image','image_url':'https://x/a.png','detail':'low'}]}]}",
+        "{'model':'up-model','messages':[{'role':'user','content':[{'type':'text','text':'see'},"
+        "{'type':'image_url','image_url':{'url':'https://x/a.png','detail':'low'}}]}]}", NULL);
+    R2C_NO("{'model':'G','input':'x','tools':[{'type':'web_search'}]}", "/tools/0/type");
+    R2C_NO("{'model':'G','input':'x','previous_response_id':'resp_1'}", "/previous_response_id");
+    R2C_NO("{'model':'G','input':'x','stream':true}", "/stream");
+    R2C_NO("{'model':'G','input':[{'role':'user','content':[{'type':'input_image','file_id':'f1'}]}]}",
+           "/input/0/content/0");
+    R2C_NO("{'model':'G','input':[{'type':'web_search_call','id':'ws'}]}", "/input/0");
+    R2C_NO("{'model':'G','input':[{'type':'item_reference','id':'msg_1'}]}", "/input/0");
+    R2C_NO("{'model':'G','input':'x','tool_choice':{'type':'allowed_tools'},'tools':[{'type':"
+           "'function','name':'f'}]}", "/tool_choice");
+    R2C_NO("{'model':'G','input':'x','nonsense':1}", "/nonsense");
+    R2C_NO("{'model':'G'}", "/input");
+}
+
 static void test_xl_c2m_rows(void) {
     /* blank text skipped (BiFangKNT/mtga#68); an empty assistant turn is not sent empty
      * (envoy#2191) */
@@ -2614,7 +2685,7 @@ static void xla(xl_api from, xl_api client, const long long u[NTOK], const char 
     char *i = sq(in), *h = sq(has), *n = sq(hasnt);
     const char *req = "{'tools':[{'name':'mcp__a_very_long_server_name__and_a_very_long_tool_name_too_long_x'}]}";
     char *r = sq(req);
-    CHECK(xl_answer(from, client, i, strlen(i), r, strlen(r), u, &out, &why) == 0 && out.p,
+    CHECK(xl_answer(from, client, i, strlen(i), r, strlen(r), "req_unit", u, &out, &why) == 0 && out.p,
           "%s: %s", i, why ? why : "");
     for (char *w = strtok(h, "|"); w && out.p; w = strtok(NULL, "|"))
         CHECK(strstr(out.p, w), "%s\n  lacks %s\n  got %s", i, w, out.p);
@@ -2683,12 +2754,47 @@ static void test_xl_answers(void) {
         "'stop_reason':'tool_use'|'input_tokens':12,'cache_creation_input_tokens':3,"
         "'cache_read_input_tokens':5,'output_tokens':7",
         "hm");
+    /* chat -> Responses: the id minted from the request's, the text a message item, a call a
+     * function_call, a custom tool's call a custom_tool_call with its input (apply_patch kept
+     * whole); usage inclusive; a length stop incomplete */
+    {
+        buf ro = {0};
+        const char *rwhy = NULL;
+        char *ra = sq("{'id':'c1','model':'g','choices':[{'index':0,'message':{'role':'assistant',"
+                      "'content':'ok','reasoning_content':'hm','tool_calls':[{'id':'call_1','type':"
+                      "'function','function':{'name':'shell','arguments':'{\\'cmd\\':1}'}},{'id':"
+                      "'call_2','type':'function','function':{'name':'apply_patch','arguments':"
+                      "'{\\'input\\':\\'*** Begin Patch\\\\n\\'}'}}]},'finish_reason':'length'}]}");
+        char *rq = sq("{'tools':[{'type':'function','name':'shell'},{'type':'custom','name':"
+                      "'apply_patch'}]}");
+        CHECK(xl_answer(XL_CHAT, XL_RESPONSES, ra, strlen(ra), rq, strlen(rq), "req_9", u, &ro,
+                        &rwhy) == 0 && ro.p, "chat -> Responses");
+        char *want = sq("{'id':'resp_req_9','object':'response','created_at':|'status':'incomplete',"
+                        "'incomplete_details':{'reason':'max_output_tokens'},'model':'g','output':["
+                        "{'type':'reasoning','id':'rs_req_9','summary':[{'type':'summary_text','text':"
+                        "'hm'}]},{'type':'message','id':'msg_req_9','status':'completed','role':"
+                        "'assistant','content':[{'type':'output_text','text':'ok','annotations':[]}]},"
+                        "{'type':'function_call','id':'fc_req_9_0','call_id':'call_1','name':'shell',"
+                        "'arguments':'{\\'cmd\\':1}','status':'completed'},{'type':'custom_tool_call',"
+                        "'id':'ctc_req_9_1','call_id':'call_2','name':'apply_patch','input':"
+                        "'*** Begin Patch\\n','status':'completed'}],'store':false,'usage':{"
+                        "'input_tokens':20,'input_tokens_details':{'cached_tokens':5},'output_tokens':7,"
+                        "'output_tokens_details':{'reasoning_tokens':0},'total_tokens':27}}");
+        char *cut = strchr(want, '|'); /* the time between */
+        *cut = 0;
+        size_t rest = strlen(cut + 1);
+        CHECK(ro.p && strncmp(ro.p, want, strlen(want)) == 0 && ro.len > rest &&
+              strcmp(ro.p + ro.len - rest, cut + 1) == 0, "chat -> Responses:\n  got  %s",
+              ro.p ? ro.p : "");
+        free(ra), free(rq), free(want);
+        buf_free(&ro);
+    }
     /* a tool call whose arguments are not an object cannot become Anthropic's input */
     buf out = {0};
     const char *why = NULL;
     char *bad = sq("{'id':'c1','choices':[{'message':{'tool_calls':[{'id':'a','function':"
                    "{'name':'f','arguments':'[1]'}}]}}]}");
-    CHECK(xl_answer(XL_CHAT, XL_MESSAGES, bad, strlen(bad), "{}", 2, u, &out, &why) < 0 && why,
+    CHECK(xl_answer(XL_CHAT, XL_MESSAGES, bad, strlen(bad), "{}", 2, "req_unit", u, &out, &why) < 0 && why,
           "arguments [1] carried");
     free(bad);
     buf_free(&out);
@@ -2937,7 +3043,7 @@ static const struct { const char *name; void (*fn)(void); } TESTS[] = {
     T(test_group_validation), T(test_ledger_pieces), T(test_log), T(test_log_failures), T(test_log_async), T(test_compaction_on_time),
     T(test_ledger_days), T(test_ledger_budgets_16m), T(test_ledger_budgets_16k), T(test_ledger_chunks),
     T(test_ledger_migration), T(test_ledger_extremes), T(test_sha256), T(test_exchange_fake),
-    T(test_jv), T(test_xl_ptr), T(test_xl_requests), T(test_xl_m2c_rows), T(test_xl_c2m_rows), T(test_xl_answers), T(test_xl_errors), T(test_xl_streams), T(test_xl_stream_rows),
+    T(test_jv), T(test_xl_ptr), T(test_xl_requests), T(test_xl_m2c_rows), T(test_xl_c2m_rows), T(test_xl_r2c_rows), T(test_xl_answers), T(test_xl_errors), T(test_xl_streams), T(test_xl_stream_rows),
 };
 #define NTESTS (sizeof TESTS / sizeof *TESTS)
 
