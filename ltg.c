@@ -10553,8 +10553,7 @@ static void admin_route(conn *c) {
  *                 argument fragments, the finish, a ping), an encoder per client API writes
  *                 them in the client's grammar. Each encoder is a machine: one enum, its
  *                 transitions asserted. It writes nothing before the first content, so that
- *                 an attempt that fails before it still fails over. (Responses' stream is
- *                 not encoded yet: a streamed Responses request is refused, /stream.)
+ *                 an attempt that fails before it still fails over.
  *
  * Money is not translated: section 18 meters the provider's own usage with the provider API's
  * classes; the client sees those counts in its own API's terms (chat's prompt_tokens includes
@@ -11716,6 +11715,7 @@ static int c2m_request(xlq *q, const json_tok *root) {
     X(metadata, XF_DROP, NULL) X(service_tier, XF_DROP, NULL) X(prompt_cache_key, XF_DROP, NULL) \
     X(safety_identifier, XF_DROP, NULL) X(truncation, XF_DROP, NULL) \
     X(stream_options, XF_DROP, NULL) X(prompt_cache_retention, XF_DROP, NULL) \
+    X(client_metadata, XF_DROP, NULL) \
     X(previous_response_id, XF_REFUSE, \
       "the response it names was not kept (its model is translated): send the whole input") \
     X(conversation, XF_REFUSE, "a conversation is kept at OpenAI") \
@@ -12105,9 +12105,10 @@ static int r2c_options(xlq *q) {
             else xl_drop(q, "/reasoning/effort", "effort");
         }
     }
-    if (xl_get(q, R2C_stream, &v) && v.type == JSON_TRUE) /* see the README's roadmap */
-        return xl_refuse(q, "/stream", "/stream: a chat model's stream is not yet translated to "
-                         "Responses' events; send \"stream\": false");
+    if (xl_get(q, R2C_stream, &v) && v.type == JSON_TRUE) {
+        jw_key(&q->w, "stream"), jw_bool(&q->w, 1);
+        jw_key(&q->w, "stream_options"), jw_raw(&q->w, "{\"include_usage\":true}", 22);
+    }
     return 0;
 }
 
@@ -12392,6 +12393,22 @@ static int xl_custom_tool(const char *req, size_t rn, const char *name, size_t n
     return 0;
 }
 
+/* A custom tool's input, a JSON string, from a chat call's arguments (escaped, as the answer
+ * or the stream had them): their "input", else the arguments whole. */
+static void xl_custom_input(jwriter *w, const char *esc, size_t n) {
+    buf a = {0};
+    json_tok t[64], e = {JSON_STRING, 0, (uint32_t)n, 0, 0};
+    json_result res;
+    int in = -1;
+    if (n) json_unescape(esc, &e, 0, &a);
+    if (a.len && json_parse(a.p, a.len, t, 64, 1, &res) == 0) in = json_get(a.p, t, 0, "input");
+    if (in >= 0 && t[in].type == JSON_STRING)
+        jw_raw(w, a.p + t[in].start - 1, t[in].end - t[in].start + 2);
+    else
+        jw_str(w, a.p ? a.p : "", a.len);
+    buf_free(&a);
+}
+
 /* A chat tool call as a Responses output item: function_call, or custom_tool_call for a custom
  * tool of the request, its input the "input" of the arguments (else the arguments whole). */
 static void xl_call_item(jwriter *w, const char *s, size_t n, const json_tok *call, int i,
@@ -12417,17 +12434,9 @@ static void xl_call_item(jwriter *w, const char *s, size_t n, const json_tok *ca
     if (name.type == JSON_STRING) jw_raw(w, s + name.start - 1, name.end - name.start + 2);
     else jw_lit(w, "");
     if (custom) {
-        buf a = {0};
-        json_tok t[64];
-        json_result res;
-        int in = -1;
-        if (args.type == JSON_STRING) json_unescape(s, &args, 0, &a);
-        if (a.len && json_parse(a.p, a.len, t, 64, 1, &res) == 0) in = json_get(a.p, t, 0, "input");
         jw_key(w, "input");
-        if (in >= 0 && t[in].type == JSON_STRING) jw_raw(w, a.p + t[in].start - 1,
-                                                        t[in].end - t[in].start + 2);
-        else jw_str(w, a.p ? a.p : "", a.len);
-        buf_free(&a);
+        if (args.type == JSON_STRING) xl_custom_input(w, s + args.start, args.end - args.start);
+        else jw_lit(w, "");
     } else {
         jw_key(w, "arguments");
         if (args.type == JSON_STRING) jw_raw(w, s + args.start - 1, args.end - args.start + 2);
@@ -12606,6 +12615,16 @@ typedef struct {
 typedef enum { AE_WAIT, AE_IDLE, AE_TEXT, AE_TOOL, AE_DONE } ae_state;
 /* The chat encoder's: nothing sent yet; chunks flowing; [DONE] sent. */
 typedef enum { CE_WAIT, CE_FLOWING, CE_DONE } ce_state;
+/* The Responses encoder's: nothing sent yet; response.created sent and no item open; a
+ * reasoning or a message item open; response.completed (or .incomplete) sent. */
+typedef enum { RE_WAIT, RE_IDLE, RE_REASONING, RE_TEXT, RE_DONE } re_state;
+/* A Responses output item: a reasoning summary or a message (ref: its run of seg[]), a
+ * function or a custom tool call (ref: its tools[] entry). */
+typedef enum { RI_REASONING, RI_MESSAGE, RI_CALL, RI_CUSTOM } re_kind;
+typedef struct {
+    unsigned char kind, ref;
+} re_item_t;
+#define RE_MAX_SEGMENTS 8        /* runs of text or reasoning in one streamed Responses answer */
 
 /* A tool call of a chat stream on its way to an Anthropic client, whose blocks come one after
  * another: it is live (its block open, its fragments passed on as they come), held (another is
@@ -12637,6 +12656,14 @@ struct xl_stream {
     const char *req;             /* the client's body: tool names mapped back */
     size_t rn;
     buf head, d;                 /* chat: each chunk's opening, made once; a delta's scratch */
+    /* a Responses client: the machine, the next sequence_number, the time, the request's id,
+     * the output items so far and the text of each run */
+    re_state re;
+    long long seq, created;
+    char rid[32];
+    re_item_t items[XL_MAX_TOOLS + RE_MAX_SEGMENTS];
+    int nitems, nseg;
+    buf seg[RE_MAX_SEGMENTS];
     /* not zeroed (xl_stream_new): each entry is set before it is read */
     int ordinal[256];            /* each tool_use block's, set with its kinds[] */
     xl_tool tools[XL_MAX_TOOLS]; /* the first ntools */
@@ -12658,6 +12685,7 @@ static void xl_stream_free(xl_stream *x) {
         buf_free(&x->tools[i].name);
         buf_free(&x->tools[i].args);
     }
+    for (int i = 0; i < x->nseg; i++) buf_free(&x->seg[i]);
     buf_free(&x->head);
     buf_free(&x->d);
     free(x);
@@ -12929,9 +12957,320 @@ static int ce_put(xl_stream *x, const xe *e, const long long u[NTOK], buf *out) 
     return 0;
 }
 
+/* ---- the Responses encoder: a chat provider's stream for a Responses client (Codex) ----
+ * Responses' events repeat what they carry: each .done event and response.completed hold the
+ * whole text and arguments, so the encoder keeps them (at most XL_MAX_BUFFERED). Text and
+ * reasoning stream as they come, each run an item of its own (a message, a reasoning summary);
+ * tool calls, whose chat fragments may interleave, go whole at the end, an item each (a custom
+ * tool's a custom_tool_call, its input the "input" of the arguments). Every event has its
+ * sequence_number; the response's id is the request's. */
+
+static void re_to(xl_stream *x, re_state to) {
+    static const unsigned char next[] = {
+        [RE_WAIT] = 1 << RE_IDLE,
+        [RE_IDLE] = 1 << RE_REASONING | 1 << RE_TEXT | 1 << RE_DONE,
+        [RE_REASONING] = 1 << RE_IDLE,
+        [RE_TEXT] = 1 << RE_IDLE,
+        [RE_DONE] = 0,
+    };
+    assert(next[x->re] >> to & 1);
+    x->re = to;
+}
+
+/* One event: its type, its sequence number, then the members written in b (emptied). */
+static void re_event(xl_stream *x, buf *out, const char *type, buf *b) {
+    buf_cat(out, "event: ", type, "\ndata: {\"type\":\"", type, "\",\"sequence_number\":", NULL);
+    buf_uint(out, (unsigned long long)x->seq++);
+    buf_puts(out, ",");
+    buf_append(out, b->p, b->len);
+    buf_puts(out, "}\n\n");
+    b->len = 0;
+}
+
+/* Item k's id: its kind's prefix, the request's id, its place. */
+static void re_item_id(const xl_stream *x, int k, char id[80]) {
+    static const char *const prefix[] = {"rs", "msg", "fc", "ctc"};
+    snprintf(id, 80, "%s_%s_%d", prefix[x->items[k].kind], x->rid, k);
+}
+
+/* Item k as JSON: whole (done), or as it is added (in progress: no text, no arguments). */
+static void re_item(const xl_stream *x, jwriter *w, int k, int done) {
+    const re_item_t *it = &x->items[k];
+    char id[80];
+    re_item_id(x, k, id);
+    jw_open(w, '{');
+    jw_key(w, "id"), jw_cstr(w, id);
+    if (it->kind == RI_REASONING) {
+        jw_key(w, "type"), jw_lit(w, "reasoning");
+        jw_key(w, "summary"), jw_open(w, '[');
+        if (done) {
+            jw_open(w, '{');
+            jw_key(w, "type"), jw_lit(w, "summary_text");
+            jw_key(w, "text"), xl_escaped(w, &x->seg[it->ref]);
+            jw_close(w, '}');
+        }
+        jw_close(w, ']');
+    } else if (it->kind == RI_MESSAGE) {
+        jw_key(w, "type"), jw_lit(w, "message");
+        jw_key(w, "status"), jw_cstr(w, done ? "completed" : "in_progress");
+        jw_key(w, "role"), jw_lit(w, "assistant");
+        jw_key(w, "content"), jw_open(w, '[');
+        if (done) {
+            jw_open(w, '{');
+            jw_key(w, "type"), jw_lit(w, "output_text");
+            jw_key(w, "text"), xl_escaped(w, &x->seg[it->ref]);
+            jw_key(w, "annotations"), jw_raw(w, "[]", 2);
+            jw_close(w, '}');
+        }
+        jw_close(w, ']');
+    } else {
+        const xl_tool *t = &x->tools[it->ref];
+        jw_key(w, "type");
+        if (it->kind == RI_CUSTOM) jw_lit(w, "custom_tool_call");
+        else jw_lit(w, "function_call");
+        jw_key(w, "status"), jw_cstr(w, done ? "completed" : "in_progress");
+        jw_key(w, "call_id"), xl_escaped(w, &t->id);
+        jw_key(w, "name"), xl_escaped(w, &t->name);
+        if (it->kind == RI_CUSTOM) {
+            jw_key(w, "input");
+            if (done) xl_custom_input(w, t->args.p, t->args.len);
+            else jw_lit(w, "");
+        } else {
+            jw_key(w, "arguments");
+            if (done) xl_escaped(w, &t->args);
+            else jw_lit(w, "");
+        }
+    }
+    jw_close(w, '}');
+}
+
+/* The response: in progress (no output yet), or whole with its items and usage. */
+static void re_response(const xl_stream *x, jwriter *w, const long long *u) {
+    char id[64];
+    int incomplete = u && (x->finish == XF_LENGTH || x->finish == XF_FILTER);
+    snprintf(id, sizeof id, "resp_%s", x->rid);
+    jw_open(w, '{');
+    jw_key(w, "id"), jw_cstr(w, id);
+    jw_key(w, "object"), jw_lit(w, "response");
+    jw_key(w, "created_at"), jw_int(w, x->created);
+    jw_key(w, "status"), jw_cstr(w, !u ? "in_progress" : incomplete ? "incomplete" : "completed");
+    jw_key(w, "incomplete_details");
+    if (incomplete) {
+        jw_open(w, '{');
+        jw_key(w, "reason");
+        jw_cstr(w, x->finish == XF_FILTER ? "content_filter" : "max_output_tokens");
+        jw_close(w, '}');
+    } else {
+        jw_null(w);
+    }
+    jw_key(w, "model"), jw_sep(w);
+    buf_cat(w->out, "\"", x->model, "\"", NULL);
+    jw_key(w, "output"), jw_open(w, '[');
+    for (int k = 0; u && k < x->nitems; k++) re_item(x, w, k, 1);
+    jw_close(w, ']');
+    jw_key(w, "store"), jw_bool(w, 0);
+    jw_key(w, "usage");
+    if (u) xl_usage_json(w, XL_RESPONSES, u);
+    else jw_null(w);
+    jw_close(w, '}');
+}
+
+/* An event about item k: "item_id", "output_index" (and content or summary index 0), then the
+ * rest the caller writes into w. */
+static void re_about(const xl_stream *x, jwriter *w, int k, const char *index) {
+    char id[80];
+    re_item_id(x, k, id);
+    jw_key(w, "item_id"), jw_cstr(w, id);
+    jw_key(w, "output_index"), jw_int(w, k);
+    if (index) jw_name(w, index), jw_int(w, 0);
+}
+
+/* Item k added (output_item.added), or done (output_item.done). */
+static void re_item_event(xl_stream *x, int k, int done, buf *out) {
+    jwriter w;
+    jw_init(&w, &x->d);
+    w.depth = 1; /* inside the event's object, after its type */
+    jw_key(&w, "output_index"), jw_int(&w, k);
+    jw_key(&w, "item"), re_item(x, &w, k, done);
+    re_event(x, out, done ? "response.output_item.done" : "response.output_item.added", &x->d);
+}
+
+static void re_start(xl_stream *x, buf *out) {
+    jwriter w;
+    x->created = wall_ms() / 1000;
+    for (int i = 0; i < 2; i++) {
+        jw_init(&w, &x->d);
+        w.depth = 1;
+        jw_key(&w, "response"), re_response(x, &w, NULL);
+        re_event(x, out, i ? "response.in_progress" : "response.created", &x->d);
+    }
+    re_to(x, RE_IDLE);
+}
+
+/* The open text or reasoning run done: its text, its part, its item. */
+static void re_close(xl_stream *x, buf *out) {
+    if (x->re != RE_TEXT && x->re != RE_REASONING) return;
+    int k = x->nitems - 1, text = x->re == RE_TEXT;
+    const buf *seg = &x->seg[x->items[k].ref];
+    jwriter w;
+    jw_init(&w, &x->d);
+    w.depth = 1;
+    re_about(x, &w, k, text ? "content_index" : "summary_index");
+    jw_key(&w, "text"), xl_escaped(&w, seg);
+    re_event(x, out, text ? "response.output_text.done" : "response.reasoning_summary_text.done",
+             &x->d);
+    jw_init(&w, &x->d);
+    w.depth = 1;
+    re_about(x, &w, k, text ? "content_index" : "summary_index");
+    jw_key(&w, "part"), jw_open(&w, '{');
+    jw_key(&w, "type"), jw_cstr(&w, text ? "output_text" : "summary_text");
+    jw_key(&w, "text"), xl_escaped(&w, seg);
+    if (text) jw_key(&w, "annotations"), jw_raw(&w, "[]", 2);
+    jw_close(&w, '}');
+    re_event(x, out, text ? "response.content_part.done" : "response.reasoning_summary_part.done",
+             &x->d);
+    re_item_event(x, k, 1, out);
+    re_to(x, RE_IDLE);
+}
+
+/* A run of text or reasoning opens: its item, its part. */
+static int re_open(xl_stream *x, re_state to, buf *out, const char **why) {
+    if (x->nseg == RE_MAX_SEGMENTS) {
+        *why = "text and reasoning alternate more often than ltg carries to Responses (8 runs)";
+        return LTG_ERR;
+    }
+    int k = x->nitems++, text = to == RE_TEXT;
+    x->items[k] = (re_item_t){text ? RI_MESSAGE : RI_REASONING, (unsigned char)x->nseg++};
+    re_item_event(x, k, 0, out);
+    jwriter w;
+    jw_init(&w, &x->d);
+    w.depth = 1;
+    re_about(x, &w, k, text ? "content_index" : "summary_index");
+    jw_key(&w, "part"), jw_open(&w, '{');
+    jw_key(&w, "type"), jw_cstr(&w, text ? "output_text" : "summary_text");
+    jw_key(&w, "text"), jw_lit(&w, "");
+    if (text) jw_key(&w, "annotations"), jw_raw(&w, "[]", 2);
+    jw_close(&w, '}');
+    re_event(x, out, text ? "response.content_part.added" : "response.reasoning_summary_part.added",
+             &x->d);
+    re_to(x, to);
+    return 0;
+}
+
+/* Text or reasoning (escaped) of the stream: into the open run of its kind, opened if need be. */
+static int re_text(xl_stream *x, re_state to, const char *s, size_t n, buf *out,
+                   const char **why) {
+    if (x->re == RE_WAIT) re_start(x, out);
+    if (x->re != to) {
+        re_close(x, out);
+        if (re_open(x, to, out, why) < 0) return LTG_ERR;
+    }
+    buf *seg = &x->seg[x->items[x->nitems - 1].ref];
+    if ((x->held += n) > XL_MAX_BUFFERED) {
+        *why = "more text than ltg keeps for Responses' done events (8 MiB)";
+        return LTG_ERR;
+    }
+    buf_append(seg, s, n);
+    jwriter w;
+    jw_init(&w, &x->d);
+    w.depth = 1;
+    re_about(x, &w, x->nitems - 1, to == RE_TEXT ? "content_index" : "summary_index");
+    jw_key(&w, "delta"), jw_sep(&w);
+    buf_cat(w.out, "\"", NULL);
+    buf_append(w.out, s, n);
+    buf_cat(w.out, "\"", NULL);
+    re_event(x, out, to == RE_TEXT ? "response.output_text.delta"
+                                   : "response.reasoning_summary_text.delta", &x->d);
+    return 0;
+}
+
+/* The end: the open run done, each call whole (added, its arguments or input, done), then
+ * response.completed (or .incomplete) with every item and the usage. */
+static void re_end(xl_stream *x, const long long u[NTOK], buf *out) {
+    jwriter w;
+    if (x->re == RE_WAIT) re_start(x, out);
+    re_close(x, out);
+    for (int i = 0; i < x->ntools; i++) {
+        const xl_tool *t = &x->tools[i];
+        int k = x->nitems++;
+        int custom = xl_custom_tool(x->req, x->rn, t->name.p ? t->name.p : "", t->name.len);
+        x->items[k] = (re_item_t){custom ? RI_CUSTOM : RI_CALL, (unsigned char)i};
+        re_item_event(x, k, 0, out);
+        jw_init(&w, &x->d);
+        w.depth = 1;
+        re_about(x, &w, k, NULL);
+        jw_key(&w, "delta");
+        if (custom) xl_custom_input(&w, t->args.p, t->args.len);
+        else xl_escaped(&w, &t->args);
+        re_event(x, out, custom ? "response.custom_tool_call_input.delta"
+                                : "response.function_call_arguments.delta", &x->d);
+        jw_init(&w, &x->d);
+        w.depth = 1;
+        re_about(x, &w, k, NULL);
+        jw_name(&w, custom ? "input" : "arguments");
+        if (custom) xl_custom_input(&w, t->args.p, t->args.len);
+        else xl_escaped(&w, &t->args);
+        re_event(x, out, custom ? "response.custom_tool_call_input.done"
+                                : "response.function_call_arguments.done", &x->d);
+        re_item_event(x, k, 1, out);
+    }
+    if (x->ntools) x->finish = XF_TOOL; /* not incomplete: the calls are whole */
+    jw_init(&w, &x->d);
+    w.depth = 1;
+    jw_key(&w, "response"), re_response(x, &w, u);
+    re_event(x, out, x->finish == XF_LENGTH || x->finish == XF_FILTER ? "response.incomplete"
+                                                                      : "response.completed",
+             &x->d);
+    re_to(x, RE_DONE);
+}
+
+/* One neutral event for a Responses client. 1 when its stream is whole. */
+static int re_put(xl_stream *x, const xe *e, const long long u[NTOK], buf *out,
+                  const char **why) {
+    if (x->re == RE_DONE) return 1;
+    switch (e->kind) {
+    case XE_TEXT:
+    case XE_REASONING:
+        if (e->n && re_text(x, e->kind == XE_TEXT ? RE_TEXT : RE_REASONING, e->s, e->n, out,
+                            why) < 0)
+            return LTG_ERR;
+        break;
+    case XE_TOOL:
+    case XE_ARGS: {
+        xl_tool *t = ae_tool(x, e->index, why);
+        if (!t) return LTG_ERR;
+        if (x->re == RE_WAIT) re_start(x, out); /* a call is content: the head goes */
+        if (e->kind == XE_TOOL && !t->named) {
+            t->named = 1;
+            buf_append(&t->id, e->s, e->n);
+            buf_append(&t->name, e->name, e->nn);
+        } else if (e->kind == XE_ARGS) {
+            buf_append(&t->args, e->s, e->n);
+            if ((x->held += e->n) > XL_MAX_BUFFERED) {
+                *why = "more tool arguments held back than ltg keeps (8 MiB)";
+                return LTG_ERR;
+            }
+        }
+        break;
+    }
+    case XE_FINISH:
+        x->finish = e->finish;
+        break;
+    case XE_PING:
+        if (x->re != RE_WAIT) buf_puts(out, ": ping\n\n");
+        break;
+    case XE_END:
+        re_end(x, u, out);
+        return 1;
+    }
+    return 0;
+}
+
 static int xl_put(xl_stream *x, const xe *e, const long long u[NTOK], buf *out,
                   const char **why) {
-    return x->client == XL_MESSAGES ? ae_put(x, e, u, out, why) : ce_put(x, e, u, out);
+    return x->client == XL_MESSAGES    ? ae_put(x, e, u, out, why)
+           : x->client == XL_RESPONSES ? re_put(x, e, u, out, why)
+                                       : ce_put(x, e, u, out);
 }
 
 /* The answer's id and model (tokens of s, null when absent), once: from the first event that
@@ -13125,7 +13464,7 @@ static int xl_feed(xl_stream *x, const char *ev, size_t evn, const buf *data,
 /* The provider's stream ended: whole when it had finished (a chat stream may leave out
  * [DONE]), else LTG_ERR. */
 static int xl_feed_end(xl_stream *x, const long long u[NTOK], buf *out, const char **why) {
-    if (x->ae == AE_DONE || x->ce == CE_DONE) return 1;
+    if (x->ae == AE_DONE || x->ce == CE_DONE || x->re == RE_DONE) return 1;
     xl_sink k = {x, u, out, why};
     if (x->provider == XL_CHAT && x->finish != XF_NONE) return xe_put(&k, xe_of(XE_END));
     *why = "the stream ended before its answer did";
@@ -14759,6 +15098,7 @@ static int exchange_translate(exchange *x) {
     x->xs = x->stream ? xl_stream_new(model_xl(m), x->kind->xl, v.include_usage, x->shape.prompt,
                                       x->body.p, x->body.len)
                       : NULL;
+    if (x->xs) memcpy(x->xs->rid, x->rid, sizeof x->xs->rid); /* a Responses answer's id */
     return 0;
 }
 

@@ -220,7 +220,7 @@ def t_endpoints():
 
 @it.test("translate: a Responses client on a chat-only model -- the request sent as chat (instructions, items, a "
          "custom tool as a function), the answer a Responses object (resp_ + the request id, the text, a call as a "
-         "function_call), usage and cost a direct chat call's; a stream and previous_response_id refused")
+         "function_call), usage and cost a direct chat call's; previous_response_id naming it refused")
 def t_responses():
     g, token = group_key(["GLM-chat"])
     usage = "input_tokens=1200 cached_tokens=300 reasoning_tokens=20 output_tokens=77"
@@ -254,11 +254,51 @@ def t_responses():
     calls = [o for o in jbody(r)["output"] if o["type"] == "function_call"]
     check(r.status == 200 and len(calls) == 1 and calls[0]["call_id"].startswith("call_mock")
           and "mock-tool" in calls[0]["arguments"], "a call: %d %r" % (r.status, r.body[:400]))
-    for extra, param in (({"stream": True}, "/stream"), ({"previous_response_id": j["id"]}, "/previous_response_id")):
+    for extra, param in (({"previous_response_id": j["id"]}, "/previous_response_id"),):
         r = post("/v1/responses", dict(body, **extra), token)
         e = jbody(r).get("error") or {}
         check(r.status == 400 and e.get("code") == "untranslatable_field" and e.get("param") == param,
               "%s: %d %r" % (param, r.status, r.body[:300]))
+
+
+@it.test("translate: a Responses client on a chat-only model, streamed whole and one byte per write -- one resp_ "
+         "id, sequence numbers 0, 1, 2..., reasoning and text items with their deltas and whole .done, three "
+         "parallel calls as function_call items whole at the end, response.completed with every item and the "
+         "ledger's usage; the same items as the answer not streamed")
+def t_responses_stream():
+    g, token = group_key(["GLM-chat"])
+    body = {"model": "GLM-chat", "input": "Hi", "stream": True}
+    seen = []
+    for bytewise in ("", " bytewise"):
+        script("glm-chat-up", ["tools=3 text_first reasoning=2 finish=stop" + bytewise])
+        r = post("/v1/responses", body, token)
+        check(r.status == 200 and (r.header("content-type") or "").startswith("text/event-stream"),
+              "status %d: %r" % (r.status, r.body[:300]))
+        evs = [(n, d) for n, d in it.sse_named(r)]
+        names = [n for n, _ in evs]
+        check(all(isinstance(d, dict) and d.get("type") == n for n, d in evs), "event names and types %r" % names)
+        check([d["sequence_number"] for _, d in evs] == list(range(len(evs))), "sequence numbers %r" % evs)
+        check(names[:2] == ["response.created", "response.in_progress"] and names[-1] == "response.completed",
+              "the events %r" % names)
+        rid = r.header("x-ltg-request-id")
+        check(all(d["response"]["id"] == "resp_" + rid for n, d in evs if "response" in d), "one id")
+        text = "".join(d["delta"] for n, d in evs if n == "response.output_text.delta")
+        done = [d["text"] for n, d in evs if n == "response.output_text.done"]
+        final = evs[-1][1]["response"]
+        items = [(o["type"], o.get("name"), json.loads(o["arguments"]) if "arguments" in o else None)
+                 for o in final["output"]]
+        check(text == "Let me check." and done == [text] and items[0][0] == "reasoning" and items[1][0] == "message"
+              and [i[1] for i in items[2:]] == ["tool_0", "tool_1", "tool_2"]
+              and [i[2] for i in items[2:]] == calls_want(3), "text %r, done %r, items %r" % (text, done, items))
+        ev = spend_event(g, rid)
+        check(final["usage"]["output_tokens"] == ev["output_tokens"] and final["usage"]["input_tokens"]
+              == ev["input_tokens"] and ev["client_api"] == "responses", "usage %r, the ledger %r" % (final["usage"], ev))
+        seen.append(items)
+    script("glm-chat-up", ["tools=3 text_first reasoning=2 finish=stop"])
+    j = jbody(post("/v1/responses", dict(body, stream=False), token))
+    whole = [(o["type"], o.get("name"), json.loads(o["arguments"]) if "arguments" in o else None)
+             for o in j["output"]]
+    check(seen[0] == seen[1] == whole, "whole %r, streamed %r" % (whole, seen))
 
 
 @it.test("translate: count_tokens for a model behind OpenAI chat: ltg's estimate, x-ltg-estimated, no call")

@@ -2574,7 +2574,9 @@ static void test_xl_r2c_rows(void) {
         "{'type':'image_url','image_url':{'url':'https://x/a.png','detail':'low'}}]}]}", NULL);
     R2C_NO("{'model':'G','input':'x','tools':[{'type':'web_search'}]}", "/tools/0/type");
     R2C_NO("{'model':'G','input':'x','previous_response_id':'resp_1'}", "/previous_response_id");
-    R2C_NO("{'model':'G','input':'x','stream':true}", "/stream");
+    R2C("{'model':'G','input':'x','stream':true}",
+        "{'model':'up-model','messages':[{'role':'user','content':'x'}],'stream':true,"
+        "'stream_options':{'include_usage':true}}", NULL);
     R2C_NO("{'model':'G','input':[{'role':'user','content':[{'type':'input_image','file_id':'f1'}]}]}",
            "/input/0/content/0");
     R2C_NO("{'model':'G','input':[{'type':'web_search_call','id':'ws'}]}", "/input/0");
@@ -2962,6 +2964,84 @@ static int in_order(const char *s, const char *parts) {
     return ok;
 }
 
+/* chat -> Responses, streamed (note 3): one response id throughout, sequence numbers from 0
+ * up, reasoning then text each an item (added, part, deltas, done with the whole text), the
+ * calls whole at the end -- a function's arguments, apply_patch's input kept -- and
+ * response.completed with every item and the usage (one byte at a time: integration_translate). */
+static void test_xl_responses_stream(void) {
+    static const char *const chat[] = {
+        "data: {'id':'c1','model':'glm','choices':[{'index':0,'delta':{'role':'assistant',"
+        "'reasoning_content':'hm '}}]}\n\n",
+        "data: {'id':'c1','choices':[{'index':0,'delta':{'reasoning_content':'ok'}}]}\n\n",
+        "data: {'id':'c1','choices':[{'index':0,'delta':{'content':'I will '}}]}\n\n",
+        "data: {'id':'c1','choices':[{'index':0,'delta':{'content':'edit.'}}]}\n\n",
+        ": keep-alive\n\n",
+        "data: {'id':'c1','choices':[{'index':0,'delta':{'tool_calls':[{'index':0,'id':'call_a',"
+        "'type':'function','function':{'name':'shell','arguments':'{\\'cmd'}},{'index':1,'id':"
+        "'call_b','type':'function','function':{'name':'apply_patch','arguments':'{\\'input'}}]}}]}"
+        "\n\n",
+        "data: {'id':'c1','choices':[{'index':0,'delta':{'tool_calls':[{'index':1,'function':"
+        "{'arguments':'\\':\\'*** Begin Patch\\\\n\\'}'}},{'index':0,'function':{'arguments':"
+        "'\\':1}'}}]}}]}\n\n",
+        "data: {'id':'c1','choices':[{'index':0,'delta':{},'finish_reason':'tool_calls'}]}\n\n",
+        "data: {'id':'c1','choices':[],'usage':{'prompt_tokens':20}}\n\n",
+        "data: [DONE]\n\n", NULL};
+    const char *v[16];
+    char *c[16], *req = sq("{'tools':[{'type':'function','name':'shell'},{'type':'custom','name':"
+                           "'apply_patch'}]}");
+    int n = 0;
+    for (; chat[n]; n++) v[n] = c[n] = sq(chat[n]);
+    v[n] = NULL;
+    {
+        buf all = {0};
+        xl_stream *xs = xl_stream_new(XL_CHAT, XL_RESPONSES, 0, 99, req, strlen(req));
+        snprintf(xs->rid, sizeof xs->rid, "req_7");
+        CHECK(xl_run(xs, v, &all) == 1, "the stream is whole");
+        CHECK(in_order(all.p ? all.p : "",
+                       "event: response.created|'sequence_number':0,'response':{'id':'resp_req_7',"
+                       "'object':'response'|'status':'in_progress'|event: response.in_progress|"
+                       "'sequence_number':1,|event: response.output_item.added|'item':{'id':"
+                       "'rs_req_7_0','type':'reasoning','summary':[]}|"
+                       "event: response.reasoning_summary_part.added|"
+                       "event: response.reasoning_summary_text.delta|'delta':'hm '|'delta':'ok'|"
+                       "event: response.reasoning_summary_text.done|'text':'hm ok'|"
+                       "event: response.reasoning_summary_part.done|event: response.output_item.done|"
+                       "event: response.output_item.added|'id':'msg_req_7_1','type':'message',"
+                       "'status':'in_progress'|event: response.content_part.added|"
+                       "event: response.output_text.delta|'item_id':'msg_req_7_1','output_index':1,"
+                       "'content_index':0,'delta':'I will '|'delta':'edit.'|"
+                       "event: response.output_text.done|'text':'I will edit.'|"
+                       "event: response.content_part.done|event: response.output_item.done|"
+                       "'status':'completed','role':'assistant','content':[{'type':'output_text',"
+                       "'text':'I will edit.','annotations':[]}]|"
+                       "event: response.output_item.added|'id':'fc_req_7_2','type':'function_call',"
+                       "'status':'in_progress','call_id':'call_a','name':'shell','arguments':''|"
+                       "event: response.function_call_arguments.delta|"
+                       "event: response.function_call_arguments.done|'arguments':'{\\'cmd\\':1}'|"
+                       "event: response.output_item.done|event: response.output_item.added|"
+                       "'id':'ctc_req_7_3','type':'custom_tool_call'|"
+                       "event: response.custom_tool_call_input.delta|"
+                       "event: response.custom_tool_call_input.done|'input':'*** Begin Patch\\n'|"
+                       "event: response.output_item.done|event: response.completed|"
+                       "'status':'completed'|'output':[{'id':'rs_req_7_0'|'id':'msg_req_7_1'|"
+                       "'id':'fc_req_7_2'|'id':'ctc_req_7_3'|'usage':{'input_tokens':20,"
+                       "'input_tokens_details':{'cached_tokens':5},'output_tokens':7"),
+              "the events:\n%s", all.p ? all.p : "");
+        /* sequence numbers 0, 1, 2... with no gap, one per event */
+        int seq = 0, events = 0;
+        for (const char *p = all.p; p && (p = strstr(p, "\"sequence_number\":")); p++, seq++) {
+            CHECK(atoi(p + 18) == seq, "sequence_number %d where %d was due", atoi(p + 18), seq);
+            if (atoi(p + 18) != seq) break;
+        }
+        for (const char *p = all.p; p && (p = strstr(p, "event: ")); p++) events++;
+        CHECK(seq == events && seq > 20, "%d sequence numbers, %d events", seq, events);
+        xl_stream_free(xs);
+        buf_free(&all);
+    }
+    for (int i = 0; i < n; i++) free(c[i]);
+    free(req);
+}
+
 /* The stream steps of the note's 3, each in a stream of its own. */
 static void test_xl_stream_rows(void) {
     buf all = {0};
@@ -3043,7 +3123,7 @@ static const struct { const char *name; void (*fn)(void); } TESTS[] = {
     T(test_group_validation), T(test_ledger_pieces), T(test_log), T(test_log_failures), T(test_log_async), T(test_compaction_on_time),
     T(test_ledger_days), T(test_ledger_budgets_16m), T(test_ledger_budgets_16k), T(test_ledger_chunks),
     T(test_ledger_migration), T(test_ledger_extremes), T(test_sha256), T(test_exchange_fake),
-    T(test_jv), T(test_xl_ptr), T(test_xl_requests), T(test_xl_m2c_rows), T(test_xl_c2m_rows), T(test_xl_r2c_rows), T(test_xl_answers), T(test_xl_errors), T(test_xl_streams), T(test_xl_stream_rows),
+    T(test_jv), T(test_xl_ptr), T(test_xl_requests), T(test_xl_m2c_rows), T(test_xl_c2m_rows), T(test_xl_r2c_rows), T(test_xl_answers), T(test_xl_errors), T(test_xl_streams), T(test_xl_responses_stream), T(test_xl_stream_rows),
 };
 #define NTESTS (sizeof TESTS / sizeof *TESTS)
 
