@@ -10605,10 +10605,10 @@ typedef enum { XL_NONE, XL_CHAT, XL_MESSAGES, XL_RESPONSES, XL_NAPI } xl_api; /*
 #define XL_MAX_TOOLS 64          /* tool calls in one streamed answer */
 
 /* Does ltg translate a request of client API `from` for a provider of API `to`? Messages and
- * chat both ways; Responses to chat. */
+ * chat both ways; Responses to chat, and to Messages through chat. */
 static int xl_translates(xl_api from, xl_api to) {
     return (from == XL_MESSAGES && to == XL_CHAT) || (from == XL_CHAT && to == XL_MESSAGES) ||
-           (from == XL_RESPONSES && to == XL_CHAT);
+           (from == XL_RESPONSES && (to == XL_CHAT || to == XL_MESSAGES));
 }
 #define XL_MAX_BUFFERED (8 << 20) /* a stream's tool arguments held back to keep blocks in order */
 #define XL_MAX_DROPPED 16        /* dropped field names named in x-ltg-dropped */
@@ -10849,6 +10849,14 @@ static int xl_get(const xlq *q, int field, json_tok *v) {
     if (!(q->has >> field & 1)) return 0;
     *v = q->vals[field];
     return 1;
+}
+
+/* n bytes already JSON-escaped (a slice of a string token) as a string value. */
+static void xl_slice(jwriter *w, const char *p, size_t n) {
+    jw_sep(w);
+    buf_puts(w->out, "\"");
+    if (n) buf_append(w->out, p, n);
+    buf_puts(w->out, "\"");
 }
 
 /* Text already JSON-escaped (json_tok bytes, or several joined) as a string value. */
@@ -11853,7 +11861,16 @@ static int r2c_call(xlq *q, r2c_state *st, const json_tok *item, int custom, con
     jw_key(&q->w, "id"), xl_copy(q, &id);
     jw_key(&q->w, "type"), jw_lit(&q->w, "function");
     jw_key(&q->w, "function"), jw_open(&q->w, '{');
-    jw_key(&q->w, "name"), xl_copy(q, &name);
+    if (jv_get(q->s, q->n, item, "namespace", &v) && v.type == JSON_STRING) { /* r2c_tool's name */
+        buf nm = {0};
+        buf_append(&nm, q->s + v.start, v.end - v.start);
+        buf_puts(&nm, "__");
+        buf_append(&nm, q->s + name.start, name.end - name.start);
+        jw_key(&q->w, "name"), xl_escaped(&q->w, &nm);
+        buf_free(&nm);
+    } else {
+        jw_key(&q->w, "name"), xl_copy(q, &name);
+    }
     jw_key(&q->w, "arguments");
     if (custom) { /* {"input":"..."} as a string */
         buf a = {0};
@@ -12016,42 +12033,84 @@ static void r2c_custom_tool(xlq *q, const json_tok *tl) {
     buf_free(&d);
 }
 
-/* "tools" (flat in Responses, nested in chat), "tool_choice", "parallel_tool_calls". Built-in
- * tools run at OpenAI: refused. */
+/* A function or custom tool as a chat function; one of namespace ns (NULL: none) is named
+ * NS__name (the answer's calls are named back: xl_tool_of). */
+static int r2c_tool(xlq *q, const json_tok *tl, const json_tok *ns, const char *p) {
+    json_tok t, v;
+    jv_get(q->s, q->n, tl, "type", &t);
+    int custom = json_eq(q->s, &t, 0, "custom");
+    if (!custom && !json_eq(q->s, &t, 0, "function"))
+        return xl_refuse(q, p, "%s: the built-in tool \"%.*s\" runs at OpenAI; OpenAI chat has "
+                         "no equivalent", p, (int)(t.end - t.start), q->s + t.start);
+    if (!jv_get(q->s, q->n, tl, "name", &v) || v.type != JSON_STRING)
+        return xl_refuse(q, p, "%s: a tool needs a name", p);
+    jw_open(&q->w, '{');
+    jw_key(&q->w, "type"), jw_lit(&q->w, "function");
+    jw_key(&q->w, "function"), jw_open(&q->w, '{');
+    if (ns) {
+        buf nm = {0};
+        buf_append(&nm, q->s + ns->start, ns->end - ns->start);
+        buf_puts(&nm, "__");
+        buf_append(&nm, q->s + v.start, v.end - v.start);
+        jw_key(&q->w, "name"), xl_escaped(&q->w, &nm);
+        buf_free(&nm);
+    } else {
+        jw_key(&q->w, "name"), xl_copy(q, &v);
+    }
+    if (custom) {
+        r2c_custom_tool(q, tl);
+    } else {
+        if (jv_get(q->s, q->n, tl, "description", &v)) jw_key(&q->w, "description"), xl_copy(q, &v);
+        jw_key(&q->w, "parameters");
+        if (jv_get(q->s, q->n, tl, "parameters", &v) && v.type == JSON_OBJECT) xl_copy(q, &v);
+        else jw_raw(&q->w, "{\"type\":\"object\",\"properties\":{}}", 33);
+        if (jv_get(q->s, q->n, tl, "strict", &v) && v.type != JSON_NULL)
+            jw_key(&q->w, "strict"), xl_copy(q, &v);
+    }
+    jw_close(&q->w, '}'), jw_close(&q->w, '}');
+    return 0;
+}
+
+/* "tools" (flat in Responses, nested in chat; a namespace's tools each a function of their
+ * own), "tool_choice", "parallel_tool_calls". web_search and tool_search, which Codex declares
+ * by default, run at OpenAI and a chat model cannot call them: dropped, named. The other
+ * built-in tools are refused. */
 static int r2c_tools(xlq *q) {
-    json_tok tools, k, tl, t, v;
-    size_t pos = 0;
-    char p[64];
+    json_tok tools, k, tl, t, v, inner, ns;
+    size_t pos = 0, ipos;
+    char p[64], pp[80];
     if (!xl_get(q, R2C_tools, &tools) || tools.type != JSON_ARRAY || tools.end - tools.start <= 2)
         return 0;
+    size_t at = q->w.out->len; /* a list left empty is taken back: chat servers refuse [] */
+    uint64_t commas = q->w.need_comma;
     jw_key(&q->w, "tools"), jw_open(&q->w, '[');
+    size_t first = q->w.out->len;
     for (int i = 0; jv_next(q->s, q->n, &tools, &pos, &k, &tl); i++) {
         xl_ptr(p, sizeof p, "/tools", NULL, i, "type");
         jv_get(q->s, q->n, &tl, "type", &t);
-        int custom = json_eq(q->s, &t, 0, "custom");
-        if (!custom && !json_eq(q->s, &t, 0, "function"))
-            return xl_refuse(q, p, "%s: the built-in tool \"%.*s\" runs at OpenAI; OpenAI chat has "
-                             "no equivalent", p, (int)(t.end - t.start), q->s + t.start);
-        if (!jv_get(q->s, q->n, &tl, "name", &v) || v.type != JSON_STRING)
-            return xl_refuse(q, p, "/tools/%d: a tool needs a name", i);
-        jw_open(&q->w, '{');
-        jw_key(&q->w, "type"), jw_lit(&q->w, "function");
-        jw_key(&q->w, "function"), jw_open(&q->w, '{');
-        jw_key(&q->w, "name"), xl_copy(q, &v);
-        if (custom) {
-            r2c_custom_tool(q, &tl);
-        } else {
-            if (jv_get(q->s, q->n, &tl, "description", &v))
-                jw_key(&q->w, "description"), xl_copy(q, &v);
-            jw_key(&q->w, "parameters");
-            if (jv_get(q->s, q->n, &tl, "parameters", &v) && v.type == JSON_OBJECT) xl_copy(q, &v);
-            else jw_raw(&q->w, "{\"type\":\"object\",\"properties\":{}}", 33);
-            if (jv_get(q->s, q->n, &tl, "strict", &v) && v.type != JSON_NULL)
-                jw_key(&q->w, "strict"), xl_copy(q, &v);
+        if (json_eq(q->s, &t, 0, "web_search") || json_eq(q->s, &t, 0, "web_search_preview") ||
+            json_eq(q->s, &t, 0, "tool_search")) {
+            xl_drop(q, xl_ptr(pp, sizeof pp, "/tools", NULL, i, NULL),
+                    json_eq(q->s, &t, 0, "tool_search") ? "tool_search" : "web_search");
+        } else if (json_eq(q->s, &t, 0, "namespace")) {
+            if (!jv_get(q->s, q->n, &tl, "name", &ns) || ns.type != JSON_STRING ||
+                !jv_get(q->s, q->n, &tl, "tools", &inner) || inner.type != JSON_ARRAY)
+                return xl_refuse(q, p, "%s: a namespace needs its name and tools", p);
+            ipos = 0;
+            for (int j = 0; jv_next(q->s, q->n, &inner, &ipos, &k, &v); j++) {
+                xl_ptr(pp, sizeof pp, "/tools", NULL, i, NULL);
+                xl_ptr(pp, sizeof pp, pp, "tools", j, "type");
+                if (r2c_tool(q, &v, &ns, pp) < 0) return LTG_ERR;
+            }
+        } else if (r2c_tool(q, &tl, NULL, p) < 0) {
+            return LTG_ERR;
         }
-        jw_close(&q->w, '}'), jw_close(&q->w, '}');
     }
     jw_close(&q->w, ']');
+    if (q->w.out->len == first + 1) { /* none left: no tools, no choice among them */
+        q->w.out->len = at, q->w.out->p[at] = 0, q->w.need_comma = commas;
+        return 0;
+    }
     if (xl_get(q, R2C_tool_choice, &v) && v.type == JSON_STRING) {
         jw_key(&q->w, "tool_choice"), xl_copy(q, &v);
     } else if (v.type == JSON_OBJECT) {
@@ -12121,12 +12180,46 @@ static int r2c_request(xlq *q, const json_tok *root) {
     return 0;
 }
 
+static int xl_request(xl_api from, xl_api to, const char *s, size_t n, const json_tok *top,
+                      const xl_target *t, buf *out, xl_verdict *v);
+
+/* A Responses body for Anthropic: to chat, then chat to Messages. A refusal of the second step
+ * names the field in chat's form of the request, which it says. */
+static int xl_request_via_chat(const char *s, size_t n, const json_tok *top, const xl_target *t,
+                               buf *out, xl_verdict *v) {
+    buf mid = {0};
+    xl_verdict *v2 = xmalloc(sizeof *v2);
+    int r = xl_request(XL_RESPONSES, XL_CHAT, s, n, top, t, &mid, v);
+    if (r == 0) r = xl_request(XL_CHAT, XL_MESSAGES, mid.p, mid.len, NULL, t, out, v2);
+    if (r == 0) {
+        v->include_usage = v2->include_usage;
+        for (int i = 0; i < v2->ndropped && v->ndropped < XL_MAX_DROPPED; i++) { /* as xl_drop */
+            const char *name = v2->names[i];
+            size_t len = strlen(v->dropped);
+            snprintf(v->names[v->ndropped++], sizeof v->names[0], "%s", name);
+            /* the field in the client's body: the effort is Responses' own; any other (an
+             * image's detail) by its name */
+            snprintf(v->dropped + len, sizeof v->dropped - len, "%s%s%s", len ? "," : "",
+                     strcmp(name, "reasoning_effort") == 0 ? "/reasoning/effort" : "/",
+                     strcmp(name, "reasoning_effort") == 0 ? "" : name);
+        }
+    } else if (v2->param[0] && !v->param[0]) {
+        snprintf(v->param, sizeof v->param, "%s", v2->param);
+        snprintf(v->msg, sizeof v->msg, "%.300s (in the request's chat form)", v2->msg);
+    }
+    free(v2);
+    buf_free(&mid);
+    return r;
+}
+
 /* The client's body s[0..n) (of API `from`, validated whole by admission; top: its top level
  * as admission's json_parse stored it, or NULL) for a provider of API `to`, into `out`
  * (emptied first). 0, or LTG_ERR with v->param and v->msg: a field that cannot be carried. */
 static int xl_request(xl_api from, xl_api to, const char *s, size_t n, const json_tok *top,
                       const xl_target *t, buf *out, xl_verdict *v) {
     xlq q = {.s = s, .n = n, .v = v, .to = t, .top = top};
+    if (from == XL_RESPONSES && to == XL_MESSAGES) /* through chat: Codex on Claude */
+        return xl_request_via_chat(s, n, top, t, out, v);
     *v = (xl_verdict){0};
     out->len = 0;
     buf_reserve(out, n + 256); /* about the body's size: room made once, not doubled into */
@@ -12381,16 +12474,44 @@ static void xl_message_to_chat(const char *s, size_t n, const long long u[NTOK],
     buf_free(&think);
 }
 
-/* Is `name` (escaped) a custom tool (free-form input) of the Responses request req? */
-static int xl_custom_tool(const char *req, size_t rn, const char *name, size_t n) {
-    json_tok root = jv_doc(req, rn), tools, k, tl, t;
-    size_t pos = 0;
+/* The tool of the Responses request req whose chat name is `name` (escaped): a top-level one
+ * of that name, or a tool of namespace NS, chat's NS__name (r2c_tools). 0 when none; else
+ * *custom (it takes free-form input) and *nsn, the length of the namespace in name (0: none;
+ * the name within it starts at name + nsn + 2). */
+static int xl_tool_of(const char *req, size_t rn, const char *name, size_t n, int *custom,
+                      size_t *nsn) {
+    json_tok root = jv_doc(req, rn), tools, k, tl, t, in, it;
+    size_t pos = 0, ipos;
+    *custom = 0, *nsn = 0;
     if (!jv_get(req, rn, &root, "tools", &tools) || tools.type != JSON_ARRAY) return 0;
-    while (jv_next(req, rn, &tools, &pos, &k, &tl))
-        if (jv_get(req, rn, &tl, "name", &t) && t.end - t.start == n &&
-            memcmp(req + t.start, name, n) == 0)
-            return jv_get(req, rn, &tl, "type", &t) && json_eq(req, &t, 0, "custom");
+    while (jv_next(req, rn, &tools, &pos, &k, &tl)) {
+        if (!jv_get(req, rn, &tl, "name", &t)) continue;
+        size_t l = t.end - t.start;
+        jv_get(req, rn, &tl, "type", &it);
+        if (l == n && memcmp(req + t.start, name, n) == 0) {
+            *custom = json_eq(req, &it, 0, "custom");
+            return 1;
+        }
+        if (!json_eq(req, &it, 0, "namespace") || n <= l + 2 || memcmp(req + t.start, name, l) ||
+            memcmp(name + l, "__", 2) || !jv_get(req, rn, &tl, "tools", &in))
+            continue;
+        ipos = 0;
+        while (in.type == JSON_ARRAY && jv_next(req, rn, &in, &ipos, &k, &tl))
+            if (jv_get(req, rn, &tl, "name", &t) && t.end - t.start == n - l - 2 &&
+                memcmp(req + t.start, name + l + 2, n - l - 2) == 0) {
+                jv_get(req, rn, &tl, "type", &it);
+                *custom = json_eq(req, &it, 0, "custom"), *nsn = l;
+                return 1;
+            }
+    }
     return 0;
+}
+
+/* A call's "name" (and "namespace") in Responses' terms, from its chat name (escaped) and the
+ * length of the namespace in it (xl_tool_of). */
+static void xl_call_name(jwriter *w, const char *name, size_t n, size_t nsn) {
+    jw_key(w, "name"), xl_slice(w, name + (nsn ? nsn + 2 : 0), n - (nsn ? nsn + 2 : 0));
+    if (nsn) jw_key(w, "namespace"), xl_slice(w, name, nsn);
 }
 
 /* A custom tool's input, a JSON string, from a chat call's arguments (escaped, as the answer
@@ -12419,8 +12540,9 @@ static void xl_call_item(jwriter *w, const char *s, size_t n, const json_tok *ca
     jv_get(s, n, call, "id", &id);
     jv_get(s, n, &f, "name", &name);
     jv_get(s, n, &f, "arguments", &args);
-    int custom = name.type == JSON_STRING &&
-                 xl_custom_tool(req, rn, s + name.start, name.end - name.start);
+    int custom;
+    size_t nsn, nl = name.type == JSON_STRING ? name.end - name.start : 0;
+    xl_tool_of(req, rn, s + name.start, nl, &custom, &nsn);
     jw_open(w, '{');
     jw_key(w, "type");
     if (custom) jw_lit(w, "custom_tool_call");
@@ -12430,9 +12552,7 @@ static void xl_call_item(jwriter *w, const char *s, size_t n, const json_tok *ca
     jw_key(w, "call_id");
     if (id.type == JSON_STRING) jw_raw(w, s + id.start - 1, id.end - id.start + 2);
     else jw_cstr(w, iid);
-    jw_key(w, "name");
-    if (name.type == JSON_STRING) jw_raw(w, s + name.start - 1, name.end - name.start + 2);
-    else jw_lit(w, "");
+    xl_call_name(w, s + name.start, nl, nsn);
     if (custom) {
         jw_key(w, "input");
         if (args.type == JSON_STRING) xl_custom_input(w, s + args.start, args.end - args.start);
@@ -12529,6 +12649,13 @@ static int xl_answer(xl_api from, xl_api client, const char *s, size_t n, const 
                      const char **why) {
     out->len = 0;
     buf_reserve(out, n + 512); /* chat's answer is a few hundred bytes longer than Anthropic's */
+    if (client == XL_RESPONSES && from == XL_MESSAGES) { /* Claude's, through chat's form */
+        buf mid = {0};
+        xl_message_to_chat(s, n, u, &mid);
+        xl_chat_to_response(mid.p, mid.len, req, rn, rid, u, out);
+        buf_free(&mid);
+        return 0;
+    }
     if (client == XL_RESPONSES) {
         xl_chat_to_response(s, n, req, rn, rid, u, out);
         return 0;
@@ -12623,6 +12750,7 @@ typedef enum { RE_WAIT, RE_IDLE, RE_REASONING, RE_TEXT, RE_DONE } re_state;
 typedef enum { RI_REASONING, RI_MESSAGE, RI_CALL, RI_CUSTOM } re_kind;
 typedef struct {
     unsigned char kind, ref;
+    unsigned short nsn;          /* a call's: its namespace's length in its chat name (0: none) */
 } re_item_t;
 #define RE_MAX_SEGMENTS 8        /* runs of text or reasoning in one streamed Responses answer */
 
@@ -13030,7 +13158,7 @@ static void re_item(const xl_stream *x, jwriter *w, int k, int done) {
         else jw_lit(w, "function_call");
         jw_key(w, "status"), jw_cstr(w, done ? "completed" : "in_progress");
         jw_key(w, "call_id"), xl_escaped(w, &t->id);
-        jw_key(w, "name"), xl_escaped(w, &t->name);
+        xl_call_name(w, t->name.p ? t->name.p : "", t->name.len, it->nsn);
         if (it->kind == RI_CUSTOM) {
             jw_key(w, "input");
             if (done) xl_custom_input(w, t->args.p, t->args.len);
@@ -13140,7 +13268,7 @@ static int re_open(xl_stream *x, re_state to, buf *out, const char **why) {
         return LTG_ERR;
     }
     int k = x->nitems++, text = to == RE_TEXT;
-    x->items[k] = (re_item_t){text ? RI_MESSAGE : RI_REASONING, (unsigned char)x->nseg++};
+    x->items[k] = (re_item_t){text ? RI_MESSAGE : RI_REASONING, (unsigned char)x->nseg++, 0};
     re_item_event(x, k, 0, out);
     jwriter w;
     jw_init(&w, &x->d);
@@ -13193,8 +13321,11 @@ static void re_end(xl_stream *x, const long long u[NTOK], buf *out) {
     for (int i = 0; i < x->ntools; i++) {
         const xl_tool *t = &x->tools[i];
         int k = x->nitems++;
-        int custom = xl_custom_tool(x->req, x->rn, t->name.p ? t->name.p : "", t->name.len);
-        x->items[k] = (re_item_t){custom ? RI_CUSTOM : RI_CALL, (unsigned char)i};
+        int custom;
+        size_t nsn;
+        xl_tool_of(x->req, x->rn, t->name.p ? t->name.p : "", t->name.len, &custom, &nsn);
+        x->items[k] = (re_item_t){custom ? RI_CUSTOM : RI_CALL, (unsigned char)i,
+                                  (unsigned short)nsn};
         re_item_event(x, k, 0, out);
         jw_init(&w, &x->d);
         w.depth = 1;

@@ -34,6 +34,8 @@ MODELS = {
     "glm-4.6": ("mock", "glm-4.6", 5.0, 25.0),
     "gpt-5.5": ("mock", "gpt-5.5", 1.25, 10.0),
     "gpt-5.5-b": ("mock", "gpt-5.5-b", 1.25, 10.0),
+    # behind a provider that serves chat alone: Codex's requests translated
+    "glm-5.3-flash": ("chatonly", "glm-5.3-flash", 0.6, 2.2),
 }
 _ltg = {}
 
@@ -44,6 +46,7 @@ def ltg():
     if "aux" not in _ltg:
         cfg = it.catalog_copy()
         cfg["providers"]["anth"] = dict(cfg["providers"]["mock"], api="anthropic")
+        cfg["providers"]["chatonly"] = dict(cfg["providers"]["mock"], endpoints=["chat"])
         for alias, (prov, up, i, o) in MODELS.items():
             cfg["models"][alias] = it.catalog_model(prov, up, i, o)
         _ltg["access"] = os.path.join(it.H.tmp, "agents-access-%d.log" % os.getpid())
@@ -300,6 +303,59 @@ def t_codex_tool():
     check("mock-tool-42" in json.dumps(it.H.mock_get("/_mock/last")), "the second request carries the tool's output")
     evs = events_of(g, 2)
     check(len(evs) == 2 and all(e["status"] == "succeeded" for e in evs), "the events: %r" % evs)
+    check_codex_usage(cevs, evs)
+
+
+@it.test("agents: Codex on a model behind a chat-only provider (its Responses translated): the answer, then a tool "
+         "loop -- the model calls exec_command, Codex runs it and sends its output back as a tool message; its "
+         "usage equals the ledger's")
+def t_codex_chat_only():
+    g, token = group_key(["glm-5.3-flash"])
+    cevs = codex(token, "say hi", "chat-plain", model="glm-5.3-flash")
+    msgs = [e["item"].get("text", "") for e in cevs if e.get("type") == "item.completed"
+            and e.get("item", {}).get("type") == "agent_message"]
+    check(any("word" in m for m in msgs), "the answer: %r" % msgs)
+    sent = it.H.mock_get("/_mock/last")
+    check(sent["path"].endswith("/chat/completions"), "sent to %r" % sent["path"])
+    evs = events_of(g, 1)
+    check(len(evs) == 1 and evs[0]["endpoint"] == "/v1/responses" and evs[0]["status"] == "succeeded", "the event: %r" % evs)
+    check_codex_usage(cevs, evs)
+    script("glm-5.3-flash", ["tool_call", "ok"])
+    cevs = codex(token, "run the tool", "chat-tool", model="glm-5.3-flash")
+    runs = [e["item"] for e in cevs if e.get("type") == "item.completed"
+            and e.get("item", {}).get("type") == "command_execution"]
+    check(runs and "mock-tool-42" in runs[0].get("aggregated_output", json.dumps(runs[0])),
+          "the command it ran: %r (Codex said %r)" % (runs, cevs[-6:]))
+    last = json.loads(it.H.mock_get("/_mock/last")["body"])
+    tools = [m for m in last["messages"] if m["role"] == "tool"]
+    check(tools and "mock-tool-42" in tools[0]["content"], "the second request's tool message: %r" % last["messages"][-3:])
+    evs = events_of(g, 3)
+    check(len(evs) == 3, "the events: %r" % evs)
+    check_codex_usage(cevs, evs[1:])
+
+
+@it.test("agents: Codex on Claude (its Responses translated to Messages): a tool loop -- Claude calls exec_command, "
+         "Codex runs it and its output goes back as a tool_result; and a failover from a chat-only model answering "
+         "503 to Claude, attempts 2; its usage equals the ledger's")
+def t_codex_claude():
+    g, token = group_key(["claude-opus-4-8"])
+    script("claude-opus-4-8", ["tool_call", "ok"])
+    cevs = codex(token, "run the tool", "claude-tool", model="claude-opus-4-8")
+    runs = [e["item"] for e in cevs if e.get("type") == "item.completed"
+            and e.get("item", {}).get("type") == "command_execution"]
+    check(runs and "mock-tool-42" in runs[0].get("aggregated_output", json.dumps(runs[0])),
+          "the command it ran: %r (Codex said %r)" % (runs, cevs[-6:]))
+    last = it.H.mock_get("/_mock/last")
+    check(last["path"].endswith("/messages") and "tool_result" in last["body"] and "mock-tool-42" in last["body"],
+          "the second request: %r" % last["body"][-400:])
+    evs = events_of(g, 2)
+    check(len(evs) == 2 and all(e["status"] == "succeeded" for e in evs), "the events: %r" % evs)
+    check_codex_usage(cevs, evs)
+    g, token = group_key(["glm-5.3-flash", "claude-opus-4-8"], {"glm-5.3-flash": ["claude-opus-4-8"]})
+    script("glm-5.3-flash", ["status=503"])
+    cevs = codex(token, "say hi", "claude-failover", model="glm-5.3-flash")
+    evs = events_of(g, 1)
+    check(len(evs) == 1 and evs[0]["attempts"] == 2 and evs[0]["model"] == "claude-opus-4-8", "the event: %r" % evs)
     check_codex_usage(cevs, evs)
 
 

@@ -301,6 +301,45 @@ def t_responses_stream():
     check(seen[0] == seen[1] == whole, "whole %r, streamed %r" % (whole, seen))
 
 
+@it.test("translate: a Responses client on Claude (through chat's form) -- sent as Messages (instructions as "
+         "system), the answer and the stream (two parallel calls, text first) in Responses' shape, usage and cost "
+         "a direct Messages call's")
+def t_responses_claude():
+    g, token = group_key(["Claude"])
+    usage = "input_tokens=1200 cached_tokens=300 cache_write=500 output_tokens=77"
+    body = {"model": "Claude", "instructions": "be brief", "input": "Hi"}
+    evs = []
+    for path, b in (("/v1/messages", messages_body("Claude")), ("/v1/responses", body)):
+        script("claude-up", [usage])
+        r = post(path, b, token)
+        check(r.status == 200, "%s: %d %r" % (path, r.status, r.body[:300]))
+        evs.append(spend_event(g, r.header("x-ltg-request-id")))
+    sent = it.H.mock_get("/_mock/last")
+    want = json.loads(sent["body"])
+    check(sent["path"].endswith("/messages") and want.get("system") == "be brief"
+          and want["messages"] == [{"role": "user", "content": "Hi"}] and want["max_tokens"] == 8000, "sent %r" % sent)
+    j = jbody(r)
+    check(j["object"] == "response" and j["output"][-1]["type"] == "message" and j["usage"]["input_tokens"] == 2000
+          and j["usage"]["input_tokens_details"]["cached_tokens"] == 300, "the answer %r" % j)
+    keys = ("input_tokens", "cache_read_tokens", "cache_write_tokens", "output_tokens", "cost")
+    check({k: evs[0][k] for k in keys} == {k: evs[1][k] for k in keys}, "direct %r, translated %r"
+          % tuple({k: e[k] for k in keys} for e in evs))
+    for bytewise in ("", " bytewise"):
+        script("claude-up", ["tools=2 text_first" + bytewise])
+        r = post("/v1/responses", dict(body, stream=True), token)
+        evs = it.sse_named(r)
+        final = evs[-1][1]
+        check(r.status == 200 and evs[-1][0] == "response.completed"
+              and [d["sequence_number"] for _, d in evs] == list(range(len(evs))), "events %r" % [n for n, _ in evs])
+        items = final["response"]["output"]
+        check([o["type"] for o in items] == ["message", "function_call", "function_call"]
+              and items[0]["content"][0]["text"] == "Let me check."
+              and [json.loads(o["arguments"]) for o in items[1:]] == calls_want(2), "items %r" % items)
+        ev = spend_event(g, r.header("x-ltg-request-id"))
+        check(final["response"]["usage"]["output_tokens"] == ev["output_tokens"], "usage %r, the ledger %r"
+              % (final["response"]["usage"], ev))
+
+
 @it.test("translate: count_tokens for a model behind OpenAI chat: ltg's estimate, x-ltg-estimated, no call")
 def t_count_tokens():
     g, token = group_key(["GLM"])

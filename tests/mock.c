@@ -1688,6 +1688,7 @@ struct answer {                  /* what every part of one answer shares */
     const char *text;            /* a whole answer's content: the greeting, content_kb of "x", "Let me check." */
     size_t text_len;
     int tool_call;               /* the directive's tool_call (Responses: Codex's exec_command) */
+    int codex_tool;              /* ... and the request offers Codex's exec_command: that one */
     int ncalls;                  /* chat and messages: the calls asked for (tool_call: 1, tools=N: N) */
     int text_first;              /* with calls: "Let me check." before them */
     long reasoning;              /* chat and messages: reasoning=N */
@@ -1702,7 +1703,8 @@ struct answer {                  /* what every part of one answer shares */
 
 /* tool_call: the command the agents' shell tools are asked to run, whose output
  * ("mock-tool-42") proves that the tool ran; Claude Code's Bash takes
- * {"command"}, Codex's exec_command {"cmd"}. Chat asks for Bash, as Messages. */
+ * {"command"}, Codex's exec_command {"cmd"}. Chat asks for Bash, as Messages, unless
+ * the request offers exec_command (Codex through a gateway that translates). */
 #define TOOL_COMMAND "echo mock-tool-$((6*7))"
 #define ANTHROPIC_TOOL_INPUT "{\"command\":\"" TOOL_COMMAND "\"}"
 #define RESPONSES_TOOL_ARGS "{\"cmd\":\"" TOOL_COMMAND "\"}"
@@ -1719,8 +1721,9 @@ static void get_call(const struct answer *a, int i, const char *prefix, struct c
 {
     if (a->tool_call) {
         snprintf(k->id, sizeof k->id, "%s%lu", prefix, a->id);
-        snprintf(k->name, sizeof k->name, "Bash");
-        k->args_len = (size_t)snprintf(k->args, sizeof k->args, "%s", ANTHROPIC_TOOL_INPUT);
+        snprintf(k->name, sizeof k->name, a->codex_tool ? "exec_command" : "Bash");
+        k->args_len = (size_t)snprintf(k->args, sizeof k->args, "%s",
+                                       a->codex_tool ? RESPONSES_TOOL_ARGS : ANTHROPIC_TOOL_INPUT);
     } else {
         snprintf(k->id, sizeof k->id, "%s%lu_%d", prefix, a->id, i);
         snprintf(k->name, sizeof k->name, "tool_%d", i);
@@ -2964,6 +2967,8 @@ static int serve_answer(struct conn *c, const struct request *r, const struct ap
         d.events = 1;            /* Responses: one delta carries the whole tool input */
     a.events = d.events;
     a.tool_call = (int)d.tool_call;
+    static const char exec_command[] = "\"name\":\"exec_command\"";
+    a.codex_tool = memmem(r->body, r->body_len, exec_command, sizeof exec_command - 1) != NULL;
     if (api->plan) {             /* chat and messages */
         a.ncalls = d.tools ? (int)d.tools : (int)d.tool_call;
         a.text_first = a.ncalls && d.text_first;

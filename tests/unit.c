@@ -2572,7 +2572,24 @@ static void test_xl_r2c_rows(void) {
         "'input_image','image_url':'https://x/a.png','detail':'low'}]}]}",
         "{'model':'up-model','messages':[{'role':'user','content':[{'type':'text','text':'see'},"
         "{'type':'image_url','image_url':{'url':'https://x/a.png','detail':'low'}}]}]}", NULL);
-    R2C_NO("{'model':'G','input':'x','tools':[{'type':'web_search'}]}", "/tools/0/type");
+    R2C_NO("{'model':'G','input':'x','tools':[{'type':'file_search','vector_store_ids':['v']}]}",
+           "/tools/0/type");
+    /* Codex's defaults: web_search and tool_search dropped (a list left empty is none), a
+     * namespace's tools each NS__name, and a namespaced call in the history named so */
+    R2C("{'model':'G','input':'x','tools':[{'type':'web_search','external_web_access':false},"
+        "{'type':'tool_search','execution':'client'}],'tool_choice':'auto'}",
+        "{'model':'up-model','messages':[{'role':'user','content':'x'}]}", "/tools/0,/tools/1");
+    R2C("{'model':'G','input':[{'role':'user','content':'x'},{'type':'function_call','call_id':'c1',"
+        "'namespace':'multi_agent_v1','name':'close_agent','arguments':'{}'},{'type':"
+        "'function_call_output','call_id':'c1','output':'done'}],'tools':[{'type':'namespace','name':"
+        "'multi_agent_v1','description':'Sub-agents.','tools':[{'type':'function','name':"
+        "'close_agent','parameters':{'type':'object'}}]},{'type':'web_search'}]}",
+        "{'model':'up-model','messages':[{'role':'user','content':'x'},{'role':'assistant','content':"
+        "null,'tool_calls':[{'id':'c1','type':'function','function':{'name':"
+        "'multi_agent_v1__close_agent','arguments':'{}'}}]},{'role':'tool','tool_call_id':'c1',"
+        "'content':'done'}],'tools':[{'type':'function','function':{'name':"
+        "'multi_agent_v1__close_agent','parameters':{'type':'object'}}}]}", "/tools/1");
+    R2C_NO("{'model':'G','input':'x','tools':[{'type':'namespace','name':'n'}]}", "/tools/0/type");
     R2C_NO("{'model':'G','input':'x','previous_response_id':'resp_1'}", "/previous_response_id");
     R2C("{'model':'G','input':'x','stream':true}",
         "{'model':'up-model','messages':[{'role':'user','content':'x'}],'stream':true,"
@@ -2584,6 +2601,19 @@ static void test_xl_r2c_rows(void) {
     R2C_NO("{'model':'G','input':'x','tool_choice':{'type':'allowed_tools'},'tools':[{'type':"
            "'function','name':'f'}]}", "/tool_choice");
     R2C_NO("{'model':'G','input':'x','nonsense':1}", "/nonsense");
+    /* Responses -> Messages, through chat's form: Codex on Claude */
+    xlg(XL_RESPONSES, XL_MESSAGES, 1,
+        "{'model':'G','instructions':'be brief','input':[{'role':'user','content':'hi'},{'type':"
+        "'function_call','call_id':'c1','name':'shell','arguments':'{\\'cmd\\':1}'},{'type':"
+        "'function_call_output','call_id':'c1','output':'ok'}],'tools':[{'type':'function','name':"
+        "'shell','parameters':{'type':'object'}}],'max_output_tokens':100,'temperature':0.5}",
+        "{'model':'up-model','messages':[{'role':'user','content':'hi'},{'role':'assistant',"
+        "'content':[{'type':'tool_use','id':'c1','name':'shell','input':{'cmd':1}}]},{'role':'user',"
+        "'content':[{'type':'tool_result','tool_use_id':'c1','content':'ok'}]}],'system':"
+        "'be brief','tools':[{'name':'shell','input_schema':{'type':'object'}}],'max_tokens':100,"
+        "'temperature':0.5}", NULL, NULL);
+    xlg(XL_RESPONSES, XL_MESSAGES, 1, "{'model':'G','input':'x','temperature':1.5}", NULL,
+        "/temperature", NULL);
     R2C_NO("{'model':'G'}", "/input");
 }
 
@@ -2737,6 +2767,14 @@ static void test_xl_answers(void) {
         "'{\\'x\\':1}'}}]|'prompt_tokens':20,'completion_tokens':7|'cached_tokens':5|"
         "'cache_creation_input_tokens':3",
         "zz|'s'");
+    /* Anthropic -> Responses (Codex on Claude), through chat's form */
+    xla(XL_MESSAGES, XL_RESPONSES, u,
+        "{'id':'m1','model':'c','content':[{'type':'text','text':'ok'},{'type':'tool_use','id':"
+        "'toolu_1','name':'shell','input':{'cmd':1}}],'stop_reason':'tool_use'}",
+        "'id':'resp_req_unit','object':'response'|'status':'completed'|'model':'c'|'type':"
+        "'output_text','text':'ok'|'type':'function_call'|'call_id':'toolu_1','name':'shell',"
+        "'arguments':'{\\'cmd\\':1}'|'input_tokens':20,'input_tokens_details':{'cached_tokens':5}",
+        NULL);
     /* one text block is written as it is, escapes and all; a text that is not a string is none */
     xla(XL_MESSAGES, XL_CHAT, u,
         "{'id':'m1','model':'c','content':[{'type':'text','text':'say \\'hi\\''},{'type':'text',"
@@ -2766,9 +2804,12 @@ static void test_xl_answers(void) {
                       "'content':'ok','reasoning_content':'hm','tool_calls':[{'id':'call_1','type':"
                       "'function','function':{'name':'shell','arguments':'{\\'cmd\\':1}'}},{'id':"
                       "'call_2','type':'function','function':{'name':'apply_patch','arguments':"
-                      "'{\\'input\\':\\'*** Begin Patch\\\\n\\'}'}}]},'finish_reason':'length'}]}");
+                      "'{\\'input\\':\\'*** Begin Patch\\\\n\\'}'}},{'id':'call_3','type':"
+                      "'function','function':{'name':'ns__f','arguments':'{}'}}]},'finish_reason':"
+                      "'length'}]}");
         char *rq = sq("{'tools':[{'type':'function','name':'shell'},{'type':'custom','name':"
-                      "'apply_patch'}]}");
+                      "'apply_patch'},{'type':'namespace','name':'ns','tools':[{'type':'function',"
+                      "'name':'f'}]}]}");
         CHECK(xl_answer(XL_CHAT, XL_RESPONSES, ra, strlen(ra), rq, strlen(rq), "req_9", u, &ro,
                         &rwhy) == 0 && ro.p, "chat -> Responses");
         char *want = sq("{'id':'resp_req_9','object':'response','created_at':|'status':'incomplete',"
@@ -2779,7 +2820,9 @@ static void test_xl_answers(void) {
                         "{'type':'function_call','id':'fc_req_9_0','call_id':'call_1','name':'shell',"
                         "'arguments':'{\\'cmd\\':1}','status':'completed'},{'type':'custom_tool_call',"
                         "'id':'ctc_req_9_1','call_id':'call_2','name':'apply_patch','input':"
-                        "'*** Begin Patch\\n','status':'completed'}],'store':false,'usage':{"
+                        "'*** Begin Patch\\n','status':'completed'},{'type':'function_call','id':"
+                        "'fc_req_9_2','call_id':'call_3','name':'f','namespace':'ns','arguments':"
+                        "'{}','status':'completed'}],'store':false,'usage':{"
                         "'input_tokens':20,'input_tokens_details':{'cached_tokens':5},'output_tokens':7,"
                         "'output_tokens_details':{'reasoning_tokens':0},'total_tokens':27}}");
         char *cut = strchr(want, '|'); /* the time between */
