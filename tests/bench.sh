@@ -18,13 +18,15 @@
 # Redis (issue 24): one ltg against one with --cluster, every request held and
 # settled in Redis; one with --cluster against three behind HAProxy.
 #
-# Then translation (README "One API for every model"): one ltg with two
-# providers, the same mock spoken to in OpenAI chat and in Anthropic Messages.
-# A chat client reaching the Anthropic model (translated) against the same
-# chat request to the OpenAI-chat model (passed through), and a Messages
-# client reaching the OpenAI-chat model (translated) against the same Messages
-# request to the Anthropic model (passed through), each whole and streamed:
-# four pairs at 64 connections, interleaved; target: translated >= 0.9x.
+# Then translation (README "One API for every model"): one ltg with three
+# providers, the same mock spoken to in OpenAI's APIs, in Anthropic Messages,
+# and in chat alone. A chat client reaching the Anthropic model (translated)
+# against the same chat request to the OpenAI-chat model (passed through), a
+# Messages client reaching the OpenAI-chat model (translated) against the same
+# Messages request to the Anthropic model (passed through), and a Responses
+# client reaching the chat-only model (translated) against the same Responses
+# request to the OpenAI model (passed through), each whole and streamed: six
+# pairs at 64 connections, interleaved; target: translated >= 0.9x.
 #
 # Then the same over HTTPS: a second mock in TLS mode (certificates from
 # tests/tls-certs.sh, DNS:localhost), ltg with an https:// provider and
@@ -61,7 +63,7 @@
 #   BENCH_BEFORE    the revision measured as "the build before" (HEAD~1; empty skips it): this
 #                   build against it, the same catalog and flags, interleaved
 #   BENCH_BEFORE_ROUNDS   its interleaved rounds (6)
-#   BENCH_TRANSLATE=0     skip the translation section (chat <-> Messages, four pairs)
+#   BENCH_TRANSLATE=0     skip the translation section (chat <-> Messages, Responses -> chat: six pairs)
 #   BENCH_TRANSLATE_ROUNDS  its interleaved rounds per pair (8: on this VM one round's ratio
 #                         spreads by 0.1 or more, and the target is the median's)
 #
@@ -1175,19 +1177,23 @@ fi
 TRANSLATE=${BENCH_TRANSLATE:-1}
 TRANSLATE_ROUNDS=${BENCH_TRANSLATE_ROUNDS:-8}
 case $TRANSLATE_ROUNDS in '' | *[!0-9]* | 0) die "BENCH_TRANSLATE_ROUNDS must be a whole number >= 1" ;; esac
-TX_PAIRS=(chat chat-stream messages messages-stream)
+TX_PAIRS=(chat chat-stream messages messages-stream responses responses-stream)
 declare -A TX_LABEL=([chat]="chat client -> Anthropic provider" [chat-stream]="chat client -> Anthropic provider, streamed"
-                     [messages]="Messages client -> OpenAI-chat provider" [messages-stream]="Messages client -> OpenAI-chat provider, streamed")
+                     [messages]="Messages client -> OpenAI-chat provider" [messages-stream]="Messages client -> OpenAI-chat provider, streamed"
+                     [responses]="Responses client -> chat-only provider" [responses-stream]="Responses client -> chat-only provider, streamed")
 declare -A TX_T=() TX_R=()
 if [ "$TRANSLATE" = 1 ]; then
     cat >"$T/ltg-translate.json" <<EOF
 {
   "providers": { "mock": { "base_url": "$MOCK_URL/v1", "api_key_env": "LTG_BENCH_MOCK_KEY" },
-                 "mock-anth": { "base_url": "$MOCK_URL/v1", "api": "anthropic", "api_key_env": "LTG_BENCH_MOCK_KEY" } },
+                 "mock-anth": { "base_url": "$MOCK_URL/v1", "api": "anthropic", "api_key_env": "LTG_BENCH_MOCK_KEY" },
+                 "mock-text": { "base_url": "$MOCK_URL/v1", "endpoints": ["chat"], "api_key_env": "LTG_BENCH_MOCK_KEY" } },
   "models": {
     "Bench-Chat": { "provider": "mock", "upstream_model": "bench-chat",
                     "input_usd_per_mtok": 0.60, "output_usd_per_mtok": 2.50 },
     "Bench-Anth": { "provider": "mock-anth", "upstream_model": "bench-anth",
+                    "input_usd_per_mtok": 0.60, "output_usd_per_mtok": 2.50 },
+    "Bench-Text": { "provider": "mock-text", "upstream_model": "bench-text",
                     "input_usd_per_mtok": 0.60, "output_usd_per_mtok": 2.50 }
   },
   "admin_keys": [ { "key_env": "LTG_BENCH_ADMIN_KEY", "permissions": ["*"] } ]
@@ -1195,17 +1201,19 @@ if [ "$TRANSLATE" = 1 ]; then
 EOF
     launch_ltg ltg-translate "$T/ltg-translate.json" --access-log "$T/ltg-translate-access.log"
     TX_URL=http://127.0.0.1:$L_PORT TX_PID=$L_PID
-    provision_key "$L_ADMIN_PORT" TX_KEY '"Bench-Chat","Bench-Anth"'
+    provision_key "$L_ADMIN_PORT" TX_KEY '"Bench-Chat","Bench-Anth","Bench-Text"'
     # no quote, apostrophe or backslash in the texts: the bodies go into wrk's Lua as '...'
     TX_SYS="You are a careful senior engineer who reviews pull requests for a small C codebase. Answer in plain prose, at most three short paragraphs, and quote the exact lines you mean. Prefer small, safe changes over rewrites; say so when you are unsure and explain how to check. Never invent functions or flags that the code does not have."
     TX_U1="Here is a function from our HTTP parser. It reads the request line into a fixed buffer and splits it on spaces: static int parse_line(char *buf, size_t n, struct req *r) { char *sp = memchr(buf, 32, n); if (!sp) return -1; r->method = buf; r->method_len = sp - buf; char *sp2 = memchr(sp + 1, 32, n - (sp + 1 - buf)); if (!sp2) return -1; r->path = sp + 1; r->path_len = sp2 - sp - 1; return 0; } Is the length arithmetic right when the line ends right after the second space?"
     TX_A1="Mostly, yes. The first memchr is bounded by n, and the second by n - (sp + 1 - buf), the number of bytes after the first space, so neither can read past the buffer. When the line ends right after the second space, path_len is correct and the version is simply empty, which the caller should reject: nothing here checks that a version follows. One more edge: a request line that starts with a space gives a method of length zero."
     TX_U2="Good points. Could you suggest the smallest change that rejects an empty method and an empty version, and tell me which of our existing tests would need a new case?"
     TX_TURNS='{"role":"user","content":"'$TX_U1'"},{"role":"assistant","content":"'$TX_A1'"},{"role":"user","content":"'$TX_U2'"}'
-    tx_body() { # API MODEL [STREAM]: the request body, chat or messages, "stream": true when STREAM is given
+    tx_body() { # API MODEL [STREAM]: the request body, chat, messages or responses, "stream": true when STREAM is given
         local s=
         [ -n "${3:-}" ] && s=',"stream":true'
-        if [ "$1" = chat ]; then
+        if [ "$1" = responses ]; then
+            echo '{"model":"'$2'","max_output_tokens":512,"temperature":0.2,"instructions":"'$TX_SYS'","input":['$TX_TURNS']'$s'}'
+        elif [ "$1" = chat ]; then
             echo '{"model":"'$2'","max_tokens":512,"temperature":0.2,"messages":[{"role":"system","content":"'$TX_SYS'"},'$TX_TURNS']'$s'}'
         else
             echo '{"model":"'$2'","max_tokens":512,"temperature":0.2,"system":"'$TX_SYS'","messages":['$TX_TURNS']'$s'}'
@@ -1222,6 +1230,7 @@ EOF
         [ "$st" = 200 ] || { echo "bench: $name answered $st (want 200): $(head -c 500 "$out")" >&2; return 1; }
         served=Bench-Chat
         [ "$up" = bench-anth ] && served=Bench-Anth
+        [ "$up" = bench-text ] && served=Bench-Text
         grep -qi "^x-ltg-served-model: $served" "$out.head" || { echo "bench: $name: no x-ltg-served-model: $served" >&2; return 1; }
         case $path:$body in
             /v1/chat/completions:*'"stream":true}')
@@ -1229,6 +1238,11 @@ EOF
                 [ "$n" = 3 ] && grep -q '^data: \[DONE\]' "$out" ;;
             /v1/chat/completions:*)
                 grep -q '"object":"chat.completion".*"content":"Hello from '"$up"'\."' "$out" ;;
+            /v1/responses:*'"stream":true}')
+                n=$(grep -c '"type":"response.output_text.delta".*"delta":"word "' "$out")
+                [ "$n" = 3 ] && grep -q '^event: response.completed' "$out" ;;
+            /v1/responses:*)
+                grep -q '"object":"response".*"text":"Hello from '"$up"'\."' "$out" ;;
             /v1/messages:*'"stream":true}')
                 n=$(grep -c '"type":"text_delta","text":"word "' "$out")
                 [ "$n" = 3 ] && grep -q '^event: message_stop' "$out" ;;
@@ -1237,6 +1251,7 @@ EOF
         esac || { echo "bench: $name answered 200 but not in its client's API: $(head -c 500 "$out")" >&2; return 1; }
         want_up=/v1/chat/completions
         [ "$up" = bench-anth ] && want_up=/v1/messages
+        [ "$path:$up" = /v1/responses:bench-chat ] && want_up=/v1/responses
         got_up=$(curl -s -m 2 "$MOCK_URL/_mock/last" | sed -n 's/^{"method":"POST","path":"\([^"]*\)".*"model\\":\\"\([^\\"]*\)\\".*/\1 \2/p')
         [ "$got_up" = "$want_up $up" ] || { echo "bench: $name: the mock saw \"$got_up\", want \"$want_up $up\"" >&2; return 1; }
     }
@@ -1247,6 +1262,7 @@ EOF
         [ "$p" != "$api" ] && s=1
         path=/v1/chat/completions pass=Bench-Chat tr=Bench-Anth
         [ "$api" = messages ] && path=/v1/messages pass=Bench-Anth tr=Bench-Chat
+        [ "$api" = responses ] && path=/v1/responses pass=Bench-Chat tr=Bench-Text
         a=tx-$p-pass b=tx-$p-translated
         TX_A[$p]=$a TX_B[$p]=$b
         for side in "$a $pass" "$b $tr"; do
@@ -1254,12 +1270,14 @@ EOF
             body=$(tx_body "$api" "$m" $s)
             up=bench-chat
             [ "$m" = Bench-Anth ] && up=bench-anth
+            [ "$m" = Bench-Text ] && up=bench-text
             tx_check "$n" "$path" "$body" "$up" || TX_OK=0
             write_lua "$T/post-$n.lua" "$TX_KEY" "$body" "$path"
             URL[$n]=$TX_URL PID_OF[$n]=$TX_PID LUA_OF[$n]=$T/post-$n.lua
         done
     done
     TX_BYTES_CHAT=$(tx_body chat Bench-Anth | wc -c) TX_BYTES_MSG=$(tx_body messages Bench-Chat | wc -c)
+    TX_BYTES_RESP=$(tx_body responses Bench-Text | wc -c)
     if [ "$TX_OK" = 1 ]; then
         TX_START=$(date +%s)
         s0=$(mock_stats)
@@ -1268,6 +1286,7 @@ EOF
         TX_ELAPSED=$(($(date +%s) - TX_START))
         TX_UP_ANTH=$(($(mock_stat bench-anth "$s1") - $(mock_stat bench-anth "$s0")))
         TX_UP_CHAT=$(($(mock_stat bench-chat "$s1") - $(mock_stat bench-chat "$s0")))
+        TX_UP_TEXT=$(($(mock_stat bench-text "$s1") - $(mock_stat bench-text "$s0")))
         kill -TERM "$TX_PID" 2>/dev/null; wait "$TX_PID" 2>/dev/null   # its access log flushed and closed
         # every answer under the load (warm-ups included), by client API, model and status
         TX_STATUS=$(sed -n 's/.*"path":"\([^"]*\)","status":\([0-9]*\),.*"requested_model":"\([^"]*\)".*/\1 \3 \2/p' \
@@ -1276,14 +1295,16 @@ EOF
         TX_BAD=$(grep '"plane":"inference"' "$T/ltg-translate-access.log" | grep -v '"status":499,' | grep -vc '"status":200,')
         TX_LINES=$(wc -l <"$T/ltg-translate-access.log")
         [ "$TX_BAD" = 0 ] || { ERRORS_SEEN=1; ERRORS_NOTE="$ERRORS_NOTE translation: $TX_BAD answers other than 200 in the access log;"; }
-        echo "### translation: chat <-> Messages (same run, same process, interleaved)"
+        echo "### translation: chat <-> Messages, Responses -> chat (same run, same process, interleaved)"
         echo
-        echo "- ltg-translate: this build, providers mock (OpenAI chat) and mock-anth (\"api\": \"anthropic\"), the same"
-        echo "  mock; Bench-Chat on the first, Bench-Anth on the second; access log to a file"
+        echo "- ltg-translate: this build, providers mock (OpenAI, every endpoint), mock-anth (\"api\": \"anthropic\") and"
+        echo "  mock-text (\"endpoints\": [\"chat\"]), the same mock; Bench-Chat on the first, Bench-Anth on the second,"
+        echo "  Bench-Text on the third; a Responses client's pass-through is Bench-Chat's own /v1/responses; access log to a file"
         echo "- bodies: a system prompt and three turns, max_tokens, temperature: chat $TX_BYTES_CHAT bytes, Messages"
-        echo "  $TX_BYTES_MSG bytes (and \"stream\": true); A and B differ in the model alone"
+        echo "  $TX_BYTES_MSG bytes, Responses $TX_BYTES_RESP bytes (and \"stream\": true); A and B differ in the model alone"
         echo "- per pair $TRANSLATE_ROUNDS rounds, each: ${WARM} s warm-up and ${SECS} s at 64 connections of each, A B, B A, ...;"
-        echo "  time ${TX_ELAPSED} s; the mock saw $TX_UP_ANTH requests to bench-anth (Messages), $TX_UP_CHAT to bench-chat (chat)"
+        echo "  time ${TX_ELAPSED} s; the mock saw $TX_UP_ANTH requests to bench-anth (Messages), $TX_UP_CHAT to bench-chat"
+        echo "  (chat and Responses), $TX_UP_TEXT to bench-text (chat)"
         echo "- answers in the access log ($TX_LINES lines, warm-ups and checks included; path, model, status: count): $TX_STATUS"
         echo
         echo "| requests/s, 64 conns (median; the runs) | pass-through (A) | translated (B) | B/A | rounds' B/A | CPU us/req A, B |"
