@@ -11838,6 +11838,22 @@ static int r2c_content(xlq *q, const json_tok *c, const char *p) {
     return 0;
 }
 
+/* A tool's "name" for chat: its own, or NS__name for a tool of namespace ns (xl_tool_of names
+ * the answer's calls back). */
+static void r2c_name(xlq *q, const json_tok *ns, const json_tok *name) {
+    jw_key(&q->w, "name");
+    if (!ns) {
+        xl_copy(q, name);
+        return;
+    }
+    jw_sep(&q->w);
+    buf_puts(q->w.out, "\"");
+    buf_append(q->w.out, q->s + ns->start, ns->end - ns->start);
+    buf_puts(q->w.out, "__");
+    buf_append(q->w.out, q->s + name->start, name->end - name->start);
+    buf_puts(q->w.out, "\"");
+}
+
 /* A function_call or custom_tool_call item as an entry of the assistant message's tool_calls
  * (opened after its text, if any): a custom tool's free-form input becomes the arguments
  * {"input": ...} of the function it is to chat (r2c_tools). */
@@ -11861,16 +11877,8 @@ static int r2c_call(xlq *q, r2c_state *st, const json_tok *item, int custom, con
     jw_key(&q->w, "id"), xl_copy(q, &id);
     jw_key(&q->w, "type"), jw_lit(&q->w, "function");
     jw_key(&q->w, "function"), jw_open(&q->w, '{');
-    if (jv_get(q->s, q->n, item, "namespace", &v) && v.type == JSON_STRING) { /* r2c_tool's name */
-        buf nm = {0};
-        buf_append(&nm, q->s + v.start, v.end - v.start);
-        buf_puts(&nm, "__");
-        buf_append(&nm, q->s + name.start, name.end - name.start);
-        jw_key(&q->w, "name"), xl_escaped(&q->w, &nm);
-        buf_free(&nm);
-    } else {
-        jw_key(&q->w, "name"), xl_copy(q, &name);
-    }
+    int namespaced = jv_get(q->s, q->n, item, "namespace", &v) && v.type == JSON_STRING;
+    r2c_name(q, namespaced ? &v : NULL, &name); /* as r2c_tool names it */
     jw_key(&q->w, "arguments");
     if (custom) { /* {"input":"..."} as a string */
         buf a = {0};
@@ -12047,16 +12055,7 @@ static int r2c_tool(xlq *q, const json_tok *tl, const json_tok *ns, const char *
     jw_open(&q->w, '{');
     jw_key(&q->w, "type"), jw_lit(&q->w, "function");
     jw_key(&q->w, "function"), jw_open(&q->w, '{');
-    if (ns) {
-        buf nm = {0};
-        buf_append(&nm, q->s + ns->start, ns->end - ns->start);
-        buf_puts(&nm, "__");
-        buf_append(&nm, q->s + v.start, v.end - v.start);
-        jw_key(&q->w, "name"), xl_escaped(&q->w, &nm);
-        buf_free(&nm);
-    } else {
-        jw_key(&q->w, "name"), xl_copy(q, &v);
-    }
+    r2c_name(q, ns, &v);
     if (custom) {
         r2c_custom_tool(q, tl);
     } else {

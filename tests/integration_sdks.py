@@ -101,6 +101,10 @@ def anthropic_ltg(tag):
     cfg["providers"]["anth"] = it.catalog_provider(it.H.mock_port, api="anthropic")
     cfg["models"]["Claude-M"] = {"provider": "anth", "upstream_model": "claude-mock",
                                  "input_usd_per_mtok": 3.0, "output_usd_per_mtok": 15.0}
+    # a provider that serves chat alone: a Responses client's requests to it are translated
+    cfg["providers"]["chatonly"] = it.catalog_provider(it.H.mock_port, endpoints=["chat"])
+    cfg["models"]["GLM-Chat"] = {"provider": "chatonly", "upstream_model": "glm-chat-mock",
+                                 "input_usd_per_mtok": 0.6, "output_usd_per_mtok": 2.2}
     return it.Aux(tag, config=it.write_catalog(cfg, tag))
 
 
@@ -116,7 +120,8 @@ def t_sdk_anthropic():
 @it.test("sdks: translated -- the openai SDK (create, a stream, the stream helper on a tool call) and "
          "the AI SDK's provider.chat() on Claude-M, an Anthropic model; @anthropic-ai/sdk (create, "
          "stream().finalMessage(), countTokens, a tool call whole and streamed) and @ai-sdk/anthropic on "
-         "Kimi-K3, an OpenAI-chat model")
+         "Kimi-K3, an OpenAI-chat model; the openai SDK's responses.create and responses.stream() on a "
+         "chat-only model and on Claude-M")
 def t_sdk_translated():
     it.node_packages()
     with it.running(anthropic_ltg("sdks-translated")) as a:
@@ -129,6 +134,10 @@ def t_sdk_translated():
         # a tool call from the chat model, whole and streamed, read as tool_use blocks
         it.H.mock_post("/_mock/script", {"model": "kimi-k3", "steps": ["ok", "ok", "tool_call", "tool_call"]})
         run_clients("translate-anthropic-tools", a.port, token, 4)
+        # the Responses API on a chat-only model and on Claude
+        token = key_for(["GLM-Chat", "Claude-M"], port=a.admin_port)
+        result = run_clients("translate-responses", a.port, token, 4)
+        check(result.get("translated responses GLM-Chat") == {"served": "GLM-Chat", "attempts": "1"}, "the headers seen: %r" % result)
 
 
 # The usage ltg relays, read by the SDKs: the upstream answer is scripted (POST /_mock/script on the

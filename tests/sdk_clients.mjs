@@ -433,6 +433,27 @@ async function runTranslateOpenAI() {
   ok("the AI SDK's provider.chat(): generateText and streamText");
 }
 
+// the openai SDK's Responses API on a chat-only model and on Claude: create, and the stream
+// helper's accumulated final response
+async function runTranslateResponses() {
+  const client = await openaiClient();
+  for (const model of ["GLM-Chat", "Claude-M"]) {
+    const { data, response } = await client.responses.create({ model, input: "Hello", instructions: "Be brief." })
+                                           .withResponse();
+    check(data.object === "response" && /^Hello from /.test(data.output_text) && data.usage?.output_tokens > 0 &&
+          data.id?.startsWith("resp_"), `responses.create on ${model}: ${show(data)}`);
+    checkLtgHeaders(response.headers, `translated responses ${model}`, model);
+    ok(`responses.create on ${model}`);
+    const stream = client.responses.stream({ model, input: "Hello" });
+    let deltas = "";
+    stream.on("response.output_text.delta", (e) => (deltas += e.delta));
+    const final = await stream.finalResponse();
+    check(WORDS.test(deltas) && final.output_text === deltas && final.usage?.output_tokens > 0 &&
+          final.id?.startsWith("resp_"), `responses.stream on ${model}: ${show({ deltas, final })}`);
+    ok(`responses.stream on ${model}: the helper's final response`);
+  }
+}
+
 async function runTranslateAnthropic() {
   const { default: Anthropic } = await import("@anthropic-ai/sdk");
   const root = baseURL.replace(/\/v1\/?$/, "");
@@ -493,6 +514,7 @@ const RUN = {
   "usage-anthropic": runUsageAnthropic,
   "translate-openai": runTranslateOpenAI,
   "translate-anthropic": runTranslateAnthropic,
+  "translate-responses": runTranslateResponses,
   "translate-anthropic-tools": runTranslateAnthropic,
 };
 

@@ -3082,6 +3082,23 @@ static void test_xl_responses_stream(void) {
         buf_free(&all);
     }
     for (int i = 0; i < n; i++) free(c[i]);
+    /* a length stop: response.incomplete with its reason */
+    static const char *const cut[] = {
+        "data: {'id':'c2','model':'glm','choices':[{'index':0,'delta':{'content':'abc'}}]}\n\n",
+        "data: {'id':'c2','choices':[{'index':0,'delta':{},'finish_reason':'length'}]}\n\n",
+        "data: [DONE]\n\n", NULL};
+    for (n = 0; cut[n]; n++) v[n] = c[n] = sq(cut[n]);
+    v[n] = NULL;
+    buf all = {0};
+    xl_stream *xs = xl_stream_new(XL_CHAT, XL_RESPONSES, 0, 99, req, strlen(req));
+    CHECK(xl_run(xs, v, &all) == 1 &&
+              in_order(all.p ? all.p : "", "event: response.output_text.done|'text':'abc'|"
+                                           "event: response.incomplete|'status':'incomplete',"
+                                           "'incomplete_details':{'reason':'max_output_tokens'}"),
+          "a length stop:\n%s", all.p ? all.p : "");
+    xl_stream_free(xs);
+    buf_free(&all);
+    for (int i = 0; i < n; i++) free(c[i]);
     free(req);
 }
 
