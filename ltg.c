@@ -6,10 +6,10 @@
  * what may be spent, and the record of what happened. Two listeners: the
  * control plane (admin keys) manages token groups -- the policy -- and
  * issues token keys; the inference plane speaks OpenAI's APIs and
- * Anthropic's Messages and accepts only token keys, and a chat or Messages
- * client reaches a model of either API (section 17 translates). Changes to
- * groups and keys are fsynced to an append-only log before they are
- * acknowledged; every admitted inference request leaves a
+ * Anthropic's Messages and accepts only token keys, and a chat, Messages or
+ * Responses client reaches a model of either API (section 17 translates).
+ * Changes to groups and keys are fsynced to an append-only log before they
+ * are acknowledged; every admitted inference request leaves a
  * spend event in the ledger (refusals and token counts do not; nor does a
  * request still running when a drain ends), one log per UTC day, each
  * sealed at midnight with an index file beside it and deleted after
