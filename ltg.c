@@ -10867,6 +10867,12 @@ static void xl_escaped(jwriter *w, const buf *text) {
     buf_puts(w->out, "\"");
 }
 
+/* A stream asked of chat, with its usage: ltg meters the provider's counts. */
+static void xl_chat_stream(xlq *q) {
+    jw_key(&q->w, "stream"), jw_bool(&q->w, 1);
+    jw_key(&q->w, "stream_options"), jw_raw(&q->w, "{\"include_usage\":true}", 22);
+}
+
 /* ---- requests: Anthropic Messages to OpenAI chat ---- */
 
 #define M2C_ROWS(X) \
@@ -11256,10 +11262,7 @@ static int m2c_options(xlq *q) {
         jw_key(&q->w, "schema"), xl_copy(q, &t);
         jw_close(&q->w, '}'), jw_close(&q->w, '}');
     }
-    if (xl_get(q, M2C_stream, &v) && v.type == JSON_TRUE) {
-        jw_key(&q->w, "stream"), jw_bool(&q->w, 1);
-        jw_key(&q->w, "stream_options"), jw_raw(&q->w, "{\"include_usage\":true}", 22);
-    }
+    if (xl_get(q, M2C_stream, &v) && v.type == JSON_TRUE) xl_chat_stream(q);
     return 0;
 }
 
@@ -12163,10 +12166,7 @@ static int r2c_options(xlq *q) {
             else xl_drop(q, "/reasoning/effort", "effort");
         }
     }
-    if (xl_get(q, R2C_stream, &v) && v.type == JSON_TRUE) {
-        jw_key(&q->w, "stream"), jw_bool(&q->w, 1);
-        jw_key(&q->w, "stream_options"), jw_raw(&q->w, "{\"include_usage\":true}", 22);
-    }
+    if (xl_get(q, R2C_stream, &v) && v.type == JSON_TRUE) xl_chat_stream(q);
     return 0;
 }
 
@@ -12344,19 +12344,29 @@ static int xl_tool_use(jwriter *w, const char *s, size_t n, const json_tok *call
 
 /* A chat completion as an Anthropic message. LTG_ERR with *why when a tool call's arguments
  * are not a JSON object (Anthropic's input must be one). */
-static int xl_chat_to_message(const char *s, size_t n, const char *req, size_t rn,
-                              const long long u[NTOK], buf *out, const char **why) {
+/* A chat completion's parts, one walk of each object (what is not there is null): r its id,
+ * model and choices; c the first choice's message and finish_reason; m that message's content,
+ * tool_calls and reasoning_content. */
+static void xl_chat_parts(const char *s, size_t n, json_tok r[3], json_tok c[2], json_tok m[3]) {
     static const char *const names[] = {"id", "model", "choices", NULL},
                              *const choice[] = {"message", "finish_reason", NULL},
-                             *const message[] = {"content", "tool_calls", NULL};
-    json_tok root = jv_doc(s, n), r[3], c[2], m[2], k, c0, call, *v = &m[0], *calls = &m[1];
+                             *const message[] = {"content", "tool_calls", "reasoning_content",
+                                                 NULL};
+    json_tok root = jv_doc(s, n), c0;
     size_t pos = 0;
     unsigned got;
-    jwriter w;
-    jv_members(s, n, &root, names, r); /* one walk of each object; what is not there is null */
+    jv_members(s, n, &root, names, r);
     for (int i = 0; i < 2; i++) c[i] = (json_tok){JSON_NULL, 0, 0, 0, 0};
     if (r[2].type == JSON_ARRAY) jv_next_members(s, n, &r[2], &pos, choice, c, &got, &c0);
     jv_members(s, n, &c[0], message, m);
+}
+
+static int xl_chat_to_message(const char *s, size_t n, const char *req, size_t rn,
+                              const long long u[NTOK], buf *out, const char **why) {
+    json_tok r[3], c[2], m[3], k, call, *v = &m[0], *calls = &m[1];
+    size_t pos = 0;
+    jwriter w;
+    xl_chat_parts(s, n, r, c, m);
     jw_init(&w, out);
     jw_open(&w, '{');
     xl_answer_names(&w, s, &r[0], &r[1], "msg_");
@@ -12565,45 +12575,45 @@ static void xl_call_item(jwriter *w, const char *s, size_t n, const json_tok *ca
     jw_close(w, '}');
 }
 
+/* A Responses answer's "status" and "incomplete_details" for an answer that stopped so (XF_NONE:
+ * still in progress). */
+static void xl_resp_status(jwriter *w, xl_finish fin) {
+    int incomplete = fin == XF_LENGTH || fin == XF_FILTER;
+    jw_key(w, "status");
+    if (fin == XF_NONE) jw_lit(w, "in_progress");
+    else if (incomplete) jw_lit(w, "incomplete");
+    else jw_lit(w, "completed");
+    jw_key(w, "incomplete_details");
+    if (!incomplete) {
+        jw_null(w);
+        return;
+    }
+    jw_open(w, '{');
+    jw_key(w, "reason");
+    if (fin == XF_LENGTH) jw_lit(w, "max_output_tokens");
+    else jw_lit(w, "content_filter");
+    jw_close(w, '}');
+}
+
 /* A chat completion as a Responses object: the id minted from the request's (rid), an optional
  * reasoning item, the message item with its text, an item per tool call; a length or content
  * filter stop makes it incomplete. */
 static void xl_chat_to_response(const char *s, size_t n, const char *req, size_t rn,
                                 const char *rid, const long long u[NTOK], buf *out) {
-    static const char *const names[] = {"model", "choices", NULL},
-                             *const choice[] = {"message", "finish_reason", NULL},
-                             *const message[] = {"content", "tool_calls", "reasoning_content",
-                                                 NULL};
-    json_tok root = jv_doc(s, n), r[2], c[2], m[3], k, c0, call;
+    json_tok r[3], c[2], m[3], k, call;
     size_t pos = 0;
-    unsigned got;
     char id[64];
     jwriter w;
-    jv_members(s, n, &root, names, r);
-    for (int i = 0; i < 2; i++) c[i] = (json_tok){JSON_NULL, 0, 0, 0, 0};
-    if (r[1].type == JSON_ARRAY) jv_next_members(s, n, &r[1], &pos, choice, c, &got, &c0);
-    jv_members(s, n, &c[0], message, m);
-    xl_finish fin = c[1].type != JSON_NULL ? xl_finish_of(s, &c[1]) : XF_STOP;
+    xl_chat_parts(s, n, r, c, m);
     jw_init(&w, out);
     jw_open(&w, '{');
     snprintf(id, sizeof id, "resp_%s", rid);
     jw_key(&w, "id"), jw_cstr(&w, id);
     jw_key(&w, "object"), jw_lit(&w, "response");
     jw_key(&w, "created_at"), jw_int(&w, wall_ms() / 1000);
-    jw_key(&w, "status");
-    if (fin == XF_LENGTH || fin == XF_FILTER) {
-        jw_lit(&w, "incomplete");
-        jw_key(&w, "incomplete_details"), jw_open(&w, '{');
-        jw_key(&w, "reason");
-        if (fin == XF_LENGTH) jw_lit(&w, "max_output_tokens");
-        else jw_lit(&w, "content_filter");
-        jw_close(&w, '}');
-    } else {
-        jw_lit(&w, "completed");
-        jw_key(&w, "incomplete_details"), jw_null(&w);
-    }
+    xl_resp_status(&w, c[1].type != JSON_NULL ? xl_finish_of(s, &c[1]) : XF_STOP);
     jw_key(&w, "model");
-    if (r[0].type == JSON_STRING) jw_raw(&w, s + r[0].start - 1, r[0].end - r[0].start + 2);
+    if (r[1].type == JSON_STRING) jw_raw(&w, s + r[1].start - 1, r[1].end - r[1].start + 2);
     else jw_lit(&w, "");
     jw_key(&w, "output"), jw_open(&w, '[');
     if (m[2].type == JSON_STRING && !xl_blank(s, &m[2])) {
@@ -13174,22 +13184,12 @@ static void re_item(const xl_stream *x, jwriter *w, int k, int done) {
 /* The response: in progress (no output yet), or whole with its items and usage. */
 static void re_response(const xl_stream *x, jwriter *w, const long long *u) {
     char id[64];
-    int incomplete = u && (x->finish == XF_LENGTH || x->finish == XF_FILTER);
     snprintf(id, sizeof id, "resp_%s", x->rid);
     jw_open(w, '{');
     jw_key(w, "id"), jw_cstr(w, id);
     jw_key(w, "object"), jw_lit(w, "response");
     jw_key(w, "created_at"), jw_int(w, x->created);
-    jw_key(w, "status"), jw_cstr(w, !u ? "in_progress" : incomplete ? "incomplete" : "completed");
-    jw_key(w, "incomplete_details");
-    if (incomplete) {
-        jw_open(w, '{');
-        jw_key(w, "reason");
-        jw_cstr(w, x->finish == XF_FILTER ? "content_filter" : "max_output_tokens");
-        jw_close(w, '}');
-    } else {
-        jw_null(w);
-    }
+    xl_resp_status(w, !u ? XF_NONE : x->finish == XF_NONE ? XF_STOP : x->finish);
     jw_key(w, "model"), jw_sep(w);
     buf_cat(w->out, "\"", x->model, "\"", NULL);
     jw_key(w, "output"), jw_open(w, '[');

@@ -278,6 +278,14 @@ def check_codex_usage(cevs, evs):
     check(mine == ledger, "Codex's usage %r, the ledger's %r" % (mine, ledger))
 
 
+def check_codex_ran(cevs):
+    """Codex ran the mock's tool call: a command_execution whose output is the mock's."""
+    runs = [e["item"] for e in cevs if e.get("type") == "item.completed"
+            and e.get("item", {}).get("type") == "command_execution"]
+    check(runs and "mock-tool-42" in runs[0].get("aggregated_output", json.dumps(runs[0])),
+          "the command it ran: %r (Codex said %r)" % (runs, cevs[-6:]))
+
+
 @it.test("agents: Codex CLI (codex exec --json) through ltg on the Responses API: the answer; its turn's usage equals "
          "the ledger's event")
 def t_codex_plain():
@@ -297,9 +305,7 @@ def t_codex_tool():
     g, token = group_key(["gpt-5.5"])
     script("gpt-5.5", ["tool_call", "ok"])
     cevs = codex(token, "run the tool", "tool")
-    runs = [e["item"] for e in cevs if e.get("type") == "item.completed"
-            and e.get("item", {}).get("type") == "command_execution"]
-    check(runs and "mock-tool-42" in runs[0].get("aggregated_output", json.dumps(runs[0])), "the command it ran: %r" % runs)
+    check_codex_ran(cevs)
     check("mock-tool-42" in json.dumps(it.H.mock_get("/_mock/last")), "the second request carries the tool's output")
     evs = events_of(g, 2)
     check(len(evs) == 2 and all(e["status"] == "succeeded" for e in evs), "the events: %r" % evs)
@@ -322,10 +328,7 @@ def t_codex_chat_only():
     check_codex_usage(cevs, evs)
     script("glm-5.3-flash", ["tool_call", "ok"])
     cevs = codex(token, "run the tool", "chat-tool", model="glm-5.3-flash")
-    runs = [e["item"] for e in cevs if e.get("type") == "item.completed"
-            and e.get("item", {}).get("type") == "command_execution"]
-    check(runs and "mock-tool-42" in runs[0].get("aggregated_output", json.dumps(runs[0])),
-          "the command it ran: %r (Codex said %r)" % (runs, cevs[-6:]))
+    check_codex_ran(cevs)
     last = json.loads(it.H.mock_get("/_mock/last")["body"])
     tools = [m for m in last["messages"] if m["role"] == "tool"]
     check(tools and "mock-tool-42" in tools[0]["content"], "the second request's tool message: %r" % last["messages"][-3:])
@@ -341,10 +344,7 @@ def t_codex_claude():
     g, token = group_key(["claude-opus-4-8"])
     script("claude-opus-4-8", ["tool_call", "ok"])
     cevs = codex(token, "run the tool", "claude-tool", model="claude-opus-4-8")
-    runs = [e["item"] for e in cevs if e.get("type") == "item.completed"
-            and e.get("item", {}).get("type") == "command_execution"]
-    check(runs and "mock-tool-42" in runs[0].get("aggregated_output", json.dumps(runs[0])),
-          "the command it ran: %r (Codex said %r)" % (runs, cevs[-6:]))
+    check_codex_ran(cevs)
     last = it.H.mock_get("/_mock/last")
     check(last["path"].endswith("/messages") and "tool_result" in last["body"] and "mock-tool-42" in last["body"],
           "the second request: %r" % last["body"][-400:])

@@ -81,6 +81,18 @@ def spend_event(g, rid, timeout=15.0):
     return got[0]
 
 
+def scripted_events(g, token, upstream, usage, calls):
+    """Each (path, body) of `calls` with `upstream`'s answer scripted to `usage`: each 200, and
+    its spend event; with the last answer."""
+    evs, r = [], None
+    for path, body in calls:
+        script(upstream, [usage])
+        r = post(path, body, token)
+        check(r.status == 200, "%s: %d %r" % (path, r.status, r.body[:300]))
+        evs.append(spend_event(g, r.header("x-ltg-request-id")))
+    return evs, r
+
+
 def messages_body(model, content="Hi", **kw):
     b = {"model": model, "max_tokens": 100, "messages": [{"role": "user", "content": content}]}
     b.update(kw)
@@ -228,12 +240,8 @@ def t_responses():
             "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
             "tools": [{"type": "custom", "name": "apply_patch", "description": "Edit files.",
                        "format": {"type": "grammar", "syntax": "lark", "definition": "start: x"}}]}
-    evs = []
-    for path, b in (("/v1/chat/completions", chat("GLM-chat")), ("/v1/responses", body)):
-        script("glm-chat-up", [usage])
-        r = post(path, b, token)
-        check(r.status == 200, "%s: %d %r" % (path, r.status, r.body[:300]))
-        evs.append(spend_event(g, r.header("x-ltg-request-id")))
+    evs, r = scripted_events(g, token, "glm-chat-up", usage,
+                                (("/v1/chat/completions", chat("GLM-chat")), ("/v1/responses", body)))
     j = jbody(r)
     sent = it.H.mock_get("/_mock/last")
     want = json.loads(sent["body"])
@@ -308,12 +316,8 @@ def t_responses_claude():
     g, token = group_key(["Claude"])
     usage = "input_tokens=1200 cached_tokens=300 cache_write=500 output_tokens=77"
     body = {"model": "Claude", "instructions": "be brief", "input": "Hi"}
-    evs = []
-    for path, b in (("/v1/messages", messages_body("Claude")), ("/v1/responses", body)):
-        script("claude-up", [usage])
-        r = post(path, b, token)
-        check(r.status == 200, "%s: %d %r" % (path, r.status, r.body[:300]))
-        evs.append(spend_event(g, r.header("x-ltg-request-id")))
+    evs, r = scripted_events(g, token, "claude-up", usage,
+                                (("/v1/messages", messages_body("Claude")), ("/v1/responses", body)))
     sent = it.H.mock_get("/_mock/last")
     want = json.loads(sent["body"])
     check(sent["path"].endswith("/messages") and want.get("system") == "be brief"
@@ -580,23 +584,15 @@ def t_errors():
 def t_cost_exact():
     g, token = group_key(["Claude", "GLM"])
     usage = "input_tokens=1200 cached_tokens=300 cache_write=500 cache_write_1h=200 output_tokens=77"
-    evs = []
-    for path, body in (("/v1/messages", messages_body("Claude")), ("/v1/chat/completions", chat("Claude"))):
-        script("claude-up", [usage])
-        r = post(path, body, token)
-        check(r.status == 200, "%s: %d %r" % (path, r.status, r.body[:200]))
-        evs.append(spend_event(g, r.header("x-ltg-request-id")))
+    evs, r = scripted_events(g, token, "claude-up", usage,
+                                (("/v1/messages", messages_body("Claude")), ("/v1/chat/completions", chat("Claude"))))
     keys = ("input_tokens", "cache_read_tokens", "cache_write_tokens", "cache_write_1h_tokens", "output_tokens", "cost")
     check([{k: e[k] for k in keys} for e in evs][0] == [{k: e[k] for k in keys} for e in evs][1]
           and evs[0]["cache_write_1h_tokens"] == 200 and evs[0]["cost"] > 0, "direct %r, translated %r"
           % tuple({k: e[k] for k in keys} for e in evs))
     usage = "input_tokens=1200 cached_tokens=300 reasoning_tokens=20 output_tokens=77"
-    evs = []
-    for path, body in (("/v1/chat/completions", chat("GLM")), ("/v1/messages", messages_body("GLM"))):
-        script("glm-up", [usage])
-        r = post(path, body, token)
-        check(r.status == 200, "%s: %d %r" % (path, r.status, r.body[:200]))
-        evs.append(spend_event(g, r.header("x-ltg-request-id")))
+    evs, r = scripted_events(g, token, "glm-up", usage,
+                                (("/v1/chat/completions", chat("GLM")), ("/v1/messages", messages_body("GLM"))))
     keys = ("input_tokens", "cache_read_tokens", "reasoning_tokens", "output_tokens", "cost")
     check({k: evs[0][k] for k in keys} == {k: evs[1][k] for k in keys} and evs[0]["reasoning_tokens"] == 20,
           "direct %r, translated %r" % tuple({k: e[k] for k in keys} for e in evs))
